@@ -1,0 +1,1 @@
+"""qstrat: pluggable quantization strategies for refitting vLLM from an RL trainer."""

@@ -1,0 +1,30 @@
+"""Exceptions raised by qstrat.
+
+Every error that a user can fix names the tensor or the config key it is about.
+All of them derive from :class:`QstratError` (a ``ValueError``), so callers can catch one type.
+"""
+from __future__ import annotations
+
+
+class QstratError(ValueError):
+    """Base class of every qstrat error."""
+
+
+class ConfigError(QstratError):
+    """A config value is invalid. The message names the key path (``rules[2].serializer``)."""
+
+
+class PluginError(QstratError):
+    """A plugin is malformed, missing a required field, or clashes with another plugin's name."""
+
+
+class UnsupportedShapeError(QstratError):
+    """A format cannot represent a tensor of this shape (e.g. MXFP8 with K % 32 != 0)."""
+
+
+class NonFiniteError(QstratError):
+    """A weight holds NaN or +-inf; the message names the tensor and the first bad index."""
+
+
+class PlanError(QstratError):
+    """The refit plan is inconsistent (name conflicts, mixed engine formats, missing fusion partners)."""

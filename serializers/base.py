@@ -1,0 +1,250 @@
+"""The serializer contract: one quantization format, from a BF16 weight to checkpoint tensors.
+
+A serializer turns a weight ``[N, K]`` (out_features x in_features) or a grouped expert slab
+``[E, N, K]`` into named parts keyed by checkpoint suffix (``"weight"``, ``"weight_scale_inv"``, ...).
+It declares those parts (:meth:`Serializer.part_specs`) from the shape alone, so a refit can be
+planned - names, shapes, dtypes, bytes - before a single weight is read.
+
+Subclasses provide ``matrix_parts`` (shapes for one [N, K] matrix), ``reference`` (torch math for a
+chunk of experts/rows: the CPU path and the test oracle), ``dequantize`` and, optionally, a Triton
+``kernel`` (see :mod:`qstrat.serializers.kernels`) and a ``group_context`` step.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from qstrat.errors import NonFiniteError, UnsupportedShapeError
+
+#: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
+Context = Mapping[str, torch.Tensor]
+
+
+class SerializerOptions(BaseModel):
+    """Options every serializer accepts. Subclasses add format options (``extra`` keys are errors)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: Triton kernel for CUDA tensors, torch reference otherwise."
+    )
+    nonfinite: Literal["error", "propagate"] = Field(
+        "error", description="error: NaN/inf weights raise NonFiniteError naming tensor and index."
+    )
+    chunk_elements: int = Field(
+        1 << 25, gt=0, description="Torch path: elements processed per chunk (bounds fp32 scratch)."
+    )
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One checkpoint tensor a serializer emits for a weight.
+
+    Attributes:
+        suffix: checkpoint suffix, e.g. ``"weight"``, ``"weight_scale_inv"``.
+        shape: full shape, including the leading expert dim E for grouped input.
+        dtype: torch dtype as stored in the checkpoint.
+        rows_per_entry: weight rows (dim -2) covered by one entry of this part along its own
+            dim -2 (1 per-row, 128 for 128x128 tiles); ``None`` for one value per matrix (a
+            per-tensor scale), which is duplicated when a fused weight is split by rows.
+    """
+
+    suffix: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows_per_entry: int | None = 1
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Serializer(ABC):
+    """A quantization format. Instances are immutable and cheap; options are validated by pydantic.
+
+    Class attributes: ``name`` (registry name), ``summary`` (one line for ``qstrat list``),
+    ``Options`` (pydantic options model), ``quantizes`` (False for passthrough formats: modules
+    using them go into the engine's ignore list), ``row_tile`` (rows quantized together: the
+    granularity of chunking and of row splits of fused weights).
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    Options: ClassVar[type[SerializerOptions]] = SerializerOptions
+    quantizes: ClassVar[bool] = True
+    row_tile: ClassVar[int] = 1
+    #: Triton implementation ``kernel(w3: [E, N, K], context) -> parts``, set by the kernels module.
+    kernel: ClassVar[Callable[..., dict[str, torch.Tensor]] | None] = None
+
+    def __init__(self, **options: Any) -> None:
+        """Raises: pydantic.ValidationError on unknown or invalid options."""
+        self.options = self.Options(**options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r})"
+
+    # ---- declared by formats -------------------------------------------------------------
+    @abstractmethod
+    def matrix_parts(self, n: int, k: int) -> tuple[PartSpec, ...]:
+        """Parts emitted for one [n, k] matrix. Raises UnsupportedShapeError if not representable."""
+
+    @abstractmethod
+    def reference(self, x: torch.Tensor, context: Context | None) -> dict[str, torch.Tensor]:
+        """Torch math on a chunk: ``x`` float32 [e, n, K] (n a multiple of ``row_tile`` except at
+        the ragged end), ``context`` sliced to [e]. Returns parts with leading dim e."""
+
+    @abstractmethod
+    def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`quantize`: parts of one [N, K] or [E, N, K] weight -> float32 weight."""
+
+    def group_context(self, members: Sequence[torch.Tensor]) -> Context | None:
+        """Group-serialization step, called before quantizing tensors an engine fuses.
+
+        Args:
+            members: the fused group (q/k/v of one layer, gate/up of one expert), each [N_i, K]
+                or [E, N_i, K] (same E), in any float dtype.
+        Returns:
+            ``None`` (the default: no shared state), or tensors shaped [E] (``[]`` for 2-D)
+            passed as ``context=`` to :meth:`quantize` of every member.
+        """
+        return None
+
+    def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any] | None:
+        """The engine's ``quantization_config`` for a checkpoint in this format.
+
+        Args: ignored: vLLM module prefixes left unquantized (``model.layers.0.mlp.gate``).
+        Returns: the config dict, or None for a passthrough format.
+        """
+        return None
+
+    # ---- the contract used by the driver -------------------------------------------------
+    def part_specs(self, shape: Sequence[int]) -> tuple[PartSpec, ...]:
+        """Parts for a weight of ``shape`` ([N, K] or [E, N, K]) without touching data.
+
+        Raises: UnsupportedShapeError for other ranks or shapes the format cannot represent.
+        """
+        shape = tuple(int(s) for s in shape)
+        if len(shape) not in (2, 3) or min(shape) <= 0:
+            raise UnsupportedShapeError(
+                f"{self.name}: expected a non-empty [N, K] or [E, N, K] weight, got shape {list(shape)}"
+            )
+        lead = shape[:-2]
+        return tuple(
+            PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry)
+            for p in self.matrix_parts(*shape[-2:])
+        )
+
+    def quantize(
+        self, w: torch.Tensor, *, name: str = "weight", context: Context | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Quantize one weight or grouped slab.
+
+        Args:
+            w: [N, K] or [E, N, K], bf16/fp16/fp32, any device, any strides (views of a fused
+                slab are read in place).
+            name: tensor name used in error messages.
+            context: from :meth:`group_context` when ``w`` is a member of a fused group; ``None``
+                quantizes ``w`` as a group of one.
+        Returns:
+            dict suffix -> tensor, exactly as declared by :meth:`part_specs`, on ``w``'s device.
+        Raises:
+            UnsupportedShapeError, NonFiniteError (``nonfinite="error"``), RuntimeError when the
+            Triton backend is forced where it cannot run.
+        """
+        specs = self.part_specs(w.shape)
+        batched = w.dim() == 3
+        w3 = w if batched else w.unsqueeze(0)
+        if self.options.nonfinite == "error":
+            check_finite(w3, name, self._expert_chunk(w3))
+        ctx = context if context is not None else self.group_context([w3])
+        if ctx is not None:
+            ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}
+        if self._use_kernel(w3):
+            parts = type(self).kernel(self, w3, ctx)
+        else:
+            parts = self._reference_chunked(w3, ctx, self.part_specs(w3.shape))
+        if not batched:
+            parts = {k: v.squeeze(0) for k, v in parts.items()}
+        _check_parts(self.name, name, specs, parts)
+        return parts
+
+    # ---- internals ------------------------------------------------------------------------
+    def _use_kernel(self, w3: torch.Tensor) -> bool:
+        backend = self.options.backend
+        if backend == "torch":
+            return False
+        has_kernel = type(self).kernel is not None
+        if backend == "auto":
+            return has_kernel and w3.is_cuda
+        if not has_kernel:
+            raise RuntimeError(f"{self.name}: no Triton kernel is registered for this format")
+        if not w3.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"{self.name}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
+            )
+        return True
+
+    def _expert_chunk(self, w3: torch.Tensor) -> int:
+        per_expert = w3.shape[1] * w3.shape[2]
+        return max(1, self.options.chunk_elements // per_expert)
+
+    def _row_chunk(self, w3: torch.Tensor) -> int:
+        rows = max(1, self.options.chunk_elements // w3.shape[2])
+        tile = self.row_tile
+        return max(tile, rows // tile * tile)
+
+    def _reference_chunked(
+        self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...]
+    ) -> dict[str, torch.Tensor]:
+        """Run :meth:`reference` over expert and row chunks so fp32 scratch stays bounded."""
+        out = {p.suffix: torch.empty(p.shape, dtype=p.dtype, device=w3.device) for p in specs}
+        e_step, r_step = self._expert_chunk(w3), self._row_chunk(w3)
+        n = w3.shape[1]
+        for e0 in range(0, w3.shape[0], e_step):
+            e1 = min(e0 + e_step, w3.shape[0])
+            sub_ctx = None if ctx is None else {k: v[e0:e1] for k, v in ctx.items()}
+            for r0 in range(0, n, r_step):
+                r1 = min(r0 + r_step, n)
+                got = self.reference(w3[e0:e1, r0:r1].float(), sub_ctx)
+                for p in specs:
+                    dst = out[p.suffix][e0:e1]
+                    if p.rows_per_entry is not None:
+                        dst = dst[:, r0 // p.rows_per_entry : -(-r1 // p.rows_per_entry)]
+                    dst.copy_(got[p.suffix])
+        return out
+
+
+def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:
+    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3`` [E, N, K]."""
+    for e0 in range(0, w3.shape[0], expert_chunk):
+        chunk = w3[e0 : e0 + expert_chunk]
+        bad = ~torch.isfinite(chunk)
+        if bool(bad.any()):
+            e, r, c = (int(i) for i in bad.nonzero()[0])
+            value = float(chunk[e, r, c])
+            raise NonFiniteError(
+                f"{name}: non-finite value {value} at index [{e0 + e}, {r}, {c}] (expert, row, col); "
+                "set nonfinite='propagate' to encode it anyway"
+            )
+
+
+def _check_parts(fmt: str, name: str, specs: Sequence[PartSpec], parts: Mapping[str, Any]) -> None:
+    """A serializer must emit exactly what it declared in the plan (a plugin-author error)."""
+    declared = {p.suffix: (tuple(p.shape), p.dtype) for p in specs}
+    got = {k: (tuple(v.shape), v.dtype) for k, v in parts.items()}
+    if declared != got:
+        from qstrat.errors import PluginError
+
+        raise PluginError(
+            f"serializer {fmt!r} emitted {got} for {name}, but declared {declared} in the plan"
+        )

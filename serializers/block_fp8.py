@@ -1,0 +1,77 @@
+"""Block FP8: e4m3fn values with one fp32 scale per 128 x 128 tile ("DeepSeek-V3 style").
+
+Spec: vLLM ``quant_method: fp8`` with ``weight_block_size: [128, 128]``; math as
+``vllm/utils/deep_gemm.py::per_block_cast_to_fp8``: per tile ``amax = max(max|x|, 1e-4)`` over the
+real (unpadded) elements, ``s = amax / 448`` (fp32), ``q = e4m3_rne_sat(x * (1 / s))``. Optional
+UE8M0 mode rounds ``s`` up to a power of two first (lossless under DeepGEMM's E8M0 re-quantization).
+Stored: ``weight`` float8_e4m3fn [N, K]; ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)],
+which despite its name is the dequant multiplier ``s``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from qstrat.serializers.base import Context, PartSpec, Serializer, SerializerOptions
+from qstrat.serializers.fp_bits import E4M3_MAX, ceil_pow2
+
+BLOCK = 128
+#: Lower bound of a tile's amax (vLLM ``per_block_cast_to_fp8``): all-zero tiles get s = 1e-4 / 448.
+AMAX_FLOOR = 1e-4
+
+
+class BlockFP8Options(SerializerOptions):
+    """Options of :class:`BlockFP8`."""
+
+    ue8m0: bool = Field(False, description="Round scales up to powers of two (UE8M0 / 'pow2').")
+
+
+class BlockFP8(Serializer):
+    """128x128 block-scaled FP8 (e4m3fn) with fp32 ``weight_scale_inv``."""
+
+    name = "block_fp8"
+    summary = "FP8 e4m3 with an fp32 scale per 128x128 tile (vLLM fp8 + weight_block_size)"
+    Options = BlockFP8Options
+    row_tile = BLOCK
+
+    def matrix_parts(self, n: int, k: int) -> tuple[PartSpec, ...]:
+        """``weight`` fp8 [n, k] and ``weight_scale_inv`` fp32 [ceil(n/128), ceil(k/128)]."""
+        return (
+            PartSpec("weight", (n, k), torch.float8_e4m3fn, 1),
+            PartSpec("weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), torch.float32, BLOCK),
+        )
+
+    def reference(self, x: torch.Tensor, context: Context | None) -> dict[str, torch.Tensor]:
+        """x float32 [e, n, K] -> weight [e, n, K] fp8, weight_scale_inv [e, ceil(n/128), ceil(K/128)]."""
+        e, n, k = x.shape
+        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+        padded = F.pad(x, (0, kb * BLOCK - k, 0, nb * BLOCK - n))
+        tiles = padded.view(e, nb, BLOCK, kb, BLOCK)
+        amax = tiles.abs().amax(dim=(2, 4), keepdim=True).clamp(min=AMAX_FLOOR)
+        s = amax / E4M3_MAX
+        if self.options.ue8m0:
+            s = ceil_pow2(s)
+        q = (tiles * (1.0 / s)).to(torch.float8_e4m3fn)
+        q = q.view(e, nb * BLOCK, kb * BLOCK)[:, :n, :k]
+        return {"weight": q, "weight_scale_inv": s.view(e, nb, kb)}
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """weight * weight_scale_inv broadcast over its 128x128 tile; float32 of weight's shape."""
+        q, s = parts["weight"], parts["weight_scale_inv"]
+        n, k = q.shape[-2:]
+        full = s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+        return q.float() * full[..., :n, :k]
+
+    def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any]:
+        """vLLM ``fp8`` config with ``weight_block_size`` [128, 128] and dynamic activations."""
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [BLOCK, BLOCK],
+            "ignored_layers": list(ignored),
+        }

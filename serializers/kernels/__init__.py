@@ -1,0 +1,1 @@
+"""Triton kernels for the formats (filled in by the kernels work)."""

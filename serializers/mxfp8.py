@@ -1,0 +1,74 @@
+"""MXFP8: e4m3fn values with one E8M0 (power-of-two) scale per 1 x 32 block along K.
+
+Spec: OCP Microscaling Formats v1.0 (E4M3 elements, E8M0 shared scale, block 32). Scale exponent
+as vLLM (``mxfp8_utils._mxfp8_e4m3_quantize_torch``), FlashInfer, TransformerEngine and cuBLAS
+compute it ("RCEIL"): ``byte = clamp(ceil(log2(amax / 448)) + 127, 0, 254)``; ``s = 2^(byte-127)``;
+``q = e4m3_rne_sat(x / s)``. The OCP "FLOOR" rule is an explicit option. Exponents come from
+integer bit operations (:func:`qstrat.serializers.fp_bits.e8m0_from_amax`).
+Stored: ``weight`` float8_e4m3fn [N, K]; ``weight_scale`` uint8 [N, K/32] (raw E8M0 bytes).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from qstrat.errors import UnsupportedShapeError
+from qstrat.serializers.base import Context, PartSpec, Serializer, SerializerOptions
+from qstrat.serializers.fp_bits import E8M0_BIAS, e8m0_from_amax, exp2_int
+
+BLOCK = 32
+
+
+class MXFP8Options(SerializerOptions):
+    """Options of :class:`MXFP8`."""
+
+    scale_rounding: Literal["rceil", "floor"] = Field(
+        "rceil", description="rceil: vLLM/FlashInfer/TE/cuBLAS rule; floor: OCP spec rule."
+    )
+    min_scale_byte: int = Field(
+        0, ge=0, le=254,
+        description="Clamp E8M0 bytes from below (1 for GPU MoE kernels that reject byte 0).",
+    )
+
+
+class MXFP8(Serializer):
+    """OCP MXFP8 (E4M3 + E8M0 per 32 elements along K)."""
+
+    name = "mxfp8"
+    summary = "OCP MX FP8 e4m3 with a uint8 E8M0 scale per 1x32 block (RCEIL)"
+    Options = MXFP8Options
+
+    def matrix_parts(self, n: int, k: int) -> tuple[PartSpec, ...]:
+        """``weight`` fp8 [n, k] and ``weight_scale`` uint8 [n, k/32]; k % 32 != 0 is an error."""
+        if k % BLOCK:
+            raise UnsupportedShapeError(
+                f"mxfp8 needs K (in_features, last dim) divisible by {BLOCK}; got K={k}"
+            )
+        return (
+            PartSpec("weight", (n, k), torch.float8_e4m3fn, 1),
+            PartSpec("weight_scale", (n, k // BLOCK), torch.uint8, 1),
+        )
+
+    def reference(self, x: torch.Tensor, context: Context | None) -> dict[str, torch.Tensor]:
+        """x float32 [e, n, K] -> weight [e, n, K] fp8, weight_scale [e, n, K/32] uint8."""
+        e, n, k = x.shape
+        blocks = x.view(e, n, k // BLOCK, BLOCK)
+        amax = blocks.abs().amax(dim=-1)
+        byte = e8m0_from_amax(amax, self.options.scale_rounding)
+        byte = torch.where(byte == 255, byte, byte.clamp(min=self.options.min_scale_byte))
+        inv = exp2_int(E8M0_BIAS - byte)  # exact 1/s; x * 2^-j == x / 2^j bit for bit
+        q = (blocks * inv.unsqueeze(-1)).to(torch.float8_e4m3fn).view(e, n, k)
+        return {"weight": q, "weight_scale": byte.to(torch.uint8)}
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """weight * 2^(weight_scale - 127) per 32-block; float32 of weight's shape."""
+        q, byte = parts["weight"], parts["weight_scale"]
+        s = exp2_int(byte.to(torch.int32) - E8M0_BIAS)
+        return q.float() * s.repeat_interleave(BLOCK, dim=-1)
+
+    def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any]:
+        """ModelOpt-form MXFP8 config (contracts.md section 2)."""
+        return {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": list(ignored)}

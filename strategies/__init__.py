@@ -1,0 +1,1 @@
+"""Built-in strategy presets (installed as ``qstrat.strategies``)."""
