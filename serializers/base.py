@@ -63,10 +63,15 @@ class PartSpec:
     @property
     def nbytes(self) -> int:
         """Size in bytes."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
+
+
+def tensor_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype`` (no allocation)."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
 
 
 class Serializer(ABC):

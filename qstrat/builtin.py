@@ -1,0 +1,37 @@
+"""The built-in plugin: qstrat's own formats, selectors, presets and layouts.
+
+Registered through the ``qstrat`` entry-point group exactly like a third-party plugin.
+"""
+from __future__ import annotations
+
+from qstrat.builtin_layouts import BUILTIN_LAYOUTS
+from qstrat.hookspecs import hookimpl
+from qstrat.selectors import BUILTIN_SELECTORS
+from qstrat.serializers.bf16 import BF16
+from qstrat.serializers.block_fp8 import BlockFP8
+from qstrat.serializers.mxfp8 import MXFP8
+from qstrat.strategies.presets import BUILTIN_STRATEGIES
+
+
+@hookimpl
+def qstrat_serializers():
+    """Built-in formats: bf16, block_fp8, mxfp8."""
+    return [BF16, BlockFP8, MXFP8]
+
+
+@hookimpl
+def qstrat_selectors():
+    """Built-in selectors (see :mod:`qstrat.selectors`)."""
+    return list(BUILTIN_SELECTORS)
+
+
+@hookimpl
+def qstrat_strategies():
+    """Built-in presets (see :mod:`qstrat.strategies.presets`)."""
+    return list(BUILTIN_STRATEGIES)
+
+
+@hookimpl
+def qstrat_layouts():
+    """Built-in model layouts (see :mod:`qstrat.builtin_layouts`)."""
+    return list(BUILTIN_LAYOUTS)

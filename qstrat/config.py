@@ -1,0 +1,206 @@
+"""Declarative refit configuration (pydantic v2), loaded from YAML, TOML or a mapping.
+
+Example (YAML)::
+
+    preset: mxfp8-experts          # a named strategy; the keys below extend it
+    keep_bf16: {first: 1, last: 2} # first/last decoder layers stay BF16
+    rules:                         # ordered, first match wins; evaluated before the preset's rules
+      - select: [attention]
+        exclude: ["re:layers\\.(0|1)\\."]
+        serializer: block_fp8
+        options: {ue8m0: true}
+    default: bf16                  # for matrices no rule matched
+
+Unknown keys, plugin names or options are errors naming the key path (``rules[0].serializer``)
+and the valid choices.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
+
+from qstrat.errors import ConfigError
+from qstrat.selectors import NamePattern
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KeepBF16(_Model):
+    """First/last N decoder layers left in BF16 whatever the rules say (MTP layers excluded)."""
+
+    first: int = Field(0, ge=0, description="number of leading decoder layers kept in BF16")
+    last: int = Field(0, ge=0, description="number of trailing decoder layers kept in BF16")
+
+
+class Rule(_Model):
+    """One rule: which tensors (selectors AND include AND NOT exclude) get which serializer."""
+
+    select: list[str] = Field(["linear"], description="selector names; a tensor matches if ANY matches")
+    include: list[str] = Field([], description="globs or 're:' regexes; if set, the HF name must match one")
+    exclude: list[str] = Field([], description="globs or 're:' regexes; the HF name must match none")
+    serializer: str = Field(description="registered serializer name")
+    options: dict[str, Any] = Field({}, description="serializer options (validated by the serializer)")
+    on_unsupported: Literal["error", "bf16"] = Field(
+        "error", description="shape the format cannot represent: plan error, or visible BF16 fallback")
+    allow_special: bool = Field(
+        False, description="let include patterns match routers/embeddings/lm_head (explicit opt-in)")
+
+    @field_validator("select", "include", "exclude", mode="before")
+    @classmethod
+    def _listify(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("select")
+    @classmethod
+    def _known_selectors(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        reg = _registry(info)
+        if not v:
+            raise ValueError("select needs at least one selector")
+        for name in v:
+            reg.lookup("selectors", name)
+        return v
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _valid_patterns(cls, v: list[str]) -> list[str]:
+        for text in v:
+            try:
+                NamePattern(text)
+            except Exception as exc:  # re.error
+                raise ValueError(f"invalid pattern {text!r}: {exc}") from exc
+        return v
+
+    @model_validator(mode="after")
+    def _valid_serializer(self, info: ValidationInfo) -> Rule:
+        entry = _registry(info).lookup("serializers", self.serializer)
+        try:
+            entry.obj.Options(**self.options)
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, prefix="options")) from exc
+        return self
+
+
+class RefitConfig(_Model):
+    """The whole strategy of a refit. Build it with :func:`load_config`.
+
+    Attributes:
+        preset: name of a registered strategy whose rules follow this config's own rules.
+        rules: ordered rules; the first matching rule decides a tensor.
+        keep_bf16: first/last decoder layers kept in BF16 (applies before any rule).
+        default: serializer for matrices no rule matched (``bf16``).
+        expert_emission: ``per_expert`` names (``experts.7.gate_proj.weight``, default, every vLLM)
+            or ``fused`` slab names (``experts.gate_up_proj``, vLLM >= 0.32).
+        layout: registered model layout; None detects it from the HF config.
+    """
+
+    preset: str | None = None
+    rules: list[Rule] = []
+    keep_bf16: KeepBF16 = KeepBF16()
+    default: str = "bf16"
+    expert_emission: Literal["per_expert", "fused"] = "per_expert"
+    layout: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, Mapping) or not data.get("preset"):
+            return data
+        preset = dict(_registry(info).lookup("strategies", data["preset"]).obj.config)
+        merged = {**preset, **data}
+        merged["rules"] = list(data.get("rules", [])) + list(preset.get("rules", []))
+        if "keep_bf16" in preset and "keep_bf16" in data:
+            merged["keep_bf16"] = {**preset["keep_bf16"], **data["keep_bf16"]}
+        return merged
+
+    @field_validator("default")
+    @classmethod
+    def _known_default(cls, v: str, info: ValidationInfo) -> str:
+        _registry(info).lookup("serializers", v)
+        return v
+
+    @field_validator("layout")
+    @classmethod
+    def _known_layout(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None:
+            _registry(info).lookup("layouts", v)
+        return v
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], registry: Any = None) -> RefitConfig:
+        """Validate a mapping. Raises ConfigError with one line per problem and its key path."""
+        try:
+            return cls.model_validate(dict(data), context={"registry": registry})
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc)) from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the expanded config (preset rules included)."""
+        return json.loads(self.model_dump_json())
+
+
+def load_config(source: str | Path | Mapping[str, Any] | RefitConfig) -> RefitConfig:
+    """Load and validate a refit config.
+
+    Args:
+        source: a mapping, a ``.yaml``/``.yml``/``.toml``/``.json`` path, a preset name, or a
+            RefitConfig (returned as is).
+    Returns: the validated :class:`RefitConfig`.
+    Raises: ConfigError (invalid content, naming key paths; unreadable file).
+    """
+    if isinstance(source, RefitConfig):
+        return source
+    if isinstance(source, Mapping):
+        return RefitConfig.from_mapping(source)
+    path = Path(source)
+    if not path.exists():
+        from qstrat.registry import get_registry
+
+        if str(source) in get_registry().strategies:
+            return RefitConfig.from_mapping({"preset": str(source)})
+        raise ConfigError(f"config file {str(source)!r} does not exist (nor is it a preset name)")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot parse: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return RefitConfig.from_mapping(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per pydantic error: ``rules[0].serializer: unknown serializer 'x'; valid: ...``."""
+    lines = []
+    for err in exc.errors():
+        path = prefix
+        for part in err["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{path or '<config>'}: {msg}")
+    return "; ".join(lines) if len(lines) == 1 else "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _registry(info: ValidationInfo) -> Any:
+    reg = (info.context or {}).get("registry")
+    if reg is None:
+        from qstrat.registry import get_registry
+
+        reg = get_registry()
+    return reg

@@ -1,0 +1,212 @@
+"""Model layouts: per-model naming data and the name parser driven by it.
+
+A :class:`ModelLayout` says where decoder layers live, what the MLP/MoE block, the routers, the
+experts, their grouped slabs and the engine's fused shards are called. :meth:`ModelLayout.parse`
+turns an HF tensor name into a :class:`ParsedName` (layer index, expert index, kind) from that
+structure - never from substrings (``gate`` is a substring of ``gate_proj``).
+Layouts are registered as plugins (hook ``qstrat_layouts``); adding a model family is data.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Kinds that ordinary selectors may quantize. Everything else needs ``allow_special``.
+QUANTIZABLE_KINDS = frozenset({"attention", "dense_mlp", "expert", "shared_expert", "linear"})
+#: Kinds never quantized unless a rule says so explicitly.
+SPECIAL_KINDS = frozenset({"embedding", "lm_head", "router", "norm", "mtp", "non_decoder", "other"})
+
+
+@dataclass(frozen=True)
+class SlabSpec:
+    """A grouped expert slab ``[E, rows, K]`` and how it splits into per-expert projections.
+
+    ``parts`` are the per-expert projection names stacked along dim 1 in order (``rows`` split:
+    gate rows first, then up - contracts.md section 5).
+    """
+
+    parts: tuple[str, ...]
+    split: str = "rows"
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Naming data of one model family (see module docstring).
+
+    Attributes:
+        name: registry name (``qwen3_moe``).
+        architectures / model_types: HF ``config.json`` values that select this layout.
+        layers_prefix: dotted prefix of decoder layers; a layer is ``{layers_prefix}.{i}.``.
+        mlp_blocks: names of the MLP/MoE block inside a layer (``mlp``, ``block_sparse_moe``).
+        experts: container of routed experts inside the MLP block.
+        expert_projections: per-expert projection names (``gate_proj`` ... or ``w1`` ...).
+        slabs: grouped slab name -> :class:`SlabSpec` (transformers v5 / Megatron grouped GEMM).
+        routers: names of router linears inside the MLP block (never quantized by default).
+        shared_experts: container names of always-active shared experts.
+        dense_projections: projections of a dense MLP block.
+        attention_blocks: attention block names inside a layer.
+        fused: groups of sibling modules the engine fuses into one weight (q/k/v, gate/up);
+            they must share a serializer and a group context.
+        embeddings / lm_heads / final_norms: top-level module names outside the decoder.
+        non_decoder_prefixes: prefixes whose ``layers.{i}`` are NOT decoder layers (vision, MTP).
+        num_layers_key / mtp_layers_key: HF config keys for decoder depth and MTP layer count.
+    """
+
+    name: str
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    layers_prefix: str = "model.layers"
+    mlp_blocks: tuple[str, ...] = ("mlp",)
+    experts: str = "experts"
+    expert_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    slabs: Mapping[str, SlabSpec] = field(
+        default_factory=lambda: {
+            "gate_up_proj": SlabSpec(("gate_proj", "up_proj")),
+            "down_proj": SlabSpec(("down_proj",)),
+        }
+    )
+    routers: tuple[str, ...] = ("gate",)
+    shared_experts: tuple[str, ...] = ()
+    dense_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+    attention_blocks: tuple[str, ...] = ("self_attn",)
+    fused: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    embeddings: tuple[str, ...] = ("model.embed_tokens",)
+    lm_heads: tuple[str, ...] = ("lm_head",)
+    final_norms: tuple[str, ...] = ("model.norm",)
+    non_decoder_prefixes: tuple[str, ...] = ("model.visual.", "visual.", "model.vision_tower.",
+                                             "vision_tower.", "mtp.", "model.mtp.")
+    num_layers_key: str = "num_hidden_layers"
+    mtp_layers_key: str | None = None
+
+    def num_layers(self, hf_config: Mapping[str, Any] | None) -> int | None:
+        """Decoder depth from an HF config (``text_config`` is looked into), or None."""
+        cfg = _text_config(hf_config)
+        value = cfg.get(self.num_layers_key)
+        return int(value) if value is not None else None
+
+    def parse(self, name: str, num_layers: int | None = None) -> ParsedName:
+        """Parse an HF tensor name.
+
+        Args:
+            name: e.g. ``model.layers.3.mlp.experts.7.gate_proj.weight`` or the slab
+                ``model.layers.3.mlp.experts.gate_up_proj``.
+            num_layers: decoder depth; layers at or beyond it are MTP layers (DeepSeek-V3
+                stores its MTP block as ``model.layers.61``). None: no MTP detection by index.
+        Returns: a :class:`ParsedName`.
+        """
+        module, param = _split_param(name)
+        if any(name.startswith(p) for p in self.non_decoder_prefixes):
+            return ParsedName(name, module, param, "non_decoder")
+        if module in self.embeddings:
+            return ParsedName(name, module, param, "embedding")
+        if module in self.lm_heads:
+            return ParsedName(name, module, param, "lm_head")
+        if module in self.final_norms:
+            return ParsedName(name, module, param, "norm")
+        prefix = self.layers_prefix + "."
+        if not name.startswith(prefix):
+            return ParsedName(name, module, param, "other")
+        head, _, rest = name[len(prefix):].partition(".")
+        if not head.isdigit() or not rest:
+            return ParsedName(name, module, param, "other")
+        layer = int(head)
+        if num_layers is not None and layer >= num_layers:
+            return ParsedName(name, module, param, "mtp", layer=layer)
+        return self._parse_in_layer(name, module, param, layer, rest.split("."))
+
+    def _parse_in_layer(self, name: str, module: str, param: str, layer: int,
+                        tokens: list[str]) -> ParsedName:
+        def make(kind: str, **kw: Any) -> ParsedName:
+            return ParsedName(name, module, param, kind, layer=layer, **kw)
+
+        block = tokens[0]
+        if block in self.mlp_blocks and len(tokens) >= 2:
+            return self._parse_mlp(make, module, tokens[1:])
+        if block in self.attention_blocks and len(tokens) == 3 and param == "weight":
+            kind = "norm" if tokens[1].endswith("norm") else "attention"
+            return make(kind, projection=tokens[1])
+        if block.endswith("norm"):
+            return make("norm")
+        if len(tokens) >= 2 and param == "weight":
+            return make("linear", projection=tokens[-2])
+        return make("other")
+
+    def _parse_mlp(self, make: Any, module: str, t: list[str]) -> ParsedName:
+        head = t[0]
+        if head == self.experts and len(t) >= 2:
+            experts_module = module[: module.index("." + self.experts) + len(self.experts) + 1]
+            if t[1].isdigit() and len(t) == 4 and t[2] in self.expert_projections:
+                return make("expert", expert=int(t[1]), projection=t[2], engine_module=experts_module)
+            if len(t) == 2 and t[1] in self.slabs:
+                return make("expert", projection=t[1], slab=True, engine_module=experts_module)
+            return make("other")
+        if head in self.routers and len(t) == 2:
+            return make("router")
+        if head in self.shared_experts and len(t) == 3:
+            return make("shared_expert", projection=t[1])
+        if head in self.dense_projections and len(t) == 2:
+            return make("dense_mlp", projection=head)
+        return make("other")
+
+
+@dataclass(frozen=True)
+class ParsedName:
+    """What an HF tensor name means, structurally.
+
+    Attributes:
+        name: the full HF name.
+        module: the module prefix (name without its parameter suffix; slabs keep their name).
+        param: parameter suffix (``weight``, ``bias``...) or the slab name for grouped slabs.
+        kind: one of :data:`QUANTIZABLE_KINDS` or :data:`SPECIAL_KINDS`.
+        layer: decoder layer index, or None outside decoder layers.
+        expert: routed expert index for per-expert names.
+        projection: projection name (``q_proj``, ``gate_proj``, slab name ``gate_up_proj``).
+        slab: True for a grouped expert slab ``[E, rows, K]``.
+        engine_module: the vLLM module the tensor loads into, for ignore lists (experts of a
+            layer are one fused module ``...mlp.experts``); defaults to ``module``.
+    """
+
+    name: str
+    module: str
+    param: str
+    kind: str
+    layer: int | None = None
+    expert: int | None = None
+    projection: str | None = None
+    slab: bool = False
+    engine_module: str | None = None
+
+    @property
+    def vllm_module(self) -> str:
+        """Module prefix as vLLM's ``ignored_layers`` / ``ignore`` lists name it."""
+        return self.engine_module or self.module
+
+
+def _split_param(name: str) -> tuple[str, str]:
+    module, _, param = name.rpartition(".")
+    return (module, param) if module else (name, "")
+
+
+def _text_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if not hf_config:
+        return {}
+    return hf_config.get("text_config") or hf_config
+
+
+def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, Any] | None,
+                  names: list[str] | None = None) -> ModelLayout:
+    """Choose a layout by HF ``architectures`` / ``model_type``, else the generic one.
+
+    Args:
+        layouts: registered layouts by name (must include ``generic``).
+        hf_config: parsed ``config.json`` or None.
+        names: unused today; reserved for name-based detection.
+    """
+    cfg = hf_config or {}
+    archs = set(cfg.get("architectures") or ())
+    model_type = cfg.get("model_type") or _text_config(cfg).get("model_type")
+    for layout in layouts.values():
+        if archs & set(layout.architectures) or (model_type and model_type in layout.model_types):
+            return layout
+    return layouts["generic"]

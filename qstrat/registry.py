@@ -1,0 +1,153 @@
+"""The plugin registry: a pluggy PluginManager over the ``qstrat`` entry-point group.
+
+:class:`Registry` loads every plugin (the built-ins included, via the same entry point),
+collects serializers, selectors, strategy presets and layouts, validates each, and refuses
+duplicate names. :func:`get_registry` returns the process-wide instance.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import pluggy
+
+from qstrat import hookspecs
+from qstrat.errors import ConfigError, PluginError
+from qstrat.layouts import ModelLayout
+from qstrat.selectors import Selector
+from qstrat.serializers.base import Serializer
+from qstrat.strategies import Strategy
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """A registered plugin object and where it came from (``plugin name (distribution version)``)."""
+
+    name: str
+    obj: T
+    origin: str
+
+
+class Registry:
+    """All plugins of one process.
+
+    Args:
+        plugins: extra plugin objects/modules to register (tests, in-process plugins).
+        entry_points: load the ``qstrat`` entry-point group (built-ins and installed plugins).
+    Raises:
+        PluginError: a hook returned a malformed object or a name registered twice.
+    """
+
+    KINDS = ("serializers", "selectors", "strategies", "layouts")
+
+    def __init__(self, plugins: Iterable[object] = (), entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        if entry_points:
+            self.pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+        if self.pm.get_plugin("builtin") is None:  # running from a source tree, not installed
+            from qstrat import builtin
+
+            self.pm.register(builtin, name="builtin")
+        for plugin in plugins:
+            self.pm.register(plugin)
+        origins = {id(p): f"{dist.project_name} {dist.version}" for p, dist in self.pm.list_plugin_distinfo()}
+        self._origins = {self.pm.get_name(p): origins.get(id(p), "in-process") for p in self.pm.get_plugins()}
+        self.serializers: dict[str, Entry[type[Serializer]]] = self._collect("qstrat_serializers", _check_serializer)
+        self.selectors: dict[str, Entry[Selector]] = self._collect("qstrat_selectors", _check_instance(Selector))
+        self.strategies: dict[str, Entry[Strategy]] = self._collect("qstrat_strategies", _check_instance(Strategy))
+        self.layouts: dict[str, Entry[ModelLayout]] = self._collect("qstrat_layouts", _check_instance(ModelLayout))
+        self._check_strategies()
+
+    def _collect(self, hook: str, check: Callable[[Any, str], str]) -> dict[str, Entry[Any]]:
+        found: dict[str, Entry[Any]] = {}
+        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
+            origin = f"{impl.plugin_name} ({self._origins.get(impl.plugin_name, 'in-process')})"
+            result = impl.function()
+            if not isinstance(result, (list, tuple)):
+                raise PluginError(f"{origin}: hook {hook} must return a list, got {type(result).__name__}")
+            for obj in result:
+                name = check(obj, f"{origin}: {hook}")
+                if name in found:
+                    raise PluginError(
+                        f"{hook}: name {name!r} is registered by both {found[name].origin} and {origin}"
+                    )
+                found[name] = Entry(name, obj, origin)
+        return found
+
+    def _check_strategies(self) -> None:
+        from qstrat.config import RefitConfig
+
+        for entry in self.strategies.values():
+            try:
+                RefitConfig.from_mapping(dict(entry.obj.config), registry=self)
+            except ConfigError as exc:
+                raise PluginError(f"strategy {entry.name!r} from {entry.origin} is invalid: {exc}") from exc
+
+    def serializer(self, name: str, **options: Any) -> Serializer:
+        """Instantiate a registered serializer.
+
+        Raises: ConfigError for an unknown name (listing the valid ones); pydantic
+        ValidationError for invalid options.
+        """
+        return self.lookup("serializers", name).obj(**options)
+
+    def lookup(self, kind: str, name: str) -> Entry[Any]:
+        """Entry ``name`` of ``kind`` (one of :attr:`KINDS`). Raises ConfigError listing choices."""
+        table: Mapping[str, Entry[Any]] = getattr(self, kind)
+        if name not in table:
+            raise ConfigError(f"unknown {kind[:-1]} {name!r}; valid: {', '.join(sorted(table))}")
+        return table[name]
+
+
+def _check_serializer(obj: Any, where: str) -> str:
+    if not (inspect.isclass(obj) and issubclass(obj, Serializer)):
+        raise PluginError(f"{where}: expected a Serializer subclass, got {obj!r}")
+    name = obj.__dict__.get("name")
+    if not isinstance(name, str) or not name:
+        raise PluginError(f"{where}: serializer {obj.__qualname__} has no 'name' class attribute")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(obj.__abstractmethods__))
+        raise PluginError(f"{where}: serializer {name!r} does not implement: {missing}")
+    return name
+
+
+def _check_instance(cls: type) -> Callable[[Any, str], str]:
+    def check(obj: Any, where: str) -> str:
+        if not isinstance(obj, cls):
+            raise PluginError(f"{where}: expected {cls.__name__}, got {obj!r}")
+        if not getattr(obj, "name", None):
+            raise PluginError(f"{where}: {cls.__name__} {obj!r} has an empty name")
+        return obj.name
+
+    return check
+
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loaded on first use."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = Registry()
+    return _REGISTRY
+
+
+def get_serializer(name: str, **options: Any) -> Serializer:
+    """A serializer by registry name, e.g. ``get_serializer("mxfp8", scale_rounding="floor")``.
+
+    Raises: ConfigError (unknown name or invalid options, naming the option).
+    """
+    from pydantic import ValidationError
+
+    from qstrat.config import format_validation_error
+
+    try:
+        return get_registry().serializer(name, **options)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, prefix=f"serializer {name!r} options")) from exc

@@ -1,0 +1,118 @@
+"""Tensor names and shapes of a model from its HF ``config.json`` alone (no weights).
+
+Used by ``qstrat plan`` on a config-only directory (DeepSeek-V3- or Qwen3-235B-shaped) and by
+tests. Names follow the layout (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``); shapes
+follow HF's modeling code: linear weights are [out_features, in_features].
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from qstrat.layouts import ModelLayout, _text_config
+
+Shape = tuple[int, ...]
+
+
+def model_tensors(layout: ModelLayout, hf_config: Mapping[str, Any],
+                  grouped: bool = False) -> Iterator[tuple[str, Shape]]:
+    """Yield ``(hf_name, shape)`` for every tensor of the model described by ``hf_config``.
+
+    Args:
+        layout: naming data of the model family.
+        hf_config: parsed config.json (``text_config`` is used when present).
+        grouped: emit routed experts as grouped slabs ``experts.gate_up_proj`` [E, 2I, H] and
+            ``experts.down_proj`` [E, H, I] (the trainer's in-memory view) instead of per-expert.
+    Raises: KeyError naming a config key the model needs but the config lacks.
+    """
+    c = _text_config(hf_config)
+    h, vocab = int(c["hidden_size"]), int(c["vocab_size"])
+    n_layers = int(c[layout.num_layers_key])
+    n_mtp = int(c.get(layout.mtp_layers_key, 0) or 0) if layout.mtp_layers_key else 0
+    yield f"{layout.embeddings[0]}.weight", (vocab, h)
+    for i in range(n_layers + n_mtp):
+        p = f"{layout.layers_prefix}.{i}"
+        if i >= n_layers:  # DeepSeek-V3 MTP block: projections around a full decoder layer
+            yield f"{p}.embed_tokens.weight", (vocab, h)
+            yield f"{p}.enorm.weight", (h,)
+            yield f"{p}.hnorm.weight", (h,)
+            yield f"{p}.eh_proj.weight", (h, 2 * h)
+            yield f"{p}.shared_head.norm.weight", (h,)
+            yield f"{p}.shared_head.head.weight", (vocab, h)
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        yield from _attention(f"{p}.{layout.attention_blocks[0]}", c, h)
+        yield from _mlp(layout, f"{p}.{layout.mlp_blocks[0]}", c, h, i, grouped)
+    yield f"{layout.final_norms[0]}.weight", (h,)
+    if not c.get("tie_word_embeddings", False):
+        yield f"{layout.lm_heads[0]}.weight", (vocab, h)
+
+
+def _attention(p: str, c: Mapping[str, Any], h: int) -> Iterator[tuple[str, Shape]]:
+    heads = int(c["num_attention_heads"])
+    if c.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3)
+        nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
+        kv_rank, q_rank = int(c["kv_lora_rank"]), c.get("q_lora_rank")
+        if q_rank:
+            yield f"{p}.q_a_proj.weight", (int(q_rank), h)
+            yield f"{p}.q_a_layernorm.weight", (int(q_rank),)
+            yield f"{p}.q_b_proj.weight", (heads * (nope + rope), int(q_rank))
+        else:
+            yield f"{p}.q_proj.weight", (heads * (nope + rope), h)
+        yield f"{p}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h)
+        yield f"{p}.kv_a_layernorm.weight", (kv_rank,)
+        yield f"{p}.kv_b_proj.weight", (heads * (nope + v), kv_rank)
+        yield f"{p}.o_proj.weight", (h, heads * v)
+        return
+    d = int(c.get("head_dim") or h // heads)
+    kv = int(c.get("num_key_value_heads") or heads)
+    yield f"{p}.q_proj.weight", (heads * d, h)
+    yield f"{p}.k_proj.weight", (kv * d, h)
+    yield f"{p}.v_proj.weight", (kv * d, h)
+    yield f"{p}.o_proj.weight", (h, heads * d)
+    if c.get("model_type", "").startswith("qwen3"):
+        yield f"{p}.q_norm.weight", (d,)
+        yield f"{p}.k_norm.weight", (d,)
+
+
+def _is_moe_layer(c: Mapping[str, Any], i: int) -> bool:
+    n_experts = c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts")
+    if not n_experts:
+        return False
+    if i < int(c.get("first_k_dense_replace", 0) or 0) or i in (c.get("mlp_only_layers") or ()):
+        return False
+    return (i + 1) % int(c.get("decoder_sparse_step", 1) or 1) == 0
+
+
+def _mlp(layout: ModelLayout, p: str, c: Mapping[str, Any], h: int, i: int,
+         grouped: bool) -> Iterator[tuple[str, Shape]]:
+    gate, up, down = layout.expert_projections
+    if not _is_moe_layer(c, i):
+        inter = int(c["intermediate_size"])
+        yield f"{p}.gate_proj.weight", (inter, h)
+        yield f"{p}.up_proj.weight", (inter, h)
+        yield f"{p}.down_proj.weight", (h, inter)
+        return
+    n = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts"))
+    inter = int(c.get("moe_intermediate_size") or c["intermediate_size"])
+    yield f"{p}.{layout.routers[0]}.weight", (n, h)
+    if c.get("topk_method") == "noaux_tc":
+        yield f"{p}.{layout.routers[0]}.e_score_correction_bias", (n,)
+    if grouped:
+        slab_gate_up, slab_down = list(layout.slabs)
+        yield f"{p}.{layout.experts}.{slab_gate_up}", (n, 2 * inter, h)
+        yield f"{p}.{layout.experts}.{slab_down}", (n, h, inter)
+    else:
+        for e in range(n):
+            q = f"{p}.{layout.experts}.{e}"
+            yield f"{q}.{gate}.weight", (inter, h)
+            yield f"{q}.{up}.weight", (inter, h)
+            yield f"{q}.{down}.weight", (h, inter)
+    shared = int(c.get("n_shared_experts") or 0) * inter or int(c.get("shared_expert_intermediate_size") or 0)
+    if shared and layout.shared_experts:
+        q = f"{p}.{layout.shared_experts[0]}"
+        yield f"{q}.gate_proj.weight", (shared, h)
+        yield f"{q}.up_proj.weight", (shared, h)
+        yield f"{q}.down_proj.weight", (h, shared)
+        if c.get("shared_expert_intermediate_size"):
+            yield f"{p}.shared_expert_gate.weight", (1, h)

@@ -1,0 +1,92 @@
+"""vLLM sink: refit a running engine through its layerwise reload lifecycle.
+
+Uses vLLM's public ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
+"is_checkpoint_format": True})``: the engine receives HF checkpoint-format names and dtypes
+(weights AND their scales), re-runs its post-load processing per layer and copies the results
+into its live tensors. The whole plan is validated - including that it matches the engine's own
+quantization_config - before the first tensor is sent: a reload that fails half-way leaves an
+engine corrupted. Importing this module does not import vLLM.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from qstrat.driver import NamedTensors, RefitDriver, _as_dict
+from qstrat.errors import PlanError
+from qstrat.plan import RefitPlan
+
+#: quantization_config keys that must agree between the engine and the plan.
+_MATCH_KEYS = ("quant_method", "quant_algo", "weight_block_size", "group_size")
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    """What a refit did: the plan, tensors and bytes sent, seconds spent quantizing+sending."""
+
+    plan: RefitPlan
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
+    """The engine's checkpoint ``quantization_config`` (from its HF config), or None."""
+    hf = llm.llm_engine.model_config.hf_config
+    cfg = getattr(hf, "quantization_config", None)
+    return dict(cfg) if cfg else None
+
+
+def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
+    """Raise PlanError if the plan's format differs from the engine's, or if the plan quantizes
+    a module the engine keeps unquantized (its ignore list).
+
+    Args:
+        plan: the validated refit plan.
+        engine_config: the engine's ``quantization_config`` (None: unquantized engine).
+    """
+    mine = plan.vllm_quantization_config()
+    if (mine is None) != (engine_config is None):
+        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
+    if mine is None or engine_config is None:
+        return
+    for key in _MATCH_KEYS:
+        if key in mine or key in engine_config:
+            if _norm(mine.get(key)) != _norm(engine_config.get(key)):
+                raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
+                                f"the plan emits {mine.get(key)!r}")
+    engine_ignored = set(engine_config.get("ignored_layers") or engine_config.get("ignore") or ())
+    quantized = {e.engine_module for e in plan.entries if e.engine_module not in plan.ignored_layers
+                 and e.serializer not in ("passthrough",)}
+    clash = sorted(quantized & engine_ignored)
+    if clash:
+        raise PlanError(f"the plan quantizes modules the engine keeps unquantized: {clash[:5]}")
+
+
+def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors) -> RefitReport:
+    """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
+
+    Args:
+        llm: a ``vllm.LLM`` started on a checkpoint of the same model and format.
+        driver: the refit driver.
+        named_tensors: the trainer's (HF name, tensor) pairs: per-expert names or grouped slabs.
+    Returns: a :class:`RefitReport`.
+    Raises: PlanError (before anything is sent) if the plan is invalid or does not match the
+        engine's quantization_config; NonFiniteError naming the tensor (nothing sent).
+    """
+    start = time.perf_counter()
+    tensors = _as_dict(named_tensors)
+    plan = driver.plan(tensors)
+    check_engine_compatible(plan, engine_quantization_config(llm))
+    # Quantize everything first: a NaN found mid-way must not leave a half-reloaded engine.
+    payload = [(name, t.contiguous()) for name, t in driver.execute(plan, tensors)]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": payload,
+                                                 "is_checkpoint_format": True})
+    nbytes = sum(t.numel() * t.element_size() for _, t in payload)
+    return RefitReport(plan, len(payload), nbytes, time.perf_counter() - start)
+
+
+def _norm(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v

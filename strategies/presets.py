@@ -1,0 +1,18 @@
+"""Built-in strategy presets: named, extendable partial configs.
+
+``preset: mxfp8-experts`` plus ``keep_bf16: {first: 1, last: 2}`` in a config reads as
+"MXFP8 on routed experts, first layer and last two layers kept in BF16".
+"""
+from __future__ import annotations
+
+from qstrat.strategies import Strategy
+
+BUILTIN_STRATEGIES = (
+    Strategy("bf16", "everything stays BF16 (no quantization_config)", {"rules": []}),
+    Strategy("block-fp8", "block FP8 128x128 on every decoder linear layer",
+             {"rules": [{"select": ["linear"], "serializer": "block_fp8"}]}),
+    Strategy("mxfp8", "MXFP8 (E8M0 per 1x32) on every decoder linear layer",
+             {"rules": [{"select": ["linear"], "serializer": "mxfp8"}]}),
+    Strategy("mxfp8-experts", "MXFP8 on routed MoE experts only",
+             {"rules": [{"select": ["experts"], "serializer": "mxfp8"}]}),
+)
