@@ -75,3 +75,9 @@ class BlockFP8(Serializer):
             "weight_block_size": [BLOCK, BLOCK],
             "ignored_layers": list(ignored),
         }
+
+
+# Triton kernel hook-in: sets the format's Serializer.kernel when triton is importable.
+from qstrat.serializers.kernels import load_kernel  # noqa: E402
+
+load_kernel("block_fp8")

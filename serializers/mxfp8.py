@@ -72,3 +72,9 @@ class MXFP8(Serializer):
     def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any]:
         """ModelOpt-form MXFP8 config (contracts.md section 2)."""
         return {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": list(ignored)}
+
+
+# Triton kernel hook-in: sets the format's Serializer.kernel when triton is importable.
+from qstrat.serializers.kernels import load_kernel  # noqa: E402
+
+load_kernel("mxfp8")

@@ -1,0 +1,141 @@
+"""Triton device helpers shared by every format kernel: exact fp32-bit encoders.
+
+Everything here is integer arithmetic on the IEEE-754 bits of fp32 values, so a kernel gives the
+same bytes compiled for a GPU and under Triton's interpreter (``TRITON_INTERPRET=1``), whose
+fp32 -> fp8 cast is wrong (ties round away, lost carries, no saturation: contracts.md section 4).
+The torch-side twins of these formulas are in :mod:`qstrat.serializers.fp_bits`; the oracle for
+:func:`e4m3_encode` is torch 2.13's ``.to(torch.float8_e4m3fn)`` on CPU.
+
+All helpers take and return Triton tensors of any (matching) shape; ``int32`` codes are returned
+so callers can combine them before the final ``.to(tl.uint8)`` store.
+
+Which Triton mode a helper is built for (compiled or interpreted) is decided, as for any
+``@triton.jit`` function, by ``TRITON_INTERPRET`` when this module is imported.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: fp32 bits of 448.0 (e4m3fn largest finite, OCP FP8 spec): larger magnitudes saturate to it.
+F32_BITS_448 = tl.constexpr(0x43E00000)
+#: fp32 bits of +inf; anything above is NaN.
+F32_BITS_INF = tl.constexpr(0x7F800000)
+#: fp32 mantissa of 1.75 (448 = 1.75 * 2^8): RCEIL adds one octave above it (fp_bits._MANT_1_75).
+F32_MANT_1_75 = tl.constexpr(0x600000)
+#: Quiet NaN bits (what ``float('nan')`` and ``abs(nan)`` are on CPU).
+F32_BITS_QNAN = tl.constexpr(0x7FC00000)
+
+
+@triton.jit
+def f32_bits(x):
+    """fp32 tensor -> its int32 bit pattern (a bitcast, no rounding)."""
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
+    """Load ``ptrs`` (masked, 0 elsewhere) and upcast to fp32 exactly.
+
+    ``BF16_BITS``: ``ptrs`` point at the raw int16 bits of bf16 values (the host passes
+    ``w.view(torch.int16)``, see :func:`.launch.kernel_input`); the fp32 bits are ``bits << 16``,
+    exact for every value including subnormals and NaN signs. The interpreter's own bf16 -> fp32
+    conversion flushes bf16 subnormals and can flip NaN signs, so it is never used.
+    Other dtypes (fp16, fp32) use ``.to(tl.float32)``, exact in both modes.
+    Returns: float32 tensor of the shape of ``ptrs``.
+    """
+    if BF16_BITS:
+        h = tl.load(ptrs, mask=mask, other=0)
+        return (h.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def e4m3_encode(x):
+    """fp32 -> e4m3fn code (int32 in [0, 255]) with round-to-nearest-even and saturation.
+
+    Same result as torch's ``x.to(torch.float8_e4m3fn)`` (contracts.md section 4):
+    - |x| >= 2^-6 (fp32 biased exponent >= 121): the 23-bit mantissa is rounded to 3 bits by adding
+      ``0x7FFFF + lsb`` before the shift, so a carry moves into the exponent (1.9375 -> 2.0);
+    - |x| < 2^-6: subnormal code ``round_half_even(|x| / 2^-9)`` from the 24-bit significand shifted
+      right by ``141 - biased_exp`` (clamped to [21, 25]; 25 and above always gives 0), which
+      rounds up to the smallest normal 0x08 where due;
+    - |x| > 448 and +-inf: 0x7E (448) with the sign; NaN: 0x7F with the sign (0x7F / 0xFF).
+    Signed zero keeps its sign (-0.0 -> 0x80), as do values that round to zero.
+
+    Args: x: float32 tensor (any shape). Returns: int32 tensor of the same shape.
+    """
+    u = f32_bits(x)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    biased = a >> 23
+    # Normal e4m3 (bias 7 = fp32 bias 127 - 120): round the mantissa at bit 20, carry included.
+    normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    # Subnormal e4m3: value in units of 2^-9 = significand * 2^(biased - 141).
+    sig = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(141 - biased, 21), 25)
+    q = sig >> sh
+    rem = sig & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + up.to(tl.int32)
+    code = tl.where(biased >= 121, normal, sub)
+    code = tl.where(a > F32_BITS_448, 0x7E, code)
+    code = tl.where(a > F32_BITS_INF, 0x7F, code)
+    return code | sign
+
+
+@triton.jit
+def exp2_int(e):
+    """Exact ``2.0 ** e`` as fp32 from int32 ``e`` in [-149, 127] (fp_bits.exp2_int).
+
+    ``e >= -126``: the normal ``(e + 127) << 23``; below: the fp32 subnormal ``1 << (e + 149)``
+    (so E8M0 byte 0 = 2^-127 is not 0.0). Out-of-range ``e`` wraps exactly as the torch twin does.
+    Args: e: int32 tensor. Returns: float32 tensor of the same shape.
+    """
+    normal = tl.maximum(e + 127, 0) << 23
+    sub = 1 << tl.minimum(tl.maximum(e + 149, 0), 22)
+    return tl.where(e >= -126, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_from_amax(amax, RCEIL: tl.constexpr):
+    """E8M0 scale byte (int32 in [0, 255]) of an MX block from its fp32 amax (fp_bits.e8m0_from_amax).
+
+    With ``amax = m * 2^(b - 127)``: RCEIL (vLLM/FlashInfer/TE/cuBLAS) ``b - 8 + (m > 1.75)``,
+    FLOOR (OCP MX spec v1.0 section 6.3) ``b - 8``; clamped to [0, 254]; zero or fp32-subnormal
+    amax -> 0; NaN amax -> 255.
+    Args: amax: float32 tensor (>= 0 or NaN); RCEIL: constexpr bool. Returns: int32 tensor.
+    """
+    bits = f32_bits(amax)
+    biased = (bits >> 23) & 0xFF
+    byte = biased - 8
+    if RCEIL:
+        byte = byte + ((bits & 0x7FFFFF) > F32_MANT_1_75).to(tl.int32)
+    byte = tl.minimum(tl.maximum(byte, 0), 254)
+    byte = tl.where(biased == 0, 0, byte)
+    return tl.where(amax != amax, 255, byte)
+
+
+@triton.jit
+def ceil_pow2(s):
+    """Round positive normal fp32 ``s`` UP to a power of two, from its bits (fp_bits.ceil_pow2).
+
+    ``2^(b - 127 + (mantissa != 0))``; inf/NaN inputs follow the same integer formula as the torch
+    twin (NaN gives the bits 0x80000000 = -0.0 there and here). Returns: float32 tensor.
+    """
+    bits = f32_bits(s)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return exp2_int(e)
+
+
+@triton.jit
+def nan_if(amax, has_nan):
+    """``amax`` where ``has_nan`` is false, else a quiet NaN: NaN-propagating block maxima.
+
+    GPU ``tl.max`` ignores NaN (maxnum) while torch's ``amax`` propagates it; kernels count NaN
+    elements separately and pass ``has_nan = count > 0`` here.
+    """
+    qnan = tl.full(amax.shape, F32_BITS_QNAN, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(has_nan, qnan, amax)

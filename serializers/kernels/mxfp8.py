@@ -1,0 +1,104 @@
+"""Triton kernel for :class:`qstrat.serializers.mxfp8.MXFP8` (E4M3 + E8M0 per 1 x 32 along K).
+
+One launch quantizes a whole grouped slab ``[E, N, K]``: grid axis 0 walks the
+``ceil(N/BLOCK_N) * ceil(K/BLOCK_K)`` tiles of one expert, axis 1 the expert. A program loads a
+``[BLOCK_N, BLOCK_K/32, 32]`` view of its tile through the input's strides (non-contiguous views are
+read in place), upcasts to fp32, and per 32-block computes exactly the torch reference's ops:
+NaN-propagating ``amax``, the E8M0 byte from the amax bits (RCEIL or FLOOR,
+:func:`.fp_encode.e8m0_from_amax`), the ``min_scale_byte`` clamp (NaN byte 255 kept), the exact
+``1/s = 2^(127 - byte)`` from bits, and ``q = e4m3(x * (1/s))`` via the integer encoder.
+Offsets are int64. Importing this module registers the kernel as ``MXFP8.kernel``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qstrat.errors import UnsupportedShapeError
+from qstrat.serializers.fp_bits import E8M0_BIAS
+from qstrat.serializers.kernels import fp_encode
+from qstrat.serializers.kernels.launch import device_guard, kernel_input
+from qstrat.serializers.mxfp8 import BLOCK, MXFP8
+
+#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 32). Untuned.
+BLOCK_N = 32
+BLOCK_K = 128
+NUM_WARPS = 4
+
+
+@triton.jit
+def _mxfp8_kernel(
+    x_ptr, q_ptr, s_ptr,
+    N, K, KT,
+    stride_e, stride_n, stride_k,
+    RCEIL: tl.constexpr, MIN_BYTE: tl.constexpr, BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
+    tile = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1).to(tl.int64)
+    tn = tile // KT
+    tk = tile % KT
+    G: tl.constexpr = BLOCK_K // MX
+    rows = tn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    groups = tk * G + tl.arange(0, G).to(tl.int64)  # 32-block index along K
+    lanes = tl.arange(0, MX).to(tl.int64)
+    r3 = rows[:, None, None]
+    c3 = groups[None, :, None] * MX + lanes[None, None, :]
+    mask = (r3 < N) & (c3 < K)  # K % 32 == 0: a 32-block is wholly in or out
+    src = x_ptr + e * stride_e + r3 * stride_n + c3 * stride_k
+    x = fp_encode.load_f32(src, mask, BF16_BITS)
+
+    amax = tl.max(tl.abs(x), axis=2)
+    n_nan = tl.sum((x != x).to(tl.int32), axis=2)
+    amax = fp_encode.nan_if(amax, n_nan > 0)
+    byte = fp_encode.e8m0_from_amax(amax, RCEIL)
+    byte = tl.where(byte == 255, byte, tl.maximum(byte, MIN_BYTE))
+    inv = fp_encode.exp2_int(BIAS - byte)  # exact 1/s: x * 2^-j == x / 2^j bit for bit
+
+    code = fp_encode.e4m3_encode(x * inv[:, :, None])
+    tl.store(q_ptr + e * N * K + r3 * K + c3, code.to(tl.uint8), mask=mask)
+    r2 = rows[:, None]
+    g2 = groups[None, :]
+    KS = K // MX
+    tl.store(s_ptr + e * N * KS + r2 * KS + g2, byte.to(tl.uint8), mask=(r2 < N) & (g2 < KS))
+
+
+def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
+    """Quantize a grouped slab to MXFP8 in one kernel launch (the ``MXFP8.kernel`` hook).
+
+    Args:
+        serializer: the :class:`MXFP8` instance (reads ``options.scale_rounding`` and
+            ``options.min_scale_byte``).
+        w3: [E, N, K] bf16/fp16/fp32 on CUDA (or CPU under ``TRITON_INTERPRET=1``), any strides,
+            ``K % 32 == 0``; read in place, never copied.
+        ctx: unused (MXFP8 has no group state); accepted for the hook signature.
+    Returns:
+        ``{"weight": float8_e4m3fn [E, N, K], "weight_scale": uint8 [E, N, K/32]}`` (raw E8M0
+        bytes), contiguous, on ``w3``'s device; bytes identical to ``MXFP8.reference``
+        (formulas: mxfp8.py, contracts.md section 2).
+    Raises:
+        ValueError: ``w3`` is not 3-D. UnsupportedShapeError: ``K % 32 != 0``.
+    """
+    if w3.dim() != 3:
+        raise ValueError(f"mxfp8 kernel expects [E, N, K], got shape {list(w3.shape)}")
+    e, n, k = w3.shape
+    if k % BLOCK:
+        raise UnsupportedShapeError(f"mxfp8 needs K divisible by {BLOCK}; got K={k}")
+    opts = serializer.options
+    q = torch.empty((e, n, k), dtype=torch.uint8, device=w3.device)
+    s = torch.empty((e, n, k // BLOCK), dtype=torch.uint8, device=w3.device)
+    kt = triton.cdiv(k, BLOCK_K)
+    x, bf16_bits = kernel_input(w3)
+    with device_guard(w3):
+        _mxfp8_kernel[(triton.cdiv(n, BLOCK_N) * kt, e)](
+            x, q, s, n, k, kt, *x.stride(),
+            RCEIL=opts.scale_rounding == "rceil", MIN_BYTE=int(opts.min_scale_byte),
+            BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, BF16_BITS=bf16_bits,
+            num_warps=NUM_WARPS,
+        )
+    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
+
+
+MXFP8.kernel = quantize_mxfp8
