@@ -104,6 +104,21 @@ def byte_mismatches(
     return out
 
 
+def mismatched_bytes(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> int:
+    """Bytes that differ between the parts ``got`` holds and the same parts of ``want``.
+
+    Only ``got``'s keys are compared (a comparator may emit a subset of the parts).
+    Returns: the count, or -1 when a key is missing from ``want`` or a dtype/shape differs.
+    """
+    bad = 0
+    for k, g in got.items():
+        w = want.get(k)
+        if w is None or g.dtype != w.dtype or tuple(g.shape) != tuple(w.shape):
+            return -1
+        bad += int((raw_bytes(g) != raw_bytes(w)).sum())
+    return bad
+
+
 def assert_same_bytes(
     got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str = ""
 ) -> None:

@@ -1,0 +1,54 @@
+"""scripts/gpu_check.py's CPU smoke mode (Triton interpreter, tiny shapes) keeps running.
+
+Runs the script in a subprocess (it must set TRITON_INTERPRET before triton is imported) and
+checks the values in the JSON it writes, not just its exit code.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the kernels need triton (pip install 'qstrat[triton]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.interpreter
+def test_gpu_check_smoke_mode_writes_consistent_json(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--smoke", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "kernel, 1 launch" in proc.stdout  # the table was printed
+    report = json.loads(out.read_text())
+    assert report["mode"].startswith("cpu-smoke")
+    assert {"block_fp8", "mxfp8"} <= set(report["formats"])
+    assert report["copy"]["gbps"] > 0
+    assert report["copy"]["gbps"] == pytest.approx(
+        report["copy"]["bytes"] / report["copy"]["ms"] / 1e6
+    )
+
+    from qstrat.registry import get_registry
+
+    reg = get_registry()
+    rows = {(r["format"], tuple(r["shape"]), r["impl"]): r for r in report["results"]}
+    for fmt in report["formats"]:
+        ser = reg.serializer(fmt)
+        for shape in map(tuple, report["shapes"]):
+            e, n, k = shape
+            want_bytes = e * n * k * 2 + sum(p.nbytes for p in ser.part_specs(shape))
+            for impl in ("kernel, 1 launch", "kernel, per-expert loop", "qstrat torch reference"):
+                r = rows[(fmt, shape, impl)]
+                assert r["bytes"] == want_bytes, (fmt, shape, impl)
+                assert r["ms"] > 0
+                assert r["gbps"] == pytest.approx(want_bytes / r["ms"] / 1e6)
+                assert r["pct_of_copy"] == pytest.approx(100 * r["gbps"] / report["copy"]["gbps"])
+            for impl in ("kernel, 1 launch", "kernel, per-expert loop"):
+                r = rows[(fmt, shape, impl)]
+                assert (r["bit_exact"], r["mismatched_bytes"]) == (True, 0), (fmt, shape, impl)
