@@ -9,7 +9,8 @@ Spec: NVIDIA NVFP4 as ModelOpt exports it and vLLM loads it (``quant_method: mod
    :meth:`NVFP4.group_context`); ``amax_t == 0 -> enc = 1``; ``enc`` capped at ``2^116``
    (see :func:`global_encode_scale`). Stored ``weight_scale_2 = 1 / enc`` (decode multiplier).
 2. per 16-block: ``scale = e4m3(min(enc * (amax_b * fp32(1/6)), 448))`` (multiply by the fp32
-   reciprocal of 6, not a division: the two disagree on ~1/3 of random blocks).
+   reciprocal of 6, not a division: the fp32 products differ by an ulp on ~1/3 of inputs, which
+   flips the e4m3 scale on rare blocks, e.g. amax_b = 0x1.c7fffep+0 with enc = 1).
 3. ``os = 1 / (fp32(scale) * (1 / enc))`` (two reciprocals, as vLLM); ``os = 0`` where scale == 0.
 4. code = ``e2m1_rne(|x * os|)`` (saturating at 6) ``| 8 * (x < 0)``; two codes per byte, the
    first (even) element in the LOW nibble.
@@ -146,7 +147,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 class NVFP4(Serializer):
-    """NVFP4 (E2M1 + e4m3 scale per 16 along K + fp32 per-matrix scale), ModelOpt checkpoint form."""
+    """NVFP4 (E2M1, e4m3 scale per 16 along K, fp32 per-matrix scale), ModelOpt checkpoint form."""
 
     name = "nvfp4"
     summary = "NVFP4 e2m1 with an e4m3 scale per 1x16 block and an fp32 global scale (ModelOpt)"
