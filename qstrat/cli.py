@@ -157,7 +157,7 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     for kind in reg.KINDS:
         for name, entry in sorted(getattr(reg, kind).items()):
             summary = getattr(entry.obj, "summary", "") or getattr(entry.obj, "architectures", "")
-            table.add_row(kind[:-1], name, str(summary or ""), entry.origin)
+            table.add_row(kind, name, str(summary or ""), entry.origin)
     console.print(table)
     return 0
 

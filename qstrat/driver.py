@@ -79,12 +79,16 @@ class RefitDriver:
             layouts = {k: e.obj for k, e in self.registry.layouts.items()}
             self.layout = detect_layout(layouts, self.hf_config)
         self._rules = [_CompiledRule(i, r, self.registry) for i, r in enumerate(self.config.rules)]
-        self._serializers: dict[tuple[str, str], Serializer] = {}
+        self._serializers: dict[tuple[str, Any], Serializer] = {}
 
     # ---- decisions ----------------------------------------------------------------------
     def serializer(self, name: str, options: Mapping[str, Any]) -> Serializer:
         """Cached serializer instance for (name, options)."""
-        key = (name, repr(sorted(options.items())))
+        try:
+            key = (name, tuple(sorted(options.items())))
+            hash(key)
+        except TypeError:  # unhashable option values
+            key = (name, repr(sorted(options.items())))
         if key not in self._serializers:
             self._serializers[key] = self.registry.serializer(name, **options)
         return self._serializers[key]
@@ -216,17 +220,16 @@ class RefitDriver:
 
     def _engine_config(self, entries: list[PlanEntry], ignored: list[str],
                        errors: list[str]) -> dict[str, Any] | None:
+        used = {id(s): s for s in (self.serializer(e.serializer, e.options) for e in entries
+                                   if e.serializer != PASSTHROUGH) if s.quantizes}
         configs: dict[str, dict[str, Any]] = {}
-        for e in entries:
-            if e.serializer == PASSTHROUGH:
-                continue
-            ser = self.serializer(e.serializer, e.options)
-            if ser.quantizes:
-                cfg = ser.vllm_quantization_config(ignored)
-                configs.setdefault(repr(cfg), cfg)
+        for ser in used.values():
+            cfg = ser.vllm_quantization_config(ignored)
+            configs.setdefault(repr(cfg), cfg)
         if len(configs) > 1:
-            errors.append("the plan mixes quantized formats that one vLLM quantization_config cannot "
-                          f"express: {sorted(configs)}")
+            formats = sorted({s.name for s in used.values()})
+            errors.append(f"the plan mixes quantized formats {formats} that one vLLM quantization_config "
+                          "cannot express")
         return next(iter(configs.values()), None)
 
     # ---- run ----------------------------------------------------------------------------
@@ -321,12 +324,14 @@ def _ignored_layers(entries: list[PlanEntry], errors: list[str],
                     quantizes: Callable[[PlanEntry], bool]) -> list[str]:
     """vLLM module prefixes of unquantized matrices (routers included; embeddings excluded)."""
     status: dict[str, bool] = {}
+    mixed: set[str] = set()
     for e in entries:
         if len(e.shape) < 2 or e.kind in ("embedding", "mtp", "non_decoder") or e.name.endswith(".bias"):
             continue
         quantized = quantizes(e)
         mod = e.engine_module
-        if mod in status and status[mod] != quantized:
+        if mod in status and status[mod] != quantized and mod not in mixed:
+            mixed.add(mod)
             errors.append(f"{mod}: some of its tensors are quantized and some are not; vLLM loads it "
                           "as one module")
         status.setdefault(mod, quantized)

@@ -100,8 +100,12 @@ class Registry:
         """Entry ``name`` of ``kind`` (one of :attr:`KINDS`). Raises ConfigError listing choices."""
         table: Mapping[str, Entry[Any]] = getattr(self, kind)
         if name not in table:
-            raise ConfigError(f"unknown {kind[:-1]} {name!r}; valid: {', '.join(sorted(table))}")
+            raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; valid: {', '.join(sorted(table))}")
         return table[name]
+
+
+_SINGULAR = {"serializers": "serializer", "selectors": "selector", "strategies": "strategy",
+             "layouts": "layout"}
 
 
 def _check_serializer(obj: Any, where: str) -> str:
