@@ -260,3 +260,9 @@ class NVFP4(Serializer):
             "group_size": BLOCK,
             "ignore": list(ignored),
         }
+
+
+# Triton kernel hook-in: sets the format's Serializer.kernel when triton is importable.
+from qstrat.serializers.kernels import load_kernel  # noqa: E402
+
+load_kernel("nvfp4")

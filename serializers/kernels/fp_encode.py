@@ -23,6 +23,8 @@ F32_BITS_448 = tl.constexpr(0x43E00000)
 F32_BITS_INF = tl.constexpr(0x7F800000)
 #: fp32 mantissa of 1.75 (448 = 1.75 * 2^8): RCEIL adds one octave above it (fp_bits._MANT_1_75).
 F32_MANT_1_75 = tl.constexpr(0x600000)
+#: fp32 bits torch gives for the e4m3fn NaN code 0x7F (c10 ``fp8e4m3fn_to_fp32_value``).
+F32_BITS_E4M3_NAN = tl.constexpr(0x7FF00000)
 #: Quiet NaN bits (what ``float('nan')`` and ``abs(nan)`` are on CPU).
 F32_BITS_QNAN = tl.constexpr(0x7FC00000)
 
@@ -87,6 +89,24 @@ def e4m3_encode(x):
 
 
 @triton.jit
+def e4m3_decode(code):
+    """e4m3fn code (int32 in [0, 255]) -> its exact fp32 value, as torch's fp8 -> fp32 cast.
+
+    Normal codes: fp32 bits ``(exp + 120) << 23 | mant << 20`` (bias 7 vs 127); subnormal
+    (exp 0): ``mant * 2^-9``; 0x7F / 0xFF: NaN with torch's bits 0x7FF00000 and the sign;
+    the sign bit 0x80 maps to bit 31 (0x80 -> -0.0).
+    Args: code: int32 tensor. Returns: float32 tensor of the same shape.
+    """
+    exp = (code >> 3) & 0xF
+    mant = code & 7
+    normal = ((exp + 120) << 23) | (mant << 20)
+    sub = f32_bits(mant.to(tl.float32) * 0.001953125)  # exact: small integer times 2^-9
+    mag = tl.where(exp == 0, sub, normal)
+    mag = tl.where((code & 0x7F) == 0x7F, F32_BITS_E4M3_NAN, mag)
+    return (mag | ((code >> 7) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def exp2_int(e):
     """Exact ``2.0 ** e`` as fp32 from int32 ``e`` in [-149, 127] (fp_bits.exp2_int).
 
@@ -128,6 +148,20 @@ def ceil_pow2(s):
     bits = f32_bits(s)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return exp2_int(e)
+
+
+@triton.jit
+def e2m1_magnitude(a):
+    """3-bit E2M1 magnitude code of ``a = |y|`` (int32 0..7): round half to even, saturating at 6.
+
+    The number of decision points passed, as :func:`qstrat.serializers.nvfp4.e2m1_magnitude`
+    (its ``E2M1_THRESHOLDS``): ``> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5``, ties to
+    the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
+    Exact comparisons only; NaN gives 0. Args: a: float32 tensor >= 0. Returns: int32 tensor.
+    """
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    return code + (a > 5.0).to(tl.int32)
 
 
 @triton.jit

@@ -1,0 +1,145 @@
+"""Triton kernel for :class:`qstrat.serializers.nvfp4.NVFP4` (E2M1 + e4m3 scale per 1 x 16).
+
+One launch quantizes a whole grouped slab ``[E, N, K]``: grid axis 0 walks the
+``ceil(N/BLOCK_N) * ceil(K/BLOCK_K)`` tiles of one expert, axis 1 the expert. The per-expert
+global amax comes in through the group context (``{"amax": [E]}`` from
+:meth:`NVFP4.group_context`, shared by fused members); every program derives the expert's
+``enc`` and ``weight_scale_2`` from it with the reference's fp32 ops, so nothing is computed on
+the host and nothing syncs. A program loads ``[BLOCK_N, BLOCK_K/16, 16]`` through the input's
+strides (views read in place, int64 offsets), upcasts to fp32, and per 16-block mirrors
+``NVFP4.reference`` step by step (see nvfp4.py for the formulas and their vLLM source):
+
+1. ``enc = div_rn(2688, amax)``, capped at 2^116, 1 where amax == 0; ``dec = div_rn(1, enc)``;
+2. ``scale = e4m3(enc * (amax_b * fp32(1/6)))`` (integer encoder: saturates at 448);
+3. ``os = div_rn(1, fp32(scale) * dec)``, 0 where the scale is 0;
+4. ``code = e2m1(|x * os|) | 8 * (x < 0)``, packed two per byte, even element in the low nibble.
+
+Divisions are ``tl.math.div_rn`` (correctly rounded; GPU ``/`` is approximate). Programs of tile
+0 also write the expert's ``weight_scale_2`` and ``input_scale``. Importing this module
+registers the kernel as ``NVFP4.kernel``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qstrat.errors import UnsupportedShapeError
+from qstrat.serializers.kernels import fp_encode
+from qstrat.serializers.kernels.launch import device_guard, kernel_input
+from qstrat.serializers.nvfp4 import BLOCK, ENC_MAX, GLOBAL_MAX, NVFP4, RCP_E2M1_MAX
+
+#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). Untuned.
+BLOCK_N = 32
+BLOCK_K = 128
+NUM_WARPS = 4
+
+
+@triton.jit
+def _nvfp4_kernel(
+    x_ptr, amax_ptr, q_ptr, s_ptr, s2_ptr, in_ptr,
+    N, K, KT, input_scale,
+    stride_e, stride_n, stride_k, stride_amax,
+    GMAX: tl.constexpr, EMAX: tl.constexpr, RCP6: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FB: tl.constexpr, BF16_BITS: tl.constexpr,
+):
+    tile = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1).to(tl.int64)
+
+    # Step 1: the expert's global encode scale (nvfp4.global_encode_scale) and its reciprocal.
+    amax_t = tl.load(amax_ptr + e * stride_amax).to(tl.float32)
+    enc = tl.math.div_rn(tl.full([], GMAX, tl.float32), tl.where(amax_t == 0, 1.0, amax_t))
+    enc = tl.where(enc > EMAX, EMAX, enc)  # torch clamp(max=): NaN stays NaN
+    enc = tl.where(amax_t == 0, 1.0, enc)
+    dec = tl.math.div_rn(tl.full([], 1.0, tl.float32), enc)
+    if tile == 0:
+        tl.store(s2_ptr + e, dec)
+        tl.store(in_ptr + e, input_scale)
+
+    tn = tile // KT
+    tk = tile % KT
+    G: tl.constexpr = BLOCK_K // FB
+    rows = tn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    groups = tk * G + tl.arange(0, G).to(tl.int64)  # 16-block index along K
+    lanes = tl.arange(0, FB).to(tl.int64)
+    r3 = rows[:, None, None]
+    c3 = groups[None, :, None] * FB + lanes[None, None, :]
+    mask = (r3 < N) & (c3 < K)  # K % 16 == 0: a 16-block is wholly in or out
+    x = fp_encode.load_f32(x_ptr + e * stride_e + r3 * stride_n + c3 * stride_k, mask, BF16_BITS)
+
+    # Step 2: e4m3 block scale.
+    amax_b = tl.max(tl.abs(x), axis=2)
+    amax_b = fp_encode.nan_if(amax_b, tl.sum((x != x).to(tl.int32), axis=2) > 0)
+    scale = fp_encode.e4m3_encode(enc * (amax_b * RCP6))
+    # Step 3: element multiplier from the DECODED scale.
+    s = fp_encode.e4m3_decode(scale)
+    zero = s == 0
+    denom = tl.where(zero, 1.0, s * dec)  # no 1/0 on the discarded lanes
+    os = tl.where(zero, 0.0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), denom))
+    # Step 4: E2M1 codes, sign from x itself, two per byte (even element in the low nibble).
+    code = fp_encode.e2m1_magnitude(tl.abs(x * os[:, :, None])) | ((x < 0).to(tl.int32) << 3)
+    lo, hi = tl.split(tl.reshape(code, (BLOCK_N, G, FB // 2, 2)))
+    packed = lo | (hi << 4)
+
+    KH = K // 2
+    pairs = groups[None, :, None] * (FB // 2) + tl.arange(0, FB // 2).to(tl.int64)[None, None, :]
+    tl.store(q_ptr + e * N * KH + r3 * KH + pairs, packed.to(tl.uint8),
+             mask=(r3 < N) & (pairs < KH))
+    r2 = rows[:, None]
+    g2 = groups[None, :]
+    KS = K // FB
+    tl.store(s_ptr + e * N * KS + r2 * KS + g2, scale.to(tl.uint8), mask=(r2 < N) & (g2 < KS))
+
+
+def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
+    """Quantize a grouped slab to NVFP4 in one kernel launch (the ``NVFP4.kernel`` hook).
+
+    Args:
+        serializer: the :class:`NVFP4` instance (reads ``options.input_scale``).
+        w3: [E, N, K] bf16/fp16/fp32 on CUDA (or CPU under ``TRITON_INTERPRET=1``), any strides,
+            ``K % 16 == 0``; read in place, never copied.
+        ctx: ``{"amax": float32 [E]}`` from :meth:`NVFP4.group_context` (the fusion group's
+            per-expert max|W|); ``None`` computes it from ``w3`` alone (a group of one).
+    Returns:
+        ``{"weight": uint8 [E, N, K/2], "weight_scale": float8_e4m3fn [E, N, K/16],
+        "weight_scale_2": float32 [E], "input_scale": float32 [E]}``, contiguous, on ``w3``'s
+        device; bytes identical to ``NVFP4.reference`` (formulas: nvfp4.py, contracts.md
+        section 3).
+    Raises:
+        ValueError: ``w3`` is not 3-D, or ``ctx["amax"]`` is not [E].
+        UnsupportedShapeError: ``K % 16 != 0``.
+    """
+    if w3.dim() != 3:
+        raise ValueError(f"nvfp4 kernel expects [E, N, K], got shape {list(w3.shape)}")
+    e, n, k = w3.shape
+    if k % BLOCK:
+        raise UnsupportedShapeError(f"nvfp4 needs K divisible by {BLOCK}; got K={k}")
+    if ctx is None:
+        ctx = serializer.group_context([w3])
+    amax = ctx["amax"].reshape(-1)
+    if amax.shape[0] != e:
+        raise ValueError(f"nvfp4 kernel: context amax has {amax.shape[0]} entries for E={e}")
+    amax = amax.to(device=w3.device, dtype=torch.float32)
+    dev = w3.device
+    q = torch.empty((e, n, k // 2), dtype=torch.uint8, device=dev)
+    s = torch.empty((e, n, k // BLOCK), dtype=torch.uint8, device=dev)
+    s2 = torch.empty((e,), dtype=torch.float32, device=dev)
+    inp = torch.empty((e,), dtype=torch.float32, device=dev)
+    kt = triton.cdiv(k, BLOCK_K)
+    x, bf16_bits = kernel_input(w3)
+    with device_guard(w3):
+        _nvfp4_kernel[(triton.cdiv(n, BLOCK_N) * kt, e)](
+            x, amax, q, s, s2, inp, n, k, kt, float(serializer.options.input_scale),
+            *x.stride(), amax.stride(0),
+            GMAX=GLOBAL_MAX, EMAX=ENC_MAX, RCP6=RCP_E2M1_MAX, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            FB=BLOCK, BF16_BITS=bf16_bits, num_warps=NUM_WARPS,
+        )
+    return {
+        "weight": q,
+        "weight_scale": s.view(torch.float8_e4m3fn),
+        "weight_scale_2": s2,
+        "input_scale": inp,
+    }
+
+
+NVFP4.kernel = quantize_nvfp4
