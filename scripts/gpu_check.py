@@ -248,18 +248,36 @@ def run_pytest() -> dict:
             "tail": "\n".join(tail[-30:])}
 
 
+def kernel_formats() -> dict[str, type[Serializer]]:
+    """Formats with a Triton kernel: the plugin registry's, plus any format module under
+    ``qstrat.serializers`` not registered (yet), found by its ``name``."""
+    import importlib
+    import pkgutil
+
+    import qstrat.serializers as pkg
+
+    found = {n: e.obj for n, e in get_registry().serializers.items()}
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name not in ("base", "fp_bits", "kernels"):
+            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    stack = list(Serializer.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack += cls.__subclasses__()
+        name = cls.__dict__.get("name")
+        if isinstance(name, str) and name not in found:
+            found[name] = cls
+    return {n: c for n, c in sorted(found.items()) if c.kernel is not None}
+
+
 def formats(names: str) -> list[Serializer]:
-    """Registered formats with a Triton kernel (optionally filtered by comma-separated names)."""
-    reg = get_registry()
-    wanted = [s for s in names.split(",") if s] or sorted(reg.serializers)
-    out = []
-    for name in wanted:
-        cls = reg.lookup("serializers", name).obj
-        if cls.kernel is not None:
-            out.append(cls(backend="triton", nonfinite="propagate"))
-        elif names:
-            raise SystemExit(f"format {name!r} has no Triton kernel registered")
-    return out
+    """Format instances to check: every one with a kernel, or the comma-separated ``names``."""
+    avail = kernel_formats()
+    wanted = [s for s in names.split(",") if s] or list(avail)
+    missing = [n for n in wanted if n not in avail]
+    if missing:
+        raise SystemExit(f"no Triton kernel registered for {missing}; have {sorted(avail)}")
+    return [avail[n](backend="triton", nonfinite="propagate") for n in wanted]
 
 
 def render(report: dict, console: Console) -> None:
