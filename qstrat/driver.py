@@ -246,28 +246,41 @@ class RefitDriver:
         yield from self.execute(plan, tensors)
 
     def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Emit the outputs of an already validated ``plan`` for ``tensors`` (see :meth:`run`)."""
-        groups: dict[str, list[PlanEntry]] = {}
+        """Emit the outputs of an already validated ``plan`` for ``tensors`` in wire order.
+
+        Each input is quantized once, when its first output is due, and its parts are dropped
+        after its last output: with natural name order that bounds live parts to about one
+        decoder layer (a layer's slabs interleave per expert).
+        """
+        members: dict[str, list[str]] = {}
         for e in plan.entries:
             if e.group:
-                groups.setdefault(e.group, []).append(e)
+                members.setdefault(e.group, []).append(e.name)
         contexts: dict[str, Any] = {}
-        for e in plan.entries:
-            t = _materialize(tensors[e.name])
-            if e.serializer == PASSTHROUGH:
-                yield e.name, t
-                continue
-            ser = self.serializer(e.serializer, e.options)
-            ctx = None
-            if e.group:
-                if e.group not in contexts:
-                    members = [_materialize(tensors[m.name]) for m in groups[e.group]]
-                    contexts[e.group] = ser.group_context(members)
-                ctx = contexts[e.group]
-            parts = ser.quantize(t, name=e.name, context=ctx)
-            for o in e.outputs:
-                yield o.name, _cut(parts[o.suffix], o)
-            del parts
+        live: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
+        for i, o in plan.wire_order():
+            e = plan.entries[i]
+            if i not in live:
+                live[i] = (self._quantize_entry(e, tensors, members, contexts), len(e.outputs))
+            parts, left = live[i]
+            yield o.name, _cut(parts[o.suffix], o)
+            if left == 1:
+                del live[i]
+            else:
+                live[i] = (parts, left - 1)
+
+    def _quantize_entry(self, e: PlanEntry, tensors: Mapping[str, torch.Tensor],
+                        members: Mapping[str, list[str]], contexts: dict[str, Any]) -> dict[str, torch.Tensor]:
+        t = _materialize(tensors[e.name])
+        if e.serializer == PASSTHROUGH:
+            return {"weight": t}
+        ser = self.serializer(e.serializer, e.options)
+        ctx = None
+        if e.group:
+            if e.group not in contexts:
+                contexts[e.group] = ser.group_context([_materialize(tensors[m]) for m in members[e.group]])
+            ctx = contexts[e.group]
+        return ser.quantize(t, name=e.name, context=ctx)
 
 
 def _materialize(t: Any) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The refit plan: every input tensor's decision and outputs, resolved before any quantization.
 
-A :class:`RefitPlan` lists :class:`PlanEntry` items in WIRE ORDER: inputs sorted by natural
-name order (``layers.2`` before ``layers.10``; numbers compare as numbers), and within one input
-its outputs in (expert, projection, part) order as declared by the serializer. The same inputs
-always give the same plan and the same wire order.
+A :class:`RefitPlan` lists :class:`PlanEntry` items (inputs in natural name order). The WIRE
+ORDER is every output checkpoint name in natural order (``layers.2`` before ``layers.10``;
+digit runs compare as numbers): the same model gives the same wire order whether the trainer
+hands over grouped slabs or per-expert tensors, in any input order.
 """
 from __future__ import annotations
 
@@ -100,7 +100,12 @@ class RefitPlan:
 
     def outputs(self) -> list[OutputTensor]:
         """Every emitted tensor, in wire order."""
-        return [o for e in self.entries for o in e.outputs]
+        return [o for _, o in self.wire_order()]
+
+    def wire_order(self) -> list[tuple[int, OutputTensor]]:
+        """(entry index, output) pairs sorted by natural order of the output name."""
+        pairs = [(i, o) for i, e in enumerate(self.entries) for o in e.outputs]
+        return sorted(pairs, key=lambda p: natural_key(p[1].name))
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per serializer: ``tensors`` (inputs), ``outputs``, ``bytes_in`` (as given), ``bytes_out``."""
@@ -121,7 +126,7 @@ class RefitPlan:
             "config": self.config,
             "quantization_config": self.quantization_config,
             "ignored_layers": self.ignored_layers,
-            "wire_order": "inputs in natural name order; per input: expert, projection, part",
+            "wire_order": "output checkpoint names in natural order (digit runs compare as numbers)",
             "totals": self.totals(),
             "entries": [asdict(e) for e in self.entries],
         }

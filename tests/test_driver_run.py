@@ -1,0 +1,115 @@
+"""Running a refit on the tiny Qwen3-MoE: bytes, names, wire order, sinks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import qstrat
+from qstrat import NonFiniteError, RefitDriver
+from qstrat.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
+
+
+def per_expert_view(state):
+    """What save_pretrained writes: grouped slabs split into per-expert names."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:]
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def u8(t):
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
+@pytest.mark.parametrize("preset", ["block-fp8", "mxfp8", "mxfp8-experts"])
+def test_grouped_slabs_and_per_expert_names_give_identical_checkpoints(tiny_model, tiny_hf_config, preset):
+    state = tiny_model.state_dict()
+    driver = RefitDriver(preset, hf_config=tiny_hf_config)
+    grouped = list(driver.run(state))
+    per_expert = list(driver.run(per_expert_view(state)))
+    assert [n for n, _ in grouped] == [n for n, _ in per_expert]
+    for (name, a), (_, b) in zip(grouped, per_expert):
+        assert a.dtype == b.dtype and torch.equal(u8(a), u8(b)), name
+
+
+def test_run_emits_exactly_the_plan_in_wire_order(tiny_model, tiny_hf_config):
+    state = tiny_model.state_dict()
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan = driver.plan(state)
+    emitted = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in driver.run(state)]
+    assert emitted == [(o.name, o.shape, o.dtype) for o in plan.outputs()]
+    names = [n for n, _, _ in emitted]
+    assert "model.layers.0.mlp.gate.weight" in names  # router sent, unquantized
+    expert_scale = dict(driver.run(state))["model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"]
+    half = state["model.layers.2.mlp.experts.gate_up_proj"][5, 128:]
+    assert torch.equal(expert_scale, qstrat.get_serializer("block_fp8").quantize(half)["weight_scale_inv"])
+
+
+def test_fused_emission_equals_per_expert_bytes(tiny_model, tiny_hf_config):
+    state = tiny_model.state_dict()
+    fused = dict(RefitDriver({"preset": "block-fp8", "expert_emission": "fused"}, hf_config=tiny_hf_config).run(state))
+    split = dict(RefitDriver("block-fp8", hf_config=tiny_hf_config).run(state))
+    slab = fused["model.layers.1.mlp.experts.gate_up_proj"]
+    scale = fused["model.layers.1.mlp.experts.gate_up_proj_scale_inv"]
+    assert torch.equal(u8(slab[3, :128]), u8(split["model.layers.1.mlp.experts.3.gate_proj.weight"]))
+    assert torch.equal(scale[3, 1:], split["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"])
+
+
+def test_checkpoint_sink_writes_config_and_plan(tiny_model, tiny_hf_config, tmp_path):
+    state = tiny_model.state_dict()
+    driver = RefitDriver({"preset": "block-fp8", "keep_bf16": {"last": 1}}, hf_config=tiny_hf_config)
+    plan = write_checkpoint(driver, state, tmp_path / "ckpt", shard_bytes=1 << 20)
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["quantization_config"] == plan.vllm_quantization_config()
+    assert "model.layers.3.self_attn.q_proj" in cfg["quantization_config"]["ignored_layers"]
+    assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()  # sharded at 1 MiB
+    stored = load_checkpoint(tmp_path / "ckpt")
+    assert {n: tuple(t.shape) for n, t in stored.items()} == {o.name: o.shape for o in plan.outputs()}
+    assert stored["model.layers.3.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    # The written checkpoint plans again from headers only (qstrat plan / quantize input).
+    lazy = lazy_checkpoint(tmp_path / "ckpt")
+    assert lazy["model.layers.0.mlp.experts.1.down_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_nan_names_the_tensor_and_writes_nothing(tiny_model, tiny_hf_config, tmp_path):
+    state = dict(tiny_model.state_dict())
+    bad = state["model.layers.2.mlp.experts.down_proj"].clone()
+    bad[6, 17, 3] = float("nan")
+    state["model.layers.2.mlp.experts.down_proj"] = bad
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    with pytest.raises(NonFiniteError, match=r"model\.layers\.2\.mlp\.experts\.down_proj: .*\[6, 17, 3\]"):
+        write_checkpoint(driver, state, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.iterdir())  # no temporary directory left behind either
+
+
+def test_plan_errors_before_any_output(tiny_model, tiny_hf_config):
+    state = dict(tiny_model.state_dict())
+    state["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(128, 256)
+    gen = RefitDriver("block-fp8", hf_config=tiny_hf_config).run(state)
+    with pytest.raises(qstrat.PlanError, match="both emit"):
+        next(gen)
+
+
+def test_meta_tensors_plan_but_lazy_tensors_run(tiny_model, tiny_hf_config, tmp_path):
+    from qstrat.tiny_model import save_bf16
+
+    save_bf16(tiny_model, tmp_path / "bf16")
+    lazy = lazy_checkpoint(tmp_path / "bf16")
+    driver = RefitDriver("mxfp8", hf_config=tiny_hf_config)
+    from_disk = dict(driver.run(lazy))
+    from_memory = dict(driver.run(tiny_model.state_dict()))
+    assert from_disk.keys() == from_memory.keys()
+    assert all(torch.equal(u8(from_disk[k]), u8(from_memory[k])) for k in from_disk)
