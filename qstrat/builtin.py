@@ -10,13 +10,14 @@ from qstrat.selectors import BUILTIN_SELECTORS
 from qstrat.serializers.bf16 import BF16
 from qstrat.serializers.block_fp8 import BlockFP8
 from qstrat.serializers.mxfp8 import MXFP8
+from qstrat.serializers.nvfp4 import NVFP4
 from qstrat.strategies.presets import BUILTIN_STRATEGIES
 
 
 @hookimpl
 def qstrat_serializers():
-    """Built-in formats: bf16, block_fp8, mxfp8."""
-    return [BF16, BlockFP8, MXFP8]
+    """Built-in formats: bf16, block_fp8, mxfp8, nvfp4."""
+    return [BF16, BlockFP8, MXFP8, NVFP4]
 
 
 @hookimpl

@@ -156,8 +156,8 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
         table.add_column(col)
     for kind in reg.KINDS:
         for name, entry in sorted(getattr(reg, kind).items()):
-            summary = getattr(entry.obj, "summary", "") or getattr(entry.obj, "architectures", "")
-            table.add_row(kind, name, str(summary or ""), entry.origin)
+            summary = getattr(entry.obj, "summary", "") or ", ".join(getattr(entry.obj, "architectures", ()))
+            table.add_row(kind, name, summary, entry.origin)
     console.print(table)
     return 0
 

@@ -15,4 +15,8 @@ BUILTIN_STRATEGIES = (
              {"rules": [{"select": ["linear"], "serializer": "mxfp8"}]}),
     Strategy("mxfp8-experts", "MXFP8 on routed MoE experts only",
              {"rules": [{"select": ["experts"], "serializer": "mxfp8"}]}),
+    Strategy("nvfp4-experts", "NVFP4 (E2M1, E4M3 per 16, fp32 global) on routed experts; "
+             "first and last decoder layer kept in BF16 (override with keep_bf16)",
+             {"rules": [{"select": ["experts"], "serializer": "nvfp4"}],
+              "keep_bf16": {"first": 1, "last": 1}}),
 )

@@ -33,7 +33,7 @@ def u8(t):
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
-@pytest.mark.parametrize("preset", ["block-fp8", "mxfp8", "mxfp8-experts"])
+@pytest.mark.parametrize("preset", ["block-fp8", "mxfp8", "mxfp8-experts", "nvfp4-experts"])
 def test_grouped_slabs_and_per_expert_names_give_identical_checkpoints(tiny_model, tiny_hf_config, preset):
     state = tiny_model.state_dict()
     driver = RefitDriver(preset, hf_config=tiny_hf_config)
@@ -113,3 +113,37 @@ def test_meta_tensors_plan_but_lazy_tensors_run(tiny_model, tiny_hf_config, tmp_
     from_memory = dict(driver.run(tiny_model.state_dict()))
     assert from_disk.keys() == from_memory.keys()
     assert all(torch.equal(u8(from_disk[k]), u8(from_memory[k])) for k in from_disk)
+
+
+def test_nvfp4_fused_shards_share_one_global_scale(tiny_model, tiny_hf_config):
+    state = tiny_model.state_dict()
+    cfg = {"rules": [{"select": ["experts", "attention"], "serializer": "nvfp4"}]}
+    out = dict(RefitDriver(cfg, hf_config=tiny_hf_config).run(state))
+    p = "model.layers.2"
+    gate, up = out[f"{p}.mlp.experts.4.gate_proj.weight_scale_2"], out[f"{p}.mlp.experts.4.up_proj.weight_scale_2"]
+    slab = state[f"{p}.mlp.experts.gate_up_proj"][4].float()
+    assert gate.shape == () and torch.equal(gate, up)
+    assert torch.isclose(gate, slab.abs().max() / 2688, rtol=2 ** -22)
+    q, k, v = (out[f"{p}.self_attn.{x}_proj.weight_scale_2"] for x in "qkv")
+    assert torch.equal(q, k) and torch.equal(k, v)
+    qkv_amax = max(float(state[f"{p}.self_attn.{x}_proj.weight"].float().abs().max()) for x in "qkv")
+    assert torch.isclose(q, torch.tensor(qkv_amax / 2688), rtol=2 ** -22)
+    o = out[f"{p}.self_attn.o_proj.weight_scale_2"]  # not fused: its own amax
+    assert torch.isclose(o, state[f"{p}.self_attn.o_proj.weight"].float().abs().max() / 2688, rtol=2 ** -22)
+    # down_proj is not fused with anything: per-expert amax of its own slab row
+    down = out[f"{p}.mlp.experts.4.down_proj.weight_scale_2"]
+    assert torch.isclose(down, state[f"{p}.mlp.experts.down_proj"][4].float().abs().max() / 2688, rtol=2 ** -22)
+
+
+def test_nvfp4_plan_config_and_names(tiny_model, tiny_hf_config):
+    plan = RefitDriver("nvfp4-experts", hf_config=tiny_hf_config).plan(tiny_model.state_dict())
+    qc = plan.vllm_quantization_config()
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4" and qc["group_size"] == 16
+    assert "model.layers.0.mlp.experts" in qc["ignore"] and "model.layers.3.mlp.experts" in qc["ignore"]
+    assert "model.layers.1.mlp.experts" not in qc["ignore"]
+    outs = {o.name: (o.shape, o.dtype) for o in plan.outputs() if ".layers.1.mlp.experts.2.gate_proj" in o.name}
+    assert outs == {
+        "model.layers.1.mlp.experts.2.gate_proj.weight": ((128, 128), "uint8"),
+        "model.layers.1.mlp.experts.2.gate_proj.weight_scale": ((128, 16), "float8_e4m3fn"),
+        "model.layers.1.mlp.experts.2.gate_proj.weight_scale_2": ((), "float32"),
+        "model.layers.1.mlp.experts.2.gate_proj.input_scale": ((), "float32")}
