@@ -166,12 +166,14 @@ def agreement(outs: list[Parts], ref: Parts) -> tuple[bool, int]:
 # ---- the check -----------------------------------------------------------------------------------
 
 
-def check_format(ser: Serializer, shape: tuple[int, int, int], ceiling: float, reps: int) -> list[dict]:
+def check_format(
+    ser: Serializer, shape: tuple[int, int, int], ceiling: float, reps: int
+) -> list[dict]:
     """All rows (one per implementation) for one format and one slab shape."""
     cls = type(ser)
     e, n, k = shape
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    w3 = torch.randn(shape, generator=g, device=DEVICE, dtype=torch.float32).to(torch.bfloat16)
+    w3 = torch.randn(shape, generator=g, device=DEVICE, dtype=torch.bfloat16)
     ctx = ser.group_context([w3])
     nbytes = w3.numel() * w3.element_size() + sum(p.nbytes for p in ser.part_specs(shape))
     ref_ser = cls(backend="torch", nonfinite="propagate", **_fmt_options(ser))
@@ -242,7 +244,7 @@ def run_pytest() -> dict:
     files = sorted(str(p) for p in (ROOT / "tests").glob("test_kernels*.py")
                    if "gpu_check" not in p.name)
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     return {"ran": True, "returncode": proc.returncode, "summary": tail[-1] if tail else "",
             "tail": "\n".join(tail[-30:])}
@@ -284,7 +286,8 @@ def render(report: dict, console: Console) -> None:
     t = Table(title=f"qstrat kernels - {report['mode']} - {report['device']}")
     for col in ("format", "shape [E,N,K]", "implementation", "MB moved", "ms", "GB/s",
                 "% of copy", "bit-exact", "note"):
-        t.add_column(col, justify="left" if col in ("format", "implementation", "note") else "right")
+        left = col in ("format", "implementation", "note")
+        t.add_column(col, justify="left" if left else "right")
     for r in report["results"]:
         exact = {True: "yes", False: f"NO ({r['mismatched_bytes']})", None: "-"}[r["bit_exact"]]
         t.add_row(
@@ -313,7 +316,8 @@ def main() -> int:
         "triton": __import__("triton").__version__,
     }
     report["pytest"] = (
-        {"ran": False, "summary": "skipped (smoke mode: tests/test_kernels*.py cover the interpreter)"}
+        {"ran": False,
+         "summary": "skipped (smoke mode: tests/test_kernels*.py cover the interpreter)"}
         if SMOKE or ARGS.no_pytest else run_pytest()
     )
     report["copy"] = copy_ceiling()
@@ -331,7 +335,8 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     console.print(f"wrote {path} in {report['seconds']:.1f} s")
-    failed = [r for r in report["results"] if r["bit_exact"] is False and r["impl"].startswith("kernel")]
+    failed = [r for r in report["results"]
+              if r["bit_exact"] is False and r["impl"].startswith("kernel")]
     return 1 if failed or report["pytest"].get("returncode", 0) else 0
 
 

@@ -92,7 +92,9 @@ else:
     BLOCK_OPTS = [{}, {"ue8m0": True}]
     MX_OPTS = [{}, {"scale_rounding": "floor"}, {"min_scale_byte": 1}]
     CASES = [(BlockFP8, o) for o in BLOCK_OPTS] + [(MXFP8, o) for o in MX_OPTS]
-    CASE_IDS = [f"{c.name}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for c, o in CASES]
+    CASE_IDS = [
+        f"{c.name}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for c, o in CASES
+    ]
     FORMATS = [BlockFP8, MXFP8]
     DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -368,7 +370,8 @@ else:
     def test_e8m0_exp2_and_ceil_pow2_equal_fp_bits():
         g = gen(10)
         amax = torch.cat([
-            torch.randint(0, 0x7F800000, (1 << 15,), generator=g).to(torch.int32).view(torch.float32),
+            torch.randint(0, 0x7F800000, (1 << 15,), generator=g)
+            .to(torch.int32).view(torch.float32),
             torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 448.0, 460.0, 0.9, float("inf"),
                           float("nan"), 3e38]),
             torch.tensor([448.0 * 2.0**k for k in range(-140, 120)]),

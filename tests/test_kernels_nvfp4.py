@@ -140,7 +140,8 @@ else:
     def test_e2m1_rounding_and_nibble_order():
         # Global amax 2688 -> enc = 1; block amax 6 -> scale e4m3(6 * fp32(1/6)) = 1.0, so the
         # element multiplier is exactly 1 and codes are e2m1_rne(x) itself.
-        vals = [1.0, 2.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.0, -0.75, -5.0, 0.5, 3.0, 4.0]
+        vals = [1.0, 2.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.0, -0.75, -5.0, 0.5, 3.0,
+                4.0]
         want = [0x2, 0x4, 0x0, 0x2, 0x2, 0x4, 0x4, 0x6, 0x6, 0x7, 0x0, 0xA, 0xE, 0x1, 0x5, 0x6]
         w = torch.tensor([vals], dtype=torch.float32, device=DEVICE)
         got = check(w, context={"amax": torch.tensor(2688.0, device=DEVICE)})  # 2-D: amax []
@@ -221,3 +222,21 @@ else:
             torch.rand(1 << 14, generator=g) * 8,
         ])
         assert torch.equal(run_helper(1, a), nvfp4_ref.e2m1_magnitude(a).to(torch.int32))
+
+    # ---- GPU only: offsets beyond 2^31 elements -----------------------------------------
+
+    @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with >= 16 GiB free")
+    def test_offsets_beyond_2_31_elements():
+        free, _ = torch.cuda.mem_get_info()
+        e, n, k = 17, 8192, 16384  # 2.28e9 elements > 2^31
+        if free < 16 * 2**30:
+            pytest.skip(f"only {free / 2**30:.1f} GiB free")
+        w = torch.empty((e, n, k), dtype=torch.bfloat16, device="cuda")
+        for i in range(e):
+            w[i].normal_(generator=torch.Generator("cuda").manual_seed(i))
+        got = NVFP4(backend="triton").quantize(w)
+        for i in (0, e - 1):
+            want = NVFP4(backend="torch").quantize(w[i])
+            testing.assert_same_bytes({p: v[i] for p, v in got.items()}, want, f"expert {i}")
+        del got, w
+        torch.cuda.empty_cache()

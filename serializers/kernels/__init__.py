@@ -1,4 +1,5 @@
-"""Triton kernels for the formats: one module per format, shared device helpers in :mod:`.fp_encode`.
+"""Triton kernels for the formats: one module per format, shared device helpers in
+:mod:`.fp_encode`.
 
 A format module ends with ``load_kernel("<format>")``, which imports
 ``qstrat.serializers.kernels.<format>`` when triton is importable; that module sets the format's

@@ -121,7 +121,9 @@ def exp2_int(e):
 
 @triton.jit
 def e8m0_from_amax(amax, RCEIL: tl.constexpr):
-    """E8M0 scale byte (int32 in [0, 255]) of an MX block from its fp32 amax (fp_bits.e8m0_from_amax).
+    """E8M0 scale byte (int32 in [0, 255]) of an MX block from its fp32 amax.
+
+    Twin of :func:`qstrat.serializers.fp_bits.e8m0_from_amax`.
 
     With ``amax = m * 2^(b - 127)``: RCEIL (vLLM/FlashInfer/TE/cuBLAS) ``b - 8 + (m > 1.75)``,
     FLOOR (OCP MX spec v1.0 section 6.3) ``b - 8``; clamped to [0, 254]; zero or fp32-subnormal
