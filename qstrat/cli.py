@@ -162,24 +162,26 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _two_columns(title: str, header: tuple[str, str], rows: dict[str, str]) -> Table:
+    table = Table(title=title)
+    table.add_column(header[0])
+    table.add_column(header[1], justify="right")
+    for key, value in rows.items():
+        table.add_row(key, value)
+    return table
+
+
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from qstrat.demo import run_demo
 
     report = run_demo(_config_source(args, default="block-fp8"), out_dir=args.out,
                       engine=not args.no_engine, console=console)
     _print_summary(console, report.plan)
-    table = Table(title="quantization error (relative RMS, dequantized vs BF16)")
-    table.add_column("serializer")
-    table.add_column("rel. error", justify="right")
-    for name, err in report.rel_error.items():
-        table.add_row(name, f"{err:.4%}")
-    console.print(table)
-    times = Table(title="time per stage")
-    times.add_column("stage")
-    times.add_column("seconds", justify="right")
-    for stage, sec in report.stage_seconds.items():
-        times.add_row(stage, f"{sec:.2f}")
-    console.print(times)
+    console.print(_two_columns("quantization error (relative RMS, dequantized vs BF16)",
+                               ("serializer", "rel. error"),
+                               {k: f"{v:.4%}" for k, v in report.rel_error.items()}))
+    console.print(_two_columns("time per stage", ("stage", "seconds"),
+                               {k: f"{v:.2f}" for k, v in report.stage_seconds.items()}))
     console.print(f"checkpoint: {report.checkpoint} (verified: {report.verified})")
     console.print(f"engine: {report.engine}")
     if report.engine.startswith("skipped"):
