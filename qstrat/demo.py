@@ -113,33 +113,49 @@ def verify_checkpoint(driver: RefitDriver, tensors: Mapping[str, torch.Tensor],
 
 def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dict[str, Any],
                   trainer_b: dict[str, torch.Tensor], out: Path, say: Any) -> None:
+    """Refit a live engine started on model A's checkpoint with B's trainer tensors (grouped
+    slabs) and compare its greedy tokens and logprobs with a fresh engine on B's checkpoint.
+
+    On a CPU without AMX both engines run qstrat's emulated block-FP8 kernels
+    (:mod:`qstrat.engine_emulation`): the comparison checks names, scales, ignore lists and the
+    reload lifecycle, not AMX numerics; the report says which kernels ran.
+    """
     from qstrat.engine import block_fp8_engine_support
 
     plan = report.plan
     fmt = (plan.quantization_config or {}).get("quant_method")
-    ok, why = block_fp8_engine_support()
+    ok, kernels = block_fp8_engine_support()
     if fmt != "fp8" or not ok:
-        reason = why if fmt == "fp8" else f"the demo's engine stage runs block FP8, not {fmt}"
+        reason = kernels if fmt == "fp8" else f"the demo's engine stage runs block FP8, not {fmt}"
         report.engine = f"skipped: {reason}"
         return
     from qstrat import vllm as qvllm
-    from qstrat.engine import greedy, start_engine
+    from qstrat.engine import EMULATED, greedy, release, start_engine
     from qstrat.tiny_model import build_tiny_qwen3_moe
 
-    with _stage(report, "engine: start on A"):
+    say(f"engine kernels: {kernels}")
+    with _stage(report, "engine: write A"):
         model_a = build_tiny_qwen3_moe(seed=0)
         write_checkpoint(driver, model_a.state_dict(), out / "model-a", hf_config=cfg, overwrite=True)
-        llm = start_engine(out / "model-a")
+    # vLLM picks the model class from config.json "architectures"; a config built from a fresh
+    # (never saved) transformers model has none, and vLLM would then load a headless model.
+    arch = {} if cfg.get("architectures") else {"hf_overrides": {"architectures": [type(model_a).__name__]}}
+    with _stage(report, "engine: start on A"):
+        llm = start_engine(out / "model-a", **arch)
     with _stage(report, "engine: refit A -> B"):
-        qvllm.refit(llm, driver, trainer_b)
+        refit = qvllm.refit(llm, driver, trainer_b)
     with _stage(report, "engine: generate"):
         refit_out = greedy(llm)
+    release(llm)
     del llm
     with _stage(report, "engine: fresh on B"):
-        fresh = start_engine(report.checkpoint)
+        fresh = start_engine(report.checkpoint, **arch)
         fresh_out = greedy(fresh)
+    release(fresh)
     del fresh
+    say(f"refit sent {refit.tensors} tensors ({refit.bytes / 2**20:.1f} MiB) in {refit.seconds:.2f} s")
     report.engine_ok = refit_out == fresh_out
-    report.engine = ("refit engine == fresh engine on B (tokens and logprobs)" if report.engine_ok
-                     else f"MISMATCH: refit {refit_out} vs fresh {fresh_out}")
+    how = "emulated block-FP8 kernels, CPU without AMX" if kernels == EMULATED else kernels
+    report.engine = (f"refit engine == fresh engine on B (tokens and logprobs; {how})" if report.engine_ok
+                     else f"MISMATCH ({how}): refit {refit_out} vs fresh {fresh_out}")
     say(report.engine)
