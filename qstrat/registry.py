@@ -54,7 +54,12 @@ class Registry:
 
             self.pm.register(builtin, name="builtin")
         for plugin in plugins:
-            self.pm.register(plugin)
+            self._register(plugin)
+        try:
+            self.pm.check_pending()  # a misspelled hook would otherwise be ignored silently
+        except pluggy.PluginValidationError as exc:
+            hooks = ", ".join(n for n in dir(hookspecs) if n.startswith("qstrat_"))
+            raise PluginError(f"{exc}; qstrat hooks are: {hooks}") from exc
         origins = {id(p): f"{dist.project_name} {dist.version}" for p, dist in self.pm.list_plugin_distinfo()}
         self._origins = {self.pm.get_name(p): origins.get(id(p), "in-process") for p in self.pm.get_plugins()}
         self.serializers: dict[str, Entry[type[Serializer]]] = self._collect("qstrat_serializers", _check_serializer)
@@ -63,13 +68,25 @@ class Registry:
         self.layouts: dict[str, Entry[ModelLayout]] = self._collect("qstrat_layouts", _check_instance(ModelLayout))
         self._check_strategies()
 
+    def _register(self, plugin: object) -> None:
+        """Register an in-process plugin under a readable name (module or class name, not an id)."""
+        base = getattr(plugin, "__name__", None) or type(plugin).__name__
+        name, i = base, 1
+        while self.pm.get_plugin(name) is not None:
+            i += 1
+            name = f"{base}#{i}"
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name}: {exc}") from exc
+
     def _collect(self, hook: str, check: Callable[[Any, str], str]) -> dict[str, Entry[Any]]:
         found: dict[str, Entry[Any]] = {}
         for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
             origin = f"{impl.plugin_name} ({self._origins.get(impl.plugin_name, 'in-process')})"
             result = impl.function()
             if not isinstance(result, (list, tuple)):
-                raise PluginError(f"{origin}: hook {hook} must return a list, got {type(result).__name__}")
+                raise PluginError(f"{origin}: hook {hook} must return a list, got {_short(result)}")
             for obj in result:
                 name = check(obj, f"{origin}: {hook}")
                 if name in found:
@@ -83,6 +100,9 @@ class Registry:
         from qstrat.config import RefitConfig
 
         for entry in self.strategies.values():
+            if not isinstance(entry.obj.config, Mapping):
+                raise PluginError(f"strategy {entry.name!r} from {entry.origin}: config must be a mapping "
+                                  f"(a partial RefitConfig), got {type(entry.obj.config).__name__}")
             try:
                 RefitConfig.from_mapping(dict(entry.obj.config), registry=self)
             except ConfigError as exc:
@@ -113,7 +133,7 @@ def _check_serializer(obj: Any, where: str) -> str:
         raise PluginError(f"{where}: expected a Serializer subclass, got {obj!r}")
     name = obj.__dict__.get("name")
     if not isinstance(name, str) or not name:
-        raise PluginError(f"{where}: serializer {obj.__qualname__} has no 'name' class attribute")
+        raise PluginError(f"{where}: serializer {obj.__qualname__} has no 'name' class attribute of its own (a non-empty str)")
     if inspect.isabstract(obj):
         missing = ", ".join(sorted(obj.__abstractmethods__))
         raise PluginError(f"{where}: serializer {name!r} does not implement: {missing}")
@@ -124,11 +144,17 @@ def _check_instance(cls: type) -> Callable[[Any, str], str]:
     def check(obj: Any, where: str) -> str:
         if not isinstance(obj, cls):
             raise PluginError(f"{where}: expected {cls.__name__}, got {obj!r}")
-        if not getattr(obj, "name", None):
-            raise PluginError(f"{where}: {cls.__name__} {obj!r} has an empty name")
-        return obj.name
+        name = getattr(obj, "name", None)
+        if not isinstance(name, str) or not name.strip():
+            raise PluginError(f"{where}: {cls.__name__} needs a non-empty str name, got {name!r} in {_short(obj)}")
+        return name
 
     return check
+
+
+def _short(obj: Any, limit: int = 120) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _REGISTRY: Registry | None = None
