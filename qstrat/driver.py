@@ -245,6 +245,14 @@ class RefitDriver:
         plan = self.plan(tensors)
         yield from self.execute(plan, tensors)
 
+    def check_values(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise NonFiniteError for the first quantized input holding NaN/inf (formats with
+        ``nonfinite="error"``), before anything is emitted. One read pass, no copies."""
+        for e in plan.entries:
+            if e.serializer == PASSTHROUGH:
+                continue
+            self.serializer(e.serializer, e.options).check_values(_materialize(tensors[e.name]), e.name)
+
     def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """Emit the outputs of an already validated ``plan`` for ``tensors`` in wire order.
 

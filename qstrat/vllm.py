@@ -10,9 +10,11 @@ engine corrupted. Importing this module does not import vLLM.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from qstrat.driver import NamedTensors, RefitDriver, _as_dict
 from qstrat.errors import PlanError
@@ -65,27 +67,40 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
         raise PlanError(f"the plan quantizes modules the engine keeps unquantized: {clash[:5]}")
 
 
-def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors) -> RefitReport:
+def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Args:
         llm: a ``vllm.LLM`` started on a checkpoint of the same model and format.
         driver: the refit driver.
         named_tensors: the trainer's (HF name, tensor) pairs: per-expert names or grouped slabs.
+        stream: hand vLLM a generator (quantize while loading: memory bounded to about one
+            layer of quantized parts) instead of a list of every quantized tensor. Needs an
+            in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a multiprocess engine
+            pickles its RPC arguments, which a generator cannot be.
     Returns: a :class:`RefitReport`.
     Raises: PlanError (before anything is sent) if the plan is invalid or does not match the
-        engine's quantization_config; NonFiniteError naming the tensor (nothing sent).
+        engine's quantization_config; NonFiniteError naming the tensor (before anything is
+        sent: every input is checked first, one read pass, no copies).
     """
     start = time.perf_counter()
     tensors = _as_dict(named_tensors)
     plan = driver.plan(tensors)
     check_engine_compatible(plan, engine_quantization_config(llm))
-    # Quantize everything first: a NaN found mid-way must not leave a half-reloaded engine.
-    payload = [(name, t.contiguous()) for name, t in driver.execute(plan, tensors)]
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": payload,
+    driver.check_values(plan, tensors)
+    sent = {"tensors": 0, "bytes": 0}
+
+    def payload() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in driver.execute(plan, tensors):
+            t = t.contiguous()
+            sent["tensors"] += 1
+            sent["bytes"] += t.numel() * t.element_size()
+            yield name, t
+
+    weights = payload() if stream else list(payload())
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                  "is_checkpoint_format": True})
-    nbytes = sum(t.numel() * t.element_size() for _, t in payload)
-    return RefitReport(plan, len(payload), nbytes, time.perf_counter() - start)
+    return RefitReport(plan, sent["tensors"], sent["bytes"], time.perf_counter() - start)
 
 
 def _norm(v: Any) -> Any:

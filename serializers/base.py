@@ -169,8 +169,7 @@ class Serializer(ABC):
         specs = self.part_specs(w.shape)
         batched = w.dim() == 3
         w3 = w if batched else w.unsqueeze(0)
-        if self.options.nonfinite == "error":
-            check_finite(w3, name, self._expert_chunk(w3))
+        self.check_values(w3, name)
         ctx = context if context is not None else self.group_context([w3])
         if ctx is not None:
             ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}
@@ -182,6 +181,13 @@ class Serializer(ABC):
             parts = {k: v.squeeze(0) for k, v in parts.items()}
         _check_parts(self.name, name, specs, parts)
         return parts
+
+    def check_values(self, w: torch.Tensor, name: str = "weight") -> None:
+        """With ``nonfinite="error"``: raise NonFiniteError naming ``name`` and the first NaN/inf
+        index of ``w`` ([N, K] or [E, N, K]); read in expert chunks, no full-size copy."""
+        if self.options.nonfinite == "error":
+            w3 = w if w.dim() == 3 else w.unsqueeze(0)
+            check_finite(w3, name, self._expert_chunk(w3))
 
     # ---- internals ------------------------------------------------------------------------
     def _use_kernel(self, w3: torch.Tensor) -> bool:

@@ -1,0 +1,72 @@
+"""qstrat.vllm.refit against a recording stand-in for vllm.LLM: validation happens before any
+RPC, and what reaches ``reload_weights`` is exactly driver.run's stream. (The real engine is
+exercised in test_engine_refit.py.)"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import qstrat
+from qstrat import NonFiniteError, PlanError, RefitDriver
+
+
+class RecordingLLM:
+    """Has what refit touches: llm_engine.model_config.hf_config and collective_rpc."""
+
+    def __init__(self, quantization_config):
+        hf = SimpleNamespace(quantization_config=quantization_config)
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf))
+        self.calls = []
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, [(n, t.clone()) for n, t in kwargs["weights_iterator"]],
+                           kwargs["is_checkpoint_format"]))
+
+
+@pytest.fixture()
+def driver(tiny_hf_config):
+    return RefitDriver("block-fp8", hf_config=tiny_hf_config)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_refit_sends_exactly_the_run_stream(tiny_model, driver, stream):
+    state = tiny_model.state_dict()
+    llm = RecordingLLM(driver.plan(state).vllm_quantization_config())
+    report = qstrat.vllm.refit(llm, driver, state, stream=stream)
+    (method, sent, ckpt_format), = llm.calls
+    assert method == "reload_weights" and ckpt_format is True
+    expected = list(driver.run(state))
+    assert [n for n, _ in sent] == [n for n, _ in expected]
+    assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.contiguous().view(torch.uint8) if b.element_size() == 1 else b)
+               for (_, a), (_, b) in zip(sent, expected))
+    assert report.tensors == len(expected)
+    assert report.bytes == sum(t.numel() * t.element_size() for _, t in expected)
+
+
+def test_nan_is_found_before_anything_is_sent(tiny_model, driver):
+    state = dict(tiny_model.state_dict())
+    bad = state["model.layers.3.self_attn.o_proj.weight"].clone()
+    bad[5, 9] = float("inf")
+    state["model.layers.3.self_attn.o_proj.weight"] = bad
+    llm = RecordingLLM(driver.plan(state).vllm_quantization_config())
+    with pytest.raises(NonFiniteError, match=r"layers\.3\.self_attn\.o_proj\.weight: .*\[0, 5, 9\]"):
+        qstrat.vllm.refit(llm, driver, state, stream=True)
+    assert llm.calls == []
+
+
+def test_engine_format_mismatch_is_refused(tiny_model, tiny_hf_config, driver):
+    state = tiny_model.state_dict()
+    fp8_config = driver.plan(state).vllm_quantization_config()
+    mx = RefitDriver("mxfp8", hf_config=tiny_hf_config)
+    llm = RecordingLLM(fp8_config)
+    with pytest.raises(PlanError, match="quantization_config.quant_method: engine has 'fp8'"):
+        qstrat.vllm.refit(llm, mx, state)
+    with pytest.raises(PlanError, match="does not match"):
+        qstrat.vllm.refit(RecordingLLM(None), driver, state)
+    other_block = dict(fp8_config, weight_block_size=[64, 64])
+    with pytest.raises(PlanError, match="weight_block_size"):
+        qstrat.vllm.refit(RecordingLLM(other_block), driver, state)
+    assert llm.calls == []
