@@ -227,11 +227,16 @@ class Serializer(ABC):
             for r0 in range(0, n, r_step):
                 r1 = min(r0 + r_step, n)
                 got = self.reference(w3[e0:e1, r0:r1].float(), sub_ctx)
+                dsts = {}
                 for p in specs:
                     dst = out[p.suffix][e0:e1]
                     if p.rows_per_entry is not None:
                         dst = dst[:, r0 // p.rows_per_entry : -(-r1 // p.rows_per_entry)]
-                    dst.copy_(got[p.suffix])
+                    dsts[p.suffix] = dst
+                _check_parts(self.name, f"reference() chunk [{e0}:{e1}, {r0}:{r1}]",
+                             [PartSpec(k, tuple(d.shape), d.dtype) for k, d in dsts.items()], got)
+                for suffix, dst in dsts.items():
+                    dst.copy_(got[suffix])
         return out
 
 

@@ -191,10 +191,9 @@ def test_quantize_rejects_parts_that_differ_from_part_specs(kernel, got, monkeyp
     assert torch.equal(broken(backend="torch").quantize(torch.ones(4, 8))["weight"], torch.ones(4, 8, dtype=torch.int8))
 
 
-# The torch path copies each reference() chunk into buffers allocated from part_specs, so a
-# reference that disagrees with part_specs is not caught by _check_parts: a wrong dtype is cast
-# silently, a wrong shape or a missing part raises a bare torch/KeyError. Documented here; these
-# become passing tests once Serializer._reference_chunked validates each chunk (serializers/base.py).
+# The torch path copies each reference() chunk into buffers allocated from part_specs; every
+# chunk is checked first, so a wrong dtype is not cast silently and a wrong shape or a missing
+# part is a PluginError naming the serializer, not a bare torch/KeyError.
 class _RefWrongDtype(Good):
     name = "ref_dtype"
 
@@ -216,7 +215,6 @@ class _RefMissingPart(Good):
         return {"w": x.to(torch.int8)}
 
 
-@pytest.mark.xfail(strict=True, reason="reference() output is not validated chunk by chunk (serializers/base.py)")
 @pytest.mark.parametrize("cls", [_RefWrongDtype, _RefWrongShape, _RefMissingPart])
 def test_reference_that_disagrees_with_part_specs_is_a_plugin_error(cls):
     with pytest.raises(PluginError, match=rf"serializer '{cls.name}'"):
