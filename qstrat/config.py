@@ -147,25 +147,26 @@ class RefitConfig(_Model):
         return json.loads(self.model_dump_json())
 
 
-def load_config(source: str | Path | Mapping[str, Any] | RefitConfig) -> RefitConfig:
+def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: Any = None) -> RefitConfig:
     """Load and validate a refit config.
 
     Args:
         source: a mapping, a ``.yaml``/``.yml``/``.toml``/``.json`` path, a preset name, or a
             RefitConfig (returned as is).
+        registry: the plugin registry names are checked against (default: the process-wide one).
     Returns: the validated :class:`RefitConfig`.
     Raises: ConfigError (invalid content, naming key paths; unreadable file).
     """
     if isinstance(source, RefitConfig):
         return source
     if isinstance(source, Mapping):
-        return RefitConfig.from_mapping(source)
+        return RefitConfig.from_mapping(source, registry=registry)
     path = Path(source)
     if not path.exists():
         from qstrat.registry import get_registry
 
-        if str(source) in get_registry().strategies:
-            return RefitConfig.from_mapping({"preset": str(source)})
+        if str(source) in (registry or get_registry()).strategies:
+            return RefitConfig.from_mapping({"preset": str(source)}, registry=registry)
         raise ConfigError(f"config file {str(source)!r} does not exist (nor is it a preset name)")
     text = path.read_text()
     try:
@@ -180,7 +181,7 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig) -> RefitCo
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     try:
-        return RefitConfig.from_mapping(data)
+        return RefitConfig.from_mapping(data, registry=registry)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
 

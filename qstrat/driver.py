@@ -17,7 +17,7 @@ import torch
 
 from qstrat.config import RefitConfig, Rule, load_config
 from qstrat.errors import PlanError, UnsupportedShapeError
-from qstrat.layouts import QUANTIZABLE_KINDS, ModelLayout, ParsedName, detect_layout
+from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ModelLayout, ParsedName, detect_layout
 from qstrat.plan import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, natural_key
 from qstrat.registry import Registry, get_registry
 from qstrat.selectors import NamePattern, any_match, kept_bf16
@@ -47,7 +47,10 @@ class _CompiledRule:
         self.exclude = [NamePattern(t) for t in rule.exclude]
 
     def matches(self, p: ParsedName) -> bool:
-        chosen = any(s.predicate(p) for s in self.selectors)
+        # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
+        # them (``special=True``): a third-party selector cannot quantize a router by accident.
+        special = p.kind in SPECIAL_KINDS
+        chosen = any(s.predicate(p) for s in self.selectors if s.special or not special)
         if not chosen and self.rule.allow_special and self.include:
             chosen = p.kind not in ("mtp", "non_decoder")
         if not chosen:
@@ -71,7 +74,7 @@ class RefitDriver:
     def __init__(self, config: Any, hf_config: Mapping[str, Any] | None = None,
                  registry: Registry | None = None) -> None:
         self.registry = registry or get_registry()
-        self.config: RefitConfig = load_config(config)
+        self.config: RefitConfig = load_config(config, registry=self.registry)
         self.hf_config = dict(hf_config or {})
         if self.config.layout:
             self.layout: ModelLayout = self.registry.lookup("layouts", self.config.layout).obj

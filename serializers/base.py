@@ -50,9 +50,10 @@ class PartSpec:
         suffix: checkpoint suffix, e.g. ``"weight"``, ``"weight_scale_inv"``.
         shape: full shape, including the leading expert dim E for grouped input.
         dtype: torch dtype as stored in the checkpoint.
-        rows_per_entry: weight rows (dim -2) covered by one entry of this part along its own
-            dim -2 (1 per-row, 128 for 128x128 tiles); ``None`` for one value per matrix (a
-            per-tensor scale), which is duplicated when a fused weight is split by rows.
+        rows_per_entry: weight rows (the matrix's N) covered by one entry of this part along
+            the part's first per-matrix dimension (1 per-row, 128 for 128x128 tiles); ``None``
+            for one value per matrix (a per-tensor scale, shape ``[]`` per matrix), which is
+            duplicated when a fused weight is split by rows.
     """
 
     suffix: str

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import qstrat
 from qstrat import PluginError, Registry
 from qstrat.hookspecs import hookimpl
 from qstrat.layouts import ModelLayout
@@ -219,3 +220,38 @@ class _RefMissingPart(Good):
 def test_reference_that_disagrees_with_part_specs_is_a_plugin_error(cls):
     with pytest.raises(PluginError, match=rf"serializer '{cls.name}'"):
         cls().quantize(torch.ones(4, 8), name="w")
+
+
+def test_in_process_registry_is_used_for_driver_config_validation():
+    from qstrat.hookspecs import hookimpl
+    from qstrat.strategies import Strategy
+
+    class ExtraPreset:
+        @hookimpl
+        def qstrat_strategies(self):
+            return [Strategy("only-here", "in-process preset", {"rules": [{"serializer": "mxfp8"}]})]
+
+    reg = qstrat.Registry(plugins=[ExtraPreset()])
+    driver = qstrat.RefitDriver({"preset": "only-here"}, registry=reg)
+    assert driver.config.rules[0].serializer == "mxfp8"
+    with pytest.raises(qstrat.ConfigError, match="unknown strategy 'only-here'"):
+        qstrat.RefitDriver({"preset": "only-here"})
+
+
+def test_non_special_selector_never_matches_routers():
+    from qstrat.hookspecs import hookimpl
+    from qstrat.selectors import Selector
+
+    class Greedy:
+        @hookimpl
+        def qstrat_selectors(self):
+            return [Selector("everything", "matches any name", lambda p: True)]
+
+    reg = qstrat.Registry(plugins=[Greedy()])
+    driver = qstrat.RefitDriver({"rules": [{"select": "everything", "serializer": "block_fp8"}]},
+                                hf_config={"model_type": "qwen3_moe", "num_hidden_layers": 1}, registry=reg)
+    t = {"model.layers.0.mlp.gate.weight": torch.empty(8, 256, device="meta"),
+         "model.layers.0.self_attn.q_proj.weight": torch.empty(256, 256, device="meta")}
+    decided = {e.name: e.serializer for e in driver.plan(t).entries}
+    assert decided == {"model.layers.0.mlp.gate.weight": "passthrough",
+                       "model.layers.0.self_attn.q_proj.weight": "block_fp8"}
