@@ -46,7 +46,8 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     tensors = _as_dict(named_tensors)
     plan = driver.plan(tensors)
     total, done = sum(e.nbytes_out for e in plan.entries), 0
-    tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=out.parent))
     try:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0

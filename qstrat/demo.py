@@ -137,11 +137,8 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
     with _stage(report, "engine: write A"):
         model_a = build_tiny_qwen3_moe(seed=0)
         write_checkpoint(driver, model_a.state_dict(), out / "model-a", hf_config=cfg, overwrite=True)
-    # vLLM picks the model class from config.json "architectures"; a config built from a fresh
-    # (never saved) transformers model has none, and vLLM would then load a headless model.
-    arch = {} if cfg.get("architectures") else {"hf_overrides": {"architectures": [type(model_a).__name__]}}
     with _stage(report, "engine: start on A"):
-        llm = start_engine(out / "model-a", **arch)
+        llm = start_engine(out / "model-a")
     with _stage(report, "engine: refit A -> B"):
         refit = qvllm.refit(llm, driver, trainer_b)
     with _stage(report, "engine: generate"):
@@ -149,7 +146,7 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
     release(llm)
     del llm
     with _stage(report, "engine: fresh on B"):
-        fresh = start_engine(report.checkpoint, **arch)
+        fresh = start_engine(report.checkpoint)
         fresh_out = greedy(fresh)
     release(fresh)
     del fresh

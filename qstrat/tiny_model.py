@@ -41,8 +41,10 @@ def build_tiny_qwen3_moe(seed: int = 0, **overrides: Any) -> torch.nn.Module:
 
 
 def hf_config(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's config.json content as a dict (``torch_dtype`` bfloat16)."""
+    """The model's config.json content as a dict (``torch_dtype`` bfloat16; ``architectures`` set,
+    as ``save_pretrained`` writes it: vLLM picks the model class from it)."""
     cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
     cfg["torch_dtype"] = "bfloat16"
     cfg.pop("dtype", None)
     return cfg

@@ -78,9 +78,7 @@ def models():
 def cfg(models):
     from qstrat.tiny_model import hf_config
 
-    config = hf_config(models[1])
-    # vLLM picks the model class from "architectures"; a never-saved model's config has none.
-    return {**config, "architectures": config.get("architectures") or [type(models[1]).__name__]}
+    return hf_config(models[1])
 
 
 @pytest.fixture(scope="module")
