@@ -81,11 +81,7 @@ if DEVICE is None:
         testing.run_under_interpreter(__file__, min_passed=60)
 
 else:
-    import triton
-    import triton.language as tl
-
     from qstrat.serializers import fp_bits
-    from qstrat.serializers.kernels import fp_encode
 
     pytestmark = pytest.mark.interpreter if DEVICE == "cpu" else []
 
@@ -308,29 +304,9 @@ else:
 
     # ---- the shared device helpers, against their torch twins -------------------------------
 
-    @triton.jit
-    def _helper_kernel(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(x_ptr + offs, mask=m, other=0)
-        if OP == 0:
-            r = fp_encode.e4m3_encode(x)
-        elif OP == 1:
-            r = fp_encode.e8m0_from_amax(x, True)
-        elif OP == 2:
-            r = fp_encode.e8m0_from_amax(x, False)
-        elif OP == 3:
-            r = fp_encode.f32_bits(fp_encode.exp2_int(x))
-        else:
-            r = fp_encode.f32_bits(fp_encode.ceil_pow2(x))
-        tl.store(out_ptr + offs, r, mask=m)
-
     def run_helper(op: int, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(DEVICE)
-        out = torch.empty(x.shape, dtype=torch.int32, device=DEVICE)
-        block = 4096
-        _helper_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), OP=op, BLOCK=block)
-        return out.cpu()
+        ops = ("e4m3_encode", "e8m0_rceil", "e8m0_floor", "exp2_int", "ceil_pow2")
+        return testing.run_fp_encode(ops[op], x, DEVICE)
 
     def f32_from_bits(bits) -> torch.Tensor:
         return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
@@ -389,16 +365,6 @@ else:
     @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with >= 16 GiB free")
     @pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
     def test_offsets_beyond_2_31_elements(cls):
-        free, _ = torch.cuda.mem_get_info()
-        e, n, k = 17, 8192, 16384  # 2.28e9 elements > 2^31
-        if free < 16 * 2**30:
-            pytest.skip(f"only {free / 2**30:.1f} GiB free")
-        w = torch.empty((e, n, k), dtype=torch.bfloat16, device="cuda")
-        for i in range(e):
-            w[i].normal_(generator=torch.Generator("cuda").manual_seed(i))
-        got = cls(backend="triton").quantize(w)
-        for i in (0, e - 1):
-            want = cls(backend="torch").quantize(w[i])
-            testing.assert_same_bytes({p: v[i] for p, v in got.items()}, want, f"expert {i}")
-        del got, w
-        torch.cuda.empty_cache()
+        reason = testing.check_offsets_beyond_2_31(cls)
+        if reason:
+            pytest.skip(reason)

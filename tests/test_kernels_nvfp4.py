@@ -182,28 +182,10 @@ else:
 
     # ---- shared helpers only NVFP4 uses -------------------------------------------------
 
-    import triton
-    import triton.language as tl
-
     from qstrat.serializers import nvfp4 as nvfp4_ref
-    from qstrat.serializers.kernels import fp_encode
-
-    @triton.jit
-    def _helper_kernel(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(x_ptr + offs, mask=m, other=0)
-        if OP == 0:
-            r = fp_encode.f32_bits(fp_encode.e4m3_decode(x))
-        else:
-            r = fp_encode.e2m1_magnitude(x)
-        tl.store(out_ptr + offs, r, mask=m)
 
     def run_helper(op: int, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(DEVICE)
-        out = torch.empty(x.shape, dtype=torch.int32, device=DEVICE)
-        _helper_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), OP=op, BLOCK=1024)
-        return out.cpu()
+        return testing.run_fp_encode(("e4m3_decode", "e2m1_magnitude")[op], x, DEVICE)
 
     def test_e4m3_decode_equals_torch_cast_for_all_codes():
         codes = torch.arange(256, dtype=torch.int32)
@@ -227,16 +209,6 @@ else:
 
     @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with >= 16 GiB free")
     def test_offsets_beyond_2_31_elements():
-        free, _ = torch.cuda.mem_get_info()
-        e, n, k = 17, 8192, 16384  # 2.28e9 elements > 2^31
-        if free < 16 * 2**30:
-            pytest.skip(f"only {free / 2**30:.1f} GiB free")
-        w = torch.empty((e, n, k), dtype=torch.bfloat16, device="cuda")
-        for i in range(e):
-            w[i].normal_(generator=torch.Generator("cuda").manual_seed(i))
-        got = NVFP4(backend="triton").quantize(w)
-        for i in (0, e - 1):
-            want = NVFP4(backend="torch").quantize(w[i])
-            testing.assert_same_bytes({p: v[i] for p, v in got.items()}, want, f"expert {i}")
-        del got, w
-        torch.cuda.empty_cache()
+        reason = testing.check_offsets_beyond_2_31(NVFP4)
+        if reason:
+            pytest.skip(reason)

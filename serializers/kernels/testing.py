@@ -126,3 +126,50 @@ def assert_same_bytes(
     bad = byte_mismatches(got, want)
     assert not bad, (what + ": " if what else "") + "; ".join(bad)
 
+
+
+#: Device helpers of :mod:`.fp_encode` that :func:`run_fp_encode` can apply, by name.
+FP_ENCODE_OPS = ("e4m3_encode", "e8m0_rceil", "e8m0_floor", "exp2_int", "ceil_pow2",
+                 "e4m3_decode", "e2m1_magnitude")
+
+
+def run_fp_encode(op: str, x: torch.Tensor, device: str) -> torch.Tensor:
+    """Apply one :mod:`.fp_encode` device helper elementwise, to test it against its torch twin.
+
+    Args:
+        op: one of :data:`FP_ENCODE_OPS`.
+        x: flat input (fp32 for most ops; int32 exponents for ``exp2_int``, codes for
+            ``e4m3_decode``).
+        device: where the kernel runs (see :func:`kernel_device`).
+    Returns: int32 CPU tensor of x's shape: codes/bytes, or the fp32 result's bits.
+    """
+    from qstrat.serializers.kernels.probe import fp_encode_probe
+
+    x = x.to(device)
+    out = torch.empty(x.shape, dtype=torch.int32, device=device)
+    block = 4096
+    fp_encode_probe[(-(-x.numel() // block),)](x, out, x.numel(), OP=FP_ENCODE_OPS.index(op), BLOCK=block)
+    return out.cpu()
+
+
+def check_offsets_beyond_2_31(cls: type, free_bytes_needed: int = 16 * 2**30) -> str | None:
+    """GPU: quantize a [17, 8192, 16384] bf16 slab (2.28e9 elements > 2^31, so element offsets
+    need 64 bits) with ``cls``'s kernel and compare experts 0 and 16 with the reference.
+
+    Returns: a skip reason if the GPU has too little free memory, else None.
+    Raises: AssertionError on any byte difference.
+    """
+    free, _ = torch.cuda.mem_get_info()
+    if free < free_bytes_needed:
+        return f"only {free / 2**30:.1f} GiB free"
+    e, n, k = 17, 8192, 16384
+    w = torch.empty((e, n, k), dtype=torch.bfloat16, device="cuda")
+    for i in range(e):
+        w[i].normal_(generator=torch.Generator("cuda").manual_seed(i))
+    got = cls(backend="triton").quantize(w)
+    for i in (0, e - 1):
+        want = cls(backend="torch").quantize(w[i])
+        assert_same_bytes({p: v[i] for p, v in got.items()}, want, f"{cls.name} expert {i}")
+    del got, w
+    torch.cuda.empty_cache()
+    return None
