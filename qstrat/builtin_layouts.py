@@ -6,7 +6,18 @@ from __future__ import annotations
 
 from qstrat.layouts import ModelLayout, SlabSpec
 
-GENERIC = ModelLayout(name="generic")
+#: Used when no layout matches the HF config: knows the common spellings of MoE blocks, expert
+#: projections and routers, so an unknown MoE model never gets its router quantized by accident.
+GENERIC = ModelLayout(
+    name="generic",
+    mlp_blocks=("mlp", "block_sparse_moe", "feed_forward", "moe"),
+    expert_projections=("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"),
+    slabs={"gate_up_proj": SlabSpec(("gate_proj", "up_proj")), "down_proj": SlabSpec(("down_proj",)),
+           "w13": SlabSpec(("w1", "w3")), "w2": SlabSpec(("w2",))},
+    routers=("gate", "router", "shared_expert_gate"),
+    shared_experts=("shared_expert", "shared_experts"),
+    fused=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3")),
+)
 
 QWEN3_MOE = ModelLayout(
     name="qwen3_moe",

@@ -21,7 +21,7 @@ from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ModelLayout, Parsed
 from qstrat.plan import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, natural_key
 from qstrat.registry import Registry, get_registry
 from qstrat.selectors import NamePattern, any_match, kept_bf16
-from qstrat.serializers.base import PartSpec, Serializer, tensor_nbytes as _nbytes
+from qstrat.serializers.base import PartSpec, Serializer, check_finite, tensor_nbytes as _nbytes
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -38,6 +38,12 @@ class Decision:
     note: str = ""
 
 
+#: Special kinds an ``allow_special`` rule's include patterns may select.
+OPT_IN_KINDS = frozenset({"router", "embedding", "lm_head"})
+#: Weight dtypes a serializer accepts (an int, bool or already-quantized input is a plan error).
+FLOAT_INPUTS = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
 class _CompiledRule:
     def __init__(self, index: int, rule: Rule, registry: Registry) -> None:
         self.label = f"rules[{index}]"
@@ -52,7 +58,7 @@ class _CompiledRule:
         special = p.kind in SPECIAL_KINDS
         chosen = any(s.predicate(p) for s in self.selectors if s.special or not special)
         if not chosen and self.rule.allow_special and self.include:
-            chosen = p.kind not in ("mtp", "non_decoder")
+            chosen = p.kind in OPT_IN_KINDS  # explicit: include patterns may name these
         if not chosen:
             return False
         if self.include and not any_match(self.include, p.name):
@@ -134,8 +140,10 @@ class RefitDriver:
         tensors = _as_dict(named_tensors)
         num_layers = self.num_layers(tensors)
         errors: list[str] = []
-        if self.config.keep_bf16.last and num_layers is None:
-            errors.append("keep_bf16.last needs the decoder depth: pass hf_config")
+        if self.config.keep_bf16.last and self.layout.num_layers(self.hf_config) is None:
+            errors.append(f"keep_bf16.last needs the decoder depth: pass hf_config with "
+                          f"{self.layout.num_layers_key!r} (inferring it from names would miscount "
+                          "MTP layers and pipeline-parallel shards)")
         entries = []
         for name in sorted(tensors, key=natural_key):
             t = tensors[name]
@@ -143,8 +151,7 @@ class RefitDriver:
                 entries.append(self._plan_entry(name, tuple(t.shape), t.dtype, num_layers))
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
-        if not errors:
-            errors += _check_groups(entries) + _check_outputs(entries)
+        errors += _check_groups(entries) + _check_outputs(entries) + _check_expert_inputs(entries, self)
         ignored = _ignored_layers(entries, errors, self._quantizes)
         qconfig = self._engine_config(entries, ignored, errors)
         if errors:
@@ -160,6 +167,9 @@ class RefitDriver:
             outs = (OutputTensor(name, shape, dtype_name, _nbytes(shape, dtype)),)
             return PlanEntry(name, shape, dtype_name, p.kind, p.layer, p.expert, d.rule, PASSTHROUGH,
                              {}, outs, None, "", p.vllm_module)
+        if dtype not in FLOAT_INPUTS:
+            raise PlanError(f"{d.serializer} ({d.rule}) needs a bfloat16/float16/float32 weight, got "
+                            f"{dtype_name}")
         ser = self.serializer(d.serializer, d.options)
         try:
             specs = ser.part_specs(shape)
@@ -249,12 +259,14 @@ class RefitDriver:
         yield from self.execute(plan, tensors)
 
     def check_values(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Raise NonFiniteError for the first quantized input holding NaN/inf (formats with
-        ``nonfinite="error"``), before anything is emitted. One read pass, no copies."""
+        """Raise NonFiniteError for the first input holding NaN/inf (passthrough tensors and
+        formats with ``nonfinite="error"``), before anything is emitted. One read pass, no copies."""
         for e in plan.entries:
+            t = _materialize(tensors[e.name], e.name)
             if e.serializer == PASSTHROUGH:
-                continue
-            self.serializer(e.serializer, e.options).check_values(_materialize(tensors[e.name]), e.name)
+                _check_passthrough(t, e.name)
+            else:
+                self.serializer(e.serializer, e.options).check_values(t, e.name)
 
     def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """Emit the outputs of an already validated ``plan`` for ``tensors`` in wire order.
@@ -282,21 +294,35 @@ class RefitDriver:
 
     def _quantize_entry(self, e: PlanEntry, tensors: Mapping[str, torch.Tensor],
                         members: Mapping[str, list[str]], contexts: dict[str, Any]) -> dict[str, torch.Tensor]:
-        t = _materialize(tensors[e.name])
+        t = _materialize(tensors[e.name], e.name)
         if e.serializer == PASSTHROUGH:
+            _check_passthrough(t, e.name)
             return {"weight": t}
         ser = self.serializer(e.serializer, e.options)
         ctx = None
         if e.group:
             if e.group not in contexts:
-                contexts[e.group] = ser.group_context([_materialize(tensors[m]) for m in members[e.group]])
+                contexts[e.group] = ser.group_context([_materialize(tensors[m], m) for m in members[e.group]])
             ctx = contexts[e.group]
         return ser.quantize(t, name=e.name, context=ctx)
 
 
-def _materialize(t: Any) -> torch.Tensor:
-    """A tensor, or a lazily loaded handle with ``.load()`` (e.g. checkpoint.LazyTensor)."""
-    return t if isinstance(t, torch.Tensor) else t.load()
+def _check_passthrough(t: torch.Tensor, name: str) -> None:
+    """NaN/inf in a tensor sent unchanged (norms, routers, embeddings) is an error too."""
+    if t.is_floating_point() and t.numel():
+        w3 = t.reshape(1, -1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, 1, -1)
+        check_finite(w3, name, 1)
+
+
+def _materialize(t: Any, name: str) -> torch.Tensor:
+    """A tensor, or a lazily loaded handle with ``.load()`` (e.g. checkpoint.LazyTensor).
+
+    Raises: PlanError for a ``meta`` tensor (it has no values to quantize or send).
+    """
+    t = t if isinstance(t, torch.Tensor) else t.load()
+    if t.is_meta:
+        raise PlanError(f"{name}: is a meta tensor; run() needs values (plan() accepts meta tensors)")
+    return t
 
 
 def _cut(part: torch.Tensor, o: OutputTensor) -> torch.Tensor:
@@ -306,8 +332,10 @@ def _cut(part: torch.Tensor, o: OutputTensor) -> torch.Tensor:
     part = part[o.expert]
     if o.row_part is not None and part.dim() >= 2:
         rows = part.shape[0] // o.row_parts
-        part = part[o.row_part * rows:(o.row_part + 1) * rows]
-    return part
+        return part[o.row_part * rows:(o.row_part + 1) * rows]
+    # a per-matrix value (e.g. NVFP4 weight_scale_2) duplicated for each fused projection: a copy,
+    # so outputs never alias one another (safetensors refuses shared memory)
+    return part.clone() if o.row_parts > 1 else part
 
 
 def _fused_name(slab: str, suffix: str) -> str:
@@ -319,17 +347,39 @@ def _fused_name(slab: str, suffix: str) -> str:
 
 def _check_groups(entries: list[PlanEntry]) -> list[str]:
     """Members of one engine-fused group must share serializer and options."""
-    seen: dict[str, tuple[str, str, str]] = {}
+    seen: dict[str, PlanEntry] = {}
     errors = []
     for e in entries:
         if not e.group:
             continue
-        key = (e.serializer, repr(sorted(e.options.items())), e.name)
-        if e.group in seen and seen[e.group][:2] != key[:2]:
-            errors.append(f"{e.name} ({e.serializer}, {e.rule}) and {seen[e.group][2]} "
-                          f"({seen[e.group][0]}) are fused by the engine but planned differently")
-        seen.setdefault(e.group, key)
+        first = seen.setdefault(e.group, e)
+        if (first.serializer, first.options) != (e.serializer, e.options):
+            errors.append(f"{e.name} ({e.serializer} {e.options}, {e.rule}) and {first.name} "
+                          f"({first.serializer} {first.options}, {first.rule}) are fused by the engine "
+                          "but planned differently")
     return errors
+
+
+def _check_expert_inputs(entries: list[PlanEntry], driver: RefitDriver) -> list[str]:
+    """One layer's experts come either as grouped slabs or as per-expert tensors, never both
+    (with fused emission both would reach the engine); a slab's E must match the config."""
+    per_expert = {e.engine_module for e in entries if e.kind == "expert" and e.expert is not None}
+    n_experts = _text(driver.hf_config).get("num_experts") or _text(driver.hf_config).get(
+        "n_routed_experts") or _text(driver.hf_config).get("num_local_experts")
+    errors = []
+    for e in entries:
+        if e.kind != "expert" or e.expert is not None or len(e.shape) != 3:
+            continue
+        if e.engine_module in per_expert:
+            errors.append(f"{e.name}: {e.engine_module} is given both as grouped slabs and as "
+                          "per-expert tensors")
+        if n_experts and e.shape[0] != int(n_experts):
+            errors.append(f"{e.name}: slab holds {e.shape[0]} experts, the model config says {n_experts}")
+    return errors
+
+
+def _text(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return hf_config.get("text_config") or hf_config
 
 
 def _check_outputs(entries: list[PlanEntry]) -> list[str]:
@@ -366,6 +416,8 @@ def _as_dict(named_tensors: NamedTensors) -> dict[str, torch.Tensor]:
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     out: dict[str, torch.Tensor] = {}
     for name, t in items:
+        if not isinstance(name, str):
+            raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
         if name in out:
             raise PlanError(f"{name}: given twice")
         out[name] = t

@@ -128,6 +128,8 @@ class ModelLayout:
             return make(kind, projection=tokens[1])
         if block.endswith("norm"):
             return make("norm")
+        if len(tokens) >= 2 and tokens[-2] in self.routers:
+            return make("router")  # a router in a block this layout does not know
         if len(tokens) >= 2 and param == "weight":
             return make("linear", projection=tokens[-2])
         return make("other")

@@ -9,6 +9,7 @@ engine corrupted. Importing this module does not import vLLM.
 """
 from __future__ import annotations
 
+import fnmatch
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 
 from qstrat.driver import NamedTensors, RefitDriver, _as_dict
 from qstrat.errors import PlanError
-from qstrat.plan import RefitPlan
+from qstrat.plan import RefitPlan, natural_key
 
 #: quantization_config keys that must agree between the engine and the plan.
 _MATCH_KEYS = ("quant_method", "quant_algo", "weight_block_size", "group_size")
@@ -42,8 +43,12 @@ def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
 
 
 def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
-    """Raise PlanError if the plan's format differs from the engine's, or if the plan quantizes
-    a module the engine keeps unquantized (its ignore list).
+    """Raise PlanError unless the plan emits what the engine's modules expect.
+
+    Checks the format keys (:data:`_MATCH_KEYS`) and both directions of the ignore list: a
+    module the plan quantizes must not be in the engine's ignore list, and a module the plan
+    leaves in BF16 must be in it (sending BF16 into a module the engine serves in FP8 silently
+    corrupts it). Ignore entries match exactly or as ``fnmatch`` wildcards (ModelOpt form).
 
     Args:
         plan: the validated refit plan.
@@ -59,12 +64,23 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
             if _norm(mine.get(key)) != _norm(engine_config.get(key)):
                 raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
                                 f"the plan emits {mine.get(key)!r}")
-    engine_ignored = set(engine_config.get("ignored_layers") or engine_config.get("ignore") or ())
-    quantized = {e.engine_module for e in plan.entries if e.engine_module not in plan.ignored_layers
-                 and e.serializer not in ("passthrough",)}
-    clash = sorted(quantized & engine_ignored)
-    if clash:
-        raise PlanError(f"the plan quantizes modules the engine keeps unquantized: {clash[:5]}")
+    engine_ignored = list(engine_config.get("ignored_layers") or engine_config.get("ignore") or ())
+    plan_ignored = set(plan.ignored_layers)
+    never_quantized = {e.engine_module for e in plan.entries if e.kind in ("lm_head", "embedding")}
+    modules = {e.engine_module for e in plan.entries if len(e.shape) >= 2 and e.kind not in
+               ("mtp", "non_decoder")} - never_quantized
+    sent_quantized = sorted(m for m in modules - plan_ignored if _covered(m, engine_ignored))
+    if sent_quantized:
+        raise PlanError(f"the plan quantizes modules the engine keeps unquantized: {sent_quantized[:5]}")
+    sent_bf16 = sorted((m for m in plan_ignored - never_quantized if not _covered(m, engine_ignored)),
+                       key=natural_key)
+    if sent_bf16:
+        raise PlanError(f"the plan sends BF16 into modules the engine serves quantized (not in its "
+                        f"ignore list): {sent_bf16[:5]}{' ...' if len(sent_bf16) > 5 else ''}")
+
+
+def _covered(module: str, patterns: list[str]) -> bool:
+    return any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False) -> RefitReport:

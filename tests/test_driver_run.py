@@ -147,3 +147,28 @@ def test_nvfp4_plan_config_and_names(tiny_model, tiny_hf_config):
         "model.layers.1.mlp.experts.2.gate_proj.weight_scale": ((128, 16), "float8_e4m3fn"),
         "model.layers.1.mlp.experts.2.gate_proj.weight_scale_2": ((), "float32"),
         "model.layers.1.mlp.experts.2.gate_proj.input_scale": ((), "float32")}
+
+
+def test_nvfp4_checkpoint_from_grouped_slabs(tiny_model, tiny_hf_config, tmp_path):
+    state = tiny_model.state_dict()
+    driver = RefitDriver("nvfp4-experts", hf_config=tiny_hf_config)
+    plan = write_checkpoint(driver, state, tmp_path / "nvfp4")
+    stored = load_checkpoint(tmp_path / "nvfp4")
+    assert {n: tuple(t.shape) for n, t in stored.items()} == {o.name: o.shape for o in plan.outputs()}
+    gate = stored["model.layers.1.mlp.experts.3.gate_proj.weight_scale_2"]
+    assert torch.equal(gate, stored["model.layers.1.mlp.experts.3.up_proj.weight_scale_2"])
+
+
+def test_nan_in_a_passthrough_tensor_is_an_error(tiny_model, tiny_hf_config):
+    state = dict(tiny_model.state_dict())
+    norm = state["model.layers.1.input_layernorm.weight"].clone()
+    norm[7] = float("nan")
+    state["model.layers.1.input_layernorm.weight"] = norm
+    with pytest.raises(NonFiniteError, match=r"model\.layers\.1\.input_layernorm\.weight: .*7\]"):
+        list(RefitDriver("block-fp8", hf_config=tiny_hf_config).run(state))
+
+
+def test_meta_tensors_cannot_run(tiny_hf_config):
+    t = {"model.layers.0.self_attn.q_proj.weight": torch.empty(128, 256, device="meta")}
+    with pytest.raises(qstrat.PlanError, match=r"q_proj\.weight: is a meta tensor"):
+        list(RefitDriver("block-fp8", hf_config=tiny_hf_config).run(t))

@@ -211,3 +211,68 @@ def test_select_on_module_and_names(tiny_model):
     assert {k: d.serializer for k, d in by_names.items()} == {
         "model.layers.0.mlp.gate": "passthrough", "model.layers.0.mlp.gate_proj": "block_fp8",
         "model.layers.0.mlp.experts.gate_up_proj": "block_fp8"}
+
+
+def test_generic_layout_never_quantizes_unknown_routers():
+    t = {n: torch.empty(8, 256, device="meta") for n in (
+        "model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.feed_forward.router.weight",
+        "model.layers.0.some_block.gate.weight")}
+    t["model.layers.0.block_sparse_moe.experts.0.w1.weight"] = torch.empty(128, 256, device="meta")
+    plan = RefitDriver("block-fp8").plan(t)  # no hf_config: generic layout
+    assert {e.name: e.serializer for e in plan.entries} == {
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight": "block_fp8",
+        "model.layers.0.block_sparse_moe.gate.weight": "passthrough",
+        "model.layers.0.feed_forward.router.weight": "passthrough",
+        "model.layers.0.some_block.gate.weight": "passthrough"}
+    assert "model.layers.0.block_sparse_moe.gate" in plan.ignored_layers
+
+
+def test_allow_special_lets_include_reach_routers_only():
+    cfg, tensors = _small()
+    rule = {"select": "attention", "include": ["*layers.1.*"], "allow_special": True, "serializer": "block_fp8"}
+    e = by_name(RefitDriver({"rules": [rule]}, hf_config=cfg).plan(tensors))
+    assert e["model.layers.1.mlp.gate.weight"].serializer == "block_fp8"            # opted in
+    assert e["model.layers.1.self_attn.q_proj.weight"].serializer == "block_fp8"
+    assert e["model.layers.1.mlp.experts.0.up_proj.weight"].serializer == "bf16"    # not selected
+    assert e["model.layers.2.mlp.gate.weight"].serializer == "passthrough"
+
+
+def test_slab_and_per_expert_inputs_for_one_layer_are_refused_in_any_emission():
+    cfg, tensors = _small()
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = torch.empty(4, 256, 256, device="meta")
+    for emission in ("per_expert", "fused"):
+        with pytest.raises(PlanError, match="given both as grouped slabs and as per-expert tensors"):
+            RefitDriver({"preset": "block-fp8", "expert_emission": emission}, hf_config=cfg).plan(tensors)
+
+
+def test_slab_expert_count_must_match_config():
+    cfg, _ = _small()
+    t = {"model.layers.0.mlp.experts.down_proj": torch.empty(3, 256, 128, device="meta")}
+    with pytest.raises(PlanError, match="slab holds 3 experts, the model config says 4"):
+        RefitDriver("block-fp8", hf_config=cfg).plan(t)
+
+
+def test_keep_bf16_last_needs_the_configured_depth():
+    cfg, tensors = _small()
+    with pytest.raises(PlanError, match="keep_bf16.last needs the decoder depth"):
+        RefitDriver({"preset": "block-fp8", "keep_bf16": {"last": 1}}).plan(tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float8_e4m3fn, torch.float64])
+def test_non_float_weights_are_plan_errors(dtype):
+    t = {"model.layers.0.self_attn.q_proj.weight": torch.empty(128, 256, dtype=dtype, device="meta")}
+    with pytest.raises(PlanError, match=rf"q_proj\.weight: block_fp8 .* needs a bfloat16/float16/float32 weight"):
+        RefitDriver("block-fp8").plan(t)
+
+
+def test_names_must_be_strings():
+    with pytest.raises(PlanError, match="tensor names must be strings, got 5"):
+        RefitDriver("block-fp8").plan([(5, torch.empty(2, 2, device="meta"))])
+
+
+def test_fused_group_mismatch_shows_options():
+    cfg, tensors = _small()
+    rules = {"rules": [{"select": "attention", "include": ["*.k_proj.weight"], "serializer": "block_fp8",
+                        "options": {"ue8m0": True}}, {"select": "attention", "serializer": "block_fp8"}]}
+    with pytest.raises(PlanError, match=r"'ue8m0': True"):
+        RefitDriver(rules, hf_config=cfg).plan(tensors)

@@ -70,3 +70,31 @@ def test_engine_format_mismatch_is_refused(tiny_model, tiny_hf_config, driver):
     with pytest.raises(PlanError, match="weight_block_size"):
         qstrat.vllm.refit(RecordingLLM(other_block), driver, state)
     assert llm.calls == []
+
+
+def test_bf16_into_modules_the_engine_serves_quantized_is_refused(tiny_model, tiny_hf_config, driver):
+    state = tiny_model.state_dict()
+    engine = RecordingLLM(driver.plan(state).vllm_quantization_config())  # every decoder linear in FP8
+    kept = RefitDriver({"preset": "block-fp8", "keep_bf16": {"first": 1}}, hf_config=tiny_hf_config)
+    with pytest.raises(PlanError, match=r"sends BF16 into modules the engine serves quantized .*"
+                                        r"model\.layers\.0\.mlp\.experts"):
+        qstrat.vllm.refit(engine, kept, state)
+    experts_only = RefitDriver({"rules": [{"select": "experts", "serializer": "block_fp8"}]},
+                               hf_config=tiny_hf_config)
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.self_attn\.q_proj"):
+        qstrat.vllm.refit(engine, experts_only, state)
+    assert engine.calls == []
+    # The matching engine (started on a keep_bf16.first checkpoint) accepts it.
+    ok = RecordingLLM(kept.plan(state).vllm_quantization_config())
+    qstrat.vllm.refit(ok, kept, state)
+    assert len(ok.calls) == 1
+
+
+def test_wildcard_ignore_lists_are_understood(tiny_model, tiny_hf_config):
+    state = tiny_model.state_dict()
+    mx = RefitDriver("mxfp8-experts", hf_config=tiny_hf_config)
+    cfg = dict(mx.plan(state).vllm_quantization_config(), ignore=["*self_attn*", "*mlp.gate", "lm_head"])
+    qstrat.vllm.refit(RecordingLLM(cfg), mx, state)
+    cfg["ignore"] = ["*self_attn*", "lm_head"]  # routers missing: the engine would quantize them
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.gate"):
+        qstrat.vllm.refit(RecordingLLM(cfg), mx, state)
