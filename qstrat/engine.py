@@ -73,11 +73,16 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
             {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["*mlp.gate"]}``.
     Returns: the ``vllm.LLM``; free it with :func:`release` before starting the next one.
+        vLLM logs at ERROR level unless ``VLLM_LOGGING_LEVEL`` is set (read when vLLM is
+        first imported).
     Raises: ImportError without vLLM; RuntimeError if the emulation is needed but cannot
         register, or the engine would run in a worker process the emulation does not reach.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's INFO lines (and a harmless chat-template warm-up traceback when no tokenizer is
+    # loaded) would bury the demo's report; set VLLM_LOGGING_LEVEL yourself to see them.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import LLM
 
     from qstrat import engine_emulation
