@@ -1,0 +1,187 @@
+"""The safetensors sink: streaming shards, file modes, shared-memory tensors, refusals."""
+from __future__ import annotations
+
+import json
+import os
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import qstrat.checkpoint as ckpt
+from qstrat import NonFiniteError, QstratError, RefitDriver
+from qstrat.checkpoint import assign_shards, load_checkpoint, shard_file_names, write_checkpoint
+
+MiB = 1 << 20
+
+
+def u8(t):
+    return t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_shards_are_written_while_quantizing_and_then_dropped(tiny_model, tiny_hf_config, tmp_path, monkeypatch):
+    state = tiny_model.state_dict()
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan = driver.plan(state)
+    expected = assign_shards(plan.outputs(), MiB)
+    assert [len(s) for s in expected] == [2, 64, 63, 63, 55]  # 247 outputs, 5003712 bytes
+    names = shard_file_names(5)
+    assert names[0] == "model-00001-of-00005.safetensors" and names[-1] == "model-00005-of-00005.safetensors"
+
+    emitted = []                      # names the driver has yielded so far
+    execute = driver.execute
+
+    def spy_execute(plan, tensors):
+        for name, t in execute(plan, tensors):
+            emitted.append(name)
+            yield name, t
+    monkeypatch.setattr(driver, "execute", spy_execute)
+
+    saves = []                        # (file name, tensors emitted when it was saved, weakrefs)
+    save_file = ckpt.save_file
+
+    def spy_save(tensors, path, metadata=None):
+        alive = [s for s in saves if any(r() is not None for r in s[2])]
+        # only the previous shard (held by the caller's loop variables) may still be alive
+        assert [s[0] for s in alive] in ([], [s[0] for s in saves[-1:]]), [s[0] for s in alive]
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= MiB
+        save_file(tensors, path, metadata=metadata)
+        refs = [weakref.ref(t) for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+        saves.append((os.path.basename(path), len(emitted), refs))
+    monkeypatch.setattr(ckpt, "save_file", spy_save)
+
+    calls = []                        # (bytes written, total, shard files on disk at that moment)
+
+    def progress(done, total):
+        calls.append((done, total, sorted(p.name for p in tmp_path.glob(".qstrat-*/*.safetensors"))))
+
+    write_checkpoint(driver, state, tmp_path / "ckpt", shard_bytes=MiB, progress=progress)
+
+    # each shard is saved as soon as its last tensor is emitted, not at the end
+    assert [(s[0], s[1]) for s in saves] == [(names[0], 2), (names[1], 66), (names[2], 129),
+                                             (names[3], 192), (names[4], 247)]
+    sizes = [sum(o.nbytes for o in shard) for shard in expected]
+    assert calls[0] == (0, 5003712, [])
+    assert [c[0] for c in calls[1:]] == [sum(sizes[:i + 1]) for i in range(5)]
+    assert [c[2] for c in calls[1:]] == [names[:i + 1] for i in range(5)]  # 100% only with all 5 on disk
+    assert calls[-1][:2] == (5003712, 5003712)
+
+    index = json.loads((tmp_path / "ckpt" / ckpt.INDEX).read_text())
+    assert index["metadata"] == {"total_size": 5003712}
+    assert index["weight_map"] == {o.name: names[i] for i, shard in enumerate(expected) for o in shard}
+    for i, shard in enumerate(expected):  # each file holds its planned tensors
+        assert sorted(load_file(str(tmp_path / "ckpt" / names[i]))) == sorted(o.name for o in shard)
+    stored = load_checkpoint(tmp_path / "ckpt")
+    direct = dict(RefitDriver("block-fp8", hf_config=tiny_hf_config).run(state))
+    assert stored.keys() == direct.keys()
+    assert all(torch.equal(u8(stored[k]), u8(direct[k].contiguous())) for k in direct)
+
+
+def test_one_shard_is_model_safetensors_without_index(tiny_model, tiny_hf_config, tmp_path):
+    calls = []
+    write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
+                     tmp_path / "ckpt", progress=lambda d, t: calls.append((d, t)))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors",
+                                                                    "qstrat_plan.json"]
+    assert calls == [(0, 5003712), (5003712, 5003712)]
+    assert shard_file_names(1) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o027, 0o750), (0o077, 0o700)])
+def test_output_directory_mode_follows_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == mode & 0o666
+
+
+def test_views_sharing_memory_are_written(tmp_path, umask_022):
+    base = torch.arange(10, dtype=torch.bfloat16)
+    tied = torch.arange(32, dtype=torch.bfloat16).reshape(4, 8)
+    tensors = {"model.norm.weight": base[0:8], "model.layers.0.input_layernorm.weight": base[2:10],
+               "model.embed_tokens.weight": tied, "lm_head.weight": tied}  # overlapping views, tied
+    write_checkpoint(RefitDriver("bf16"), tensors, tmp_path / "out")
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert stored.keys() == tensors.keys()
+    assert stored["model.norm.weight"].tolist() == list(range(8))
+    assert stored["model.layers.0.input_layernorm.weight"].tolist() == list(range(2, 10))
+    assert torch.equal(stored["lm_head.weight"], tied) and torch.equal(stored["model.embed_tokens.weight"], tied)
+    assert base.tolist() == list(range(10))  # the caller's tensors are not modified
+
+
+def test_error_after_some_shards_leaves_nothing(tiny_model, tiny_hf_config, tmp_path):
+    state = dict(tiny_model.state_dict())
+    bad = state["model.layers.3.mlp.experts.down_proj"].clone()
+    bad[1, 2, 3] = float("inf")
+    state["model.layers.3.mlp.experts.down_proj"] = bad
+    calls = []
+    with pytest.raises(NonFiniteError, match=r"model\.layers\.3\.mlp\.experts\.down_proj"):
+        write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), state, tmp_path / "out",
+                         shard_bytes=MiB, progress=lambda d, t: calls.append(d))
+    assert calls[1] > 0  # shard files had been written before the bad tensor was reached
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError) as info:
+        write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "out")
+    assert str(info.value) == f"{tmp_path / 'out'} exists; use --overwrite (overwrite=True) to replace it"
+    (tmp_path / "afile").write_text("keep")
+    with pytest.raises(FileExistsError) as info:
+        write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "afile",
+                         overwrite=True)
+    assert str(info.value) == (f"{tmp_path / 'afile'} exists and is not a directory; not replacing it "
+                               "(overwrite replaces a checkpoint directory only)")
+    assert (tmp_path / "afile").read_text() == "keep"
+    write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "out", overwrite=True)
+    assert load_checkpoint(tmp_path / "out")["model.norm.weight"].tolist() == [1.0] * 8
+
+
+@pytest.mark.parametrize("where,message", [
+    ("same", "output directory {out} is the source model directory {src}; write the quantized "
+             "checkpoint somewhere else"),
+    ("inside", "output directory {out} is inside the source model directory {src}; write the quantized "
+               "checkpoint somewhere else"),
+    ("around", "output directory {out} contains the source model directory {src}; write the quantized "
+               "checkpoint somewhere else"),
+])
+def test_output_may_not_overlap_the_source(tmp_path, where, message):
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "tokenizer.json").write_text("{}")
+    out = {"same": src, "inside": src / "q", "around": tmp_path}[where]
+    with pytest.raises(QstratError) as info:
+        write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, out, overwrite=True,
+                         source_dir=src)
+    assert str(info.value) == message.format(out=out, src=src)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["model", "tokenizer.json"]
+
+
+def test_source_dir_files_are_copied_except_weights_and_regenerated_ones(tmp_path):
+    src = tmp_path / "model"
+    src.mkdir()
+    for name in ("tokenizer.json", "generation_config.json", "vocab.txt", "tokenizer.model", "config.json",
+                 "qstrat_plan.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json", "consolidated.pth"):
+        (src / name).write_text(name)
+    (src / "original").mkdir()
+    write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "out",
+                     hf_config={"model_type": "x"}, source_dir=src)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "qstrat_plan.json", "tokenizer.json",
+        "tokenizer.model", "vocab.txt"]
+    assert (out / "vocab.txt").read_text() == "vocab.txt"
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "x"}
