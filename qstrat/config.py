@@ -112,14 +112,32 @@ class RefitConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _expand_preset(cls, data: Any, info: ValidationInfo) -> Any:
-        if not isinstance(data, Mapping) or not data.get("preset"):
+        """Merge a known preset into the config: its rules after the config's own, its keep_bf16
+        under the config's. Only well-typed parts are merged: a preset that is not a known
+        strategy name, or a ``rules`` / ``keep_bf16`` of the wrong type, is left as given for
+        field validation to report with its key path (``rules: Input should be a valid list``)."""
+        if not isinstance(data, Mapping):
             return data
-        preset = dict(_registry(info).lookup("strategies", data["preset"]).obj.config)
+        name = data.get("preset")
+        strategies = _registry(info).strategies
+        if not isinstance(name, str) or name not in strategies:
+            return data  # None, a wrong type or an unknown name: reported by _known_preset
+        preset = dict(strategies[name].obj.config)
         merged = {**preset, **data}
-        merged["rules"] = list(data.get("rules", [])) + list(preset.get("rules", []))
-        if "keep_bf16" in preset and "keep_bf16" in data:
+        if "rules" not in data:
+            merged["rules"] = list(preset.get("rules", []))
+        elif isinstance(data["rules"], list):
+            merged["rules"] = list(data["rules"]) + list(preset.get("rules", []))
+        if isinstance(preset.get("keep_bf16"), Mapping) and isinstance(data.get("keep_bf16"), Mapping):
             merged["keep_bf16"] = {**preset["keep_bf16"], **data["keep_bf16"]}
         return merged
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None:
+            _registry(info).lookup("strategies", v)
+        return v
 
     @field_validator("default")
     @classmethod
@@ -168,7 +186,14 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: 
         if str(source) in (registry or get_registry()).strategies:
             return RefitConfig.from_mapping({"preset": str(source)}, registry=registry)
         raise ConfigError(f"config file {str(source)!r} does not exist (nor is it a preset name)")
-    text = path.read_text()
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a config file (.yaml, .toml, .json)")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text config file ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)

@@ -61,3 +61,36 @@ def test_get_serializer_errors():
         qstrat.get_serializer("fp7")
     with pytest.raises(ConfigError, match=r"min_scale_byte: Input should be less than or equal to 254"):
         qstrat.get_serializer("mxfp8", min_scale_byte=255)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"preset": ["a"]}, "preset: Input should be a valid string"),
+    ({"preset": "nvfp4-experts", "keep_bf16": 3},
+     "keep_bf16: Input should be a valid dictionary or instance of KeepBF16"),
+    ({"preset": "block-fp8", "rules": None}, "rules: Input should be a valid list"),
+    ({"preset": "block-fp8", "rules": "block_fp8"}, "rules: Input should be a valid list"),
+    ({"preset": "nope"}, "preset: unknown strategy 'nope'; valid: bf16, block-fp8, mxfp8, mxfp8-experts, "
+                         "nvfp4-experts"),
+])
+def test_badly_typed_preset_extensions_name_the_key(data, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert str(info.value) == message
+
+
+def test_preset_merge_keeps_well_typed_parts():
+    cfg = load_config({"preset": "nvfp4-experts", "keep_bf16": {"last": 3}})
+    assert (cfg.keep_bf16.first, cfg.keep_bf16.last) == (1, 3)  # the preset's first, the config's last
+    assert [r.serializer for r in load_config({"preset": "block-fp8", "rules": []}).rules] == ["block_fp8"]
+    assert load_config({"preset": None}).rules == []
+
+
+def test_unreadable_config_files_are_config_errors(tmp_path):
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "dir.yaml")
+    assert str(info.value) == f"{tmp_path / 'dir.yaml'}: is a directory, not a config file (.yaml, .toml, .json)"
+    (tmp_path / "bin.toml").write_bytes(b"preset = \xff\xfe")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "bin.toml")
+    assert str(info.value) == f"{tmp_path / 'bin.toml'}: not a text config file (invalid start byte at byte 9)"
