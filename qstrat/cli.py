@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from qstrat.errors import QstratError
+from qstrat.errors import ConfigError, QstratError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False, highlight=False)
     try:
         return args.func(args, console)
-    except (QstratError, FileNotFoundError, FileExistsError) as exc:
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc}", markup=True)
+    except (QstratError, OSError) as exc:
+        from rich.markup import escape
+
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"[bold red]error:[/] {escape(str(exc))}", markup=True)
         return 2
 
 
@@ -42,14 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--summary", action="store_true", help="totals only, not every tensor")
     plan.add_argument("--grouped", action="store_true",
-                      help="config-only model: plan grouped expert slabs (trainer view) instead of per-expert names")
+                      help="config-only model: plan grouped expert slabs (trainer view) instead of "
+                           "per-expert names (an error for a directory with *.safetensors)")
     plan.set_defaults(func=_cmd_plan)
 
     quant = sub.add_parser("quantize", help="quantize a safetensors checkpoint into OUT")
     quant.add_argument("model", type=Path, help="model directory (config.json + *.safetensors)")
     _strategy_args(quant, required=True)
     quant.add_argument("-o", "--out", type=Path, required=True, help="output checkpoint directory")
-    quant.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    quant.add_argument("--overwrite", action="store_true",
+                       help="replace OUT if it is an existing directory (OUT may never be, hold "
+                            "or lie inside MODEL)")
     quant.set_defaults(func=_cmd_quantize)
 
     lst = sub.add_parser("list", help="every registered plugin and where it came from")
@@ -71,15 +77,49 @@ def _config_source(args: argparse.Namespace, default: str | None = None) -> Any:
     return {"preset": default}
 
 
+def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
+    """``(path, content)`` of the model's config.json (``model`` is its directory or the file)."""
+    if not model.exists():
+        raise FileNotFoundError(f"{model} does not exist")
+    if model.is_dir():
+        cfg_path = model / "config.json"
+        if not cfg_path.exists():
+            raise FileNotFoundError(f"{cfg_path} does not exist")
+    elif model.suffix == ".safetensors":
+        raise ConfigError(f"{model} is a safetensors file; pass the model directory holding it "
+                          "and its config.json")
+    else:
+        cfg_path = model
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{cfg_path}: not a JSON text file ({exc.reason} at byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{cfg_path}: invalid JSON: {exc}") from exc
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(hf).__name__}")
+    return cfg_path, hf
+
+
 def _load_model(model: Path, grouped: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's config.json and its tensors: lazily read safetensors headers, or, for a
+    config-only directory, ``meta`` tensors with the shapes the config implies.
+
+    Raises: FileNotFoundError; ConfigError naming config.json (unreadable, invalid, a key the
+    model needs is missing) or ``--grouped`` with safetensors present; QstratError naming a
+    safetensors file (unreadable header, unsupported dtype, no tensors).
+    """
     from qstrat.checkpoint import lazy_checkpoint
 
-    cfg_path = model / "config.json" if model.is_dir() else model
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path} does not exist")
-    hf = json.loads(cfg_path.read_text())
+    cfg_path, hf = _read_hf_config(model)
     if model.is_dir() and any(model.glob("*.safetensors")):
-        return hf, lazy_checkpoint(model)
+        if grouped:
+            raise ConfigError(f"--grouped plans a config-only directory, but {model} has *.safetensors: "
+                              "their tensors are planned as stored; drop --grouped")
+        tensors = lazy_checkpoint(model)
+        if not tensors:
+            raise QstratError(f"{model}: no tensors in its *.safetensors files; nothing to plan")
+        return hf, tensors
     import torch
 
     from qstrat.layouts import detect_layout
@@ -88,7 +128,16 @@ def _load_model(model: Path, grouped: bool = False) -> tuple[dict[str, Any], dic
 
     layout = detect_layout({k: e.obj for k, e in get_registry().layouts.items()}, hf)
     dtype = getattr(torch, str(hf.get("torch_dtype", "bfloat16")), torch.bfloat16)
-    return hf, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in model_tensors(layout, hf, grouped)}
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"{cfg_path}: torch_dtype {hf.get('torch_dtype')!r} is not a torch dtype")
+    try:
+        shapes = list(model_tensors(layout, hf, grouped))
+    except KeyError as exc:
+        raise ConfigError(f"{cfg_path}: missing key {exc.args[0]!r}, needed to plan the model from its "
+                          "config alone (no *.safetensors in the directory)") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
+    return hf, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
 
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -101,7 +150,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         sys.stdout.write(plan.to_json(indent=1) + "\n")
         return 0
     if not args.summary:
-        width = max(len(e.name) for e in plan.entries)
+        width = max((len(e.name) for e in plan.entries), default=0)
         for e in plan.entries:
             outs = ", ".join(f"{o.name.rsplit('.', 1)[-1]} {o.dtype}{list(o.shape)}" for o in e.outputs[:2])
             more = f" (+{len(e.outputs) - 2} more)" if len(e.outputs) > 2 else ""
@@ -133,14 +182,18 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     from qstrat.checkpoint import write_checkpoint
     from qstrat.driver import RefitDriver
 
-    hf, tensors = _load_model(args.model)
+    if not args.model.is_dir():
+        if args.model.exists():
+            raise NotADirectoryError(f"{args.model}: not a model directory (config.json + *.safetensors)")
+        raise FileNotFoundError(f"{args.model} does not exist")
     if not any(args.model.glob("*.safetensors")):
         raise FileNotFoundError(f"{args.model}: no *.safetensors to quantize")
+    hf, tensors = _load_model(args.model)
     driver = RefitDriver(_config_source(args), hf_config=hf)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("quantizing", total=None)
-        plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite,
+        plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite, source_dir=args.model,
                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
     _print_summary(console, plan)
     console.print(f"wrote {args.out}")

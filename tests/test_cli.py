@@ -86,3 +86,164 @@ def test_invalid_config_file_names_the_key(tmp_path):
     proc = run("plan", MODELS / "qwen3-235b-a22b", "--config", cfg, "--summary", ok=False)
     assert proc.returncode == 2
     assert "rules[0]: unknown serializer 'mxfp9'; valid:" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory, tiny_model):
+    """The tiny model saved as a BF16 checkpoint directory (read-only for the tests)."""
+    from qstrat.tiny_model import save_bf16
+
+    return save_bf16(tiny_model, tmp_path_factory.mktemp("src") / "bf16")
+
+
+def _safetensors_with(path, dtype, shape, nbytes):
+    """A safetensors file holding one tensor 'w' of a raw safetensors dtype name (e.g. U16)."""
+    header = json.dumps({"w": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(nbytes))
+
+
+def _case_config_is_a_directory(tmp, src):
+    (tmp / "cfgdir").mkdir()
+    return ["plan", MODELS / "deepseek-v3", "--config", tmp / "cfgdir"], \
+        f"{tmp / 'cfgdir'}: is a directory, not a config file"
+
+
+def _case_binary_config(tmp, src):
+    (tmp / "bin.yaml").write_bytes(b"preset: \xff\xfe\x00binary")
+    return ["plan", MODELS / "deepseek-v3", "--config", tmp / "bin.yaml"], \
+        f"{tmp / 'bin.yaml'}: not a text config file"
+
+
+def _case_model_is_a_safetensors_file(tmp, src):
+    return ["plan", src / "model.safetensors", "--preset", "bf16"], \
+        f"{src / 'model.safetensors'} is a safetensors file; pass the model directory"
+
+
+def _case_invalid_config_json(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text("{bad")
+    return ["plan", tmp / "m", "--preset", "bf16"], f"{tmp / 'm' / 'config.json'}: invalid JSON: Expecting property name"
+
+
+def _case_truncated_safetensors(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text("{}")
+    (tmp / "m" / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:100])
+    return ["plan", tmp / "m", "--preset", "bf16"], \
+        f"{tmp / 'm' / 'model.safetensors'}: not a readable safetensors file: Error while deserializing header"
+
+
+def _case_config_only_missing_key(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text("{}")
+    return ["plan", tmp / "m", "--preset", "bf16"], \
+        f"{tmp / 'm' / 'config.json'}: missing key 'hidden_size', needed to plan the model from its config alone"
+
+
+def _case_quantize_config_only(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text("{}")  # the safetensors check comes first
+    return ["quantize", tmp / "m", "--preset", "bf16", "-o", tmp / "out"], f"{tmp / 'm'}: no *.safetensors to quantize"
+
+
+def _case_unsupported_dtype(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text("{}")
+    _safetensors_with(tmp / "m" / "model.safetensors", "U16", [2, 2], 8)
+    return ["plan", tmp / "m", "--preset", "bf16"], \
+        f"{tmp / 'm' / 'model.safetensors'}: tensor 'w' has dtype U16, which qstrat does not read (supported: BF16"
+
+
+def _case_no_tensors(tmp, src):
+    from safetensors.torch import save_file
+
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text((src / "config.json").read_text())
+    save_file({}, str(tmp / "m" / "model.safetensors"))
+    return ["plan", tmp / "m", "--preset", "bf16"], f"{tmp / 'm'}: no tensors in its *.safetensors files; nothing to plan"
+
+
+def _case_out_is_a_file(tmp, src):
+    (tmp / "afile").write_text("keep me")
+    return ["quantize", src, "--preset", "bf16", "-o", tmp / "afile", "--overwrite"], \
+        f"{tmp / 'afile'} exists and is not a directory; not replacing it"
+
+
+def _case_out_is_the_source(tmp, src):
+    return ["quantize", src, "--preset", "bf16", "-o", src, "--overwrite"], \
+        f"output directory {src} is the source model directory {src}"
+
+
+def _case_out_inside_the_source(tmp, src):
+    return ["quantize", src, "--preset", "bf16", "-o", src / "fp8", "--overwrite"], \
+        f"output directory {src / 'fp8'} is inside the source model directory {src}"
+
+
+def _case_out_contains_the_source(tmp, src):
+    return ["quantize", src, "--preset", "bf16", "-o", src.parent, "--overwrite"], \
+        f"output directory {src.parent} contains the source model directory {src}"
+
+
+def _case_grouped_with_safetensors(tmp, src):
+    return ["plan", src, "--preset", "bf16", "--grouped"], \
+        f"--grouped plans a config-only directory, but {src} has *.safetensors"
+
+
+def _case_unknown_preset(tmp, src):
+    return ["plan", src, "--preset", "nope"], "preset: unknown strategy 'nope'; valid: bf16, block-fp8"
+
+
+@pytest.mark.parametrize("case", [
+    _case_config_is_a_directory, _case_binary_config, _case_model_is_a_safetensors_file,
+    _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,
+    _case_quantize_config_only, _case_unsupported_dtype, _case_no_tensors, _case_out_is_a_file,
+    _case_out_is_the_source, _case_out_inside_the_source, _case_out_contains_the_source,
+    _case_grouped_with_safetensors, _case_unknown_preset,
+], ids=lambda f: f.__name__.removeprefix("_case_"))
+def test_bad_inputs_are_user_errors_not_tracebacks(case, tmp_path, bf16_dir):
+    before = sorted(p.name for p in bf16_dir.iterdir())
+    args, message = case(tmp_path, bf16_dir)
+    proc = run(*args, ok=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: ")
+    assert message in proc.stderr, proc.stderr
+    assert sorted(p.name for p in bf16_dir.iterdir()) == before  # the source is never touched
+    if (tmp_path / "afile").exists():
+        assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_exists_error_names_the_overwrite_option(bf16_dir, tmp_path):
+    (tmp_path / "out").mkdir()
+    proc = run("quantize", bf16_dir, "--preset", "bf16", "-o", tmp_path / "out", ok=False)
+    assert proc.returncode == 2
+    assert f"error: {tmp_path / 'out'} exists; use --overwrite (overwrite=True) to replace it" in proc.stderr
+
+
+def test_quantize_copies_the_source_models_other_files(bf16_dir, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(bf16_dir, src)
+    extra = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": "{}",
+             "special_tokens_map.json": '{"eos_token": "</s>"}', "tokenizer.model": "\x00spm",
+             "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}"}
+    for name, text in extra.items():
+        (src / name).write_text(text)
+    (src / "model.safetensors.index.json").write_text('{"weight_map": {}}')  # stale: not copied
+    (src / "pytorch_model.bin").write_bytes(b"old weights")                   # weights: not copied
+    (src / "original").mkdir()                                                 # directories: not copied
+    run("quantize", src, "--preset", "block-fp8", "-o", tmp_path / "fp8")
+    out = tmp_path / "fp8"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [*extra, "generation_config.json", "config.json", "model.safetensors", "qstrat_plan.json"])
+    for name, text in extra.items():
+        assert (out / name).read_text() == text
+    assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_quantize_a_file_is_not_a_model_directory(bf16_dir):
+    proc = run("quantize", bf16_dir / "config.json", "--preset", "bf16", "-o", "/nonexistent/out", ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"error: {bf16_dir / 'config.json'}: not a model directory (config.json + *.safetensors)" in proc.stderr
