@@ -70,7 +70,8 @@ class MXFP8(Serializer):
         return q.float() * s.repeat_interleave(BLOCK, dim=-1)
 
     def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any]:
-        """ModelOpt-form MXFP8 config (contracts.md section 2)."""
+        """MXFP8 config in NVIDIA ModelOpt form (``quant_method: modelopt``, ``quant_algo: MXFP8``),
+        as vLLM loads it; docs/formats.md."""
         return {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": list(ignored)}
 
 

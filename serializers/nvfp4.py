@@ -1,7 +1,8 @@
 """NVFP4: E2M1 values, one e4m3 scale per 1 x 16 block along K, one fp32 scale per matrix.
 
 Spec: NVIDIA NVFP4 as ModelOpt exports it and vLLM loads it (``quant_method: modelopt``,
-``quant_algo: NVFP4``; contracts.md section 3). Math as vLLM's CPU/test reference
+``quant_algo: NVFP4``, parsed by vLLM's ``ModelOptNvFp4Config``; docs/formats.md).
+Math as vLLM's CPU/test reference
 ``vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py::ref_nvfp4_quant``
 (the torch mirror of its CUDA ``scaled_fp4_quant`` kernel), bit for bit, in this fp32 order:
 
@@ -95,7 +96,7 @@ class NVFP4Options(SerializerOptions):
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """Global (per-matrix) NVFP4 encode scale ``enc`` from the matrix amax.
 
-    Formula (contracts.md section 3; vLLM's ``global_scale`` argument of ``ref_nvfp4_quant``):
+    Formula (docs/formats.md, ``nvfp4``; vLLM's ``global_scale`` argument of ``ref_nvfp4_quant``):
     ``enc = 2688 / amax`` as ONE correctly rounded fp32 division (``torch.div``; not
     ``2688 * (1/amax)``, and in Triton ``tl.math.div_rn``, since ``/`` there is approximate);
     ``amax == 0 -> 1``; capped at :data:`ENC_MAX` = 2^116 so tensors with amax below ~3.2e-32

@@ -200,7 +200,7 @@ def test_bad_refit_raises_before_sending_and_leaves_engine_unchanged(engine_a, m
 
 def test_fused_slab_emission_refit_equals_fresh_b(engine_a, references, models, driver, cfg):
     """``expert_emission: fused`` sends ``experts.gate_up_proj`` / ``experts.gate_up_proj_scale_inv``
-    slabs; vLLM 0.32 loads them (contracts section 5)."""
+    slabs; vLLM 0.32 loads them (docs/vllm.md)."""
     from qstrat.driver import RefitDriver
     from qstrat.engine import greedy
 

@@ -2,7 +2,8 @@
 
 Everything here is integer arithmetic on the IEEE-754 bits of fp32 values, so a kernel gives the
 same bytes compiled for a GPU and under Triton's interpreter (``TRITON_INTERPRET=1``), whose
-fp32 -> fp8 cast is wrong (ties round away, lost carries, no saturation: contracts.md section 4).
+fp32 -> fp8 cast is wrong (ties round away, lost carries, no saturation; docs/plugins.md,
+"Optional kernel").
 The torch-side twins of these formulas are in :mod:`qstrat.serializers.fp_bits`; the oracle for
 :func:`e4m3_encode` is torch 2.13's ``.to(torch.float8_e4m3fn)`` on CPU.
 
@@ -57,7 +58,8 @@ def load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
 def e4m3_encode(x):
     """fp32 -> e4m3fn code (int32 in [0, 255]) with round-to-nearest-even and saturation.
 
-    Same result as torch's ``x.to(torch.float8_e4m3fn)`` (contracts.md section 4):
+    Same result as torch's ``x.to(torch.float8_e4m3fn)`` (E4M3 of the OCP 8-bit floating point
+    spec, OFP8; RNE and saturation as in docs/formats.md):
     - |x| >= 2^-6 (fp32 biased exponent >= 121): the 23-bit mantissa is rounded to 3 bits by adding
       ``0x7FFFF + lsb`` before the shift, so a carry moves into the exponent (1.9375 -> 2.0);
     - |x| < 2^-6: subnormal code ``round_half_even(|x| / 2^-9)`` from the 24-bit significand shifted

@@ -77,7 +77,8 @@ def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, t
     Returns:
         ``{"weight": float8_e4m3fn [E, N, K], "weight_scale": uint8 [E, N, K/32]}`` (raw E8M0
         bytes), contiguous, on ``w3``'s device; bytes identical to ``MXFP8.reference``
-        (formulas: mxfp8.py, contracts.md section 2).
+        (formulas: mxfp8.py and docs/formats.md: OCP MX spec v1.0 blocks, vLLM's RCEIL scale as in
+        ``_mxfp8_e4m3_quantize_torch``).
     Raises:
         ValueError: ``w3`` is not 3-D. UnsupportedShapeError: ``K % 32 != 0``.
     """

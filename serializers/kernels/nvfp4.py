@@ -103,8 +103,8 @@ def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, t
     Returns:
         ``{"weight": uint8 [E, N, K/2], "weight_scale": float8_e4m3fn [E, N, K/16],
         "weight_scale_2": float32 [E], "input_scale": float32 [E]}``, contiguous, on ``w3``'s
-        device; bytes identical to ``NVFP4.reference`` (formulas: nvfp4.py, contracts.md
-        section 3).
+        device; bytes identical to ``NVFP4.reference`` (formulas: nvfp4.py and docs/formats.md,
+        after vLLM's ``ref_nvfp4_quant``).
     Raises:
         ValueError: ``w3`` is not 3-D, or ``ctx["amax"]`` is not [E].
         UnsupportedShapeError: ``K % 16 != 0``.
