@@ -23,7 +23,8 @@ class SlabSpec:
     """A grouped expert slab ``[E, rows, K]`` and how it splits into per-expert projections.
 
     ``parts`` are the per-expert projection names stacked along dim 1 in order (``rows`` split:
-    gate rows first, then up - contracts.md section 5).
+    gate rows first, then up, as transformers v5 ``Qwen3MoeExperts.gate_up_proj`` holds them;
+    see docs/concepts.md).
     """
 
     parts: tuple[str, ...]
