@@ -89,6 +89,10 @@ class Rule(_Model):
         return self
 
 
+#: Which registry table each name-valued RefitConfig field is looked up in.
+_REGISTRY_KIND = {"preset": "strategies", "default": "serializers", "layout": "layouts"}
+
+
 class RefitConfig(_Model):
     """The whole strategy of a refit. Build it with :func:`load_config`.
 
@@ -132,24 +136,12 @@ class RefitConfig(_Model):
             merged["keep_bf16"] = {**preset["keep_bf16"], **data["keep_bf16"]}
         return merged
 
-    @field_validator("preset")
+    @field_validator("preset", "default", "layout")
     @classmethod
-    def _known_preset(cls, v: str | None, info: ValidationInfo) -> str | None:
+    def _registered(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """preset, default and layout must name registered plugins (errors list the choices)."""
         if v is not None:
-            _registry(info).lookup("strategies", v)
-        return v
-
-    @field_validator("default")
-    @classmethod
-    def _known_default(cls, v: str, info: ValidationInfo) -> str:
-        _registry(info).lookup("serializers", v)
-        return v
-
-    @field_validator("layout")
-    @classmethod
-    def _known_layout(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is not None:
-            _registry(info).lookup("layouts", v)
+            _registry(info).lookup(_REGISTRY_KIND[info.field_name], v)
         return v
 
     @classmethod
