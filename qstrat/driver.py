@@ -268,8 +268,12 @@ class RefitDriver:
             else:
                 self.serializer(e.serializer, e.options).check_values(t, e.name)
 
-    def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
+                values_checked: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Emit the outputs of an already validated ``plan`` for ``tensors`` in wire order.
+
+        ``values_checked=True``: :meth:`check_values` already ran on ``tensors`` (as in
+        ``qstrat.vllm.refit``), so the per-tensor NaN/inf read pass is not repeated.
 
         Each input is quantized once, when its first output is due, and its parts are dropped
         after its last output: with natural name order that bounds live parts to about one
@@ -284,7 +288,8 @@ class RefitDriver:
         for i, o in plan.wire_order():
             e = plan.entries[i]
             if i not in live:
-                live[i] = (self._quantize_entry(e, tensors, members, contexts), len(e.outputs))
+                live[i] = (self._quantize_entry(e, tensors, members, contexts, values_checked),
+                           len(e.outputs))
             parts, left = live[i]
             yield o.name, _cut(parts[o.suffix], o)
             if left == 1:
@@ -293,10 +298,12 @@ class RefitDriver:
                 live[i] = (parts, left - 1)
 
     def _quantize_entry(self, e: PlanEntry, tensors: Mapping[str, torch.Tensor],
-                        members: Mapping[str, list[str]], contexts: dict[str, Any]) -> dict[str, torch.Tensor]:
+                        members: Mapping[str, list[str]], contexts: dict[str, Any],
+                        values_checked: bool) -> dict[str, torch.Tensor]:
         t = _materialize(tensors[e.name], e.name)
         if e.serializer == PASSTHROUGH:
-            _check_passthrough(t, e.name)
+            if not values_checked:
+                _check_passthrough(t, e.name)
             return {"weight": t}
         ser = self.serializer(e.serializer, e.options)
         ctx = None
@@ -304,7 +311,7 @@ class RefitDriver:
             if e.group not in contexts:
                 contexts[e.group] = ser.group_context([_materialize(tensors[m], m) for m in members[e.group]])
             ctx = contexts[e.group]
-        return ser.quantize(t, name=e.name, context=ctx)
+        return ser.quantize(t, name=e.name, context=ctx, values_checked=values_checked)
 
 
 def _check_passthrough(t: torch.Tensor, name: str) -> None:

@@ -107,7 +107,7 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     sent = {"tensors": 0, "bytes": 0}
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in driver.execute(plan, tensors):
+        for name, t in driver.execute(plan, tensors, values_checked=True):
             t = t.contiguous()
             sent["tensors"] += 1
             sent["bytes"] += t.numel() * t.element_size()

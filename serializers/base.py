@@ -151,7 +151,8 @@ class Serializer(ABC):
         )
 
     def quantize(
-        self, w: torch.Tensor, *, name: str = "weight", context: Context | None = None
+        self, w: torch.Tensor, *, name: str = "weight", context: Context | None = None,
+        values_checked: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Quantize one weight or grouped slab.
 
@@ -161,6 +162,8 @@ class Serializer(ABC):
             name: tensor name used in error messages.
             context: from :meth:`group_context` when ``w`` is a member of a fused group; ``None``
                 quantizes ``w`` as a group of one.
+            values_checked: the caller already ran :meth:`check_values` on ``w`` (skips a
+                second read pass; ``RefitDriver.check_values`` does this for a whole refit).
         Returns:
             dict suffix -> tensor, exactly as declared by :meth:`part_specs`, on ``w``'s device.
         Raises:
@@ -170,7 +173,8 @@ class Serializer(ABC):
         specs = self.part_specs(w.shape)
         batched = w.dim() == 3
         w3 = w if batched else w.unsqueeze(0)
-        self.check_values(w3, name)
+        if not values_checked:
+            self.check_values(w3, name)
         ctx = context if context is not None else self.group_context([w3])
         if ctx is not None:
             ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}

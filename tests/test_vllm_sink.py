@@ -98,3 +98,15 @@ def test_wildcard_ignore_lists_are_understood(tiny_model, tiny_hf_config):
     cfg["ignore"] = ["*self_attn*", "lm_head"]  # routers missing: the engine would quantize them
     with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.gate"):
         qstrat.vllm.refit(RecordingLLM(cfg), mx, state)
+
+
+def test_refit_reads_each_weight_once_for_nan(tiny_model, driver, monkeypatch):
+    import qstrat.serializers.base as base
+
+    calls = []
+    real = base.check_finite
+    monkeypatch.setattr(base, "check_finite", lambda w3, name, chunk: (calls.append(name), real(w3, name, chunk)))
+    state = tiny_model.state_dict()
+    qstrat.vllm.refit(RecordingLLM(driver.plan(state).vllm_quantization_config()), driver, state)
+    quantized = [e.name for e in driver.plan(state).entries if e.serializer != "passthrough"]
+    assert sorted(n for n in calls if n in quantized) == sorted(quantized)  # once each, up front
