@@ -304,10 +304,6 @@ else:
 
     # ---- the shared device helpers, against their torch twins -------------------------------
 
-    def run_helper(op: int, x: torch.Tensor) -> torch.Tensor:
-        ops = ("e4m3_encode", "e8m0_rceil", "e8m0_floor", "exp2_int", "ceil_pow2")
-        return testing.run_fp_encode(ops[op], x, DEVICE)
-
     def f32_from_bits(bits) -> torch.Tensor:
         return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
@@ -335,7 +331,7 @@ else:
 
     def test_e4m3_encode_equals_torch_cast():
         x = e4m3_probe_values()
-        got = run_helper(0, x)
+        got = testing.run_fp_encode("e4m3_encode", x, DEVICE)
         want = x.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
         bad = (got != want).nonzero().flatten()
         assert bad.numel() == 0, (
@@ -353,12 +349,12 @@ else:
             torch.tensor([448.0 * 2.0**k for k in range(-140, 120)]),
             f32_from_bits([0x3FE00000 + d for d in (-1, 0, 1)]),  # 1.75 +- ulp
         ])
-        assert torch.equal(run_helper(1, amax), fp_bits.e8m0_from_amax(amax, "rceil"))
-        assert torch.equal(run_helper(2, amax), fp_bits.e8m0_from_amax(amax, "floor"))
+        assert torch.equal(testing.run_fp_encode("e8m0_rceil", amax, DEVICE), fp_bits.e8m0_from_amax(amax, "rceil"))
+        assert torch.equal(testing.run_fp_encode("e8m0_floor", amax, DEVICE), fp_bits.e8m0_from_amax(amax, "floor"))
         e = torch.arange(-149, 128, dtype=torch.int32)
-        assert torch.equal(run_helper(3, e), fp_bits.exp2_int(e).view(torch.int32))
+        assert torch.equal(testing.run_fp_encode("exp2_int", e, DEVICE), fp_bits.exp2_int(e).view(torch.int32))
         s = amax[(amax > 2.0**-126) & (amax < 2.0**127)]
-        assert torch.equal(run_helper(4, s), fp_bits.ceil_pow2(s).view(torch.int32))
+        assert torch.equal(testing.run_fp_encode("ceil_pow2", s, DEVICE), fp_bits.ceil_pow2(s).view(torch.int32))
 
     # ---- GPU only: offsets beyond 2^31 elements ---------------------------------------------
 

@@ -184,13 +184,10 @@ else:
 
     from qstrat.serializers import nvfp4 as nvfp4_ref
 
-    def run_helper(op: int, x: torch.Tensor) -> torch.Tensor:
-        return testing.run_fp_encode(("e4m3_decode", "e2m1_magnitude")[op], x, DEVICE)
-
     def test_e4m3_decode_equals_torch_cast_for_all_codes():
         codes = torch.arange(256, dtype=torch.int32)
         want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float().view(torch.int32)
-        assert torch.equal(run_helper(0, codes), want)
+        assert torch.equal(testing.run_fp_encode("e4m3_decode", codes, DEVICE), want)
 
     def test_e2m1_magnitude_equals_reference():
         g = gen(7)
@@ -203,7 +200,7 @@ else:
             .view(torch.float32),
             torch.rand(1 << 14, generator=g) * 8,
         ])
-        assert torch.equal(run_helper(1, a), nvfp4_ref.e2m1_magnitude(a).to(torch.int32))
+        assert torch.equal(testing.run_fp_encode("e2m1_magnitude", a, DEVICE), nvfp4_ref.e2m1_magnitude(a).to(torch.int32))
 
     # ---- GPU only: offsets beyond 2^31 elements -----------------------------------------
 
