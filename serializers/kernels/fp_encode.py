@@ -177,3 +177,21 @@ def nan_if(amax, has_nan):
     """
     qnan = tl.full(amax.shape, F32_BITS_QNAN, tl.int32).to(tl.float32, bitcast=True)
     return tl.where(has_nan, qnan, amax)
+
+
+@triton.jit
+def amax_last_axis(x):
+    """max |x| over the last axis of a [BLOCK_N, G, B] block of rows x B-element blocks (MX,
+    NVFP4), NaN-propagating like torch's ``amax``; returns float32 [BLOCK_N, G]."""
+    amax = tl.max(tl.abs(x), axis=2)
+    return nan_if(amax, tl.sum((x != x).to(tl.int32), axis=2) > 0)
+
+
+@triton.jit
+def store_block_scales(s_ptr, e, N, KS, rows, groups, val):
+    """Store one byte per block, ``val`` [BLOCK_N, G] (rows x block index along K), into a
+    contiguous uint8 [E, N, KS] scale tensor at expert ``e`` (int64 offsets); out-of-range
+    rows/blocks are masked."""
+    r2 = rows[:, None]
+    g2 = groups[None, :]
+    tl.store(s_ptr + e * N * KS + r2 * KS + g2, val.to(tl.uint8), mask=(r2 < N) & (g2 < KS))

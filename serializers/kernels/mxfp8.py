@@ -50,19 +50,14 @@ def _mxfp8_kernel(
     src = x_ptr + e * stride_e + r3 * stride_n + c3 * stride_k
     x = fp_encode.load_f32(src, mask, BF16_BITS)
 
-    amax = tl.max(tl.abs(x), axis=2)
-    n_nan = tl.sum((x != x).to(tl.int32), axis=2)
-    amax = fp_encode.nan_if(amax, n_nan > 0)
+    amax = fp_encode.amax_last_axis(x)
     byte = fp_encode.e8m0_from_amax(amax, RCEIL)
     byte = tl.where(byte == 255, byte, tl.maximum(byte, MIN_BYTE))
     inv = fp_encode.exp2_int(BIAS - byte)  # exact 1/s: x * 2^-j == x / 2^j bit for bit
 
     code = fp_encode.e4m3_encode(x * inv[:, :, None])
     tl.store(q_ptr + e * N * K + r3 * K + c3, code.to(tl.uint8), mask=mask)
-    r2 = rows[:, None]
-    g2 = groups[None, :]
-    KS = K // MX
-    tl.store(s_ptr + e * N * KS + r2 * KS + g2, byte.to(tl.uint8), mask=(r2 < N) & (g2 < KS))
+    fp_encode.store_block_scales(s_ptr, e, N, K // MX, rows, groups, byte)
 
 
 def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:

@@ -68,8 +68,7 @@ def _nvfp4_kernel(
     x = fp_encode.load_f32(x_ptr + e * stride_e + r3 * stride_n + c3 * stride_k, mask, BF16_BITS)
 
     # Step 2: e4m3 block scale.
-    amax_b = tl.max(tl.abs(x), axis=2)
-    amax_b = fp_encode.nan_if(amax_b, tl.sum((x != x).to(tl.int32), axis=2) > 0)
+    amax_b = fp_encode.amax_last_axis(x)
     scale = fp_encode.e4m3_encode(enc * (amax_b * RCP6))
     # Step 3: element multiplier from the DECODED scale.
     s = fp_encode.e4m3_decode(scale)
@@ -85,10 +84,7 @@ def _nvfp4_kernel(
     pairs = groups[None, :, None] * (FB // 2) + tl.arange(0, FB // 2).to(tl.int64)[None, None, :]
     tl.store(q_ptr + e * N * KH + r3 * KH + pairs, packed.to(tl.uint8),
              mask=(r3 < N) & (pairs < KH))
-    r2 = rows[:, None]
-    g2 = groups[None, :]
-    KS = K // FB
-    tl.store(s_ptr + e * N * KS + r2 * KS + g2, scale.to(tl.uint8), mask=(r2 < N) & (g2 < KS))
+    fp_encode.store_block_scales(s_ptr, e, N, K // FB, rows, groups, scale)
 
 
 def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
