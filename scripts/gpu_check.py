@@ -58,7 +58,10 @@ from rich.table import Table  # noqa: E402
 
 from qstrat.registry import get_registry  # noqa: E402
 from qstrat.serializers.base import Serializer  # noqa: E402
-from qstrat.serializers.kernels import interpreted, testing  # noqa: E402
+from qstrat.serializers.kernels import interpreted  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))  # the kernel test harness lives with the tests
+import kernel_harness as testing  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
 Parts = dict[str, torch.Tensor]
@@ -191,7 +194,7 @@ def check_format(
             "mismatched_bytes": None if exact is None else exact[1], "note": note,
         })
 
-    kernel = cls.kernel
+    kernel = cls.resolve_kernel()
     got = kernel(ser, w3, ctx)
     bad = testing.mismatched_bytes(got, ref) if set(got) == set(ref) else -1
     del got
@@ -269,7 +272,7 @@ def kernel_formats() -> dict[str, type[Serializer]]:
         name = cls.__dict__.get("name")
         if isinstance(name, str) and name not in found:
             found[name] = cls
-    return {n: c for n, c in sorted(found.items()) if c.kernel is not None}
+    return {n: c for n, c in sorted(found.items()) if c.resolve_kernel() is not None}
 
 
 def formats(names: str) -> list[Serializer]:

@@ -75,6 +75,11 @@ def tensor_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return n
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as plans and checkpoints name it: ``torch.float8_e4m3fn`` -> ``float8_e4m3fn``."""
+    return str(dtype).removeprefix("torch.")
+
+
 class Serializer(ABC):
     """A quantization format. Instances are immutable and cheap; options are validated by pydantic.
 
@@ -89,8 +94,10 @@ class Serializer(ABC):
     Options: ClassVar[type[SerializerOptions]] = SerializerOptions
     quantizes: ClassVar[bool] = True
     row_tile: ClassVar[int] = 1
-    #: Triton implementation ``kernel(w3: [E, N, K], context) -> parts``, set by the kernels module.
-    kernel: ClassVar[Callable[..., dict[str, torch.Tensor]] | None] = None
+    #: Triton implementation ``kernel(serializer, w3: [E, N, K], context) -> parts``: a lazy
+    #: ``"module:function"`` reference (imported by :meth:`resolve_kernel` when a backend is
+    #: chosen and triton imports), a callable, or None (torch reference only).
+    kernel: ClassVar[str | Callable[..., dict[str, torch.Tensor]] | None] = None
 
     def __init__(self, **options: Any) -> None:
         """Raises: pydantic.ValidationError on unknown or invalid options."""
@@ -179,7 +186,7 @@ class Serializer(ABC):
         if ctx is not None:
             ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}
         if self._use_kernel(w3):
-            parts = type(self).kernel(self, w3, ctx)
+            parts = type(self).resolve_kernel()(self, w3, ctx)
         else:
             parts = self._reference_chunked(w3, ctx, self.part_specs(w3.shape))
         if not batched:
@@ -194,12 +201,30 @@ class Serializer(ABC):
             w3 = w if w.dim() == 3 else w.unsqueeze(0)
             check_finite(w3, name, self._expert_chunk(w3))
 
+    @classmethod
+    def resolve_kernel(cls) -> Callable[..., dict[str, torch.Tensor]] | None:
+        """The format's kernel function, or None (no kernel declared, or triton not importable).
+
+        A ``"module:function"`` reference is imported on first use and cached per class, so that
+        importing a format never imports triton or its kernel module.
+        Raises: PluginError if the reference does not name an importable callable (a broken
+        kernel module must not fall back to the reference silently).
+        """
+        ref = cls.kernel
+        if ref is None or callable(ref):
+            return ref
+        if cls not in _RESOLVED:
+            from qstrat.serializers.kernels import triton_available
+
+            _RESOLVED[cls] = _import_ref(cls.name, ref) if triton_available() else None
+        return _RESOLVED[cls]
+
     # ---- internals ------------------------------------------------------------------------
     def _use_kernel(self, w3: torch.Tensor) -> bool:
         backend = self.options.backend
         if backend == "torch":
             return False
-        has_kernel = type(self).kernel is not None
+        has_kernel = type(self).resolve_kernel() is not None
         if backend == "auto":
             return has_kernel and w3.is_cuda
         if not has_kernel:
@@ -243,6 +268,26 @@ class Serializer(ABC):
                 for suffix, dst in dsts.items():
                     dst.copy_(got[suffix])
         return out
+
+
+#: Kernels resolved by :meth:`Serializer.resolve_kernel`, per format class.
+_RESOLVED: dict[type, Callable[..., dict[str, torch.Tensor]] | None] = {}
+
+
+def _import_ref(fmt: str, ref: str) -> Callable[..., dict[str, torch.Tensor]]:
+    """Import ``"module:function"``; raise PluginError naming the format if it is not callable."""
+    import importlib
+
+    from qstrat.errors import PluginError
+
+    module, _, attr = ref.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(f"serializer {fmt!r}: kernel {ref!r} cannot be imported: {exc}") from exc
+    if not callable(fn):
+        raise PluginError(f"serializer {fmt!r}: kernel {ref!r} is not callable")
+    return fn
 
 
 def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:

@@ -34,6 +34,7 @@ class BlockFP8(Serializer):
     """128x128 block-scaled FP8 (e4m3fn) with fp32 ``weight_scale_inv``."""
 
     name = "block_fp8"
+    kernel = "qstrat.serializers.kernels.block_fp8:quantize_block_fp8"
     summary = "FP8 e4m3 with an fp32 scale per 128x128 tile (vLLM fp8 + weight_block_size)"
     Options = BlockFP8Options
     row_tile = BLOCK
@@ -76,8 +77,3 @@ class BlockFP8(Serializer):
             "ignored_layers": list(ignored),
         }
 
-
-# Triton kernel hook-in: sets the format's Serializer.kernel when triton is importable.
-from qstrat.serializers.kernels import load_kernel  # noqa: E402
-
-load_kernel("block_fp8")

@@ -38,6 +38,7 @@ class MXFP8(Serializer):
     """OCP MXFP8 (E4M3 + E8M0 per 32 elements along K)."""
 
     name = "mxfp8"
+    kernel = "qstrat.serializers.kernels.mxfp8:quantize_mxfp8"
     summary = "OCP MX FP8 e4m3 with a uint8 E8M0 scale per 1x32 block (RCEIL)"
     Options = MXFP8Options
 
@@ -74,8 +75,3 @@ class MXFP8(Serializer):
         as vLLM loads it; docs/formats.md."""
         return {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": list(ignored)}
 
-
-# Triton kernel hook-in: sets the format's Serializer.kernel when triton is importable.
-from qstrat.serializers.kernels import load_kernel  # noqa: E402
-
-load_kernel("mxfp8")

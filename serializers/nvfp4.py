@@ -151,6 +151,7 @@ class NVFP4(Serializer):
     """NVFP4 (E2M1, e4m3 scale per 16 along K, fp32 per-matrix scale), ModelOpt checkpoint form."""
 
     name = "nvfp4"
+    kernel = "qstrat.serializers.kernels.nvfp4:quantize_nvfp4"
     summary = "NVFP4 e2m1 with an e4m3 scale per 1x16 block and an fp32 global scale (ModelOpt)"
     Options = NVFP4Options
 
@@ -262,8 +263,3 @@ class NVFP4(Serializer):
             "ignore": list(ignored),
         }
 
-
-# Triton kernel hook-in: sets the format's Serializer.kernel when triton is importable.
-from qstrat.serializers.kernels import load_kernel  # noqa: E402
-
-load_kernel("nvfp4")

@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="the kernels need triton (pip install 'qstr
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError  # noqa: E402
 from qstrat.serializers.block_fp8 import BlockFP8  # noqa: E402
-from qstrat.serializers.kernels import testing  # noqa: E402
+import kernel_harness as testing  # noqa: E402
 from qstrat.serializers.mxfp8 import MXFP8  # noqa: E402
 
 DEVICE = testing.kernel_device()
@@ -34,8 +34,8 @@ def test_kernels_registered_when_triton_importable():
     from qstrat.serializers.kernels.block_fp8 import quantize_block_fp8
     from qstrat.serializers.kernels.mxfp8 import quantize_mxfp8
 
-    assert BlockFP8.kernel is quantize_block_fp8
-    assert MXFP8.kernel is quantize_mxfp8
+    assert BlockFP8.resolve_kernel() is quantize_block_fp8
+    assert MXFP8.resolve_kernel() is quantize_mxfp8
 
 
 @pytest.mark.skipif(bool(os.environ.get(testing.CHILD_ENV)), reason="parent process covers it")
@@ -45,7 +45,7 @@ def test_formats_work_without_triton():
         "import torch\n"
         "from qstrat.serializers.block_fp8 import BlockFP8\n"
         "from qstrat.serializers.mxfp8 import MXFP8\n"
-        "assert BlockFP8.kernel is None and MXFP8.kernel is None\n"
+        "assert BlockFP8.resolve_kernel() is None and MXFP8.resolve_kernel() is None\n"
         "w = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)\n"
         "p = BlockFP8().quantize(w)\n"
         "print(p['weight_scale_inv'].item(), MXFP8().quantize(w)['weight_scale'][0, 0].item())\n"

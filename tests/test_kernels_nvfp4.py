@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'qstrat[triton]')")
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError  # noqa: E402
-from qstrat.serializers.kernels import testing  # noqa: E402
+import kernel_harness as testing  # noqa: E402
 from qstrat.serializers.nvfp4 import NVFP4  # noqa: E402
 
 DEVICE = testing.kernel_device()
@@ -22,7 +22,7 @@ DEVICE = testing.kernel_device()
 def test_kernel_registered():
     from qstrat.serializers.kernels.nvfp4 import quantize_nvfp4
 
-    assert NVFP4.kernel is quantize_nvfp4
+    assert NVFP4.resolve_kernel() is quantize_nvfp4
 
 
 if DEVICE is None:

@@ -1,10 +1,9 @@
 """Triton kernels for the formats: one module per format, shared device helpers in
 :mod:`.fp_encode`.
 
-A format module ends with ``load_kernel("<format>")``, which imports
-``qstrat.serializers.kernels.<format>`` when triton is importable; that module sets the format's
-``Serializer.kernel`` hook (see :class:`qstrat.serializers.base.Serializer`). Without triton the
-hook stays ``None`` and every format runs its torch reference.
+A format names its kernel lazily (``kernel = "qstrat.serializers.kernels.<format>:<function>"``);
+:meth:`qstrat.serializers.base.Serializer.resolve_kernel` imports it where the backend is chosen,
+and only when triton is importable. Without triton every format runs its torch reference.
 
 Compiled or interpreted: as for any ``@triton.jit`` code, ``TRITON_INTERPRET=1`` must be set
 before triton is imported for the kernels to run on CPU tensors under the interpreter (triton's
@@ -13,8 +12,6 @@ see :func:`interpreted`.
 """
 from __future__ import annotations
 
-import importlib
-
 
 def triton_available() -> bool:
     """True when ``import triton`` succeeds (the kernels need triton >= 3.0)."""
@@ -22,19 +19,6 @@ def triton_available() -> bool:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return True
-
-
-def load_kernel(fmt: str) -> bool:
-    """Import the kernel module of format ``fmt`` (registering its hook) if triton is importable.
-
-    Args: fmt: module name under ``qstrat.serializers.kernels`` (``"block_fp8"``, ``"mxfp8"``).
-    Returns: True if the kernel module is loaded, False if triton is not installed.
-    Raises: any error of the kernel module itself (a broken kernel must not pass silently).
-    """
-    if not triton_available():
-        return False
-    importlib.import_module(f"{__name__}.{fmt}")
     return True
 
 

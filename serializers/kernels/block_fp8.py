@@ -8,7 +8,6 @@ read in place), upcasts to fp32, and computes exactly the torch reference's ops:
 rounded divisions (``tl.math.div_rn``; GPU ``/`` is approximate), optional UE8M0 ``s``, then
 ``q = e4m3(x * (1 / s))`` via the integer encoder in :mod:`.fp_encode`. Offsets are int64.
 With ``nonfinite="propagate"`` a tile holding NaN gets a NaN scale and all-0x7F values.
-Importing this module registers the kernel as ``BlockFP8.kernel``.
 """
 from __future__ import annotations
 
@@ -63,7 +62,7 @@ def _block_fp8_kernel(
 
 
 def quantize_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to block FP8 in one kernel launch (the ``BlockFP8.kernel`` hook).
+    """Quantize a grouped slab to block FP8 in one kernel launch (``BlockFP8.kernel`` names it).
 
     Args:
         serializer: the :class:`BlockFP8` instance (reads ``options.ue8m0``).
@@ -92,5 +91,3 @@ def quantize_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None) -> dict
         )
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale_inv": s}
 
-
-BlockFP8.kernel = quantize_block_fp8

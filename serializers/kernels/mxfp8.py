@@ -7,7 +7,7 @@ read in place), upcasts to fp32, and per 32-block computes exactly the torch ref
 NaN-propagating ``amax``, the E8M0 byte from the amax bits (RCEIL or FLOOR,
 :func:`.fp_encode.e8m0_from_amax`), the ``min_scale_byte`` clamp (NaN byte 255 kept), the exact
 ``1/s = 2^(127 - byte)`` from bits, and ``q = e4m3(x * (1/s))`` via the integer encoder.
-Offsets are int64. Importing this module registers the kernel as ``MXFP8.kernel``.
+Offsets are int64. 
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _mxfp8_kernel(
 
 
 def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to MXFP8 in one kernel launch (the ``MXFP8.kernel`` hook).
+    """Quantize a grouped slab to MXFP8 in one kernel launch (``MXFP8.kernel`` names it).
 
     Args:
         serializer: the :class:`MXFP8` instance (reads ``options.scale_rounding`` and
@@ -96,5 +96,3 @@ def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, t
         )
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
-
-MXFP8.kernel = quantize_mxfp8

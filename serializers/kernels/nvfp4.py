@@ -15,8 +15,7 @@ strides (views read in place, int64 offsets), upcasts to fp32, and per 16-block 
 4. ``code = e2m1(|x * os|) | 8 * (x < 0)``, packed two per byte, even element in the low nibble.
 
 Divisions are ``tl.math.div_rn`` (correctly rounded; GPU ``/`` is approximate). Programs of tile
-0 also write the expert's ``weight_scale_2`` and ``input_scale``. Importing this module
-registers the kernel as ``NVFP4.kernel``.
+0 also write the expert's ``weight_scale_2`` and ``input_scale``.
 """
 from __future__ import annotations
 
@@ -88,7 +87,7 @@ def _nvfp4_kernel(
 
 
 def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to NVFP4 in one kernel launch (the ``NVFP4.kernel`` hook).
+    """Quantize a grouped slab to NVFP4 in one kernel launch (``NVFP4.kernel`` names it).
 
     Args:
         serializer: the :class:`NVFP4` instance (reads ``options.input_scale``).
@@ -137,5 +136,3 @@ def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, t
         "input_scale": inp,
     }
 
-
-NVFP4.kernel = quantize_nvfp4
