@@ -13,14 +13,14 @@ MODELS = ROOT / "examples" / "models"
 @pytest.fixture(scope="session")
 def tiny_model():
     """Seeded tiny Qwen3-MoE (bf16): state_dict holds grouped expert slabs."""
-    from qstrat.tiny_model import build_tiny_qwen3_moe
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_hf_config(tiny_model):
-    from qstrat.tiny_model import hf_config
+    from qstrat.demo.tiny_model import hf_config
 
     return hf_config(tiny_model)
 

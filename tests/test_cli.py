@@ -50,7 +50,7 @@ def test_plan_lists_every_tensor_and_summary(tmp_path):
 
 
 def test_quantize_a_checkpoint_and_plan_it_back(tiny_model, tmp_path):
-    from qstrat.tiny_model import save_bf16
+    from qstrat.demo.tiny_model import save_bf16
 
     save_bf16(tiny_model, tmp_path / "bf16")
     run("quantize", tmp_path / "bf16", "--preset", "block-fp8", "-o", tmp_path / "fp8")
@@ -91,7 +91,7 @@ def test_invalid_config_file_names_the_key(tmp_path):
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory, tiny_model):
     """The tiny model saved as a BF16 checkpoint directory (read-only for the tests)."""
-    from qstrat.tiny_model import save_bf16
+    from qstrat.demo.tiny_model import save_bf16
 
     return save_bf16(tiny_model, tmp_path_factory.mktemp("src") / "bf16")
 

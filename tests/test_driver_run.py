@@ -104,7 +104,7 @@ def test_plan_errors_before_any_output(tiny_model, tiny_hf_config):
 
 
 def test_meta_tensors_plan_but_lazy_tensors_run(tiny_model, tiny_hf_config, tmp_path):
-    from qstrat.tiny_model import save_bf16
+    from qstrat.demo.tiny_model import save_bf16
 
     save_bf16(tiny_model, tmp_path / "bf16")
     lazy = lazy_checkpoint(tmp_path / "bf16")

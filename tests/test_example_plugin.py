@@ -55,7 +55,7 @@ def plugin(site):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A saved tiny Qwen3-MoE (bf16, per-expert names on disk)."""
-    from qstrat.tiny_model import build_tiny_qwen3_moe, save_bf16
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, save_bf16
 
     return save_bf16(build_tiny_qwen3_moe(seed=3), tmp_path_factory.mktemp("tiny") / "model")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from qstrat.builtin_layouts import DEEPSEEK_V3, MIXTRAL, QWEN3_5_MOE, QWEN3_MOE
+from qstrat.builtin.layouts import DEEPSEEK_V3, MIXTRAL, QWEN3_5_MOE, QWEN3_MOE
 from qstrat.layouts import ParsedName
 
 

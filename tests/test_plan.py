@@ -9,7 +9,7 @@ import torch
 
 import qstrat
 from qstrat import PlanError, RefitDriver
-from qstrat.builtin_layouts import DEEPSEEK_V3, QWEN3_MOE
+from qstrat.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
 from qstrat.skeleton import model_tensors
 
 from conftest import model_config

