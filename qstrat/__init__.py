@@ -12,11 +12,12 @@ Public API::
     qstrat.get_serializer("mxfp8").quantize(w)       # one format directly
 """
 from qstrat.config import KeepBF16, RefitConfig, Rule, load_config
-from qstrat.driver import Decision, RefitDriver
+from qstrat.driver import RefitDriver
 from qstrat.errors import (ConfigError, NonFiniteError, PlanError, PluginError, QstratError,
                            UnsupportedShapeError)
 from qstrat.plan import OutputTensor, PlanEntry, RefitPlan
 from qstrat.registry import Registry, get_registry, get_serializer
+from qstrat.rules import Decision
 from qstrat.select import select
 from qstrat.serializers.base import PartSpec, Serializer, SerializerOptions
 

@@ -23,7 +23,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from qstrat.driver import NamedTensors, RefitDriver, _as_dict
+from qstrat.driver import RefitDriver
+from qstrat.inputs import NamedTensors, as_tensor_dict
 from qstrat.errors import QstratError
 from qstrat.plan import OutputTensor, RefitPlan
 
@@ -77,7 +78,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         if out.is_symlink() or not out.is_dir():
             raise FileExistsError(f"{out} exists and is not a directory; not replacing it "
                                   "(overwrite replaces a checkpoint directory only)")
-    tensors = _as_dict(named_tensors)
+    tensors = as_tensor_dict(named_tensors)
     plan = driver.plan(tensors)
     shards = assign_shards(plan.outputs(), shard_bytes)
     total = sum(o.nbytes for o in plan.outputs())

@@ -101,17 +101,20 @@ def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
     return cfg_path, hf
 
 
-def _load_model(model: Path, grouped: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model's config.json and its tensors: lazily read safetensors headers, or, for a
-    config-only directory, ``meta`` tensors with the shapes the config implies.
+def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, dict[str, Any]]:
+    """The refit driver for the model's config.json and the model's tensors: lazily read
+    safetensors headers, or, for a config-only directory, ``meta`` tensors with the shapes the
+    config implies, named by the driver's layout (``layout:`` in the config, else detected).
 
     Raises: FileNotFoundError; ConfigError naming config.json (unreadable, invalid, a key the
-    model needs is missing) or ``--grouped`` with safetensors present; QstratError naming a
-    safetensors file (unreadable header, unsupported dtype, no tensors).
+    model needs is missing) or ``--grouped`` with safetensors present, or naming a refit config
+    key; QstratError naming a safetensors file (unreadable header, unsupported dtype, no tensors).
     """
     from qstrat.checkpoint import lazy_checkpoint
+    from qstrat.driver import RefitDriver
 
     cfg_path, hf = _read_hf_config(model)
+    driver = RefitDriver(config, hf_config=hf)
     if model.is_dir() and any(model.glob("*.safetensors")):
         if grouped:
             raise ConfigError(f"--grouped plans a config-only directory, but {model} has *.safetensors: "
@@ -119,32 +122,26 @@ def _load_model(model: Path, grouped: bool = False) -> tuple[dict[str, Any], dic
         tensors = lazy_checkpoint(model)
         if not tensors:
             raise QstratError(f"{model}: no tensors in its *.safetensors files; nothing to plan")
-        return hf, tensors
+        return driver, tensors
     import torch
 
-    from qstrat.layouts import detect_layout
-    from qstrat.registry import get_registry
     from qstrat.skeleton import model_tensors
 
-    layout = detect_layout({k: e.obj for k, e in get_registry().layouts.items()}, hf)
     dtype = getattr(torch, str(hf.get("torch_dtype", "bfloat16")), torch.bfloat16)
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"{cfg_path}: torch_dtype {hf.get('torch_dtype')!r} is not a torch dtype")
     try:
-        shapes = list(model_tensors(layout, hf, grouped))
+        shapes = list(model_tensors(driver.layout, hf, grouped))
     except KeyError as exc:
         raise ConfigError(f"{cfg_path}: missing key {exc.args[0]!r}, needed to plan the model from its "
                           "config alone (no *.safetensors in the directory)") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
-    return hf, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
+    return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
 
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    from qstrat.driver import RefitDriver
-
-    hf, tensors = _load_model(args.model, args.grouped)
-    driver = RefitDriver(_config_source(args), hf_config=hf)
+    driver, tensors = _load_model(args.model, _config_source(args), args.grouped)
     plan = driver.plan(tensors)
     if args.json:
         sys.stdout.write(plan.to_json(indent=1) + "\n")
@@ -180,7 +177,6 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from qstrat.checkpoint import write_checkpoint
-    from qstrat.driver import RefitDriver
 
     if not args.model.is_dir():
         if args.model.exists():
@@ -188,8 +184,7 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         raise FileNotFoundError(f"{args.model} does not exist")
     if not any(args.model.glob("*.safetensors")):
         raise FileNotFoundError(f"{args.model}: no *.safetensors to quantize")
-    hf, tensors = _load_model(args.model)
-    driver = RefitDriver(_config_source(args), hf_config=hf)
+    driver, tensors = _load_model(args.model, _config_source(args))
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("quantizing", total=None)

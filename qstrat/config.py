@@ -27,7 +27,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       field_validator, model_validator)
 
 from qstrat.errors import ConfigError
-from qstrat.selectors import NamePattern
+from qstrat.rules import NamePattern
 
 
 class _Model(BaseModel):
@@ -62,10 +62,10 @@ class Rule(_Model):
     @field_validator("select")
     @classmethod
     def _known_selectors(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        reg = _registry(info)
         if not v:
             raise ValueError("select needs at least one selector")
-        for name in v:
+        reg = _registry(info)
+        for name in v if reg is not None else ():
             reg.lookup("selectors", name)
         return v
 
@@ -81,12 +81,44 @@ class Rule(_Model):
 
     @model_validator(mode="after")
     def _valid_serializer(self, info: ValidationInfo) -> Rule:
-        entry = _registry(info).lookup("serializers", self.serializer)
+        reg = _registry(info)
+        if reg is None:  # a preset being defined: names are checked when the registry loads
+            return self
+        entry = reg.lookup("serializers", self.serializer)
         try:
             entry.obj.Options(**self.options)
         except ValidationError as exc:
             raise ValueError(format_validation_error(exc, prefix="options")) from exc
         return self
+
+
+class PresetConfig(_Model):
+    """A strategy preset's content: a partial :class:`RefitConfig` (every key optional).
+
+    Define one with :meth:`define`, which validates its structure at once (keys, types,
+    patterns, rule fields); the plugin names it uses (serializers, selectors, layout) are
+    checked against the whole registry when the registry loads, so a preset may use any
+    plugin's formats. A user's config extends it: user rules first, then the preset's;
+    ``keep_bf16`` keys merged; other keys override.
+    """
+
+    rules: list[Rule] = []
+    keep_bf16: KeepBF16 | None = None
+    default: str | None = None
+    expert_emission: Literal["per_expert", "fused"] | None = None
+    layout: str | None = None
+
+    @classmethod
+    def define(cls, **fields: Any) -> PresetConfig:
+        """Validate a preset's fields now. Raises ConfigError naming the key path."""
+        try:
+            return cls.model_validate(fields, context={"structural": True})
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc)) from exc
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The keys this preset sets, as a plain mapping (what :class:`RefitConfig` merges)."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
 
 #: Which registry table each name-valued RefitConfig field is looked up in.
@@ -126,7 +158,7 @@ class RefitConfig(_Model):
         strategies = _registry(info).strategies
         if not isinstance(name, str) or name not in strategies:
             return data  # None, a wrong type or an unknown name: reported by _known_preset
-        preset = dict(strategies[name].obj.config)
+        preset = strategies[name].obj.mapping()
         merged = {**preset, **data}
         if "rules" not in data:
             merged["rules"] = list(preset.get("rules", []))
@@ -216,6 +248,9 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
 
 
 def _registry(info: ValidationInfo) -> Any:
+    """The registry names are checked against; None while a preset is being defined."""
+    if (info.context or {}).get("structural"):
+        return None
     reg = (info.context or {}).get("registry")
     if reg is None:
         from qstrat.registry import get_registry

@@ -28,7 +28,6 @@ class SlabSpec:
     """
 
     parts: tuple[str, ...]
-    split: str = "rows"
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,11 @@ class ModelLayout:
         embeddings / lm_heads / final_norms: top-level module names outside the decoder.
         non_decoder_prefixes: prefixes whose ``layers.{i}`` are NOT decoder layers (vision, MTP).
         num_layers_key / mtp_layers_key: HF config keys for decoder depth and MTP layer count.
+        num_experts_keys: HF config keys that may hold the routed expert count (first set wins).
+
+    Methods read the model's facts from an HF config (``text_config`` of a multimodal config
+    first): :meth:`num_layers`, :meth:`num_experts`, :meth:`num_mtp_layers`,
+    :meth:`is_moe_layer`.
     """
 
     name: str
@@ -79,12 +83,43 @@ class ModelLayout:
                                              "vision_tower.", "mtp.", "model.mtp.")
     num_layers_key: str = "num_hidden_layers"
     mtp_layers_key: str | None = None
+    num_experts_keys: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
+
+    @staticmethod
+    def text_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """The language model's config: ``text_config`` of a multimodal config, else the config."""
+        if not hf_config:
+            return {}
+        return hf_config.get("text_config") or hf_config
 
     def num_layers(self, hf_config: Mapping[str, Any] | None) -> int | None:
-        """Decoder depth from an HF config (``text_config`` is looked into), or None."""
-        cfg = _text_config(hf_config)
-        value = cfg.get(self.num_layers_key)
+        """Decoder depth from an HF config, or None when the config does not say."""
+        value = self.text_config(hf_config).get(self.num_layers_key)
         return int(value) if value is not None else None
+
+    def num_experts(self, hf_config: Mapping[str, Any] | None) -> int | None:
+        """Routed experts per MoE layer (the first of :attr:`num_experts_keys` set), or None for
+        a dense model or a config that does not say."""
+        cfg = self.text_config(hf_config)
+        value = next((cfg[k] for k in self.num_experts_keys if cfg.get(k)), None)
+        return int(value) if value is not None else None
+
+    def num_mtp_layers(self, hf_config: Mapping[str, Any] | None) -> int:
+        """Multi-token-prediction layers stored after the decoder layers (DeepSeek-V3: 1)."""
+        if not self.mtp_layers_key:
+            return 0
+        return int(self.text_config(hf_config).get(self.mtp_layers_key, 0) or 0)
+
+    def is_moe_layer(self, hf_config: Mapping[str, Any] | None, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has routed experts: not one of DeepSeek's
+        ``first_k_dense_replace`` dense layers or Qwen's ``mlp_only_layers``, and on Qwen's
+        ``decoder_sparse_step`` (HF modeling code of each family)."""
+        if not self.num_experts(hf_config):
+            return False
+        c = self.text_config(hf_config)
+        if layer < int(c.get("first_k_dense_replace", 0) or 0) or layer in (c.get("mlp_only_layers") or ()):
+            return False
+        return (layer + 1) % int(c.get("decoder_sparse_step", 1) or 1) == 0
 
     def parse(self, name: str, num_layers: int | None = None) -> ParsedName:
         """Parse an HF tensor name.
@@ -191,24 +226,16 @@ def _split_param(name: str) -> tuple[str, str]:
     return (module, param) if module else (name, "")
 
 
-def _text_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    if not hf_config:
-        return {}
-    return hf_config.get("text_config") or hf_config
-
-
-def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, Any] | None,
-                  names: list[str] | None = None) -> ModelLayout:
+def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, Any] | None) -> ModelLayout:
     """Choose a layout by HF ``architectures`` / ``model_type``, else the generic one.
 
     Args:
         layouts: registered layouts by name (must include ``generic``).
         hf_config: parsed ``config.json`` or None.
-        names: unused today; reserved for name-based detection.
     """
     cfg = hf_config or {}
     archs = set(cfg.get("architectures") or ())
-    model_type = cfg.get("model_type") or _text_config(cfg).get("model_type")
+    model_type = cfg.get("model_type") or ModelLayout.text_config(cfg).get("model_type")
     for layout in layouts.values():
         if archs & set(layout.architectures) or (model_type and model_type in layout.model_types):
             return layout

@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 import pluggy
 
 from qstrat import hookspecs
+from qstrat.config import PresetConfig, RefitConfig
 from qstrat.errors import ConfigError, PluginError
 from qstrat.layouts import ModelLayout
 from qstrat.selectors import Selector
@@ -97,14 +98,12 @@ class Registry:
         return found
 
     def _check_strategies(self) -> None:
-        from qstrat.config import RefitConfig
-
         for entry in self.strategies.values():
-            if not isinstance(entry.obj.config, Mapping):
+            if not isinstance(entry.obj.config, (Mapping, PresetConfig)):
                 raise PluginError(f"strategy {entry.name!r} from {entry.origin}: config must be a mapping "
                                   f"(a partial RefitConfig), got {type(entry.obj.config).__name__}")
             try:
-                RefitConfig.from_mapping(dict(entry.obj.config), registry=self)
+                RefitConfig.from_mapping(entry.obj.mapping(), registry=self)
             except ConfigError as exc:
                 raise PluginError(f"strategy {entry.name!r} from {entry.origin} is invalid: {exc}") from exc
 

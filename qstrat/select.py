@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from qstrat.driver import Decision, RefitDriver
+from qstrat.driver import RefitDriver
+from qstrat.rules import Decision, is_weight_matrix
 
 
 def select(config: Any, module_or_names: torch.nn.Module | Iterable[str],
@@ -38,17 +39,21 @@ def select(config: Any, module_or_names: torch.nn.Module | Iterable[str],
         hf_config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
     driver = RefitDriver(config, hf_config=hf_config)
     if is_module:
-        shapes = {n: tuple(p.shape) for n, p in module_or_names.named_parameters()}
-    else:
-        shapes = {}
+        ndims = {n: p.dim() for n, p in module_or_names.named_parameters()}
+    else:  # names: a slab is 3-D, a weight 2-D, a bare module name a module with a 2-D weight
+        ndims = {}
         for n in module_or_names:
             p = driver.layout.parse(n)
-            shapes[n if p.slab or p.param in ("weight", "bias") else f"{n}.weight"] = (1, 1, 1) if p.slab else (1, 1)
-    num_layers = driver.num_layers(shapes)
+            if p.slab:
+                ndims[n] = 3
+            elif p.param in ("weight", "bias"):
+                ndims[n] = 2 if p.param == "weight" else 1
+            else:
+                ndims[f"{n}.weight"] = 2
+    num_layers = driver.num_layers(ndims)
     result = {}
-    for name, shape in shapes.items():
-        d = driver.decide(name, shape, num_layers)
-        key = name.removesuffix(".weight") if name.endswith(".weight") else name
-        if name.endswith(".weight") or d.parsed.slab:
-            result[key] = d
+    for name, ndim in ndims.items():
+        p = driver.layout.parse(name, num_layers)
+        if name.endswith(".weight") or p.slab:
+            result[name.removesuffix(".weight")] = driver.rules.decide(p, is_weight_matrix(p, ndim), num_layers)
     return result

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from qstrat.layouts import ModelLayout, _text_config
+from qstrat.layouts import ModelLayout
 
 Shape = tuple[int, ...]
 
@@ -25,10 +25,10 @@ def model_tensors(layout: ModelLayout, hf_config: Mapping[str, Any],
             ``experts.down_proj`` [E, H, I] (the trainer's in-memory view) instead of per-expert.
     Raises: KeyError naming a config key the model needs but the config lacks.
     """
-    c = _text_config(hf_config)
+    c = layout.text_config(hf_config)
     h, vocab = int(c["hidden_size"]), int(c["vocab_size"])
     n_layers = int(c[layout.num_layers_key])
-    n_mtp = int(c.get(layout.mtp_layers_key, 0) or 0) if layout.mtp_layers_key else 0
+    n_mtp = layout.num_mtp_layers(hf_config)
     yield f"{layout.embeddings[0]}.weight", (vocab, h)
     for i in range(n_layers + n_mtp):
         p = f"{layout.layers_prefix}.{i}"
@@ -75,25 +75,16 @@ def _attention(p: str, c: Mapping[str, Any], h: int) -> Iterator[tuple[str, Shap
         yield f"{p}.k_norm.weight", (d,)
 
 
-def _is_moe_layer(c: Mapping[str, Any], i: int) -> bool:
-    n_experts = c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts")
-    if not n_experts:
-        return False
-    if i < int(c.get("first_k_dense_replace", 0) or 0) or i in (c.get("mlp_only_layers") or ()):
-        return False
-    return (i + 1) % int(c.get("decoder_sparse_step", 1) or 1) == 0
-
-
 def _mlp(layout: ModelLayout, p: str, c: Mapping[str, Any], h: int, i: int,
          grouped: bool) -> Iterator[tuple[str, Shape]]:
     gate, up, down = layout.expert_projections
-    if not _is_moe_layer(c, i):
+    if not layout.is_moe_layer(c, i):
         inter = int(c["intermediate_size"])
         yield f"{p}.gate_proj.weight", (inter, h)
         yield f"{p}.up_proj.weight", (inter, h)
         yield f"{p}.down_proj.weight", (h, inter)
         return
-    n = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts"))
+    n = layout.num_experts(c)
     inter = int(c.get("moe_intermediate_size") or c["intermediate_size"])
     yield f"{p}.{layout.routers[0]}.weight", (n, h)
     if c.get("topk_method") == "noaux_tc":

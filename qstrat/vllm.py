@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from qstrat.driver import NamedTensors, RefitDriver, _as_dict
+from qstrat.driver import RefitDriver
+from qstrat.inputs import NamedTensors, as_tensor_dict
 from qstrat.errors import PlanError
 from qstrat.plan import RefitPlan, natural_key
 
@@ -100,7 +101,7 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         sent: every input is checked first, one read pass, no copies).
     """
     start = time.perf_counter()
-    tensors = _as_dict(named_tensors)
+    tensors = as_tensor_dict(named_tensors)
     plan = driver.plan(tensors)
     check_engine_compatible(plan, engine_quantization_config(llm))
     driver.check_values(plan, tensors)

@@ -1,13 +1,17 @@
 """Strategy presets (installed as ``qstrat.strategies``).
 
-A :class:`Strategy` is a named partial :class:`qstrat.RefitConfig` mapping. Built-in presets live
-in :mod:`qstrat.strategies.presets` and register through the ``qstrat_strategies`` hook.
+A :class:`Strategy` is a named partial refit config: a typed
+:class:`~qstrat.config.PresetConfig` (built-in presets, :mod:`qstrat.strategies.presets`) or,
+from a third-party plugin, a plain mapping with the same keys, validated when the registry
+loads. Presets register through the ``qstrat_strategies`` hook.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from qstrat.config import PresetConfig
 
 
 @dataclass(frozen=True)
@@ -17,12 +21,19 @@ class Strategy:
     Attributes:
         name: registry name (``mxfp8-experts``).
         summary: one line for ``qstrat list``.
-        config: partial RefitConfig mapping; a user's config extends it (user rules first).
+        config: a :class:`~qstrat.config.PresetConfig`, or a partial RefitConfig mapping; a
+            user's config extends it (user rules first).
     """
 
     name: str
     summary: str
-    config: Mapping[str, Any] = field(default_factory=dict)
+    config: PresetConfig | Mapping[str, Any] = field(default_factory=dict)
+
+    def mapping(self) -> dict[str, Any]:
+        """The preset's keys as a plain mapping (what a RefitConfig merges)."""
+        if isinstance(self.config, PresetConfig):
+            return self.config.to_mapping()
+        return dict(self.config)
 
 
-__all__ = ["Strategy"]
+__all__ = ["PresetConfig", "Strategy"]

@@ -1,4 +1,4 @@
-"""The refit plan: every input tensor's decision and outputs, resolved before any quantization.
+"""The refit plan's data: every input tensor's decision and outputs, resolved before any quantization.
 
 A :class:`RefitPlan` lists :class:`PlanEntry` items (inputs in natural name order). The WIRE
 ORDER is every output checkpoint name in natural order (``layers.2`` before ``layers.10``;
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from qstrat.rules import PASSTHROUGH
 from qstrat.serializers.base import tensor_nbytes
 
-PASSTHROUGH = "passthrough"
+__all__ = ["PASSTHROUGH", "OutputTensor", "PlanEntry", "RefitPlan", "natural_key"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,181 @@
+"""The planner: every input tensor's decision, outputs and checks, from names, shapes and dtypes.
+
+:meth:`Planner.plan` needs no values (``meta`` tensors plan as well as real ones). For each input,
+in natural name order: parse the name (the layout), decide (the rules), check the dtype and that
+the format can represent the shape (``on_unsupported: bf16`` falls back visibly), declare the
+checkpoint tensors it emits - whole, per expert (a slab cut into ``experts.{e}.{proj}``) or as a
+fused slab - and the engine-fusion group it belongs to. Then the whole-plan checks
+(:mod:`qstrat.plan.checks`), the engine's ignore list and its one ``quantization_config``.
+Every problem is collected and raised together as one :class:`~qstrat.errors.PlanError`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from qstrat.config import RefitConfig
+from qstrat.errors import PlanError, UnsupportedShapeError
+from qstrat.layouts import ModelLayout, ParsedName
+from qstrat.plan import checks
+from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, natural_key
+from qstrat.rules import Decision, RuleSet, is_weight_matrix
+from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nbytes
+
+#: Weight dtypes a serializer accepts (an int, bool or already-quantized input is a plan error).
+FLOAT_INPUTS = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+#: ``(format name, options) -> Serializer`` (cached by the driver).
+SerializerFactory = Callable[[str, Mapping[str, Any]], Serializer]
+
+
+class Planner:
+    """Plans a refit for one config, layout and model.
+
+    Args:
+        config: the validated config (expert_emission, keep_bf16).
+        layout: the model family's naming data.
+        rules: the config's compiled rules.
+        serializer: returns the serializer instance for (name, options).
+        hf_config: the model's config.json (decoder depth, expert count); may be empty.
+    """
+
+    def __init__(self, config: RefitConfig, layout: ModelLayout, rules: RuleSet,
+                 serializer: SerializerFactory, hf_config: Mapping[str, Any]) -> None:
+        self.config = config
+        self.layout = layout
+        self.rules = rules
+        self.serializer = serializer
+        self.hf_config = hf_config
+
+    def num_layers(self, names: Any = ()) -> int | None:
+        """Decoder depth from the HF config, else 1 + the largest decoder layer index in ``names``."""
+        n = self.layout.num_layers(self.hf_config)
+        if n is not None:
+            return n
+        layers = [p.layer for p in (self.layout.parse(x) for x in names) if p.layer is not None]
+        return max(layers) + 1 if layers else None
+
+    def decide(self, name: str, shape: tuple[int, ...], num_layers: int | None) -> Decision:
+        """The rules' decision for one tensor (no dtype or shape support check)."""
+        p = self.layout.parse(name, num_layers)
+        return self.rules.decide(p, is_weight_matrix(p, len(shape)), num_layers)
+
+    def plan(self, tensors: Mapping[str, Any]) -> RefitPlan:
+        """The plan of ``tensors`` (name -> anything with ``.shape`` and ``.dtype``).
+
+        Raises: PlanError listing every problem found (not only the first).
+        """
+        num_layers = self.num_layers(tensors)
+        errors: list[str] = []
+        if self.config.keep_bf16.last and self.layout.num_layers(self.hf_config) is None:
+            errors.append(f"keep_bf16.last needs the decoder depth: pass hf_config with "
+                          f"{self.layout.num_layers_key!r} (inferring it from names would miscount "
+                          "MTP layers and pipeline-parallel shards)")
+        entries = []
+        for name in sorted(tensors, key=natural_key):
+            t = tensors[name]
+            try:
+                entries.append(self.entry(name, tuple(t.shape), t.dtype, num_layers))
+            except (PlanError, UnsupportedShapeError) as exc:
+                errors.append(f"{name}: {exc}")
+        errors += checks.check_groups(entries) + checks.check_outputs(entries)
+        errors += checks.check_expert_inputs(entries, self.layout.num_experts(self.hf_config))
+        ignored = checks.ignored_layers(entries, errors, self._quantizes)
+        qconfig = self._engine_config(entries, ignored, errors)
+        if errors:
+            raise PlanError("refit plan is invalid:\n  " + "\n  ".join(errors))
+        return RefitPlan(entries, self.layout.name, num_layers, ignored, qconfig, self.config.to_dict())
+
+    def entry(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+              num_layers: int | None) -> PlanEntry:
+        """The plan entry of one input. Raises PlanError / UnsupportedShapeError naming the cause."""
+        d = self.decide(name, shape, num_layers)
+        p, note = d.parsed, ""
+        dname = dtype_name(dtype)
+        if d.serializer == PASSTHROUGH:
+            outs = (OutputTensor(name, shape, dname, tensor_nbytes(shape, dtype)),)
+            return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, d.rule, PASSTHROUGH,
+                             {}, outs, None, "", p.vllm_module)
+        if dtype not in FLOAT_INPUTS:
+            raise PlanError(f"{d.serializer} ({d.rule}) needs a bfloat16/float16/float32 weight, got {dname}")
+        ser = self.serializer(d.serializer, d.options)
+        try:
+            specs = ser.part_specs(shape)
+        except UnsupportedShapeError as exc:
+            rule = self.rules.rule_for(d.rule)
+            if rule is None or rule.on_unsupported != "bf16":
+                raise PlanError(f"{exc} (rule {d.rule}; set on_unsupported: bf16 to fall back)") from exc
+            note = f"BF16 fallback: {exc}"
+            d = Decision("bf16", {}, d.rule, p)
+            specs = self.serializer("bf16", {}).part_specs(shape)
+        outs = self._outputs(p, specs, shape)
+        return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, d.rule, d.serializer,
+                         d.options, outs, self._group_key(p), note, p.vllm_module)
+
+    def _quantizes(self, e: PlanEntry) -> bool:
+        return e.serializer != PASSTHROUGH and self.serializer(e.serializer, e.options).quantizes
+
+    def _outputs(self, p: ParsedName, specs: tuple[PartSpec, ...],
+                 shape: tuple[int, ...]) -> tuple[OutputTensor, ...]:
+        def out(name: str, spec: PartSpec, shp: tuple[int, ...], **kw: Any) -> OutputTensor:
+            return OutputTensor(name, shp, dtype_name(spec.dtype), tensor_nbytes(shp, spec.dtype),
+                                spec.suffix, **kw)
+
+        if not p.slab:
+            return tuple(out(f"{p.module}.{s.suffix}", s, s.shape) for s in specs)
+        if self.config.expert_emission == "fused":
+            return tuple(out(fused_name(p.name, s.suffix), s, s.shape) for s in specs)
+        projections = self.layout.slabs[p.projection].parts
+        k = len(projections)
+        rows = shape[1]
+        if rows % k:
+            raise PlanError(f"slab rows {rows} do not split into {k} projections {projections}")
+        result = []
+        for e in range(shape[0]):
+            for j, proj in enumerate(projections):
+                for s in specs:
+                    r = s.rows_per_entry
+                    if r is not None and (rows // k) % r:
+                        raise PlanError(
+                            f"per-expert split of {p.projection} needs {rows // k} rows per projection "
+                            f"to be a multiple of the format's {r}-row tile; use expert_emission: fused")
+                    inner = s.shape[1:]
+                    if r is not None:
+                        inner = (inner[0] // k,) + inner[1:]
+                    name = f"{p.engine_module}.{e}.{proj}.{s.suffix}"
+                    result.append(out(name, s, inner, expert=e, row_part=j, row_parts=k))
+        return tuple(result)
+
+    def _group_key(self, p: ParsedName) -> str | None:
+        if p.slab or p.projection is None:
+            return None
+        for fused in self.layout.fused:
+            if p.projection in fused:
+                parent = p.module.rsplit(".", 1)[0]
+                return f"{parent}.{{{','.join(fused)}}}"
+        return None
+
+    def _engine_config(self, entries: list[PlanEntry], ignored: list[str],
+                       errors: list[str]) -> dict[str, Any] | None:
+        """The one quantization_config all quantized formats of the plan agree on (or an error)."""
+        used = {id(s): s for s in (self.serializer(e.serializer, e.options) for e in entries
+                                   if e.serializer != PASSTHROUGH) if s.quantizes}
+        configs: dict[str, dict[str, Any]] = {}
+        for ser in used.values():
+            cfg = ser.vllm_quantization_config(ignored)
+            configs.setdefault(repr(cfg), cfg)
+        if len(configs) > 1:
+            formats = sorted({s.name for s in used.values()})
+            errors.append(f"the plan mixes quantized formats {formats} that one vLLM quantization_config "
+                          "cannot express")
+        return next(iter(configs.values()), None)
+
+
+def fused_name(slab: str, suffix: str) -> str:
+    """Checkpoint name of a slab part with fused emission:
+    ``experts.gate_up_proj`` + ``weight_scale_inv`` -> ``experts.gate_up_proj_scale_inv``."""
+    if suffix == "weight":
+        return slab
+    return slab + suffix.removeprefix("weight") if suffix.startswith("weight_") else f"{slab}_{suffix}"

@@ -1,0 +1,158 @@
+"""Rule matching: which serializer each tensor gets, and why (the config's decisions).
+
+A :class:`RuleSet` is a validated :class:`~qstrat.config.RefitConfig` compiled against a
+registry: its selectors resolved, its include/exclude patterns compiled. :meth:`RuleSet.decide`
+turns one :class:`~qstrat.layouts.ParsedName` into a :class:`Decision`, in this order:
+
+1. not a weight matrix (1-D, biases, scalars): ``passthrough``;
+2. ``keep_bf16.first`` / ``keep_bf16.last`` decoder layers: ``bf16`` (quantizable kinds only);
+3. the rules in order, first match wins (the user's rules, then the preset's);
+4. ``default`` for quantizable kinds no rule matched; ``passthrough`` for everything else
+   (routers, embeddings, lm_head, norms, MTP and vision tensors are never quantized unless a
+   special selector or an ``allow_special`` rule names them).
+
+No shapes are checked here (that is the planner's job: :mod:`qstrat.plan.planner`).
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ParsedName
+
+if TYPE_CHECKING:
+    from qstrat.config import RefitConfig, Rule
+    from qstrat.registry import Registry
+
+#: Serializer name of tensors sent unchanged (not a registered format).
+PASSTHROUGH = "passthrough"
+#: Special kinds an ``allow_special`` rule's include patterns may select.
+OPT_IN_KINDS = frozenset({"router", "embedding", "lm_head"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one tensor is treated: ``serializer`` (name or ``passthrough``), its ``options``, the
+    ``rule`` that decided (``rules[0]``, ``keep_bf16.first``, ``default``, ``never quantized:
+    router``...), and the parsed name (``kind``, ``layer``...)."""
+
+    serializer: str
+    options: dict[str, Any]
+    rule: str
+    parsed: ParsedName
+
+
+class NamePattern:
+    """A glob (``*.experts.*``) or, with a ``re:`` prefix, a regex searched in the HF name.
+
+    Raises: re.error for an invalid regex (reported by config validation with its key path).
+    """
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        if text.startswith("re:"):
+            self._match = re.compile(text[3:]).search
+        else:
+            self._match = lambda name: fnmatch.fnmatchcase(name, text)
+
+    def __call__(self, name: str) -> bool:
+        return bool(self._match(name))
+
+    def __repr__(self) -> str:
+        return f"NamePattern({self.text!r})"
+
+
+def any_match(patterns: Sequence[NamePattern], name: str) -> bool:
+    """True if any pattern matches ``name``."""
+    return any(p(name) for p in patterns)
+
+
+def kept_bf16(p: ParsedName, num_layers: int | None, first: int, last: int) -> bool:
+    """True if ``p`` is in the first ``first`` or last ``last`` decoder layers.
+
+    Args:
+        p: parsed name (MTP and non-decoder tensors are never decoder layers).
+        num_layers: decoder depth (needed for ``last``); None with ``last > 0`` is an error
+            caught at plan time.
+    """
+    if p.layer is None or p.kind == "mtp":
+        return False
+    if p.layer < first:
+        return True
+    return bool(last) and num_layers is not None and p.layer >= num_layers - last
+
+
+class CompiledRule:
+    """One config rule with its selectors looked up and its patterns compiled.
+
+    Attributes: label (``rules[i]``), rule (the :class:`~qstrat.config.Rule`).
+    """
+
+    def __init__(self, index: int, rule: Rule, registry: Registry) -> None:
+        self.label = f"rules[{index}]"
+        self.rule = rule
+        self.selectors = [registry.lookup("selectors", s).obj for s in rule.select]
+        self.include = [NamePattern(t) for t in rule.include]
+        self.exclude = [NamePattern(t) for t in rule.exclude]
+
+    def matches(self, p: ParsedName) -> bool:
+        """Selectors (any) AND include (any, if given) AND NOT exclude (any)."""
+        # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
+        # them (``special=True``): a third-party selector cannot quantize a router by accident.
+        special = p.kind in SPECIAL_KINDS
+        chosen = any(s.predicate(p) for s in self.selectors if s.special or not special)
+        if not chosen and self.rule.allow_special and self.include:
+            chosen = p.kind in OPT_IN_KINDS  # explicit: include patterns may name these
+        if not chosen:
+            return False
+        if self.include and not any_match(self.include, p.name):
+            return False
+        return not any_match(self.exclude, p.name)
+
+
+class RuleSet:
+    """The decisions of one config (see the module docstring for their order).
+
+    Args:
+        config: a validated RefitConfig (preset already merged).
+        registry: where the rules' selectors are looked up.
+    """
+
+    def __init__(self, config: RefitConfig, registry: Registry) -> None:
+        self.config = config
+        self.rules = [CompiledRule(i, r, registry) for i, r in enumerate(config.rules)]
+
+    def decide(self, p: ParsedName, matrix: bool, num_layers: int | None) -> Decision:
+        """The decision for one parsed tensor name.
+
+        Args:
+            p: from :meth:`ModelLayout.parse`.
+            matrix: whether the tensor is a weight matrix (2-D ``weight``) or a grouped slab
+                (3-D); anything else is sent unchanged.
+            num_layers: decoder depth, for ``keep_bf16.last``.
+        """
+        if not matrix:
+            return Decision(PASSTHROUGH, {}, "not a weight matrix", p)
+        keep = self.config.keep_bf16
+        if p.kind in QUANTIZABLE_KINDS and kept_bf16(p, num_layers, keep.first, keep.last):
+            which = "first" if p.layer is not None and p.layer < keep.first else "last"
+            return Decision("bf16", {}, f"keep_bf16.{which}", p)
+        for rule in self.rules:
+            if rule.matches(p):
+                return Decision(rule.rule.serializer, dict(rule.rule.options), rule.label, p)
+        if p.kind in QUANTIZABLE_KINDS:
+            return Decision(self.config.default, {}, "default", p)
+        return Decision(PASSTHROUGH, {}, f"never quantized: {p.kind}", p)
+
+    def rule_for(self, label: str) -> Rule | None:
+        """The config rule labelled ``rules[i]``, or None (``default``, ``keep_bf16.*``...)."""
+        return next((r.rule for r in self.rules if r.label == label), None)
+
+
+def is_weight_matrix(p: ParsedName, ndim: int) -> bool:
+    """A 2-D ``weight`` or a 3-D grouped expert slab (``ndim``: the tensor's rank): what a
+    serializer may quantize."""
+    return (ndim == 2 and p.param == "weight") or (ndim == 3 and p.slab)
