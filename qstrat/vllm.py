@@ -10,9 +10,11 @@ engine corrupted. Importing this module does not import vLLM.
 from __future__ import annotations
 
 import fnmatch
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,7 +86,8 @@ def _covered(module: str, patterns: list[str]) -> bool:
     return any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
-def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False) -> RefitReport:
+def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
+          weights_dir: str | Path | None = None) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Args:
@@ -95,11 +98,19 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             layer of quantized parts) instead of a list of every quantized tensor. Needs an
             in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a multiprocess engine
             pickles its RPC arguments, which a generator cannot be.
+        weights_dir: send the tensors through a file instead of the RPC: they are written as
+            one safetensors file into a fresh temporary folder under ``weights_dir`` (deleted
+            afterwards), and the engine reloads from it (``reload_weights(weights_path=...)``;
+            vLLM then records that folder as its model path). For multiprocess engines on this
+            host: vLLM 0.32 cannot forward tensors in ``collective_rpc`` kwargs from its engine
+            core to a worker process ("cannot pickle memoryview objects"). Not with ``stream``.
     Returns: a :class:`RefitReport`.
-    Raises: PlanError (before anything is sent) if the plan is invalid or does not match the
+    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError (before anything is sent) if the plan is invalid or does not match the
         engine's quantization_config; NonFiniteError naming the tensor (before anything is
         sent: every input is checked first, one read pass, no copies).
     """
+    if stream and weights_dir is not None:
+        raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
     start = time.perf_counter()
     tensors = as_tensor_dict(named_tensors)
     plan = driver.plan(tensors)
@@ -114,9 +125,17 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             sent["bytes"] += t.numel() * t.element_size()
             yield name, t
 
-    weights = payload() if stream else list(payload())
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                 "is_checkpoint_format": True})
+    if weights_dir is None:
+        weights = payload() if stream else list(payload())
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                     "is_checkpoint_format": True})
+    else:
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="qstrat-refit-", dir=weights_dir) as spool:
+            save_file(dict(payload()), str(Path(spool) / "model.safetensors"))
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": spool,
+                                                         "is_checkpoint_format": True})
     return RefitReport(plan, sent["tensors"], sent["bytes"], time.perf_counter() - start)
 
 

