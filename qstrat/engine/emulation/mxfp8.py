@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation.hooks import LINEAR, MXFP8_MOE_ORACLE, private
+from qstrat.engine.emulation.hooks import MXFP8_MOE_ORACLE, private
 from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
-from qstrat.engine.emulation.wiring import is_wired, register_cpu_linear_kernel, route_backend
+from qstrat.engine.emulation.wiring import (cpu_linear_kernel_hooks, is_wired, register_cpu_linear_kernel,
+                                             route_backend)
 
 _EXPERTS = "vllm.model_executor.layers.fused_moe.experts.mxfp8_emulation_moe"
 
@@ -32,10 +33,7 @@ _EXPERTS = "vllm.model_executor.layers.fused_moe.experts.mxfp8_emulation_moe"
 def hooks() -> dict[str, Any]:
     """The vLLM objects :func:`register` uses. Raises VllmHookError naming a missing one."""
     return {
-        "register_linear_kernel": private(LINEAR, "register_linear_kernel"),
-        "linear_kernel": private("vllm.model_executor.kernels.linear.mxfp8.emulation",
-                                 "EmulationMxfp8LinearKernel"),
-        "cpu": private("vllm.platforms", "PlatformEnum", "CPU"),
+        **cpu_linear_kernel_hooks("vllm.model_executor.kernels.linear.mxfp8.emulation", "EmulationMxfp8LinearKernel"),
         "oracle": private(MXFP8_MOE_ORACLE),
         "emulation": private("vllm.model_executor.layers.fused_moe.oracle.fp8", "Fp8MoeBackend",
                              "EMULATION"),

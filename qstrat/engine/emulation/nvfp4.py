@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation.hooks import LINEAR, NVFP4_MOE_ORACLE, private
+from qstrat.engine.emulation.hooks import NVFP4_MOE_ORACLE, private
 from qstrat.engine.emulation.moe import ActivationQDQ, ExpertWeight, TorchExperts
-from qstrat.engine.emulation.wiring import is_wired, register_cpu_linear_kernel, route_backend
+from qstrat.engine.emulation.wiring import (cpu_linear_kernel_hooks, is_wired, register_cpu_linear_kernel,
+                                             route_backend)
 
 BLOCK = 16
 _UTILS = "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils"
@@ -32,10 +33,7 @@ _UTILS = "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils"
 def hooks() -> dict[str, Any]:
     """The vLLM objects :func:`register` uses. Raises VllmHookError naming a missing one."""
     return {
-        "register_linear_kernel": private(LINEAR, "register_linear_kernel"),
-        "linear_kernel": private("vllm.model_executor.kernels.linear.nvfp4.emulation",
-                                 "EmulationNvFp4LinearKernel"),
-        "cpu": private("vllm.platforms", "PlatformEnum", "CPU"),
+        **cpu_linear_kernel_hooks("vllm.model_executor.kernels.linear.nvfp4.emulation", "EmulationNvFp4LinearKernel"),
         "oracle": private(NVFP4_MOE_ORACLE),
         "emulation": private(NVFP4_MOE_ORACLE, "NvFp4MoeBackend", "EMULATION"),
         "to_cls": private(NVFP4_MOE_ORACLE, "backend_to_kernel_cls"),

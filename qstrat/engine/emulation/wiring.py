@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from qstrat.engine.emulation import Announcing
+from qstrat.engine.emulation.hooks import LINEAR, private
 
 MARK = "_qstrat_emulation"
 
@@ -23,6 +24,14 @@ MARK = "_qstrat_emulation"
 def is_wired(obj: object) -> bool:
     """Whether ``obj`` was installed by this module (registration already done)."""
     return bool(getattr(obj, MARK, False))
+
+
+def cpu_linear_kernel_hooks(module: str, kernel: str) -> dict[str, Any]:
+    """What :func:`register_cpu_linear_kernel` needs for vLLM's kernel class ``module.kernel``
+    (public names). Raises VllmHookError naming a missing one."""
+    return {"register_linear_kernel": private(LINEAR, "register_linear_kernel"),
+            "linear_kernel": private(module, kernel),
+            "cpu": private("vllm.platforms", "PlatformEnum", "CPU")}
 
 
 def register_cpu_linear_kernel(h: dict[str, Any], kernel_type: str) -> type:

