@@ -1,6 +1,6 @@
 """End-to-end refit of a live vLLM engine, every format (the acceptance tests of issues 1 and 9).
 
-Per preset (block-fp8, mxfp8, mxfp8-experts, nvfp4-experts): an engine started on qstrat's
+Per preset (block-fp8, mxfp8, mxfp8-experts, nvfp4-experts, and NVFP4 on every linear layer): an engine started on qstrat's
 checkpoint of model A is refit with ``qstrat.vllm.refit`` from model B's trainer tensors (BF16,
 grouped expert slabs). Its greedy tokens AND logprobs must then equal, exactly, those of a fresh
 engine on qstrat's checkpoint of B and - for block FP8 and MXFP8 - of a fresh engine on B's
@@ -58,6 +58,8 @@ CASES = {
     "mxfp8": Case("mxfp8", "mxfp8", {"linear": "mxfp8", "moe": "mxfp8", "ignore": ["*mlp.gate"]}),
     "mxfp8-experts": Case("mxfp8-experts", "mxfp8", {"moe": "mxfp8"}),
     "nvfp4-experts": Case({"preset": "nvfp4-experts", "keep_bf16": {"first": 0, "last": 0}}, "nvfp4"),
+    # No preset has NVFP4 attention; this covers vLLM's NVFP4 linear kernel on a CPU engine.
+    "nvfp4-linear": Case({"rules": [{"select": "linear", "serializer": "nvfp4"}]}, "nvfp4"),
 }
 
 
@@ -229,7 +231,7 @@ def test_streaming_refit_equals_fresh_b(engine_a, references, models, driver):
 
 
 def test_bad_refit_raises_before_sending_and_leaves_engine_unchanged(engine_a, models, driver, cfg,
-                                                                     case, monkeypatch):
+                                                                     case, preset, monkeypatch):
     from qstrat import vllm as qvllm
     from qstrat.driver import RefitDriver
     from qstrat.engine.local import greedy
@@ -247,8 +249,8 @@ def test_bad_refit_raises_before_sending_and_leaves_engine_unchanged(engine_a, m
         qvllm.refit(llm, RefitDriver(other, hf_config=cfg), trainer_b)
     # One NaN late in wire order, in a tensor the preset quantizes: a streaming refit would
     # already have sent most of B.
-    bad = ("model.layers.3.self_attn.o_proj.weight" if case.fmt == "block_fp8" or case.config == "mxfp8"
-           else "model.layers.3.mlp.experts.down_proj")
+    bad = ("model.layers.3.mlp.experts.down_proj" if preset.endswith("-experts")
+           else "model.layers.3.self_attn.o_proj.weight")
     trainer_b[bad] = trainer_b[bad].clone()
     trainer_b[bad].view(-1)[123] = float("nan")
     with pytest.raises(NonFiniteError, match=bad.split(".")[-1]):
