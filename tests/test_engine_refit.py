@@ -1,9 +1,9 @@
-"""End-to-end refit of a live vLLM engine, every format (the acceptance tests of issues 1 and 9).
+"""End-to-end refit of a live vLLM engine, every format: refit A->B equals a fresh engine on B.
 
-Per preset (block-fp8, mxfp8, mxfp8-experts, nvfp4-experts, and NVFP4 on every linear layer): an engine started on qstrat's
-checkpoint of model A is refit with ``qstrat.vllm.refit`` from model B's trainer tensors (BF16,
-grouped expert slabs). Its greedy tokens AND logprobs must then equal, exactly, those of a fresh
-engine on qstrat's checkpoint of B and - for block FP8 and MXFP8 - of a fresh engine on B's
+Per preset (block-fp8, mxfp8, mxfp8-experts, nvfp4-experts, and NVFP4 on every linear layer):
+an engine started on qstrat's checkpoint of model A is refit with ``qstrat.vllm.refit`` from
+model B's trainer tensors (BF16, grouped expert slabs). Its greedy tokens AND logprobs must then
+equal, exactly, those of a fresh engine on qstrat's checkpoint of B and - for block FP8 and MXFP8 - of a fresh engine on B's
 BF16 checkpoint quantized by vLLM itself (online ``fp8_per_block`` / ``mxfp8``). Refitting back
 to A restores A's outputs; a bad refit raises before anything is sent and leaves the engine as
 it was.
