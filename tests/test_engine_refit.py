@@ -44,22 +44,29 @@ pytestmark = [
 
 @dataclass(frozen=True)
 class Case:
-    """One format under test: qstrat's refit config, the format it uses, vLLM's online
-    quantization of the BF16 checkpoint that must give the same outputs (None: vLLM has none)."""
+    """One format under test: qstrat's refit config, the format it uses, the emulated kernel
+    classes its engines must build on a CPU without AMX, and vLLM's online quantization of the
+    BF16 checkpoint that must give the same outputs (None: vLLM has none)."""
 
     config: Any
     fmt: str
+    kernels: frozenset[str]
     online: dict[str, Any] | None = field(default=None)
 
 
+BLOCK_FP8 = frozenset({"EmulatedCPUFp8BlockScaledMMKernel", "EmulatedCPUExpertsFp8"})
+MXFP8_MOE, NVFP4_MOE = "TorchMxfp8EmulationExperts", "TorchNvfp4EmulationExperts"
 CASES = {
-    "block-fp8": Case("block-fp8", "block_fp8",
+    "block-fp8": Case("block-fp8", "block_fp8", BLOCK_FP8,
                       {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["*mlp.gate"]}),
-    "mxfp8": Case("mxfp8", "mxfp8", {"linear": "mxfp8", "moe": "mxfp8", "ignore": ["*mlp.gate"]}),
-    "mxfp8-experts": Case("mxfp8-experts", "mxfp8", {"moe": "mxfp8"}),
-    "nvfp4-experts": Case({"preset": "nvfp4-experts", "keep_bf16": {"first": 0, "last": 0}}, "nvfp4"),
+    "mxfp8": Case("mxfp8", "mxfp8", frozenset({"QstratEmulationMxfp8LinearKernel", MXFP8_MOE}),
+                  {"linear": "mxfp8", "moe": "mxfp8", "ignore": ["*mlp.gate"]}),
+    "mxfp8-experts": Case("mxfp8-experts", "mxfp8", frozenset({MXFP8_MOE}), {"moe": "mxfp8"}),
+    "nvfp4-experts": Case({"preset": "nvfp4-experts", "keep_bf16": {"first": 0, "last": 0}}, "nvfp4",
+                          frozenset({NVFP4_MOE})),
     # No preset has NVFP4 attention; this covers vLLM's NVFP4 linear kernel on a CPU engine.
-    "nvfp4-linear": Case({"rules": [{"select": "linear", "serializer": "nvfp4"}]}, "nvfp4"),
+    "nvfp4-linear": Case({"rules": [{"select": "linear", "serializer": "nvfp4"}]}, "nvfp4",
+                         frozenset({"QstratEmulationNvFp4LinearKernel", NVFP4_MOE})),
 }
 
 
@@ -146,7 +153,15 @@ def ckpts(tmp_path_factory, models, driver, preset):
 
 
 @pytest.fixture(scope="module")
-def references(engine_support, case, ckpts, bf16_b):
+def kernels_before(case):
+    """Emulated kernels built in this process before this preset's engines start."""
+    from qstrat.engine import emulation
+
+    return emulation.built_kernels()
+
+
+@pytest.fixture(scope="module")
+def references(engine_support, case, ckpts, bf16_b, kernels_before):
     """Greedy outputs of fresh engines on B: qstrat's checkpoint, and (block FP8, MXFP8) vLLM's
     own online quantization of B's BF16 checkpoint. Each engine is released before the next."""
     from qstrat.engine.local import greedy, release, start_engine
@@ -206,14 +221,17 @@ def test_refit_back_to_a_restores_a(engine_a, models, driver):
     assert_same(greedy(llm), a_out, "refit back to A vs A at start-up")
 
 
-def test_vllm_loaded_qstrat_plugin_in_process(engine_a, case):
-    """The engines above were plain ``vllm.LLM``s: vLLM itself ran the entry point here."""
+def test_engines_ran_qstrat_kernels_where_vllm_has_none(engine_a, case, kernels_before):
+    """The engines above were plain ``vllm.LLM``s: where this machine lacks native kernels for
+    the format, vLLM ran qstrat's entry point and built exactly the format's emulated kernels
+    (for its linear and/or MoE layers); elsewhere (GPU, AMX for block FP8) none."""
     from qstrat.engine import emulation
 
-    needed, _ = emulation.needed_formats()
-    assert case.fmt in needed, "this machine has native kernels: nothing to check"
-    assert case.fmt in emulation.status().active
-    assert emulation.status().error is None
+    emulated = case.fmt in emulation.needed_formats()[0]
+    if emulated:
+        assert case.fmt in emulation.status().active and emulation.status().error is None
+    built = emulation.built_kernels() - kernels_before
+    assert set(built) == (case.kernels if emulated else set()), built
 
 
 @pytest.mark.parametrize("preset", ["block-fp8"], indirect=True)  # the transport is format-independent

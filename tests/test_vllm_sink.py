@@ -3,6 +3,7 @@ RPC, and what reaches ``reload_weights`` is exactly driver.run's stream. (The re
 exercised in test_engine_refit.py.)"""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -110,3 +111,34 @@ def test_refit_reads_each_weight_once_for_nan(tiny_model, driver, monkeypatch):
     qstrat.vllm.refit(RecordingLLM(driver.plan(state).vllm_quantization_config()), driver, state)
     quantized = [e.name for e in driver.plan(state).entries if e.serializer != "passthrough"]
     assert sorted(n for n in calls if n in quantized) == sorted(quantized)  # once each, up front
+
+
+class FileReadingLLM(RecordingLLM):
+    """Reads the folder ``reload_weights(weights_path=...)`` names, as the engine's loader would."""
+
+    def collective_rpc(self, method, kwargs):
+        from safetensors.torch import load_file
+
+        folder = kwargs["weights_path"]
+        files = sorted(p.name for p in Path(folder).iterdir())
+        self.calls.append((method, folder, files, load_file(f"{folder}/model.safetensors"),
+                           kwargs["is_checkpoint_format"], "weights_iterator" in kwargs))
+
+
+def test_refit_through_a_file_sends_the_same_payload_and_cleans_up(tiny_model, driver, tmp_path):
+    """``weights_dir`` (multiprocess engines): one safetensors file in a fresh folder under it,
+    exactly driver.run's tensors, the folder gone afterwards; ``stream`` with it is refused."""
+    state = tiny_model.state_dict()
+    llm = FileReadingLLM(driver.plan(state).vllm_quantization_config())
+    report = qstrat.vllm.refit(llm, driver, state, weights_dir=tmp_path)
+    (method, folder, files, sent, ckpt_format, has_iterator), = llm.calls
+    assert method == "reload_weights" and ckpt_format is True and not has_iterator
+    assert Path(folder).parent == tmp_path and files == ["model.safetensors"]
+    assert not Path(folder).exists() and list(tmp_path.iterdir()) == []
+    expected = dict(driver.run(state))
+    assert sent.keys() == expected.keys() and report.tensors == len(expected)
+    assert all(torch.equal(sent[n].view(torch.uint8), t.contiguous().view(torch.uint8))
+               for n, t in expected.items())
+    with pytest.raises(ValueError, match="stream=True.*weights_dir"):
+        qstrat.vllm.refit(llm, driver, state, stream=True, weights_dir=tmp_path)
+    assert len(llm.calls) == 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ import torch
 from qstrat.engine.emulation.hooks import PINNED_VERSION, PINNED_VLLM, VllmHookError, vllm_version
 
 __all__ = ["FORMATS", "OPT_OUT_ENV", "PINNED_VLLM", "Status", "VllmHookError", "check", "has_amx",
-           "needed_formats", "register", "status", "announce"]
+           "needed_formats", "register", "status", "announce", "built_kernels"]
 
 #: Environment variable: ``0`` disables the plugin (vLLM then runs only its own kernels).
 OPT_OUT_ENV = "QSTRAT_VLLM_EMULATION"
@@ -64,6 +65,7 @@ class Status:
 
 _status = Status()
 _announced = False
+_built: Counter[str] = Counter()
 
 
 def has_amx() -> bool:
@@ -129,10 +131,12 @@ def register() -> None:
 
 
 def announce(kernel: str) -> None:
-    """Log, once per process, that the emulation is in use: called by every emulated kernel
-    when vLLM builds it. (Not at :func:`register`: in the caller's process vLLM loads plugins
-    before it configures its logging, and that line would be lost.)"""
+    """Count a built emulated kernel (class name ``kernel``) and log, once per process, that
+    the emulation is in use: called by every emulated kernel when vLLM builds it. (Not at
+    :func:`register`: in the caller's process vLLM loads plugins before it configures its
+    logging, and that line would be lost.)"""
     global _announced
+    _built[kernel] += 1
     if _announced:
         return
     _announced = True
@@ -153,6 +157,12 @@ def _modules() -> dict[str, Any]:
     from qstrat.engine.emulation import block_fp8, mxfp8, nvfp4
 
     return {"block_fp8": block_fp8, "mxfp8": mxfp8, "nvfp4": nvfp4}
+
+
+def built_kernels() -> Counter[str]:
+    """How many emulated kernel objects vLLM has built in THIS process, by class name (one per
+    quantized linear layer or MoE layer of every engine started here)."""
+    return Counter(_built)
 
 
 def status() -> Status:
