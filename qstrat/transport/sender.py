@@ -194,10 +194,10 @@ class RefitSender:
                 flags, reason = p.ABORT, str(exc)
                 owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
                 payload = owner[:b.nbytes]
-            payload = self.transmit_payload(k, payload)
             hdr = p.bucket_header(k, checksum(payload) if not flags else 0, flags, group.device)
+            wire = self.transmit_payload(k, payload)
             try:
-                pending.append((group.broadcast(hdr), group.broadcast(payload), hdr, payload, owner))
+                pending.append((group.broadcast(hdr), group.broadcast(wire), hdr, wire, owner))
             except RuntimeError as exc:
                 raise p.lost(group, f"broadcast of bucket {k} failed", exc) from exc
             if flags:
@@ -207,8 +207,8 @@ class RefitSender:
         return reason
 
     def transmit_payload(self, index: int, payload: torch.Tensor) -> torch.Tensor:
-        """The bytes put on the wire for bucket ``index`` (a hook: identity here; fault tests
-        override it to corrupt or cut the stream)."""
+        """The bytes put on the wire for bucket ``index``, after its checksum was taken (a hook:
+        identity here; the fault tests override it to corrupt or cut the stream)."""
         return payload
 
     @staticmethod
