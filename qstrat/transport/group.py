@@ -21,6 +21,10 @@ from qstrat.errors import TransportError
 DEFAULT_TIMEOUT_S = 60.0
 
 
+class GroupError(RuntimeError):
+    """A collective failed or timed out (c10d's message); raised without exception context."""
+
+
 @dataclass
 class TransferGroup:
     """An open group: ``rank`` of ``world_size``; ``device`` is where its tensors must live."""
@@ -48,8 +52,18 @@ class TransferGroup:
         return tensor
 
     def wait(self, work: Any) -> None:
-        """Wait for a Work within the group timeout (raises RuntimeError from c10d otherwise)."""
-        work.wait(self._timedelta())
+        """Wait for a Work within the group timeout.
+
+        Raises: GroupError (a RuntimeError) with c10d's message, holding no reference to the
+            Work: gloo closes its connections only once every Work of the group is gone.
+        """
+        try:
+            work.wait(self._timedelta())
+            return
+        except RuntimeError as exc:
+            error = str(exc)
+        del work
+        raise GroupError(error)
 
     def close(self) -> None:
         """Shut the group down (peers still waiting on it get a connection error). Idempotent."""

@@ -57,8 +57,13 @@ def describe(statuses: list[int]) -> str:
     return "; ".join(f"rank {r} {REASONS.get(s, f'status {s}')}" for r, s in enumerate(statuses) if s)
 
 
-def lost(group: TransferGroup, what: str, exc: BaseException) -> TransportError:
-    """Close ``group`` and wrap a c10d error (peer died, timeout) into a TransportError."""
+def lost(group: TransferGroup, what: str, error: BaseException | str) -> TransportError:
+    """Close ``group`` and turn a c10d error (peer died, timeout) into a TransportError.
+
+    Callers raise it ``from None`` and outside their ``except`` block, holding no Work objects:
+    gloo closes its connections (what tells the peers) only when the last reference to the
+    group's context - every Work holds one - is gone; ``shutdown()`` alone does not.
+    """
     group.close()
-    return TransportError(f"rank {group.rank}: {what}: {exc} (timeout {group.timeout_s:g} s; the "
+    return TransportError(f"rank {group.rank}: {what}: {error} (timeout {group.timeout_s:g} s; the "
                           f"transfer group is closed, call init_weight_transfer_engine again)")

