@@ -115,17 +115,38 @@ def _record_loads(worker: Any) -> None:
 
 
 class _StandaloneEndpoint:
+    """A StandaloneReceiver checked against ``model_dir``'s headers ("": accepts any manifest)."""
+
     def __init__(self, model_dir: str) -> None:
         from qstrat.transport import StandaloneReceiver
         from qstrat.transport.manifest import expected_from_checkpoint
 
-        self.receiver = StandaloneReceiver(expected_from_checkpoint(model_dir))
+        self.receiver = StandaloneReceiver(expected_from_checkpoint(model_dir) if model_dir else None)
 
     def __getattr__(self, name):
         return getattr(self.receiver, name)
 
     def digests(self):
         return {n: sha256(t) for n, t in self.receiver.tensors.items()}
+
+    def raw_broadcast(self, sizes):
+        """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark)."""
+        raw_broadcast(self.receiver.group, sizes)
+
+
+def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None) -> None:
+    """Broadcast (rank 0) or receive buffers of ``sizes`` bytes, at most two in flight: the
+    communication floor the transport is measured against."""
+    import torch
+
+    pending = []
+    for i, n in enumerate(sizes):
+        buf = buffers[i % len(buffers)][:n] if buffers else torch.empty(n, dtype=torch.uint8)
+        pending.append(group.broadcast(buf))
+        if len(pending) == 2:
+            group.wait(pending.pop(0))
+    for w in pending:
+        group.wait(w)
 
 
 def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection) -> None:
