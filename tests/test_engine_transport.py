@@ -203,3 +203,19 @@ def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster
     assert "engine 0: RuntimeError: TransportError: rank 1:" in msg, msg  # the engine failed cleanly
     assert elapsed < 2 * TIMEOUT_S
     assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "a failed round changed the engine"
+
+
+def test_backend_registers_through_the_vllm_plugin_entry_point():
+    """The engines above found the backend without anyone calling register(): vLLM loaded the
+    ``vllm.general_plugins`` entry point. Here: it is declared, loads, and is idempotent."""
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from qstrat.engine.transfer_backend import BACKEND, QstratWeightTransferEngine
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "qstrat_transfer"]
+    register = ep.load()
+    register()
+    register()
+    assert WeightTransferEngineFactory._registry[BACKEND]() is QstratWeightTransferEngine

@@ -61,6 +61,11 @@ def test_manifest_round_trip_and_digest_guards_every_field():
     edited["slots"][2]["shape"] = [8]
     with pytest.raises(ManifestMismatchError, match="digest"):
         Manifest.from_dict(edited)
+    from dataclasses import replace
+
+    bad = replace(m, buckets=(replace(m.buckets[0], tensor="b.weight"),) + m.buckets[1:])
+    with pytest.raises(ManifestMismatchError, match="bucket 0: holds 'b.weight'"):
+        bad.check_layout()
     with pytest.raises(ManifestMismatchError, match="multiple of the alignment"):
         build_manifest(MIXED, bucket_bytes=1000)
     with pytest.raises(ManifestMismatchError, match="unknown dtype"):

@@ -148,6 +148,11 @@ class Manifest:
         names = [s.name for s in self.slots]
         if len(set(names)) != len(names):
             raise ManifestMismatchError("duplicate tensor names in the manifest")
+        owner = {s.bucket + c: s.name for s in self.slots if s.chunks > 1 for c in range(s.chunks)}
+        for b in self.buckets:
+            if b.tensor != owner.get(b.index) or (b.tensor is None and b.index not in ends):
+                raise ManifestMismatchError(f"bucket {b.index}: holds {b.tensor!r}, the slots say "
+                                            f"{owner.get(b.index)!r}")
 
 
 def build_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],

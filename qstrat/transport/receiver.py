@@ -143,9 +143,12 @@ class StandaloneReceiver:
                                 init_info.get("backend", "gloo"), init_info.get("timeout_s", 60.0))
 
     def start_weight_update(self) -> None:
+        """Begin a session: drop any staged round (:attr:`tensors` keeps the last commit)."""
         self._staged = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive one round (``{"manifest": Manifest.to_dict()}``) into staging; raises like
+        :func:`receive_round`."""
         from qstrat.transport.manifest import check_against
 
         if self.group is None or self.group.pg is None:
@@ -154,12 +157,14 @@ class StandaloneReceiver:
         self._staged = receive_round(self.group, update_info["manifest"], check)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Commit the staged round to :attr:`tensors`. Raises TransportError without one."""
         if self._staged is None:
             raise TransportError("finish_weight_update without a received round")
         self.tensors = dict(self._staged)
         self._staged = None
 
     def shutdown(self) -> None:
+        """Close the transfer group."""
         if self.group is not None:
             self.group.close()
             self.group = None
