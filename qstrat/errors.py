@@ -38,3 +38,7 @@ class TransportError(QstratError):
 class ManifestMismatchError(TransportError):
     """A transfer manifest is malformed or does not match what the receiving engine accepts;
     raised before any tensor data is received."""
+
+
+class VerificationError(QstratError):
+    """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""
