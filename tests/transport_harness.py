@@ -201,7 +201,7 @@ class Receiver:
         if self.process.is_alive():
             try:
                 self.ctl.conn.send(("exit", ()))
-                self.process.join(20)
+                self.process.join(5)
             except (OSError, BrokenPipeError):
                 pass
         self.kill()
