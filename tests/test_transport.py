@@ -7,6 +7,7 @@ bytes. The engine end-to-end and fault tests are in tests/test_engine_transport.
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from qstrat.transport import RefitSender, build_manifest, check_against
 from qstrat.transport.buckets import bucket_contents, pack, receive_buffers, unpack
 from qstrat.transport.manifest import Manifest
 
-from transport_harness import Receiver, free_port, sha256
+from transport_harness import Receiver, crashing_sender, free_port, sha256
 
 MIXED = [("a.weight", "float8_e4m3fn", (3, 5)), ("a.weight_scale_inv", "float32", (1, 1)),
          ("b.weight", "bfloat16", (7,)), ("big.weight", "bfloat16", (300, 10)),
@@ -174,3 +175,33 @@ def test_a_source_that_falls_short_aborts_the_round_and_the_group_stays_usable(s
     sender.send(manifest, iter(emitted))  # same group, next round
     want = {name: sha256(t) for name, t in emitted}
     assert [r.ctl.call("digests") for r in receivers] == [want, want]
+
+
+def test_a_sender_process_that_dies_mid_stream_leaves_the_receivers_unchanged(standalone, tiny):
+    """A real trainer process exits (no cleanup) before bucket 4: both receivers' update_weights
+    fail promptly with "stream truncated", and they keep their last committed tensors. (Last in
+    this module: the receivers now hold the dead sender's group.)"""
+    import multiprocessing as mp
+
+    sender, receivers = standalone
+    driver, _, trainer_b, _ = tiny
+    sender.refit(driver, trainer_b)
+    before = [r.ctl.call("digests") for r in receivers]
+    proc = mp.get_context("spawn").Process(target=crashing_sender, args=(
+        [r.rpc.conn for r in receivers], free_port(), 4, sender.bucket_bytes))
+    t0 = time.perf_counter()
+    proc.start()
+    try:
+        proc.join(120)
+        assert proc.exitcode == 17, "the sender did not die where planned"
+        for r in receivers:  # the pending update_weights answers arrive on the RPC pipes
+            assert r.rpc.conn.poll(30), "a receiver hangs after its sender died"
+            status, message = r.rpc.conn.recv()
+            # bucket 3 may still have been in flight (two buckets are): truncated at 3 or 4
+            assert status == "err" and re.search(r"stream truncated at bucket [34]/", message), message
+        print(f"[timing] sender death -> both receivers failed: {time.perf_counter() - t0:.1f} s "
+              f"(incl. the sender's start-up)")
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert [r.ctl.call("digests") for r in receivers] == before

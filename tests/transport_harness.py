@@ -172,6 +172,26 @@ def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection) -> None:
                 conn.send(("err", f"{type(exc).__name__}: {exc}"))
 
 
+def crashing_sender(conns: list[Connection], port: int, crash_at: int, bucket_bytes: int) -> None:
+    """A trainer process that refits the receivers behind ``conns`` (their RPC pipes) with the
+    tiny model A and dies (``os._exit(17)``, no cleanup) just before sending bucket ``crash_at``."""
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+    from qstrat.transport import RefitSender
+
+    class Crashing(RefitSender):
+        def transmit_payload(self, index, payload):
+            if index == crash_at:
+                os._exit(17)
+            return payload
+
+    model = build_tiny_qwen3_moe(seed=0)
+    sender = Crashing([PipeClient(c) for c in conns], "127.0.0.1", port, timeout_s=TIMEOUT_S,
+                      bucket_bytes=bucket_bytes)
+    sender.connect()
+    sender.refit(RefitDriver("block-fp8", hf_config=hf_config(model)), model.state_dict())
+
+
 class Receiver:
     """One spawned receiver: ``rpc`` (a PipeClient for the sender), ``ctl`` (for the test)."""
 
