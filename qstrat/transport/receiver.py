@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import TransportError
+from qstrat.errors import ManifestMismatchError, TransportError
 from qstrat.transport import protocol as p
 from qstrat.transport.buckets import checksum, receive_buffers, unpack
 from qstrat.transport.group import TransferGroup, open_group
@@ -55,7 +55,7 @@ def receive_round(group: TransferGroup, manifest_doc: dict[str, Any], check: Che
         raise p.lost(group, "no round header from the sender", exc) from None
     if rejection is None and not torch.equal(header.cpu(), p.round_header(
             len(manifest.buckets), manifest.total_bytes, manifest.digest, torch.device("cpu"))):
-        rejection = TransportError(f"rank {group.rank}: the sender streams another manifest than "
+        rejection = ManifestMismatchError(f"rank {group.rank}: the sender streams another manifest than "
                                    f"the one in update_info (digest {manifest.digest[:12]}...)")
     statuses = _vote(group, p.REJECTED if rejection else p.OK, "accept vote")
     if rejection is not None:
