@@ -111,9 +111,14 @@ class RefitDriver:
             plan = self.plan(tensors)
             yield from self.execute(plan, tensors)
             return
-        if plan.config != self.config.to_dict():
-            raise PlanError("run(plan=...): the plan was made with another config than this driver's")
+        self.check_plan(plan)
         yield from self.execute(plan, named_tensors)
+
+    def check_plan(self, plan: RefitPlan) -> None:
+        """Raise PlanError unless ``plan`` was made with this driver's config (a plan given to
+        :meth:`run` or ``qstrat.vllm.refit`` beforehand)."""
+        if plan.config != self.config.to_dict():
+            raise PlanError("the given plan was made with another config than this driver's")
 
     def check_values(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> None:
         """Raise NonFiniteError for the first input holding NaN/inf (passthrough tensors and

@@ -129,10 +129,7 @@ def split_plan(plan: RefitPlan, owner: Callable[[PlanEntry], int], size: int) ->
     bad = [n for n, r in owners.items() if not 0 <= r < size]
     if bad:
         raise PlanError(f"{bad[0]}: assigned to rank {owners[bad[0]]}, outside 0..{size - 1}")
-    return [RefitPlan([e for e in plan.entries if owners[e.name] == r], plan.layout, plan.num_layers,
-                      list(plan.ignored_layers), plan.vllm_quantization_config(), dict(plan.config),
-                      order=plan.order, rank=r,
-                      elsewhere={n: o for n, o in owners.items() if o != r})
+    return [plan.subset(lambda e, r=r: owners[e.name] == r, rank=r, others=lambda e: owners[e.name])
             for r in range(size)]
 
 

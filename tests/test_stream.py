@@ -97,7 +97,7 @@ def test_stream_mismatches_name_the_tensor(tiny_model, tiny_hf_config):
         list(driver.run(iter(bad), plan=plan))
     with pytest.raises(PlanError, match=r"model\.norm\.weight: given twice"):
         list(driver.run(iter(items + [items[-2]]), plan=plan))
-    with pytest.raises(PlanError, match="another config"):
+    with pytest.raises(PlanError, match="made with another config"):
         next(RefitDriver("mxfp8", hf_config=tiny_hf_config).run(iter(items), plan=plan))
 
 
@@ -138,3 +138,18 @@ def test_expert_parallel_ranks_union_is_the_single_process_run(tiny_model, tiny_
         split_plan(driver.plan(state), ep.owner, 4)
     with pytest.raises(PlanError, match="do not split evenly"):
         ExpertParallel(size=3, num_experts=8)
+
+
+def test_only_whole_layers_are_refit(tiny_model, tiny_hf_config):
+    state = tiny_model.state_dict()
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan = driver.plan(tensor_specs(state))
+    part = plan.only_layers([2])
+    whole = dict(driver.run(state))
+    got = list(driver.run(iter(state.items()), plan=part))  # the whole model's stream, others dropped
+    layer2 = [o.name for o in plan.outputs() if o.name.startswith("model.layers.2.")]
+    assert [n for n, _ in got] == layer2 and len(layer2) == 4 * 2 + 2 + 2 + 1 + 8 * 3 * 2  # q/k/v/o, q/k norms, layernorms, router, experts
+    assert all(torch.equal(u8(t), u8(whole[n])) for n, t in got)
+    assert part.vllm_quantization_config() == plan.vllm_quantization_config()
+    with pytest.raises(PlanError, match=r"layers \[7\] are not in the plan"):
+        plan.only_layers([2, 7])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -102,8 +103,9 @@ class RefitPlan:
         order: the wire order, one of :data:`WIRE_ORDERS`.
         rank: for a per-rank plan (:func:`qstrat.sharding.split_plan`), the rank that emits
             these entries; None for a whole plan.
-        elsewhere: for a per-rank plan, input name -> rank emitting it: inputs this rank may
-            be given (replicated tensors) but does not emit.
+        elsewhere: for a part of a plan (:meth:`subset`), input name -> the rank emitting it
+            (None: not emitted by this refit): inputs it may be given (a replicated tensor, the
+            whole model's stream) but drops.
     """
 
     entries: list[PlanEntry]
@@ -114,7 +116,7 @@ class RefitPlan:
     config: dict[str, Any] = field(default_factory=dict)
     order: str = "natural"
     rank: int | None = None
-    elsewhere: dict[str, int] = field(default_factory=dict)
+    elsewhere: dict[str, int | None] = field(default_factory=dict)
 
     def vllm_quantization_config(self) -> dict[str, Any] | None:
         """The exact ``quantization_config`` for the engine's config.json (None: unquantized)."""
@@ -130,6 +132,34 @@ class RefitPlan:
         if self.order == "producer":
             return sorted(pairs, key=lambda p: (p[0], natural_key(p[1].name)))
         return sorted(pairs, key=lambda p: (section_key(self.entries[p[0]]), natural_key(p[1].name)))
+
+    def subset(self, keep: Callable[[PlanEntry], bool], rank: int | None = None,
+               others: Callable[[PlanEntry], int | None] = lambda e: None) -> RefitPlan:
+        """The plan of the entries ``keep`` selects, in this plan's wire order; the others go to
+        :attr:`elsewhere` (``others(entry)``: the rank that emits them, None: nobody). The
+        engine's ``quantization_config`` and ignore list stay those of the whole plan."""
+        kept = [e for e in self.entries if keep(e)]
+        names = {e.name for e in kept}
+        elsewhere = {**self.elsewhere, **{e.name: others(e) for e in self.entries if e.name not in names}}
+        return RefitPlan(kept, self.layout, self.num_layers, list(self.ignored_layers),
+                         self.vllm_quantization_config(), dict(self.config), order=self.order,
+                         rank=rank, elsewhere=elsewhere)
+
+    def only_layers(self, layers: Iterable[int]) -> RefitPlan:
+        """The plan of whole decoder layers ``layers`` (every tensor of each: vLLM's layerwise
+        reload processes a layer that receives only part of its tensors with uninitialised memory
+        for the rest, and keeps the old weights of a layer that receives nothing). Inputs of
+        other layers and outside the decoder may still be given: they are dropped.
+
+        Raises: PlanError naming a layer this plan does not have.
+        """
+        wanted = set(layers)
+        missing = sorted(wanted - {e.layer for e in self.entries if e.layer is not None})
+        if missing:
+            from qstrat.errors import PlanError
+
+            raise PlanError(f"only_layers: layers {missing} are not in the plan")
+        return self.subset(lambda e: e.layer in wanted)
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per serializer: ``tensors`` (inputs), ``outputs``, ``bytes_in`` (as given), ``bytes_out``."""
