@@ -10,7 +10,7 @@ them from ``(name, shape, dtype)`` triples or from tensors without touching thei
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +30,17 @@ def as_tensor_dict(named_tensors: NamedTensors) -> dict[str, torch.Tensor]:
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     out: dict[str, torch.Tensor] = {}
     for name, t in items:
-        if not isinstance(name, str):
-            raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
-        if name in out:
-            raise PlanError(f"{name}: given twice")
+        check_new_name(name, out)
         out[name] = t
     return out
+
+
+def check_new_name(name: Any, seen: Container[str]) -> None:
+    """Raise PlanError unless ``name`` is a str not in ``seen`` (the names read so far)."""
+    if not isinstance(name, str):
+        raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
+    if name in seen:
+        raise PlanError(f"{name}: given twice")
 
 
 @dataclass(frozen=True)
@@ -58,22 +63,17 @@ def tensor_specs(items: NamedTensors | Iterable[tuple[str, Any, torch.dtype]]) -
 
     Raises: PlanError for a name that is not a str, a name given twice, or a malformed item.
     """
-    pairs = items.items() if isinstance(items, Mapping) else items
-    out: dict[str, TensorSpec] = {}
-    for item in pairs:
-        if isinstance(item, tuple) and len(item) == 3:
-            name, spec = item[0], TensorSpec(item[1], item[2])
-        elif isinstance(item, tuple) and len(item) == 2:
-            name, t = item
-            spec = t if isinstance(t, TensorSpec) else TensorSpec(t.shape, t.dtype)
-        else:
-            raise PlanError(f"expected (name, shape, dtype) or (name, tensor), got {item!r:.80}")
-        if not isinstance(name, str):
-            raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
-        if name in out:
-            raise PlanError(f"{name}: given twice")
-        out[name] = spec
-    return out
+    def specs() -> Iterable[tuple[str, TensorSpec]]:
+        for item in items.items() if isinstance(items, Mapping) else items:
+            if isinstance(item, tuple) and len(item) == 3:
+                yield item[0], TensorSpec(item[1], item[2])
+            elif isinstance(item, tuple) and len(item) == 2:
+                t = item[1]
+                yield item[0], (t if isinstance(t, TensorSpec) else TensorSpec(t.shape, t.dtype))
+            else:
+                raise PlanError(f"expected (name, shape, dtype) or (name, tensor), got {item!r:.80}")
+
+    return as_tensor_dict(specs())  # type: ignore[return-value]
 
 
 class OnDevice:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import PlanError
-from qstrat.inputs import materialize
+from qstrat.inputs import check_new_name, materialize
 from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan
 from qstrat.serializers.base import Serializer, check_finite, dtype_name
 
@@ -104,10 +104,7 @@ class _Source:
         if item is None:
             return None
         name, t = item
-        if not isinstance(name, str):
-            raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
-        if name in self.seen:
-            raise PlanError(f"{name}: given twice")
+        check_new_name(name, self.seen)
         self.seen.add(name)
         if name in self.plan.elsewhere:
             return name  # emitted by another rank: dropped
