@@ -153,3 +153,21 @@ def test_only_whole_layers_are_refit(tiny_model, tiny_hf_config):
     assert part.vllm_quantization_config() == plan.vllm_quantization_config()
     with pytest.raises(PlanError, match=r"layers \[7\] are not in the plan"):
         plan.only_layers([2, 7])
+
+
+def test_checkpoint_from_a_stream_equals_checkpoint_from_a_mapping(tiny_model, tiny_hf_config, tmp_path):
+    from qstrat.checkpoint import load_checkpoint, write_checkpoint
+
+    state = tiny_model.state_dict()
+    driver = RefitDriver("mxfp8-experts", hf_config=tiny_hf_config)
+    plan = driver.plan(tensor_specs(state))
+    write_checkpoint(driver, iter(state.items()), tmp_path / "streamed", plan=plan, shard_bytes=1 << 20)
+    write_checkpoint(driver, state, tmp_path / "whole", shard_bytes=1 << 20)
+    a, b = load_checkpoint(tmp_path / "streamed"), load_checkpoint(tmp_path / "whole")
+    assert a.keys() == b.keys() and all(torch.equal(u8(a[k]), u8(b[k])) for k in a)
+    assert (tmp_path / "streamed" / "model.safetensors.index.json").read_text() == \
+        (tmp_path / "whole" / "model.safetensors.index.json").read_text()
+    short = (kv for kv in state.items() if kv[0] != "lm_head.weight")
+    with pytest.raises(PlanError, match="lm_head.weight: planned, but the input stream ended"):
+        write_checkpoint(driver, short, tmp_path / "broken", plan=plan)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["streamed", "whole"]  # nothing left behind
