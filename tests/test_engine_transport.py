@@ -183,6 +183,23 @@ def test_truncated_stream_is_an_error_within_the_timeout(cluster, ckpts, fresh_b
     assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "refit to A differs from before"
 
 
+def test_whole_layer_partial_rounds_equal_the_fresh_engine(cluster, ckpts, fresh_b):
+    """From A to B in two rounds: layers 0-1, then the rest (layers 2-3 and the modules outside
+    the decoder). A round that would send part of a layer is refused before any data."""
+    from qstrat.errors import ManifestMismatchError
+
+    driver, sender = ckpts["driver"], cluster["sender"]
+    plan = driver.plan(ckpts["b"])
+    half = [e for e in plan.entries if e.layer == 0][:3]
+    with pytest.raises(ManifestMismatchError, match=r"partly sent.*model\.layers\.0"):
+        sender.refit(driver, ckpts["b"], plan=plan.subset(lambda e: e in half))
+    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
+    sender.refit(driver, ckpts["b"], plan=plan.only_layers([0, 1]))
+    assert cluster["engine"].ctl.call("greedy") not in (cluster["a_out"], fresh_b)
+    sender.refit(driver, ckpts["b"], plan=plan.subset(lambda e: e.layer not in (0, 1)))
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "two partial rounds differ from fresh B"
+
+
 def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster, ckpts, fresh_b):
     from qstrat.errors import TransportError
 
@@ -195,15 +212,15 @@ def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster
         return payload
 
     t0 = time.perf_counter()
-    with pytest.raises(TransportError) as err:  # the engine holds A (previous test); send B
-        faulty(cluster, kill).refit(ckpts["driver"], ckpts["b"])
+    with pytest.raises(TransportError) as err:  # the engine holds B (previous test); send A
+        faulty(cluster, kill).refit(ckpts["driver"], ckpts["a"])
     elapsed = time.perf_counter() - t0
     msg = str(err.value)
     print(f"[timing] killed receiver detected in {elapsed:.2f} s: {msg[:300]}")
     assert "a receiver died?" in msg or "receiver process gone" in msg, msg
     assert "engine 0: RuntimeError: TransportError: rank 1:" in msg, msg  # the engine failed cleanly
     assert elapsed < 2 * TIMEOUT_S
-    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "a failed round changed the engine"
+    expect_unchanged(cluster, fresh_b)
 
 
 def test_backend_registers_through_the_vllm_plugin_entry_point():

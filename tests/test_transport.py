@@ -73,18 +73,26 @@ def test_manifest_round_trip_and_digest_guards_every_field():
         build_manifest([("x", "float9", (2,))])
 
 
-def test_check_against_names_missing_extra_and_wrong_tensors():
-    m = build_manifest(MIXED)
-    expected = {n: (d, s) for n, d, s in MIXED}
-    check_against(m, expected)
-    expected.pop("b.weight")
+def test_check_against_names_partial_units_extra_and_wrong_tensors():
+    specs = MIXED + [("model.layers.0.q.weight", "bfloat16", (2, 2)),
+                     ("model.layers.0.q.weight_scale_inv", "float32", (1, 1)),
+                     ("model.layers.1.q.weight", "bfloat16", (2, 2))]
+    expected = {n: (d, s) for n, d, s in specs}
+    check_against(build_manifest(specs), expected)
+    # whole units may be left out (a partial refit): layer 1, module b
+    check_against(build_manifest([t for t in specs if t[0] not in ("model.layers.1.q.weight", "b.weight")]),
+                  expected)
+    m = build_manifest([t for t in specs if t[0] != "model.layers.0.q.weight_scale_inv"])
     expected["e.weight"] = ("bfloat16", (2,))
     expected["a.weight"] = ("float8_e4m3fn", (5, 3))
+    del expected["c.flag"]
     with pytest.raises(ManifestMismatchError) as err:
         check_against(m, expected)
     msg = str(err.value)
-    assert "1 missing: ['e.weight']" in msg and "['b.weight']" in msg
+    assert "model.layers.0 (missing ['model.layers.0.q.weight_scale_inv'])" in msg
+    assert "1 not expected by the engine: ['c.flag']" in msg
     assert "a.weight: sent float8_e4m3fn [3, 5], engine expects float8_e4m3fn [5, 3]" in msg
+    assert "e.weight" not in msg  # a module sent not at all keeps its weights: allowed
 
 
 def test_pack_then_unpack_gives_the_same_bytes_as_views_of_the_received_buffers():

@@ -220,29 +220,50 @@ def manifest_for_plan(plan: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 
 
 def check_against(manifest: Manifest, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Raise ManifestMismatchError unless the manifest sends exactly the expected tensors.
+    """Raise ManifestMismatchError unless the engine can load exactly what the manifest sends.
+
+    Every sent tensor must be expected, with the expected dtype and shape. Tensors may be left
+    out only as whole units (a partial refit, e.g. ``plan.only_layers(changed)``): a decoder
+    layer (names sharing the prefix up to their first integer segment, ``model.layers.3``) or,
+    outside the layers, a module (the name without its last segment, ``lm_head``). vLLM's
+    layerwise reload keeps the old weights of a unit that receives nothing, but processes one
+    that receives only part of its tensors with uninitialised memory for the rest.
 
     Args:
         manifest: the round's manifest.
         expected: checkpoint name -> (dtype name, shape) the receiving engine accepts.
-    Raises: ManifestMismatchError listing (up to 5 of each) missing names, unexpected names,
-        dtype and shape differences - before any data is received.
+    Raises: ManifestMismatchError listing (up to 5 of each) partly sent units with their
+        missing names, unexpected names, dtype and shape differences - before any data.
     """
     sent = {s.name: (s.dtype, tuple(s.shape)) for s in manifest.slots}
-    missing = sorted(set(expected) - set(sent))
+    units: dict[str, list[str]] = {}
+    for name in expected:
+        units.setdefault(_unit(name), []).append(name)
+    partial = [f"{unit} (missing {sorted(set(names) - set(sent))[:3]})"
+               for unit, names in sorted(units.items())
+               if set(names) & set(sent) and not set(names) <= set(sent)]
     extra = sorted(set(sent) - set(expected))
     wrong = [f"{n}: sent {sent[n][0]} {list(sent[n][1])}, engine expects "
              f"{expected[n][0]} {list(expected[n][1])}"
              for n in sorted(set(sent) & set(expected))
              if (sent[n][0], tuple(sent[n][1])) != (expected[n][0], tuple(expected[n][1]))]
-    problems = []
-    for label, items in (("missing", missing), ("not expected by the engine", extra),
-                         ("dtype/shape differ", wrong)):
+    problems = [] if sent else ["nothing to send"]
+    for label, items in (("partly sent (a unit is sent whole or not at all)", partial),
+                         ("not expected by the engine", extra), ("dtype/shape differ", wrong)):
         if items:
             more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
             problems.append(f"{len(items)} {label}: {items[:5]}{more}")
     if problems:
         raise ManifestMismatchError("manifest does not match the engine: " + "; ".join(problems))
+
+
+def _unit(name: str) -> str:
+    """The reload unit of a checkpoint name: its decoder layer, else its module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
 
 
 def _element_size(dtype: str, name: str) -> int:

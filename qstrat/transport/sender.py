@@ -109,16 +109,24 @@ class RefitSender:
             self.group = None
 
     # ---- a round --------------------------------------------------------------------------
-    def refit(self, driver: Any, named_tensors: NamedTensors) -> TransferReport:
+    def refit(self, driver: Any, named_tensors: NamedTensors, plan: Any = None) -> TransferReport:
         """Quantize ``named_tensors`` with ``driver`` and refit every engine (all or none).
 
+        Args:
+            driver: the ``RefitDriver``; named_tensors: the trainer's (HF name, tensor) pairs.
+            plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to
+                refit only the layers that changed (whole layers: engines refuse a partly sent
+                layer; the others keep their weights).
         Raises: PlanError / NonFiniteError before anything is sent; ManifestMismatchError if an
             engine refused the manifest (no data sent); TransportError for a failed checksum,
             an aborted or truncated stream, a lost peer or a timeout - in every case no engine
             loaded anything.
         """
         tensors = as_tensor_dict(named_tensors)
-        plan = driver.plan(tensors)
+        if plan is None:
+            plan = driver.plan(tensors)
+        else:
+            driver.check_plan(plan)
         driver.check_values(plan, tensors)
         manifest = manifest_for_plan(plan, self.bucket_bytes, self.alignment)
         return self.send(manifest, driver.execute(plan, tensors, values_checked=True))
