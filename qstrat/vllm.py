@@ -87,7 +87,7 @@ def _covered(module: str, patterns: list[str]) -> bool:
 
 
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
-          weights_dir: str | Path | None = None) -> RefitReport:
+          plan: RefitPlan | None = None, weights_dir: str | Path | None = None) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Args:
@@ -98,6 +98,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             layer of quantized parts) instead of a list of every quantized tensor. Needs an
             in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a multiprocess engine
             pickles its RPC arguments, which a generator cannot be.
+        plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to refit
+            only the layers that changed (whole layers; the others keep their weights).
+            ``named_tensors`` may then hold more tensors than the plan; the others are not sent.
         weights_dir: send the tensors through a file instead of the RPC: they are written as
             one safetensors file into a fresh temporary folder under ``weights_dir`` (deleted
             afterwards), and the engine reloads from it (``reload_weights(weights_path=...)``;
@@ -105,15 +108,18 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             host: vLLM 0.32 cannot forward tensors in ``collective_rpc`` kwargs from its engine
             core to a worker process ("cannot pickle memoryview objects"). Not with ``stream``.
     Returns: a :class:`RefitReport`.
-    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError (before anything is sent) if the plan is invalid or does not match the
-        engine's quantization_config; NonFiniteError naming the tensor (before anything is
+    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError (before anything is sent)
+        if the plan is invalid or does not match the engine's quantization_config; NonFiniteError naming the tensor (before anything is
         sent: every input is checked first, one read pass, no copies).
     """
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
     start = time.perf_counter()
     tensors = as_tensor_dict(named_tensors)
-    plan = driver.plan(tensors)
+    if plan is None:
+        plan = driver.plan(tensors)
+    else:
+        driver.check_plan(plan)
     check_engine_compatible(plan, engine_quantization_config(llm))
     driver.check_values(plan, tensors)
     sent = {"tensors": 0, "bytes": 0}

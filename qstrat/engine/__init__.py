@@ -4,4 +4,6 @@
   demo and the end-to-end tests), and :func:`.local.engine_support` (can a format run here?).
 - :mod:`.emulation`: the ``vllm.general_plugins`` plugin that lets a CPU vLLM engine serve every
   qstrat format it has no native kernels for (block FP8 without AMX, MXFP8, NVFP4).
+- :mod:`.transfer_backend`: the vLLM weight-transfer backend ``"qstrat"`` (receives
+  :mod:`qstrat.transport` rounds; imports vLLM).
 """
