@@ -29,7 +29,7 @@ Context = Mapping[str, torch.Tensor]
 class SerializerOptions(BaseModel):
     """Options every serializer accepts. Subclasses add format options (``extra`` keys are errors)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: Triton kernel for CUDA tensors, torch reference otherwise."

@@ -85,7 +85,7 @@ def test_invalid_config_file_names_the_key(tmp_path):
     cfg.write_text("rules:\n  - select: experts\n    serializer: mxfp9\n")
     proc = run("plan", MODELS / "qwen3-235b-a22b", "--config", cfg, "--summary", ok=False)
     assert proc.returncode == 2
-    assert "rules[0]: unknown serializer 'mxfp9'; valid:" in proc.stderr
+    assert "rules[0].serializer: unknown serializer 'mxfp9'; did you mean 'mxfp8'? valid:" in proc.stderr
 
 
 @pytest.fixture(scope="module")
