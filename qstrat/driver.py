@@ -148,8 +148,14 @@ class RefitDriver:
         ctx = None
         if e.group:
             if e.group not in contexts:
-                contexts[e.group] = ser.group_context([materialize(tensors[m], m) for m in members[e.group]])
+                names = members[e.group]
+                group = [materialize(tensors[m], m) for m in names]
+                if not values_checked:  # NaN/inf named by tensor before the group's shared amax
+                    for m, tm in zip(names, group):
+                        ser.check_values(tm, m)
+                contexts[e.group] = ser.group_context(group)
             ctx = contexts[e.group]
+            values_checked = True  # every member was checked with its group
         return ser.quantize(t, name=e.name, context=ctx, values_checked=values_checked)
 
 
