@@ -107,6 +107,22 @@ class RefitDriver:
             else:
                 self.serializer(e.serializer, e.options).check_values(t, e.name)
 
+    def check_backends(self, plan: RefitPlan, tensors: Mapping[str, Any]) -> None:
+        """Raise BackendUnavailableError (naming the tensor and its rule) if a planned format's
+        ``backend`` option cannot run on its input's device; reads no data. Lazy handles
+        (:class:`qstrat.checkpoint.LazyTensor`) load to the CPU."""
+        from qstrat.errors import BackendUnavailableError
+
+        for e in plan.entries:
+            if e.serializer == PASSTHROUGH:
+                continue
+            t = tensors[e.name]
+            device = t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+            try:
+                self.serializer(e.serializer, e.options).check_backend(device)
+            except BackendUnavailableError as exc:
+                raise BackendUnavailableError(f"{e.name} ({e.rule}): {exc}") from exc
+
     def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
                 values_checked: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Emit the outputs of an already validated ``plan`` for ``tensors`` in wire order.

@@ -28,3 +28,9 @@ class NonFiniteError(QstratError):
 
 class PlanError(QstratError):
     """The refit plan is inconsistent (name conflicts, mixed engine formats, missing fusion partners)."""
+
+
+class BackendUnavailableError(QstratError, RuntimeError):
+    """A rule's ``backend`` option cannot run here (``triton`` without triton, or on CPU tensors
+    without ``TRITON_INTERPRET=1``). Raised when the plan is checked, before anything is written
+    or sent; also a ``RuntimeError`` for callers that caught the earlier type."""

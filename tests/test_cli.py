@@ -230,7 +230,10 @@ def test_quantize_copies_the_source_models_other_files(bf16_dir, tmp_path):
              "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}"}
     for name, text in extra.items():
         (src / name).write_text(text)
-    (src / "model.safetensors.index.json").write_text('{"weight_map": {}}')  # stale: not copied
+    from qstrat.checkpoint import lazy_checkpoint
+
+    index = {"weight_map": {n: "model.safetensors" for n in lazy_checkpoint(src)}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))    # regenerated: not copied
     (src / "pytorch_model.bin").write_bytes(b"old weights")                   # weights: not copied
     (src / "original").mkdir()                                                 # directories: not copied
     run("quantize", src, "--preset", "block-fp8", "-o", tmp_path / "fp8")
