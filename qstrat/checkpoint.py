@@ -81,6 +81,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     if source_dir is not None:
         _check_not_source(out, Path(source_dir))
     if out.exists() or out.is_symlink():
+        _check_not_cwd(out)
         if not overwrite:
             raise FileExistsError(f"{out} exists; use --overwrite (overwrite=True) to replace it")
         check_replaceable(out)
@@ -134,11 +135,7 @@ def check_replaceable(out: Path) -> None:
     if out.is_symlink() or not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory; not replacing it "
                               "(overwrite replaces a checkpoint directory only)")
-    cwd = Path.cwd().resolve()
-    if cwd.is_relative_to(out.resolve()):
-        what = "is the current directory" if cwd == out.resolve() else "holds the current directory"
-        raise FileExistsError(f"{out} {what}; a checkpoint directory is replaced as a whole, so it "
-                              "cannot be the directory you are in: pass a new directory (e.g. -o ./fp8)")
+    _check_not_cwd(out)
     entries = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in out.iterdir())
     if not entries:
         return
@@ -153,6 +150,16 @@ def check_replaceable(out: Path) -> None:
         raise FileExistsError(f"{out} is a qstrat checkpoint but also holds {shown}, which qstrat did not "
                               "write; --overwrite never deletes them: move them out or choose a new output "
                               "directory")
+
+
+def _check_not_cwd(out: Path) -> None:
+    """An existing ``out`` that is (or holds) the working directory is never replaced."""
+    cwd = Path.cwd().resolve()
+    if out.is_dir() and cwd.is_relative_to(out.resolve()):
+        what = "is the current directory" if cwd == out.resolve() else "holds the current directory"
+        raise FileExistsError(f"{out} {what}; a checkpoint is written as a new directory (or replaces one "
+                              "as a whole), never into the directory you are in: pass a new directory, "
+                              "e.g. -o ./fp8")
 
 
 def _listed_files(plan_file: Path) -> set[str] | None:

@@ -89,11 +89,9 @@ def test_invalid_config_file_names_the_key(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory, tiny_model):
+def bf16_dir(tiny_bf16_dir):
     """The tiny model saved as a BF16 checkpoint directory (read-only for the tests)."""
-    from qstrat.demo.tiny_model import save_bf16
-
-    return save_bf16(tiny_model, tmp_path_factory.mktemp("src") / "bf16")
+    return tiny_bf16_dir
 
 
 def _safetensors_with(path, dtype, shape, nbytes):
