@@ -33,11 +33,13 @@ class StrictYAMLLoader(yaml.SafeLoader):
     YAML 1.2 core schema (see the module docstring)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        """As SafeLoader's, but a key seen twice raises a ``yaml.constructor.ConstructorError``
-        naming the key and both lines."""
-        self.flatten_mapping(node)  # merge keys (<<) first, as SafeLoader does
+        """As SafeLoader's, but a key written twice in one mapping raises a
+        ``yaml.constructor.ConstructorError`` naming the key and both lines (a key that overrides
+        one merged in with ``<<: *anchor`` is YAML's override, not a duplicate)."""
         seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
+        for key_node, _ in node.value:  # the keys written here; merged (<<) keys may be overridden
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)

@@ -76,9 +76,17 @@ def _short(obj: Any, limit: int = 80) -> str:
 def materialize(t: Any, name: str) -> torch.Tensor:
     """A tensor, or a lazily loaded handle with ``.load()`` (e.g. checkpoint.LazyTensor), loaded.
 
-    Raises: PlanError for a ``meta`` tensor (it has no values to quantize or send).
+    Raises: PlanError for a ``meta`` tensor (it has no values to quantize or send), and for a
+        handle whose ``load()`` returns something other than a tensor of the shape and dtype it
+        declared (what the plan was made from).
     """
-    t = t if isinstance(t, torch.Tensor) else t.load()
+    if not isinstance(t, torch.Tensor):
+        declared = (tuple(t.shape), t.dtype)
+        t = t.load()
+        if not isinstance(t, torch.Tensor) or (tuple(t.shape), t.dtype) != declared:
+            got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise PlanError(f"{name}: load() returned {got}, but the handle declared {list(declared[0])} "
+                            f"{declared[1]} (the plan was made from the declaration)")
     if t.is_meta:
         raise PlanError(f"{name}: is a meta tensor; run() needs values (plan() accepts meta tensors)")
     return t

@@ -116,3 +116,27 @@ def test_group_context_names_members_when_given_names():
     with pytest.raises(NonFiniteError) as info:
         NVFP4().group_context([gate, up], names=["experts.0.gate_proj.weight", "experts.0.up_proj.weight"])
     assert str(info.value).startswith("experts.0.up_proj.weight: non-finite value nan at index [0, 3, 4]")
+
+
+class Handle:
+    """A lazy handle (shape, dtype, load()) whose load() returns ``value``."""
+
+    def __init__(self, shape, dtype, value):
+        self.shape, self.dtype, self.value = torch.Size(shape), dtype, value
+
+    def load(self):
+        return self.value
+
+
+@pytest.mark.parametrize("value,got", [
+    (torch.ones(4, 8, dtype=torch.bfloat16), "[4, 8] torch.bfloat16"),
+    (torch.ones(256, dtype=torch.float32), "[256] torch.float32"),
+    (None, "NoneType"),
+])
+def test_a_lazy_handle_must_load_what_it_declared(driver, state, value, got):
+    declared = state[NORM]
+    names, exc = emitted_before_error(driver, {**state, NORM: Handle(declared.shape, declared.dtype, value)})
+    assert isinstance(exc, PlanError)
+    assert str(exc) == (f"{NORM}: load() returned {got}, but the handle declared [256] torch.bfloat16 "
+                        "(the plan was made from the declaration)")
+    assert NORM not in names

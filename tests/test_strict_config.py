@@ -114,3 +114,27 @@ def test_yaml_booleans_and_floats_follow_yaml_1_2(tmp_path):
     import yaml
 
     assert yaml.safe_load("a: yes") == {"a": True}  # the global SafeLoader is left as it is
+
+
+def test_a_yaml_merge_key_may_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rules:\n  - serializer: mxfp8\n"
+                    "    options: {<<: {min_scale_byte: 1, scale_rounding: floor}, min_scale_byte: 2}\n")
+    cfg = load_config(path)
+    assert cfg.rules[0].options == {"min_scale_byte": 2, "scale_rounding": "floor"}
+    path.write_text("rules:\n  - {serializer: mxfp8, options: {<<: {min_scale_byte: 1}, min_scale_byte: 2, "
+                    "min_scale_byte: 3}}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'min_scale_byte' \(first given on line 2\)"):
+        load_config(path)
+
+
+def test_every_error_class_is_documented():
+    import inspect
+    from pathlib import Path
+
+    import qstrat.errors as errors
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    classes = [n for n, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.QstratError)]
+    assert len(classes) >= 7
+    assert [n for n in classes if f"| `{n}` |" not in doc] == []
