@@ -8,6 +8,13 @@ import qstrat
 from qstrat import ConfigError, load_config
 
 
+def config_error(source) -> str:
+    """The message of the ConfigError ``load_config(source)`` raises."""
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    return str(info.value)
+
+
 @pytest.mark.parametrize("data,message", [
     ({"keep_bf16": {"first": True}}, "keep_bf16.first: Input should be a valid integer"),
     ({"keep_bf16": {"last": "1"}}, "keep_bf16.last: Input should be a valid integer"),
@@ -26,9 +33,7 @@ from qstrat import ConfigError, load_config
      "rules[0].options.chunk_elements: Input should be a valid integer"),
 ])
 def test_types_are_strict(data, message):
-    with pytest.raises(ConfigError) as info:
-        load_config(data)
-    assert str(info.value) == message
+    assert config_error(data) == message
 
 
 def test_exact_types_and_an_int_for_a_float_are_accepted():
@@ -46,9 +51,7 @@ def test_every_problem_is_reported_at_once():
            "keep_bf16": {"first": -1, "last": "a"},
            "rules": [{"select": "expertz", "serializer": "mxfp9", "options": {"x": 1}},
                      {"serializer": "block_fp8", "options": {"ue8m0": "yes", "backend": "gpu"}}]}
-    with pytest.raises(ConfigError) as info:
-        load_config(bad)
-    lines = str(info.value).splitlines()
+    lines = config_error(bad).splitlines()
     assert lines[0] == "invalid config:"
     assert [ln.strip() for ln in lines[1:]] == [
         "preset: unknown strategy 'nope'; valid: bf16, block-fp8, mxfp8, mxfp8-experts, nvfp4-experts",
@@ -77,9 +80,7 @@ def test_every_problem_is_reported_at_once():
             "mxfp8-experts, nvfp4-experts)"),
 ])
 def test_preset_typos_list_the_valid_names(source, message):
-    with pytest.raises(ConfigError) as info:
-        load_config(source)
-    assert str(info.value) == message
+    assert config_error(source) == message
 
 
 @pytest.mark.parametrize("name,text,message", [
@@ -94,18 +95,15 @@ def test_preset_typos_list_the_valid_names(source, message):
 def test_duplicate_keys_are_errors(tmp_path, name, text, message):
     path = tmp_path / name
     path.write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    assert str(info.value).startswith(f"{path}: cannot parse: ")
-    assert message in str(info.value)
+    got = config_error(path)
+    assert got.startswith(f"{path}: cannot parse: ") and message in got
 
 
 def test_yaml_booleans_and_floats_follow_yaml_1_2(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rules:\n  - serializer: block_fp8\n    options: {ue8m0: yes}\n")
-    with pytest.raises(ConfigError) as info:  # YAML 1.1 would read `yes` as true
-        load_config(path)
-    assert str(info.value) == f"{path}: rules[0].options.ue8m0: Input should be a valid boolean"
+    # YAML 1.1 would read `yes` as true
+    assert config_error(path) == f"{path}: rules[0].options.ue8m0: Input should be a valid boolean"
     path.write_text("rules:\n  - serializer: block_fp8\n    options: {ue8m0: True}\n"
                     "  - serializer: nvfp4\n    select: experts\n    options: {input_scale: 5e-1}\n")
     cfg = load_config(path)
