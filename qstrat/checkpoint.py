@@ -70,7 +70,8 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             ``*.pt``, ...) and their ``*.index.json``, which the output regenerates or replaces.
     Returns: the plan that was written.
     Raises (nothing is written, and an existing ``out_dir`` is left as it was, in every case):
-        PlanError; NonFiniteError; BackendUnavailableError (a rule's ``backend`` cannot run on
+        QstratError for a ``shard_bytes`` that is not a positive int; FileNotFoundError for a
+        ``source_dir`` that is not a directory; PlanError; NonFiniteError; BackendUnavailableError (a rule's ``backend`` cannot run on
         the tensors' device); FileExistsError (``out_dir`` exists and not ``overwrite``; is not
         a directory; is not a checkpoint qstrat wrote - see :func:`check_replaceable`; is the
         current directory or holds it); QstratError (``out_dir`` overlaps ``source_dir``; the
@@ -78,7 +79,12 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         writing failed, e.g. the disk is full: the message names the file and the cause).
     """
     out = Path(out_dir)
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
+        raise QstratError(f"shard_bytes must be a positive number of bytes, got {shard_bytes!r}")
     if source_dir is not None:
+        if not Path(source_dir).is_dir():
+            raise FileNotFoundError(f"source_dir {source_dir} is not a directory (the model directory the "
+                                    "tensors were read from, whose tokenizer and other files are copied)")
         _check_not_source(out, Path(source_dir))
     if out.exists() or out.is_symlink():
         _check_not_cwd(out)

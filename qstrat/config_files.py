@@ -115,6 +115,9 @@ def read_config_file(path: Path) -> Mapping[str, Any]:
             data = yaml.load(text, Loader=StrictYAMLLoader)  # noqa: S506 - a SafeLoader subclass
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise ConfigError(f"{path}: cannot parse: {exc}") from exc
+    if data is None:
+        raise ConfigError(f"{path}: the file holds no settings (empty); a refit config needs at least "
+                          "a preset or rules, e.g. `preset: block-fp8`")
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data

@@ -348,3 +348,14 @@ def test_a_config_without_inferable_architectures_is_a_clear_error(tmp_path):
     assert str(info.value) == ("the model config's 'dtype' cannot be written to config.json: Object of type dtype "
                                "is not JSON serializable")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_arguments_are_refused_before_quantizing(tmp_path):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(QstratError) as info:
+            write_checkpoint(RefitDriver("bf16"), NORM, tmp_path / "out", hf_config=CFG, shard_bytes=bad)
+        assert str(info.value) == f"shard_bytes must be a positive number of bytes, got {bad!r}"
+    with pytest.raises(FileNotFoundError) as info:
+        write_checkpoint(RefitDriver("bf16"), NORM, tmp_path / "out", hf_config=CFG, source_dir=tmp_path / "nope")
+    assert str(info.value).startswith(f"source_dir {tmp_path / 'nope'} is not a directory")
+    assert list(tmp_path.iterdir()) == []

@@ -136,3 +136,21 @@ def test_every_error_class_is_documented():
     classes = [n for n, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.QstratError)]
     assert len(classes) >= 7
     assert [n for n in classes if f"| `{n}` |" not in doc] == []
+
+
+def test_an_empty_config_file_is_an_error(tmp_path):
+    path = tmp_path / "refit.yaml"
+    path.write_text("# nothing yet\n")
+    assert config_error(path) == (f"{path}: the file holds no settings (empty); a refit config needs at least "
+                                  "a preset or rules, e.g. `preset: block-fp8`")
+
+
+def test_hf_config_may_be_a_transformers_config_but_not_a_path(tiny_model):
+    from qstrat import RefitDriver
+
+    driver = RefitDriver("block-fp8", hf_config=tiny_model.config)
+    assert driver.layout.name == "qwen3_moe" and driver.hf_config["num_hidden_layers"] == 4
+    with pytest.raises(ConfigError) as info:
+        RefitDriver("block-fp8", hf_config="config.json")
+    assert str(info.value) == ("hf_config must be the model's config.json content (a mapping) or a transformers "
+                               "config (model.config), got str")
