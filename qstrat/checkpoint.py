@@ -71,12 +71,13 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     Returns: the plan that was written.
     Raises (nothing is written, and an existing ``out_dir`` is left as it was, in every case):
         QstratError for a ``shard_bytes`` that is not a positive int; FileNotFoundError for a
-        ``source_dir`` that is not a directory; PlanError; NonFiniteError; BackendUnavailableError (a rule's ``backend`` cannot run on
-        the tensors' device); FileExistsError (``out_dir`` exists and not ``overwrite``; is not
-        a directory; is not a checkpoint qstrat wrote - see :func:`check_replaceable`; is the
-        current directory or holds it); QstratError (``out_dir`` overlaps ``source_dir``; the
-        config has no ``architectures`` and none can be inferred; it is not JSON-serializable;
-        writing failed, e.g. the disk is full: the message names the file and the cause).
+        ``source_dir`` that is not a directory; PlanError; NonFiniteError;
+        BackendUnavailableError (a rule's ``backend`` cannot run on the tensors' device);
+        FileExistsError (``out_dir`` exists and not ``overwrite``; is not a directory; is not a
+        checkpoint qstrat wrote - see :func:`check_replaceable`; is the current directory or
+        holds it); QstratError (``out_dir`` overlaps ``source_dir``; the config has no
+        ``architectures`` and none can be inferred; it is not JSON-serializable; writing failed,
+        e.g. the disk is full: the message names the file and the cause).
     """
     out = Path(out_dir)
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:

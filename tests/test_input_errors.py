@@ -73,6 +73,7 @@ def test_every_bad_pair_is_reported_at_once(driver, state):
         driver.plan(torch.ones(3))
 
 
+INT_HINT = "(not a floating-point weight: leave buffers such as masks or position ids out of the refit)"
 FP8_HINT = ("(already quantized? qstrat quantizes the trainer's BF16 weights; an fp8 tensor can be "
             "neither re-quantized nor passed through)")
 
@@ -81,10 +82,10 @@ FP8_HINT = ("(already quantized? qstrat quantizes the trainer's BF16 weights; an
     (NORM, torch.float8_e4m3fn, f"{NORM}: is sent unchanged (not a weight matrix) and needs a "
                                 f"bfloat16/float16/float32 tensor, got float8_e4m3fn {FP8_HINT}"),
     (NORM, torch.int32, f"{NORM}: is sent unchanged (not a weight matrix) and needs a bfloat16/float16/float32 "
-                        "tensor, got int32 (not a floating-point weight)"),
+                        f"tensor, got int32 {INT_HINT}"),
     ("model.layers.0.mlp.gate.weight", torch.uint8,
      "model.layers.0.mlp.gate.weight: is sent unchanged (never quantized: router) and needs a "
-     "bfloat16/float16/float32 tensor, got uint8 (not a floating-point weight)"),
+     f"bfloat16/float16/float32 tensor, got uint8 {INT_HINT}"),
     (Q, torch.float8_e4m3fn, f"{Q}: is planned as block_fp8 (rules[0]) and needs a bfloat16/float16/float32 "
                              f"tensor, got float8_e4m3fn {FP8_HINT}"),
     (Q, torch.float64, f"{Q}: is planned as block_fp8 (rules[0]) and needs a bfloat16/float16/float32 tensor, "

@@ -33,7 +33,7 @@ def _dtype_hint(dtype: torch.dtype) -> str:
                 "can be neither re-quantized nor passed through)")
     if dtype == torch.float64:
         return " (cast it to float32 or bfloat16)"
-    return " (not a floating-point weight)"
+    return " (not a floating-point weight: leave buffers such as masks or position ids out of the refit)"
 
 
 #: ``(format name, options) -> Serializer`` (cached by the driver).
