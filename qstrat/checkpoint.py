@@ -41,7 +41,7 @@ _NOT_COPIED_SUFFIXES = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".
 def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: str | Path,
                      hf_config: Mapping[str, Any] | None = None, shard_bytes: int = 4 << 30,
                      overwrite: bool = False, progress: Callable[[int, int], Any] | None = None,
-                     source_dir: str | Path | None = None) -> RefitPlan:
+                     source_dir: str | Path | None = None, plan: RefitPlan | None = None) -> RefitPlan:
     """Quantize ``named_tensors`` with ``driver`` and write an HF checkpoint to ``out_dir``.
 
     Args:
@@ -68,6 +68,10 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             generation config, chat template, ...) are copied into the output: all but
             ``config.json``, ``qstrat_plan.json``, weight files (``*.safetensors``, ``*.bin``,
             ``*.pt``, ...) and their ``*.index.json``, which the output regenerates or replaces.
+        plan: a plan made beforehand from metadata (``driver.plan(tensor_specs(...))``);
+            ``named_tensors`` may then be an iterator, consumed once (``RefitDriver.run``).
+            A stream that does not match the plan raises PlanError mid-way: nothing is left
+            written (the temporary directory is removed).
     Returns: the plan that was written.
     Raises (nothing is written, and an existing ``out_dir`` is left as it was, in every case):
         QstratError for a ``shard_bytes`` that is not a positive int; FileNotFoundError for a
@@ -92,9 +96,13 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         if not overwrite:
             raise FileExistsError(f"{out} exists; use --overwrite (overwrite=True) to replace it")
         check_replaceable(out)
-    tensors = as_tensor_dict(named_tensors)
-    plan = driver.plan(tensors)
-    driver.check_backends(plan, tensors)
+    if plan is None:
+        tensors: Any = as_tensor_dict(named_tensors)
+        plan = driver.plan(tensors)
+        driver.check_backends(plan, tensors)
+    else:  # a stream: devices are known only as tensors arrive (a failure then leaves nothing)
+        driver.check_plan(plan)
+        tensors = named_tensors
     cfg_text = json.dumps(output_hf_config(hf_config if hf_config is not None else driver.hf_config,
                                            plan, driver.layout), indent=2) + "\n"
     shards = assign_shards(plan.outputs(), shard_bytes)

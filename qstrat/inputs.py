@@ -1,12 +1,17 @@
-"""The trainer's tensors as qstrat reads them: (name, tensor) pairs, lazily loaded handles.
+"""The trainer's tensors as qstrat reads them: (name, tensor) pairs, specs, lazily loaded handles.
 
 Every sink (``qstrat.vllm``, ``qstrat.checkpoint``) and the driver take :data:`NamedTensors` and
 turn it into a name-keyed dict with :func:`as_tensor_dict`; values are read through
-:func:`materialize`, which also accepts a handle with ``.load()`` (``checkpoint.LazyTensor``).
+:func:`materialize`, which also accepts a handle with ``.load()`` (``checkpoint.LazyTensor``,
+:class:`OnDevice`) and gathers a sharded ``DTensor`` (FSDP2, tensor parallel) into the whole
+tensor. A plan needs only :class:`TensorSpec` (name, shape, dtype): :func:`tensor_specs` makes
+them from ``(name, shape, dtype)`` triples or from tensors without touching their values.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,8 +25,9 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 def as_tensor_dict(named_tensors: NamedTensors) -> dict[str, torch.Tensor]:
     """The pairs as a dict, in the producer's order.
 
-    Values must be ``torch.Tensor`` (any device, ``meta`` included) or lazy handles with
-    ``.shape``, a torch ``.dtype`` and ``.load()`` (:class:`qstrat.checkpoint.LazyTensor`).
+    Values must be ``torch.Tensor`` (any device, ``meta`` and DTensors included) or objects
+    with ``.shape`` and a torch ``.dtype``: a :class:`TensorSpec` (planning only) or a lazy
+    handle with ``.load()`` (:class:`qstrat.checkpoint.LazyTensor`, :class:`OnDevice`).
 
     Raises: PlanError listing every bad pair: a name that is not a str, a name given twice, a
         value that is not a tensor (``None``, a numpy array - the message says
@@ -38,19 +44,82 @@ def as_tensor_dict(named_tensors: NamedTensors) -> dict[str, torch.Tensor]:
             errors.append(f"expected (name, tensor) pairs, got {_short(item)}")
             continue
         name, t = item
-        if not isinstance(name, str):
-            errors.append(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
-        elif name in out:
-            errors.append(f"{name}: given twice")
-        else:
-            problem = value_problem(t)
-            if problem:
-                errors.append(f"{name}: {problem}")
-            out[name] = t
+        try:
+            check_new_name(name, out)
+        except PlanError as exc:
+            errors.append(str(exc))
+            continue
+        problem = value_problem(t)
+        if problem:
+            errors.append(f"{name}: {problem}")
+        out[name] = t
     if errors:
         head = "invalid input tensors:\n  " if len(errors) > 1 else ""
         raise PlanError(head + "\n  ".join(errors))
     return out
+
+
+def check_new_name(name: Any, seen: Container[str]) -> None:
+    """Raise PlanError unless ``name`` is a str not in ``seen`` (the names read so far)."""
+    if not isinstance(name, str):
+        raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
+    if name in seen:
+        raise PlanError(f"{name}: given twice")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a plan reads of an input: its global ``shape`` and ``dtype`` (no values)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(tuple(int(s) for s in self.shape)))
+        if not isinstance(self.dtype, torch.dtype):
+            raise PlanError(f"TensorSpec dtype must be a torch.dtype, got {self.dtype!r}")
+
+
+def tensor_specs(items: NamedTensors | Iterable[tuple[str, Any, torch.dtype]]) -> dict[str, TensorSpec]:
+    """Name -> :class:`TensorSpec`, in the given order, from ``(name, shape, dtype)`` triples, a
+    mapping or ``(name, tensor)`` pairs (tensors, DTensors - their global shape -, meta tensors,
+    lazy handles: only ``.shape`` and ``.dtype`` are read). Nothing is kept of the values.
+
+    Raises: PlanError for a name that is not a str, a name given twice, or a malformed item.
+    """
+    def specs() -> Iterable[tuple[str, TensorSpec]]:
+        for item in items.items() if isinstance(items, Mapping) else items:
+            if isinstance(item, tuple) and len(item) == 3:
+                yield item[0], TensorSpec(item[1], item[2])
+            elif isinstance(item, tuple) and len(item) == 2:
+                t = item[1]
+                yield item[0], (t if isinstance(t, TensorSpec) else TensorSpec(t.shape, t.dtype))
+            else:
+                raise PlanError(f"expected (name, shape, dtype) or (name, tensor), got {item!r:.80}")
+
+    return as_tensor_dict(specs())  # type: ignore[return-value]
+
+
+class OnDevice:
+    """A lazily loaded handle (``.shape``, ``.dtype``, ``.load()``) whose value is loaded and
+    moved to ``device`` when the driver quantizes it: ``qstrat quantize --device cuda`` reads a
+    checkpoint tensor by tensor onto the GPU, so the Triton kernels do the export."""
+
+    def __init__(self, handle: Any, device: str | torch.device) -> None:
+        self.handle, self.device = handle, torch.device(device)
+        self.shape, self.dtype = torch.Size(handle.shape), handle.dtype
+
+    def load(self) -> torch.Tensor:
+        """The value on :attr:`device`."""
+        t = self.handle if isinstance(self.handle, torch.Tensor) else self.handle.load()
+        return t.to(self.device, non_blocking=False)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing that module:
+    no DTensor exists before it is imported)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def value_problem(t: Any) -> str | None:
@@ -62,10 +131,9 @@ def value_problem(t: Any) -> str | None:
         return "value is None, expected a torch.Tensor"
     if type(t).__module__ == "numpy" or kind.startswith("numpy."):
         return f"is a {kind}, expected a torch.Tensor (convert it with torch.from_numpy)"
-    if isinstance(getattr(t, "dtype", None), torch.dtype) and hasattr(t, "shape") and callable(
-            getattr(t, "load", None)):
-        return None  # a lazy handle
-    return f"is a {kind}, expected a torch.Tensor (or a lazy handle with shape, dtype and load())"
+    if isinstance(getattr(t, "dtype", None), torch.dtype) and hasattr(t, "shape"):
+        return None  # a TensorSpec (planning), a lazy handle (load() is checked when it is read)
+    return f"is a {kind}, expected a torch.Tensor (or a TensorSpec or lazy handle: shape and a torch dtype)"
 
 
 def _short(obj: Any, limit: int = 80) -> str:
@@ -74,13 +142,21 @@ def _short(obj: Any, limit: int = 80) -> str:
 
 
 def materialize(t: Any, name: str) -> torch.Tensor:
-    """A tensor, or a lazily loaded handle with ``.load()`` (e.g. checkpoint.LazyTensor), loaded.
+    """A plain tensor of the input's whole value.
+
+    A tensor is returned as is; a handle with ``.load()`` (e.g. ``checkpoint.LazyTensor``,
+    :class:`OnDevice`) is loaded; a ``DTensor`` (FSDP2 ``fully_shard`` parameters, tensor-parallel
+    shards: any ``Shard``/``Replicate`` placement) is gathered with ``DTensor.full_tensor()``.
+    The gather is a collective: every rank of the mesh must materialize the same DTensors in
+    the same order (the driver does, since every rank runs the same plan in wire order).
 
     Raises: PlanError for a ``meta`` tensor (it has no values to quantize or send), and for a
         handle whose ``load()`` returns something other than a tensor of the shape and dtype it
         declared (what the plan was made from).
     """
-    if not isinstance(t, torch.Tensor):
+    if is_dtensor(t):
+        t = t.full_tensor()
+    elif not isinstance(t, torch.Tensor):
         declared = (tuple(t.shape), t.dtype)
         t = t.load()
         if not isinstance(t, torch.Tensor) or (tuple(t.shape), t.dtype) != declared:

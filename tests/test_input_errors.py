@@ -39,8 +39,8 @@ def emitted_before_error(driver, tensors):
     (np.zeros((64, 64), dtype=np.float32),
      f"{Q}: is a numpy.ndarray, expected a torch.Tensor (convert it with torch.from_numpy)"),
     (np.float32(1.0), f"{Q}: is a numpy.float32, expected a torch.Tensor (convert it with torch.from_numpy)"),
-    ([[1.0, 2.0]], f"{Q}: is a list, expected a torch.Tensor (or a lazy handle with shape, dtype and load())"),
-    ("weights.bin", f"{Q}: is a str, expected a torch.Tensor (or a lazy handle with shape, dtype and load())"),
+    ([[1.0, 2.0]], f"{Q}: is a list, expected a torch.Tensor (or a TensorSpec or lazy handle: shape and a torch dtype)"),
+    ("weights.bin", f"{Q}: is a str, expected a torch.Tensor (or a TensorSpec or lazy handle: shape and a torch dtype)"),
 ])
 def test_a_value_that_is_not_a_tensor_is_named(driver, state, value, message):
     tensors = {**state, Q: value}
