@@ -65,8 +65,10 @@ QWEN3_MOE = ModelLayout(
     fused=QKV_GATE_UP,
 )
 
-#: Gated-DeltaNet block (``linear_attn``) of Qwen3-Next: projections stored pre-fused.
-_NEXT_LINEAR_ATTN = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+#: Gated-DeltaNet block (``linear_attn``) of Qwen3-Next: projections stored pre-fused; the
+#: ``conv1d`` kernel [C, 1, k] is never a matrix (sent unchanged; vLLM builds it as an
+#: unquantized linear, ignored; ModelOpt disables ``*linear_attn.conv1d*``).
+_NEXT_LINEAR_ATTN = ("in_proj_qkvz", "in_proj_ba", "out_proj", "conv1d")
 
 #: Qwen3-Next: hybrid ``linear_attn`` (Gated DeltaNet) / ``self_attn`` layers, shared expert with
 #: its gate. vLLM ``Qwen3NextForCausalLM``. ``in_proj_ba`` stays BF16 (Qwen's FP8 checkpoints).
@@ -83,7 +85,7 @@ QWEN3_NEXT = ModelLayout(
 )
 
 #: Qwen3.5's Gated-DeltaNet projections, stored apart; vLLM fuses them into in_proj_qkvz / in_proj_ba.
-_QWEN3_5_LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+_QWEN3_5_LINEAR_ATTN = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "conv1d")
 _QWEN3_5_FUSED = QKV_GATE_UP + (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))
 
 #: Qwen3.5-MoE, the multimodal class (``Qwen3_5MoeForConditionalGeneration``): the language model

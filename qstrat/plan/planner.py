@@ -107,10 +107,10 @@ class Planner:
         slab = self.layout.slabs.get(p.projection) if p.slab else None
         if slab is not None and not slab.splittable and ser.quantizes:
             raise PlanError(
-                f"{d.serializer} ({d.rule}): this {shape} slab holds gate/up interleaved along its "
-                f"last dim, transposed ({self.layout.name}); vLLM loads such experts unquantized or "
-                "as its own MXFP4 only, so qstrat does not quantize them: keep them BF16 (a rule "
-                "'select: [experts], serializer: bf16' before the others)")
+                f"{d.serializer} ({d.rule}): {self.layout.name} stores its experts as transposed "
+                f"{shape} slabs [E, in, out] (gate_up_proj: gate/up interleaved along the last dim); "
+                "vLLM loads them unquantized or as its own MXFP4 only, so qstrat does not quantize "
+                "them: keep them BF16 (a rule 'select: [experts], serializer: bf16' first)")
         try:
             specs = ser.part_specs(shape)
         except UnsupportedShapeError as exc:

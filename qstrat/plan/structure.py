@@ -25,13 +25,14 @@ SHOWN = 8
 
 
 def unplaced_matrices(entries: Sequence[PlanEntry], layout: str, config: RefitConfig) -> list[str]:
-    """One error naming the weight matrices (2-D ``weight``, 3-D slabs) of kind ``other``.
+    """One error naming the tensors of two or more dims (matrices, slabs, conv kernels) of
+    kind ``other``.
 
     Args:
         entries: the planned inputs; layout: the layout's name (for the message);
         config: its ``unplaced_weights`` (``error`` / ``bf16``) decides.
     """
-    names = [e.name for e in entries if e.kind == "other" and e.rule != "not a weight matrix"]
+    names = [e.name for e in entries if e.kind == "other" and len(e.shape) >= 2]
     if not names or config.unplaced_weights == "bf16":
         return []
     return [f"layout {layout!r} cannot place {len(names)} weight matrices: {_listing(names)} "
