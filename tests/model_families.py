@@ -91,6 +91,20 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     return cfg.to_dict()
 
 
+def random_model(cfg: Any, seed: int) -> torch.nn.Module:
+    """The family's transformers class with real random weights (bf16, CPU, eval), matrices
+    scaled x2.5 like the demo's tiny model so greedy decoding does not repeat one token."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, cfg.architectures[0])(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(2.5)
+    return model.to(torch.bfloat16).eval()
+
+
 # ---- vLLM ---------------------------------------------------------------------------------
 @dataclass
 class Loaded:

@@ -12,6 +12,8 @@ Registered through the ``qstrat_layouts`` hook like any third-party layout.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from qstrat.layouts import ModelLayout, SlabSpec
 
 #: Projections of a softmax-attention block (``self_attn``) in Llama-style families.
@@ -43,15 +45,9 @@ LLAMA = ModelLayout(
     fused=QKV_GATE_UP,
 )
 
-#: Dense Qwen3 (q_norm/k_norm are norms). vLLM ``Qwen3ForCausalLM``: qkv_proj, gate_up_proj.
-QWEN3 = ModelLayout(
-    name="qwen3",
-    architectures=("Qwen3ForCausalLM", "Qwen2ForCausalLM"),
-    model_types=("qwen3", "qwen2"),
-    attention_projections=QKVO,
-    routers=(),
-    fused=QKV_GATE_UP,
-)
+#: Dense Qwen3 (q_norm/k_norm are norms): Llama's structure. vLLM ``Qwen3ForCausalLM``.
+QWEN3 = replace(LLAMA, name="qwen3", architectures=("Qwen3ForCausalLM", "Qwen2ForCausalLM"),
+                model_types=("qwen3", "qwen2"))
 
 #: Qwen3-MoE (and Qwen2-MoE with its shared expert). vLLM ``Qwen3MoeForCausalLM``: qkv_proj,
 #: gate_up_proj of ``mlp_only_layers``; routed experts one FusedMoE ``mlp.experts``.
@@ -108,17 +104,9 @@ QWEN3_5_MOE = ModelLayout(
 )
 
 #: Qwen3.5-MoE, the text-only class (``Qwen3_5MoeForCausalLM``): the same blocks under ``model.``.
-QWEN3_5_MOE_TEXT = ModelLayout(
-    name="qwen3_5_moe_text",
-    architectures=("Qwen3_5MoeForCausalLM",),
-    model_types=("qwen3_5_moe_text",),
-    attention_blocks=QWEN3_5_MOE.attention_blocks,
-    attention_projections=QWEN3_5_MOE.attention_projections,
-    sensitive=QWEN3_5_MOE.sensitive,
-    routers=QWEN3_5_MOE.routers,
-    shared_experts=QWEN3_5_MOE.shared_experts,
-    fused=_QWEN3_5_FUSED,
-)
+QWEN3_5_MOE_TEXT = replace(QWEN3_5_MOE, name="qwen3_5_moe_text", architectures=("Qwen3_5MoeForCausalLM",),
+                           model_types=("qwen3_5_moe_text",), layers_prefix="model.layers",
+                           embeddings=("model.embed_tokens",), final_norms=("model.norm",))
 
 #: MLA projections (DeepSeek-V2/V3): ``q_proj`` when ``q_lora_rank`` is null.
 _MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
