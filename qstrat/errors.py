@@ -28,3 +28,7 @@ class NonFiniteError(QstratError):
 
 class PlanError(QstratError):
     """The refit plan is inconsistent (name conflicts, mixed engine formats, missing fusion partners)."""
+
+
+class VerificationError(QstratError):
+    """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""
