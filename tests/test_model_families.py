@@ -257,6 +257,32 @@ def test_a_config_that_quantizes_nothing_is_a_plan_error():
 
 
 # ---- full-size configs on meta ---------------------------------------------------------------
+#: Parameters (billions, 0.1 B) of transformers' default config per family where it is a
+#: published model size: DeepSeek-V3 671B, Mixtral-8x7B 46.7B, gpt-oss-120b 116.8B.
+PUBLISHED_SIZE = {"deepseek_v3": 671.0, "mixtral": 46.7, "gpt_oss": 116.8}
+
+
+@pytest.mark.parametrize("family", list(LAYOUT))
+def test_full_size_default_config_on_meta_plans_whole(family):
+    """Each family's transformers class at its default (full-size) config, built on meta: every
+    matrix placed, quantized where the layout says, the ignore list its unquantized modules."""
+    import transformers
+
+    cls_name, arch, _ = mf.FAMILIES[family]
+    cfg = getattr(transformers, cls_name)()
+    cfg.architectures = [arch]
+    sd = mf.hf_state_dict(family, cfg)
+    if family in PUBLISHED_SIZE:
+        assert round(sum(v.numel() for v in sd.values()) / 1e9, 1) == PUBLISHED_SIZE[family]
+    driver = RefitDriver(config_for(family, "block-fp8"), hf_config=mf.config_dict(cfg))
+    plan = driver.plan(sd)
+    assert driver.layout.name == LAYOUT[family]
+    unquantized = {e.engine_module for e in plan.entries if len(e.shape) >= 2 and e.serializer in (PASSTHROUGH, "bf16")
+                   and e.kind not in ("embedding", "mtp") and not e.name.endswith(("bias", "_bias"))}
+    assert set(plan.ignored_layers) == unquantized
+    assert sum(e.serializer == "block_fp8" for e in plan.entries) > len(plan.ignored_layers) > 0
+
+
 @pytest.mark.parametrize("name,layout", [("deepseek-v3", "deepseek_v3"), ("qwen3-235b-a22b", "qwen3_moe")])
 def test_full_size_transformers_class_on_meta_plans(name, layout):
     """The real class at full size (meta): planned whole, and the config-only skeleton names the
