@@ -57,7 +57,10 @@ def quantizes_nothing(entries: Sequence[PlanEntry], layout: str, config: RefitCo
         return []
     kinds = Counter(e.kind for e in entries if e.rule != "not a weight matrix")
     seen = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "no weight matrices"
-    return [f"the config quantizes nothing in this model: {'; '.join(asked)} matched no tensor; "
+    kept = sum(e.rule.startswith("keep_bf16.") for e in entries)
+    why = (f"keep_bf16 (first: {config.keep_bf16.first}, last: {config.keep_bf16.last}) keeps {kept} "
+           "matrices BF16 and the rest matched no rule" if kept else "matched no tensor")
+    return [f"the config quantizes nothing in this model: {'; '.join(asked)} {why}; "
             f"layout {layout!r} sees {seen}"]
 
 
