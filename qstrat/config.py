@@ -138,6 +138,10 @@ class RefitConfig(_Model):
         layout: registered model layout; None detects it from the HF config.
         unplaced_weights: ``error`` (default) refuses weight matrices the layout cannot place;
             ``bf16`` sends them unchanged (see docs/models.md).
+        wire_order: ``natural`` (model order, natural names; default) or ``producer`` (the
+            order the trainer yields its tensors); see docs/concepts.md "Wire order".
+        expert_batch: per-expert inputs of one layer with the same shape and format quantized
+            together, at most this many experts per serializer call (1: one call per expert).
     """
 
     preset: str | None = None
@@ -149,6 +153,8 @@ class RefitConfig(_Model):
     unplaced_weights: Literal["error", "bf16"] = Field(
         "error", description="weight matrices the layout cannot place: plan error, or sent unchanged "
         "(BF16) and listed in the engine's ignore list")
+    wire_order: Literal["natural", "producer"] = "natural"
+    expert_batch: int = Field(16, ge=1)
 
     @model_validator(mode="before")
     @classmethod
