@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+import kernel_harness
+
+# Kernel test modules run where kernels run in this process (a GPU, or TRITON_INTERPRET=1); on a
+# CPU machine tests/test_kernels.py runs them all in one interpreter child process instead.
+collect_ignore_glob = [] if kernel_harness.kernel_device() else [kernel_harness.KERNEL_TEST_GLOB]
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
 
@@ -23,6 +29,14 @@ def tiny_hf_config(tiny_model):
     from qstrat.demo.tiny_model import hf_config
 
     return hf_config(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_dir(tmp_path_factory, tiny_model):
+    """The tiny model saved as a BF16 checkpoint directory (read-only for the tests)."""
+    from qstrat.demo.tiny_model import save_bf16
+
+    return save_bf16(tiny_model, tmp_path_factory.mktemp("src") / "bf16")
 
 
 def model_config(name: str) -> dict:
