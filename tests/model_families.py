@@ -171,10 +171,9 @@ def vllm_model(cfg: Any, quantization_config: dict[str, Any] | None, tmp: Path) 
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from qstrat.engine import emulation
+    from vllm.plugins import load_general_plugins
 
-    if emulation.needed():
-        emulation.register()
+    load_general_plugins()  # as an engine does: qstrat's CPU kernels where vLLM has none
     d = Path(tempfile.mkdtemp(dir=tmp))
     cfg.save_pretrained(d)
     kwargs: dict[str, Any] = {}
