@@ -81,7 +81,9 @@ class Planner:
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
         errors += checks.check_groups(entries) + checks.check_outputs(entries)
-        errors += checks.check_expert_inputs(entries, self.layout.num_experts(self.hf_config))
+        num_experts = self.layout.num_experts(self.hf_config)
+        errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
+        errors += checks.check_expert_sets(entries, num_experts, self.layout.slabs)
         ignored = checks.ignored_layers(entries, errors, self._quantizes)
         qconfig = self._engine_config(entries, ignored, errors)
         if errors:
