@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from qstrat.config import RefitConfig, load_config
+from qstrat.errors import PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict, materialize
 from qstrat.layouts import ModelLayout, detect_layout
 from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan
@@ -107,6 +108,23 @@ class RefitDriver:
             else:
                 self.serializer(e.serializer, e.options).check_values(t, e.name)
 
+    def check_backends(self, plan: RefitPlan, tensors: Mapping[str, Any]) -> None:
+        """Raise PlanError naming every input whose format backend cannot run where the input
+        is (``backend='triton'`` on CPU without TRITON_INTERPRET=1, a format without a kernel).
+        Reads no values; lazily loaded handles count as CPU tensors. :meth:`execute` runs it
+        before its first output, a sink before it sends or writes anything."""
+        errors = []
+        for e in plan.entries:
+            if e.serializer == PASSTHROUGH:
+                continue
+            device = getattr(tensors[e.name], "device", torch.device("cpu"))
+            try:
+                self.serializer(e.serializer, e.options).uses_kernel(device)
+            except RuntimeError as exc:
+                errors.append(f"{e.name} ({e.rule}): {exc}")
+        if errors:
+            raise PlanError("cannot quantize here:\n  " + "\n  ".join(errors))
+
     def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
                 values_checked: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Emit the outputs of an already validated ``plan`` for ``tensors`` in wire order.
@@ -117,7 +135,9 @@ class RefitDriver:
         Each input is quantized once, when its first output is due, and its parts are dropped
         after its last output: with natural name order that bounds live parts to about one
         decoder layer (a layer's slabs interleave per expert).
+        Raises: PlanError from :meth:`check_backends` before the first output.
         """
+        self.check_backends(plan, tensors)
         members: dict[str, list[str]] = {}
         for e in plan.entries:
             if e.group:

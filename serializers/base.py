@@ -185,7 +185,7 @@ class Serializer(ABC):
         ctx = context if context is not None else self.group_context([w3])
         if ctx is not None:
             ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}
-        if self._use_kernel(w3):
+        if self.uses_kernel(w3.device):
             parts = type(self).resolve_kernel()(self, w3, ctx)
         else:
             parts = self._reference_chunked(w3, ctx, self.part_specs(w3.shape))
@@ -219,22 +219,30 @@ class Serializer(ABC):
             _RESOLVED[cls] = _import_ref(cls.name, ref) if triton_available() else None
         return _RESOLVED[cls]
 
-    # ---- internals ------------------------------------------------------------------------
-    def _use_kernel(self, w3: torch.Tensor) -> bool:
+    def uses_kernel(self, device: torch.device) -> bool:
+        """Whether :meth:`quantize` of a weight on ``device`` runs the Triton kernel (``auto``:
+        on CUDA when the format has one; ``torch``: never). Reads no data.
+
+        Raises: RuntimeError if ``backend='triton'`` cannot run there (the format has no
+        kernel, triton does not import, or the tensor is not on CUDA and TRITON_INTERPRET != 1).
+        """
         backend = self.options.backend
         if backend == "torch":
             return False
         has_kernel = type(self).resolve_kernel() is not None
+        is_cuda = torch.device(device).type == "cuda"
         if backend == "auto":
-            return has_kernel and w3.is_cuda
+            return has_kernel and is_cuda
         if not has_kernel:
-            raise RuntimeError(f"{self.name}: no Triton kernel is registered for this format")
-        if not w3.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"{self.name}: backend='triton', but no Triton kernel is available for "
+                               "this format (none registered, or triton does not import)")
+        if not is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 f"{self.name}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
             )
         return True
 
+    # ---- internals ------------------------------------------------------------------------
     def _expert_chunk(self, w3: torch.Tensor) -> int:
         per_expert = w3.shape[1] * w3.shape[2]
         return max(1, self.options.chunk_elements // per_expert)
