@@ -271,7 +271,9 @@ def check_plan(plan: RefitPlan, manifest: EngineManifest, layers: Collection[int
         plan: the validated plan; manifest: the engine's; layers: an explicit partial refit.
     Raises: PlanError listing every problem (the first :data:`MAX_LINES`), naming the tensors.
     """
-    errors: list[str] = []
+    if isinstance(layers, (int, str)):  # one part given bare
+        layers = [layers]
+    found: dict[tuple[str, str], list[str]] = {}  # (unit or module, problem) -> messages
     sent: dict[str, str] = {}  # output name -> the input it comes from
     touched: dict[str, set[str]] = {}
     for e in plan.entries:
@@ -280,16 +282,22 @@ def check_plan(plan: RefitPlan, manifest: EngineManifest, layers: Collection[int
             origin = "" if e.name == o.name else f" (from {e.name})"
             m = manifest.tensors.get(o.name) or manifest.dropped.get(o.name)
             if m is None:
-                errors.append(f"{o.name}{origin}: {manifest.explain_unknown(o.name)}")
+                where = manifest.layout.parse(o.name, manifest.num_layers).vllm_module
+                found.setdefault((where, "unknown"), []).append(
+                    f"{o.name}{origin}: {manifest.explain_unknown(o.name)}")
                 continue
             if tuple(o.shape) != m.shape:
-                errors.append(f"{o.name}{origin}: shape {list(o.shape)}, the engine expects {list(m.shape)}")
+                found.setdefault((m.unit, "shape"), []).append(
+                    f"{o.name}{origin}: shape {list(o.shape)}, the engine expects {list(m.shape)}")
             if not m.accepts(o.dtype):
                 why = (f"{m.unit} is served quantized ({manifest.format})" if m.quantized else
                        f"{m.unit} is served unquantized in {manifest.dtype}")
-                errors.append(f"{o.name}{origin}: dtype {o.dtype}, the engine expects {m.dtype} ({why})")
+                found.setdefault((m.unit, "dtype"), []).append(
+                    f"{o.name}{origin}: dtype {o.dtype}, the engine expects {m.dtype} ({why})")
             if m.unit:
                 touched.setdefault(m.unit, set()).add(o.name)
+    errors = [msgs[0] + (f" (and {len(msgs) - 1} more tensors of {where} alike)" if len(msgs) > 1 else "")
+              for (where, _), msgs in found.items()]
     for unit, names in touched.items():
         errors += _unit_errors(manifest.units[unit], names, sent)
     errors += _coverage_errors(manifest, set(touched), layers)

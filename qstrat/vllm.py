@@ -91,10 +91,22 @@ def _platform() -> str | None:
     return str(current_platform.device_type)
 
 
+def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
+    """Raise PlanError unless the plan's format is the engine's (both unquantized, or equal on
+    :data:`qstrat.manifest.MATCH_KEYS`)."""
+    mine = plan.vllm_quantization_config()
+    if (mine is None) != (engine_config is None):
+        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
+    key = None if mine is None or engine_config is None else config_mismatch(mine, engine_config)
+    if key is not None:
+        raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
+                        f"the plan emits {mine.get(key)!r}")
+
+
 def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
     """Raise PlanError unless the plan emits what the engine's modules expect.
 
-    Checks the format keys (:data:`qstrat.manifest.MATCH_KEYS`) and both directions of the
+    Checks the format (:func:`check_engine_format`) and both directions of the
     ignore list: a module the plan quantizes must not be in the engine's ignore list, and a
     module the plan leaves in BF16 must be in it (sending BF16 into a module the engine serves
     in FP8 silently corrupts it). Ignore entries match exactly or as ``fnmatch`` wildcards
@@ -104,15 +116,10 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
         plan: the validated refit plan.
         engine_config: the engine's ``quantization_config`` (None: unquantized engine).
     """
+    check_engine_format(plan, engine_config)
     mine = plan.vllm_quantization_config()
-    if (mine is None) != (engine_config is None):
-        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
     if mine is None or engine_config is None:
         return
-    key = config_mismatch(mine, engine_config)
-    if key is not None:
-        raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
-                        f"the plan emits {mine.get(key)!r}")
     engine_ignored = ignore_list(engine_config)
     plan_ignored = set(plan.ignored_layers)
     never_quantized = {e.engine_module for e in plan.entries if e.kind in ("lm_head", "embedding")}
@@ -157,10 +164,11 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
           allow_cpu_bf16_experts: bool = False) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
-    Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its match with the
-    engine's quantization_config (:func:`check_engine_compatible`), the plan against the
-    engine's manifest (:func:`qstrat.manifest.check_plan`: names, shapes, dtypes, every reload
-    unit complete, every layer covered unless ``layers``), unquantized experts on a CPU engine
+    Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its format against
+    the engine's (:func:`check_engine_format`), the plan against the engine's manifest
+    (:func:`qstrat.manifest.check_plan`: names, shapes, dtypes, every reload unit complete,
+    every layer covered unless ``layers``), the ignore lists (:func:`check_engine_compatible`),
+    unquantized experts on a CPU engine
     (:func:`check_cpu_expert_reload`), the formats' backends (:meth:`RefitDriver.check_backends`)
     and every value (:meth:`RefitDriver.check_values`).
 
@@ -189,9 +197,11 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     start = time.perf_counter()
     tensors = as_tensor_dict(named_tensors)
     plan = driver.plan(tensors)
-    check_engine_compatible(plan, engine_quantization_config(llm))
+    engine_config = engine_quantization_config(llm)
+    check_engine_format(plan, engine_config)
     manifest = manifest if manifest is not None else engine_manifest(llm, driver)
     check_plan(plan, manifest, layers)
+    check_engine_compatible(plan, engine_config)
     check_cpu_expert_reload(plan, manifest, allow_cpu_bf16_experts)
     driver.check_backends(plan, tensors)
     driver.check_values(plan, tensors)

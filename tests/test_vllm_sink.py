@@ -88,12 +88,13 @@ def test_bf16_into_modules_the_engine_serves_quantized_is_refused(tiny_model, ti
     state = tiny_model.state_dict()
     engine = RecordingLLM(driver.plan(state).vllm_quantization_config())  # every decoder linear in FP8
     kept = RefitDriver({"preset": "block-fp8", "keep_bf16": {"first": 1}}, hf_config=tiny_hf_config)
-    with pytest.raises(PlanError, match=r"sends BF16 into modules the engine serves quantized .*"
-                                        r"model\.layers\.0\.mlp\.experts"):
+    with pytest.raises(PlanError, match=r"dtype bfloat16, the engine expects float8_e4m3fn "
+                                        r"\(model\.layers\.0\.mlp\.experts is served quantized"):
         qstrat.vllm.refit(engine, kept, state)
     experts_only = RefitDriver({"rules": [{"select": "experts", "serializer": "block_fp8"}]},
                                hf_config=tiny_hf_config)
-    with pytest.raises(PlanError, match=r"model\.layers\.0\.self_attn\.q_proj"):
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: dtype bfloat16, the "
+                                        r"engine expects float8_e4m3fn"):
         qstrat.vllm.refit(engine, experts_only, state)
     assert engine.calls == []
     # The matching engine (started on a keep_bf16.first checkpoint) accepts it; on a CPU engine

@@ -113,6 +113,8 @@ def check_expert_sets(entries: Sequence[PlanEntry], num_experts: int | None,
             by_module.setdefault(e.engine_module, []).append(e)
     errors: list[str] = []
     for module, group in by_module.items():
+        if len({e.expert is None for e in group}) > 1:
+            continue  # slabs AND per-expert tensors: check_expert_inputs reports it
         matrices: dict[str, tuple[tuple[int, ...], str]] = {}  # projection -> ([N, K], source)
         experts: dict[str, set[int]] = {}
         for e in group:
