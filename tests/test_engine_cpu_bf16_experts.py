@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from engine_harness import assert_same, models  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.engine,
@@ -21,18 +22,6 @@ pytestmark = [
 ]
 
 TOP_LEVEL = ["model.embed_tokens", "model.norm", "lm_head"]
-
-
-def assert_same(got, want, what: str) -> None:
-    assert [g.tokens for g in got] == [w.tokens for w in want], f"{what}: greedy tokens differ"
-    assert [g.logprobs for g in got] == [w.logprobs for w in want], f"{what}: logprobs differ"
-
-
-@pytest.fixture(scope="module")
-def models():
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-
-    return build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
 
 
 @pytest.fixture(scope="module")

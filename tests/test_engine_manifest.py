@@ -17,6 +17,7 @@ import importlib.util
 
 import pytest
 import torch
+from engine_harness import assert_same, cfg, driver, models, require_block_fp8_engine  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.engine,
@@ -27,41 +28,13 @@ pytestmark = [
 EXPERTS = "model.layers.1.mlp.experts"
 
 
-def assert_same(got, want, what: str) -> None:
-    assert [g.tokens for g in got] == [w.tokens for w in want], f"{what}: greedy tokens differ"
-    assert [g.logprobs for g in got] == [w.logprobs for w in want], f"{what}: logprobs differ"
-
-
-@pytest.fixture(scope="module")
-def models():
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-
-    return build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
-
-
-@pytest.fixture(scope="module")
-def cfg(models):
-    from qstrat.demo.tiny_model import hf_config
-
-    return hf_config(models[1])
-
-
-@pytest.fixture(scope="module")
-def driver(cfg):
-    from qstrat.driver import RefitDriver
-
-    return RefitDriver("block-fp8", hf_config=cfg)
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, models, driver):
     """(engine started on qstrat's block-FP8 checkpoint of B, its fresh greedy outputs)."""
     from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import block_fp8_engine_support, greedy, release, start_engine
+    from qstrat.engine.local import greedy, release, start_engine
 
-    ok, how = block_fp8_engine_support()
-    if not ok:
-        pytest.fail(f"no block-FP8 vLLM engine can run here: {how}")
+    require_block_fp8_engine()
     path = tmp_path_factory.mktemp("engine-manifest") / "b-fp8"
     write_checkpoint(driver, models[1].state_dict(), path)
     llm = start_engine(path)

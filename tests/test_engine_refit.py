@@ -24,6 +24,7 @@ import time
 import pytest
 import torch
 import torch._dynamo
+from engine_harness import assert_same, cfg, driver, models, require_block_fp8_engine  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.engine,
@@ -42,50 +43,9 @@ def timed(label: str, fn, *args, **kwargs):
     return result
 
 
-def max_dlogprob(x, y) -> float:
-    """Largest |logprob difference| over the steps both generations share."""
-    return max((abs(p - q) for a, b in zip(x, y) for p, q in zip(a.logprobs, b.logprobs)), default=0.0)
-
-
-def assert_same(got, want, what: str) -> None:
-    """Tokens, then logprobs, exactly equal; the measured max |dlogprob| is printed anyway."""
-    d = max_dlogprob(got, want)
-    print(f"[parity] {what}: max |dlogprob| = {d:.3g}")
-    assert [g.tokens for g in got] == [w.tokens for w in want], f"{what}: greedy tokens differ"
-    assert [g.logprobs for g in got] == [w.logprobs for w in want], f"{what}: max |dlogprob| {d:.3g}"
-
-
 @pytest.fixture(scope="module")
 def engine_support():
-    from qstrat.engine.local import block_fp8_engine_support
-
-    ok, how = block_fp8_engine_support()
-    if not ok:  # vLLM is installed here: not being able to run block FP8 is a failure
-        pytest.fail(f"no block-FP8 vLLM engine can run here: {how}")
-    print(f"[engine] kernels: {how}")
-    return how
-
-
-@pytest.fixture(scope="module")
-def models():
-    """Trainer-side models A (seed 0) and B (seed 1), this module's own (save_bf16 moves them)."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-
-    return build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
-
-
-@pytest.fixture(scope="module")
-def cfg(models):
-    from qstrat.demo.tiny_model import hf_config
-
-    return hf_config(models[1])
-
-
-@pytest.fixture(scope="module")
-def driver(cfg):
-    from qstrat.driver import RefitDriver
-
-    return RefitDriver("block-fp8", hf_config=cfg)
+    return require_block_fp8_engine()
 
 
 @pytest.fixture(scope="module")
