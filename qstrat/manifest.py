@@ -28,8 +28,10 @@ vLLM's own record of the model (:mod:`qstrat.vllm_model`). This module does not 
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -127,6 +129,15 @@ class EngineManifest:
         found = {u.part for u in self.units.values()}
         return sorted((p for p in found if isinstance(p, int))) + sorted(p for p in found if isinstance(p, str))
 
+    @cached_property
+    def _suffixes(self) -> dict[str, set[str]]:
+        """module prefix -> the suffixes the engine takes for it."""
+        out: dict[str, set[str]] = {}
+        for t in self.tensors.values():
+            module, _, suffix = t.name.rpartition(".")
+            out.setdefault(module, set()).add(suffix)
+        return out
+
     def explain_unknown(self, name: str) -> str:
         """Why ``name`` is not a tensor of this engine (for error messages)."""
         p = self.layout.parse(name, self.num_layers)
@@ -137,8 +148,7 @@ class EngineManifest:
             return (f"decoder layer {p.layer} does not exist: the engine's model has {self.num_layers} "
                     "decoder layers (MTP layers load only into a speculative-decoding draft model)")
         module, _, suffix = name.rpartition(".")
-        known = sorted(t.name.rpartition(".")[2] for t in self.tensors.values()
-                       if t.name.rpartition(".")[0] == module)
+        known = sorted(self._suffixes.get(module, ()))
         if known:
             return (f"the engine's {module} takes {', '.join(known)}, not {suffix} (vLLM would drop it "
                     "silently or fail half-way)")
@@ -179,9 +189,12 @@ def ignore_list(quantization_config: Mapping[str, Any] | None) -> list[str]:
     return list(cfg.get("ignored_layers") or cfg.get("ignore") or ())
 
 
-def covered(module: str, patterns: Sequence[str]) -> bool:
+def covered(module: str, patterns: Collection[str]) -> bool:
     """Whether an ignore list covers a vLLM module: an exact prefix or an ``fnmatch`` wildcard."""
-    return any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns)
+    return module in patterns or any(fnmatch.fnmatchcase(module, p) for p in patterns if _WILD.search(p))
+
+
+_WILD = re.compile(r"[*?\[]")
 
 
 def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[str, Any] | None,
@@ -199,7 +212,8 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         format cannot represent, a fused module the ignore list splits).
     """
     fmt = engine_format(quantization_config, registry)
-    ignore = ignore_list(quantization_config)
+    ignore = set(ignore_list(quantization_config))
+    ignored: dict[str, bool] = {}  # vLLM module -> covered by the ignore list
     engine_dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
     num_layers = layout.num_layers(hf_config)
     if num_layers is None:
@@ -220,8 +234,10 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
                 continue
             unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, p) or p.module)
             form = ("fused" if slab_form else "per_expert") if p.kind == "expert" else ""
+            if p.vllm_module not in ignored:
+                ignored[p.vllm_module] = covered(p.vllm_module, ignore)
             quantized = (fmt is not None and p.kind in LINEAR_KINDS and is_weight_matrix(p, len(shape))
-                         and not covered(p.vllm_module, ignore))
+                         and not ignored[p.vllm_module])
             for t in _checkpoint_tensors(name, shape, p.module, slab_form, fmt if quantized else None,
                                          engine_dtype, unit, form):
                 tensors[t.name] = t
