@@ -193,15 +193,12 @@ def _check_not_source(out: Path, source: Path) -> None:
                           "write the quantized checkpoint somewhere else")
 
 
-def _copy_other_files(source: Path, directory: Path) -> list[str]:
+def _copy_other_files(source: Path, directory: Path) -> None:
     """Copy the source model's top-level files the output does not regenerate (tokenizer, ...)."""
-    copied = []
     for f in sorted(source.iterdir()):
         if f.name in _NOT_COPIED_NAMES or f.name.endswith(_NOT_COPIED_SUFFIXES) or not f.is_file():
             continue
         shutil.copy2(f, directory / f.name)
-        copied.append(f.name)
-    return copied
 
 
 class LazyTensor:

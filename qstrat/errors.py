@@ -40,3 +40,7 @@ class EngineStateError(QstratError, RuntimeError):
     """A refit failed after the engine began its reload (out of memory, an engine-side fault, an
     error while streaming). vLLM's layerwise reload has no rollback, so the engine's weights are
     in an unknown state: restart the engine before using it again."""
+
+
+class VerificationError(QstratError):
+    """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""

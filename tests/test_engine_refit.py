@@ -1,4 +1,4 @@
-"""End-to-end refit of a live vLLM engine (the issue's acceptance test).
+"""End-to-end refit of a live vLLM engine: refit A->B equals a fresh engine on B.
 
 An engine started on qstrat's block-FP8 checkpoint of model A is refit with
 ``qstrat.vllm.refit`` from model B's trainer tensors (BF16, grouped expert slabs). Its greedy
