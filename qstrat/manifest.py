@@ -232,25 +232,28 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
             p = layout.parse(name, num_layers)
             if p.kind in ("mtp", "non_decoder"):
                 continue
-            unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, p) or p.module)
+            owner = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
+            unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, owner) or p.module)
             form = ("fused" if slab_form else "per_expert") if p.kind == "expert" else ""
             if p.vllm_module not in ignored:
                 ignored[p.vllm_module] = covered(p.vllm_module, ignore)
-            quantized = (fmt is not None and p.kind in LINEAR_KINDS and is_weight_matrix(p, len(shape))
-                         and not ignored[p.vllm_module])
+            matrix = p.kind in LINEAR_KINDS and is_weight_matrix(p, len(shape))
+            quantized = fmt is not None and matrix and not ignored[p.vllm_module]
             for t in _checkpoint_tensors(name, shape, p.module, slab_form, fmt if quantized else None,
                                          engine_dtype, unit, form):
                 tensors[t.name] = t
                 members.setdefault(unit, {}).setdefault(form, []).append(t.name)
             part = p.layer if p.layer is not None else p.module
-            unit_info.setdefault(unit, (part, p.kind, set()))[2].add(quantized)
+            statuses = unit_info.setdefault(unit, (part, p.kind, set()))[2]
+            if matrix:  # a module's bias or norm follows its weight matrix
+                statuses.add(quantized)
     units = {}
     for unit, (part, kind, statuses) in unit_info.items():
         if len(statuses) > 1:
             raise ManifestError(f"{unit}: the engine's ignore list covers some of this fused module's "
                                 "members but not all (vLLM refuses such a checkpoint)")
         forms = {f: tuple(sorted(ns, key=natural_key)) for f, ns in members[unit].items()}
-        units[unit] = ManifestUnit(unit, part, kind, statuses.pop(), forms)
+        units[unit] = ManifestUnit(unit, part, kind, bool(statuses and statuses.pop()), forms)
     dropped = {}
     cfg = layout.text_config(hf_config)
     if cfg.get("tie_word_embeddings") and layout.lm_heads:

@@ -138,3 +138,20 @@ def test_errors_of_one_unit_are_summarised(tiny_model, tiny_hf_config):
     assert lines == [
         "  model.layers.1.mlp.experts.0.down_proj.weight (from model.layers.1.mlp.experts.down_proj): shape "
         "[256, 256], the engine expects [256, 128] (and 47 more tensors of model.layers.1.mlp.experts alike)"]
+
+
+def test_qwen2_moe_biases_follow_their_quantized_module():
+    """q/k/v biases (Qwen2-MoE) belong to the quantized fused module and stay in the engine dtype."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, vocab_size=512,
+                         shared_expert_intermediate_size=256).to_dict()
+    drv = RefitDriver("block-fp8", hf_config=cfg)
+    meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(QWEN3_MOE, cfg, True)}
+    plan, manifest = manifest_for(drv, meta)
+    check_plan(plan, manifest)
+    qkv = manifest.units["model.layers.0.self_attn.{q_proj,k_proj,v_proj}"]
+    assert qkv.quantized and "model.layers.0.self_attn.q_proj.bias" in qkv.forms[""]
+    assert manifest.tensors["model.layers.0.self_attn.q_proj.bias"].dtype == "bfloat16"
+    assert manifest.units["model.layers.1.mlp.shared_expert.{gate_proj,up_proj}"].quantized
