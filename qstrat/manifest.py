@@ -91,7 +91,8 @@ class ManifestUnit:
         part: the decoder layer index, or the top-level module name (``model.embed_tokens``,
             ``model.norm``, ``lm_head``): what ``layers=`` of a partial refit names.
         kind: layout kind (``attention``, ``expert``, ``norm``...); quantized: served quantized.
-        forms: form -> tensor names; one form (``""``), or ``per_expert`` and ``fused``.
+        forms: form -> tensor names; one form (``""``), or ``per_expert`` and (where every part
+            of the format is [E, ...] 3-D, as vLLM's FusedMoE loader requires) ``fused``.
     """
 
     name: str
@@ -148,6 +149,11 @@ class EngineManifest:
             return (f"decoder layer {p.layer} does not exist: the engine's model has {self.num_layers} "
                     "decoder layers (MTP layers load only into a speculative-decoding draft model)")
         module, _, suffix = name.rpartition(".")
+        unit = self.units.get(module)
+        if unit is not None and unit.kind == "expert" and "fused" not in unit.forms:
+            return (f"the engine takes {module} per expert only: vLLM loads a fused expert slab part "
+                    f"only as an [E, ...] 3-D tensor, and {self.format} has per-expert scalars (use "
+                    "expert_emission: per_expert)")
         known = sorted(self._suffixes.get(module, ()))
         if known:
             return (f"the engine's {module} takes {', '.join(known)}, not {suffix} (vLLM would drop it "
@@ -227,6 +233,8 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
     tensors: dict[str, ManifestTensor] = {}
     members: dict[str, dict[str, list[str]]] = {}
     unit_info: dict[str, tuple[int | str, str, set[bool]]] = {}
+    if fmt is not None and any(len(s.shape) != 3 for _, shape in slabs[:1] for s in fmt.part_specs(shape)):
+        slabs = []  # vLLM loads a fused slab part only as [E, ...] 3-D (FusedMoE load_weights)
     for items, slab_form in ((per_expert, False), (slabs, True)):
         for name, shape in items:
             p = layout.parse(name, num_layers)

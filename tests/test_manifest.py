@@ -47,6 +47,13 @@ def test_manifest_is_exactly_what_a_checkpoint_of_that_format_holds(tiny_model, 
     manifest's tensors of that form (names, shapes, dtypes)."""
     drv = RefitDriver({"preset": preset, "expert_emission": emission}, hf_config=tiny_hf_config)
     plan, manifest = manifest_for(drv, tiny_model.state_dict())
+    if preset == "nvfp4-experts" and emission == "fused":  # weight_scale_2 / input_scale are [E]
+        with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.experts\.down_proj: the engine takes "
+                                            r"model\.layers\.0\.mlp\.experts per expert only: vLLM loads a fused "
+                                            r"expert slab part only as an \[E, \.\.\.\] 3-D tensor"):
+            check_plan(plan, manifest)
+        assert "fused" not in manifest.units["model.layers.0.mlp.experts"].forms
+        return
     check_plan(plan, manifest)
     form = "fused" if emission == "fused" else "per_expert"
     want = {t.name: (t.shape, t.dtype) for t in manifest.tensors.values() if t.form in ("", form)}
