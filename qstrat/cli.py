@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--overwrite", action="store_true",
                        help="replace OUT if it is an existing directory (OUT may never be, hold "
                             "or lie inside MODEL)")
+    quant.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where to quantize: each tensor is read from its shard onto this device "
+                            "(cuda: the formats' Triton kernels; cpu: the torch reference); auto: cuda "
+                            "when a CUDA device is visible, else cpu")
     quant.set_defaults(func=_cmd_quantize)
 
     lst = sub.add_parser("list", help="every registered plugin and where it came from")
@@ -184,7 +188,13 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         raise FileNotFoundError(f"{args.model} does not exist")
     if not any(args.model.glob("*.safetensors")):
         raise FileNotFoundError(f"{args.model}: no *.safetensors to quantize")
+    device = _export_device(args.device)
     driver, tensors = _load_model(args.model, _config_source(args))
+    if device != "cpu":
+        from qstrat.inputs import OnDevice
+
+        tensors = {n: OnDevice(t, device) for n, t in tensors.items()}
+    console.print(f"quantizing on {device}")
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("quantizing", total=None)
@@ -193,6 +203,18 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
     _print_summary(console, plan)
     console.print(f"wrote {args.out}")
     return 0
+
+
+def _export_device(choice: str) -> str:
+    """``cpu`` or ``cuda`` for ``--device``. Raises ConfigError for cuda without a CUDA device."""
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False, "
+                          f"torch {torch.__version__}); use --device cpu or auto")
+    return choice
 
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:

