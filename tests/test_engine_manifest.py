@@ -288,7 +288,8 @@ def test_manifest_matches_vllms_record_of_the_live_model(engine, driver, cfg):
            "{'float8_e4m3fn': 786432, 'float32': 48}" in errors[0]
 
 
-def test_a_fault_mid_reload_raises_engine_state_error_and_blocks_later_refits(engine, models, driver):
+def test_a_fault_mid_reload_raises_engine_state_error_and_blocks_later_refits(engine, models, driver,
+                                                                               monkeypatch):
     """LAST in this module: it breaks the engine, as a real mid-stream fault does."""
     from qstrat import vllm as qvllm
     from qstrat.errors import EngineStateError
@@ -302,12 +303,10 @@ def test_a_fault_mid_reload_raises_engine_state_error_and_blocks_later_refits(en
             raise MemoryError("simulated out of memory while quantizing layer 2")
         return real(self, w, name=name, **kw)
 
-    BlockFP8.quantize = faulty
-    try:
-        with pytest.raises(EngineStateError, match=r"after the engine began reloading \((\d+) of 247 tensors "
-                                                   r"handed over\): MemoryError: simulated.*restart the engine"):
-            qvllm.refit(llm, driver, models[1].state_dict(), stream=True)
-    finally:
-        BlockFP8.quantize = real
+    monkeypatch.setattr(BlockFP8, "quantize", faulty)  # undone after the test (BlockFP8 inherits it)
+    with pytest.raises(EngineStateError, match=r"after the engine began reloading \((\d+) of 247 tensors "
+                                               r"handed over\): MemoryError: simulated.*restart the engine"):
+        qvllm.refit(llm, driver, models[1].state_dict(), stream=True)
+    monkeypatch.undo()
     with pytest.raises(EngineStateError, match="an earlier refit of this engine failed part-way"):
         qvllm.refit(llm, driver, models[1].state_dict())
