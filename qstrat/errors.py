@@ -30,7 +30,7 @@ class PlanError(QstratError):
     """The refit plan is inconsistent (name conflicts, mixed engine formats, missing fusion partners)."""
 
 
-class ManifestError(QstratError):
+class EngineManifestError(QstratError):
     """qstrat cannot say what an engine accepts: a quantization_config no registered format
     writes, a model config the layout does not cover, or a disagreement between qstrat's engine
     manifest and vLLM's own record of the model. Nothing was sent."""

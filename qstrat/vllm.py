@@ -5,7 +5,7 @@ Uses vLLM's public ``LLM.collective_rpc("reload_weights", kwargs={"weights_itera
 (weights AND their scales), re-runs its post-load processing per layer and copies the results
 into its live tensors. That reload has no rollback, so everything that can fail is checked
 before the first tensor is sent: the plan, its match with the engine's quantization_config, the
-plan against the engine's manifest (:mod:`qstrat.manifest`: every name, shape and dtype, every
+plan against the engine's manifest (:mod:`qstrat.engine_manifest`: every name, shape and dtype, every
 reload unit complete, cross-checked with vLLM's own record of the model), that each format's
 backend can run here, and every value (NaN/inf). What can still fail once the engine has begun
 (out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`.
@@ -23,9 +23,10 @@ import torch
 
 from qstrat import vllm_model
 from qstrat.driver import RefitDriver, layout_for
-from qstrat.errors import EngineStateError, ManifestError, PlanError
+from qstrat.errors import EngineStateError, EngineManifestError, PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict
-from qstrat.manifest import EngineManifest, build_manifest, check_plan, config_mismatch, covered, ignore_list
+from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, config_mismatch, covered,
+                                    ignore_list)
 from qstrat.plan import RefitPlan, natural_key
 
 #: Attribute set on an engine whose reload failed part-way (its weights are in an unknown state).
@@ -50,14 +51,14 @@ def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
 
 
 def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest:
-    """The :class:`~qstrat.manifest.EngineManifest` of a running ``vllm.LLM``.
+    """The :class:`~qstrat.engine_manifest.EngineManifest` of a running ``vllm.LLM``.
 
     Built from the engine's own model config, quantization_config and dtype (never from the
     trainer's tensors), with the layout ``driver``'s config names (else the one the engine's
     config selects) and the driver's registry; then cross-checked with vLLM's record of the
     model (:func:`qstrat.vllm_model.cross_check`). Cached on the engine per layout.
 
-    Raises: ManifestError (nothing sent) if it cannot be built or vLLM disagrees with it.
+    Raises: EngineManifestError (nothing sent) if it cannot be built or vLLM disagrees with it.
     """
     from qstrat.registry import get_registry
 
@@ -74,10 +75,10 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
         try:
             model = vllm_model.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
-            raise ManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
+            raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
         errors = vllm_model.cross_check(manifest, model)
         if errors:
-            raise ManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
+            raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
                                 "sent):\n  " + "\n  ".join(errors[:25]))
     cache[key] = manifest
     return manifest
@@ -93,7 +94,7 @@ def _platform() -> str | None:
 
 def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
     """Raise PlanError unless the plan's format is the engine's (both unquantized, or equal on
-    :data:`qstrat.manifest.MATCH_KEYS`)."""
+    :data:`qstrat.engine_manifest.MATCH_KEYS`)."""
     mine = plan.vllm_quantization_config()
     if (mine is None) != (engine_config is None):
         raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
@@ -166,9 +167,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
 
     Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its format against
     the engine's (:func:`check_engine_format`), the plan against the engine's manifest
-    (:func:`qstrat.manifest.check_plan`: names, shapes, dtypes, every reload unit complete,
-    every layer covered unless a partial ``plan`` is given), the ignore lists (:func:`check_engine_compatible`),
-    unquantized experts on a CPU engine
+    (:func:`qstrat.engine_manifest.check_plan`: names, shapes, dtypes, every reload unit complete,
+    every layer covered unless a partial ``plan`` is given), the ignore lists
+    (:func:`check_engine_compatible`), unquantized experts on a CPU engine
     (:func:`check_cpu_expert_reload`), the formats' backends (:meth:`RefitDriver.check_backends`)
     and every value (:meth:`RefitDriver.check_values`).
 
@@ -189,7 +190,7 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         manifest: the engine's manifest (default: :func:`engine_manifest`).
         allow_cpu_bf16_experts: see :func:`check_cpu_expert_reload`.
     Returns: a :class:`RefitReport`.
-    Raises: PlanError or NonFiniteError (nothing sent); ManifestError (nothing sent: qstrat
+    Raises: PlanError or NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat
         cannot tell what the engine accepts); EngineStateError if the reload failed after it
         began (the engine must be restarted), and for every later refit of that engine.
     """

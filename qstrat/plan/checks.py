@@ -168,7 +168,8 @@ def _slab(module: str, e: PlanEntry, slabs: Mapping[str, SlabSpec],
     errors = []
     first_slab = next(g for g in group if g.expert is None and len(g.shape) == 3)
     if e.shape[0] != first_slab.shape[0]:
-        errors.append(f"{e.name}: holds {e.shape[0]} experts but {first_slab.name} holds {first_slab.shape[0]}")
+        errors.append(f"{e.name}: holds {e.shape[0]} experts but {first_slab.name} holds "
+                      f"{first_slab.shape[0]}")
     k = len(spec.parts)
     if e.shape[1] % k:
         return errors + [f"{e.name}: {e.shape[1]} rows do not split into {k} projections {list(spec.parts)}"]

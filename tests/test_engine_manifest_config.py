@@ -1,4 +1,4 @@
-"""The engine manifest without an engine (qstrat.manifest): what it lists, and check_plan.
+"""The engine manifest without an engine (qstrat.engine_manifest): what it lists, and check_plan.
 
 The live cross-check with vLLM's record of the model is in test_engine_manifest.py."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from qstrat import PlanError, RefitDriver
 from qstrat.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
-from qstrat.errors import ManifestError
-from qstrat.manifest import build_manifest, check_plan
+from qstrat.errors import EngineManifestError
+from qstrat.engine_manifest import build_manifest, check_plan
 from qstrat.registry import get_registry
 from qstrat.skeleton import model_tensors
 
@@ -76,7 +76,7 @@ def test_units_group_fused_modules_and_experts(tiny_model, tiny_hf_config):
 
 
 def test_a_config_no_format_writes_is_a_manifest_error(tiny_hf_config):
-    with pytest.raises(ManifestError, match=r"no registered format writes the engine's quantization_config "
+    with pytest.raises(EngineManifestError, match=r"no registered format writes the engine's quantization_config "
                                             r"\{'quant_method': 'fp8', 'activation_scheme': 'static'\}"):
         build_manifest(tiny_hf_config, {"quant_method": "fp8", "activation_scheme": "static"}, QWEN3_MOE,
                        get_registry())
@@ -85,7 +85,7 @@ def test_a_config_no_format_writes_is_a_manifest_error(tiny_hf_config):
 def test_a_fused_module_split_by_the_ignore_list_is_a_manifest_error(tiny_hf_config):
     cfg = {"quant_method": "fp8", "weight_block_size": [128, 128],
            "ignored_layers": ["model.layers.0.self_attn.q_proj"]}
-    with pytest.raises(ManifestError, match=r"model\.layers\.0\.self_attn\.\{q_proj,k_proj,v_proj\}: the engine's "
+    with pytest.raises(EngineManifestError, match=r"model\.layers\.0\.self_attn\.\{q_proj,k_proj,v_proj\}: the engine's "
                                             "ignore list covers some"):
         build_manifest(tiny_hf_config, cfg, QWEN3_MOE, get_registry())
 

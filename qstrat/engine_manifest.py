@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import ManifestError, PlanError, UnsupportedShapeError
+from qstrat.errors import EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
 from qstrat.plan.data import RefitPlan, natural_key
 from qstrat.plan.planner import FLOAT_INPUTS, fusion_group, fused_name
@@ -128,7 +128,7 @@ class EngineManifest:
     def parts(self) -> list[int | str]:
         """Every part a partial refit may name: decoder layer indices, then top-level modules."""
         found = {u.part for u in self.units.values()}
-        return sorted((p for p in found if isinstance(p, int))) + sorted(p for p in found if isinstance(p, str))
+        return sorted(p for p in found if isinstance(p, int)) + sorted(p for p in found if isinstance(p, str))
 
     def parts_sent(self, plan: RefitPlan) -> set[int | str]:
         """The parts (see :meth:`parts`) that ``plan`` sends at least one tensor of."""
@@ -170,7 +170,7 @@ def engine_format(quantization_config: Mapping[str, Any] | None, registry: Regis
     """The registered serializer (default options) whose ``vllm_quantization_config`` matches
     ``quantization_config`` on :data:`MATCH_KEYS`, or None for an unquantized engine.
 
-    Raises: ManifestError if no registered format writes that config.
+    Raises: EngineManifestError if no registered format writes that config.
     """
     if not quantization_config:
         return None
@@ -181,7 +181,7 @@ def engine_format(quantization_config: Mapping[str, Any] | None, registry: Regis
             continue
         if ser.quantizes and config_mismatch(ser.vllm_quantization_config([]), quantization_config) is None:
             return ser
-    raise ManifestError(f"no registered format writes the engine's quantization_config "
+    raise EngineManifestError(f"no registered format writes the engine's quantization_config "
                         f"{dict(quantization_config)}: qstrat cannot tell which tensors it accepts")
 
 
@@ -219,7 +219,7 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         layout: naming data of the model family; registry: where formats are looked up.
         dtype: the engine's model dtype; platform: recorded for platform-specific checks.
     Returns: an :class:`EngineManifest`.
-    Raises: ManifestError (unknown format, a config key the model needs is missing, a shape the
+    Raises: EngineManifestError (unknown format, a config key the model needs is missing, a shape the
         format cannot represent, a fused module the ignore list splits).
     """
     fmt = engine_format(quantization_config, registry)
@@ -228,13 +228,13 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
     engine_dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
     num_layers = layout.num_layers(hf_config)
     if num_layers is None:
-        raise ManifestError(f"the engine's model config has no {layout.num_layers_key!r}")
+        raise EngineManifestError(f"the engine's model config has no {layout.num_layers_key!r}")
     try:
         per_expert = list(model_tensors(layout, hf_config))
         slabs = [(n, s) for n, s in model_tensors(layout, hf_config, grouped=True)
                  if layout.parse(n, num_layers).slab]
     except KeyError as exc:
-        raise ManifestError(f"the engine's model config lacks {exc} (layout {layout.name})") from exc
+        raise EngineManifestError(f"the engine's model config lacks {exc} (layout {layout.name})") from exc
     tensors: dict[str, ManifestTensor] = {}
     members: dict[str, dict[str, list[str]]] = {}
     unit_info: dict[str, tuple[int | str, str, set[bool]]] = {}
@@ -263,7 +263,7 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
     units = {}
     for unit, (part, kind, statuses) in unit_info.items():
         if len(statuses) > 1:
-            raise ManifestError(f"{unit}: the engine's ignore list covers some of this fused module's "
+            raise EngineManifestError(f"{unit}: the engine's ignore list covers some of this fused module's "
                                 "members but not all (vLLM refuses such a checkpoint)")
         forms = {f: tuple(sorted(ns, key=natural_key)) for f, ns in members[unit].items()}
         units[unit] = ManifestUnit(unit, part, kind, bool(statuses and statuses.pop()), forms)
@@ -284,12 +284,13 @@ def _checkpoint_tensors(name: str, shape: tuple[int, ...], module: str, slab: bo
     try:
         specs = fmt.part_specs(shape)
     except UnsupportedShapeError as exc:
-        raise ManifestError(f"{name}: {exc} (the engine serves it quantized)") from exc
+        raise EngineManifestError(f"{name}: {exc} (the engine serves it quantized)") from exc
     return [ManifestTensor(fused_name(name, s.suffix) if slab else f"{module}.{s.suffix}", tuple(s.shape),
                            dtype_name(s.dtype), unit, form, True) for s in specs]
 
 
-def check_plan(plan: RefitPlan, manifest: EngineManifest, layers: Collection[int | str] | None = None) -> None:
+def check_plan(plan: RefitPlan, manifest: EngineManifest,
+               layers: Collection[int | str] | None = None) -> None:
     """Raise PlanError unless every tensor the plan emits is one the engine accepts and every
     reload unit gets all of its tensors or none.
 
@@ -334,7 +335,8 @@ def check_plan(plan: RefitPlan, manifest: EngineManifest, layers: Collection[int
         errors += _unit_errors(manifest.units[unit], names, sent)
     errors += _coverage_errors(manifest, set(touched), layers)
     if errors:
-        shown = errors[:MAX_LINES] + ([f"... and {len(errors) - MAX_LINES} more"] if len(errors) > MAX_LINES else [])
+        more = len(errors) - MAX_LINES
+        shown = errors[:MAX_LINES] + ([f"... and {more} more"] if more > 0 else [])
         raise PlanError("the refit does not match what the engine accepts (nothing was sent):\n  "
                         + "\n  ".join(shown))
 
@@ -366,7 +368,8 @@ def _coverage_errors(manifest: EngineManifest, touched: set[str],
                 ".only_layers([...]))"]
     wanted = set(layers)
     errors = [f"{p!r} is not a part of the engine's model "
-              f"(parts: decoder layers 0..{manifest.num_layers - 1} and {[x for x in parts if isinstance(x, str)]})"
+              f"(parts: decoder layers 0..{manifest.num_layers - 1} and "
+              f"{[x for x in parts if isinstance(x, str)]})"
               for p in sorted(wanted - set(parts), key=str)]
     for u in manifest.units.values():
         if u.part in wanted and u.name not in touched:
