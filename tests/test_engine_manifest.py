@@ -132,9 +132,11 @@ CASES = [
     ("layer-past-the-model", _set(**{"model.layers.4.input_layernorm.weight": bf16(256)}), None, {},
      "PlanError", r"model\.layers\.4\.input_layernorm\.weight: decoder layer 4 does not exist"),
     ("int-norm", _set(**{"model.norm.weight": torch.ones(256, dtype=torch.int32)}), None, {}, "PlanError",
-     r"model\.norm\.weight: dtype int32, the engine expects bfloat16 \(model\.norm is served unquantized"),
+     r"model\.norm\.weight: is sent unchanged \(not a weight matrix\) and needs a bfloat16/float16/float32 "
+     r"tensor, got int32"),
     ("fp8-norm", _set(**{"model.layers.0.input_layernorm.weight": torch.ones(256).to(torch.float8_e4m3fn)}),
-     None, {}, "PlanError", r"input_layernorm\.weight: dtype float8_e4m3fn, the engine expects bfloat16"),
+     None, {}, "PlanError", r"input_layernorm\.weight: is sent unchanged \(not a weight matrix\) and needs a "
+                            r"bfloat16/float16/float32 tensor, got float8_e4m3fn"),
     ("a-missing-layer", _drop_prefix("model.layers.3."), None, {}, "PlanError",
      r"the refit leaves out decoder layer 3 of the engine's model .*\.only_layers\(\[\.\.\.\]\)"),
     ("a-missing-norm", _drop("model.layers.1.input_layernorm.weight"), None, {}, "PlanError",
