@@ -123,7 +123,7 @@ CASES = [
     ("router-wrong-expert-count", _set(**{"model.layers.0.mlp.gate.weight": bf16(9, 256)}), None, {},
      "PlanError", r"model\.layers\.0\.mlp\.gate\.weight: shape \[9, 256\], the engine expects \[8, 256\]"),
     ("unknown-module", _set(**{"model.layers.0.mlp.foo.weight": bf16(256, 256)}), None, {}, "PlanError",
-     r"model\.layers\.0\.mlp\.foo\.weight: the engine's model has no such tensor"),
+     r"layout 'qwen3_moe' cannot place 1 weight matrices: model\.layers\.0\.mlp\.foo\.weight"),
     ("dropped-weight-scale", _set(**{"model.layers.0.self_attn.o_proj.weight_scale": torch.tensor(1.0)}),
      None, {}, "PlanError", r"o_proj\.weight_scale: the engine's model\.layers\.0\.self_attn\.o_proj takes "
                             r"weight, weight_scale_inv, not weight_scale \(vLLM would drop it silently"),
