@@ -30,6 +30,18 @@ class PlanError(QstratError):
     """The refit plan is inconsistent (name conflicts, mixed engine formats, missing fusion partners)."""
 
 
+class EngineManifestError(QstratError):
+    """qstrat cannot say what an engine accepts: a quantization_config no registered format
+    writes, a model config the layout does not cover, or a disagreement between qstrat's engine
+    manifest and vLLM's own record of the model. Nothing was sent."""
+
+
+class EngineStateError(QstratError, RuntimeError):
+    """A refit failed after the engine began its reload (out of memory, an engine-side fault, an
+    error while streaming). vLLM's layerwise reload has no rollback, so the engine's weights are
+    in an unknown state: restart the engine before using it again."""
+
+
 class TransportError(QstratError):
     """A cross-process refit failed on the wire (checksum, truncated stream, lost peer, timeout);
     the message names the rank and bucket. Nothing was handed to the engine."""

@@ -78,6 +78,14 @@ def _attention(p: str, c: Mapping[str, Any], h: int) -> Iterator[tuple[str, Shap
     yield f"{p}.k_proj.weight", (kv * d, h)
     yield f"{p}.v_proj.weight", (kv * d, h)
     yield f"{p}.o_proj.weight", (h, heads * d)
+    # Biases as HF builds them: ``attention_bias`` on q/k/v/o (Llama, Qwen3), ``qkv_bias`` on
+    # q/k/v (Qwen2-MoE, default True there).
+    if c.get("attention_bias") or c.get("qkv_bias", str(c.get("model_type", "")).startswith("qwen2")):
+        yield f"{p}.q_proj.bias", (heads * d,)
+        yield f"{p}.k_proj.bias", (kv * d,)
+        yield f"{p}.v_proj.bias", (kv * d,)
+    if c.get("attention_bias"):
+        yield f"{p}.o_proj.bias", (h,)
     if c.get("model_type", "").startswith("qwen3"):
         yield f"{p}.q_norm.weight", (d,)
         yield f"{p}.k_norm.weight", (d,)

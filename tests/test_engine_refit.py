@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from engine_harness import assert_same, cfg, models  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.engine,
@@ -77,19 +78,6 @@ def timed(label: str, fn, *args, **kwargs):
     return result
 
 
-def max_dlogprob(x, y) -> float:
-    """Largest |logprob difference| over the steps both generations share."""
-    return max((abs(p - q) for a, b in zip(x, y) for p, q in zip(a.logprobs, b.logprobs)), default=0.0)
-
-
-def assert_same(got, want, what: str) -> None:
-    """Tokens, then logprobs, exactly equal; the measured max |dlogprob| is printed anyway."""
-    d = max_dlogprob(got, want)
-    print(f"[parity] {what}: max |dlogprob| = {d:.3g}")
-    assert [g.tokens for g in got] == [w.tokens for w in want], f"{what}: greedy tokens differ"
-    assert [g.logprobs for g in got] == [w.logprobs for w in want], f"{what}: max |dlogprob| {d:.3g}"
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def preset(request) -> str:
     return request.param
@@ -109,21 +97,6 @@ def engine_support(case):
         pytest.fail(f"no {case.fmt} vLLM engine can run here: {how}")
     print(f"[engine] {case.fmt} kernels: {how}")
     return how
-
-
-@pytest.fixture(scope="module")
-def models():
-    """Trainer-side models A (seed 0) and B (seed 1), this module's own (save_bf16 moves them)."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-
-    return build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
-
-
-@pytest.fixture(scope="module")
-def cfg(models):
-    from qstrat.demo.tiny_model import hf_config
-
-    return hf_config(models[1])
 
 
 @pytest.fixture(scope="module")

@@ -93,8 +93,8 @@ def test_fused_emission_names():
 
 
 def test_wire_order_is_natural_and_independent_of_input_order():
-    cfg = model_config("qwen3-235b-a22b")
-    tensors = meta(QWEN3_MOE, {**cfg, "num_hidden_layers": 12, "num_experts": 4})
+    cfg = {**model_config("qwen3-235b-a22b"), "num_hidden_layers": 12, "num_experts": 4}
+    tensors = meta(QWEN3_MOE, cfg)
     items = list(tensors.items())
     random.Random(0).shuffle(items)
     a = RefitDriver("block-fp8", hf_config=cfg).plan(tensors)

@@ -14,16 +14,28 @@ from qstrat import NonFiniteError, PlanError, RefitDriver
 
 
 class RecordingLLM:
-    """Has what refit touches: llm_engine.model_config.hf_config and collective_rpc."""
+    """Has what refit touches: llm_engine.model_config (hf_config of the tiny model, dtype) and
+    collective_rpc. vLLM's record of the model is not there: the manifest is built without the
+    cross-check (test_engine_manifest.py runs it on a live engine)."""
 
     def __init__(self, quantization_config):
-        hf = SimpleNamespace(quantization_config=quantization_config)
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf))
+        from qstrat.demo.tiny_model import TINY_QWEN3_MOE
+
+        cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+        hf = SimpleNamespace(quantization_config=quantization_config, to_dict=lambda: dict(cfg))
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
         self.calls = []
 
     def collective_rpc(self, method, kwargs):
         self.calls.append((method, [(n, t.clone()) for n, t in kwargs["weights_iterator"]],
                            kwargs["is_checkpoint_format"]))
+
+
+@pytest.fixture(autouse=True)
+def manifest_without_cross_check(monkeypatch):
+    real = qstrat.vllm.engine_manifest
+    monkeypatch.setattr(qstrat.vllm, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
+    monkeypatch.setattr(qstrat.vllm, "_platform", lambda: "cpu")  # the stand-in is a CPU engine
 
 
 @pytest.fixture()
@@ -77,17 +89,20 @@ def test_bf16_into_modules_the_engine_serves_quantized_is_refused(tiny_model, ti
     state = tiny_model.state_dict()
     engine = RecordingLLM(driver.plan(state).vllm_quantization_config())  # every decoder linear in FP8
     kept = RefitDriver({"preset": "block-fp8", "keep_bf16": {"first": 1}}, hf_config=tiny_hf_config)
-    with pytest.raises(PlanError, match=r"sends BF16 into modules the engine serves quantized .*"
-                                        r"model\.layers\.0\.mlp\.experts"):
+    with pytest.raises(PlanError, match=r"dtype bfloat16, the engine expects float8_e4m3fn "
+                                        r"\(model\.layers\.0\.mlp\.experts is served quantized"):
         qstrat.vllm.refit(engine, kept, state)
     experts_only = RefitDriver({"rules": [{"select": "experts", "serializer": "block_fp8"}]},
                                hf_config=tiny_hf_config)
-    with pytest.raises(PlanError, match=r"model\.layers\.0\.self_attn\.q_proj"):
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: dtype bfloat16, the "
+                                        r"engine expects float8_e4m3fn"):
         qstrat.vllm.refit(engine, experts_only, state)
     assert engine.calls == []
-    # The matching engine (started on a keep_bf16.first checkpoint) accepts it.
+    # The matching engine (started on a keep_bf16.first checkpoint) accepts it; on a CPU engine
+    # only with the explicit opt-in for unquantized experts (layer 0's), and with a warning.
     ok = RecordingLLM(kept.plan(state).vllm_quantization_config())
-    qstrat.vllm.refit(ok, kept, state)
+    with pytest.warns(RuntimeWarning, match=r"unquantized MoE experts \(model\.layers\.0\.mlp\.experts\)"):
+        qstrat.vllm.refit(ok, kept, state, allow_cpu_bf16_experts=True)
     assert len(ok.calls) == 1
 
 
@@ -142,3 +157,75 @@ def test_refit_through_a_file_sends_the_same_payload_and_cleans_up(tiny_model, d
     with pytest.raises(ValueError, match="stream=True.*weights_dir"):
         qstrat.vllm.refit(llm, driver, state, stream=True, weights_dir=tmp_path)
     assert len(llm.calls) == 1
+
+
+class FailingLLM(RecordingLLM):
+    """Consumes the weights like vLLM does, then fails after ``after`` tensors (an engine-side
+    fault or out of memory mid-reload)."""
+
+    def __init__(self, quantization_config, after):
+        super().__init__(quantization_config)
+        self.after = after
+
+    def collective_rpc(self, method, kwargs):
+        for i, _ in enumerate(kwargs["weights_iterator"]):
+            if i == self.after:
+                raise RuntimeError("CUDA out of memory (simulated)")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_fault_after_the_reload_began_is_an_engine_state_error(tiny_model, driver, stream):
+    from qstrat.errors import EngineStateError
+
+    state = tiny_model.state_dict()
+    llm = FailingLLM(driver.plan(state).vllm_quantization_config(), after=100)
+    with pytest.raises(EngineStateError, match=r"the refit failed after the engine began reloading "
+                                               r"\(\d+ of 247 tensors handed over\): RuntimeError: CUDA out "
+                                               r"of memory \(simulated\).*restart the engine"):
+        qstrat.vllm.refit(llm, driver, state, stream=stream)
+    # Every later refit of that engine is refused before anything is sent.
+    with pytest.raises(EngineStateError, match="an earlier refit of this engine failed part-way"):
+        qstrat.vllm.refit(llm, driver, state)
+    assert llm.calls == []
+
+
+def test_a_quantizer_fault_mid_stream_is_an_engine_state_error(tiny_model, driver, monkeypatch):
+    """With stream=True quantization runs inside the engine's reload: a fault there (here a
+    serializer raising on layer 2) leaves the engine half-reloaded."""
+    from qstrat.errors import EngineStateError
+    from qstrat.serializers.block_fp8 import BlockFP8
+
+    real = BlockFP8.quantize
+
+    def faulty(self, w, *, name="weight", **kw):
+        if ".layers.2." in name:
+            raise MemoryError("simulated allocation failure")
+        return real(self, w, name=name, **kw)
+
+    state = tiny_model.state_dict()
+    llm = FailingLLM(driver.plan(state).vllm_quantization_config(), after=10**9)
+    monkeypatch.setattr(BlockFP8, "quantize", faulty)
+    with pytest.raises(EngineStateError, match="MemoryError: simulated allocation failure"):
+        qstrat.vllm.refit(llm, driver, state, stream=True)
+    # Without streaming the same fault happens before the engine is called: nothing was sent.
+    llm = FailingLLM(driver.plan(state).vllm_quantization_config(), after=0)
+    with pytest.raises(MemoryError):
+        qstrat.vllm.refit(llm, driver, state)
+    assert not hasattr(llm, "_qstrat_refit_failed")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_backend_that_cannot_run_here_is_refused_before_anything_is_sent(tiny_model, tiny_hf_config,
+                                                                         monkeypatch, stream):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    state = tiny_model.state_dict()
+    cfg = {"preset": "block-fp8", "rules": [{"select": "attention", "serializer": "block_fp8",
+                                              "options": {"backend": "triton"}}]}
+    drv = RefitDriver(cfg, hf_config=tiny_hf_config)
+    llm = RecordingLLM(drv.plan(state).vllm_quantization_config())
+    from qstrat.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight \(rules\[0\]\): "
+                                                      r"block_fp8: backend='triton' needs CUDA tensors"):
+        qstrat.vllm.refit(llm, drv, state, stream=stream)
+    assert llm.calls == []

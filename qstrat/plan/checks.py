@@ -6,8 +6,9 @@ collects them all and raises one :class:`~qstrat.errors.PlanError`), except
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from qstrat.layouts import SlabSpec
 from qstrat.plan.data import PlanEntry, natural_key
 
 
@@ -75,3 +76,110 @@ def ignored_layers(entries: Sequence[PlanEntry], errors: list[str],
                           "as one module")
         status.setdefault(mod, quantized)
     return sorted((m for m, q in status.items() if not q), key=natural_key)
+
+
+def check_ranks(entries: Sequence[PlanEntry]) -> list[str]:
+    """A projection weight of an attention, MLP or expert block is a matrix [N, K]; a grouped
+    expert slab is [E, rows, K]. Anything else (a 3-D tensor where a matrix belongs, a
+    flattened slab) would otherwise pass through unquantized and fail inside the engine."""
+    errors = []
+    for e in entries:
+        if e.kind not in ("attention", "dense_mlp", "expert", "shared_expert"):
+            continue
+        slab = e.kind == "expert" and e.expert is None
+        if slab and len(e.shape) != 3:
+            errors.append(f"{e.name}: a grouped expert slab is [E, rows, K], got shape {list(e.shape)}")
+        elif not slab and e.name.endswith(".weight") and len(e.shape) != 2:
+            errors.append(f"{e.name}: a projection weight is a matrix [N, K] (out_features, "
+                          f"in_features), got shape {list(e.shape)}")
+    return errors
+
+
+def check_expert_sets(entries: Sequence[PlanEntry], num_experts: int | None,
+                      slabs: Mapping[str, SlabSpec]) -> list[str]:
+    """Per layer's routed experts (one engine module ``...mlp.experts``):
+
+    - per-expert inputs: every expert index is in ``range(num_experts)`` (when the model config
+      gives it), and every expert has every projection the layer's inputs use (an expert
+      without its ``up_proj`` would reach the engine half-loaded); with ``num_experts`` known,
+      no expert is missing;
+    - per-expert matrices [N, K] agree across experts, slabs of one layer agree on E, a slab's
+      rows split into its projections (``slabs``: the layout's :class:`SlabSpec`);
+    - across projections, each per-expert matrix equals or transposes the others: gate/up
+      [I, H] and down [H, I] (transformers' Qwen3-MoE / Mixtral expert MLP), so a down_proj
+      whose intermediate size disagrees with gate_up is refused.
+    """
+    by_module: dict[str, list[PlanEntry]] = {}
+    for e in entries:
+        if e.kind == "expert":
+            by_module.setdefault(e.engine_module, []).append(e)
+    errors: list[str] = []
+    for module, group in by_module.items():
+        if len({e.expert is None for e in group}) > 1:
+            continue  # slabs AND per-expert tensors: check_expert_inputs reports it
+        matrices: dict[str, tuple[tuple[int, ...], str]] = {}  # projection -> ([N, K], source)
+        experts: dict[str, set[int]] = {}
+        for e in group:
+            if e.expert is not None:
+                errors += _per_expert(module, e, num_experts, matrices, experts)
+            elif len(e.shape) == 3:
+                errors += _slab(module, e, slabs, matrices, group)
+        wanted = set(range(num_experts)) if num_experts else set().union(*experts.values())
+        lacking: dict[tuple[str, ...], list[int]] = {}  # missing projections -> experts
+        for x in sorted(wanted):
+            gone = tuple(p for p in sorted(experts) if x not in experts[p])
+            if gone:
+                lacking.setdefault(gone, []).append(x)
+        for gone, xs in lacking.items():
+            errors.append(f"{module}: expert(s) {_short_list(xs)} have no {', '.join(gone)} (each "
+                          f"expert needs {', '.join(sorted(experts))})")
+        if not matrices:
+            continue
+        ref_proj, (ref, ref_src) = next(iter(matrices.items()))
+        reported = set()
+        for proj, (shape, src) in matrices.items():
+            if shape != ref and shape != ref[::-1] and src not in reported:
+                reported.add(src)
+                errors.append(f"{src}: {proj} is {list(shape)} per expert but {ref_proj} is {list(ref)} "
+                              f"(from {ref_src}): the intermediate or hidden sizes disagree (gate/up "
+                              "are [I, H], down is [H, I])")
+    return errors
+
+
+def _per_expert(module: str, e: PlanEntry, num_experts: int | None,
+                matrices: dict[str, tuple[tuple[int, ...], str]], experts: dict[str, set[int]]) -> list[str]:
+    proj = e.name[len(module) + 1:].split(".")[1]
+    assert e.expert is not None
+    if num_experts and e.expert >= num_experts:
+        return [f"{e.name}: expert index {e.expert} is out of range: the model config has "
+                f"{num_experts} experts per layer (0..{num_experts - 1})"]
+    experts.setdefault(proj, set()).add(e.expert)
+    if len(e.shape) != 2:
+        return []  # check_ranks reports it
+    first = matrices.setdefault(proj, (e.shape, e.name))
+    if first[0] != e.shape:
+        return [f"{e.name}: shape {list(e.shape)} differs from {first[1]} {list(first[0])}"]
+    return []
+
+
+def _slab(module: str, e: PlanEntry, slabs: Mapping[str, SlabSpec],
+          matrices: dict[str, tuple[tuple[int, ...], str]], group: Sequence[PlanEntry]) -> list[str]:
+    spec = slabs.get(e.name.rsplit(".", 1)[1])
+    if spec is None:
+        return []
+    errors = []
+    first_slab = next(g for g in group if g.expert is None and len(g.shape) == 3)
+    if e.shape[0] != first_slab.shape[0]:
+        errors.append(f"{e.name}: holds {e.shape[0]} experts but {first_slab.name} holds "
+                      f"{first_slab.shape[0]}")
+    k = len(spec.parts)
+    if e.shape[1] % k:
+        return errors + [f"{e.name}: {e.shape[1]} rows do not split into {k} projections {list(spec.parts)}"]
+    for proj in spec.parts:
+        matrices.setdefault(proj, ((e.shape[1] // k, e.shape[2]), e.name))
+    return errors
+
+
+def _short_list(values: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"

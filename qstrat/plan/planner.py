@@ -93,7 +93,9 @@ class Planner:
                 errors.append(f"{name}: {exc}")
         entries = order_entries(entries, order)
         errors += checks.check_groups(entries) + checks.check_outputs(entries)
-        errors += checks.check_expert_inputs(entries, self.layout.num_experts(self.hf_config))
+        num_experts = self.layout.num_experts(self.hf_config)
+        errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
+        errors += checks.check_expert_sets(entries, num_experts, self.layout.slabs)
         errors += structure.unplaced_matrices(entries, self.layout.name, self.config)
         errors += structure.quantizes_nothing(entries, self.layout.name, self.config,
                                               lambda s: self.serializer(s, {}).quantizes)
@@ -138,7 +140,7 @@ class Planner:
             specs = self.serializer("bf16", {}).part_specs(shape)
         outs = self._outputs(p, specs, shape)
         return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, d.rule, d.serializer,
-                         d.options, outs, self._group_key(p), note, p.vllm_module)
+                         d.options, outs, fusion_group(self.layout, p), note, p.vllm_module)
 
     def _quantizes(self, e: PlanEntry) -> bool:
         return e.serializer != PASSTHROUGH and self.serializer(e.serializer, e.options).quantizes
@@ -174,15 +176,6 @@ class Planner:
                     result.append(out(name, s, inner, expert=e, row_part=j, row_parts=k))
         return tuple(result)
 
-    def _group_key(self, p: ParsedName) -> str | None:
-        if p.slab or p.projection is None:
-            return None
-        for fused in self.layout.fused:
-            if p.projection in fused:
-                parent = p.module.rsplit(".", 1)[0]
-                return f"{parent}.{{{','.join(fused)}}}"
-        return None
-
     def _engine_config(self, entries: list[PlanEntry], ignored: list[str],
                        errors: list[str]) -> dict[str, Any] | None:
         """The one quantization_config all quantized formats of the plan agree on (or an error)."""
@@ -197,6 +190,19 @@ class Planner:
             errors.append(f"the plan mixes quantized formats {formats} that one vLLM quantization_config "
                           "cannot express")
         return next(iter(configs.values()), None)
+
+
+def fusion_group(layout: ModelLayout, p: ParsedName) -> str | None:
+    """Key of the engine-fused group ``p`` belongs to (``model.layers.0.self_attn.{q_proj,k_proj,v_proj}``,
+    from the layout's ``fused``; one expert's gate/up: ``...experts.3.{gate_proj,up_proj}``), or None
+    (a grouped slab holds its group already)."""
+    if p.slab or p.projection is None:
+        return None
+    for fused in layout.fused:
+        if p.projection in fused:
+            parent = p.module.rsplit(".", 1)[0]
+            return f"{parent}.{{{','.join(fused)}}}"
+    return None
 
 
 def fused_name(slab: str, suffix: str) -> str:

@@ -1,0 +1,389 @@
+"""The engine manifest: every checkpoint tensor an engine accepts, grouped into its reload units.
+
+vLLM's layerwise reload has no rollback (docs/vllm.md, "What a refit checks"): an unknown name or
+a wrong shape fails half-way and leaves the engine unusable; a wrong dtype is cast silently; a
+reload unit that receives only part of its tensors is processed with uninitialised memory. So a
+refit is checked against an :class:`EngineManifest` before the first byte is sent.
+
+The manifest comes from what the ENGINE was started with, never from the trainer's tensors:
+
+1. the model's tensors from its config.json alone (:func:`qstrat.skeleton.model_tensors`: the
+   layout's names, HF modeling shapes), routed experts both per expert and as grouped slabs;
+2. which modules the engine serves quantized: with a ``quantization_config``, every weight
+   matrix of a decoder layer (attention, MLP, experts, routers) whose vLLM module is not covered
+   by its ``ignored_layers`` / ``ignore`` list (exact prefix or ``fnmatch`` wildcard);
+   embeddings, lm_head and norms never (vLLM's ``Fp8Config`` / ``ModelOptConfig`` quantize only
+   linear and MoE layers);
+3. the checkpoint tensors of a quantized module from the format's part specs (the registered
+   serializer whose ``vllm_quantization_config`` matches the engine's on :data:`MATCH_KEYS`):
+   exact names, shapes and dtypes; every other tensor in the engine's dtype (any float dtype
+   is accepted for those: vLLM casts them as it does on a first load);
+4. reload units: the vLLM module each tensor loads into (a fused q/k/v or gate/up group is one
+   module, a layer's routed experts are one module), and the part of the model each unit
+   belongs to (a decoder layer index, or a top-level module name) for explicit partial refits.
+
+:func:`qstrat.vllm.engine_manifest` builds it for a live engine and cross-checks its units with
+vLLM's own record of the model (:mod:`qstrat.vllm_model`). This module does not import vLLM.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from qstrat.errors import EngineManifestError, PlanError, UnsupportedShapeError
+from qstrat.layouts import ModelLayout
+from qstrat.plan.data import RefitPlan, natural_key
+from qstrat.plan.planner import FLOAT_INPUTS, fusion_group, fused_name
+from qstrat.registry import Registry
+from qstrat.rules import is_weight_matrix
+from qstrat.serializers.base import Serializer, dtype_name
+from qstrat.skeleton import model_tensors
+
+#: quantization_config keys that identify a format (engine and plan must agree on them).
+MATCH_KEYS = ("quant_method", "quant_algo", "weight_block_size", "group_size")
+#: Kinds whose weight matrices vLLM builds as linear / MoE layers (quantized unless ignored).
+LINEAR_KINDS = frozenset({"attention", "dense_mlp", "expert", "shared_expert", "router", "linear"})
+#: Floating dtypes a module the engine serves unquantized accepts (cast to the engine's dtype).
+CASTABLE = frozenset(dtype_name(d) for d in FLOAT_INPUTS)
+#: Error lines shown before "... and N more".
+MAX_LINES = 25
+
+
+@dataclass(frozen=True)
+class ManifestTensor:
+    """One checkpoint tensor the engine accepts.
+
+    Attributes:
+        name: checkpoint name (``model.layers.0.self_attn.q_proj.weight_scale_inv``).
+        shape: exact shape; dtype: exact dtype name for a quantized module's parts, else the
+            engine's dtype (any of :data:`CASTABLE` is accepted and cast).
+        unit: the reload unit it belongs to; form: ``""``, or ``"per_expert"`` / ``"fused"``
+            for routed experts (a refit sends one form per unit).
+        quantized: part of a module the engine serves quantized.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    unit: str
+    form: str = ""
+    quantized: bool = False
+
+    def accepts(self, dtype: str) -> bool:
+        """Whether a tensor of ``dtype`` loads correctly (exact for quantized parts)."""
+        return dtype == self.dtype if self.quantized else dtype in CASTABLE
+
+
+@dataclass(frozen=True)
+class ManifestUnit:
+    """One reload unit: the vLLM module that is processed once all of its tensors have arrived.
+
+    Attributes:
+        name: vLLM module prefix (``model.layers.0.self_attn.o_proj``), a fused group key
+            (``model.layers.0.self_attn.{q_proj,k_proj,v_proj}``) or the experts module
+            (``model.layers.0.mlp.experts``).
+        part: the decoder layer index, or the top-level module name (``model.embed_tokens``,
+            ``model.norm``, ``lm_head``): what a partial refit updates whole.
+        kind: layout kind (``attention``, ``expert``, ``norm``...); quantized: served quantized.
+        forms: form -> tensor names; one form (``""``), or ``per_expert`` and (where every part
+            of the format is [E, ...] 3-D, as vLLM's FusedMoE loader requires) ``fused``.
+    """
+
+    name: str
+    part: int | str
+    kind: str
+    quantized: bool
+    forms: Mapping[str, tuple[str, ...]]
+
+
+@dataclass
+class EngineManifest:
+    """What an engine accepts. Build it with :func:`build_manifest` (or
+    :func:`qstrat.vllm.engine_manifest` for a live engine).
+
+    Attributes:
+        tensors: name -> :class:`ManifestTensor`; units: name -> :class:`ManifestUnit`.
+        layout: the layout used; num_layers, num_experts: from the model config.
+        format: the engine's quantized format (serializer name) or None; dtype: engine dtype.
+        dropped: names the engine accepts and ignores (a tied ``lm_head.weight``) -> tensor.
+        platform: where the engine runs (``cpu``, ``cuda``...), if known.
+    """
+
+    tensors: dict[str, ManifestTensor]
+    units: dict[str, ManifestUnit]
+    layout: ModelLayout
+    num_layers: int
+    num_experts: int | None
+    format: str | None
+    dtype: str
+    dropped: dict[str, ManifestTensor] = field(default_factory=dict)
+    platform: str | None = None
+
+    def parts(self) -> list[int | str]:
+        """Every part a partial refit may name: decoder layer indices, then top-level modules."""
+        found = {u.part for u in self.units.values()}
+        return sorted(p for p in found if isinstance(p, int)) + sorted(p for p in found if isinstance(p, str))
+
+    def parts_sent(self, plan: RefitPlan) -> set[int | str]:
+        """The parts (see :meth:`parts`) that ``plan`` sends at least one tensor of."""
+        return {self.units[t.unit].part for e in plan.entries for o in e.outputs
+                if (t := self.tensors.get(o.name)) is not None}
+
+    @cached_property
+    def _suffixes(self) -> dict[str, set[str]]:
+        """module prefix -> the suffixes the engine takes for it."""
+        out: dict[str, set[str]] = {}
+        for t in self.tensors.values():
+            module, _, suffix = t.name.rpartition(".")
+            out.setdefault(module, set()).add(suffix)
+        return out
+
+    def explain_unknown(self, name: str) -> str:
+        """Why ``name`` is not a tensor of this engine (for error messages)."""
+        p = self.layout.parse(name, self.num_layers)
+        if p.kind == "expert" and p.expert is not None and self.num_experts and p.expert >= self.num_experts:
+            return (f"expert index {p.expert} is out of range: the engine's model has {self.num_experts} "
+                    f"experts per layer (0..{self.num_experts - 1})")
+        if p.kind == "mtp":
+            return (f"decoder layer {p.layer} does not exist: the engine's model has {self.num_layers} "
+                    "decoder layers (MTP layers load only into a speculative-decoding draft model)")
+        module, _, suffix = name.rpartition(".")
+        unit = self.units.get(module)
+        if unit is not None and unit.kind == "expert" and "fused" not in unit.forms:
+            return (f"the engine takes {module} per expert only: vLLM loads a fused expert slab part "
+                    f"only as an [E, ...] 3-D tensor, and {self.format} has per-expert scalars (use "
+                    "expert_emission: per_expert)")
+        known = sorted(self._suffixes.get(module, ()))
+        if known:
+            return (f"the engine's {module} takes {', '.join(known)}, not {suffix} (vLLM would drop it "
+                    "silently or fail half-way)")
+        return "the engine's model has no such tensor (vLLM would fail half-way or drop it silently)"
+
+
+def engine_format(quantization_config: Mapping[str, Any] | None, registry: Registry) -> Serializer | None:
+    """The registered serializer (default options) whose ``vllm_quantization_config`` matches
+    ``quantization_config`` on :data:`MATCH_KEYS`, or None for an unquantized engine.
+
+    Raises: EngineManifestError if no registered format writes that config.
+    """
+    if not quantization_config:
+        return None
+    for entry in registry.serializers.values():
+        try:
+            ser = entry.obj()
+        except (TypeError, ValueError):  # a format without usable defaults
+            continue
+        if ser.quantizes and config_mismatch(ser.vllm_quantization_config([]), quantization_config) is None:
+            return ser
+    raise EngineManifestError(f"no registered format writes the engine's quantization_config "
+                        f"{dict(quantization_config)}: qstrat cannot tell which tensors it accepts")
+
+
+def config_mismatch(mine: Mapping[str, Any] | None, engine: Mapping[str, Any]) -> str | None:
+    """The first :data:`MATCH_KEYS` key on which two quantization_configs differ, or None."""
+    for key in MATCH_KEYS:
+        a, b = (mine or {}).get(key), engine.get(key)
+        if (list(a) if isinstance(a, tuple) else a) != (list(b) if isinstance(b, tuple) else b):
+            return key
+    return None
+
+
+def ignore_list(quantization_config: Mapping[str, Any] | None) -> list[str]:
+    """The modules a quantization_config leaves unquantized (``ignored_layers`` or ModelOpt ``ignore``)."""
+    cfg = quantization_config or {}
+    return list(cfg.get("ignored_layers") or cfg.get("ignore") or ())
+
+
+def covered(module: str, patterns: Collection[str]) -> bool:
+    """Whether an ignore list covers a vLLM module: an exact prefix or an ``fnmatch`` wildcard."""
+    return module in patterns or any(fnmatch.fnmatchcase(module, p) for p in patterns if _WILD.search(p))
+
+
+_WILD = re.compile(r"[*?\[]")
+
+
+def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[str, Any] | None,
+                   layout: ModelLayout, registry: Registry, dtype: str | torch.dtype = "bfloat16",
+                   platform: str | None = None) -> EngineManifest:
+    """The manifest of an engine started on a checkpoint with this config (module docstring).
+
+    Args:
+        hf_config: the engine's model config.json (``text_config`` is used when present).
+        quantization_config: the engine's checkpoint quantization_config (None: unquantized).
+        layout: naming data of the model family; registry: where formats are looked up.
+        dtype: the engine's model dtype; platform: recorded for platform-specific checks.
+    Returns: an :class:`EngineManifest`.
+    Raises: EngineManifestError (unknown format, a config key the model needs is missing, a shape the
+        format cannot represent, a fused module the ignore list splits).
+    """
+    fmt = engine_format(quantization_config, registry)
+    ignore = set(ignore_list(quantization_config))
+    ignored: dict[str, bool] = {}  # vLLM module -> covered by the ignore list
+    engine_dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+    num_layers = layout.num_layers(hf_config)
+    if num_layers is None:
+        raise EngineManifestError(f"the engine's model config has no {layout.num_layers_key!r}")
+    try:
+        per_expert = list(model_tensors(layout, hf_config))
+        slabs = [(n, s) for n, s in model_tensors(layout, hf_config, grouped=True)
+                 if layout.parse(n, num_layers).slab]
+    except KeyError as exc:
+        raise EngineManifestError(f"the engine's model config lacks {exc} (layout {layout.name})") from exc
+    tensors: dict[str, ManifestTensor] = {}
+    members: dict[str, dict[str, list[str]]] = {}
+    unit_info: dict[str, tuple[int | str, str, set[bool]]] = {}
+    if fmt is not None and any(len(s.shape) != 3 for _, shape in slabs[:1] for s in fmt.part_specs(shape)):
+        slabs = []  # vLLM loads a fused slab part only as [E, ...] 3-D (FusedMoE load_weights)
+    for items, slab_form in ((per_expert, False), (slabs, True)):
+        for name, shape in items:
+            p = layout.parse(name, num_layers)
+            if p.kind in ("mtp", "non_decoder"):
+                continue
+            owner = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
+            unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, owner) or p.module)
+            form = ("fused" if slab_form else "per_expert") if p.kind == "expert" else ""
+            if p.vllm_module not in ignored:
+                ignored[p.vllm_module] = covered(p.vllm_module, ignore)
+            matrix = p.kind in LINEAR_KINDS and is_weight_matrix(p, len(shape))
+            quantized = fmt is not None and matrix and not ignored[p.vllm_module]
+            for t in _checkpoint_tensors(name, shape, p.module, slab_form, fmt if quantized else None,
+                                         engine_dtype, unit, form):
+                tensors[t.name] = t
+                members.setdefault(unit, {}).setdefault(form, []).append(t.name)
+            part = p.layer if p.layer is not None else p.module
+            statuses = unit_info.setdefault(unit, (part, p.kind, set()))[2]
+            if matrix:  # a module's bias or norm follows its weight matrix
+                statuses.add(quantized)
+    units = {}
+    for unit, (part, kind, statuses) in unit_info.items():
+        if len(statuses) > 1:
+            raise EngineManifestError(f"{unit}: the engine's ignore list covers some of this fused module's "
+                                "members but not all (vLLM refuses such a checkpoint)")
+        forms = {f: tuple(sorted(ns, key=natural_key)) for f, ns in members[unit].items()}
+        units[unit] = ManifestUnit(unit, part, kind, bool(statuses and statuses.pop()), forms)
+    dropped = {}
+    cfg = layout.text_config(hf_config)
+    if cfg.get("tie_word_embeddings") and layout.lm_heads:
+        emb = tensors[f"{layout.embeddings[0]}.weight"]
+        name = f"{layout.lm_heads[0]}.weight"
+        dropped[name] = ManifestTensor(name, emb.shape, emb.dtype, "")
+    return EngineManifest(tensors, units, layout, num_layers, layout.num_experts(hf_config),
+                          fmt.name if fmt else None, engine_dtype, dropped, platform)
+
+
+def _checkpoint_tensors(name: str, shape: tuple[int, ...], module: str, slab: bool, fmt: Serializer | None,
+                        dtype: str, unit: str, form: str) -> list[ManifestTensor]:
+    if fmt is None:
+        return [ManifestTensor(name, tuple(shape), dtype, unit, form)]
+    try:
+        specs = fmt.part_specs(shape)
+    except UnsupportedShapeError as exc:
+        raise EngineManifestError(f"{name}: {exc} (the engine serves it quantized)") from exc
+    return [ManifestTensor(fused_name(name, s.suffix) if slab else f"{module}.{s.suffix}", tuple(s.shape),
+                           dtype_name(s.dtype), unit, form, True) for s in specs]
+
+
+def check_plan(plan: RefitPlan, manifest: EngineManifest,
+               layers: Collection[int | str] | None = None) -> None:
+    """Raise PlanError unless every tensor the plan emits is one the engine accepts and every
+    reload unit gets all of its tensors or none.
+
+    Checks each output's name, shape and dtype (a quantized module's parts exactly; others any
+    float dtype), that one form (per expert or fused slabs) is used per experts unit and is
+    complete, and completeness: without ``layers`` the plan must cover every unit; with
+    ``layers`` (decoder layer indices and/or top-level module names, see
+    :meth:`EngineManifest.parts`) exactly the units of those parts, each completely.
+
+    Args:
+        plan: the validated plan; manifest: the engine's; layers: an explicit partial refit.
+    Raises: PlanError listing every problem (the first :data:`MAX_LINES`), naming the tensors.
+    """
+    if isinstance(layers, (int, str)):  # one part given bare
+        layers = [layers]
+    found: dict[tuple[str, str], list[str]] = {}  # (unit or module, problem) -> messages
+    sent: dict[str, str] = {}  # output name -> the input it comes from
+    touched: dict[str, set[str]] = {}
+    for e in plan.entries:
+        for o in e.outputs:
+            sent[o.name] = e.name
+            origin = "" if e.name == o.name else f" (from {e.name})"
+            m = manifest.tensors.get(o.name) or manifest.dropped.get(o.name)
+            if m is None:
+                where = manifest.layout.parse(o.name, manifest.num_layers).vllm_module
+                found.setdefault((where, "unknown"), []).append(
+                    f"{o.name}{origin}: {manifest.explain_unknown(o.name)}")
+                continue
+            if tuple(o.shape) != m.shape:
+                found.setdefault((m.unit, "shape"), []).append(
+                    f"{o.name}{origin}: shape {list(o.shape)}, the engine expects {list(m.shape)}")
+            if not m.accepts(o.dtype):
+                why = (f"{m.unit} is served quantized ({manifest.format})" if m.quantized else
+                       f"{m.unit} is served unquantized in {manifest.dtype}")
+                found.setdefault((m.unit, "dtype"), []).append(
+                    f"{o.name}{origin}: dtype {o.dtype}, the engine expects {m.dtype} ({why})")
+            if m.unit:
+                touched.setdefault(m.unit, set()).add(o.name)
+    errors = [msgs[0] + (f" (and {len(msgs) - 1} more tensors of {where} alike)" if len(msgs) > 1 else "")
+              for (where, _), msgs in found.items()]
+    for unit, names in touched.items():
+        errors += _unit_errors(manifest.units[unit], names, sent)
+    errors += _coverage_errors(manifest, set(touched), layers)
+    if errors:
+        more = len(errors) - MAX_LINES
+        shown = errors[:MAX_LINES] + ([f"... and {more} more"] if more > 0 else [])
+        raise PlanError("the refit does not match what the engine accepts (nothing was sent):\n  "
+                        + "\n  ".join(shown))
+
+
+def _unit_errors(unit: ManifestUnit, names: set[str], sent: Mapping[str, str]) -> list[str]:
+    forms = {f for f, ns in unit.forms.items() if names & set(ns)}
+    if len(forms) > 1:
+        return [f"{unit.name}: the plan sends both per-expert and fused slab tensors; the engine "
+                "loads one form"]
+    expected = unit.forms[forms.pop()]
+    missing = [n for n in expected if n not in sent]
+    if not missing:
+        return []
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return [f"{unit.name}: the plan sends {len(expected) - len(missing)} of its {len(expected)} tensors; "
+            f"vLLM would process it with uninitialised memory for the rest. Missing: {shown}"]
+
+
+def _coverage_errors(manifest: EngineManifest, touched: set[str],
+                     layers: Collection[int | str] | None) -> list[str]:
+    parts = manifest.parts()
+    if layers is None:
+        left_out = sorted({_part_label(u.part) for u in manifest.units.values() if u.name not in touched},
+                          key=natural_key)
+        if not left_out:
+            return []
+        return [f"the refit leaves out {_few(left_out)} of the engine's model (a refit updates every "
+                "layer; for an explicit partial refit of whole layers pass plan=driver.plan(...)"
+                ".only_layers([...]))"]
+    wanted = set(layers)
+    errors = [f"{p!r} is not a part of the engine's model "
+              f"(parts: decoder layers 0..{manifest.num_layers - 1} and "
+              f"{[x for x in parts if isinstance(x, str)]})"
+              for p in sorted(wanted - set(parts), key=str)]
+    for u in manifest.units.values():
+        if u.part in wanted and u.name not in touched:
+            errors.append(f"{_part_label(u.part)} is refit partially: the plan sends nothing for {u.name} "
+                          "(a partial refit updates whole layers)")
+        elif u.part not in wanted and u.name in touched:
+            errors.append(f"the plan sends {u.name}, but {_part_label(u.part)} is not among the layers "
+                          "refit")
+    return errors
+
+
+def _part_label(part: int | str) -> str:
+    return f"decoder layer {part}" if isinstance(part, int) else part
+
+
+def _few(items: Sequence[str], limit: int = 6) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")

