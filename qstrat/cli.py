@@ -191,7 +191,13 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
 
     def update(done: int, total: int) -> None:
         # write_checkpoint reports (0, total) only once the plan and OUT passed their checks:
-        # the bar appears then, never above an error
+        # the bar appears then, never above an error. Not a terminal (a log): one line per shard.
+        if not console.is_terminal:
+            if done:
+                unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
+                console.print(f"quantizing: {done / scale:,.1f} of {total / scale:,.1f} {unit} written "
+                              f"({done / max(total, 1):.0%})")
+            return
         if not tasks:
             progress.start()
             tasks.append(progress.add_task("quantizing", total=total))
@@ -201,7 +207,8 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite,
                                 source_dir=args.model, progress=update)
     finally:
-        progress.stop()
+        if tasks:
+            progress.stop()
     _print_summary(console, plan)
     console.print(f"wrote {args.out}")
     return 0

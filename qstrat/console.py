@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
 from rich.console import Console
@@ -36,8 +36,7 @@ def stderr_to(log_path: str | Path, tail_lines: int = 30) -> Iterator[Path]:
 
     Catches what an in-process vLLM engine writes there whatever its origin - Python warnings
     (FutureWarning...), C++ warnings from torch (``[W... NUMA binding``, ``[rank0]:`` prefixes),
-    tqdm progress bars, native prints - by redirecting file descriptor 2, not only
-    ``sys.stderr``. Standard output is untouched (vLLM logs there at ``VLLM_LOGGING_LEVEL``, ERROR
+    tqdm progress bars, native prints - by redirecting file descriptor 2 and ``sys.stderr``. Standard output is untouched (vLLM logs there at ``VLLM_LOGGING_LEVEL``, ERROR
     in :func:`qstrat.engine.local.start_engine`). Nothing is dropped: the file keeps it all, and
     when the body raises, the exception gets a note naming the file with its last
     ``tail_lines`` lines, so a real error is never hidden behind the redirection.
@@ -48,16 +47,16 @@ def stderr_to(log_path: str | Path, tail_lines: int = 30) -> Iterator[Path]:
     sys.stderr.flush()
     saved = os.dup(2)
     try:
-        with open(log_path, "ab") as log:
-            os.dup2(log.fileno(), 2)
+        with open(log_path, "a", buffering=1, errors="replace") as log, redirect_stderr(log):
+            os.dup2(log.fileno(), 2)  # sys.stderr may not be fd 2 (pytest, notebooks): both go there
             try:
                 yield log_path
             except BaseException as exc:
-                sys.stderr.flush()
+                log.flush()
                 exc.add_note(_tail_note(log_path, tail_lines))
                 raise
             finally:
-                sys.stderr.flush()
+                log.flush()
                 os.dup2(saved, 2)
     finally:
         os.close(saved)
