@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,19 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, max_num_seqs=4, dtype=dtype)
     args.update(kwargs)
-    if dynamo:
-        return LLM(**args)
-    import torch._dynamo
+    # torch.distributed.init_process_group (run by the in-process engine) replaces sys.excepthook
+    # with one that prefixes every line of a traceback with "[rank0]: " - once more per engine
+    # started; this process's tracebacks stay as they were.
+    excepthook = sys.excepthook
+    try:
+        if dynamo:
+            return LLM(**args)
+        import torch._dynamo
 
-    with torch._dynamo.config.patch(disable=True):
-        return LLM(**args)
+        with torch._dynamo.config.patch(disable=True):
+            return LLM(**args)
+    finally:
+        sys.excepthook = excepthook
 
 
 def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int = 8) -> list[Generation]:
