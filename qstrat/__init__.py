@@ -3,7 +3,7 @@
 Public API::
 
     cfg = qstrat.load_config("refit.yaml")          # or a mapping / preset name
-    driver = qstrat.RefitDriver(cfg, hf_config=model.config.to_dict())
+    driver = qstrat.RefitDriver(cfg, hf_config=hf_config)   # the checkpoint's config.json, as a dict
     plan = driver.plan(model.state_dict())          # every decision, before any work
     for name, tensor in driver.run(model.state_dict()):   # engine checkpoint format, wire order
         ...
