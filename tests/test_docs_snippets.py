@@ -377,6 +377,17 @@ def _cli_examples(out: Any) -> None:
     assert cfg["quantization_config"]["quant_algo"] == "MXFP8"
 
 
+def _readme_cli(out: Any) -> None:
+    lines = out.stdout.splitlines()
+    progress = [ln for ln in lines if ln.startswith("quantizing")]
+    assert len(progress) == 1 and re.fullmatch(r"quantizing: 7\.8 of 7\.8 MiB written \(100%\)", progress[0]), \
+        progress  # a log gets one line per shard (here one), not a live bar
+    assert "wrote my-mxfp8-model" in lines
+    assert "plan: layout deepseek_v3, 61 decoder layers" in lines
+    plan = json.loads((out.cwd / "my-mxfp8-model" / "qstrat_plan.json").read_text())
+    assert {e["serializer"] for e in plan["entries"] if ".layers.1.mlp.experts" in e["name"]} == {"mxfp8"}
+
+
 def _plugin_cli(out: Any) -> None:
     assert "int8 (qstrat-int8 0.1.0)" in out.stdout
     cfg = json.loads((out.cwd / "my-int8-model" / "config.json").read_text())
@@ -393,6 +404,7 @@ EXPECT: dict[str, Callable[[Any], None]] = {
     'RefitDriver({"preset": "int8-experts"}': _in_process_plugin,
     "scripts/demo.sh": _demo,
     "--json > plan.json": _cli_examples,
+    "qstrat quantize ./my-bf16-model --config refit.yaml": _readme_cli,
     "PYTHONPATH=./site qstrat list": _plugin_cli,
 }
 
