@@ -35,6 +35,8 @@ if [ "${QSTRAT_SKIP_VLLM:-0}" != "1" ] && [ "$(uname -m)" = "x86_64" ]; then
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 step "installing qstrat (editable) with its test extras: pytest, transformers, triton"
-"${pip[@]}" install -e "$root[test]" "torch==2.13.0"
+# -qq: setuptools warns on every editable install with a package-dir mapping (its "lenient"
+# mode notice, a screenful); pip errors still show.
+"${pip[@]}" -q install -e "$root[test]" "torch==2.13.0"
 echo "$want" > "$stamp"
 step "done"
