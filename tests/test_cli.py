@@ -38,6 +38,22 @@ def test_plan_deepseek_v3_config_only_json():
     assert "model.layers.7.mlp.gate" in doc["quantization_config"]["ignored_layers"]
 
 
+def test_plan_names_config_only_tensors_with_the_configs_layout(tmp_path):
+    """``layout:`` in the refit config decides the names of a config-only plan, not detection."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    hf = json.loads((MODELS / "qwen3-235b-a22b" / "config.json").read_text())
+    hf.update(num_hidden_layers=2, num_experts=4)
+    (model / "config.json").write_text(json.dumps(hf))
+    cfg = tmp_path / "refit.yaml"
+    cfg.write_text("preset: mxfp8-experts\nlayout: mixtral\n")
+    doc = json.loads(run("plan", model, "--config", cfg, "--json").stdout)
+    assert doc["layout"] == "mixtral"
+    decisions = {e["name"]: e["serializer"] for e in doc["entries"]}
+    assert decisions["model.layers.1.block_sparse_moe.experts.3.w1.weight"] == "mxfp8"
+    assert not any(".mlp." in n for n in decisions)
+
+
 def test_plan_lists_every_tensor_and_summary(tmp_path):
     cfg = tmp_path / "refit.yaml"
     cfg.write_text("preset: mxfp8-experts\nkeep_bf16: {first: 1, last: 2}\n")
