@@ -77,3 +77,22 @@ def test_quantize_prints_no_progress_above_an_error(bf16_dir, tmp_path):
         assert proc.stdout == ""  # no bar, no summary: the error is the only output
     assert not (tmp_path / "out").exists()
 
+
+
+def test_demo_removes_its_temporary_directory_unless_it_failed(tmp_path, monkeypatch):
+    import tempfile
+
+    import qstrat.demo.run as demo
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    report = demo.run_demo("mxfp8-experts", engine=False)
+    assert report.verified and report.removed and not list(tmp_path.glob("qstrat-demo-*"))
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(demo, "write_checkpoint", full_disk)
+    with pytest.raises(OSError) as info:
+        demo.run_demo("mxfp8-experts", engine=False)
+    kept = list(tmp_path.glob("qstrat-demo-*"))
+    assert len(kept) == 1 and f"the demo's files are kept in {kept[0]}" in info.value.__notes__

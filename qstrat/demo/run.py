@@ -67,7 +67,11 @@ def run_demo(config: Any = "block-fp8", out_dir: str | Path | None = None, engin
     out = Path(out_dir or tempfile.mkdtemp(prefix="qstrat-demo-"))
     try:
         _run_stages(report, config, out, engine, say)
-    except BaseException as exc:
+    except KeyboardInterrupt:  # stopped on purpose: nothing to inspect
+        if out_dir is None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    except Exception as exc:  # kept for inspection (engine.log, checkpoints)
         if out_dir is None:
             exc.add_note(f"the demo's files are kept in {out}")
         raise
