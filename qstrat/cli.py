@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--overwrite", action="store_true",
                        help="replace OUT if it is an existing directory (OUT may never be, hold "
                             "or lie inside MODEL)")
+    quant.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where to quantize: each tensor is read from its shard onto this device "
+                            "(cuda: the formats' Triton kernels; cpu: the torch reference); auto: cuda "
+                            "when a CUDA device is visible, else cpu")
     quant.set_defaults(func=_cmd_quantize)
 
     lst = sub.add_parser("list", help="every registered plugin and where it came from")
@@ -184,15 +188,23 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         raise FileNotFoundError(f"{args.model} does not exist")
     if not any(args.model.glob("*.safetensors")):
         raise FileNotFoundError(f"{args.model}: no *.safetensors to quantize")
+    device = _export_device(args.device)
     driver, tensors = _load_model(args.model, _config_source(args))
+    if device != "cpu":
+        from qstrat.inputs import OnDevice
+
+        tensors = {n: OnDevice(t, device) for n, t in tensors.items()}
     progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                         TimeRemainingColumn(), console=console)
     tasks: list[Any] = []
 
     def update(done: int, total: int) -> None:
         # write_checkpoint reports (0, total) only once the plan and OUT passed their checks:
-        # the bar appears then, never above an error. Not a terminal (a log): one line per shard.
+        # output starts then, never above an error. Not a terminal (a log): one line per shard.
+        if done == 0 and not tasks:
+            console.print(f"quantizing on {device}")
         if not console.is_terminal:
+            tasks.append(None)
             if done:
                 unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
                 console.print(f"quantizing: {done / scale:,.1f} of {total / scale:,.1f} {unit} written "
@@ -207,11 +219,23 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite,
                                 source_dir=args.model, progress=update)
     finally:
-        if tasks:
+        if tasks and console.is_terminal:
             progress.stop()
     _print_summary(console, plan)
     console.print(f"wrote {args.out}")
     return 0
+
+
+def _export_device(choice: str) -> str:
+    """``cpu`` or ``cuda`` for ``--device``. Raises ConfigError for cuda without a CUDA device."""
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False, "
+                          f"torch {torch.__version__}); use --device cpu or auto")
+    return choice
 
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:

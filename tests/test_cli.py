@@ -69,7 +69,8 @@ def test_quantize_a_checkpoint_and_plan_it_back(tiny_model, tmp_path):
     from qstrat.demo.tiny_model import save_bf16
 
     save_bf16(tiny_model, tmp_path / "bf16")
-    run("quantize", tmp_path / "bf16", "--preset", "block-fp8", "-o", tmp_path / "fp8")
+    out = run("quantize", tmp_path / "bf16", "--preset", "block-fp8", "-o", tmp_path / "fp8", "--device", "auto")
+    assert ("quantizing on cuda" if torch.cuda.is_available() else "quantizing on cpu") in out.stdout
     cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "fp8"
     from safetensors.torch import load_file
@@ -227,6 +228,14 @@ def test_bad_inputs_are_user_errors_not_tracebacks(case, tmp_path, bf16_dir):
     assert sorted(p.name for p in bf16_dir.iterdir()) == before  # the source is never touched
     if (tmp_path / "afile").exists():
         assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_quantize_device_cuda_without_a_gpu_is_a_user_error(bf16_dir, tmp_path):
+    proc = subprocess.run([*CLI, "quantize", str(bf16_dir), "--preset", "bf16", "-o", str(tmp_path / "out"),
+                           "--device", "cuda"], capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "error: --device cuda: no CUDA device is visible" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_exists_error_names_the_overwrite_option(bf16_dir, tmp_path):
