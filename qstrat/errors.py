@@ -30,5 +30,21 @@ class PlanError(QstratError):
     """The refit plan is inconsistent (name conflicts, mixed engine formats, missing fusion partners)."""
 
 
+class TransportError(QstratError):
+    """A cross-process refit failed on the wire (checksum, truncated stream, lost peer, timeout);
+    the message names the rank and bucket. Nothing was handed to the engine."""
+
+
+class ManifestMismatchError(TransportError):
+    """A transfer manifest is malformed or does not match what the receiving engine accepts;
+    raised before any tensor data is received."""
+
+
+class BackendUnavailableError(QstratError, RuntimeError):
+    """A rule's ``backend`` option cannot run here (``triton`` without triton, or on CPU tensors
+    without ``TRITON_INTERPRET=1``). Raised when the plan is checked, before anything is written
+    or sent; also a ``RuntimeError`` for callers that caught the earlier type."""
+
+
 class VerificationError(QstratError):
     """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""
