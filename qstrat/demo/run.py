@@ -8,6 +8,7 @@ tensors and check its greedy tokens and logprobs against a fresh engine on B.
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections import defaultdict
@@ -34,6 +35,10 @@ class DemoReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     rel_error: dict[str, float] = field(default_factory=dict)
     checkpoint: Path | None = None
+    #: True when ``checkpoint`` was in a temporary directory that the demo removed (no ``out_dir``).
+    removed: bool = False
+    #: where the engine stage's stderr went (vLLM's warnings and progress bars), if it ran
+    engine_log: Path | None = None
     verified: bool = False
     engine: str = "not run"
     engine_ok: bool | None = None
@@ -52,15 +57,36 @@ def run_demo(config: Any = "block-fp8", out_dir: str | Path | None = None, engin
 
     Args:
         config: refit config (preset name, path or mapping); default ``block-fp8``.
-        out_dir: where checkpoints go (default: a temporary directory).
-        engine: run the vLLM engine stage when an engine can run here.
+        out_dir: where checkpoints go (kept). Default: a temporary directory, removed at the end
+            of a successful run and kept (its path in the error or the report) after a failure.
+        engine: run the vLLM engine stage when an engine can run here. Whatever the engine writes
+            to stderr goes to ``engine.log`` next to the checkpoints (:func:`qstrat.console.stderr_to`).
         console: rich Console for progress lines (None: silent).
     """
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-
     say = console.print if console is not None else (lambda *a, **k: None)
     report = DemoReport()
     out = Path(out_dir or tempfile.mkdtemp(prefix="qstrat-demo-"))
+    try:
+        _run_stages(report, config, out, engine, say)
+    except KeyboardInterrupt:  # stopped on purpose: nothing to inspect
+        if out_dir is None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    except Exception as exc:  # kept for inspection (engine.log, checkpoints)
+        if out_dir is None:
+            exc.add_note(f"the demo's files are kept in {out}")
+        raise
+    if out_dir is None and report.engine_ok is not False:
+        shutil.rmtree(out, ignore_errors=True)
+        report.removed = True
+    return report
+
+
+def _run_stages(report: DemoReport, config: Any, out: Path, engine: bool, say: Any) -> None:
+    from qstrat.console import stderr_to
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+
+    say("building the seeded tiny Qwen3-MoE with transformers (the trainer's model B) ...")
     with _stage(report, "build model"):
         model_b = build_tiny_qwen3_moe(seed=1)
         cfg = hf_config(model_b)
@@ -69,16 +95,18 @@ def run_demo(config: Any = "block-fp8", out_dir: str | Path | None = None, engin
     with _stage(report, "plan"):
         report.plan = driver.plan(trainer_b)
     say(f"planned {len(report.plan.entries)} tensors -> {len(report.plan.outputs())} outputs")
+    say("quantizing B, writing its checkpoint and verifying it ...")
     with _stage(report, "quantize + write"):
         write_checkpoint(driver, trainer_b, out / "model-b", overwrite=True)
     report.checkpoint = out / "model-b"
     with _stage(report, "verify"):
         report.rel_error = verify_checkpoint(driver, trainer_b, report.checkpoint)
         report.verified = True
-    say(f"checkpoint written and verified: {report.checkpoint}")
+    say("checkpoint written and verified")
     if engine:
-        _engine_stage(report, driver, config, cfg, trainer_b, out, say)
-    return report
+        report.engine_log = out / "engine.log"
+        with stderr_to(report.engine_log):
+            _engine_stage(report, driver, config, cfg, trainer_b, out, say)
 
 
 def verify_checkpoint(driver: RefitDriver, tensors: Mapping[str, torch.Tensor],
@@ -136,7 +164,9 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
 
     plan = report.plan
     formats = sorted({e.serializer for e in plan.entries})
-    ok, kernels = engine_support(formats)
+    say("looking for a vLLM engine (importing vLLM takes a while) ...")
+    with _stage(report, "engine: import vLLM"):
+        ok, kernels = engine_support(formats)
     reason = None if ok else kernels
     bf16_experts = sorted({e.layer for e in plan.entries if e.kind == "expert"
                            and e.serializer in ("bf16", PASSTHROUGH)})
@@ -155,21 +185,25 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
     with _stage(report, "engine: write A"):
         model_a = build_tiny_qwen3_moe(seed=0)
         write_checkpoint(driver, model_a.state_dict(), out / "model-a", hf_config=cfg, overwrite=True)
+    say(f"starting a vLLM engine on model A's checkpoint (vLLM's output: {report.engine_log}) ...")
     with _stage(report, "engine: start on A"):
         llm = start_engine(out / "model-a")
     with _stage(report, "engine: refit A -> B"):
         refit = qvllm.refit(llm, driver, trainer_b)
-    with _stage(report, "engine: generate"):
+    say(f"refit sent {refit.tensors} tensors ({refit.bytes / 2**20:.1f} MiB) in {refit.seconds:.2f} s")
+    say("generating (greedy) on the refit engine ...")
+    with _stage(report, "engine: generate, first call (cold)"):
         refit_out = greedy(llm)
+    with _stage(report, "engine: generate, second call (warm)"):
+        warm_out = greedy(llm)
     release(llm)
     del llm
-    with _stage(report, "engine: fresh on B"):
+    say("starting a fresh engine on model B's checkpoint and generating ...")
+    with _stage(report, "engine: fresh on B (start + cold generate)"):
         fresh = start_engine(report.checkpoint)
         fresh_out = greedy(fresh)
     release(fresh)
     del fresh
-    say(f"refit sent {refit.tensors} tensors ({refit.bytes / 2**20:.1f} MiB) in {refit.seconds:.2f} s")
-    report.engine_ok = refit_out == fresh_out
+    report.engine_ok = refit_out == fresh_out == warm_out
     report.engine = (f"refit engine == fresh engine on B (tokens and logprobs; {kernels})" if report.engine_ok
                      else f"MISMATCH ({kernels}): refit {refit_out} vs fresh {fresh_out}")
-    say(report.engine)

