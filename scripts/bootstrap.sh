@@ -38,5 +38,8 @@ step "installing qstrat (editable) with its test extras: pytest, transformers, t
 # -qq: setuptools warns on every editable install with a package-dir mapping (its "lenient"
 # mode notice, a screenful); pip errors still show.
 "${pip[@]}" -q install -e "$root[test]" "torch==2.13.0"
+# The editable build leaves qstrat.egg-info in the repository root; Python run from there reads
+# it before the installed metadata, so a stale copy hides new entry points (vLLM plugins).
+rm -rf "$root/qstrat.egg-info"
 echo "$want" > "$stamp"
 step "done"
