@@ -132,7 +132,7 @@ class ModelLayout:
         Returns: a :class:`ParsedName`.
         """
         module, param = _split_param(name)
-        if any(name.startswith(p) for p in self.non_decoder_prefixes):
+        if name.startswith(self.non_decoder_prefixes):
             return ParsedName(name, module, param, "non_decoder")
         if module in self.embeddings:
             return ParsedName(name, module, param, "embedding")
