@@ -315,9 +315,9 @@ def machine() -> dict[str, Any]:
             info[dist] = version(dist)
         except PackageNotFoundError:
             pass
-    from qstrat.serializers.chunking import cache_chunk_elements, l2_cache_bytes
+    from qstrat.serializers.chunking import cache_chunk_elements, llc_bytes
 
-    info["l2_bytes"] = l2_cache_bytes()
+    info["llc_bytes"] = llc_bytes()
     info["chunk_elements"] = cache_chunk_elements()
     return info
 

@@ -3,9 +3,9 @@
 The torch paths (the eager reference and the fast path) quantize a weight ``[E, N, K]`` in
 chunks ``[e, r, K]``: whole experts when an expert is small (a grouped slab of small experts is
 one chunk of several experts, not one call per expert), else bands of rows, a multiple of the
-format's row tile. A chunk's fp32 scratch is sized to stay in the CPU's L2 caches, so each pass
-over it (abs, scale, cast) reads cache, not DRAM, and no chunk allocates fresh pages: the fast
-path reuses one :class:`Scratch` per call.
+format's row tile. A chunk's fp32 scratch is sized to stay in the CPU's last-level cache, so
+each pass over it (abs, scale, cast) reads cache, not DRAM, and no chunk allocates fresh pages:
+the fast path reuses one :class:`Scratch` per call.
 """
 from __future__ import annotations
 
@@ -17,41 +17,45 @@ from pathlib import Path
 
 import torch
 
-#: L2 size assumed when the OS does not report one (bytes; AMD Zen 4 and most server cores: 1 MiB).
-DEFAULT_L2_BYTES = 1 << 20
+#: Last-level cache size assumed when the OS does not report one (bytes).
+DEFAULT_LLC_BYTES = 32 << 20
 #: Bytes of fp32 scratch per element of a chunk in the fast paths (the fp32 copy and |x|).
 SCRATCH_BYTES_PER_ELEMENT = 8
-#: Smallest chunk (elements): below it, per-op overhead (~2-5 us per torch call) dominates.
+#: Share of the last-level cache a chunk's scratch may use: the rest holds the chunk's input,
+#: its outputs and other processes' data. Measured best on a 2-core EPYC (32 MiB L3, see
+#: docs/performance.md): chunks of 0.5-1 M elements; smaller ones pay per-op overhead
+#: (~2-5 us per torch call), larger ones spill to DRAM.
+LLC_SHARE = 4
+#: Smallest chunk (elements).
 MIN_CHUNK_ELEMENTS = 1 << 16
 
 
 @functools.cache
-def l2_cache_bytes() -> int:
-    """Size of one core's L2 cache in bytes (Linux sysfs, cpu0), else :data:`DEFAULT_L2_BYTES`."""
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
+def llc_bytes() -> int:
+    """Size of the largest CPU cache level of cpu0 (Linux sysfs), else :data:`DEFAULT_LLC_BYTES`."""
+    best = 0
     try:
-        for index in sorted(base.glob("index*")):
-            if (index / "level").read_text().strip() == "2":
-                size = (index / "size").read_text().strip().upper()
-                mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-                return int(size.rstrip("KM")) * mult
+        for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            size = (index / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            best = max(best, int(size.rstrip("KM")) * mult)
     except (OSError, ValueError):
-        pass
-    return DEFAULT_L2_BYTES
+        best = 0
+    return best or DEFAULT_LLC_BYTES
 
 
-def cache_chunk_elements(threads: int | None = None) -> int:
-    """Default chunk size (weight elements): the fp32 scratch of one chunk fills the L2 caches of
-    the cores torch uses (``threads`` = ``torch.get_num_threads()``), each thread working on its
-    share. On a 2-core machine with 1 MiB L2 per core: 2 MiB / 8 bytes = 262,144 elements.
+def cache_chunk_elements() -> int:
+    """Default chunk size (weight elements): the fp32 scratch of one chunk is 1/:data:`LLC_SHARE`
+    of the last-level cache (32 MiB L3: 1,048,576 elements, 8 MiB of scratch).
 
     Environment override: ``QSTRAT_CHUNK_ELEMENTS`` (an integer > 0).
     """
     env = os.environ.get("QSTRAT_CHUNK_ELEMENTS")
     if env:
         return max(1, int(env))
-    threads = threads or torch.get_num_threads()
-    return max(MIN_CHUNK_ELEMENTS, l2_cache_bytes() * threads // SCRATCH_BYTES_PER_ELEMENT)
+    return max(MIN_CHUNK_ELEMENTS, llc_bytes() // LLC_SHARE // SCRATCH_BYTES_PER_ELEMENT)
 
 
 def chunks(shape: tuple[int, int, int], chunk_elements: int,
