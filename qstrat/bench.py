@@ -322,10 +322,17 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS,
-              reps: int | None = None) -> dict[str, Any]:
+def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int | None = None,
+              max_experts: int | None = None,
+              on_section: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Measure the chosen sections. Returns the JSON document (``machine``, ``size``, ``rows``).
 
+    Args:
+        quick: reduced sizes (:data:`SIZES`).
+        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``.
+        reps: timed rounds (default: 7 full, 2 quick).
+        max_experts: cap E of the grouped slabs and of the driver's layer (recorded in the JSON).
+        on_section: called with the document after each section (progress output).
     Raises: ValueError for an unknown section name.
     """
     sections = list(sections)
@@ -334,18 +341,24 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS,
         raise ValueError(f"unknown bench section(s) {unknown}; choose from {list(SECTIONS)}")
     size = SIZES["quick" if quick else "full"]
     reps = reps or size["reps"]
+    cap = max_experts or 1 << 30
+    grouped = [(min(e, cap), n, k) for e, n, k in size["grouped"]]
     doc: dict[str, Any] = {"size": "quick" if quick else "full", "reps": reps, "machine": machine(),
-                           "load_before": os.getloadavg(), "rows": []}
+                           "max_experts": max_experts, "load_before": os.getloadavg(), "rows": []}
     t0 = time.perf_counter()
-    if "formats" in sections:
-        doc["rows"] += bench_formats(size["formats"], reps)
-    if "grouped" in sections:
-        doc["rows"] += bench_grouped(size["grouped"], reps)
-    if "plan" in sections:
-        doc["rows"] += bench_plan(PLAN_MODEL, reps, overrides=size.get("plan_overrides"))
-    if "driver" in sections:
-        doc["rows"] += bench_driver(size["driver_experts"], reps, dims=size.get("driver_dims", QWEN3_30B_A3B))
-    doc["load_after"] = os.getloadavg()
+    runs = {
+        "formats": lambda: bench_formats(size["formats"], reps),
+        "grouped": lambda: bench_grouped(grouped, reps),
+        "plan": lambda: bench_plan(PLAN_MODEL, reps, overrides=size.get("plan_overrides")),
+        "driver": lambda: bench_driver(min(size["driver_experts"], cap), reps,
+                                       dims=size.get("driver_dims", QWEN3_30B_A3B)),
+    }
+    for name in SECTIONS:
+        if name in sections:
+            doc["rows"] += runs[name]()
+            doc["load_after"] = os.getloadavg()
+            if on_section is not None:
+                on_section({**doc, "rows": [r for r in doc["rows"] if r["section"] == name]})
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     return doc
 

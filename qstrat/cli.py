@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", default=",".join(SECTIONS),
                        help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
     bench.add_argument("--reps", type=int, help="timed repetitions per implementation (median kept)")
+    bench.add_argument("--max-experts", type=int,
+                       help="cap the expert count of the grouped slabs and the driver's layer")
     bench.add_argument("--json", type=Path, help="also write the measurements to this JSON file")
     bench.set_defaults(func=_cmd_bench)
 
@@ -216,9 +218,12 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
         raise ConfigError(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
-    doc = run_bench(quick=args.quick, sections=sections, reps=args.reps)
-    for table in render(doc):
-        console.print(table)
+    def show(part: dict[str, Any]) -> None:
+        for table in render(part):
+            console.print(table)
+
+    doc = run_bench(quick=args.quick, sections=sections, reps=args.reps, max_experts=args.max_experts,
+                    on_section=show)
     console.print(f"{doc['size']} size, {doc['seconds']} s, load {doc['load_before'][0]:.1f} -> "
                   f"{doc['load_after'][0]:.1f}")
     if args.json is not None:

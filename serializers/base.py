@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError
-from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunks
+from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunks
 
 #: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
 Context = Mapping[str, torch.Tensor]
@@ -328,12 +329,28 @@ class Serializer(ABC):
         """Run :meth:`encode_into` over cache-sized chunks, reusing one scratch. ``check``: the
         tensor's name when non-finite values must raise (found from the block maxima)."""
         out, views = self._chunk_views(w3, ctx, specs)
-        scratch = Scratch(w3.device)
-        for _, x, sub_ctx, dsts in views:
-            amax = self.encode_into(x, sub_ctx, dsts, scratch)
-            if check is not None and not bool(torch.isfinite(amax).all()):
-                check_finite(w3, check, self._expert_chunk(w3))  # names the first bad index
+        workers = torch.get_num_threads()
+        if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
+            scratch = Scratch(w3.device)
+            finite = all([self._encode_chunk(v, scratch, check) for v in views])
+        else:  # chunks over single-threaded workers, one scratch per worker (chunking.chunk_pool)
+            local = threading.local()
+
+            def task(view: tuple) -> bool:
+                if not hasattr(local, "scratch"):
+                    local.scratch = Scratch(w3.device)
+                return self._encode_chunk(view, local.scratch, check)
+
+            finite = all(list(chunk_pool(workers).map(task, views)))
+        if not finite:
+            check_finite(w3, check, self._expert_chunk(w3))  # names the first bad index
         return out
+
+    def _encode_chunk(self, view: tuple, scratch: Scratch, check: str | None) -> bool:
+        """:meth:`encode_into` on one chunk view; False if ``check`` and it saw NaN/inf."""
+        _, x, sub_ctx, dsts = view
+        amax = self.encode_into(x, sub_ctx, dsts, scratch)
+        return check is None or bool(torch.isfinite(amax).all())
 
 
 #: Kernels resolved by :meth:`Serializer.resolve_kernel`, per format class.

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -113,3 +115,43 @@ def block_max(a: torch.Tensor) -> torch.Tensor:
         width //= 2
         a = torch.maximum(a[..., :width], a[..., width:])
     return a.squeeze(-1)
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def chunk_pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``workers`` threads whose torch ops run single-threaded.
+
+    The fast paths spread chunks over these threads (torch releases the GIL inside ops) instead
+    of letting every op fork and join torch's OpenMP team: on 2 cores a quantize call is ~100-600
+    small ops, and each fork/join waits for the slowest thread, so one descheduled thread on a
+    busy machine stalls every op (measured: 10-30x slower at load 10). Here a descheduled worker
+    delays only its chunk, and the other takes the next one.
+
+    Each worker initializes torch's per-thread settings, then sets its own intra-op threads to
+    1 (``torch.set_num_threads`` also sets the process default and the shared thread pool's size
+    in passing; both are restored from the calling thread before this returns).
+    """
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None and _POOL[0] == workers:
+            return _POOL[1]
+        restore = torch.get_num_threads()
+        started = threading.Barrier(workers + 1)
+
+        def init() -> None:
+            torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo the next line
+            torch.set_num_threads(1)
+            started.wait()
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="qstrat-chunks", initializer=init)
+        for _ in range(workers):
+            pool.submit(lambda: None)  # starts one worker per submit while all wait in init
+        started.wait()
+        torch.set_num_threads(restore)
+        if _POOL is not None:
+            _POOL[1].shutdown(wait=False)
+        _POOL = (workers, pool)
+        return pool
