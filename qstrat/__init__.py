@@ -5,6 +5,8 @@ Public API::
     cfg = qstrat.load_config("refit.yaml")          # or a mapping / preset name
     driver = qstrat.RefitDriver(cfg, hf_config=model.config.to_dict())
     plan = driver.plan(model.state_dict())          # every decision, before any work
+    plan = driver.plan(qstrat.tensor_specs(specs))  # ... or from (name, shape, dtype) alone
+    for name, tensor in driver.run(pairs, plan=plan):     # a stream, consumed once
     for name, tensor in driver.run(model.state_dict()):   # engine checkpoint format, wire order
         ...
     qstrat.vllm.refit(llm, driver, model.state_dict())    # into a running vLLM
@@ -13,6 +15,7 @@ Public API::
 """
 from qstrat.config import KeepBF16, RefitConfig, Rule, load_config
 from qstrat.driver import RefitDriver
+from qstrat.inputs import TensorSpec, tensor_specs
 from qstrat.errors import (ConfigError, NonFiniteError, PlanError, PluginError, QstratError,
                            UnsupportedShapeError)
 from qstrat.plan import OutputTensor, PlanEntry, RefitPlan
@@ -26,8 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "Decision", "KeepBF16", "NonFiniteError", "OutputTensor", "PartSpec",
     "PlanEntry", "PlanError", "PluginError", "QstratError", "RefitConfig", "RefitDriver",
-    "RefitPlan", "Registry", "Rule", "Serializer", "SerializerOptions", "UnsupportedShapeError",
-    "get_registry", "get_serializer", "load_config", "select", "vllm",
+    "RefitPlan", "Registry", "Rule", "Serializer", "SerializerOptions", "TensorSpec",
+    "UnsupportedShapeError", "get_registry", "get_serializer", "load_config", "select", "tensor_specs", "vllm",
 ]
 
 

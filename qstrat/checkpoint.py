@@ -40,7 +40,7 @@ _NOT_COPIED_SUFFIXES = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".
 def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: str | Path,
                      hf_config: Mapping[str, Any] | None = None, shard_bytes: int = 4 << 30,
                      overwrite: bool = False, progress: Callable[[int, int], Any] | None = None,
-                     source_dir: str | Path | None = None) -> RefitPlan:
+                     source_dir: str | Path | None = None, plan: RefitPlan | None = None) -> RefitPlan:
     """Quantize ``named_tensors`` with ``driver`` and write an HF checkpoint to ``out_dir``.
 
     Args:
@@ -64,6 +64,10 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             generation config, chat template, ...) are copied into the output: all but
             ``config.json``, ``qstrat_plan.json``, weight files (``*.safetensors``, ``*.bin``,
             ``*.pt``, ...) and their ``*.index.json``, which the output regenerates or replaces.
+        plan: a plan made beforehand from metadata (``driver.plan(tensor_specs(...))``);
+            ``named_tensors`` may then be an iterator, consumed once (``RefitDriver.run``).
+            A stream that does not match the plan raises PlanError mid-way: nothing is left
+            written (the temporary directory is removed).
     Returns: the plan that was written.
     Raises: PlanError (nothing written); FileExistsError (``out_dir`` exists and not
         ``overwrite``, or is not a directory); QstratError (``out_dir`` overlaps
@@ -78,8 +82,12 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         if out.is_symlink() or not out.is_dir():
             raise FileExistsError(f"{out} exists and is not a directory; not replacing it "
                                   "(overwrite replaces a checkpoint directory only)")
-    tensors = as_tensor_dict(named_tensors)
-    plan = driver.plan(tensors)
+    if plan is None:
+        tensors: Any = as_tensor_dict(named_tensors)
+        plan = driver.plan(tensors)
+    else:
+        driver.check_plan(plan)
+        tensors = named_tensors
     shards = assign_shards(plan.outputs(), shard_bytes)
     total = sum(o.nbytes for o in plan.outputs())
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,15 +201,12 @@ def _check_not_source(out: Path, source: Path) -> None:
                           "write the quantized checkpoint somewhere else")
 
 
-def _copy_other_files(source: Path, directory: Path) -> list[str]:
+def _copy_other_files(source: Path, directory: Path) -> None:
     """Copy the source model's top-level files the output does not regenerate (tokenizer, ...)."""
-    copied = []
     for f in sorted(source.iterdir()):
         if f.name in _NOT_COPIED_NAMES or f.name.endswith(_NOT_COPIED_SUFFIXES) or not f.is_file():
             continue
         shutil.copy2(f, directory / f.name)
-        copied.append(f.name)
-    return copied
 
 
 class LazyTensor:

@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     quant.add_argument("--overwrite", action="store_true",
                        help="replace OUT if it is an existing directory (OUT may never be, hold "
                             "or lie inside MODEL)")
+    quant.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where to quantize: each tensor is read from its shard onto this device "
+                            "(cuda: the formats' Triton kernels; cpu: the torch reference); auto: cuda "
+                            "when a CUDA device is visible, else cpu")
     quant.set_defaults(func=_cmd_quantize)
 
     bench = sub.add_parser("bench", help="measure qstrat's CPU paths against vLLM, torchao, a copy "
@@ -198,7 +202,13 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         raise FileNotFoundError(f"{args.model} does not exist")
     if not any(args.model.glob("*.safetensors")):
         raise FileNotFoundError(f"{args.model}: no *.safetensors to quantize")
+    device = _export_device(args.device)
     driver, tensors = _load_model(args.model, _config_source(args))
+    if device != "cpu":
+        from qstrat.inputs import OnDevice
+
+        tensors = {n: OnDevice(t, device) for n, t in tensors.items()}
+    console.print(f"quantizing on {device}")
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task("quantizing", total=None)
@@ -218,6 +228,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
         raise ConfigError(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+
     def show(part: dict[str, Any]) -> None:
         for table in render(part):
             console.print(table)
@@ -231,6 +242,18 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _export_device(choice: str) -> str:
+    """``cpu`` or ``cuda`` for ``--device``. Raises ConfigError for cuda without a CUDA device."""
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False, "
+                          f"torch {torch.__version__}); use --device cpu or auto")
+    return choice
 
 
 def _cmd_list(args: argparse.Namespace, console: Console) -> int:

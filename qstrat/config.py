@@ -136,6 +136,10 @@ class RefitConfig(_Model):
         expert_emission: ``per_expert`` names (``experts.7.gate_proj.weight``, default, every vLLM)
             or ``fused`` slab names (``experts.gate_up_proj``, vLLM >= 0.32).
         layout: registered model layout; None detects it from the HF config.
+        wire_order: ``natural`` (model order, natural names; default) or ``producer`` (the
+            order the trainer yields its tensors); see docs/concepts.md "Wire order".
+        expert_batch: per-expert inputs of one layer with the same shape and format quantized
+            together, at most this many experts per serializer call (1: one call per expert).
     """
 
     preset: str | None = None
@@ -144,6 +148,8 @@ class RefitConfig(_Model):
     default: str = "bf16"
     expert_emission: Literal["per_expert", "fused"] = "per_expert"
     layout: str | None = None
+    wire_order: Literal["natural", "producer"] = "natural"
+    expert_batch: int = Field(16, ge=1)
 
     @model_validator(mode="before")
     @classmethod

@@ -6,11 +6,13 @@
    declare every output and check the whole plan (:mod:`qstrat.plan.planner`); raises
    :class:`~qstrat.errors.PlanError` before any quantization.
 2. :meth:`RefitDriver.check_values` - one read pass for NaN/inf, before anything is emitted.
-3. :meth:`RefitDriver.execute` - quantize each input once (a grouped expert slab in one call),
-   emit ``(checkpoint_name, tensor)`` in the plan's wire order, drop parts after their last output.
+3. :meth:`RefitDriver.execute` - quantize each input once (a grouped expert slab, or a batch of
+   per-expert tensors, in one call), emit ``(checkpoint_name, tensor)`` in the plan's wire order,
+   drop parts after their last output (:mod:`qstrat.stream`).
 
-:meth:`RefitDriver.run` is plan + execute; the sinks (:mod:`qstrat.vllm`, :mod:`qstrat.checkpoint`)
-consume the same stream.
+:meth:`RefitDriver.run` is plan + execute, or, given a plan made from metadata, execute over a
+stream consumed once; the sinks (:mod:`qstrat.vllm`, :mod:`qstrat.checkpoint`) consume the same
+output stream.
 """
 from __future__ import annotations
 
@@ -20,15 +22,17 @@ from typing import Any
 import torch
 
 from qstrat.config import RefitConfig, load_config
+from qstrat.errors import PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict, materialize
 from qstrat.layouts import ModelLayout, detect_layout
-from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan
+from qstrat.plan.data import PASSTHROUGH, RefitPlan
 from qstrat.plan.planner import Planner
 from qstrat.registry import Registry, get_registry
 from qstrat.rules import Decision, RuleSet
-from qstrat.serializers.base import Serializer, check_finite
+from qstrat.serializers.base import Serializer
+from qstrat.stream import check_passthrough, cut_output, execute
 
-__all__ = ["Decision", "NamedTensors", "RefitDriver"]
+__all__ = ["Decision", "NamedTensors", "RefitDriver", "check_passthrough", "cut_output"]
 
 
 class RefitDriver:
@@ -88,17 +92,36 @@ class RefitDriver:
         return self.planner.plan(as_tensor_dict(named_tensors))
 
     # ---- run ------------------------------------------------------------------------------
-    def run(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-        """Plan, then quantize and yield ``(checkpoint_name, tensor)`` in wire order.
+    def run(self, named_tensors: NamedTensors, plan: RefitPlan | None = None,
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Quantize and yield ``(checkpoint_name, tensor)`` in wire order.
 
-        Args: named_tensors: as for :meth:`plan` (real tensors, any device; BF16 typically).
+        Args:
+            named_tensors: as for :meth:`plan` (real tensors, any device; BF16 typically).
+            plan: a plan made beforehand from metadata (``plan(tensor_specs(...))``, meta
+                tensors): ``named_tensors`` may then be an iterator, consumed once in the
+                producer's order with a window of about one layer (see :mod:`qstrat.stream`).
+                Without it the inputs are planned first, which holds every tensor of an
+                iterator in memory.
         Yields: checkpoint tensors on the input's device; views into a slab's quantized parts
             for per-expert emission (call ``.contiguous()`` before serializing bytes).
-        Raises: PlanError before the first tensor is yielded; NonFiniteError naming the tensor.
+        Raises: PlanError before the first tensor is yielded (a given plan made with another
+            config, an invalid plan) or, streaming, when an input does not match the plan;
+            NonFiniteError naming the tensor.
         """
-        tensors = as_tensor_dict(named_tensors)
-        plan = self.plan(tensors)
-        yield from self.execute(plan, tensors)
+        if plan is None:
+            tensors = as_tensor_dict(named_tensors)
+            plan = self.plan(tensors)
+            yield from self.execute(plan, tensors)
+            return
+        self.check_plan(plan)
+        yield from self.execute(plan, named_tensors)
+
+    def check_plan(self, plan: RefitPlan) -> None:
+        """Raise PlanError unless ``plan`` was made with this driver's config (a plan given to
+        :meth:`run` or ``qstrat.vllm.refit`` beforehand)."""
+        if plan.config != self.config.to_dict():
+            raise PlanError("the given plan was made with another config than this driver's")
 
     def check_values(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> None:
         """Raise NonFiniteError for the first input holding NaN/inf (passthrough tensors and
@@ -110,50 +133,24 @@ class RefitDriver:
             else:
                 self.serializer(e.serializer, e.options).check_values(t, e.name)
 
-    def execute(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
-                values_checked: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Emit the outputs of an already validated ``plan`` for ``tensors`` in wire order.
+    def execute(self, plan: RefitPlan, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                values_checked: bool = False, expert_batch: int | None = None,
+                consumer_stream: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Emit the outputs of an already validated ``plan`` in wire order.
 
-        ``values_checked=True``: :meth:`check_values` already ran on ``tensors`` (as in
-        ``qstrat.vllm.refit``), so the per-tensor NaN/inf read pass is not repeated.
+        Args:
+            plan: from :meth:`plan` (or one rank's part, :func:`qstrat.sharding.split_plan`).
+            tensors: name -> tensor, or an iterator of ``(name, tensor)`` consumed once.
+            values_checked: :meth:`check_values` already ran on ``tensors`` (as in
+                ``qstrat.vllm.refit``), so the per-tensor NaN/inf read pass is not repeated.
+            expert_batch: most per-expert tensors per serializer call (default: the config's).
+            consumer_stream: the CUDA stream that reads the outputs (handoff documented in
+                :mod:`qstrat.stream`).
 
         Each input is quantized once, when its first output is due, and its parts are dropped
-        after its last output: with natural name order that bounds live parts to about one
-        decoder layer (a layer's slabs interleave per expert).
+        after its last output: that bounds live parts to about one decoder layer.
         """
-        members: dict[str, list[str]] = {}
-        for e in plan.entries:
-            if e.group:
-                members.setdefault(e.group, []).append(e.name)
-        contexts: dict[str, Any] = {}
-        live: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
-        for i, o in plan.wire_order():
-            e = plan.entries[i]
-            if i not in live:
-                live[i] = (self._quantize_entry(e, tensors, members, contexts, values_checked),
-                           len(e.outputs))
-            parts, left = live[i]
-            yield o.name, cut_output(parts[o.suffix], o)
-            if left == 1:
-                del live[i]
-            else:
-                live[i] = (parts, left - 1)
-
-    def _quantize_entry(self, e: PlanEntry, tensors: Mapping[str, torch.Tensor],
-                        members: Mapping[str, list[str]], contexts: dict[str, Any],
-                        values_checked: bool) -> dict[str, torch.Tensor]:
-        t = materialize(tensors[e.name], e.name)
-        if e.serializer == PASSTHROUGH:
-            if not values_checked:
-                check_passthrough(t, e.name)
-            return {"weight": t}
-        ser = self.serializer(e.serializer, e.options)
-        ctx = None
-        if e.group:
-            if e.group not in contexts:
-                contexts[e.group] = ser.group_context([materialize(tensors[m], m) for m in members[e.group]])
-            ctx = contexts[e.group]
-        return ser.quantize(t, name=e.name, context=ctx, values_checked=values_checked)
+        yield from execute(self, plan, tensors, values_checked, expert_batch, consumer_stream)
 
 
 def layout_for(registry: Registry, name: str | None, hf_config: Mapping[str, Any] | None) -> ModelLayout:
@@ -164,26 +161,3 @@ def layout_for(registry: Registry, name: str | None, hf_config: Mapping[str, Any
     if name:
         return registry.lookup("layouts", name).obj
     return detect_layout({k: e.obj for k, e in registry.layouts.items()}, hf_config)
-
-
-def check_passthrough(t: torch.Tensor, name: str) -> None:
-    """NaN/inf in a tensor sent unchanged (norms, routers, embeddings) is an error too.
-
-    Raises: NonFiniteError naming ``name`` and the first bad index.
-    """
-    if t.is_floating_point() and t.numel():
-        w3 = t.reshape(1, -1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, 1, -1)
-        check_finite(w3, name, 1)
-
-
-def cut_output(part: torch.Tensor, o: OutputTensor) -> torch.Tensor:
-    """Slice one output out of a serializer part (per-expert emission of a grouped slab)."""
-    if o.expert is None:
-        return part
-    part = part[o.expert]
-    if o.row_part is not None and part.dim() >= 2:
-        rows = part.shape[0] // o.row_parts
-        return part[o.row_part * rows:(o.row_part + 1) * rows]
-    # a per-matrix value (e.g. NVFP4 weight_scale_2) duplicated for each fused projection: a copy,
-    # so outputs never alias one another (safetensors refuses shared memory)
-    return part.clone() if o.row_parts > 1 else part

@@ -28,3 +28,17 @@ class NonFiniteError(QstratError):
 
 class PlanError(QstratError):
     """The refit plan is inconsistent (name conflicts, mixed engine formats, missing fusion partners)."""
+
+
+class TransportError(QstratError):
+    """A cross-process refit failed on the wire (checksum, truncated stream, lost peer, timeout);
+    the message names the rank and bucket. Nothing was handed to the engine."""
+
+
+class ManifestMismatchError(TransportError):
+    """A transfer manifest is malformed or does not match what the receiving engine accepts;
+    raised before any tensor data is received."""
+
+
+class VerificationError(QstratError):
+    """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""

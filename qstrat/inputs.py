@@ -1,12 +1,17 @@
-"""The trainer's tensors as qstrat reads them: (name, tensor) pairs, lazily loaded handles.
+"""The trainer's tensors as qstrat reads them: (name, tensor) pairs, specs, lazily loaded handles.
 
 Every sink (``qstrat.vllm``, ``qstrat.checkpoint``) and the driver take :data:`NamedTensors` and
 turn it into a name-keyed dict with :func:`as_tensor_dict`; values are read through
-:func:`materialize`, which also accepts a handle with ``.load()`` (``checkpoint.LazyTensor``).
+:func:`materialize`, which also accepts a handle with ``.load()`` (``checkpoint.LazyTensor``,
+:class:`OnDevice`) and gathers a sharded ``DTensor`` (FSDP2, tensor parallel) into the whole
+tensor. A plan needs only :class:`TensorSpec` (name, shape, dtype): :func:`tensor_specs` makes
+them from ``(name, shape, dtype)`` triples or from tensors without touching their values.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,20 +30,89 @@ def as_tensor_dict(named_tensors: NamedTensors) -> dict[str, torch.Tensor]:
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     out: dict[str, torch.Tensor] = {}
     for name, t in items:
-        if not isinstance(name, str):
-            raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
-        if name in out:
-            raise PlanError(f"{name}: given twice")
+        check_new_name(name, out)
         out[name] = t
     return out
 
 
+def check_new_name(name: Any, seen: Container[str]) -> None:
+    """Raise PlanError unless ``name`` is a str not in ``seen`` (the names read so far)."""
+    if not isinstance(name, str):
+        raise PlanError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
+    if name in seen:
+        raise PlanError(f"{name}: given twice")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a plan reads of an input: its global ``shape`` and ``dtype`` (no values)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", torch.Size(tuple(int(s) for s in self.shape)))
+        if not isinstance(self.dtype, torch.dtype):
+            raise PlanError(f"TensorSpec dtype must be a torch.dtype, got {self.dtype!r}")
+
+
+def tensor_specs(items: NamedTensors | Iterable[tuple[str, Any, torch.dtype]]) -> dict[str, TensorSpec]:
+    """Name -> :class:`TensorSpec`, in the given order, from ``(name, shape, dtype)`` triples, a
+    mapping or ``(name, tensor)`` pairs (tensors, DTensors - their global shape -, meta tensors,
+    lazy handles: only ``.shape`` and ``.dtype`` are read). Nothing is kept of the values.
+
+    Raises: PlanError for a name that is not a str, a name given twice, or a malformed item.
+    """
+    def specs() -> Iterable[tuple[str, TensorSpec]]:
+        for item in items.items() if isinstance(items, Mapping) else items:
+            if isinstance(item, tuple) and len(item) == 3:
+                yield item[0], TensorSpec(item[1], item[2])
+            elif isinstance(item, tuple) and len(item) == 2:
+                t = item[1]
+                yield item[0], (t if isinstance(t, TensorSpec) else TensorSpec(t.shape, t.dtype))
+            else:
+                raise PlanError(f"expected (name, shape, dtype) or (name, tensor), got {item!r:.80}")
+
+    return as_tensor_dict(specs())  # type: ignore[return-value]
+
+
+class OnDevice:
+    """A lazily loaded handle (``.shape``, ``.dtype``, ``.load()``) whose value is loaded and
+    moved to ``device`` when the driver quantizes it: ``qstrat quantize --device cuda`` reads a
+    checkpoint tensor by tensor onto the GPU, so the Triton kernels do the export."""
+
+    def __init__(self, handle: Any, device: str | torch.device) -> None:
+        self.handle, self.device = handle, torch.device(device)
+        self.shape, self.dtype = torch.Size(handle.shape), handle.dtype
+
+    def load(self) -> torch.Tensor:
+        """The value on :attr:`device`."""
+        t = self.handle if isinstance(self.handle, torch.Tensor) else self.handle.load()
+        return t.to(self.device, non_blocking=False)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing that module:
+    no DTensor exists before it is imported)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 def materialize(t: Any, name: str) -> torch.Tensor:
-    """A tensor, or a lazily loaded handle with ``.load()`` (e.g. checkpoint.LazyTensor), loaded.
+    """A plain tensor of the input's whole value.
+
+    A tensor is returned as is; a handle with ``.load()`` (e.g. ``checkpoint.LazyTensor``,
+    :class:`OnDevice`) is loaded; a ``DTensor`` (FSDP2 ``fully_shard`` parameters, tensor-parallel
+    shards: any ``Shard``/``Replicate`` placement) is gathered with ``DTensor.full_tensor()``.
+    The gather is a collective: every rank of the mesh must materialize the same DTensors in
+    the same order (the driver does, since every rank runs the same plan in wire order).
 
     Raises: PlanError for a ``meta`` tensor (it has no values to quantize or send).
     """
-    t = t if isinstance(t, torch.Tensor) else t.load()
+    if is_dtensor(t):
+        t = t.full_tensor()
+    elif not isinstance(t, torch.Tensor):
+        t = t.load()
     if t.is_meta:
         raise PlanError(f"{name}: is a meta tensor; run() needs values (plan() accepts meta tensors)")
     return t

@@ -84,7 +84,8 @@ def _covered(module: str, patterns: list[str]) -> bool:
     return any(module == p or fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
-def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False) -> RefitReport:
+def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
+          plan: RefitPlan | None = None) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Args:
@@ -95,6 +96,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             layer of quantized parts) instead of a list of every quantized tensor. Needs an
             in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a multiprocess engine
             pickles its RPC arguments, which a generator cannot be.
+        plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to refit
+            only the layers that changed (whole layers; the others keep their weights).
+            ``named_tensors`` may then hold more tensors than the plan; the others are not sent.
     Returns: a :class:`RefitReport`.
     Raises: PlanError (before anything is sent) if the plan is invalid or does not match the
         engine's quantization_config; NonFiniteError naming the tensor (before anything is
@@ -102,7 +106,10 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     """
     start = time.perf_counter()
     tensors = as_tensor_dict(named_tensors)
-    plan = driver.plan(tensors)
+    if plan is None:
+        plan = driver.plan(tensors)
+    else:
+        driver.check_plan(plan)
     check_engine_compatible(plan, engine_quantization_config(llm))
     driver.check_values(plan, tensors)
     sent = {"tensors": 0, "bytes": 0}

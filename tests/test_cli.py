@@ -38,6 +38,22 @@ def test_plan_deepseek_v3_config_only_json():
     assert "model.layers.7.mlp.gate" in doc["quantization_config"]["ignored_layers"]
 
 
+def test_plan_names_config_only_tensors_with_the_configs_layout(tmp_path):
+    """``layout:`` in the refit config decides the names of a config-only plan, not detection."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    hf = json.loads((MODELS / "qwen3-235b-a22b" / "config.json").read_text())
+    hf.update(num_hidden_layers=2, num_experts=4)
+    (model / "config.json").write_text(json.dumps(hf))
+    cfg = tmp_path / "refit.yaml"
+    cfg.write_text("preset: mxfp8-experts\nlayout: mixtral\n")
+    doc = json.loads(run("plan", model, "--config", cfg, "--json").stdout)
+    assert doc["layout"] == "mixtral"
+    decisions = {e["name"]: e["serializer"] for e in doc["entries"]}
+    assert decisions["model.layers.1.block_sparse_moe.experts.3.w1.weight"] == "mxfp8"
+    assert not any(".mlp." in n for n in decisions)
+
+
 def test_plan_lists_every_tensor_and_summary(tmp_path):
     cfg = tmp_path / "refit.yaml"
     cfg.write_text("preset: mxfp8-experts\nkeep_bf16: {first: 1, last: 2}\n")
@@ -53,7 +69,8 @@ def test_quantize_a_checkpoint_and_plan_it_back(tiny_model, tmp_path):
     from qstrat.demo.tiny_model import save_bf16
 
     save_bf16(tiny_model, tmp_path / "bf16")
-    run("quantize", tmp_path / "bf16", "--preset", "block-fp8", "-o", tmp_path / "fp8")
+    out = run("quantize", tmp_path / "bf16", "--preset", "block-fp8", "-o", tmp_path / "fp8", "--device", "auto")
+    assert ("quantizing on cuda" if torch.cuda.is_available() else "quantizing on cpu") in out.stdout
     cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "fp8"
     from safetensors.torch import load_file
@@ -211,6 +228,14 @@ def test_bad_inputs_are_user_errors_not_tracebacks(case, tmp_path, bf16_dir):
     assert sorted(p.name for p in bf16_dir.iterdir()) == before  # the source is never touched
     if (tmp_path / "afile").exists():
         assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_quantize_device_cuda_without_a_gpu_is_a_user_error(bf16_dir, tmp_path):
+    proc = subprocess.run([*CLI, "quantize", str(bf16_dir), "--preset", "bf16", "-o", str(tmp_path / "out"),
+                           "--device", "cuda"], capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "error: --device cuda: no CUDA device is visible" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_exists_error_names_the_overwrite_option(bf16_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""End-to-end refit of a live vLLM engine (the issue's acceptance test).
+"""End-to-end refit of a live vLLM engine: refit A->B equals a fresh engine on B.
 
 An engine started on qstrat's block-FP8 checkpoint of model A is refit with
 ``qstrat.vllm.refit`` from model B's trainer tensors (BF16, grouped expert slabs). Its greedy
@@ -214,6 +214,26 @@ def test_fused_slab_emission_refit_equals_fresh_b(engine_a, references, models, 
             "model.layers.0.mlp.experts.down_proj_scale_inv"} <= names
     assert not any(".experts.0." in n for n in names)
     assert_same(greedy(llm), references["fresh"], "fused-slab refit A->B vs fresh B")
+
+
+def test_refit_of_whole_changed_layers_only(engine_a, references, models, driver):
+    """``plan.only_layers`` sends every tensor of the given layers and nothing else: the other
+    layers keep their weights (vLLM's layerwise reload leaves a layer that receives nothing)."""
+    from qstrat import tensor_specs
+    from qstrat import vllm as qvllm
+    from qstrat.engine.local import greedy
+
+    llm, a_out = engine_a
+    trainer_a, trainer_b = models[0].state_dict(), models[1].state_dict()
+    refit(llm, driver, trainer_b, "-> B")
+    plan = driver.plan(tensor_specs(trainer_b))
+    report = qvllm.refit(llm, driver, trainer_a, plan=plan.only_layers([2]))  # layer 2 of A into B
+    assert {o.name.split(".")[2] for o in report.plan.outputs()} == {"2"}
+    assert report.tensors == sum(o.name.startswith("model.layers.2.") for o in plan.outputs())
+    mixed = greedy(llm)
+    assert [g.tokens for g in mixed] != [g.tokens for g in references["fresh"]], "layer 2 did not change"
+    qvllm.refit(llm, driver, trainer_b, plan=plan.only_layers([2]))            # and back
+    assert_same(greedy(llm), references["fresh"], "B, layer 2 refit away and back, vs fresh B")
 
 
 def test_emulation_is_registered_exactly_where_needed(engine_support):

@@ -7,7 +7,7 @@ Where the kernel tests run:
   triton first, so here ONE test re-runs this file in a child pytest with the variable set from
   the start; the child runs every test below on CPU tensors. To run them directly:
   ``TRITON_INTERPRET=1 pytest tests/test_kernels.py``.
-Input classes: docs/test-vectors.md (shared docs).
+Input classes: docs/test-vectors.md.
 """
 from __future__ import annotations
 
@@ -243,7 +243,7 @@ else:
             assert got["weight_scale_inv"].item() == 2.0**k
             assert int(codes(got)[0, 3]) & 0x7F == 0x7E
 
-    # (value, e4m3fn code torch 2.13 gives): ties to even and carries, test-vectors.md
+    # (value, e4m3fn code torch 2.13 gives): ties to even and carries, docs/test-vectors.md
     TIES = [(1.0625, 0x38), (17.0, 0x58), (232.0, 0x76), (0.0029296875, 0x02), (126.24, 0x70),
             (1.97, 0x40), (-124.5, 0xF0), (2.0**-10, 0x00), (3 * 2.0**-10, 0x02), (-0.0, 0x80)]
 

@@ -3,7 +3,7 @@
 Runs like tests/test_kernels.py: on CUDA tensors in-process on a GPU machine; on a CPU machine
 one test re-runs this file in a child pytest with ``TRITON_INTERPRET=1`` set before triton is
 imported (``TRITON_INTERPRET=1 pytest tests/test_kernels_nvfp4.py`` runs it directly).
-Input classes: docs/test-vectors.md (shared docs).
+Input classes: docs/test-vectors.md.
 """
 from __future__ import annotations
 

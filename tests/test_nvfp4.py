@@ -1,5 +1,5 @@
 """NVFP4 torch reference: exact bytes against vLLM's ref_nvfp4_quant, special inputs
-(test-vectors.md), fusion-group scale sharing, and the vLLM ModelOpt loader's view of the parts."""
+(docs/test-vectors.md), fusion-group scale sharing, and the vLLM ModelOpt loader's view of the parts."""
 from __future__ import annotations
 
 import types
@@ -159,7 +159,7 @@ def test_row_and_expert_chunking_does_not_change_bytes():
         assert torch.equal(_bits(whole[k]), _bits(chunked[k])), k
 
 
-# ---- special inputs (test-vectors.md) ------------------------------------------------------
+# ---- special inputs (docs/test-vectors.md) ------------------------------------------------------
 def test_e2m1_round_half_to_even_table():
     a = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 6.0, float("inf")])
     want = [0, 0, 2, 2, 4, 4, 6, 6, 7, 7, 7]  # codes of 0, 0, 1, 1, 2, 2, 4, 4, 6, 6, 6

@@ -195,7 +195,10 @@ def test_plan_json_roundtrip():
     doc = json.loads(RefitDriver("block-fp8", hf_config=cfg).plan(tensors).to_json())
     assert doc["quantization_config"]["quant_method"] == "fp8"
     assert doc["totals"]["block_fp8"]["tensors"] == 4 * (4 + 4 * 3)
-    assert doc["entries"][0]["name"] == "lm_head.weight"
+    # natural wire order is model order: embeddings, layers by index, then the rest
+    assert doc["wire_order"] == "natural"
+    assert doc["entries"][0]["name"] == "model.embed_tokens.weight"
+    assert [e["name"] for e in doc["entries"][-2:]] == ["lm_head.weight", "model.norm.weight"]
 
 
 def test_select_on_module_and_names(tiny_model):

@@ -1,4 +1,4 @@
-"""Every class of shared/docs/test-vectors.md on the torch reference path, with exact expected bytes."""
+"""Every class of docs/test-vectors.md on the torch reference path, with exact expected bytes."""
 from __future__ import annotations
 
 import pytest

@@ -52,7 +52,7 @@ def test_mxfp8_matches_vllm(i, shape, dtype):
 
 
 def _special_blocks() -> torch.Tensor:
-    """[8, 256] rows of test-vectors.md classes, each row 32-aligned."""
+    """[8, 256] rows of docs/test-vectors.md classes, each row 32-aligned."""
     rows = torch.zeros(8, 256)
     rows[1] = torch.linspace(1e-40, 1e-35, 256)               # fp32 subnormal territory
     rows[2, :32] = 0.5; rows[2, 0] = 460.0                      # mantissa just above 1.75 * 2^8

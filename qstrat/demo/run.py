@@ -20,7 +20,9 @@ import torch
 
 from qstrat.checkpoint import load_checkpoint, write_checkpoint
 from qstrat.driver import RefitDriver
+from qstrat.errors import VerificationError
 from qstrat.plan import PASSTHROUGH, RefitPlan
+from qstrat.serializers.base import dtype_name
 
 
 @dataclass
@@ -45,7 +47,7 @@ def _stage(report: DemoReport, name: str):
 
 def run_demo(config: Any = "block-fp8", out_dir: str | Path | None = None, engine: bool = True,
              console: Any = None) -> DemoReport:
-    """Run the demo. Returns a :class:`DemoReport`; raises AssertionError if verification fails.
+    """Run the demo. Returns a :class:`DemoReport`; raises VerificationError if verification fails.
 
     Args:
         config: refit config (preset name, path or mapping); default ``block-fp8``.
@@ -82,23 +84,29 @@ def verify_checkpoint(driver: RefitDriver, tensors: Mapping[str, torch.Tensor],
                       directory: Path) -> dict[str, float]:
     """Check a written checkpoint against the plan and a fresh quantization.
 
-    Asserts: config.json carries the plan's quantization_config; the file holds exactly the
+    Checks: config.json carries the plan's quantization_config; the file holds exactly the
     planned names, shapes and dtypes; its bytes equal a fresh ``driver.run`` (determinism).
     Returns: relative RMS error ``||dequant(w) - w|| / ||w||`` per serializer over its tensors.
+    Raises: VerificationError naming the first difference.
     """
     import json
 
     plan = driver.plan(tensors)
     stored = load_checkpoint(directory)
     written_cfg = json.loads((directory / "config.json").read_text()).get("quantization_config")
-    assert written_cfg == plan.vllm_quantization_config(), "config.json quantization_config differs"
+    if written_cfg != plan.vllm_quantization_config():
+        raise VerificationError(f"{directory}/config.json: quantization_config {written_cfg} differs "
+                                f"from the plan's {plan.vllm_quantization_config()}")
     planned = {o.name: (o.shape, o.dtype) for o in plan.outputs()}
-    got = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in stored.items()}
-    assert got == planned, f"checkpoint differs from plan: {set(got) ^ set(planned)}"
+    got = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in stored.items()}
+    if got != planned:
+        diff = sorted(n for n in set(got) | set(planned) if got.get(n) != planned.get(n))
+        raise VerificationError(f"{directory}: checkpoint differs from the plan in {diff[:5]}")
     for name, t in driver.run(tensors):
         a, b = stored[name], t.contiguous()
-        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                           b.view(torch.uint8) if b.element_size() == 1 else b), f"{name} bytes differ"
+        if not torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b):
+            raise VerificationError(f"{name}: stored bytes differ from a fresh quantization")
     num, den = defaultdict(float), defaultdict(float)
     for e in plan.entries:
         if e.serializer == PASSTHROUGH:

@@ -4,4 +4,6 @@
   release it (the demo and the end-to-end tests).
 - :mod:`.emulation`: emulated kernels that let a CPU vLLM engine serve formats it has no native
   kernels for here.
+- :mod:`.transfer_backend`: the vLLM weight-transfer backend ``"qstrat"`` (receives
+  :mod:`qstrat.transport` rounds; imports vLLM).
 """

@@ -1,9 +1,19 @@
 """The refit plan's data: every input tensor's decision and outputs, resolved before any quantization.
 
-A :class:`RefitPlan` lists :class:`PlanEntry` items (inputs in natural name order). The WIRE
-ORDER is every output checkpoint name in natural order (``layers.2`` before ``layers.10``;
-digit runs compare as numbers): the same model gives the same wire order whether the trainer
-hands over grouped slabs or per-expert tensors, in any input order.
+A :class:`RefitPlan` lists :class:`PlanEntry` items (inputs in wire order). The WIRE ORDER -
+the order in which outputs are emitted - is derived from metadata alone (:data:`WIRE_ORDERS`):
+
+- ``natural`` (default): model order - embeddings, then decoder layers by index, then the rest
+  (final norm, lm_head, blocks outside the decoder) - and, inside each of these sections, the
+  natural order of output checkpoint names (digit runs compare as numbers: ``layers.2`` before
+  ``layers.10``). The same model gives the same wire order whether the trainer hands over grouped
+  slabs or per-expert tensors, in any input order; a layer-by-layer stream is emitted with a
+  window of about one layer.
+- ``producer``: inputs in the order the trainer produced them (the order of the spec list or
+  mapping the plan was made from), each input's outputs in natural name order. Nothing waits
+  for a later input (except members of an engine-fused group whose format shares state across
+  the group): what a sender with no names on the wire needs, where the exporter's order IS the
+  wire order.
 """
 from __future__ import annotations
 
@@ -11,7 +21,7 @@ import contextlib
 import gc
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,7 +30,11 @@ import torch
 from qstrat.rules import PASSTHROUGH
 from qstrat.serializers.base import tensor_nbytes
 
-__all__ = ["PASSTHROUGH", "OutputTensor", "PlanEntry", "RefitPlan", "natural_key"]
+__all__ = ["PASSTHROUGH", "WIRE_ORDERS", "OutputTensor", "PlanEntry", "RefitPlan", "natural_key",
+           "order_entries", "section_key"]
+
+#: Wire orders a plan can have (see the module docstring).
+WIRE_ORDERS = ("natural", "producer")
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,12 @@ class RefitPlan:
         layout: model layout name; num_layers: decoder depth used for keep_bf16.
         ignored_layers: vLLM module prefixes left unquantized (routers included).
         quantization_config: the engine's quantization_config, or None for a BF16 plan.
+        order: the wire order, one of :data:`WIRE_ORDERS`.
+        rank: for a per-rank plan (:func:`qstrat.sharding.split_plan`), the rank that emits
+            these entries; None for a whole plan.
+        elsewhere: for a part of a plan (:meth:`subset`), input name -> the rank emitting it
+            (None: not emitted by this refit): inputs it may be given (a replicated tensor, the
+            whole model's stream) but drops.
     """
 
     entries: list[PlanEntry]
@@ -96,6 +116,9 @@ class RefitPlan:
     ignored_layers: list[str]
     quantization_config: dict[str, Any] | None
     config: dict[str, Any] = field(default_factory=dict)
+    order: str = "natural"
+    rank: int | None = None
+    elsewhere: dict[str, int | None] = field(default_factory=dict)
 
     def vllm_quantization_config(self) -> dict[str, Any] | None:
         """The exact ``quantization_config`` for the engine's config.json (None: unquantized)."""
@@ -106,10 +129,40 @@ class RefitPlan:
         return [o for _, o in self.wire_order()]
 
     def wire_order(self) -> list[tuple[int, OutputTensor]]:
-        """(entry index, output) pairs sorted by natural order of the output name."""
+        """(entry index, output) pairs in wire order (:attr:`order`; see the module docstring)."""
         with gc_paused():
             pairs = [(i, o) for i, e in enumerate(self.entries) for o in e.outputs]
-            return sorted(pairs, key=lambda p: natural_key(p[1].name))
+            if self.order == "producer":
+                return sorted(pairs, key=lambda p: (p[0], natural_key(p[1].name)))
+            return sorted(pairs, key=lambda p: (section_key(self.entries[p[0]]), natural_key(p[1].name)))
+
+    def subset(self, keep: Callable[[PlanEntry], bool], rank: int | None = None,
+               others: Callable[[PlanEntry], int | None] = lambda e: None) -> RefitPlan:
+        """The plan of the entries ``keep`` selects, in this plan's wire order; the others go to
+        :attr:`elsewhere` (``others(entry)``: the rank that emits them, None: nobody). The
+        engine's ``quantization_config`` and ignore list stay those of the whole plan."""
+        kept = [e for e in self.entries if keep(e)]
+        names = {e.name for e in kept}
+        elsewhere = {**self.elsewhere, **{e.name: others(e) for e in self.entries if e.name not in names}}
+        return RefitPlan(kept, self.layout, self.num_layers, list(self.ignored_layers),
+                         self.vllm_quantization_config(), dict(self.config), order=self.order,
+                         rank=rank, elsewhere=elsewhere)
+
+    def only_layers(self, layers: Iterable[int]) -> RefitPlan:
+        """The plan of whole decoder layers ``layers`` (every tensor of each: vLLM's layerwise
+        reload processes a layer that receives only part of its tensors with uninitialised memory
+        for the rest, and keeps the old weights of a layer that receives nothing). Inputs of
+        other layers and outside the decoder may still be given: they are dropped.
+
+        Raises: PlanError naming a layer this plan does not have.
+        """
+        wanted = set(layers)
+        missing = sorted(wanted - {e.layer for e in self.entries if e.layer is not None})
+        if missing:
+            from qstrat.errors import PlanError
+
+            raise PlanError(f"only_layers: layers {missing} are not in the plan")
+        return self.subset(lambda e: e.layer in wanted)
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per serializer: ``tensors`` (inputs), ``outputs``, ``bytes_in`` (as given), ``bytes_out``."""
@@ -130,7 +183,8 @@ class RefitPlan:
             "config": self.config,
             "quantization_config": self.quantization_config,
             "ignored_layers": self.ignored_layers,
-            "wire_order": "output checkpoint names in natural order (digit runs compare as numbers)",
+            "wire_order": self.order,
+            "rank": self.rank,
             "totals": self.totals(),
             "entries": [asdict(e) for e in self.entries],
         }
@@ -171,3 +225,25 @@ def natural_key(name: str) -> str:
 def _encode_digits(m: re.Match[str]) -> str:
     digits = m.group().lstrip("0") or "0"
     return "\0" + chr(0x30 + len(digits)) + digits
+
+
+def section_key(e: PlanEntry) -> tuple[int, int]:
+    """Model section of an input for the ``natural`` wire order: embeddings ``(0, 0)``, decoder
+    layer ``i`` (MTP layers stored as ``layers.{i}`` included) ``(1, i)``, the rest ``(2, 0)``."""
+    if e.kind == "embedding":
+        return (0, 0)
+    if e.layer is not None:
+        return (1, e.layer)
+    return (2, 0)
+
+
+def order_entries(entries: list[PlanEntry], order: str) -> list[PlanEntry]:
+    """Entries in wire order: as produced (``producer``) or by (section, natural name) (``natural``).
+
+    Raises: ValueError for an order not in :data:`WIRE_ORDERS`.
+    """
+    if order not in WIRE_ORDERS:
+        raise ValueError(f"wire order {order!r}: expected one of {WIRE_ORDERS}")
+    if order == "producer":
+        return list(entries)
+    return sorted(entries, key=lambda e: (section_key(e), natural_key(e.name)))

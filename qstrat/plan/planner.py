@@ -1,7 +1,7 @@
 """The planner: every input tensor's decision, outputs and checks, from names, shapes and dtypes.
 
 :meth:`Planner.plan` needs no values (``meta`` tensors plan as well as real ones). For each input,
-in natural name order: parse the name (the layout), decide (the rules), check the dtype and that
+in natural name order (producer order for ``wire_order: producer``): parse the name (the layout), decide (the rules), check the dtype and that
 the format can represent the shape (``on_unsupported: bf16`` falls back visibly), declare the
 checkpoint tensors it emits - whole, per expert (a slab cut into ``experts.{e}.{proj}``) or as a
 fused slab - and the engine-fusion group it belongs to. Then the whole-plan checks
@@ -19,7 +19,8 @@ from qstrat.config import RefitConfig
 from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout, ParsedName
 from qstrat.plan import checks
-from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_key
+from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_key,
+                              order_entries)
 from qstrat.rules import Decision, RuleSet, is_weight_matrix
 from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nbytes
 
@@ -78,19 +79,22 @@ class Planner:
                           f"{self.layout.num_layers_key!r} (inferring it from names would miscount "
                           "MTP layers and pipeline-parallel shards)")
         entries = []
-        for name in sorted(tensors, key=natural_key):
+        order = self.config.wire_order
+        for name in (list(tensors) if order == "producer" else sorted(tensors, key=natural_key)):
             t = tensors[name]
             try:
                 entries.append(self.entry(name, tuple(t.shape), t.dtype, num_layers))
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
+        entries = order_entries(entries, order)
         errors += checks.check_groups(entries) + checks.check_outputs(entries)
         errors += checks.check_expert_inputs(entries, self.layout.num_experts(self.hf_config))
         ignored = checks.ignored_layers(entries, errors, self._quantizes)
         qconfig = self._engine_config(entries, ignored, errors)
         if errors:
             raise PlanError("refit plan is invalid:\n  " + "\n  ".join(errors))
-        return RefitPlan(entries, self.layout.name, num_layers, ignored, qconfig, self.config.to_dict())
+        return RefitPlan(entries, self.layout.name, num_layers, ignored, qconfig, self.config.to_dict(),
+                         order=order)
 
     def entry(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
               num_layers: int | None) -> PlanEntry:

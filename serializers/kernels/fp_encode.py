@@ -180,6 +180,32 @@ def nan_if(amax, has_nan):
 
 
 @triton.jit
+def load_block_tile(x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B: tl.constexpr,
+                    BF16_BITS: tl.constexpr):
+    """Load program ``tile`` of expert ``e`` of an [E, N, K] input as B-element scale blocks.
+
+    The tile is rows ``tn * BLOCK_N ...`` and columns ``tk * BLOCK_K ...`` with ``tn, tk =
+    divmod(tile, KT)``; ``K % B == 0`` (checked on the host), so a block is wholly in or out.
+    Offsets are int64 (inputs past 2^31 elements), strides the input's own.
+    Returns: ``(x, rows, groups, r3, c3, mask)``: x float32 [BLOCK_N, BLOCK_K // B, B] (0 where
+    masked), the row indices [BLOCK_N], the block indices along K [BLOCK_K // B], their
+    broadcast row/column offsets r3 [BLOCK_N, 1, 1] and c3 [1, G, B], and the in-range mask.
+    """
+    G: tl.constexpr = BLOCK_K // B
+    tn = tile // KT
+    tk = tile % KT
+    rows = tn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    groups = tk * G + tl.arange(0, G).to(tl.int64)
+    lanes = tl.arange(0, B).to(tl.int64)
+    r3 = rows[:, None, None]
+    c3 = groups[None, :, None] * B + lanes[None, None, :]
+    mask = (r3 < N) & (c3 < K)
+    x = load_f32(x_ptr + e * stride_e + r3 * stride_n + c3 * stride_k, mask, BF16_BITS)
+    return x, rows, groups, r3, c3, mask
+
+
+@triton.jit
 def amax_last_axis(x):
     """max |x| over the last axis of a [BLOCK_N, G, B] block of rows x B-element blocks (MX,
     NVFP4), NaN-propagating like torch's ``amax``; returns float32 [BLOCK_N, G]."""

@@ -38,17 +38,8 @@ def _mxfp8_kernel(
 ):
     tile = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1).to(tl.int64)
-    tn = tile // KT
-    tk = tile % KT
-    G: tl.constexpr = BLOCK_K // MX
-    rows = tn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    groups = tk * G + tl.arange(0, G).to(tl.int64)  # 32-block index along K
-    lanes = tl.arange(0, MX).to(tl.int64)
-    r3 = rows[:, None, None]
-    c3 = groups[None, :, None] * MX + lanes[None, None, :]
-    mask = (r3 < N) & (c3 < K)  # K % 32 == 0: a 32-block is wholly in or out
-    src = x_ptr + e * stride_e + r3 * stride_n + c3 * stride_k
-    x = fp_encode.load_f32(src, mask, BF16_BITS)
+    x, rows, groups, r3, c3, mask = fp_encode.load_block_tile(  # 32-element blocks along K
+        x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k, BLOCK_N, BLOCK_K, MX, BF16_BITS)
 
     amax = fp_encode.amax_last_axis(x)
     byte = fp_encode.e8m0_from_amax(amax, RCEIL)

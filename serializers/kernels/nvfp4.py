@@ -55,16 +55,9 @@ def _nvfp4_kernel(
         tl.store(s2_ptr + e, dec)
         tl.store(in_ptr + e, input_scale)
 
-    tn = tile // KT
-    tk = tile % KT
     G: tl.constexpr = BLOCK_K // FB
-    rows = tn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    groups = tk * G + tl.arange(0, G).to(tl.int64)  # 16-block index along K
-    lanes = tl.arange(0, FB).to(tl.int64)
-    r3 = rows[:, None, None]
-    c3 = groups[None, :, None] * FB + lanes[None, None, :]
-    mask = (r3 < N) & (c3 < K)  # K % 16 == 0: a 16-block is wholly in or out
-    x = fp_encode.load_f32(x_ptr + e * stride_e + r3 * stride_n + c3 * stride_k, mask, BF16_BITS)
+    x, rows, groups, r3, c3, mask = fp_encode.load_block_tile(  # 16-element blocks along K
+        x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k, BLOCK_N, BLOCK_K, FB, BF16_BITS)
 
     # Step 2: e4m3 block scale.
     amax_b = fp_encode.amax_last_axis(x)

@@ -1,0 +1,19 @@
+"""Refit across processes: qstrat's weight transport on torch.distributed (gloo / NCCL).
+
+- :mod:`.manifest`: names, dtypes, shapes, byte offsets, bucket boundaries, wire order, digest;
+  computed from the plan before any data flows, checked by every receiver.
+- :mod:`.buckets`: packing, zero-copy unpacking, CRC-32 per bucket.
+- :mod:`.group`: the stateless trainer<->engines process group, timeouts on everything.
+- :mod:`.protocol`: the steps of one round (header, accept vote, buckets, commit vote).
+- :mod:`.sender`: :class:`RefitSender`, the trainer side, driven from a ``RefitDriver`` plan.
+- :mod:`.receiver`: :func:`receive_round` and :class:`StandaloneReceiver` (no engine).
+
+The engine side is a vLLM weight-transfer backend, :mod:`qstrat.engine.transfer_backend`
+(``LLM(weight_transfer_config={"backend": "qstrat"})``). See docs/transport.md.
+"""
+from qstrat.transport.manifest import Manifest, build_manifest, check_against, manifest_for_plan
+from qstrat.transport.receiver import StandaloneReceiver, receive_round
+from qstrat.transport.sender import RefitSender, TransferReport
+
+__all__ = ["Manifest", "RefitSender", "StandaloneReceiver", "TransferReport", "build_manifest",
+           "check_against", "manifest_for_plan", "receive_round"]

@@ -1,0 +1,98 @@
+"""Bucket packing (sender), zero-copy unpacking (receiver) and the per-bucket checksum.
+
+A shared bucket is one ``uint8`` buffer holding several tensors at their manifest offsets
+(mixed dtypes); a chunk bucket is a slice of one large tensor's own bytes and is sent and
+received in place (no copy on either side). Checksum: CRC-32 (``zlib.crc32``, ISO-HDLC
+polynomial, as in zlib/PNG) of the payload bytes; it releases the GIL, so it overlaps the
+broadcast of the previous bucket.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from qstrat.transport.manifest import Bucket, Manifest, TensorSlot
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a flat ``uint8`` view (no copy; 0-dim and bool work)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def checksum(payload: torch.Tensor) -> int:
+    """CRC-32 of a contiguous ``uint8`` tensor's bytes (a CUDA tensor is copied to the host)."""
+    host = payload if payload.device.type == "cpu" else payload.cpu()
+    return zlib.crc32(host.numpy()) if host.numel() else 0
+
+
+def bucket_contents(manifest: Manifest) -> list[list[TensorSlot]]:
+    """For each bucket, the slots that lie in it (a chunked slot in each of its buckets)."""
+    contents: list[list[TensorSlot]] = [[] for _ in manifest.buckets]
+    for s in manifest.slots:
+        for c in range(s.chunks):
+            contents[s.bucket + c].append(s)
+    return contents
+
+
+def pack(buffer: torch.Tensor, bucket: Bucket, slots: list[TensorSlot],
+         tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Copy ``tensors`` into ``buffer`` (uint8, >= bucket size) at their slots' offsets.
+
+    Padding bytes are zeroed, so the checksum is a function of the tensors alone.
+    Returns: the payload view ``buffer[:bucket.nbytes]``.
+    """
+    pos = 0
+    for s, t in zip(slots, tensors):
+        if s.offset > pos:
+            buffer[pos:s.offset].zero_()
+        buffer[s.offset:s.offset + s.nbytes].copy_(byte_view(t.contiguous()))
+        pos = s.offset + s.nbytes
+    buffer[pos:bucket.nbytes].zero_()
+    return buffer[:bucket.nbytes]
+
+
+def chunk_view(t: torch.Tensor, manifest: Manifest, slot: TensorSlot, bucket: Bucket) -> torch.Tensor:
+    """The bytes of ``t`` (contiguous, the slot's tensor) that make up chunk ``bucket`` (no copy)."""
+    start = bucket.stream_offset - manifest.buckets[slot.bucket].stream_offset
+    return byte_view(t)[start:start + bucket.nbytes]
+
+
+def receive_buffers(manifest: Manifest, device: torch.device) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    """Allocate, bucket by bucket, the uint8 tensor each bucket is received into.
+
+    A shared bucket gets its own buffer (its tensors become views of it: :func:`unpack`); the
+    chunks of a large tensor are slices of one buffer of that tensor's size.
+    """
+    contents = bucket_contents(manifest)
+    whole: dict[str, torch.Tensor] = {}
+    for b, slots in zip(manifest.buckets, contents):
+        if b.tensor is None:
+            yield b, torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+            continue
+        slot = slots[0]
+        if slot.name not in whole:
+            whole[slot.name] = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
+        start = b.stream_offset - manifest.buckets[slot.bucket].stream_offset
+        yield b, whole[slot.name][start:start + b.nbytes]
+
+
+def unpack(manifest: Manifest, received: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` in wire order, each a view of the received bytes (no copy).
+
+    Args: received: per bucket, the buffer :func:`receive_buffers` gave for it, filled.
+    Views are valid because every offset is a multiple of the alignment (>= element size).
+    """
+    out = []
+    for s in manifest.slots:
+        buf = received[s.bucket]
+        if s.chunks > 1:  # the chunks are consecutive slices of one storage
+            base = buf.untyped_storage()
+            raw = torch.empty(0, dtype=torch.uint8, device=buf.device).set_(
+                base, buf.storage_offset(), (s.nbytes,))
+        else:
+            raw = buf[s.offset:s.offset + s.nbytes]
+        dtype = getattr(torch, s.dtype)
+        out.append((s.name, raw.view(dtype).reshape(s.shape)))
+    return out

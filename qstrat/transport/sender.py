@@ -1,0 +1,268 @@
+"""Trainer side: drive a refit of remote engines from a :class:`~qstrat.RefitDriver` plan.
+
+:class:`RefitSender` talks to each engine through a weight-sync client (vLLM's
+``VLLMWeightSyncClient`` protocol: ``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``; e.g. ``vllm.distributed.weight_transfer.
+HTTPVLLMWeightSyncClient`` for a ``vllm serve`` endpoint) whose engines run
+``weight_transfer_config={"backend": "qstrat"}`` (:mod:`qstrat.engine.transfer_backend`), and
+streams the tensors itself on a torch.distributed group (rank 0 = this process).
+
+A round: plan and check values (nothing sent on error) -> manifest -> ``start_weight_update``
+-> ``update_weights({"manifest": ...})`` on every engine, concurrently with the stream
+(:mod:`qstrat.transport.protocol`) -> ``finish_weight_update`` (the engines load) only if every
+rank voted to commit.
+
+Double buffering: at most two buckets are in flight; bucket k+1 is packed (and checksummed)
+while bucket k is being broadcast. Chunks of a tensor larger than a bucket are broadcast from
+the tensor's own memory (no packing copy).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qstrat.errors import ManifestMismatchError, TransportError
+from qstrat.inputs import NamedTensors, as_tensor_dict
+from qstrat.transport import protocol as p
+from qstrat.transport.buckets import bucket_contents, checksum, chunk_view, pack
+from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
+from qstrat.transport.manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, Manifest,
+                                       TensorSlot, manifest_for_plan)
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """One round: its manifest, payload bytes, buckets, wall seconds of the stream (steps 1-4)
+    and of the whole round (RPCs and engine load included)."""
+
+    manifest: Manifest
+    bytes: int
+    buckets: int
+    stream_seconds: float
+    seconds: float
+
+
+class RefitSender:
+    """Rank 0 of the transfer group; fans each weight-sync call out to every engine.
+
+    Args:
+        clients: one weight-sync client per engine (``VLLMWeightSyncClient`` protocol).
+        master_address, master_port: where this process hosts the group's TCPStore.
+        backend: ``gloo`` (CPU) or ``nccl`` (GPU).
+        timeout_s: rendezvous, per-collective and per-RPC timeout (seconds).
+        bucket_bytes, alignment: bucket bound and in-bucket alignment (bytes).
+        workers_per_client: ranks each engine brings (its TP x PP x DP worker count).
+    """
+
+    def __init__(self, clients: Sequence[Any], master_address: str, master_port: int,
+                 backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
+                 workers_per_client: Sequence[int] | None = None) -> None:
+        self.clients = list(clients)
+        self.workers = list(workers_per_client or [1] * len(self.clients))
+        if len(self.workers) != len(self.clients):
+            raise TransportError("workers_per_client needs one count per client")
+        self.master_address, self.master_port, self.backend = master_address, master_port, backend
+        self.timeout_s, self.bucket_bytes, self.alignment = timeout_s, bucket_bytes, alignment
+        self.group: TransferGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)),
+                                        thread_name_prefix="qstrat-rpc")
+
+    # ---- setup ----------------------------------------------------------------------------
+    def init_infos(self) -> list[dict[str, Any]]:
+        """The ``init_weight_transfer_engine`` payload for each client (rank offsets differ)."""
+        world = 1 + sum(self.workers)
+        infos, offset = [], 1
+        for n in self.workers:
+            infos.append({"master_address": self.master_address, "master_port": self.master_port,
+                          "rank_offset": offset, "world_size": world, "backend": self.backend,
+                          "timeout_s": self.timeout_s})
+            offset += n
+        return infos
+
+    def connect(self) -> None:
+        """Open the group with every engine (their ``init_weight_transfer_engine`` runs
+        concurrently with this rank's rendezvous). Raises TransportError on failure/timeout."""
+        self.close()
+        futures = [self._pool.submit(c.init_weight_transfer_engine, info)
+                   for c, info in zip(self.clients, self.init_infos())]
+        try:
+            self.group = open_group(self.master_address, self.master_port, 0, 1 + sum(self.workers),
+                                    self.backend, self.timeout_s)
+        finally:
+            errors = self._results(futures)
+        if errors:
+            self.close()
+            raise TransportError(f"init_weight_transfer_engine failed: {errors}")
+
+    def close(self) -> None:
+        """Close the group (engines keep their weights)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ---- a round --------------------------------------------------------------------------
+    def refit(self, driver: Any, named_tensors: NamedTensors, plan: Any = None) -> TransferReport:
+        """Quantize ``named_tensors`` with ``driver`` and refit every engine (all or none).
+
+        Args:
+            driver: the ``RefitDriver``; named_tensors: the trainer's (HF name, tensor) pairs.
+            plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to
+                refit only the layers that changed (whole layers: engines refuse a partly sent
+                layer; the others keep their weights).
+        Raises: PlanError / NonFiniteError before anything is sent; ManifestMismatchError if an
+            engine refused the manifest (no data sent); TransportError for a failed checksum,
+            an aborted or truncated stream, a lost peer or a timeout - in every case no engine
+            loaded anything.
+        """
+        tensors = as_tensor_dict(named_tensors)
+        if plan is None:
+            plan = driver.plan(tensors)
+        else:
+            driver.check_plan(plan)
+        driver.check_values(plan, tensors)
+        manifest = manifest_for_plan(plan, self.bucket_bytes, self.alignment)
+        return self.send(manifest, driver.execute(plan, tensors, values_checked=True))
+
+    def send(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> TransferReport:
+        """Run one round for ``manifest`` with ``tensors`` yielded in its wire order."""
+        if self.group is None or self.group.pg is None:
+            raise TransportError("connect() first (no open transfer group)")
+        start = time.perf_counter()
+        self._call_all("start_weight_update")
+        doc = {"manifest": manifest.to_dict()}
+        futures = [self._pool.submit(c.update_weights, doc) for c in self.clients]
+        stream_start = time.perf_counter()
+        try:
+            self._stream(manifest, tensors)
+        except TransportError as exc:
+            errors = self._results(futures)
+            kind = ManifestMismatchError if isinstance(exc, ManifestMismatchError) else TransportError
+            raise kind(f"{exc}; engines: {errors or 'no error reported'}") from exc
+        stream_seconds = time.perf_counter() - stream_start
+        errors = self._results(futures)
+        if errors:
+            raise TransportError(f"update_weights failed after the stream: {errors}")
+        self._call_all("finish_weight_update")
+        return TransferReport(manifest, manifest.total_bytes, len(manifest.buckets), stream_seconds,
+                              time.perf_counter() - start)
+
+    def _stream(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        group = self.group
+        assert group is not None
+        try:
+            group.wait(group.broadcast(p.round_header(len(manifest.buckets), manifest.total_bytes,
+                                                      manifest.digest, group.device)))
+            statuses = p.vote(group, p.OK)
+        except RuntimeError as exc:
+            raise p.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
+        if any(statuses):
+            cls = ManifestMismatchError if p.REJECTED in statuses else TransportError
+            raise cls(f"round refused before any data: {p.describe(statuses)}")
+        failure = self._send_buckets(group, manifest, iter(tensors))
+        try:
+            statuses = p.vote(group, p.SENDER_ABORT if failure else p.OK)
+        except RuntimeError as exc:
+            raise p.lost(group, "commit vote failed (a receiver died?)", exc) from None
+        if failure:
+            raise TransportError(f"sender aborted the stream: {failure}; nothing loaded")
+        if any(statuses):
+            raise TransportError(f"round not committed: {p.describe(statuses)}; nothing loaded")
+
+    def _send_buckets(self, group: TransferGroup, manifest: Manifest,
+                      tensors: Iterator[tuple[str, torch.Tensor]]) -> str | None:
+        """Step 3. Returns None, or why the sender aborted (its source fell short/disagreed)."""
+        contents = bucket_contents(manifest)
+        buffers: list[torch.Tensor] = []
+        pending: deque[tuple[Any, ...]] = deque()
+        big: torch.Tensor | None = None
+        reason, k = None, 0
+        try:
+            for k, b in enumerate(manifest.buckets):
+                if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
+                    _finish(group, pending.popleft())
+                busy = {id(item[-1]) for item in pending}
+                flags = 0
+                try:
+                    if b.tensor is None:
+                        owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
+                        payload = pack(owner, b, contents[k], [self._next(tensors, s, group) for s in contents[k]])
+                    else:
+                        slot = contents[k][0]
+                        if slot.bucket == k:
+                            big = self._next(tensors, slot, group).contiguous()
+                        payload, owner = chunk_view(big, manifest, slot, b), big
+                except TransportError as exc:
+                    flags, reason = p.ABORT, str(exc)
+                    owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
+                    payload = owner[:b.nbytes]
+                hdr = p.bucket_header(k, checksum(payload) if not flags else 0, flags, group.device)
+                wire = self.transmit_payload(k, payload)
+                pending.append((group.broadcast(hdr), group.broadcast(wire), hdr, wire, owner))
+                if flags:
+                    break
+            while pending:
+                _finish(group, pending.popleft())
+            return reason
+        except RuntimeError as exc:  # c10d: a peer died or timed out
+            pending.clear()
+            error = str(exc)
+        raise p.lost(group, f"broadcast of bucket {k}/{len(manifest.buckets)} failed "
+                            f"(a receiver died?)", error) from None
+
+    def transmit_payload(self, index: int, payload: torch.Tensor) -> torch.Tensor:
+        """The bytes put on the wire for bucket ``index``, after its checksum was taken (a hook:
+        identity here; the fault tests override it to corrupt or cut the stream)."""
+        return payload
+
+    @staticmethod
+    def _next(tensors: Iterator[tuple[str, torch.Tensor]], slot: TensorSlot,
+              group: TransferGroup) -> torch.Tensor:
+        try:
+            name, t = next(tensors)
+        except StopIteration:
+            raise TransportError(f"the source ended before {slot.name!r} (truncated)") from None
+        if (name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) != (slot.name, slot.dtype, slot.shape):
+            raise TransportError(f"the source yielded {name!r} {t.dtype} {list(t.shape)} where the "
+                                 f"manifest has {slot.name!r} {slot.dtype} {list(slot.shape)}")
+        return t.to(group.device)
+
+    # ---- RPC fan-out ----------------------------------------------------------------------
+    def _call_all(self, method: str) -> None:
+        errors = self._results([self._pool.submit(getattr(c, method)) for c in self.clients])
+        if errors:
+            raise TransportError(f"{method} failed: {errors}")
+
+    def _results(self, futures: list[Future]) -> list[str]:
+        """Wait (bounded) for every RPC; the errors as ``"engine i: message"``."""
+        done, _ = wait_futures(futures, timeout=self.timeout_s)
+        errors = []
+        for i, f in enumerate(futures):
+            if f not in done:
+                errors.append(f"engine {i}: no answer within {self.timeout_s:g} s")
+            elif f.exception() is not None:
+                errors.append(f"engine {i}: {type(f.exception()).__name__}: {f.exception()}")
+        return errors
+
+
+def _finish(group: TransferGroup, item: tuple[Any, ...]) -> None:
+    """Wait for a bucket's header and payload broadcasts."""
+    group.wait(item[0])
+    group.wait(item[1])
+
+
+def _free_buffer(buffers: list[torch.Tensor], busy: set[int], size: int,
+                 device: torch.device) -> torch.Tensor:
+    """A pack buffer not in flight (at most two are ever allocated)."""
+    for buf in buffers:
+        if id(buf) not in busy:
+            return buf
+    buffers.append(torch.empty(size, dtype=torch.uint8, device=device))
+    return buffers[-1]

