@@ -11,11 +11,12 @@ checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ INDEX = "model.safetensors.index.json"
 
 # Files of a source model directory that the output regenerates (or that hold weights) and are
 # therefore not copied by ``write_checkpoint(..., source_dir=...)``.
-_NOT_COPIED_NAMES = {"config.json", "qstrat_plan.json"}
+_NOT_COPIED_NAMES = {"config.json", "qstrat_plan.json"}  # PLAN_FILE
 _NOT_COPIED_SUFFIXES = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".h5",
                         ".msgpack", ".gguf")
 
@@ -51,11 +52,14 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             safetensors files 0666 minus the umask (0644), so that an engine running under
             another uid can read them.
         hf_config: config.json content to write (default: the driver's ``hf_config``); its
-            ``quantization_config`` is replaced by the plan's (removed for a BF16 plan).
+            ``quantization_config`` is replaced by the plan's (removed for a BF16 plan); a
+            missing or null ``architectures`` (``model.config.to_dict()`` gives null) is filled
+            in, see :func:`output_hf_config`.
         shard_bytes: maximum bytes per safetensors shard (a single larger tensor gets a shard
             of its own). One shard is written as ``model.safetensors``, several as
             ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
-        overwrite: replace an existing ``out_dir`` (a directory; an existing file is refused).
+        overwrite: replace an existing ``out_dir`` if it is empty or a checkpoint qstrat wrote
+            holding only the files qstrat wrote there (never a directory with anything else).
         progress: optional callable ``progress(bytes_written, bytes_total)``, called once with
             0 before quantizing starts and then after each shard FILE is written (so it reaches
             ``bytes_total`` only when every tensor is on disk). Bytes are tensor bytes.
@@ -69,50 +73,201 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             A stream that does not match the plan raises PlanError mid-way: nothing is left
             written (the temporary directory is removed).
     Returns: the plan that was written.
-    Raises: PlanError (nothing written); FileExistsError (``out_dir`` exists and not
-        ``overwrite``, or is not a directory); QstratError (``out_dir`` overlaps
-        ``source_dir``); NonFiniteError (nothing written).
+    Raises (nothing is written, and an existing ``out_dir`` is left as it was, in every case):
+        QstratError for a ``shard_bytes`` that is not a positive int; FileNotFoundError for a
+        ``source_dir`` that is not a directory; PlanError; NonFiniteError;
+        BackendUnavailableError (a rule's ``backend`` cannot run on the tensors' device);
+        FileExistsError (``out_dir`` exists and not ``overwrite``; is not a directory; is not a
+        checkpoint qstrat wrote - see :func:`check_replaceable`; is the current directory or
+        holds it); QstratError (``out_dir`` overlaps ``source_dir``; the config has no
+        ``architectures`` and none can be inferred; it is not JSON-serializable; writing failed,
+        e.g. the disk is full: the message names the file and the cause).
     """
     out = Path(out_dir)
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
+        raise QstratError(f"shard_bytes must be a positive number of bytes, got {shard_bytes!r}")
     if source_dir is not None:
+        if not Path(source_dir).is_dir():
+            raise FileNotFoundError(f"source_dir {source_dir} is not a directory (the model directory the "
+                                    "tensors were read from, whose tokenizer and other files are copied)")
         _check_not_source(out, Path(source_dir))
     if out.exists() or out.is_symlink():
+        _check_not_cwd(out)
         if not overwrite:
             raise FileExistsError(f"{out} exists; use --overwrite (overwrite=True) to replace it")
-        if out.is_symlink() or not out.is_dir():
-            raise FileExistsError(f"{out} exists and is not a directory; not replacing it "
-                                  "(overwrite replaces a checkpoint directory only)")
+        check_replaceable(out)
     if plan is None:
         tensors: Any = as_tensor_dict(named_tensors)
         plan = driver.plan(tensors)
-    else:
+        driver.check_backends(plan, tensors)
+    else:  # a stream: devices are known only as tensors arrive (a failure then leaves nothing)
         driver.check_plan(plan)
         tensors = named_tensors
+    cfg_text = json.dumps(output_hf_config(hf_config if hf_config is not None else driver.hf_config,
+                                           plan, driver.layout), indent=2) + "\n"
     shards = assign_shards(plan.outputs(), shard_bytes)
     total = sum(o.nbytes for o in plan.outputs())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=out.parent))
+    parent = out.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=parent))
     try:
         umask = _umask()
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700: an engine under another uid could not read it
         if progress is not None:
             progress(0, total)
-        _stream_shards(tmp, shards, driver.execute(plan, tensors), total, progress, 0o666 & ~umask)
-        if source_dir is not None:
-            _copy_other_files(Path(source_dir), tmp)
-        cfg = dict(hf_config if hf_config is not None else driver.hf_config)
-        cfg.pop("quantization_config", None)
-        if plan.quantization_config is not None:
-            cfg["quantization_config"] = plan.vllm_quantization_config()
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / "qstrat_plan.json").write_text(plan.to_json(indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        with _write_errors(out):
+            _stream_shards(tmp, shards, driver.execute(plan, tensors), total, progress, 0o666 & ~umask)
+            if source_dir is not None:
+                _copy_other_files(Path(source_dir), tmp)
+            (tmp / "config.json").write_text(cfg_text)
+            doc = json.loads(plan.to_json())
+            doc[FILES_KEY] = sorted([p.name for p in tmp.iterdir()] + [PLAN_FILE])
+            (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=1))
+            _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return plan
+
+
+#: The plan file every qstrat checkpoint holds; its ``checkpoint_files`` key lists every file
+#: qstrat wrote into the directory (what ``overwrite`` may delete).
+PLAN_FILE = "qstrat_plan.json"
+FILES_KEY = "checkpoint_files"
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse to replace ``out`` unless deleting it loses nothing a user made.
+
+    Replaceable: an empty directory, or a checkpoint qstrat wrote: a directory whose
+    ``qstrat_plan.json`` lists (``checkpoint_files``) every entry it holds. Never replaced: a
+    file or symlink, a directory with anything else in it (user files, subdirectories), the
+    current working directory or a directory holding it (``-o .``: replacing it would leave the
+    shell in a deleted directory).
+
+    Raises: FileExistsError saying why and what to do.
+    """
+    if out.is_symlink() or not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; not replacing it "
+                              "(overwrite replaces a checkpoint directory only)")
+    _check_not_cwd(out)
+    entries = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in out.iterdir())
+    if not entries:
+        return
+    listed = _listed_files(out / PLAN_FILE)
+    if listed is None:
+        raise FileExistsError(f"{out} is not a checkpoint qstrat wrote (no {PLAN_FILE} listing its files); "
+                              "--overwrite never deletes other directories: choose a new output directory "
+                              "or empty this one yourself")
+    extra = [e for e in entries if e not in listed]
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise FileExistsError(f"{out} is a qstrat checkpoint but also holds {shown}, which qstrat did not "
+                              "write; --overwrite never deletes them: move them out or choose a new output "
+                              "directory")
+
+
+def _check_not_cwd(out: Path) -> None:
+    """An existing ``out`` that is (or holds) the working directory is never replaced."""
+    cwd = Path.cwd().resolve()
+    if out.is_dir() and cwd.is_relative_to(out.resolve()):
+        what = "is the current directory" if cwd == out.resolve() else "holds the current directory"
+        raise FileExistsError(f"{out} {what}; a checkpoint is written as a new directory (or replaces one "
+                              "as a whole), never into the directory you are in: pass a new directory, "
+                              "e.g. -o ./fp8")
+
+
+def _listed_files(plan_file: Path) -> set[str] | None:
+    """The ``checkpoint_files`` of a qstrat_plan.json, or None (absent, unreadable, not ours)."""
+    try:
+        doc = json.loads(plan_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    files = doc.get(FILES_KEY) if isinstance(doc, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return set(files)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out``; an existing ``out`` (already checked replaceable) is
+    renamed aside first and deleted only once ``tmp`` is in place (restored if that fails)."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=".qstrat-old-", dir=tmp.parent))
+    old.rmdir()
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _write_errors(out: Path) -> Iterator[None]:
+    """Turn a failed write (disk full, quota, I/O error; safetensors reports them as
+    SafetensorError) into a QstratError naming ``out`` and the cause."""
+    try:
+        yield
+    except SafetensorError as exc:
+        raise QstratError(f"writing {out} failed: {exc}; nothing was written") from exc
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise QstratError(f"writing {out} failed{where}: {exc.strerror or exc}; nothing was written") from exc
+
+
+def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any) -> dict[str, Any]:
+    """The config.json a checkpoint of ``plan`` gets: ``hf_config`` with the plan's
+    ``quantization_config`` (removed for a BF16 plan) and ``architectures`` filled in when it is
+    missing or null in a model config (one with ``model_type``), as ``model.config.to_dict()``
+    gives it (vLLM picks the model class from it). A mapping without ``model_type`` (no model
+    config at all) is written as given.
+
+    ``architectures`` comes from transformers' auto-model tables for the config's
+    ``model_type`` (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` when the config has a
+    ``vision_config``, else ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: what ``save_pretrained`` of
+    that auto class writes), else from the layout when it names exactly one architecture.
+
+    Raises: QstratError when no architecture can be inferred, or the config is not
+        JSON-serializable (naming the key).
+    """
+    cfg = dict(hf_config)
+    cfg.pop("quantization_config", None)
+    if plan.quantization_config is not None:
+        cfg["quantization_config"] = plan.vllm_quantization_config()
+    if not cfg.get("architectures") and cfg.get("model_type"):
+        arch = _infer_architecture(cfg, layout)
+        if arch is None:
+            raise QstratError(
+                f"the model config has no 'architectures' (model_type {cfg.get('model_type')!r}; "
+                "model.config.to_dict() leaves it null) and qstrat cannot infer it; vLLM picks the model "
+                "class from it: set hf_config['architectures'], e.g. [type(model).__name__]")
+        cfg["architectures"] = [arch]
+    for key, value in cfg.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise QstratError(f"the model config's {key!r} cannot be written to config.json: {exc}") from exc
+    return cfg
+
+
+def _infer_architecture(cfg: Mapping[str, Any], layout: Any) -> str | None:
+    model_type = cfg.get("model_type")
+    if isinstance(model_type, str):
+        try:
+            from transformers.models.auto import modeling_auto
+        except ImportError:
+            modeling_auto = None
+        if modeling_auto is not None:
+            table = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if cfg.get("vision_config")
+                     else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+            if model_type in table:
+                return table[model_type]
+    archs = tuple(getattr(layout, "architectures", ()))
+    return archs[0] if len(archs) == 1 else None
 
 
 def assign_shards(outputs: list[OutputTensor], shard_bytes: int) -> list[list[OutputTensor]]:
@@ -229,39 +384,95 @@ class LazyTensor:
 def lazy_checkpoint(model_dir: str | Path) -> dict[str, LazyTensor]:
     """Every tensor of a safetensors checkpoint directory as a :class:`LazyTensor` (headers only).
 
-    Raises: FileNotFoundError if the directory has no ``*.safetensors`` file; QstratError naming
-        the file for an unreadable safetensors header (truncated or not safetensors) and naming
-        the tensor for a dtype qstrat does not read (e.g. ``U16``).
-    """
-    from safetensors import safe_open
+    Which file holds which tensor: with ``model.safetensors.index.json``, its ``weight_map``
+    decides (as transformers and vLLM load sharded checkpoints): only the files it names are
+    read, each tensor from the file it names, and ``*.safetensors`` files it does not name (a
+    stale ``model.safetensors`` next to shards) are ignored. Without an index every
+    ``*.safetensors`` file is read and a tensor name in two files is an error.
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    Raises: FileNotFoundError if the directory has no ``*.safetensors`` file (or the index names
+        a file that does not exist); QstratError naming the file for an unreadable safetensors
+        header (truncated or not safetensors) or index, naming the tensor for a dtype qstrat does
+        not read (e.g. ``U16``), for a name in two files (no index), for a tensor the index maps
+        to a file that lacks it, and for a tensor of an indexed file the index does not list.
+    """
+    directory = Path(model_dir)
+    files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
-    result = {}
+    weight_map = _read_index(directory / INDEX)
+    if weight_map is not None:
+        if not weight_map:
+            raise QstratError(f"{directory / INDEX}: its weight_map lists no tensors, but {model_dir} holds "
+                              f"{', '.join(f.name for f in files)}: remove the stale index or complete it")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (directory / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{directory / INDEX} maps tensors to {', '.join(missing)}, which "
+                                    f"{'does' if len(missing) == 1 else 'do'} not exist in {model_dir}")
+        files = [directory / n for n in names]
+    result: dict[str, LazyTensor] = {}
+    errors: list[str] = []
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                headers = [(name, handle.get_slice(name)) for name in handle.keys()]
-                shapes = [(name, tuple(sl.get_shape()), sl.get_dtype()) for name, sl in headers]
-        except SafetensorError as exc:
-            raise QstratError(f"{f}: not a readable safetensors file: {exc}") from exc
-        for name, shape, dtype in shapes:
+        for name, shape, dtype in _headers(f):
+            if weight_map is not None:
+                if name not in weight_map:
+                    errors.append(f"{f.name} holds {name!r}, which {INDEX} does not list (an incomplete "
+                                  "index: add it, or remove the tensor)")
+                    continue
+                if weight_map[name] != f.name:
+                    continue  # the index says another file holds it: that copy is the one read
+            elif name in result:
+                errors.append(f"tensor {name!r} is in both {result[name].path.name} and {f.name} (no {INDEX} "
+                              "says which one holds it)")
+                continue
             if dtype not in _SAFETENSORS_DTYPES:
-                raise QstratError(f"{f}: tensor {name!r} has dtype {dtype}, which qstrat does not read "
-                                  f"(supported: {', '.join(_SAFETENSORS_DTYPES)})")
+                errors.append(f"{f}: tensor {name!r} has dtype {dtype}, which qstrat does not read "
+                              f"(supported: {', '.join(_SAFETENSORS_DTYPES)})")
+                continue
             result[name] = LazyTensor(f, name, shape, _SAFETENSORS_DTYPES[dtype])
+    if weight_map is not None:
+        errors += [f"{INDEX} maps {name!r} to {fname}, which does not hold it"
+                   for name, fname in weight_map.items() if name not in result
+                   and not any(name in e for e in errors)]
+    if errors:
+        raise QstratError(f"{model_dir}: " + (errors[0] if len(errors) == 1 else
+                                              "invalid checkpoint:\n  " + "\n  ".join(errors)))
     return result
 
 
-def load_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint directory (CPU). Used to verify written output."""
-    from safetensors.torch import load_file
+def _headers(f: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype name) of every tensor in ``f``, from its header."""
+    from safetensors import safe_open
 
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    try:
+        with safe_open(str(f), framework="pt") as handle:
+            return [(name, tuple(sl.get_shape()), sl.get_dtype())
+                    for name, sl in ((n, handle.get_slice(n)) for n in handle.keys())]
+    except SafetensorError as exc:
+        raise QstratError(f"{f}: not a readable safetensors file: {exc}") from exc
+
+
+def _read_index(path: Path) -> dict[str, str] | None:
+    """The ``weight_map`` of a safetensors index file, or None when there is no index."""
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QstratError(f"{path}: not a readable index: {exc}") from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items()):
+        raise QstratError(f"{path}: expected {{\"weight_map\": {{tensor name: file name}}}} with file names "
+                          "in the same directory")
+    return weight_map
+
+
+def load_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint directory (CPU), the files chosen as
+    :func:`lazy_checkpoint` chooses them. Used to verify written output."""
+    return {name: t.load() for name, t in lazy_checkpoint(model_dir).items()}
 
 
 _SAFETENSORS_DTYPES = {

@@ -12,26 +12,28 @@ Example (YAML)::
     default: bf16                  # for matrices no rule matched
 
 Unknown keys, plugin names or options are errors naming the key path (``rules[0].serializer``)
-and the valid choices.
+and the valid choices. Types are strict (pydantic strict mode): ``true`` is not 1, ``"yes"`` is
+not a boolean, ``"1"`` is not a number (an int is accepted where a float belongs). Every problem
+of a config is reported at once, one line each. Files are read by :mod:`qstrat.config_files`
+(duplicate keys are errors).
 """
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from qstrat.errors import ConfigError
 from qstrat.rules import NamePattern
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class KeepBF16(_Model):
@@ -57,7 +59,8 @@ class Rule(_Model):
     @field_validator("select", "include", "exclude", mode="before")
     @classmethod
     def _listify(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
+        """A single name for a list of one; a tuple (Python callers) for a list."""
+        return [v] if isinstance(v, str) else list(v) if isinstance(v, tuple) else v
 
     @field_validator("select")
     @classmethod
@@ -79,17 +82,30 @@ class Rule(_Model):
                 raise ValueError(f"invalid pattern {text!r}: {exc}") from exc
         return v
 
-    @model_validator(mode="after")
-    def _valid_serializer(self, info: ValidationInfo) -> Rule:
+    @field_validator("serializer")
+    @classmethod
+    def _known_serializer(cls, v: str, info: ValidationInfo) -> str:
         reg = _registry(info)
-        if reg is None:  # a preset being defined: names are checked when the registry loads
-            return self
-        entry = reg.lookup("serializers", self.serializer)
+        if reg is not None:  # None: a preset being defined; names are checked when the registry loads
+            reg.lookup("serializers", v)
+        return v
+
+    @field_validator("options")
+    @classmethod
+    def _valid_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Options are validated by the serializer's Options model (strict, every error at
+        once, each reported as ``rules[i].options.<key>``); skipped when the serializer name
+        itself is invalid (that error is reported instead)."""
+        reg = _registry(info)
+        name = info.data.get("serializer")
+        if reg is None or name not in reg.serializers:
+            return v
         try:
-            entry.obj.Options(**self.options)
+            reg.serializers[name].obj.Options(**v)
         except ValidationError as exc:
-            raise ValueError(format_validation_error(exc, prefix="options")) from exc
-        return self
+            raise PydanticCustomError(NESTED_ERRORS, "invalid options",
+                                      {"errors": [(e["loc"], e["msg"]) for e in exc.errors()]}) from exc
+        return v
 
 
 class PresetConfig(_Model):
@@ -213,44 +229,54 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: 
     if not path.exists():
         from qstrat.registry import get_registry
 
-        if str(source) in (registry or get_registry()).strategies:
+        strategies = (registry or get_registry()).strategies
+        if str(source) in strategies:
             return RefitConfig.from_mapping({"preset": str(source)}, registry=registry)
-        raise ConfigError(f"config file {str(source)!r} does not exist (nor is it a preset name)")
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory, not a config file (.yaml, .toml, .json)")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a text config file ({exc.reason} at byte {exc.start})") from exc
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot parse: {exc}") from exc
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        raise ConfigError(f"config file {str(source)!r} does not exist, nor is it a preset name "
+                          f"({close_matches(str(source), strategies)}valid presets: "
+                          f"{', '.join(sorted(strategies))})")
+    from qstrat.config_files import read_config_file
+
+    data = read_config_file(path)
     try:
         return RefitConfig.from_mapping(data, registry=registry)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
 
 
+#: pydantic error type carrying a nested model's errors (``ctx["errors"]``: (loc, msg) pairs),
+#: expanded by :func:`format_validation_error` into one line per error with the full key path.
+NESTED_ERRORS = "qstrat_nested_errors"
+
+
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per pydantic error: ``rules[0].serializer: unknown serializer 'x'; valid: ...``."""
+    """One line per pydantic error: ``rules[0].serializer: unknown serializer 'x'; valid: ...``.
+
+    Errors of a nested model (a rule's serializer options) are expanded under their own path:
+    ``rules[1].options.ue8m0: Input should be a valid boolean``.
+    """
+    def path_of(start: str, loc: tuple[Any, ...]) -> str:
+        for part in loc:
+            start += f"[{part}]" if isinstance(part, int) else (f".{part}" if start else str(part))
+        return start
+
     lines = []
     for err in exc.errors():
-        path = prefix
-        for part in err["loc"]:
-            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        path = path_of(prefix, err["loc"])
+        if err["type"] == NESTED_ERRORS:
+            lines += [f"{path_of(path, loc)}: {msg}" for loc, msg in err["ctx"]["errors"]]
+            continue
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{path or '<config>'}: {msg}")
     return "; ".join(lines) if len(lines) == 1 else "invalid config:\n  " + "\n  ".join(lines)
+
+
+def close_matches(name: str, choices: Any) -> str:
+    """``"did you mean 'block-fp8'? "`` for a near miss among ``choices`` (difflib), else ``""``."""
+    import difflib
+
+    found = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.6)
+    return f"did you mean {' or '.join(repr(f) for f in found)}? " if found else ""
 
 
 def _registry(info: ValidationInfo) -> Any:

@@ -41,17 +41,19 @@ class RefitDriver:
     Args:
         config: RefitConfig, mapping, config file path or preset name (see :func:`load_config`).
         hf_config: the model's parsed ``config.json`` (selects the layout and gives the decoder
-            depth for ``keep_bf16.last`` and MTP detection). Without it the layout comes from
+            depth for ``keep_bf16.last`` and MTP detection), or a transformers config object
+            (``model.config``: read with its ``to_dict()``). Without it the layout comes from
             ``config.layout`` (else ``generic``) and the depth is inferred from the names.
         registry: plugin registry (default: the process-wide one).
-    Raises: ConfigError for an invalid config or an unknown layout name.
+    Raises: ConfigError for an invalid config, an unknown layout name, or an ``hf_config`` that
+        is neither a mapping nor has ``to_dict()``.
     """
 
     def __init__(self, config: Any, hf_config: Mapping[str, Any] | None = None,
                  registry: Registry | None = None) -> None:
         self.registry = registry or get_registry()
         self.config: RefitConfig = load_config(config, registry=self.registry)
-        self.hf_config = dict(hf_config or {})
+        self.hf_config = hf_config_dict(hf_config)
         self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.hf_config)
         self.rules = RuleSet(self.config, self.registry)
         self.planner = Planner(self.config, self.layout, self.rules, self.serializer, self.hf_config)
@@ -133,6 +135,24 @@ class RefitDriver:
             else:
                 self.serializer(e.serializer, e.options).check_values(t, e.name)
 
+    def check_backends(self, plan: RefitPlan, tensors: Mapping[str, Any]) -> None:
+        """Raise BackendUnavailableError (naming the tensor and its rule) if a planned format's
+        ``backend`` option cannot run on its input's device; reads no data. The device is the
+        value's ``.device`` (a tensor, :class:`qstrat.inputs.OnDevice`), else the CPU (lazy
+        handles such as :class:`qstrat.checkpoint.LazyTensor` load there)."""
+        from qstrat.errors import BackendUnavailableError
+
+        for e in plan.entries:
+            if e.serializer == PASSTHROUGH:
+                continue
+            t = tensors[e.name]
+            device = getattr(t, "device", None)
+            device = device if isinstance(device, torch.device) else torch.device("cpu")
+            try:
+                self.serializer(e.serializer, e.options).check_backend(device)
+            except BackendUnavailableError as exc:
+                raise BackendUnavailableError(f"{e.name} ({e.rule}): {exc}") from exc
+
     def execute(self, plan: RefitPlan, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                 values_checked: bool = False, expert_batch: int | None = None,
                 consumer_stream: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -151,6 +171,21 @@ class RefitDriver:
         after its last output: that bounds live parts to about one decoder layer.
         """
         yield from execute(self, plan, tensors, values_checked, expert_batch, consumer_stream)
+
+
+def hf_config_dict(hf_config: Any) -> dict[str, Any]:
+    """``hf_config`` as a plain dict: a mapping (config.json content), a transformers config
+    (``to_dict()``), or None (empty). Raises: ConfigError for anything else."""
+    from qstrat.errors import ConfigError
+
+    if hf_config is None:
+        return {}
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if callable(getattr(hf_config, "to_dict", None)):
+        return dict(hf_config.to_dict())
+    raise ConfigError(f"hf_config must be the model's config.json content (a mapping) or a transformers "
+                      f"config (model.config), got {type(hf_config).__name__}")
 
 
 def layout_for(registry: Registry, name: str | None, hf_config: Mapping[str, Any] | None) -> ModelLayout:

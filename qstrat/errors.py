@@ -40,5 +40,11 @@ class ManifestMismatchError(TransportError):
     raised before any tensor data is received."""
 
 
+class BackendUnavailableError(QstratError, RuntimeError):
+    """A rule's ``backend`` option cannot run here (``triton`` without triton, or on CPU tensors
+    without ``TRITON_INTERPRET=1``). Raised when the plan is checked, before anything is written
+    or sent; also a ``RuntimeError`` for callers that caught the earlier type."""
+
+
 class VerificationError(QstratError):
     """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""

@@ -119,7 +119,10 @@ class Registry:
         """Entry ``name`` of ``kind`` (one of :attr:`KINDS`). Raises ConfigError listing choices."""
         table: Mapping[str, Entry[Any]] = getattr(self, kind)
         if name not in table:
-            raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; valid: {', '.join(sorted(table))}")
+            from qstrat.config import close_matches
+
+            raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; {close_matches(str(name), table)}"
+                              f"valid: {', '.join(sorted(table))}")
         return table[name]
 
 

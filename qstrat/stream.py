@@ -151,6 +151,7 @@ class _Run:
         self.done: set[int] = set()            # entries quantized
         self.contexts: dict[str, Any] = {}     # group -> context (groups with a group step)
         self.stepped: set[str] = set()         # groups whose format has a group step
+        self.checked: set[str] = set()         # inputs whose NaN/inf check ran with their group
         self.scratch: dict[tuple[Any, ...], torch.Tensor] = {}
 
     # ---- emission ---------------------------------------------------------------------------
@@ -200,7 +201,8 @@ class _Run:
             ctxs = [self._context(j, ser) for j in batch]
             if not self.values_checked:
                 for j, w in zip(batch, ws):
-                    ser.check_values(w, self.plan.entries[j].name)
+                    if self.plan.entries[j].name not in self.checked:
+                        ser.check_values(w, self.plan.entries[j].name)
             if len(batch) == 1:
                 parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=True)
                 result = {i: parts}
@@ -234,7 +236,12 @@ class _Run:
             return None
         if g not in self.contexts:
             self.stepped.add(g)
-            members = [self.src.get(self.plan.entries[m].name) for m in self.members[g]]
+            names = [self.plan.entries[m].name for m in self.members[g]]
+            members = [self.src.get(n) for n in names]
+            if not self.values_checked:  # NaN/inf named by member tensor, not "fusion group member i"
+                for n, w in zip(names, members):
+                    ser.check_values(w, n)
+                    self.checked.add(n)
             self.contexts[g] = ser.group_context(members)
         return self.contexts[g]
 

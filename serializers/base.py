@@ -32,7 +32,7 @@ Context = Mapping[str, torch.Tensor]
 class SerializerOptions(BaseModel):
     """Options every serializer accepts. Subclasses add format options (``extra`` keys are errors)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     backend: Literal["auto", "torch", "fast", "triton"] = Field(
         "auto",
@@ -191,8 +191,9 @@ class Serializer(ABC):
         Returns:
             dict suffix -> tensor, exactly as declared by :meth:`part_specs`, on ``w``'s device.
         Raises:
-            UnsupportedShapeError, NonFiniteError (``nonfinite="error"``), RuntimeError when the
-            Triton backend is forced where it cannot run.
+            UnsupportedShapeError, NonFiniteError (``nonfinite="error"``),
+            BackendUnavailableError (a RuntimeError) when the Triton backend is forced where it
+            cannot run.
         """
         specs = self.part_specs(w.shape)
         batched = w.dim() == 3
@@ -271,20 +272,35 @@ class Serializer(ABC):
         return _RESOLVED[cls]
 
     # ---- internals ------------------------------------------------------------------------
-    def _use_kernel(self, w3: torch.Tensor) -> bool:
+    def check_backend(self, device: torch.device | str) -> bool:
+        """Whether quantizing tensors on ``device`` runs the Triton kernel (else the torch
+        reference), raising if the ``backend`` option cannot run there. Reads no data.
+
+        Raises: BackendUnavailableError: ``backend="triton"`` and the format has no kernel,
+            triton does not import, or ``device`` is not CUDA without ``TRITON_INTERPRET=1``.
+        """
+        from qstrat.errors import BackendUnavailableError
+
         backend = self.options.backend
         if backend in ("torch", "fast"):
             return False
         has_kernel = type(self).resolve_kernel() is not None
+        is_cuda = torch.device(device).type == "cuda"
         if backend == "auto":
-            return has_kernel and w3.is_cuda
+            return has_kernel and is_cuda
         if not has_kernel:
-            raise RuntimeError(f"{self.name}: no Triton kernel is registered for this format")
-        if not w3.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(
-                f"{self.name}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
+            why = "no Triton kernel is registered for this format" if type(self).kernel is None else (
+                "no Triton kernel is available (triton does not import: pip install 'qstrat[triton]')")
+            raise BackendUnavailableError(f"{self.name}: backend='triton' cannot run: {why}")
+        if not is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BackendUnavailableError(
+                f"{self.name}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); "
+                f"the tensors are on {torch.device(device)}: use backend 'auto' or 'torch' here"
             )
         return True
+
+    def _use_kernel(self, w3: torch.Tensor) -> bool:
+        return self.check_backend(w3.device)
 
     def _use_fast(self) -> bool:
         return self.options.backend in ("auto", "fast") and self.has_fast_path()

@@ -39,7 +39,10 @@ def e8m0_from_amax(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
     RCEIL (vLLM, FlashInfer, TransformerEngine, cuBLAS): ``clamp(ceil(log2(amax / 448)) + 127, 0, 254)``.
     With ``amax = m * 2^(b - 127)``, ``1 <= m < 2``: ``byte = b - 8 + (m > 1.75)``; amax = 448 * 2^k
     gives exactly ``127 + k``. FLOOR (OCP MX spec v1.0, section 6.3): ``floor(log2 amax) - 8 + 127``
-    = ``b - 8``. Zero and fp32-subnormal amax give byte 0; NaN amax gives 255.
+    = ``b - 8``. Zero and fp32-subnormal amax give byte 0; NaN amax gives 255; +inf amax gives
+    254 under both rules: ``ceil(log2 inf)`` clamped to 254, as vLLM's
+    ``_mxfp8_e4m3_quantize_torch`` gives (tests/test_reference_vs_vllm.py) and as a saturating
+    (``.satfinite``) GPU ue8m0 conversion does; the exponent-field formula alone gives 247.
 
     Args:
         amax: float32 tensor of block maxima of |x| (>= 0 or NaN), any shape.
@@ -55,6 +58,7 @@ def e8m0_from_amax(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
     elif rounding != "floor":
         raise ValueError(f"rounding must be 'rceil' or 'floor', got {rounding!r}")
     byte = torch.where(biased == 0, torch.zeros_like(byte), byte.clamp(0, 254))
+    byte = torch.where(biased == 0xFF, torch.full_like(byte, 254), byte)  # +inf (NaN: below)
     return torch.where(torch.isnan(amax), torch.full_like(byte, E8M0_NAN), byte)
 
 
@@ -62,8 +66,12 @@ def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
     """Round positive normal fp32 values UP to a power of two: ``2^ceil(log2 s)`` (UE8M0 scales).
 
     Exact from bits (vLLM's ``_ceil_to_ue8m0`` uses log2/pow, which can round 2^k(1+eps) down).
-    Args: s: float32 tensor, values > 0 and normal. Returns: float32 tensor of the same shape.
+    +inf stays +inf; NaN stays NaN (``2^ceil(log2 NaN)`` is NaN in vLLM's formula too; the
+    exponent-field formula alone would give the bits 0x80000000 = -0.0).
+    Args: s: float32 tensor, values > 0 and normal, or +inf/NaN. Returns: float32 tensor of the
+    same shape.
     """
-    bits = s.to(torch.float32).contiguous().view(torch.int32)
+    s = s.to(torch.float32)
+    bits = s.contiguous().view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return exp2_int(e)
+    return torch.where(torch.isnan(s), s, exp2_int(e))

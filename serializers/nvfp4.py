@@ -179,7 +179,8 @@ class NVFP4(Serializer):
             PartSpec("input_scale", (), torch.float32, None),
         )
 
-    def group_context(self, members: Sequence[torch.Tensor]) -> Context:
+    def group_context(self, members: Sequence[torch.Tensor],
+                      names: Sequence[str] | None = None) -> Context:
         """Shared global amax of tensors an engine fuses (q/k/v, gate/up): ONE ``weight_scale_2``.
 
         vLLM keeps a single global scale per fused linear (``weight_scale_2.max()``) and per
@@ -189,12 +190,14 @@ class NVFP4(Serializer):
 
         Args:
             members: each [N_i, K] (all 2-D) or [E, N_i, K] (all 3-D, same E), any float dtype.
+            names: the members' tensor names, for error messages (the driver checks each member
+                by name before calling this; default ``fusion group member i``).
         Returns:
             ``{"amax": float32 [E] (or [] for 2-D)}``: max|W| over all members, per expert.
         Raises:
             UnsupportedShapeError: no members, mixed ranks or expert counts, K % 16 != 0.
             NonFiniteError: (``nonfinite="error"``) a member holds NaN/inf; names the member
-                index and the first bad [expert, row, col].
+                and the first bad [expert, row, col].
         """
         if not members:
             raise UnsupportedShapeError("nvfp4: a fusion group needs at least one member")
@@ -214,7 +217,8 @@ class NVFP4(Serializer):
         if self.options.nonfinite == "error" and not bool(torch.isfinite(amax).all()):
             for i, m in enumerate(members):
                 m3 = m if m.dim() == 3 else m.unsqueeze(0)
-                check_finite(m3, f"fusion group member {i}", self._expert_chunk(m3))
+                label = names[i] if names is not None else f"fusion group member {i}"
+                check_finite(m3, label, self._expert_chunk(m3))
         return {"amax": amax}
 
     def reference(self, x: torch.Tensor, context: Context | None) -> dict[str, torch.Tensor]:

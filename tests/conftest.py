@@ -25,6 +25,14 @@ def tiny_hf_config(tiny_model):
     return hf_config(tiny_model)
 
 
+@pytest.fixture(scope="session")
+def tiny_bf16_dir(tmp_path_factory, tiny_model):
+    """The tiny model saved as a BF16 checkpoint directory (read-only for the tests)."""
+    from qstrat.demo.tiny_model import save_bf16
+
+    return save_bf16(tiny_model, tmp_path_factory.mktemp("src") / "bf16")
+
+
 def model_config(name: str) -> dict:
     """config.json of a model shipped under examples/models (deepseek-v3, qwen3-235b-a22b)."""
     return json.loads((MODELS / name / "config.json").read_text())

@@ -178,10 +178,10 @@ def test_source_dir_files_are_copied_except_weights_and_regenerated_ones(tmp_pat
         (src / name).write_text(name)
     (src / "original").mkdir()
     write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "out",
-                     hf_config={"model_type": "x"}, source_dir=src)
+                     hf_config={"model_type": "x", "architectures": ["XForCausalLM"]}, source_dir=src)
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "qstrat_plan.json", "tokenizer.json",
         "tokenizer.model", "vocab.txt"]
     assert (out / "vocab.txt").read_text() == "vocab.txt"
-    assert json.loads((out / "config.json").read_text()) == {"model_type": "x"}
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "x", "architectures": ["XForCausalLM"]}

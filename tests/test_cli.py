@@ -102,15 +102,13 @@ def test_invalid_config_file_names_the_key(tmp_path):
     cfg.write_text("rules:\n  - select: experts\n    serializer: mxfp9\n")
     proc = run("plan", MODELS / "qwen3-235b-a22b", "--config", cfg, "--summary", ok=False)
     assert proc.returncode == 2
-    assert "rules[0]: unknown serializer 'mxfp9'; valid:" in proc.stderr
+    assert "rules[0].serializer: unknown serializer 'mxfp9'; did you mean 'mxfp8'? valid:" in proc.stderr
 
 
 @pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory, tiny_model):
+def bf16_dir(tiny_bf16_dir):
     """The tiny model saved as a BF16 checkpoint directory (read-only for the tests)."""
-    from qstrat.demo.tiny_model import save_bf16
-
-    return save_bf16(tiny_model, tmp_path_factory.mktemp("src") / "bf16")
+    return tiny_bf16_dir
 
 
 def _safetensors_with(path, dtype, shape, nbytes):
@@ -255,7 +253,10 @@ def test_quantize_copies_the_source_models_other_files(bf16_dir, tmp_path):
              "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}"}
     for name, text in extra.items():
         (src / name).write_text(text)
-    (src / "model.safetensors.index.json").write_text('{"weight_map": {}}')  # stale: not copied
+    from qstrat.checkpoint import lazy_checkpoint
+
+    index = {"weight_map": {n: "model.safetensors" for n in lazy_checkpoint(src)}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))    # regenerated: not copied
     (src / "pytorch_model.bin").write_bytes(b"old weights")                   # weights: not copied
     (src / "original").mkdir()                                                 # directories: not copied
     run("quantize", src, "--preset", "block-fp8", "-o", tmp_path / "fp8")

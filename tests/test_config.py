@@ -29,9 +29,9 @@ def test_preset_name_as_source():
 
 @pytest.mark.parametrize("data,pattern", [
     ({"rulez": []}, r"rulez: Extra inputs are not permitted"),
-    ({"rules": [{"serializer": "mxfp9"}]}, r"rules\[0\]: unknown serializer 'mxfp9'; valid: bf16, block_fp8"),
-    ({"rules": [{"select": "expertz", "serializer": "mxfp8"}]}, r"rules\[0\]\.select: unknown selector 'expertz'; valid: .*experts"),
-    ({"rules": [{"serializer": "mxfp8", "options": {"scale_rounding": "up"}}]}, r"rules\[0\]: options\.scale_rounding: Input should be 'rceil' or 'floor'"),
+    ({"rules": [{"serializer": "mxfp9"}]}, r"rules\[0\]\.serializer: unknown serializer 'mxfp9'; did you mean 'mxfp8'\? valid: bf16, block_fp8"),
+    ({"rules": [{"select": "expertz", "serializer": "mxfp8"}]}, r"rules\[0\]\.select: unknown selector 'expertz'; did you mean 'experts'\? valid: .*experts"),
+    ({"rules": [{"serializer": "mxfp8", "options": {"scale_rounding": "up"}}]}, r"rules\[0\]\.options\.scale_rounding: Input should be 'rceil' or 'floor'"),
     ({"rules": [{"serializer": "block_fp8", "options": {"ue8m00": True}}]}, r"options\.ue8m00: Extra inputs"),
     ({"rules": [{"serializer": "mxfp8", "include": ["re:(unclosed"]}]}, r"rules\[0\]\.include: .*invalid pattern"),
     ({"preset": "nope"}, r"unknown strategy 'nope'; valid: .*block-fp8"),
@@ -52,7 +52,7 @@ def test_bad_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(bad)
     bad.write_text("rules: [{serializer: mxfp9}]\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: rules\[0\]: unknown serializer"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: rules\[0\]\.serializer: unknown serializer"):
         load_config(bad)
 
 

@@ -264,7 +264,8 @@ def test_keep_bf16_last_needs_the_configured_depth():
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float8_e4m3fn, torch.float64])
 def test_non_float_weights_are_plan_errors(dtype):
     t = {"model.layers.0.self_attn.q_proj.weight": torch.empty(128, 256, dtype=dtype, device="meta")}
-    with pytest.raises(PlanError, match=rf"q_proj\.weight: block_fp8 .* needs a bfloat16/float16/float32 weight"):
+    with pytest.raises(PlanError, match=rf"q_proj\.weight: is planned as block_fp8 \(rules\[0\]\) and needs a "
+                                        rf"bfloat16/float16/float32 tensor, got {str(dtype)[6:]} \("):
         RefitDriver("block-fp8").plan(t)
 
 

@@ -127,9 +127,9 @@ def test_name_clash_between_two_plugins():
 
 
 @pytest.mark.parametrize("config,detail", [
-    ({"rules": [{"select": ["experts"], "serializer": "int7"}]}, r"rules\[0\]: unknown serializer 'int7'; valid: .*mxfp8"),
+    ({"rules": [{"select": ["experts"], "serializer": "int7"}]}, r"rules\[0\]\.serializer: unknown serializer 'int7'; valid: .*mxfp8"),
     ({"rules": [{"select": ["expertz"], "serializer": "mxfp8"}]}, r"rules\[0\]\.select: unknown selector 'expertz'"),
-    ({"rules": [{"serializer": "mxfp8", "options": {"block": 16}}]}, r"rules\[0\]: options\.block: Extra inputs are not permitted"),
+    ({"rules": [{"serializer": "mxfp8", "options": {"block": 16}}]}, r"rules\[0\]\.options\.block: Extra inputs are not permitted"),
     ({"keep_bf16": {"frist": 1}}, r"keep_bf16\.frist: Extra inputs"),
     ([{"serializer": "mxfp8"}], r"config must be a mapping \(a partial RefitConfig\), got list"),
 ])

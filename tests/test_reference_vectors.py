@@ -93,6 +93,17 @@ def test_nan_propagates_only_when_asked():
     assert torch.isnan(mx().dequantize(p)[1]).all()
 
 
+def test_block_fp8_ue8m0_nan_tile_gets_a_nan_scale():
+    w = torch.ones(256, 256)
+    w[3, 4] = float("nan")
+    p = bf(nonfinite="propagate", ue8m0=True).quantize(w)
+    s = p["weight_scale_inv"]
+    assert bool(s[0, 0].isnan())  # once -0.0: the pow2 rounding of NaN's exponent field
+    assert s[0, 1].item() == s[1, 1].item() == 2.0 ** -8  # 1/448 rounded up to a power of two
+    assert bool((p["weight"][:128, :128].view(torch.uint8) == 0x7F).all())
+    assert torch.isnan(bf().dequantize(p)[:128, :128]).all()
+
+
 def test_e8m0_byte_zero_is_2_to_minus_127_not_zero():
     assert exp2_int(torch.tensor([-127])).item() == 2.0 ** -127
     assert exp2_int(torch.tensor([-149, 0, 127])).tolist() == [2.0 ** -149, 1.0, 2.0 ** 127]

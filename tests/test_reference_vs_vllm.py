@@ -77,3 +77,18 @@ def test_special_inputs_match_vllm(dtype):
     bf = qstrat.get_serializer("block_fp8", backend="torch").quantize(padded)
     q, s = vllm_deep_gemm.per_block_cast_to_fp8(padded)
     assert torch.equal(_bytes(bf["weight"]), _bytes(q)) and torch.equal(bf["weight_scale_inv"], s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8_infinite_blocks_match_vllm(dtype):
+    """nonfinite='propagate': a block whose amax is +inf gets E8M0 byte 254 (vLLM's clamp of
+    ceil(log2 inf)), its +-inf saturate to +-448, its finite values underflow to +-0."""
+    w = _random((4, 96), 7, torch.float32)
+    w[0, 3], w[1, 40], w[3, 64:96] = float("inf"), -float("inf"), float("inf")
+    w = w.to(dtype)
+    parts = qstrat.get_serializer("mxfp8", backend="torch", nonfinite="propagate").quantize(w)
+    q, s = _mxfp8_e4m3_quantize_torch(w)
+    assert torch.equal(parts["weight_scale"], s)
+    assert [int(s[0, 0]), int(s[1, 1]), int(s[3, 2])] == [254, 254, 254]
+    assert torch.equal(_bytes(parts["weight"]), _bytes(q))
+    assert [int(_bytes(q)[0, 3]), int(_bytes(q)[1, 40])] == [0x7E, 0xFE]

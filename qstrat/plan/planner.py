@@ -27,6 +27,16 @@ from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nby
 #: Weight dtypes a serializer accepts (an int, bool or already-quantized input is a plan error).
 FLOAT_INPUTS = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
+def _dtype_hint(dtype: torch.dtype) -> str:
+    """What to do about an input dtype qstrat does not read (appended to the plan error)."""
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return (" (already quantized? qstrat quantizes the trainer's BF16 weights; an fp8 tensor "
+                "can be neither re-quantized nor passed through)")
+    if dtype == torch.float64:
+        return " (cast it to float32 or bfloat16)"
+    return " (not a floating-point weight: leave buffers such as masks or position ids out of the refit)"
+
+
 #: ``(format name, options) -> Serializer`` (cached by the driver).
 SerializerFactory = Callable[[str, Mapping[str, Any]], Serializer]
 
@@ -102,12 +112,15 @@ class Planner:
         d = self.decide(name, shape, num_layers)
         p, note = d.parsed, ""
         dname = dtype_name(dtype)
+        if dtype not in FLOAT_INPUTS:
+            what = (f"is sent unchanged ({d.rule})" if d.serializer == PASSTHROUGH
+                    else f"is planned as {d.serializer} ({d.rule})")
+            raise PlanError(f"{what} and needs a bfloat16/float16/float32 tensor, got {dname}"
+                            f"{_dtype_hint(dtype)}")
         if d.serializer == PASSTHROUGH:
             outs = (OutputTensor(name, shape, dname, tensor_nbytes(shape, dtype)),)
             return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, d.rule, PASSTHROUGH,
                              {}, outs, None, "", p.vllm_module)
-        if dtype not in FLOAT_INPUTS:
-            raise PlanError(f"{d.serializer} ({d.rule}) needs a bfloat16/float16/float32 weight, got {dname}")
         ser = self.serializer(d.serializer, d.options)
         try:
             specs = ser.part_specs(shape)

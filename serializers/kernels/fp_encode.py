@@ -139,6 +139,7 @@ def e8m0_from_amax(amax, RCEIL: tl.constexpr):
         byte = byte + ((bits & 0x7FFFFF) > F32_MANT_1_75).to(tl.int32)
     byte = tl.minimum(tl.maximum(byte, 0), 254)
     byte = tl.where(biased == 0, 0, byte)
+    byte = tl.where(biased == 0xFF, 254, byte)  # +inf: ceil(log2 inf) clamped (NaN: below)
     return tl.where(amax != amax, 255, byte)
 
 
@@ -146,12 +147,12 @@ def e8m0_from_amax(amax, RCEIL: tl.constexpr):
 def ceil_pow2(s):
     """Round positive normal fp32 ``s`` UP to a power of two, from its bits (fp_bits.ceil_pow2).
 
-    ``2^(b - 127 + (mantissa != 0))``; inf/NaN inputs follow the same integer formula as the torch
-    twin (NaN gives the bits 0x80000000 = -0.0 there and here). Returns: float32 tensor.
+    ``2^(b - 127 + (mantissa != 0))``; +inf stays +inf and NaN stays NaN (the input NaN itself),
+    as in the torch twin. Returns: float32 tensor.
     """
     bits = f32_bits(s)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return exp2_int(e)
+    return tl.where(s != s, s, exp2_int(e))
 
 
 @triton.jit

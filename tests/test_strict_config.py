@@ -1,0 +1,156 @@
+"""Strict configs: exact types, duplicate keys refused, every problem reported at once, typos
+answered with the valid names (and the nearest one)."""
+from __future__ import annotations
+
+import pytest
+
+import qstrat
+from qstrat import ConfigError, load_config
+
+
+def config_error(source) -> str:
+    """The message of the ConfigError ``load_config(source)`` raises."""
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"keep_bf16": {"first": True}}, "keep_bf16.first: Input should be a valid integer"),
+    ({"keep_bf16": {"last": "1"}}, "keep_bf16.last: Input should be a valid integer"),
+    ({"keep_bf16": {"first": 1.0}}, "keep_bf16.first: Input should be a valid integer"),
+    ({"rules": [{"serializer": "block_fp8", "options": {"ue8m0": "yes"}}]},
+     "rules[0].options.ue8m0: Input should be a valid boolean"),
+    ({"rules": [{"serializer": "block_fp8", "options": {"ue8m0": 1}}]},
+     "rules[0].options.ue8m0: Input should be a valid boolean"),
+    ({"rules": [{"serializer": "mxfp8", "allow_special": "true"}]},
+     "rules[0].allow_special: Input should be a valid boolean"),
+    ({"rules": [{"serializer": "mxfp8", "options": {"min_scale_byte": "1"}}]},
+     "rules[0].options.min_scale_byte: Input should be a valid integer"),
+    ({"rules": [{"serializer": "nvfp4", "options": {"input_scale": "0.5"}}]},
+     "rules[0].options.input_scale: Input should be a valid number"),
+    ({"rules": [{"serializer": "mxfp8", "options": {"chunk_elements": True}}]},
+     "rules[0].options.chunk_elements: Input should be a valid integer"),
+])
+def test_types_are_strict(data, message):
+    assert config_error(data) == message
+
+
+def test_exact_types_and_an_int_for_a_float_are_accepted():
+    cfg = load_config({"keep_bf16": {"first": 1}, "rules": [
+        {"select": ("experts",), "serializer": "nvfp4", "options": {"input_scale": 1}},
+        {"serializer": "block_fp8", "options": {"ue8m0": True}, "allow_special": False}]})
+    assert cfg.keep_bf16.first == 1 and cfg.rules[0].select == ["experts"]
+    assert qstrat.get_serializer("nvfp4", **cfg.rules[0].options).options.input_scale == 1.0
+    with pytest.raises(ConfigError, match=r"ue8m0: Input should be a valid boolean"):
+        qstrat.get_serializer("block_fp8", ue8m0=1)  # the Python API is strict too
+
+
+def test_every_problem_is_reported_at_once():
+    bad = {"preset": "nope", "bogus": 1, "default": "int3", "layout": "qwen3",
+           "keep_bf16": {"first": -1, "last": "a"},
+           "rules": [{"select": "expertz", "serializer": "mxfp9", "options": {"x": 1}},
+                     {"serializer": "block_fp8", "options": {"ue8m0": "yes", "backend": "gpu"}}]}
+    lines = config_error(bad).splitlines()
+    assert lines[0] == "invalid config:"
+    assert [ln.strip() for ln in lines[1:]] == [
+        "preset: unknown strategy 'nope'; valid: bf16, block-fp8, mxfp8, mxfp8-experts, nvfp4-experts",
+        "rules[0].select: unknown selector 'expertz'; did you mean 'experts'? valid: attention, dense_mlp, "
+        "embeddings, experts, linear, lm_head, routers, shared_experts",
+        "rules[0].serializer: unknown serializer 'mxfp9'; did you mean 'mxfp8'? valid: bf16, block_fp8, "
+        "mxfp8, nvfp4",
+        "rules[1].options.backend: Input should be 'auto', 'torch' or 'triton'",
+        "rules[1].options.ue8m0: Input should be a valid boolean",
+        "keep_bf16.first: Input should be greater than or equal to 0",
+        "keep_bf16.last: Input should be a valid integer",
+        "default: unknown serializer 'int3'; valid: bf16, block_fp8, mxfp8, nvfp4",
+        "layout: unknown layout 'qwen3'; did you mean 'qwen3_moe' or 'qwen3_5_moe'? valid: deepseek_v3, generic, mixtral, "
+        "qwen3_5_moe, qwen3_moe",
+        "bogus: Extra inputs are not permitted",
+    ]
+
+
+@pytest.mark.parametrize("source,message", [
+    ({"preset": "block_fp8"}, "preset: unknown strategy 'block_fp8'; did you mean 'block-fp8'? valid: bf16, "
+                              "block-fp8, mxfp8, mxfp8-experts, nvfp4-experts"),
+    ("mxfp8-expert", "config file 'mxfp8-expert' does not exist, nor is it a preset name (did you mean "
+                     "'mxfp8-experts' or 'nvfp4-experts'? valid presets: bf16, block-fp8, mxfp8, mxfp8-experts, "
+                     "nvfp4-experts)"),
+    ("zzz", "config file 'zzz' does not exist, nor is it a preset name (valid presets: bf16, block-fp8, mxfp8, "
+            "mxfp8-experts, nvfp4-experts)"),
+])
+def test_preset_typos_list_the_valid_names(source, message):
+    assert config_error(source) == message
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("dup.yaml", "preset: mxfp8\nkeep_bf16: {first: 1}\npreset: block-fp8\n",
+     "duplicate key 'preset' (first given on line 1)\n  in \"<unicode string>\", line 3, column 1"),
+    ("nested.yaml", "rules:\n  - serializer: mxfp8\n    select: experts\n    serializer: bf16\n",
+     "duplicate key 'serializer' (first given on line 2)\n  in \"<unicode string>\", line 4, column 5"),
+    ("flow.yml", "keep_bf16: {first: 1, first: 2}\n", "duplicate key 'first' (first given on line 1)"),
+    ("dup.json", '{"preset": "mxfp8", "preset": "bf16"}', "duplicate key 'preset'"),
+    ("dup.toml", 'preset = "mxfp8"\npreset = "bf16"\n', "Cannot overwrite a value (at line 2, column 16)"),
+])
+def test_duplicate_keys_are_errors(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    got = config_error(path)
+    assert got.startswith(f"{path}: cannot parse: ") and message in got
+
+
+def test_yaml_booleans_and_floats_follow_yaml_1_2(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rules:\n  - serializer: block_fp8\n    options: {ue8m0: yes}\n")
+    # YAML 1.1 would read `yes` as true
+    assert config_error(path) == f"{path}: rules[0].options.ue8m0: Input should be a valid boolean"
+    path.write_text("rules:\n  - serializer: block_fp8\n    options: {ue8m0: True}\n"
+                    "  - serializer: nvfp4\n    select: experts\n    options: {input_scale: 5e-1}\n")
+    cfg = load_config(path)
+    assert cfg.rules[0].options == {"ue8m0": True}
+    assert cfg.rules[1].options == {"input_scale": 0.5}  # YAML 1.1 reads 5e-1 as a string
+    import yaml
+
+    assert yaml.safe_load("a: yes") == {"a": True}  # the global SafeLoader is left as it is
+
+
+def test_a_yaml_merge_key_may_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rules:\n  - serializer: mxfp8\n"
+                    "    options: {<<: {min_scale_byte: 1, scale_rounding: floor}, min_scale_byte: 2}\n")
+    cfg = load_config(path)
+    assert cfg.rules[0].options == {"min_scale_byte": 2, "scale_rounding": "floor"}
+    path.write_text("rules:\n  - {serializer: mxfp8, options: {<<: {min_scale_byte: 1}, min_scale_byte: 2, "
+                    "min_scale_byte: 3}}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'min_scale_byte' \(first given on line 2\)"):
+        load_config(path)
+
+
+def test_every_error_class_is_documented():
+    import inspect
+    from pathlib import Path
+
+    import qstrat.errors as errors
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    classes = [n for n, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.QstratError)]
+    assert len(classes) >= 7
+    assert [n for n in classes if f"| `{n}` |" not in doc] == []
+
+
+def test_an_empty_config_file_is_an_error(tmp_path):
+    path = tmp_path / "refit.yaml"
+    path.write_text("# nothing yet\n")
+    assert config_error(path) == (f"{path}: the file holds no settings (empty); a refit config needs at least "
+                                  "a preset or rules, e.g. `preset: block-fp8`")
+
+
+def test_hf_config_may_be_a_transformers_config_but_not_a_path(tiny_model):
+    from qstrat import RefitDriver
+
+    driver = RefitDriver("block-fp8", hf_config=tiny_model.config)
+    assert driver.layout.name == "qwen3_moe" and driver.hf_config["num_hidden_layers"] == 4
+    with pytest.raises(ConfigError) as info:
+        RefitDriver("block-fp8", hf_config="config.json")
+    assert str(info.value) == ("hf_config must be the model's config.json content (a mapping) or a transformers "
+                               "config (model.config), got str")
