@@ -297,7 +297,7 @@ def targets(results: list[dict]) -> list[dict]:
     out = []
     for fmt in dict.fromkeys(r["format"] for r in results):
         rows = {(tuple(r["shape"]), r["impl"]): r for r in results if r["format"] == fmt and r["ms"]}
-        shapes = {sh for sh, _ in rows}
+        shapes = list(dict.fromkeys(sh for sh, _ in rows))  # the report's order (ties: first)
         big = max(shapes, key=lambda sh: sh[0] * sh[1] * sh[2])
         small = min((sh for sh in shapes if sh[0] > 1), key=lambda sh: sh[1] * sh[2], default=None)
         launch = rows.get((big, "kernel, 1 launch"))
