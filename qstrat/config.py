@@ -152,6 +152,8 @@ class RefitConfig(_Model):
         expert_emission: ``per_expert`` names (``experts.7.gate_proj.weight``, default, every vLLM)
             or ``fused`` slab names (``experts.gate_up_proj``, vLLM >= 0.32).
         layout: registered model layout; None detects it from the HF config.
+        unplaced_weights: ``error`` (default) refuses weight matrices the layout cannot place;
+            ``bf16`` sends them unchanged (see docs/models.md).
         wire_order: ``natural`` (model order, natural names; default) or ``producer`` (the
             order the trainer yields its tensors); see docs/concepts.md "Wire order".
         expert_batch: per-expert inputs of one layer with the same shape and format quantized
@@ -164,6 +166,9 @@ class RefitConfig(_Model):
     default: str = "bf16"
     expert_emission: Literal["per_expert", "fused"] = "per_expert"
     layout: str | None = None
+    unplaced_weights: Literal["error", "bf16"] = Field(
+        "error", description="weight matrices the layout cannot place: plan error, or sent unchanged "
+        "(BF16) and listed in the engine's ignore list")
     wire_order: Literal["natural", "producer"] = "natural"
     expert_batch: int = Field(16, ge=1)
 

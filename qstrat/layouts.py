@@ -5,17 +5,28 @@ experts, their grouped slabs and the engine's fused shards are called. :meth:`Mo
 turns an HF tensor name into a :class:`ParsedName` (layer index, expert index, kind) from that
 structure - never from substrings (``gate`` is a substring of ``gate_proj``).
 Layouts are registered as plugins (hook ``qstrat_layouts``); adding a model family is data.
+
+Names are parsed in CHECKPOINT form, the names vLLM's loader accepts: wrapper prefixes added by
+DDP (``module.``) or ``torch.compile`` (``_orig_mod.``) are stripped, and a layout's
+:attr:`ModelLayout.renames` turn transformers' in-memory names into checkpoint names (Mixtral:
+``mlp.`` -> ``block_sparse_moe.``). :attr:`ParsedName.checkpoint_name` is what the engine receives;
+:attr:`ParsedName.name` stays the trainer's key.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: Kinds that ordinary selectors may quantize. Everything else needs ``allow_special``.
 QUANTIZABLE_KINDS = frozenset({"attention", "dense_mlp", "expert", "shared_expert", "linear"})
-#: Kinds never quantized unless a rule says so explicitly.
-SPECIAL_KINDS = frozenset({"embedding", "lm_head", "router", "norm", "mtp", "non_decoder", "other"})
+#: Kinds never quantized unless a rule says so explicitly. ``sensitive``: a projection the
+#: family's official quantized checkpoints keep in BF16 (:attr:`ModelLayout.sensitive`).
+SPECIAL_KINDS = frozenset({"embedding", "lm_head", "router", "norm", "sensitive", "mtp", "non_decoder",
+                           "other"})
+#: Prefixes wrappers add to every state-dict key: DDP/FSDP1 ``module.``, ``torch.compile``
+#: ``_orig_mod.`` (stripped before parsing; the trainer's key is kept for reading values).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 @dataclass(frozen=True)
@@ -25,9 +36,22 @@ class SlabSpec:
     ``parts`` are the per-expert projection names stacked along dim 1 in order (``rows`` split:
     gate rows first, then up, as transformers v5 ``Qwen3MoeExperts.gate_up_proj`` holds them;
     see docs/concepts.md).
+
+    ``transposed_interleaved``: the slab is ``[E, K, 2*N]`` with gate and up interleaved along
+    the last dim (gpt-oss: transformers ``GptOssExperts.gate_up_proj`` [E, H, 2I], gate =
+    ``[..., ::2]``, up = ``[..., 1::2]``). It cannot be cut into per-expert ``[N, K]`` rows, and
+    vLLM's ``GptOssForCausalLM`` loads such experts only unquantized (slab name ``gate_up_proj``)
+    or as its own MXFP4 ``*_blocks``/``*_scales``: qstrat sends it whole, unchanged, and refuses
+    to quantize it (:class:`~qstrat.errors.PlanError`).
     """
 
     parts: tuple[str, ...]
+    transposed_interleaved: bool = False
+
+    @property
+    def splittable(self) -> bool:
+        """Whether the slab can be cut into per-expert ``[rows, K]`` matrices (and quantized)."""
+        return not self.transposed_interleaved
 
 
 @dataclass(frozen=True)
@@ -45,11 +69,24 @@ class ModelLayout:
         routers: names of router linears inside the MLP block (never quantized by default).
         shared_experts: container names of always-active shared experts.
         dense_projections: projections of a dense MLP block.
-        attention_blocks: attention block names inside a layer.
+        attention_blocks: attention block names inside a layer (``self_attn``; Qwen3.5 and
+            Qwen3-Next also ``linear_attn``, the Gated-DeltaNet block).
+        attention_projections: the projections (matrices) an attention block may hold; None
+            accepts any name (the generic layout). A matrix in a layer that the layout cannot
+            place is kind ``other``, which a plan refuses (see docs/models.md).
+        sensitive: projection names kept in BF16 by default (kind ``sensitive``), following the
+            family's official quantized checkpoints (Qwen3.5: ``linear_attn.in_proj_a/b``).
         fused: groups of sibling modules the engine fuses into one weight (q/k/v, gate/up);
             they must share a serializer and a group context.
+        renames: ``(old, new)`` substrings replaced once, in order, inside a decoder layer's name
+            to get the checkpoint name vLLM loads (Mixtral: ``(".mlp.", ".block_sparse_moe.")``,
+            undoing transformers 5's in-memory rename).
         embeddings / lm_heads / final_norms: top-level module names outside the decoder.
-        non_decoder_prefixes: prefixes whose ``layers.{i}`` are NOT decoder layers (vision, MTP).
+        non_decoder_prefixes: prefixes of non-decoder towers (vision): kind ``non_decoder``,
+            never quantized and listed in the engine's ignore list (vLLM builds a vision tower's
+            linears with the model's quantization config).
+        mtp_prefixes: prefixes of multi-token-prediction blocks stored apart (Qwen3.5 ``mtp.``):
+            kind ``mtp``; vLLM's main model drops them.
         num_layers_key / mtp_layers_key: HF config keys for decoder depth and MTP layer count.
         num_experts_keys: HF config keys that may hold the routed expert count (first set wins).
 
@@ -75,12 +112,16 @@ class ModelLayout:
     shared_experts: tuple[str, ...] = ()
     dense_projections: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
     attention_blocks: tuple[str, ...] = ("self_attn",)
+    attention_projections: tuple[str, ...] | None = None
+    sensitive: tuple[str, ...] = ()
     fused: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    renames: tuple[tuple[str, str], ...] = ()
     embeddings: tuple[str, ...] = ("model.embed_tokens",)
     lm_heads: tuple[str, ...] = ("lm_head",)
     final_norms: tuple[str, ...] = ("model.norm",)
     non_decoder_prefixes: tuple[str, ...] = ("model.visual.", "visual.", "model.vision_tower.",
-                                             "vision_tower.", "mtp.", "model.mtp.")
+                                             "vision_tower.")
+    mtp_prefixes: tuple[str, ...] = ("mtp.", "model.mtp.")
     num_layers_key: str = "num_hidden_layers"
     mtp_layers_key: str | None = None
     num_experts_keys: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -121,19 +162,45 @@ class ModelLayout:
             return False
         return (layer + 1) % int(c.get("decoder_sparse_step", 1) or 1) == 0
 
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint name vLLM loads for the trainer's key ``name``: wrapper prefixes
+        (:data:`WRAPPER_PREFIXES`) stripped, then :attr:`renames` applied inside decoder layers.
+        ``_orig_mod.model.layers.0.mlp.gate.weight`` -> ``model.layers.0.block_sparse_moe.gate.weight``
+        (Mixtral)."""
+        stripped = True
+        while stripped:
+            stripped = False
+            for w in WRAPPER_PREFIXES:
+                if name.startswith(w):
+                    name, stripped = name[len(w):], True
+        prefix = self.layers_prefix + "."
+        if self.renames and name.startswith(prefix):
+            rest = "." + name[len(prefix):]
+            for old, new in self.renames:
+                rest = rest.replace(old, new, 1)
+            name = prefix + rest[1:]
+        return name
+
     def parse(self, name: str, num_layers: int | None = None) -> ParsedName:
-        """Parse an HF tensor name.
+        """Parse a trainer's tensor name (see :meth:`checkpoint_name` for its engine form).
 
         Args:
             name: e.g. ``model.layers.3.mlp.experts.7.gate_proj.weight`` or the slab
                 ``model.layers.3.mlp.experts.gate_up_proj``.
             num_layers: decoder depth; layers at or beyond it are MTP layers (DeepSeek-V3
                 stores its MTP block as ``model.layers.61``). None: no MTP detection by index.
-        Returns: a :class:`ParsedName`.
+        Returns: a :class:`ParsedName` (``name`` as given, ``module`` etc. in checkpoint form).
         """
+        canonical = self.checkpoint_name(name)
+        p = self._parse_canonical(canonical, num_layers)
+        return p if canonical == name else replace(p, name=name, checkpoint_name=canonical)
+
+    def _parse_canonical(self, name: str, num_layers: int | None) -> ParsedName:
         module, param = _split_param(name)
         if name.startswith(self.non_decoder_prefixes):
             return ParsedName(name, module, param, "non_decoder")
+        if any(name.startswith(p) for p in self.mtp_prefixes):
+            return ParsedName(name, module, param, "mtp")
         if module in self.embeddings:
             return ParsedName(name, module, param, "embedding")
         if module in self.lm_heads:
@@ -160,10 +227,18 @@ class ModelLayout:
         if block in self.mlp_blocks and len(tokens) >= 2:
             return self._parse_mlp(make, module, tokens[1:])
         if block in self.attention_blocks and len(tokens) == 3 and param == "weight":
-            kind = "norm" if tokens[1].endswith("norm") else "attention"
-            return make(kind, projection=tokens[1])
+            proj = tokens[1]
+            if proj.endswith("norm"):
+                return make("norm", projection=proj)
+            if proj in self.sensitive:
+                return make("sensitive", projection=proj)
+            if self.attention_projections is None or proj in self.attention_projections:
+                return make("attention", projection=proj)
+            return make("other", projection=proj)
         if block.endswith("norm"):
             return make("norm")
+        if self.attention_projections is not None:  # a family layout: no guessing
+            return make("other")
         if len(tokens) >= 2 and tokens[-2] in self.routers:
             return make("router")  # a router in a block this layout does not know
         if len(tokens) >= 2 and param == "weight":
@@ -178,11 +253,15 @@ class ModelLayout:
                 return make("expert", expert=int(t[1]), projection=t[2], engine_module=experts_module)
             if len(t) == 2 and t[1] in self.slabs:
                 return make("expert", projection=t[1], slab=True, engine_module=experts_module)
+            if len(t) == 2 and t[1].removesuffix("_bias") in self.slabs:  # gpt-oss [E, 2I] biases
+                return make("expert", projection=t[1].removesuffix("_bias"), engine_module=experts_module)
             return make("other")
         if head in self.routers and len(t) == 2:
             return make("router")
         if head in self.shared_experts and len(t) == 3:
             return make("shared_expert", projection=t[1])
+        if head in self.sensitive and len(t) == 2:
+            return make("sensitive", projection=head)
         if head in self.dense_projections and len(t) == 2:
             return make("dense_mlp", projection=head)
         return make("other")
@@ -203,6 +282,8 @@ class ParsedName:
         slab: True for a grouped expert slab ``[E, rows, K]``.
         engine_module: the vLLM module the tensor loads into, for ignore lists (experts of a
             layer are one fused module ``...mlp.experts``); defaults to ``module``.
+        checkpoint_name: the name the engine receives (:meth:`ModelLayout.checkpoint_name`);
+            defaults to ``name``. ``module``, ``engine_module`` are in checkpoint form.
     """
 
     name: str
@@ -214,6 +295,11 @@ class ParsedName:
     projection: str | None = None
     slab: bool = False
     engine_module: str | None = None
+    checkpoint_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_name:
+            object.__setattr__(self, "checkpoint_name", self.name)
 
     @property
     def vllm_module(self) -> str:

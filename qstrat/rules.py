@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 #: Serializer name of tensors sent unchanged (not a registered format).
 PASSTHROUGH = "passthrough"
 #: Special kinds an ``allow_special`` rule's include patterns may select.
-OPT_IN_KINDS = frozenset({"router", "embedding", "lm_head"})
+OPT_IN_KINDS = frozenset({"router", "embedding", "lm_head", "sensitive"})
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,19 @@
 
 Used by ``qstrat plan`` on a config-only directory (DeepSeek-V3- or Qwen3-235B-shaped) and by
 tests. Names follow the layout (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``); shapes
-follow HF's modeling code: linear weights are [out_features, in_features].
+follow HF's modeling code: linear weights are [out_features, in_features]. With ``grouped=True``
+the names and shapes equal the transformers 5.x class's ``state_dict()`` for Llama, Qwen3,
+Qwen3-MoE, DeepSeek-V3, GLM-4.5 and (in checkpoint names) Mixtral, MTP layers aside
+(tests/test_model_families.py). Families whose structure this module does not generate
+(hybrid linear attention, vision towers, gpt-oss' transposed slabs) are refused with a
+:class:`~qstrat.errors.PlanError`: plan their trainer's ``state_dict()`` (a ``meta`` copy is enough).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from qstrat.errors import PlanError
 from qstrat.layouts import ModelLayout
 
 Shape = tuple[int, ...]
@@ -23,8 +29,10 @@ def model_tensors(layout: ModelLayout, hf_config: Mapping[str, Any],
         hf_config: parsed config.json (``text_config`` is used when present).
         grouped: emit routed experts as grouped slabs ``experts.gate_up_proj`` [E, 2I, H] and
             ``experts.down_proj`` [E, H, I] (the trainer's in-memory view) instead of per-expert.
-    Raises: KeyError naming a config key the model needs but the config lacks.
+    Raises: KeyError naming a config key the model needs but the config lacks; PlanError for
+        a family whose structure is not generated here (see the module docstring).
     """
+    _check_supported(layout, hf_config)
     c = layout.text_config(hf_config)
     h, vocab = int(c["hidden_size"]), int(c["vocab_size"])
     n_layers = int(c[layout.num_layers_key])
@@ -87,10 +95,12 @@ def _mlp(layout: ModelLayout, p: str, c: Mapping[str, Any], h: int, i: int,
     n = layout.num_experts(c)
     inter = int(c.get("moe_intermediate_size") or c["intermediate_size"])
     yield f"{p}.{layout.routers[0]}.weight", (n, h)
-    if c.get("topk_method") == "noaux_tc":
+    # DeepSeek-V3 says topk_method noaux_tc; GLM-4.5 has n_group and no topk_method (noaux_tc only)
+    if c.get("topk_method", "noaux_tc" if "n_group" in c else None) == "noaux_tc":
         yield f"{p}.{layout.routers[0]}.e_score_correction_bias", (n,)
     if grouped:
-        slab_gate_up, slab_down = list(layout.slabs)
+        slab_gate_up = next(k for k, v in layout.slabs.items() if v.parts == (gate, up))
+        slab_down = next(k for k, v in layout.slabs.items() if v.parts == (down,))
         yield f"{p}.{layout.experts}.{slab_gate_up}", (n, 2 * inter, h)
         yield f"{p}.{layout.experts}.{slab_down}", (n, h, inter)
     else:
@@ -107,3 +117,20 @@ def _mlp(layout: ModelLayout, p: str, c: Mapping[str, Any], h: int, i: int,
         yield f"{q}.down_proj.weight", (h, shared)
         if c.get("shared_expert_intermediate_size"):
             yield f"{p}.shared_expert_gate.weight", (1, h)
+
+
+def _check_supported(layout: ModelLayout, hf_config: Mapping[str, Any]) -> None:
+    """Refuse (PlanError) structures :func:`model_tensors` would get wrong."""
+    c = layout.text_config(hf_config)
+    reasons = []
+    if "linear_attention" in (c.get("layer_types") or ()) or "linear_attn" in layout.attention_blocks:
+        reasons.append("hybrid linear-attention layers")
+    if hf_config.get("vision_config"):
+        reasons.append("a vision tower")
+    if any(not spec.splittable for spec in layout.slabs.values()):
+        reasons.append("transposed expert slabs with biases")
+    if reasons:
+        raise PlanError(f"layout {layout.name!r}: config-only planning does not generate "
+                        f"{' and '.join(reasons)}; plan the trainer's state_dict() instead (a copy "
+                        "on the meta device is enough: transformers' class built under "
+                        "torch.device('meta'))")

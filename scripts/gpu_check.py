@@ -250,8 +250,7 @@ def _na(fmt: str, shape, impl: str, note: str) -> dict:
 
 def run_pytest() -> dict:
     """The kernel parity tests on the GPU (a child pytest; tests run on CUDA tensors there)."""
-    files = sorted(str(p) for p in (ROOT / "tests").glob("test_kernels*.py")
-                   if "gpu_check" not in p.name)
+    files = [str(p) for p in testing.kernel_test_modules()] + [str(ROOT / "tests" / "test_kernels.py")]
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-rfEs", "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     tail = (proc.stdout + proc.stderr).strip().splitlines()

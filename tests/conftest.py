@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+import kernel_harness
+
+# Kernel test modules run where kernels run in this process (a GPU, or TRITON_INTERPRET=1); on a
+# CPU machine tests/test_kernels.py runs them all in one interpreter child process instead.
+collect_ignore_glob = [] if kernel_harness.kernel_device() else [kernel_harness.KERNEL_TEST_GLOB]
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
 

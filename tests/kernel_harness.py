@@ -1,4 +1,4 @@
-"""Helpers for kernel parity tests (tests/test_kernels*.py) and scripts/gpu_check.py.
+"""Helpers for the kernel parity tests (tests/test_kernel*.py) and scripts/gpu_check.py.
 
 Where kernels can run in this process: compiled on CUDA tensors, or under Triton's interpreter on
 CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was imported (it cannot be switched
@@ -32,11 +32,44 @@ def kernel_device() -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
-def run_under_interpreter(test_file: str | Path, min_passed: int, timeout_s: float = 900) -> str:
-    """Run ``pytest test_file`` in a child process with ``TRITON_INTERPRET=1`` set from the start.
+#: The kernel test modules: collected only where kernels run in the process (tests/conftest.py).
+KERNEL_TEST_GLOB = "test_kernel_*.py"
+#: Fewest tests the interpreter child must pass (all of them on a CPU machine today; the >2^31-element cases are GPU-only).
+MIN_KERNEL_TESTS = 90
+
+#: (value, e4m3fn code torch 2.13 gives): ties to even and carries, docs/test-vectors.md.
+E4M3_TIES = [(1.0625, 0x38), (17.0, 0x58), (232.0, 0x76), (0.0029296875, 0x02), (126.24, 0x70),
+             (1.97, 0x40), (-124.5, 0xF0), (2.0**-10, 0x00), (3 * 2.0**-10, 0x02), (-0.0, 0x80)]
+
+
+def gen(seed: int) -> torch.Generator:
+    """A seeded CPU generator."""
+    return torch.Generator().manual_seed(seed)
+
+
+def kernel_test_modules() -> list[Path]:
+    """Every kernel test module (tests/test_kernel_*.py), sorted."""
+    return sorted(Path(__file__).resolve().parent.glob(KERNEL_TEST_GLOB))
+
+
+def require_kernel_device() -> str:
+    """:func:`kernel_device`, for a kernel test module; skips the module (run directly without
+    ``TRITON_INTERPRET=1`` on a CPU machine) where kernels cannot run. Inside the suite such a
+    module is never collected there: tests/test_kernels.py runs it in the interpreter child."""
+    import pytest
+
+    device = kernel_device()
+    if device is None:
+        pytest.skip("kernels cannot run in this process: set TRITON_INTERPRET=1 or use a GPU",
+                    allow_module_level=True)
+    return device
+
+
+def run_under_interpreter(test_files: list[Path], min_passed: int, timeout_s: float = 1500) -> str:
+    """Run ``pytest test_files`` in ONE child process with ``TRITON_INTERPRET=1`` set from the start.
 
     Args:
-        test_file: path of the test module to re-run.
+        test_files: paths of the test modules to run.
         min_passed: fewest passing tests accepted (a child that silently collects nothing fails).
         timeout_s: wall-clock limit of the child, seconds.
     Returns: the child's combined stdout/stderr.
@@ -51,8 +84,8 @@ def run_under_interpreter(test_file: str | Path, min_passed: int, timeout_s: flo
             "process (was triton imported before the variable was set?)"
         )
     env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
-    cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-rfEs", "-p", "no:cacheprovider"]
-    root = Path(test_file).resolve().parent.parent
+    cmd = [sys.executable, "-m", "pytest", *map(str, test_files), "-q", "-rfEs", "-p", "no:cacheprovider"]
+    root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
         cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )

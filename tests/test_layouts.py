@@ -46,9 +46,9 @@ def test_deepseek_mtp_and_mla():
 
 
 def test_vision_tower_and_mtp_blocks_are_not_decoder_layers():
-    for name in ["model.visual.blocks.0.attn.qkv.weight", "model.visual.layers.3.mlp.fc1.weight",
-                 "mtp.layers.0.mlp.experts.gate_up_proj"]:
+    for name in ["model.visual.blocks.0.attn.qkv.weight", "model.visual.layers.3.mlp.fc1.weight"]:
         assert QWEN3_5_MOE.parse(name).kind == "non_decoder", name
+    assert QWEN3_5_MOE.parse("mtp.layers.0.mlp.experts.gate_up_proj").kind == "mtp"
     p = QWEN3_5_MOE.parse("model.language_model.layers.4.mlp.experts.gate_up_proj")
     assert (p.kind, p.layer, p.slab) == ("expert", 4, True)
 

@@ -47,7 +47,7 @@ def test_exact_types_and_an_int_for_a_float_are_accepted():
 
 
 def test_every_problem_is_reported_at_once():
-    bad = {"preset": "nope", "bogus": 1, "default": "int3", "layout": "qwen3",
+    bad = {"preset": "nope", "bogus": 1, "default": "int3", "layout": "qwen3moe",
            "keep_bf16": {"first": -1, "last": "a"},
            "rules": [{"select": "expertz", "serializer": "mxfp9", "options": {"x": 1}},
                      {"serializer": "block_fp8", "options": {"ue8m0": "yes", "backend": "gpu"}}]}
@@ -64,8 +64,8 @@ def test_every_problem_is_reported_at_once():
         "keep_bf16.first: Input should be greater than or equal to 0",
         "keep_bf16.last: Input should be a valid integer",
         "default: unknown serializer 'int3'; valid: bf16, block_fp8, mxfp8, nvfp4",
-        "layout: unknown layout 'qwen3'; did you mean 'qwen3_moe' or 'qwen3_5_moe'? valid: deepseek_v3, generic, mixtral, "
-        "qwen3_5_moe, qwen3_moe",
+        "layout: unknown layout 'qwen3moe'; did you mean 'qwen3_moe' or 'qwen3_5_moe'? valid: deepseek_v3, "
+        "generic, glm4_moe, gpt_oss, llama, mixtral, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
         "bogus: Extra inputs are not permitted",
     ]
 

@@ -57,13 +57,15 @@ def check_expert_inputs(entries: Sequence[PlanEntry], num_experts: int | None) -
 
 def ignored_layers(entries: Sequence[PlanEntry], errors: list[str],
                    quantizes: Callable[[PlanEntry], bool]) -> list[str]:
-    """vLLM module prefixes of unquantized matrices (routers included; embeddings excluded), in
-    natural order. Appends an error for a module with both quantized and unquantized tensors
-    (vLLM loads a module with one quantization method)."""
+    """vLLM module prefixes of unquantized matrices (routers and vision towers included: vLLM
+    builds a vision tower's linears with the model's quantization config; embeddings and MTP
+    blocks, which the main model does not load, excluded), in natural order. Appends an error
+    for a module with both quantized and unquantized tensors (vLLM loads a module with one
+    quantization method)."""
     status: dict[str, bool] = {}
     mixed: set[str] = set()
     for e in entries:
-        if len(e.shape) < 2 or e.kind in ("embedding", "mtp", "non_decoder") or e.name.endswith(".bias"):
+        if len(e.shape) < 2 or e.kind in ("embedding", "mtp") or e.name.endswith((".bias", "_bias")):
             continue
         quantized = quantizes(e)
         mod = e.engine_module

@@ -18,7 +18,7 @@ import torch
 from qstrat.config import RefitConfig
 from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout, ParsedName
-from qstrat.plan import checks
+from qstrat.plan import checks, structure
 from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_key,
                               order_entries)
 from qstrat.rules import Decision, RuleSet, is_weight_matrix
@@ -99,6 +99,9 @@ class Planner:
         entries = order_entries(entries, order)
         errors += checks.check_groups(entries) + checks.check_outputs(entries)
         errors += checks.check_expert_inputs(entries, self.layout.num_experts(self.hf_config))
+        errors += structure.unplaced_matrices(entries, self.layout.name, self.config)
+        errors += structure.quantizes_nothing(entries, self.layout.name, self.config,
+                                              lambda s: self.serializer(s, {}).quantizes)
         ignored = checks.ignored_layers(entries, errors, self._quantizes)
         qconfig = self._engine_config(entries, ignored, errors)
         if errors:
@@ -118,10 +121,17 @@ class Planner:
             raise PlanError(f"{what} and needs a bfloat16/float16/float32 tensor, got {dname}"
                             f"{_dtype_hint(dtype)}")
         if d.serializer == PASSTHROUGH:
-            outs = (OutputTensor(name, shape, dname, tensor_nbytes(shape, dtype)),)
+            outs = (OutputTensor(p.checkpoint_name, shape, dname, tensor_nbytes(shape, dtype)),)
             return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, d.rule, PASSTHROUGH,
                              {}, outs, None, "", p.vllm_module)
         ser = self.serializer(d.serializer, d.options)
+        slab = self.layout.slabs.get(p.projection) if p.slab else None
+        if slab is not None and not slab.splittable and ser.quantizes:
+            raise PlanError(
+                f"{d.serializer} ({d.rule}): {self.layout.name} stores its experts as transposed "
+                f"{shape} slabs [E, in, out] (gate_up_proj: gate/up interleaved along the last dim); "
+                "vLLM loads them unquantized or as its own MXFP4 only, so qstrat does not quantize "
+                "them: keep them BF16 (a rule 'select: [experts], serializer: bf16' first)")
         try:
             specs = ser.part_specs(shape)
         except UnsupportedShapeError as exc:
@@ -147,8 +157,8 @@ class Planner:
         if not p.slab:  # the common case (~46k times for DeepSeek-V3): no per-output arithmetic
             return tuple(OutputTensor(f"{p.module}.{s.suffix}", s.shape, dtype_name(s.dtype), s.nbytes,
                                       s.suffix) for s in specs)
-        if self.config.expert_emission == "fused":
-            return tuple(out(fused_name(p.name, s.suffix), s, s.shape) for s in specs)
+        if self.config.expert_emission == "fused" or not self.layout.slabs[p.projection].splittable:
+            return tuple(out(fused_name(p.checkpoint_name, s.suffix), s, s.shape) for s in specs)
         projections = self.layout.slabs[p.projection].parts
         k = len(projections)
         rows = shape[1]

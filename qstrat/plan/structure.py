@@ -1,0 +1,69 @@
+"""Structure checks: a plan never guesses silently about a model it does not understand.
+
+Two failures of a layout that does not fit the model would otherwise pass unnoticed (the
+engine would serve BF16 weights, or refuse names half-way through a refit):
+
+- :func:`unplaced_matrices`: weight matrices the layout cannot place (kind ``other``): a
+  renamed block, a new projection, a layout for another family. Refused unless the config
+  says ``unplaced_weights: bf16`` (sent unchanged and listed in the engine's ignore list).
+- :func:`quantizes_nothing`: a config asking for a quantized format (a rule or ``default``)
+  whose rules matched no tensor of this model (experts-only MXFP8 on a layout that sees no
+  experts).
+
+Each returns error lines for :class:`~qstrat.plan.planner.Planner` to collect.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from qstrat.config import RefitConfig
+from qstrat.plan.data import PASSTHROUGH, PlanEntry
+
+#: How many names an error message lists before "... and N more".
+SHOWN = 8
+
+
+def unplaced_matrices(entries: Sequence[PlanEntry], layout: str, config: RefitConfig) -> list[str]:
+    """One error naming the tensors of two or more dims (matrices, slabs, conv kernels) of
+    kind ``other``.
+
+    Args:
+        entries: the planned inputs; layout: the layout's name (for the message);
+        config: its ``unplaced_weights`` (``error`` / ``bf16``) decides.
+    """
+    names = [e.name for e in entries if e.kind == "other" and len(e.shape) >= 2]
+    if not names or config.unplaced_weights == "bf16":
+        return []
+    return [f"layout {layout!r} cannot place {len(names)} weight matrices: {_listing(names)} "
+            "(choose the right layout with 'layout:', add one for this model, or set "
+            "'unplaced_weights: bf16' to send them unchanged and unquantized)"]
+
+
+def quantizes_nothing(entries: Sequence[PlanEntry], layout: str, config: RefitConfig,
+                      quantizing: Callable[[str], bool]) -> list[str]:
+    """One error when the config names a quantized format but no tensor gets one.
+
+    Args:
+        entries: the planned inputs; layout: the layout's name;
+        config: the expanded config (rules, default);
+        quantizing: whether a serializer name quantizes (``bf16`` does not).
+    """
+    asked = [f"rules[{i}] ({', '.join(r.select)} -> {r.serializer})" for i, r in enumerate(config.rules)
+             if quantizing(r.serializer)]
+    if quantizing(config.default):
+        asked.append(f"default ({config.default})")
+    if not asked or any(e.serializer != PASSTHROUGH and quantizing(e.serializer) for e in entries):
+        return []
+    kinds = Counter(e.kind for e in entries if e.rule != "not a weight matrix")
+    seen = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "no weight matrices"
+    kept = sum(e.rule.startswith("keep_bf16.") for e in entries)
+    why = (f"keep_bf16 (first: {config.keep_bf16.first}, last: {config.keep_bf16.last}) keeps {kept} "
+           "matrices BF16 and the rest matched no rule" if kept else "matched no tensor")
+    return [f"the config quantizes nothing in this model: {'; '.join(asked)} {why}; "
+            f"layout {layout!r} sees {seen}"]
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:SHOWN])
+    return shown + (f" ... and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
