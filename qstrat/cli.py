@@ -13,6 +13,9 @@ from rich.table import Table
 from qstrat.console import make_console
 from qstrat.errors import ConfigError, QstratError
 
+#: ``qstrat bench`` sections (kept here so ``--help`` does not import torch).
+SECTIONS = ("formats", "grouped", "plan", "driver")
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qstrat`` command. Returns the exit status (2 on a user error)."""
@@ -61,6 +64,17 @@ def _parser() -> argparse.ArgumentParser:
                             "(cuda: the formats' Triton kernels; cpu: the torch reference); auto: cuda "
                             "when a CUDA device is visible, else cpu")
     quant.set_defaults(func=_cmd_quantize)
+
+    bench = sub.add_parser("bench", help="measure qstrat's CPU paths against vLLM, torchao, a copy "
+                                         "and a per-expert loop (ratios; docs/performance.md)")
+    bench.add_argument("--quick", action="store_true", help="reduced sizes (seconds; what CI runs)")
+    bench.add_argument("--only", default=",".join(SECTIONS),
+                       help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
+    bench.add_argument("--reps", type=int, help="timed repetitions per implementation (median kept)")
+    bench.add_argument("--max-experts", type=int,
+                       help="cap the expert count of the grouped slabs and the driver's layer")
+    bench.add_argument("--json", type=Path, help="also write the measurements to this JSON file")
+    bench.set_defaults(func=_cmd_bench)
 
     lst = sub.add_parser("list", help="every registered plugin and where it came from")
     lst.set_defaults(func=_cmd_list)
@@ -223,6 +237,31 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
             progress.stop()
     _print_summary(console, plan)
     console.print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    from qstrat.bench import render, run_bench
+
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    if args.reps is not None and args.reps < 1:
+        raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise ConfigError(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+
+    def show(part: dict[str, Any]) -> None:
+        for table in render(part):
+            console.print(table)
+
+    doc = run_bench(quick=args.quick, sections=sections, reps=args.reps, max_experts=args.max_experts,
+                    on_section=show)
+    console.print(f"{doc['size']} size, {doc['seconds']} s, load {doc['load_before'][0]:.1f} -> "
+                  f"{doc['load_after'][0]:.1f}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        console.print(f"wrote {args.json}")
     return 0
 
 

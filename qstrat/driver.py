@@ -62,14 +62,17 @@ class RefitDriver:
     # ---- decisions and plan ---------------------------------------------------------------
     def serializer(self, name: str, options: Mapping[str, Any]) -> Serializer:
         """Cached serializer instance for (name, options)."""
+        key: tuple[str, Any] = (name, tuple(sorted(options.items())) if options else ())
         try:
-            key = (name, tuple(sorted(options.items())))
-            hash(key)
+            return self._serializers[key]
+        except KeyError:
+            pass
         except TypeError:  # unhashable option values
             key = (name, repr(sorted(options.items())))
-        if key not in self._serializers:
-            self._serializers[key] = self.registry.serializer(name, **options)
-        return self._serializers[key]
+            if key in self._serializers:
+                return self._serializers[key]
+        self._serializers[key] = ser = self.registry.serializer(name, **options)
+        return ser
 
     def num_layers(self, names: Iterable[str] = ()) -> int | None:
         """Decoder depth from the HF config, else 1 + the largest decoder layer index in ``names``."""

@@ -197,7 +197,7 @@ class ModelLayout:
 
     def _parse_canonical(self, name: str, num_layers: int | None) -> ParsedName:
         module, param = _split_param(name)
-        if any(name.startswith(p) for p in self.non_decoder_prefixes):
+        if name.startswith(self.non_decoder_prefixes):
             return ParsedName(name, module, param, "non_decoder")
         if any(name.startswith(p) for p in self.mtp_prefixes):
             return ParsedName(name, module, param, "mtp")

@@ -5,12 +5,14 @@ On a CUDA machine (full mode), for every format with a registered kernel (looked
 the plugin registry, so new formats join automatically):
 1. runs the kernel parity tests (tests/test_kernels*.py) on the GPU in a child pytest;
 2. measures a large device-to-device copy as the bandwidth ceiling (read + write bytes / time);
-3. quantizes an 8192 x 8192 matrix and grouped slabs [128, 1536, 4096] and [256, 2048, 7168]
-   (bf16, seeded randn) with: the kernel (one launch per slab), the same kernel in a per-expert
+3. quantizes an 8192 x 8192 matrix and grouped slabs [128, 1536, 4096], [256, 2048, 7168] and
+   [256, 256, 512] (small experts) (bf16, seeded randn) with: the kernel (one launch per slab), the same kernel in a per-expert
    Python loop, qstrat's torch reference, and vLLM's quantizer where importable; each is
    checked byte for byte against the torch reference and timed (CUDA events, median of reps).
    Bytes moved = bf16 read + values written + scales written (the declared parts);
-4. prints one table (rich) and writes JSON (default out/gpu_check.json).
+4. prints one table (rich) and the issue-14 targets per format (one launch >= 85% of the copy
+   bandwidth on the largest slab; >= 5x a per-expert launch loop on the small-expert slab), and
+   writes JSON (default out/gpu_check.json; ``targets`` holds the same figures).
 
 Without a GPU, or with ``--smoke``: the same code paths on CPU tensors under Triton's
 interpreter with tiny shapes and one rep, vLLM skipped (its import takes ~1 min on CPU), so CI
@@ -31,7 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FULL_SHAPES = [(1, 8192, 8192), (128, 1536, 4096), (256, 2048, 7168)]
+FULL_SHAPES = [(1, 8192, 8192), (128, 1536, 4096), (256, 2048, 7168), (256, 256, 512)]
+#: Issue 14's GPU targets: one launch on the largest slab reaches this share of the copy
+#: bandwidth, and on many small experts beats a per-expert launch loop by this factor.
+TARGET_PCT_OF_COPY = 85.0
+TARGET_LOOP_OVER_LAUNCH = 5.0
 SMOKE_SHAPES = [(1, 128, 128), (2, 64, 128), (3, 32, 64)]
 
 
@@ -284,6 +290,29 @@ def formats(names: str) -> list[Serializer]:
     return [avail[n](backend="triton", nonfinite="propagate") for n in wanted]
 
 
+def targets(results: list[dict]) -> list[dict]:
+    """Per format: the kernel's % of copy bandwidth on the largest slab, and per-expert loop
+    time / one launch on the slab with the smallest experts (E > 1), against the targets."""
+    out = []
+    for fmt in dict.fromkeys(r["format"] for r in results):
+        rows = {(tuple(r["shape"]), r["impl"]): r for r in results if r["format"] == fmt and r["ms"]}
+        shapes = list(dict.fromkeys(sh for sh, _ in rows))  # the report's order (ties: first)
+        big = max(shapes, key=lambda sh: sh[0] * sh[1] * sh[2])
+        small = min((sh for sh in shapes if sh[0] > 1), key=lambda sh: sh[1] * sh[2], default=None)
+        launch = rows.get((big, "kernel, 1 launch"))
+        pct = launch["pct_of_copy"] if launch else None
+        ratio = None
+        if small is not None and (small, "kernel, 1 launch") in rows and (small, "kernel, per-expert loop") in rows:
+            ratio = rows[(small, "kernel, per-expert loop")]["ms"] / rows[(small, "kernel, 1 launch")]["ms"]
+        out.append({"format": fmt, "large_slab": list(big), "pct_of_copy": pct,
+                    "pct_target": TARGET_PCT_OF_COPY,
+                    "pct_met": None if pct is None else pct >= TARGET_PCT_OF_COPY,
+                    "small_slab": None if small is None else list(small),
+                    "loop_over_launch": ratio, "loop_target": TARGET_LOOP_OVER_LAUNCH,
+                    "loop_met": None if ratio is None else ratio >= TARGET_LOOP_OVER_LAUNCH})
+    return out
+
+
 def render(report: dict, console: Console) -> None:
     t = Table(title=f"qstrat kernels - {report['mode']} - {report['device']}")
     for col in ("format", "shape [E,N,K]", "implementation", "MB moved", "ms", "GB/s",
@@ -304,6 +333,20 @@ def render(report: dict, console: Console) -> None:
     c = report["copy"]
     console.print(f"copy ceiling: {c['gbps']:.1f} GB/s ({c['bytes'] / 1e9:.2f} GB moved, "
                   f"{c['ms']:.3f} ms); parity tests: {report['pytest'].get('summary', '-')}")
+    t = Table(title="targets (issue 14)" + (" - smoke: NOT GPU figures" if SMOKE else ""))
+    for col in ("format", "large slab", "% of copy", f">= {TARGET_PCT_OF_COPY:g}%", "small slab",
+                "loop / 1 launch", f">= {TARGET_LOOP_OVER_LAUNCH:g}x"):
+        t.add_column(col, justify="left" if col in ("format",) else "right")
+
+    def num(v, f):
+        return "-" if v is None else format(v, f)
+
+    for g in report["targets"]:
+        t.add_row(g["format"], "x".join(map(str, g["large_slab"])), num(g["pct_of_copy"], ".1f"),
+                  {True: "met", False: "NOT met", None: "-"}[g["pct_met"]],
+                  "-" if g["small_slab"] is None else "x".join(map(str, g["small_slab"])),
+                  num(g["loop_over_launch"], ".2f"), {True: "met", False: "NOT met", None: "-"}[g["loop_met"]])
+    console.print(t)
 
 
 def main() -> int:
@@ -331,6 +374,7 @@ def main() -> int:
     for ser in sers:
         for shape in shapes:
             report["results"] += check_format(ser, shape, report["copy"]["gbps"], reps)
+    report["targets"] = targets(report["results"])
     report["seconds"] = time.time() - t0
     render(report, console)
     path = Path(ARGS.json)

@@ -11,7 +11,9 @@ chunk of experts/rows: the CPU path and the test oracle), ``dequantize`` and, op
 """
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError
+from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunks
 
 #: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
 Context = Mapping[str, torch.Tensor]
@@ -31,14 +34,19 @@ class SerializerOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto: Triton kernel for CUDA tensors, torch reference otherwise."
+    backend: Literal["auto", "torch", "fast", "triton"] = Field(
+        "auto",
+        description="auto: Triton kernel for CUDA tensors, the fast torch path otherwise; torch: "
+        "the eager torch reference (the oracle); fast: the cache-blocked torch path, bit-identical "
+        "to the reference (the reference where a format has none); triton: the kernel.",
     )
     nonfinite: Literal["error", "propagate"] = Field(
         "error", description="error: NaN/inf weights raise NonFiniteError naming tensor and index."
     )
-    chunk_elements: int = Field(
-        1 << 25, gt=0, description="Torch path: elements processed per chunk (bounds fp32 scratch)."
+    chunk_elements: int | None = Field(
+        None, gt=0,
+        description="Torch paths: weight elements per chunk (bounds fp32 scratch); None sizes "
+        "chunks for the CPU cache (qstrat.serializers.chunking.cache_chunk_elements).",
     )
 
 
@@ -61,7 +69,7 @@ class PartSpec:
     dtype: torch.dtype
     rows_per_entry: int | None = 1
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Size in bytes."""
         return tensor_nbytes(self.shape, self.dtype)
@@ -75,8 +83,10 @@ def tensor_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return n
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
-    """A torch dtype as plans and checkpoints name it: ``torch.float8_e4m3fn`` -> ``float8_e4m3fn``."""
+    """A torch dtype as plans and checkpoints name it: ``torch.float8_e4m3fn`` -> ``float8_e4m3fn``
+    (cached: ``str(dtype)`` costs ~2 us, three times per tensor of a plan)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -146,16 +156,23 @@ class Serializer(ABC):
 
         Raises: UnsupportedShapeError for other ranks or shapes the format cannot represent.
         """
+        cache = self.__dict__.setdefault("_part_specs", {})  # pure in shape; plans repeat shapes
+        try:
+            return cache[shape]
+        except (KeyError, TypeError):  # new shape, or an unhashable sequence
+            pass
         shape = tuple(int(s) for s in shape)
-        if len(shape) not in (2, 3) or min(shape) <= 0:
-            raise UnsupportedShapeError(
-                f"{self.name}: expected a non-empty [N, K] or [E, N, K] weight, got shape {list(shape)}"
+        if shape not in cache:
+            if len(shape) not in (2, 3) or min(shape) <= 0:
+                raise UnsupportedShapeError(
+                    f"{self.name}: expected a non-empty [N, K] or [E, N, K] weight, got shape {list(shape)}"
+                )
+            lead = shape[:-2]
+            cache[shape] = tuple(
+                PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry)
+                for p in self.matrix_parts(*shape[-2:])
             )
-        lead = shape[:-2]
-        return tuple(
-            PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry)
-            for p in self.matrix_parts(*shape[-2:])
-        )
+        return cache[shape]
 
     def quantize(
         self, w: torch.Tensor, *, name: str = "weight", context: Context | None = None,
@@ -181,13 +198,24 @@ class Serializer(ABC):
         specs = self.part_specs(w.shape)
         batched = w.dim() == 3
         w3 = w if batched else w.unsqueeze(0)
-        if not values_checked:
+        kernel = self._use_kernel(w3)
+        fast = not kernel and self._use_fast()
+        if not values_checked and not fast:  # the fast path checks its block maxima instead
             self.check_values(w3, name)
-        ctx = context if context is not None else self.group_context([w3])
+        ctx = context
+        if ctx is None:
+            try:
+                ctx = self.group_context([w3])
+            except NonFiniteError:
+                self.check_values(w3, name)  # the same error, naming this tensor
+                raise
         if ctx is not None:
             ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}
-        if self._use_kernel(w3):
+        if kernel:
             parts = type(self).resolve_kernel()(self, w3, ctx)
+        elif fast:
+            check = None if values_checked or self.options.nonfinite != "error" else name
+            parts = self._fast_chunked(w3, ctx, self.part_specs(w3.shape), check)
         else:
             parts = self._reference_chunked(w3, ctx, self.part_specs(w3.shape))
         if not batched:
@@ -201,6 +229,29 @@ class Serializer(ABC):
         if self.options.nonfinite == "error":
             w3 = w if w.dim() == 3 else w.unsqueeze(0)
             check_finite(w3, name, self._expert_chunk(w3))
+
+    def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
+                    scratch: Scratch) -> torch.Tensor:
+        """The fast torch path on one chunk: the bytes of :meth:`reference`, written in place.
+
+        Optional (formats without it use :meth:`reference` for ``backend="fast"``). Must give
+        exactly the reference's bytes (tests compare them on every test-vector class).
+
+        Args:
+            x: [e, n, K] chunk of the weight in its own dtype (bf16/fp16/fp32), a strided view.
+            context: as for :meth:`reference`, sliced to [e].
+            out: part suffix -> destination view of the chunk's part (leading dim e).
+            scratch: reusable buffers of this quantize call.
+        Returns:
+            float32 block maxima of |x| (any shape): a NaN or inf there means a non-finite input
+            value (the ``nonfinite="error"`` check costs no extra pass over the weight).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def has_fast_path(cls) -> bool:
+        """True if the format implements :meth:`encode_into`."""
+        return cls.encode_into is not Serializer.encode_into
 
     @classmethod
     def resolve_kernel(cls) -> Callable[..., dict[str, torch.Tensor]] | None:
@@ -231,7 +282,7 @@ class Serializer(ABC):
         from qstrat.errors import BackendUnavailableError
 
         backend = self.options.backend
-        if backend == "torch":
+        if backend in ("torch", "fast"):
             return False
         has_kernel = type(self).resolve_kernel() is not None
         is_cuda = torch.device(device).type == "cuda"
@@ -251,39 +302,71 @@ class Serializer(ABC):
     def _use_kernel(self, w3: torch.Tensor) -> bool:
         return self.check_backend(w3.device)
 
-    def _expert_chunk(self, w3: torch.Tensor) -> int:
-        per_expert = w3.shape[1] * w3.shape[2]
-        return max(1, self.options.chunk_elements // per_expert)
+    def _use_fast(self) -> bool:
+        return self.options.backend in ("auto", "fast") and self.has_fast_path()
 
-    def _row_chunk(self, w3: torch.Tensor) -> int:
-        rows = max(1, self.options.chunk_elements // w3.shape[2])
-        tile = self.row_tile
-        return max(tile, rows // tile * tile)
+    def _chunk_elements(self) -> int:
+        return self.options.chunk_elements or cache_chunk_elements()
+
+    def _expert_chunk(self, w3: torch.Tensor) -> int:
+        return max(1, self._chunk_elements() // (w3.shape[1] * w3.shape[2]))
+
+    def _chunk_views(self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...]):
+        """``(out, [(label, x chunk, ctx chunk, part views), ...])`` over cache-sized chunks."""
+        out = {p.suffix: torch.empty(p.shape, dtype=p.dtype, device=w3.device) for p in specs}
+        views = []
+        for e0, e1, r0, r1 in chunks(tuple(w3.shape), self._chunk_elements(), self.row_tile):
+            sub_ctx = None if ctx is None else {k: v[e0:e1] for k, v in ctx.items()}
+            dsts = {}
+            for p in specs:
+                dst = out[p.suffix][e0:e1]
+                if p.rows_per_entry is not None:
+                    dst = dst[:, r0 // p.rows_per_entry : -(-r1 // p.rows_per_entry)]
+                dsts[p.suffix] = dst
+            views.append((f"[{e0}:{e1}, {r0}:{r1}]", w3[e0:e1, r0:r1], sub_ctx, dsts))
+        return out, views
 
     def _reference_chunked(
         self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...]
     ) -> dict[str, torch.Tensor]:
-        """Run :meth:`reference` over expert and row chunks so fp32 scratch stays bounded."""
-        out = {p.suffix: torch.empty(p.shape, dtype=p.dtype, device=w3.device) for p in specs}
-        e_step, r_step = self._expert_chunk(w3), self._row_chunk(w3)
-        n = w3.shape[1]
-        for e0 in range(0, w3.shape[0], e_step):
-            e1 = min(e0 + e_step, w3.shape[0])
-            sub_ctx = None if ctx is None else {k: v[e0:e1] for k, v in ctx.items()}
-            for r0 in range(0, n, r_step):
-                r1 = min(r0 + r_step, n)
-                got = self.reference(w3[e0:e1, r0:r1].float(), sub_ctx)
-                dsts = {}
-                for p in specs:
-                    dst = out[p.suffix][e0:e1]
-                    if p.rows_per_entry is not None:
-                        dst = dst[:, r0 // p.rows_per_entry : -(-r1 // p.rows_per_entry)]
-                    dsts[p.suffix] = dst
-                _check_parts(self.name, f"reference() chunk [{e0}:{e1}, {r0}:{r1}]",
-                             [PartSpec(k, tuple(d.shape), d.dtype) for k, d in dsts.items()], got)
-                for suffix, dst in dsts.items():
-                    dst.copy_(got[suffix])
+        """Run :meth:`reference` over cache-sized expert and row chunks (bounded fp32 scratch)."""
+        out, views = self._chunk_views(w3, ctx, specs)
+        for label, x, sub_ctx, dsts in views:
+            got = self.reference(x.float(), sub_ctx)
+            _check_parts(self.name, f"reference() chunk {label}",
+                         [PartSpec(k, tuple(d.shape), d.dtype) for k, d in dsts.items()], got)
+            for suffix, dst in dsts.items():
+                dst.copy_(got[suffix])
         return out
+
+    def _fast_chunked(
+        self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...], check: str | None
+    ) -> dict[str, torch.Tensor]:
+        """Run :meth:`encode_into` over cache-sized chunks, reusing one scratch. ``check``: the
+        tensor's name when non-finite values must raise (found from the block maxima)."""
+        out, views = self._chunk_views(w3, ctx, specs)
+        workers = torch.get_num_threads()
+        if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
+            scratch = Scratch(w3.device)
+            finite = all([self._encode_chunk(v, scratch, check) for v in views])
+        else:  # chunks over single-threaded workers, one scratch per worker (chunking.chunk_pool)
+            local = threading.local()
+
+            def task(view: tuple) -> bool:
+                if not hasattr(local, "scratch"):
+                    local.scratch = Scratch(w3.device)
+                return self._encode_chunk(view, local.scratch, check)
+
+            finite = all(list(chunk_pool(workers).map(task, views)))
+        if not finite:
+            check_finite(w3, check, self._expert_chunk(w3))  # names the first bad index
+        return out
+
+    def _encode_chunk(self, view: tuple, scratch: Scratch, check: str | None) -> bool:
+        """:meth:`encode_into` on one chunk view; False if ``check`` and it saw NaN/inf."""
+        _, x, sub_ctx, dsts = view
+        amax = self.encode_into(x, sub_ctx, dsts, scratch)
+        return check is None or bool(torch.isfinite(amax).all())
 
 
 #: Kernels resolved by :meth:`Serializer.resolve_kernel`, per format class.

@@ -31,6 +31,7 @@ from pydantic import Field
 
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.base import Context, PartSpec, Serializer, SerializerOptions, check_finite
+from qstrat.serializers.chunking import Scratch, block_max
 from qstrat.serializers.fp_bits import E4M3_MAX
 
 BLOCK = 16
@@ -114,7 +115,8 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax == 0, torch.ones_like(enc), enc)
 
 
-def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+def e2m1_magnitude(a: torch.Tensor, out: torch.Tensor | None = None,
+                   flags: torch.Tensor | None = None) -> torch.Tensor:
     """3-bit E2M1 magnitude code of ``a = |y|``, round half to even, saturating at 6.0.
 
     ``code = sum(a > t or (tie_up and a == t) for each threshold t)`` over
@@ -124,13 +126,21 @@ def e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
 
     Args:
         a: float32 tensor of magnitudes (>= 0; NaN allowed), any shape.
+        out, flags: optional uint8 and bool buffers of a's shape (the fast path's scratch):
+            the counts accumulate in ``out`` without temporaries.
     Returns:
-        uint8 tensor of a's shape, values 0..7 (index into :data:`E2M1_VALUES`).
+        uint8 tensor of a's shape, values 0..7 (index into :data:`E2M1_VALUES`); ``out`` if given.
     """
-    code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    if out is None:
+        code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+        for t, tie_up in E2M1_THRESHOLDS:
+            code += (a >= t if tie_up else a > t).to(torch.uint8)
+        return code
+    out.zero_()
     for t, tie_up in E2M1_THRESHOLDS:
-        code += (a >= t if tie_up else a > t).to(torch.uint8)
-    return code
+        (torch.ge if tie_up else torch.gt)(a, t, out=flags)
+        out.add_(flags.view(torch.uint8))
+    return out
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -240,6 +250,35 @@ class NVFP4(Serializer):
                 (e,), self.options.input_scale, dtype=torch.float32, device=x.device
             ),
         }
+
+    def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
+                    scratch: Scratch) -> torch.Tensor:
+        """Fast path of :meth:`reference` (same fp32 ops, same bytes) in place, on scratch:
+        one fp32 copy, |x|, block maxima, ``|x| * os`` in place (``|x * os| == |x| * os`` for
+        ``os >= 0``), the E2M1 threshold counts accumulated into one uint8 buffer, the sign bit
+        from ``x < 0``, nibbles packed straight into ``out``. Returns block maxima [e, n, K/16]."""
+        if context is None or "amax" not in context:
+            raise ValueError("nvfp4.encode_into needs context={'amax': [e]} from group_context")
+        e, n, k = x.shape
+        enc = global_encode_scale(context["amax"]).reshape(e, 1, 1, 1)
+        dec = enc.reciprocal()
+        f = scratch.get("x", (e, n, k // BLOCK, BLOCK))
+        f.view(e, n, k).copy_(x)
+        a = scratch.get("abs", f.shape)
+        amax_b = block_max(torch.abs(f, out=a)).unsqueeze(-1)
+        scale = (enc * (amax_b * RCP_E2M1_MAX)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        s = scale.to(torch.float32)
+        os = torch.where(s == 0, torch.zeros_like(s), (s * dec).reciprocal())
+        codes = e2m1_magnitude(a.mul_(os), out=scratch.get("codes", f.shape, torch.uint8),
+                               flags=scratch.get("flags", f.shape, torch.bool))
+        codes.bitwise_or_(torch.lt(f, 0, out=scratch.get("flags", f.shape, torch.bool))
+                          .view(torch.uint8).bitwise_left_shift_(3))
+        codes = codes.view(e, n, k)
+        torch.bitwise_or(codes[..., 0::2], codes[..., 1::2].bitwise_left_shift(4), out=out["weight"])
+        out["weight_scale"].copy_(scale.view(e, n, k // BLOCK))
+        out["weight_scale_2"].copy_(dec.view(e))
+        out["input_scale"].fill_(self.options.input_scale)
+        return amax_b
 
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``e2m1(code) * (fp32(weight_scale) * weight_scale_2)`` per 16-block, the op order of

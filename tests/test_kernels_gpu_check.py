@@ -64,3 +64,14 @@ def test_gpu_check_smoke_mode_writes_consistent_json(tmp_path):
             for impl in ("kernel, 1 launch", "kernel, per-expert loop"):
                 r = rows[(fmt, shape, impl)]
                 assert (r["bit_exact"], r["mismatched_bytes"]) == (True, 0), (fmt, shape, impl)
+    # issue 14's GPU figures, computed from the rows above (smoke mode: values, not speed)
+    assert "targets (issue 14)" in proc.stdout
+    targets = {t["format"]: t for t in report["targets"]}
+    assert set(targets) == set(report["formats"])
+    for fmt, t in targets.items():
+        big, small = tuple(t["large_slab"]), tuple(t["small_slab"])
+        assert big == max(map(tuple, report["shapes"]), key=lambda s: s[0] * s[1] * s[2])
+        assert t["pct_of_copy"] == rows[(fmt, big, "kernel, 1 launch")]["pct_of_copy"]
+        assert t["loop_over_launch"] == pytest.approx(rows[(fmt, small, "kernel, per-expert loop")]["ms"]
+                                                      / rows[(fmt, small, "kernel, 1 launch")]["ms"])
+        assert t["pct_met"] == (t["pct_of_copy"] >= 85.0) and t["loop_met"] == (t["loop_over_launch"] >= 5.0)

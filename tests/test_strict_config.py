@@ -59,7 +59,7 @@ def test_every_problem_is_reported_at_once():
         "embeddings, experts, linear, lm_head, routers, shared_experts",
         "rules[0].serializer: unknown serializer 'mxfp9'; did you mean 'mxfp8'? valid: bf16, block_fp8, "
         "mxfp8, nvfp4",
-        "rules[1].options.backend: Input should be 'auto', 'torch' or 'triton'",
+        "rules[1].options.backend: Input should be 'auto', 'torch', 'fast' or 'triton'",
         "rules[1].options.ue8m0: Input should be a valid boolean",
         "keep_bf16.first: Input should be greater than or equal to 0",
         "keep_bf16.last: Input should be a valid integer",

@@ -17,9 +17,11 @@ the order in which outputs are emitted - is derived from metadata alone (:data:`
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -128,10 +130,11 @@ class RefitPlan:
 
     def wire_order(self) -> list[tuple[int, OutputTensor]]:
         """(entry index, output) pairs in wire order (:attr:`order`; see the module docstring)."""
-        pairs = [(i, o) for i, e in enumerate(self.entries) for o in e.outputs]
-        if self.order == "producer":
-            return sorted(pairs, key=lambda p: (p[0], natural_key(p[1].name)))
-        return sorted(pairs, key=lambda p: (section_key(self.entries[p[0]]), natural_key(p[1].name)))
+        with gc_paused():
+            pairs = [(i, o) for i, e in enumerate(self.entries) for o in e.outputs]
+            if self.order == "producer":
+                return sorted(pairs, key=lambda p: (p[0], natural_key(p[1].name)))
+            return sorted(pairs, key=lambda p: (section_key(self.entries[p[0]]), natural_key(p[1].name)))
 
     def subset(self, keep: Callable[[PlanEntry], bool], rank: int | None = None,
                others: Callable[[PlanEntry], int | None] = lambda e: None) -> RefitPlan:
@@ -188,12 +191,40 @@ class RefitPlan:
         return json.dumps(doc, indent=indent)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (restored after, if it was on).
+
+    Planning allocates ~5 long-lived objects per tensor (230k for DeepSeek-V3) and no cycles;
+    the collector would rescan them again and again (~20-40% of planning and wire-order time).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 _DIGITS = re.compile(r"(\d+)")
 
 
-def natural_key(name: str) -> tuple[Any, ...]:
-    """Sort key comparing digit runs as integers: ``layers.2`` < ``layers.10``."""
-    return tuple(int(t) if t.isdigit() else t for t in _DIGITS.split(name))
+def natural_key(name: str) -> str:
+    """Sort key comparing digit runs as integers: ``layers.2`` < ``layers.10``.
+
+    The order is that of the tuple key ``(text, int, text, int, ...)`` from splitting ``name``
+    at digit runs (where one name has a digit run and the other text, the digit run sorts
+    first; leading zeros do not count), encoded as one string for speed (sorting 91k outputs
+    of a DeepSeek-V3 plan): each digit run becomes ``"\0"``, a length character, the digits
+    without leading zeros. Names must not contain ``"\0"``.
+    """
+    return _DIGITS.sub(_encode_digits, name)
+
+
+def _encode_digits(m: re.Match[str]) -> str:
+    digits = m.group().lstrip("0") or "0"
+    return "\0" + chr(0x30 + len(digits)) + digits
 
 
 def section_key(e: PlanEntry) -> tuple[int, int]:

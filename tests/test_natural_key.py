@@ -1,0 +1,25 @@
+"""natural_key (the wire order's sort key) orders names exactly as the tuple key
+(text, int, text, int, ...) from splitting at digit runs, on tricky generated names."""
+from __future__ import annotations
+
+import random
+import re
+
+from qstrat.plan.data import natural_key
+
+
+def tuple_key(name: str):
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def test_natural_key_orders_like_the_tuple_key():
+    rng = random.Random(14)
+    alphabet = ["0", "00", "1", "2", "9", "10", "007", "123456789012345678901234", ".", "_", "-",
+                "!", " ", "a", "b", "layers", "experts", "weight", "Z", "~"]
+    names = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 7))) for _ in range(3000)]
+    names += ["model.layers.2.mlp", "model.layers.10.mlp", "model.layers.2", "a.weight", "a1.weight",
+              "a.1", "a.!", "x10", "x1a", "x01", "x1"]
+    want = sorted(names, key=tuple_key)
+    got = sorted(names, key=natural_key)
+    assert [tuple_key(n) for n in got] == [tuple_key(n) for n in want]
+    assert natural_key("layers.2") < natural_key("layers.10")
