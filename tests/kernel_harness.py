@@ -7,11 +7,12 @@ variable, :func:`run_under_interpreter` re-runs a pytest file in a child process
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -206,3 +207,21 @@ def check_offsets_beyond_2_31(cls: type, free_bytes_needed: int = 16 * 2**30) ->
     del got, w
     torch.cuda.empty_cache()
     return None
+
+
+@contextlib.contextmanager
+def no_contiguous_copies(monkeypatch) -> Iterator[None]:
+    """Inside: ``Tensor.contiguous()`` on a non-contiguous tensor raises AssertionError, proving a
+    kernel reads strided views in place (pytest's ``monkeypatch``; undone on exit)."""
+    real = torch.Tensor.contiguous
+
+    def no_copy(t, *a, **kw):
+        if not t.is_contiguous(*a, **kw):
+            raise AssertionError("the kernel path copied a strided input (.contiguous())")
+        return real(t, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", no_copy)
+    try:
+        yield
+    finally:
+        monkeypatch.undo()

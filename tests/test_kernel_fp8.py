@@ -84,16 +84,8 @@ def test_strided_views_read_in_place(cls, dtype, monkeypatch):
         "every other row, 2-D": slab[0, ::2, :],
     }
     refs = {n: cls(backend="torch").quantize(v.contiguous()) for n, v in views.items()}
-    real_contiguous = torch.Tensor.contiguous
-
-    def no_copy(t, *a, **kw):
-        if not t.is_contiguous(*a, **kw):
-            raise AssertionError("the kernel path copied a strided input (.contiguous())")
-        return real_contiguous(t, *a, **kw)
-
-    monkeypatch.setattr(torch.Tensor, "contiguous", no_copy)
-    got = {n: cls(backend="triton").quantize(v) for n, v in views.items()}
-    monkeypatch.undo()
+    with testing.no_contiguous_copies(monkeypatch):
+        got = {n: cls(backend="triton").quantize(v) for n, v in views.items()}
     for n in views:
         assert not views[n].is_contiguous()
         testing.assert_same_bytes(got[n], refs[n], n)

@@ -67,16 +67,8 @@ def test_fused_gate_up_views_share_global_scale(dtype, monkeypatch):
     gate, up = slab[:, :i, :], slab[:, i:, :]
     ctx = NVFP4().group_context([gate, up])
     refs = [NVFP4(backend="torch").quantize(m.contiguous(), context=ctx) for m in (gate, up)]
-    real_contiguous = torch.Tensor.contiguous
-
-    def no_copy(t, *a, **kw):
-        if not t.is_contiguous(*a, **kw):
-            raise AssertionError("the kernel path copied a strided input (.contiguous())")
-        return real_contiguous(t, *a, **kw)
-
-    monkeypatch.setattr(torch.Tensor, "contiguous", no_copy)
-    got = [NVFP4(backend="triton").quantize(m, context=ctx) for m in (gate, up)]
-    monkeypatch.undo()
+    with testing.no_contiguous_copies(monkeypatch):
+        got = [NVFP4(backend="triton").quantize(m, context=ctx) for m in (gate, up)]
     for g, r, name in zip(got, refs, ("gate", "up")):
         testing.assert_same_bytes(g, r, name)
     assert torch.equal(got[0]["weight_scale_2"], got[1]["weight_scale_2"])
