@@ -101,7 +101,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         plan = driver.plan(tensors)
         driver.check_backends(plan, tensors)
     else:  # a stream: devices are known only as tensors arrive (a failure then leaves nothing)
-        driver.check_plan(plan)
+        driver.check_plan(plan, named_tensors)
         tensors = named_tensors
     cfg_text = json.dumps(output_hf_config(hf_config if hf_config is not None else driver.hf_config,
                                            plan, driver.layout), indent=2) + "\n"

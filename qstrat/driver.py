@@ -116,14 +116,20 @@ class RefitDriver:
             plan = self.plan(tensors)
             yield from self.execute(plan, tensors)
             return
-        self.check_plan(plan)
+        self.check_plan(plan, named_tensors)
         yield from self.execute(plan, named_tensors)
 
-    def check_plan(self, plan: RefitPlan) -> None:
+    def check_plan(self, plan: RefitPlan, tensors: Any = None) -> None:
         """Raise PlanError unless ``plan`` was made with this driver's config (a plan given to
-        :meth:`run` or ``qstrat.vllm.refit`` beforehand)."""
+        :meth:`run`, ``qstrat.vllm.refit`` or ``write_checkpoint`` beforehand) and, when
+        ``tensors`` is a mapping, it holds every planned input with its planned shape and dtype
+        (:func:`qstrat.stream.check_inputs`; a stream is checked as it arrives)."""
         if plan.config != self.config.to_dict():
             raise PlanError("the given plan was made with another config than this driver's")
+        if isinstance(tensors, Mapping):
+            from qstrat.stream import check_inputs
+
+            check_inputs(plan, tensors)
 
     def check_values(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> None:
         """Raise NonFiniteError for the first input holding NaN/inf (passthrough tensors and

@@ -112,9 +112,9 @@ class _Source:
         if e is None:
             raise PlanError(f"{name}: not in the plan (plan from the same names, shapes and dtypes "
                             "the producer yields)")
-        shape, dtype = tuple(t.shape), dtype_name(t.dtype)
-        if (shape, dtype) != (tuple(e.shape), e.dtype):
-            raise PlanError(f"{name}: arrived as {dtype}{list(shape)}, planned as {e.dtype}{list(e.shape)}")
+        problem = input_mismatch(e, t)
+        if problem:
+            raise PlanError(problem)
         self.buffered[name] = t
         return name
 
@@ -316,6 +316,34 @@ def _unalias(parts: dict[str, torch.Tensor], scratch: torch.Tensor) -> dict[str,
     would otherwise see its outputs overwritten when the scratch is reused)."""
     ptr = scratch.untyped_storage().data_ptr()
     return {k: (v.clone() if v.untyped_storage().data_ptr() == ptr else v) for k, v in parts.items()}
+
+
+def input_mismatch(e: PlanEntry, t: Any) -> str | None:
+    """Why input ``t`` cannot be the planned ``e`` (shape or dtype differ), or None. Metadata only."""
+    shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
+    if shape is None or not isinstance(dtype, torch.dtype):
+        return f"{e.name}: given a {type(t).__name__}, planned as a {e.dtype}{list(e.shape)} tensor"
+    if (tuple(shape), dtype_name(dtype)) != (tuple(e.shape), e.dtype):
+        return f"{e.name}: arrived as {dtype_name(dtype)}{list(shape)}, planned as {e.dtype}{list(e.shape)}"
+    return None
+
+
+def check_inputs(plan: RefitPlan, tensors: Mapping[str, Any]) -> None:
+    """Raise PlanError listing every planned input missing from ``tensors`` or whose shape or dtype
+    differs from the plan - what a stream checks as each tensor arrives - before anything is
+    emitted (a plan made beforehand, given with a mapping). Reads ``.shape``/``.dtype`` only.
+    Inputs the plan does not name are ignored (a partial plan, e.g. ``only_layers``)."""
+    errors = []
+    for e in plan.entries:
+        if e.name not in tensors:
+            errors.append(f"{e.name}: planned, but not among the given tensors")
+        else:
+            problem = input_mismatch(e, tensors[e.name])
+            if problem:
+                errors.append(problem)
+    if errors:
+        more = f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise PlanError("the given tensors do not match the given plan:\n  " + "\n  ".join(errors[:20]) + more)
 
 
 def check_passthrough(t: torch.Tensor, name: str) -> None:

@@ -215,7 +215,7 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     if plan is None:
         plan = driver.plan(tensors)
     else:
-        driver.check_plan(plan)
+        driver.check_plan(plan, tensors)
     engine_config = engine_quantization_config(llm)
     check_engine_format(plan, engine_config)
     manifest = manifest if manifest is not None else engine_manifest(llm, driver)

@@ -229,3 +229,49 @@ def test_a_backend_that_cannot_run_here_is_refused_before_anything_is_sent(tiny_
                                                       r"block_fp8: backend='triton' needs CUDA tensors"):
         qstrat.vllm.refit(llm, drv, state, stream=stream)
     assert llm.calls == []
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("bad", ["short q_proj", "int32 lm_head", "int32 slab", "missing slab", "3-D q_proj"])
+def test_tensors_not_matching_a_given_plan_are_refused_before_anything_is_sent(tiny_model, driver, bad, stream):
+    """refit(plan=...) with a mapping: every planned input must be there with its planned shape
+    and dtype (found by an adversarial run: a short q_proj broke a live engine, an int32 lm_head
+    silently zeroed it)."""
+    state = dict(tiny_model.state_dict())
+    plan = driver.plan(state)
+    slab = "model.layers.1.mlp.experts.gate_up_proj"
+    if bad == "short q_proj":
+        state[Q] = state[Q][:, :-1]
+        want = r"q_proj\.weight: arrived as bfloat16\[256, 255\], planned as bfloat16\[256, 256\]"
+    elif bad == "int32 lm_head":
+        state["lm_head.weight"] = state["lm_head.weight"].to(torch.int32)
+        want = r"lm_head\.weight: arrived as int32\["
+    elif bad == "int32 slab":
+        state[slab] = state[slab].to(torch.int32)
+        want = r"experts\.gate_up_proj: arrived as int32\["
+    elif bad == "missing slab":
+        del state[slab]
+        want = r"experts\.gate_up_proj: planned, but not among the given tensors"
+    else:
+        state[Q] = state[Q][None]
+        want = r"q_proj\.weight: arrived as bfloat16\[1, 256, 256\]"
+    llm = RecordingLLM(plan.vllm_quantization_config())
+    with pytest.raises(PlanError, match=r"the given tensors do not match the given plan:(.|\n)*" + want):
+        qstrat.vllm.refit(llm, driver, state, plan=plan, stream=stream)
+    assert llm.calls == []
+
+
+def test_run_and_write_checkpoint_check_a_mapping_against_a_given_plan(tiny_model, driver, tmp_path):
+    from qstrat.checkpoint import write_checkpoint
+
+    state = dict(tiny_model.state_dict())
+    plan = driver.plan(state)
+    state[Q] = state[Q].to(torch.int8)
+    with pytest.raises(PlanError, match=r"q_proj\.weight: arrived as int8\[256, 256\]"):
+        next(driver.run(state, plan=plan))
+    with pytest.raises(PlanError, match=r"q_proj\.weight: arrived as int8\[256, 256\]"):
+        write_checkpoint(driver, state, tmp_path / "out", plan=plan)
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []

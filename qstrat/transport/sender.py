@@ -126,7 +126,7 @@ class RefitSender:
         if plan is None:
             plan = driver.plan(tensors)
         else:
-            driver.check_plan(plan)
+            driver.check_plan(plan, tensors)
         driver.check_values(plan, tensors)
         manifest = manifest_for_plan(plan, self.bucket_bytes, self.alignment)
         return self.send(manifest, driver.execute(plan, tensors, values_checked=True))
