@@ -32,6 +32,10 @@ import torch
 
 from qstrat.cli import SECTIONS
 
+# vLLM logs INFO/WARNING lines at import (e.g. "Triton is installed, but doesn't include CPU
+# backend") that would bury the tables; set VLLM_LOGGING_LEVEL yourself to see them.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
 #: Sizes: full (the figures in docs/performance.md) and quick (CI: seconds, same code paths).
 SIZES = {
     "full": {

@@ -254,8 +254,15 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         for table in render(part):
             console.print(table)
 
-    doc = run_bench(quick=args.quick, sections=sections, reps=args.reps, max_experts=args.max_experts,
-                    on_section=show)
+    import tempfile
+
+    from qstrat.console import stderr_to
+
+    # vLLM and torchao write warnings to stderr while they load (missing CUDA libraries, Triton
+    # without a CPU backend): a log, whose tail is attached to any error, not the tables.
+    with tempfile.TemporaryDirectory(prefix="qstrat-bench-") as tmp, stderr_to(Path(tmp) / "bench.log"):
+        doc = run_bench(quick=args.quick, sections=sections, reps=args.reps, max_experts=args.max_experts,
+                        on_section=show)
     console.print(f"{doc['size']} size, {doc['seconds']} s, load {doc['load_before'][0]:.1f} -> "
                   f"{doc['load_after'][0]:.1f}")
     if args.json is not None:

@@ -73,6 +73,10 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     if key in cache:
         return cache[key]
     manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, _platform())
+    if cross_check and not _in_process(llm):
+        # A multiprocess engine's RPC carries only serializable arguments, not the reader
+        # function: its manifest comes from its config alone (docs/vllm.md, limits).
+        cross_check = False
     if cross_check:
         try:
             model = vllm_model.engine_model(llm)
@@ -263,3 +267,10 @@ def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) 
     except BaseException as exc:  # KeyboardInterrupt mid-reload: same state, keep the interrupt
         setattr(llm, _FAILED, f"{type(exc).__name__} during reload")
         raise
+
+
+def _in_process(llm: Any) -> bool:
+    """Whether the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where
+    ``collective_rpc`` can run a function in the worker (vLLM 0.32's ``InprocClient``)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    return core is None or type(core).__name__ == "InprocClient"

@@ -230,9 +230,9 @@ def engine_givens(tmp_path_factory):
     from qstrat.checkpoint import write_checkpoint
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.driver import RefitDriver
-    from qstrat.engine.local import block_fp8_engine_support, release, start_engine
+    from qstrat.engine.local import engine_support, release, start_engine
 
-    ok, how = block_fp8_engine_support()
+    ok, how = engine_support(["block_fp8"])
     if not ok:  # vLLM is installed: not being able to run it is a failure
         pytest.fail(f"no block-FP8 vLLM engine can run here: {how}")
     model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)

@@ -86,6 +86,9 @@ def check_ranks(entries: Sequence[PlanEntry]) -> list[str]:
     for e in entries:
         if e.kind not in ("attention", "dense_mlp", "expert", "shared_expert"):
             continue
+        module, _, param = e.name.rpartition(".")
+        if param.endswith("bias") or module.rsplit(".", 1)[-1].startswith("conv"):
+            continue  # slab biases ([E, rows]: gpt-oss) and convolutions (Gated-DeltaNet conv1d)
         slab = e.kind == "expert" and e.expert is None
         if slab and len(e.shape) != 3:
             errors.append(f"{e.name}: a grouped expert slab is [E, rows, K], got shape {list(e.shape)}")
@@ -165,8 +168,8 @@ def _per_expert(module: str, e: PlanEntry, num_experts: int | None,
 def _slab(module: str, e: PlanEntry, slabs: Mapping[str, SlabSpec],
           matrices: dict[str, tuple[tuple[int, ...], str]], group: Sequence[PlanEntry]) -> list[str]:
     spec = slabs.get(e.name.rsplit(".", 1)[1])
-    if spec is None:
-        return []
+    if spec is None or spec.transposed_interleaved:
+        return []  # gpt-oss [E, K, 2N] slabs are sent whole, never split (the planner refuses it)
     errors = []
     first_slab = next(g for g in group if g.expert is None and len(g.shape) == 3)
     if e.shape[0] != first_slab.shape[0]:
