@@ -25,9 +25,6 @@ ExpertWeight = Callable[[int], torch.Tensor]
 ActivationQDQ = Callable[[torch.Tensor], torch.Tensor] | None
 
 
-# Data-dependent control flow (which experts got tokens): kept out of torch.compile graphs, so an
-# engine started without enforce_eager runs it eagerly instead of failing to trace it.
-@torch.compiler.disable
 def routed_experts(output: torch.Tensor, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, w13: ExpertWeight,
                    w2: ExpertWeight, *, qdq_input: ActivationQDQ = None,
