@@ -248,7 +248,7 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
         cfg["architectures"] = [arch]
     for key, value in cfg.items():
         try:
-            json.dumps(value)
+            json.dumps(value, allow_nan=False)  # NaN/inf is not JSON: vLLM and HF refuse the file
         except (TypeError, ValueError) as exc:
             raise QstratError(f"the model config's {key!r} cannot be written to config.json: {exc}") from exc
     return cfg

@@ -136,14 +136,14 @@ class ModelLayout:
     def num_layers(self, hf_config: Mapping[str, Any] | None) -> int | None:
         """Decoder depth from an HF config, or None when the config does not say."""
         value = self.text_config(hf_config).get(self.num_layers_key)
-        return int(value) if value is not None else None
+        return _config_int(self.num_layers_key, value, minimum=1) if value is not None else None
 
     def num_experts(self, hf_config: Mapping[str, Any] | None) -> int | None:
         """Routed experts per MoE layer (the first of :attr:`num_experts_keys` set), or None for
         a dense model or a config that does not say."""
         cfg = self.text_config(hf_config)
-        value = next((cfg[k] for k in self.num_experts_keys if cfg.get(k)), None)
-        return int(value) if value is not None else None
+        key = next((k for k in self.num_experts_keys if cfg.get(k)), None)
+        return _config_int(key, cfg[key], minimum=1) if key is not None else None
 
     def num_mtp_layers(self, hf_config: Mapping[str, Any] | None) -> int:
         """Multi-token-prediction layers stored after the decoder layers (DeepSeek-V3: 1)."""
@@ -326,3 +326,13 @@ def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, An
         if archs & set(layout.architectures) or (model_type and model_type in layout.model_types):
             return layout
     return layouts["generic"]
+
+
+def _config_int(key: str, value: Any, minimum: int) -> int:
+    """An HF config's integer ``key``; ConfigError naming it for anything else (``"four"``,
+    ``2.5``, ``true``, below ``minimum``)."""
+    from qstrat.errors import ConfigError
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"model config: {key} must be an integer >= {minimum}, got {value!r}")
+    return value

@@ -280,3 +280,29 @@ def test_fused_group_mismatch_shows_options():
                         "options": {"ue8m0": True}}, {"select": "attention", "serializer": "block_fp8"}]}
     with pytest.raises(PlanError, match=r"'ue8m0': True"):
         RefitDriver(rules, hf_config=cfg).plan(tensors)
+
+
+def test_layers_past_the_configs_depth_are_an_error_not_mtp(tiny_model, tiny_hf_config):
+    """num_hidden_layers too small for the tensors given (an adversarial case: layers 2-3 were
+    taken for MTP layers and passed through in BF16 silently)."""
+    with pytest.raises(PlanError, match=r"tensors are in layers past the model config's 2 decoder layers "
+                                        r"\(it has no MTP layers\): model\.layers\.2\."):
+        RefitDriver("block-fp8", hf_config={**tiny_hf_config, "num_hidden_layers": 2}).plan(tiny_model.state_dict())
+
+
+@pytest.mark.parametrize("value", ["four", 2.5, True, 0])
+def test_a_config_depth_that_is_not_a_positive_integer_names_the_key(tiny_model, tiny_hf_config, value):
+    from qstrat import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model config: num_hidden_layers must be an integer >= 1, got "):
+        RefitDriver("block-fp8", hf_config={**tiny_hf_config, "num_hidden_layers": value}).plan(tiny_model.state_dict())
+
+
+def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_config, tmp_path):
+    from qstrat import QstratError
+    from qstrat.checkpoint import write_checkpoint
+
+    with pytest.raises(QstratError, match=r"'rope_theta' cannot be written to config.json"):
+        write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
+                         tmp_path / "out", hf_config={**tiny_hf_config, "rope_theta": float("nan")})
+    assert not (tmp_path / "out").exists()

@@ -102,6 +102,8 @@ class Planner:
         errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
         errors += checks.check_expert_sets(entries, num_experts, self.layout.slabs)
         errors += structure.unplaced_matrices(entries, self.layout.name, self.config)
+        errors += structure.layers_past_the_model(entries, self.layout.num_layers(self.hf_config),
+                                                  self.layout.num_mtp_layers(self.hf_config))
         errors += structure.quantizes_nothing(entries, self.layout.name, self.config,
                                               lambda s: self.serializer(s, {}).quantizes)
         ignored = checks.ignored_layers(entries, errors, self._quantizes)

@@ -24,6 +24,24 @@ from qstrat.plan.data import PASSTHROUGH, PlanEntry
 SHOWN = 8
 
 
+def layers_past_the_model(entries: Sequence[PlanEntry], num_layers: int | None, num_mtp: int) -> list[str]:
+    """One error naming the inputs of decoder layers past the model config's depth plus its MTP
+    layers (``num_hidden_layers`` too small for the tensors, or another model's tensors): they
+    would otherwise be taken for MTP layers and passed through unquantized.
+
+    Args: num_layers: the config's decoder depth (None: not known, nothing checked);
+        num_mtp: MTP layers stored after them (DeepSeek-V3's ``num_nextn_predict_layers``).
+    """
+    if num_layers is None:
+        return []
+    names = [e.name for e in entries if e.kind == "mtp" and e.layer is not None and e.layer >= num_layers + num_mtp]
+    if not names:
+        return []
+    return [f"{len(names)} tensors are in layers past the model config's {num_layers} decoder layers"
+            f"{f' and {num_mtp} MTP layers' if num_mtp else ' (it has no MTP layers)'}: {_listing(names)} "
+            "(is num_hidden_layers right, and are these this model's tensors?)"]
+
+
 def unplaced_matrices(entries: Sequence[PlanEntry], layout: str, config: RefitConfig) -> list[str]:
     """One error naming the tensors of two or more dims (matrices, slabs, conv kernels) of
     kind ``other``.
