@@ -60,3 +60,8 @@ class BackendUnavailableError(QstratError, RuntimeError):
 
 class VerificationError(QstratError):
     """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""
+
+
+class ConfigOnlyUnsupportedError(PlanError):
+    """qstrat cannot derive this model's tensors from its config.json alone (hybrid linear
+    attention, a vision tower, gpt-oss slabs): plan the trainer's state_dict() instead."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from qstrat.errors import PlanError
+from qstrat.errors import ConfigOnlyUnsupportedError, PlanError
 from qstrat.layouts import ModelLayout
 
 Shape = tuple[int, ...]
@@ -138,7 +138,7 @@ def _check_supported(layout: ModelLayout, hf_config: Mapping[str, Any]) -> None:
     if any(not spec.splittable for spec in layout.slabs.values()):
         reasons.append("transposed expert slabs with biases")
     if reasons:
-        raise PlanError(f"layout {layout.name!r}: config-only planning does not generate "
+        raise ConfigOnlyUnsupportedError(f"layout {layout.name!r}: config-only planning does not generate "
                         f"{' and '.join(reasons)}; plan the trainer's state_dict() instead (a copy "
                         "on the meta device is enough: transformers' class built under "
                         "torch.device('meta'))")

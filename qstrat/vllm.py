@@ -25,7 +25,7 @@ import torch
 
 from qstrat import vllm_model
 from qstrat.driver import RefitDriver, layout_for
-from qstrat.errors import EngineStateError, EngineManifestError, PlanError
+from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict
 from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, config_mismatch, covered,
                                     ignore_list)
@@ -52,7 +52,7 @@ def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
     return dict(cfg) if cfg else None
 
 
-def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest:
+def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest | None:
     """The :class:`~qstrat.engine_manifest.EngineManifest` of a running ``vllm.LLM``.
 
     Built from the engine's own model config, quantization_config and dtype (never from the
@@ -60,6 +60,8 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     config selects) and the driver's registry; then cross-checked with vLLM's record of the
     model (:func:`qstrat.vllm_model.cross_check`). Cached on the engine per layout.
 
+    Returns: the manifest, or None (with a RuntimeWarning) for a family whose tensors qstrat cannot
+        derive from the config alone (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`).
     Raises: EngineManifestError (nothing sent) if it cannot be built or vLLM disagrees with it.
     """
     from qstrat.registry import get_registry
@@ -72,7 +74,16 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     cache = llm.__dict__.setdefault("_qstrat_manifests", {})
     if key in cache:
         return cache[key]
-    manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, _platform())
+    try:
+        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, _platform())
+    except ConfigOnlyUnsupportedError as exc:
+        # Families whose tensors qstrat cannot derive from the config alone (hybrid linear
+        # attention, gpt-oss slabs): no manifest; the other checks still run (docs/vllm.md).
+        warnings.warn(f"no engine manifest for layout {layout.name!r} ({exc}); the refit is checked "
+                      "against the engine's quantization_config, ignore list and values only",
+                      RuntimeWarning, stacklevel=3)
+        cache[key] = None
+        return None
     if cross_check and not _in_process(llm):
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
@@ -223,9 +234,11 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     engine_config = engine_quantization_config(llm)
     check_engine_format(plan, engine_config)
     manifest = manifest if manifest is not None else engine_manifest(llm, driver)
-    check_plan(plan, manifest, manifest.parts_sent(plan) if given else None)
+    if manifest is not None:  # None: a family qstrat cannot derive from the config (warned)
+        check_plan(plan, manifest, manifest.parts_sent(plan) if given else None)
     check_engine_compatible(plan, engine_config)
-    check_cpu_expert_reload(plan, manifest, allow_cpu_bf16_experts)
+    if manifest is not None:
+        check_cpu_expert_reload(plan, manifest, allow_cpu_bf16_experts)
     driver.check_backends(plan, tensors)
     driver.check_values(plan, tensors)
     sent = {"tensors": 0, "bytes": 0}
