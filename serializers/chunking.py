@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 #: Last-level cache size assumed when the OS does not report one (bytes).
 DEFAULT_LLC_BYTES = 32 << 20
@@ -100,21 +101,23 @@ class Scratch:
 
 
 def block_max(a: torch.Tensor) -> torch.Tensor:
-    """Max over the last dim (a power of two, e.g. 16 or 32) by pairwise halving.
+    """Max over the last dim (a block of B = 16, 32, ... elements) with the fastest torch CPU op.
 
-    Same values as ``a.amax(-1)`` (max is exact; NaN propagates through ``torch.maximum`` as
-    through ``amax``), but several times faster on CPU for short blocks: torch's inner-dim
-    reduction kernel is slow for 16-element rows (~0.4 ns per element on 2 cores vs ~0.05).
+    Same values as ``a.amax(-1)`` (max is exact in any order; NaN propagates through
+    ``max_pool1d`` and ``amax`` alike, tests/test_fast_path.py), but torch's inner-dim reduction
+    is slow for 16-element rows: measured on one EPYC core, 1 M fp32 elements, ``amax(-1)`` over
+    16-blocks 0.9 ms, pairwise ``torch.maximum`` halving 0.42 ms, ``max_pool1d`` over whole rows
+    0.27 ms; over 32-blocks ``amax(-1)`` is fastest (0.15 ms vs 0.27 ms), over 128-blocks 0.07 ms.
 
-    Args: a: float tensor [..., B], B a power of two. Returns: tensor [...] of a's dtype.
+    Args: a: float tensor [..., m, B], contiguous in its last two dims (a chunk of rows cut into
+        blocks). Returns: tensor [..., m] of a's dtype.
     """
     width = a.shape[-1]
-    if width & (width - 1):
-        raise ValueError(f"block_max needs a power-of-two block, got {width}")
-    while width > 1:
-        width //= 2
-        a = torch.maximum(a[..., :width], a[..., width:])
-    return a.squeeze(-1)
+    if width >= 32 or a.dim() < 2 or not a.is_contiguous():
+        return a.amax(-1)
+    lead, m = a.shape[:-2], a.shape[-2]
+    rows = a.reshape(1, -1, m * width)
+    return F.max_pool1d(rows, width, width).reshape(*lead, m)
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None

@@ -116,14 +116,19 @@ def test_chunks_cover_every_element_once_and_respect_the_row_tile():
     assert list(chunks((256, 256, 512), 1 << 19, 128))[:2] == [(0, 4, 0, 256), (4, 8, 0, 256)]
 
 
-def test_block_max_equals_amax_with_nan():
-    a = torch.rand(6, 4, 32)
+def test_block_max_equals_amax_with_nan_and_inf():
+    """Every route of block_max (max_pool1d for 16-blocks, amax for wider or strided blocks)."""
+    a = torch.rand(6, 4, 64)
     a[2, 1, 7] = float("nan")
-    for width in (32, 16):
-        got, want = block_max(a[..., :width]), a[..., :width].amax(-1)
+    a[3, 2, 40] = float("inf")
+    a[4, 0, 17] = float("nan")
+    a[4, 0, 18] = float("inf")
+    views = [a.view(6, 4, 64 // w, w) for w in (16, 32, 64)] + [a[..., :16], a[..., 1:17]]
+    for v in views:
+        got, want = block_max(v), v.amax(-1)
+        assert got.shape == want.shape
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
-    with pytest.raises(ValueError, match="power-of-two"):
-        block_max(a[..., :24])
+    assert block_max(a.view(6, 4, 4, 16))[2, 1, 0].isnan() and block_max(a.view(6, 4, 4, 16))[3, 2, 2] == float("inf")
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

@@ -12,8 +12,11 @@ from qstrat.errors import NonFiniteError, UnsupportedShapeError
 from qstrat.serializers.nvfp4 import (
     ENC_MAX,
     NVFP4,
+    E2M1_THRESHOLDS,
     e2m1_magnitude,
+    e2m1_magnitude_from_bits,
     global_encode_scale,
+    matrix_absmax,
 )
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -170,6 +173,38 @@ def test_e2m1_round_half_to_even_table():
     assert e2m1_magnitude(above).tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert e2m1_magnitude(below).tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert e2m1_magnitude(torch.tensor([float("nan")])).tolist() == [0]
+
+
+def test_matrix_absmax_per_matrix_with_nan_and_inf():
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = torch.randn(4, 33, 48, generator=g).to(dtype)
+        w[1, 7, 3] = -50.0
+        w[2, 0, 0] = float("nan")
+        w[3, 32, 47] = -float("inf")
+        got = matrix_absmax(w)
+        assert got.dtype == torch.float32 and got.shape == (4,)
+        assert got[0] == w[0].abs().amax().float() and got[1] == 50.0
+        assert got[2].isnan() and got[3] == float("inf")
+        assert matrix_absmax(w[1]).shape == () and matrix_absmax(w[1]) == 50.0
+
+
+def test_integer_e2m1_encoder_equals_the_threshold_ladder():
+    """The fast path's integer RNE (e2m1_magnitude_from_bits) against the comparison ladder on
+    every 257th fp32 in [0, 16), +-2048 ulps around each decision point and grid value, the
+    fp32 subnormals' edges, the largest finite and +inf."""
+    top = int(torch.tensor(16.0).view(torch.int32))
+    parts = [torch.arange(0, top, 257, dtype=torch.int32)]
+    for t in [t for t, _ in E2M1_THRESHOLDS] + [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0]:
+        c = int(torch.tensor(t, dtype=torch.float32).view(torch.int32))
+        parts.append(torch.arange(c - 2048, c + 2048, dtype=torch.int32))
+    parts.append(torch.tensor([0, 1, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0x7F800000], dtype=torch.int32))
+    a = torch.cat(parts).view(torch.float32)
+    want = e2m1_magnitude(a).to(torch.int32)
+    out = torch.empty(a.shape, dtype=torch.int32)
+    assert torch.equal(e2m1_magnitude_from_bits(a.clone(), out, torch.empty_like(a)), want)
+    consumed = a.clone()  # tmp may be a itself
+    assert torch.equal(e2m1_magnitude_from_bits(consumed, out, consumed), want)
 
 
 def tie_weight() -> tuple[torch.Tensor, list[int]]:
