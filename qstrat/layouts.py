@@ -199,7 +199,7 @@ class ModelLayout:
         module, param = _split_param(name)
         if name.startswith(self.non_decoder_prefixes):
             return ParsedName(name, module, param, "non_decoder")
-        if any(name.startswith(p) for p in self.mtp_prefixes):
+        if name.startswith(tuple(self.mtp_prefixes)):
             return ParsedName(name, module, param, "mtp")
         if module in self.embeddings:
             return ParsedName(name, module, param, "embedding")
@@ -216,55 +216,60 @@ class ModelLayout:
         layer = int(head)
         if num_layers is not None and layer >= num_layers:
             return ParsedName(name, module, param, "mtp", layer=layer)
-        return self._parse_in_layer(name, module, param, layer, rest.split("."))
+        kind, expert, projection, slab, engine_module = self._in_layer(module, param, rest.split("."))
+        return ParsedName(name, module, param, kind, layer, expert, projection, slab, engine_module, name)
 
-    def _parse_in_layer(self, name: str, module: str, param: str, layer: int,
-                        tokens: list[str]) -> ParsedName:
-        def make(kind: str, **kw: Any) -> ParsedName:
-            return ParsedName(name, module, param, kind, layer=layer, **kw)
-
+    def _in_layer(self, module: str, param: str, tokens: list[str]) -> _Structure:
+        """What a name inside a decoder layer is (``tokens``: its dotted parts after the layer index)."""
         block = tokens[0]
         if block in self.mlp_blocks and len(tokens) >= 2:
-            return self._parse_mlp(make, module, tokens[1:])
+            return self._in_mlp(module, tokens[1:])
         if block in self.attention_blocks and len(tokens) == 3 and param == "weight":
             proj = tokens[1]
             if proj.endswith("norm"):
-                return make("norm", projection=proj)
+                return "norm", None, proj, False, None
             if proj in self.sensitive:
-                return make("sensitive", projection=proj)
+                return "sensitive", None, proj, False, None
             if self.attention_projections is None or proj in self.attention_projections:
-                return make("attention", projection=proj)
-            return make("other", projection=proj)
+                return "attention", None, proj, False, None
+            return "other", None, proj, False, None
         if block.endswith("norm"):
-            return make("norm")
+            return "norm", None, None, False, None
         if self.attention_projections is not None:  # a family layout: no guessing
-            return make("other")
+            return _OTHER
         if len(tokens) >= 2 and tokens[-2] in self.routers:
-            return make("router")  # a router in a block this layout does not know
+            return "router", None, None, False, None  # a router in a block this layout does not know
         if len(tokens) >= 2 and param == "weight":
-            return make("linear", projection=tokens[-2])
-        return make("other")
+            return "linear", None, tokens[-2], False, None
+        return _OTHER
 
-    def _parse_mlp(self, make: Any, module: str, t: list[str]) -> ParsedName:
+    def _in_mlp(self, module: str, t: list[str]) -> _Structure:
+        """What a name inside a layer's MLP/MoE block is (``t``: its dotted parts after the block)."""
         head = t[0]
         if head == self.experts and len(t) >= 2:
             experts_module = module[: module.index("." + self.experts) + len(self.experts) + 1]
             if t[1].isdigit() and len(t) == 4 and t[2] in self.expert_projections:
-                return make("expert", expert=int(t[1]), projection=t[2], engine_module=experts_module)
+                return "expert", int(t[1]), t[2], False, experts_module
             if len(t) == 2 and t[1] in self.slabs:
-                return make("expert", projection=t[1], slab=True, engine_module=experts_module)
+                return "expert", None, t[1], True, experts_module
             if len(t) == 2 and t[1].removesuffix("_bias") in self.slabs:  # gpt-oss [E, 2I] biases
-                return make("expert", projection=t[1].removesuffix("_bias"), engine_module=experts_module)
-            return make("other")
+                return "expert", None, t[1].removesuffix("_bias"), False, experts_module
+            return _OTHER
         if head in self.routers and len(t) == 2:
-            return make("router")
+            return "router", None, None, False, None
         if head in self.shared_experts and len(t) == 3:
-            return make("shared_expert", projection=t[1])
+            return "shared_expert", None, t[1], False, None
         if head in self.sensitive and len(t) == 2:
-            return make("sensitive", projection=head)
+            return "sensitive", None, head, False, None
         if head in self.dense_projections and len(t) == 2:
-            return make("dense_mlp", projection=head)
-        return make("other")
+            return "dense_mlp", None, head, False, None
+        return _OTHER
+
+
+#: What :meth:`ModelLayout._in_layer` decides of a name inside a decoder layer: the
+#: :class:`ParsedName` fields ``(kind, expert, projection, slab, engine_module)``.
+_Structure = tuple[str, "int | None", "str | None", bool, "str | None"]
+_OTHER: _Structure = ("other", None, None, False, None)
 
 
 @dataclass(frozen=True)

@@ -103,14 +103,18 @@ class CompiledRule:
         # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
         # them (``special=True``): a third-party selector cannot quantize a router by accident.
         special = p.kind in SPECIAL_KINDS
-        chosen = any(s.predicate(p) for s in self.selectors if s.special or not special)
+        chosen = False
+        for s in self.selectors:  # any(), first match wins
+            if (s.special or not special) and s.predicate(p):
+                chosen = True
+                break
         if not chosen and self.rule.allow_special and self.include:
             chosen = p.kind in OPT_IN_KINDS  # explicit: include patterns may name these
         if not chosen:
             return False
         if self.include and not any_match(self.include, p.name):
             return False
-        return not any_match(self.exclude, p.name)
+        return not (self.exclude and any_match(self.exclude, p.name))
 
 
 class RuleSet:
@@ -134,18 +138,23 @@ class RuleSet:
                 (3-D); anything else is sent unchanged.
             num_layers: decoder depth, for ``keep_bf16.last``.
         """
+        return Decision(*self.choose(p, matrix, num_layers), p)
+
+    def choose(self, p: ParsedName, matrix: bool, num_layers: int | None) -> tuple[str, dict[str, Any], str]:
+        """:meth:`decide`'s ``(serializer, options, rule)``, without the :class:`Decision` (the
+        planner's per-tensor path)."""
         if not matrix:
-            return Decision(PASSTHROUGH, {}, "not a weight matrix", p)
+            return PASSTHROUGH, {}, "not a weight matrix"
         keep = self.config.keep_bf16
         if p.kind in QUANTIZABLE_KINDS and kept_bf16(p, num_layers, keep.first, keep.last):
             which = "first" if p.layer is not None and p.layer < keep.first else "last"
-            return Decision("bf16", {}, f"keep_bf16.{which}", p)
+            return "bf16", {}, f"keep_bf16.{which}"
         for rule in self.rules:
             if rule.matches(p):
-                return Decision(rule.rule.serializer, dict(rule.rule.options), rule.label, p)
+                return rule.rule.serializer, dict(rule.rule.options), rule.label
         if p.kind in QUANTIZABLE_KINDS:
-            return Decision(self.config.default, {}, "default", p)
-        return Decision(PASSTHROUGH, {}, f"never quantized: {p.kind}", p)
+            return self.config.default, {}, "default"
+        return PASSTHROUGH, {}, f"never quantized: {p.kind}"
 
     def rule_for(self, label: str) -> Rule | None:
         """The config rule labelled ``rules[i]``, or None (``default``, ``keep_bf16.*``...)."""

@@ -96,7 +96,7 @@ class Planner:
                 entries.append(self.entry(name, tuple(t.shape), t.dtype, num_layers))
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
-        entries = order_entries(entries, order)
+        entries = order_entries(entries, order, names_sorted=order == "natural")
         errors += checks.check_groups(entries) + checks.check_outputs(entries)
         num_experts = self.layout.num_experts(self.hf_config)
         errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
@@ -116,38 +116,39 @@ class Planner:
     def entry(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
               num_layers: int | None) -> PlanEntry:
         """The plan entry of one input. Raises PlanError / UnsupportedShapeError naming the cause."""
-        d = self.decide(name, shape, num_layers)
-        p, note = d.parsed, ""
+        p = self.layout.parse(name, num_layers)  # what decide() does, without a Decision object
+        serializer, options, rule = self.rules.choose(p, is_weight_matrix(p, len(shape)), num_layers)
         dname = dtype_name(dtype)
         if dtype not in FLOAT_INPUTS:
-            what = (f"is sent unchanged ({d.rule})" if d.serializer == PASSTHROUGH
-                    else f"is planned as {d.serializer} ({d.rule})")
+            what = (f"is sent unchanged ({rule})" if serializer == PASSTHROUGH
+                    else f"is planned as {serializer} ({rule})")
             raise PlanError(f"{what} and needs a bfloat16/float16/float32 tensor, got {dname}"
                             f"{_dtype_hint(dtype)}")
-        if d.serializer == PASSTHROUGH:
+        if serializer == PASSTHROUGH:
             outs = (OutputTensor(p.checkpoint_name, shape, dname, tensor_nbytes(shape, dtype)),)
-            return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, d.rule, PASSTHROUGH,
+            return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, rule, PASSTHROUGH,
                              {}, outs, None, "", p.vllm_module)
-        ser = self.serializer(d.serializer, d.options)
+        ser = self.serializer(serializer, options)
         slab = self.layout.slabs.get(p.projection) if p.slab else None
         if slab is not None and not slab.splittable and ser.quantizes:
             raise PlanError(
-                f"{d.serializer} ({d.rule}): {self.layout.name} stores its experts as transposed "
+                f"{serializer} ({rule}): {self.layout.name} stores its experts as transposed "
                 f"{shape} slabs [E, in, out] (gate_up_proj: gate/up interleaved along the last dim); "
                 "vLLM loads them unquantized or as its own MXFP4 only, so qstrat does not quantize "
                 "them: keep them BF16 (a rule 'select: [experts], serializer: bf16' first)")
+        note = ""
         try:
             specs = ser.part_specs(shape)
         except UnsupportedShapeError as exc:
-            rule = self.rules.rule_for(d.rule)
-            if rule is None or rule.on_unsupported != "bf16":
-                raise PlanError(f"{exc} (rule {d.rule}; set on_unsupported: bf16 to fall back)") from exc
+            config_rule = self.rules.rule_for(rule)
+            if config_rule is None or config_rule.on_unsupported != "bf16":
+                raise PlanError(f"{exc} (rule {rule}; set on_unsupported: bf16 to fall back)") from exc
             note = f"BF16 fallback: {exc}"
-            d = Decision("bf16", {}, d.rule, p)
+            serializer, options = "bf16", {}
             specs = self.serializer("bf16", {}).part_specs(shape)
         outs = self._outputs(p, specs, shape)
-        return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, d.rule, d.serializer,
-                         d.options, outs, fusion_group(self.layout, p), note, p.vllm_module)
+        return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
+                         options, outs, fusion_group(self.layout, p), note, p.vllm_module)
 
     def _quantizes(self, e: PlanEntry) -> bool:
         return e.serializer != PASSTHROUGH and self.serializer(e.serializer, e.options).quantizes
@@ -159,8 +160,8 @@ class Planner:
                                 spec.suffix, **kw)
 
         if not p.slab:  # the common case (~46k times for DeepSeek-V3): no per-output arithmetic
-            return tuple(OutputTensor(f"{p.module}.{s.suffix}", s.shape, dtype_name(s.dtype), s.nbytes,
-                                      s.suffix) for s in specs)
+            return tuple([OutputTensor(f"{p.module}.{s.suffix}", s.shape, dtype_name(s.dtype), s.nbytes,
+                                       s.suffix) for s in specs])
         if self.config.expert_emission == "fused" or not self.layout.slabs[p.projection].splittable:
             return tuple(out(fused_name(p.checkpoint_name, s.suffix), s, s.shape) for s in specs)
         projections = self.layout.slabs[p.projection].parts
