@@ -167,6 +167,8 @@ class ModelLayout:
         (:data:`WRAPPER_PREFIXES`) stripped, then :attr:`renames` applied inside decoder layers.
         ``_orig_mod.model.layers.0.mlp.gate.weight`` -> ``model.layers.0.block_sparse_moe.gate.weight``
         (Mixtral)."""
+        if not self.renames and not name.startswith(WRAPPER_PREFIXES):
+            return name  # the common case, nothing to strip or rename
         stripped = True
         while stripped:
             stripped = False
@@ -196,7 +198,9 @@ class ModelLayout:
         return p if canonical == name else replace(p, name=name, checkpoint_name=canonical)
 
     def _parse_canonical(self, name: str, num_layers: int | None) -> ParsedName:
-        module, param = _split_param(name)
+        module, _, param = name.rpartition(".")
+        if not module:  # no dot: the name is the module
+            module, param = name, ""
         if name.startswith(self.non_decoder_prefixes):
             return ParsedName(name, module, param, "non_decoder")
         if name.startswith(tuple(self.mtp_prefixes)):
@@ -310,11 +314,6 @@ class ParsedName:
     def vllm_module(self) -> str:
         """Module prefix as vLLM's ``ignored_layers`` / ``ignore`` lists name it."""
         return self.engine_module or self.module
-
-
-def _split_param(name: str) -> tuple[str, str]:
-    module, _, param = name.rpartition(".")
-    return (module, param) if module else (name, "")
 
 
 def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, Any] | None) -> ModelLayout:

@@ -20,7 +20,7 @@ def check_groups(entries: Sequence[PlanEntry]) -> list[str]:
         if not e.group:
             continue
         first = seen.setdefault(e.group, e)
-        if (first.serializer, first.options) != (e.serializer, e.options):
+        if first is not e and (first.serializer != e.serializer or first.options != e.options):
             errors.append(f"{e.name} ({e.serializer} {e.options}, {e.rule}) and {first.name} "
                           f"({first.serializer} {first.options}, {first.rule}) are fused by the engine "
                           "but planned differently")
@@ -29,6 +29,8 @@ def check_groups(entries: Sequence[PlanEntry]) -> list[str]:
 
 def check_outputs(entries: Sequence[PlanEntry]) -> list[str]:
     """No two inputs may emit the same checkpoint name (e.g. per-expert names AND a slab)."""
+    if len({o.name for e in entries for o in e.outputs}) == sum(len(e.outputs) for e in entries):
+        return []  # the common case: no name twice, nothing to report
     owner: dict[str, str] = {}
     errors = []
     for e in entries:
@@ -70,11 +72,11 @@ def ignored_layers(entries: Sequence[PlanEntry], errors: list[str],
             continue
         quantized = quantizes(e)
         mod = e.engine_module
-        if mod in status and status[mod] != quantized and mod not in mixed:
+        first = status.setdefault(mod, quantized)
+        if first != quantized and mod not in mixed:
             mixed.add(mod)
             errors.append(f"{mod}: some of its tensors are quantized and some are not; vLLM loads it "
                           "as one module")
-        status.setdefault(mod, quantized)
     return sorted((m for m, q in status.items() if not q), key=natural_key)
 
 
@@ -86,13 +88,15 @@ def check_ranks(entries: Sequence[PlanEntry]) -> list[str]:
     for e in entries:
         if e.kind not in ("attention", "dense_mlp", "expert", "shared_expert"):
             continue
+        slab = e.kind == "expert" and e.expert is None
+        if len(e.shape) == (3 if slab else 2):
+            continue  # the right rank (the common case)
         module, _, param = e.name.rpartition(".")
         if param.endswith("bias") or module.rsplit(".", 1)[-1].startswith("conv"):
             continue  # slab biases ([E, rows]: gpt-oss) and convolutions (Gated-DeltaNet conv1d)
-        slab = e.kind == "expert" and e.expert is None
-        if slab and len(e.shape) != 3:
+        if slab:
             errors.append(f"{e.name}: a grouped expert slab is [E, rows, K], got shape {list(e.shape)}")
-        elif not slab and e.name.endswith(".weight") and len(e.shape) != 2:
+        elif e.name.endswith(".weight"):
             errors.append(f"{e.name}: a projection weight is a matrix [N, K] (out_features, "
                           f"in_features), got shape {list(e.shape)}")
     return errors
@@ -124,15 +128,19 @@ def check_expert_sets(entries: Sequence[PlanEntry], num_experts: int | None,
         experts: dict[str, set[int]] = {}
         for e in group:
             if e.expert is not None:
-                errors += _per_expert(module, e, num_experts, matrices, experts)
+                error = _per_expert(module, e, num_experts, matrices, experts)
+                if error:
+                    errors.append(error)
             elif len(e.shape) == 3:
                 errors += _slab(module, e, slabs, matrices, group)
         wanted = set(range(num_experts)) if num_experts else set().union(*experts.values())
+        projections = sorted(experts)
         lacking: dict[tuple[str, ...], list[int]] = {}  # missing projections -> experts
-        for x in sorted(wanted):
-            gone = tuple(p for p in sorted(experts) if x not in experts[p])
-            if gone:
-                lacking.setdefault(gone, []).append(x)
+        if not all(wanted <= experts[p] for p in projections):  # else: every expert is complete
+            for x in sorted(wanted):
+                gone = tuple(p for p in projections if x not in experts[p])
+                if gone:
+                    lacking.setdefault(gone, []).append(x)
         for gone, xs in lacking.items():
             errors.append(f"{module}: expert(s) {_short_list(xs)} have no {', '.join(gone)} (each "
                           f"expert needs {', '.join(sorted(experts))})")
@@ -150,19 +158,25 @@ def check_expert_sets(entries: Sequence[PlanEntry], num_experts: int | None,
 
 
 def _per_expert(module: str, e: PlanEntry, num_experts: int | None,
-                matrices: dict[str, tuple[tuple[int, ...], str]], experts: dict[str, set[int]]) -> list[str]:
+                matrices: dict[str, tuple[tuple[int, ...], str]], experts: dict[str, set[int]]) -> str | None:
+    """Record one per-expert tensor in ``matrices`` and ``experts``; its error, if any."""
     proj = e.name[len(module) + 1:].split(".")[1]
     assert e.expert is not None
     if num_experts and e.expert >= num_experts:
-        return [f"{e.name}: expert index {e.expert} is out of range: the model config has "
-                f"{num_experts} experts per layer (0..{num_experts - 1})"]
-    experts.setdefault(proj, set()).add(e.expert)
+        return (f"{e.name}: expert index {e.expert} is out of range: the model config has "
+                f"{num_experts} experts per layer (0..{num_experts - 1})")
+    if proj in experts:
+        experts[proj].add(e.expert)
+    else:
+        experts[proj] = {e.expert}
     if len(e.shape) != 2:
-        return []  # check_ranks reports it
-    first = matrices.setdefault(proj, (e.shape, e.name))
-    if first[0] != e.shape:
-        return [f"{e.name}: shape {list(e.shape)} differs from {first[1]} {list(first[0])}"]
-    return []
+        return None  # check_ranks reports it
+    first = matrices.get(proj)
+    if first is None:
+        matrices[proj] = (e.shape, e.name)
+    elif first[0] != e.shape:
+        return f"{e.name}: shape {list(e.shape)} differs from {first[1]} {list(first[0])}"
+    return None
 
 
 def _slab(module: str, e: PlanEntry, slabs: Mapping[str, SlabSpec],
