@@ -44,6 +44,9 @@ def as_tensor_dict(named_tensors: NamedTensors) -> dict[str, torch.Tensor]:
             errors.append(f"expected (name, tensor) pairs, got {_short(item)}")
             continue
         name, t = item
+        if isinstance(name, str) and isinstance(t, torch.Tensor) and name not in out:
+            out[name] = t  # the common case: nothing to check further
+            continue
         try:
             check_new_name(name, out)
         except PlanError as exc:

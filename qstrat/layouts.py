@@ -276,7 +276,7 @@ _Structure = tuple[str, "int | None", "str | None", bool, "str | None"]
 _OTHER: _Structure = ("other", None, None, False, None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParsedName:
     """What an HF tensor name means, structurally.
 

@@ -38,7 +38,7 @@ __all__ = ["PASSTHROUGH", "WIRE_ORDERS", "OutputTensor", "PlanEntry", "RefitPlan
 WIRE_ORDERS = ("natural", "producer")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OutputTensor:
     """One checkpoint tensor the engine receives.
 
@@ -59,7 +59,7 @@ class OutputTensor:
     row_parts: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PlanEntry:
     """The decision for one input tensor.
 

@@ -106,8 +106,10 @@ class Planner:
                                                   self.layout.num_mtp_layers(self.hf_config))
         errors += structure.quantizes_nothing(entries, self.layout.name, self.config,
                                               lambda s: self.serializer(s, {}).quantizes)
-        ignored = checks.ignored_layers(entries, errors, self._quantizes)
-        qconfig = self._engine_config(entries, ignored, errors)
+        format_of = self._format_lookup(entries)
+        ignored = checks.ignored_layers(entries, errors,
+                                        lambda e: (ser := format_of(e)) is not None and ser.quantizes)
+        qconfig = self._engine_config(entries, ignored, errors, format_of)
         if errors:
             raise PlanError("refit plan is invalid:\n  " + "\n  ".join(errors))
         return RefitPlan(entries, self.layout.name, num_layers, ignored, qconfig, self.config.to_dict(),
@@ -150,8 +152,17 @@ class Planner:
         return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                          options, outs, fusion_group(self.layout, p), note, p.vllm_module)
 
-    def _quantizes(self, e: PlanEntry) -> bool:
-        return e.serializer != PASSTHROUGH and self.serializer(e.serializer, e.options).quantizes
+    def _format_lookup(self, entries: list[PlanEntry]) -> Callable[[PlanEntry], Serializer | None]:
+        """``entry -> its Serializer`` (None: passthrough) for ``entries``: looked up once per format
+        planned without options (nearly every entry; the factory gives them one instance), per entry
+        otherwise."""
+        plain = {name: self.serializer(name, {}) for name in {e.serializer for e in entries if not e.options}
+                 if name != PASSTHROUGH}
+
+        def format_of(e: PlanEntry) -> Serializer | None:
+            return self.serializer(e.serializer, e.options) if e.options else plain.get(e.serializer)
+
+        return format_of
 
     def _outputs(self, p: ParsedName, specs: tuple[PartSpec, ...],
                  shape: tuple[int, ...]) -> tuple[OutputTensor, ...]:
@@ -187,11 +198,10 @@ class Planner:
                     result.append(out(name, s, inner, expert=e, row_part=j, row_parts=k))
         return tuple(result)
 
-    def _engine_config(self, entries: list[PlanEntry], ignored: list[str],
-                       errors: list[str]) -> dict[str, Any] | None:
+    def _engine_config(self, entries: list[PlanEntry], ignored: list[str], errors: list[str],
+                       format_of: Callable[[PlanEntry], Serializer | None]) -> dict[str, Any] | None:
         """The one quantization_config all quantized formats of the plan agree on (or an error)."""
-        used = {id(s): s for s in (self.serializer(e.serializer, e.options) for e in entries
-                                   if e.serializer != PASSTHROUGH) if s.quantizes}
+        used = {id(s): s for s in map(format_of, entries) if s is not None and s.quantizes}
         configs: dict[str, dict[str, Any]] = {}
         for ser in used.values():
             cfg = ser.vllm_quantization_config(ignored)
