@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import PlanError
+from qstrat.errors import NonFiniteError, PlanError
 from qstrat.inputs import check_new_name, materialize
 from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan
 from qstrat.serializers.base import Serializer, check_finite, dtype_name
@@ -199,20 +199,26 @@ class _Run:
         with torch.no_grad():
             ws = [self.src.get(self.plan.entries[j].name) for j in batch]
             ctxs = [self._context(j, ser) for j in batch]
-            if not self.values_checked:
-                for j, w in zip(batch, ws):
-                    if self.plan.entries[j].name not in self.checked:
-                        ser.check_values(w, self.plan.entries[j].name)
-            if len(batch) == 1:
-                parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=True)
-                result = {i: parts}
-            else:
-                stacked = self._stack(ws)
-                ctx = None if ctxs[0] is None else {k: torch.stack([c[k] for c in ctxs]) for k in ctxs[0]}
-                name = f"{e.name} (with {len(batch) - 1} more experts)"
-                parts = ser.quantize(stacked, name=name, context=ctx, values_checked=True)
-                parts = _unalias(parts, stacked)
-                result = {j: {k: v[b] for k, v in parts.items()} for b, j in enumerate(batch)}
+            # NaN/inf: checked by the serializer while it quantizes (the fast path reads its block
+            # maxima: no extra pass over the weight); when it finds one, each member is checked on
+            # its own, so that the error names the tensor and its index as check_values does.
+            unchecked = [(j, w) for j, w in zip(batch, ws)
+                         if not self.values_checked and self.plan.entries[j].name not in self.checked]
+            try:
+                if len(batch) == 1:
+                    parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=not unchecked)
+                    result = {i: parts}
+                else:
+                    stacked = self._stack(ws)
+                    ctx = None if ctxs[0] is None else {k: torch.stack([c[k] for c in ctxs]) for k in ctxs[0]}
+                    name = f"{e.name} (with {len(batch) - 1} more experts)"
+                    parts = ser.quantize(stacked, name=name, context=ctx, values_checked=not unchecked)
+                    parts = _unalias(parts, stacked)
+                    result = {j: {k: v[b] for k, v in parts.items()} for b, j in enumerate(batch)}
+            except NonFiniteError:
+                for j, w in unchecked:
+                    ser.check_values(w, self.plan.entries[j].name)
+                raise
         self._finish(batch)
         return result
 
