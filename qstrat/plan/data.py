@@ -135,8 +135,11 @@ class RefitPlan:
             pairs = [(i, o) for i, e in enumerate(self.entries) for o in e.outputs]
             if self.order == "producer":
                 return sorted(pairs, key=lambda p: (p[0], natural_key(p[1].name)))
+            # by natural name, then (a stable sort) by section: the order of the key (section, name)
+            pairs.sort(key=lambda p: natural_key(p[1].name))
             sections = [section_key(e) for e in self.entries]
-            return sorted(pairs, key=lambda p: (sections[p[0]], natural_key(p[1].name)))
+            pairs.sort(key=lambda p: sections[p[0]])
+            return pairs
 
     def subset(self, keep: Callable[[PlanEntry], bool], rank: int | None = None,
                others: Callable[[PlanEntry], int | None] = lambda e: None) -> RefitPlan:
