@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import re
 
-from qstrat.plan.data import natural_key
+from qstrat.plan.data import natural_key, natural_keys
 
 
 def tuple_key(name: str):
@@ -23,3 +23,23 @@ def test_natural_key_orders_like_the_tuple_key():
     got = sorted(names, key=natural_key)
     assert [tuple_key(n) for n in got] == [tuple_key(n) for n in want]
     assert natural_key("layers.2") < natural_key("layers.10")
+
+
+def whole_name_key(name: str) -> str:
+    """The documented encoding applied to the whole name at once (no dot segments, no cache)."""
+    def digits(m):
+        d = m.group().lstrip("0") or "0"
+        return "\0" + chr(0x30 + len(d)) + d
+    return re.sub(r"\d+", digits, name)
+
+
+def test_segment_and_batch_keys_equal_the_whole_name_encoding():
+    rng = random.Random(15)
+    alphabet = ["0", "00", "7", "10", "007", "99999999999", ".", "..", "_", "a", "layers", "experts", "٣"]
+    names = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 9))) for _ in range(3000)]
+    names += [f"model.layers.{i}.mlp.experts.{e}.{p}.weight{s}" for i in (0, 9, 10) for e in (0, 7, 255)
+              for p in ("gate_proj", "w1") for s in ("", "_scale_inv")]
+    names += ["", ".", "a.b", "1.2", "x.0.0", "a..b.c"]
+    want = [whole_name_key(n) for n in names]
+    assert [natural_key(n) for n in names] == want
+    assert natural_keys(names) == want

@@ -32,7 +32,7 @@ from qstrat.rules import PASSTHROUGH
 from qstrat.serializers.base import tensor_nbytes
 
 __all__ = ["PASSTHROUGH", "WIRE_ORDERS", "OutputTensor", "PlanEntry", "RefitPlan", "natural_key",
-           "order_entries", "section_key"]
+           "natural_keys", "order_entries", "section_key"]
 
 #: Wire orders a plan can have (see the module docstring).
 WIRE_ORDERS = ("natural", "producer")
@@ -136,7 +136,8 @@ class RefitPlan:
             if self.order == "producer":
                 return sorted(pairs, key=lambda p: (p[0], natural_key(p[1].name)))
             # by natural name, then (a stable sort) by section: the order of the key (section, name)
-            pairs.sort(key=lambda p: natural_key(p[1].name))
+            keys = natural_keys([o.name for _, o in pairs])
+            pairs = [pairs[k] for k in sorted(range(len(pairs)), key=keys.__getitem__)]
             sections = [section_key(e) for e in self.entries]
             pairs.sort(key=lambda p: sections[p[0]])
             return pairs
@@ -229,6 +230,26 @@ def natural_key(name: str) -> str:
     model repeat a few hundred segments (``layers``, ``17``, ``gate_proj``...).
     """
     return ".".join(map(_segment_key, name.split(".")))
+
+
+def natural_keys(names: Iterable[str]) -> list[str]:
+    """:func:`natural_key` of each name, for sorting many names of one model at once: the key of
+    a name's parent (all but its last two dotted parts: ``model.layers.3.mlp.experts.7``) is
+    computed once per distinct parent, which the names of a plan share (an expert's
+    projections, a weight and its scales)."""
+    parents: dict[str, str] = {}
+    keys = []
+    for name in names:
+        parts = name.rsplit(".", 2)
+        if len(parts) < 3:
+            keys.append(natural_key(name))
+            continue
+        parent, a, b = parts
+        key = parents.get(parent)
+        if key is None:
+            key = parents[parent] = natural_key(parent)
+        keys.append(f"{key}.{_segment_key(a)}.{_segment_key(b)}")
+    return keys
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -19,7 +19,7 @@ from qstrat.config import RefitConfig
 from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout, ParsedName
 from qstrat.plan import checks, structure
-from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_key,
+from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_keys,
                               order_entries)
 from qstrat.rules import Decision, RuleSet, is_weight_matrix
 from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nbytes
@@ -90,7 +90,11 @@ class Planner:
                           "MTP layers and pipeline-parallel shards)")
         entries = []
         order = self.config.wire_order
-        for name in (list(tensors) if order == "producer" else sorted(tensors, key=natural_key)):
+        names = list(tensors)
+        if order != "producer":
+            keys = natural_keys(names)
+            names = [names[k] for k in sorted(range(len(names)), key=keys.__getitem__)]
+        for name in names:
             t = tensors[name]
             try:
                 entries.append(self.entry(name, tuple(t.shape), t.dtype, num_layers))
