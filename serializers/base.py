@@ -366,7 +366,7 @@ class Serializer(ABC):
         """:meth:`encode_into` on one chunk view; False if ``check`` and it saw NaN/inf."""
         _, x, sub_ctx, dsts = view
         amax = self.encode_into(x, sub_ctx, dsts, scratch)
-        return check is None or bool(torch.isfinite(amax).all())
+        return check is None or all_finite(amax)
 
 
 #: Kernels resolved by :meth:`Serializer.resolve_kernel`, per format class.
