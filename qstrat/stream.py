@@ -199,26 +199,22 @@ class _Run:
         with torch.no_grad():
             ws = [self.src.get(self.plan.entries[j].name) for j in batch]
             ctxs = [self._context(j, ser) for j in batch]
-            # NaN/inf: checked by the serializer while it quantizes (the fast path reads its block
-            # maxima: no extra pass over the weight); when it finds one, each member is checked on
-            # its own, so that the error names the tensor and its index as check_values does.
-            unchecked = [(j, w) for j, w in zip(batch, ws)
-                         if not self.values_checked and self.plan.entries[j].name not in self.checked]
-            try:
-                if len(batch) == 1:
-                    parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=not unchecked)
-                    result = {i: parts}
-                else:
-                    stacked = self._stack(ws)
-                    ctx = None if ctxs[0] is None else {k: torch.stack([c[k] for c in ctxs]) for k in ctxs[0]}
-                    name = f"{e.name} (with {len(batch) - 1} more experts)"
-                    parts = ser.quantize(stacked, name=name, context=ctx, values_checked=not unchecked)
-                    parts = _unalias(parts, stacked)
-                    result = {j: {k: v[b] for k, v in parts.items()} for b, j in enumerate(batch)}
-            except NonFiniteError:
-                for j, w in unchecked:
-                    ser.check_values(w, self.plan.entries[j].name)
-                raise
+            checked = self.values_checked or all(self.plan.entries[j].name in self.checked for j in batch)
+            if len(batch) == 1:  # quantize checks NaN/inf itself (the fast path: from its block maxima)
+                parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=checked)
+                result = {i: parts}
+            else:
+                stacked = self._stack(ws)
+                ctx = None if ctxs[0] is None else {k: torch.stack([c[k] for c in ctxs]) for k in ctxs[0]}
+                name = f"{e.name} (with {len(batch) - 1} more experts)"
+                try:
+                    parts = ser.quantize(stacked, name=name, context=ctx, values_checked=checked)
+                except NonFiniteError:  # name the expert's own tensor, not the stacked batch
+                    for j, w in zip(batch, ws):
+                        ser.check_values(w, self.plan.entries[j].name)
+                    raise
+                parts = _unalias(parts, stacked)
+                result = {j: {k: v[b] for k, v in parts.items()} for b, j in enumerate(batch)}
         self._finish(batch)
         return result
 

@@ -10,7 +10,9 @@ the plugin registry, so new formats join automatically):
    Python loop, qstrat's torch reference, and vLLM's quantizer where importable; each is
    checked byte for byte against the torch reference and timed (CUDA events, median of reps).
    Bytes moved = bf16 read + values written + scales written (the declared parts);
-4. prints one table (rich) and the issue-14 targets per format (one launch >= 85% of the copy
+4. compares Triton's native fp32 -> e4m3 cast with the kernels' integer encoder on every fp32
+   bit pattern (:func:`native_fp8_proof`: the proof needed before the GPU path may switch);
+5. prints one table (rich) and the issue-14 targets per format (one launch >= 85% of the copy
    bandwidth on the largest slab; >= 5x a per-expert launch loop on the small-expert slab), and
    writes JSON (default out/gpu_check.json; ``targets`` holds the same figures).
 
@@ -109,6 +111,55 @@ def copy_ceiling() -> dict:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), reps=20 if DEVICE == "cuda" else 3, warmup=3)
     return {"bytes": 2 * n, "ms": ms, "gbps": 2 * n / ms / 1e6}
+
+
+# ---- native fp8 cast: the proof the GPU path needs before it may switch -------------------------
+#: Most fp32 bit patterns compared per launch (GPU): 2^28 patterns = 1 GiB in + 2 x 1 GiB out.
+PROOF_CHUNK = 1 << 28
+
+
+def _e4m3_class(bits: torch.Tensor) -> torch.Tensor:
+    """Class of each fp32 bit pattern: 0 finite |x| <= 448 (every value the quantizers cast:
+    ``|x * (1/s)| <= 448`` by their scale choice), 1 finite |x| > 448, 2 +-inf, 3 NaN."""
+    a = bits & 0x7FFFFFFF
+    return ((a > 0x43E00000).to(torch.int8) + (a >= 0x7F800000).to(torch.int8)
+            + (a > 0x7F800000).to(torch.int8))
+
+
+def native_fp8_proof() -> dict:
+    """Triton's native fp32 -> e4m3 cast (``.to(tl.float8e4nv)``) vs the kernels' integer encoder
+    (``fp_encode.e4m3_encode``, equal to torch's cast, tests/test_kernel_fp_encode.py) on EVERY
+    fp32 bit pattern (GPU: 2^32, in chunks of :data:`PROOF_CHUNK`; smoke mode: every 65,537th
+    pattern, and the interpreter's own cast is known to be wrong, so its counts prove nothing).
+
+    Returns: ``{"patterns", "mismatches": {class: count}, "examples": [[bits, encoder, native],
+    ...] (at most 8), "bit_exact_in_range": bool}``; class names as :func:`_e4m3_class`.
+    Switching the kernels to the native cast is safe where ``bit_exact_in_range`` holds and the
+    other classes are unreachable or also agree (docs/performance.md).
+    """
+    names = ("finite <= 448", "finite > 448", "inf", "nan")
+    counts = dict.fromkeys(names, 0)
+    examples: list[list[int]] = []
+    total, step, chunk = 1 << 32, (1 if DEVICE == "cuda" else 65537), PROOF_CHUNK
+    patterns = 0
+    for start in range(0, total, chunk * step):
+        idx = torch.arange(start, min(total, start + chunk * step), step, device=DEVICE, dtype=torch.int64)
+        bits = (idx - (idx >= 1 << 31).long() * (1 << 32)).to(torch.int32)  # two's complement
+        x = bits.view(torch.float32)
+        enc = testing.run_fp_encode("e4m3_encode", x, DEVICE, to_cpu=False)
+        nat = testing.run_fp_encode("e4m3_native", x, DEVICE, to_cpu=False)
+        bad = enc != nat
+        patterns += x.numel()
+        if bool(bad.any()):
+            cls = _e4m3_class(bits[bad])
+            for i, name in enumerate(names):
+                counts[name] += int((cls == i).sum())
+            if len(examples) < 8:
+                where = bad.nonzero().flatten()[: 8 - len(examples)]
+                examples += [[int(bits[j]) & 0xFFFFFFFF, int(enc[j]), int(nat[j])] for j in where.tolist()]
+        del idx, bits, x, enc, nat, bad
+    return {"patterns": patterns, "step": step, "mismatches": counts, "examples": examples,
+            "bit_exact_in_range": counts["finite <= 448"] == 0}
 
 
 # ---- implementations ---------------------------------------------------------------------------
@@ -333,6 +384,11 @@ def render(report: dict, console: Console) -> None:
     c = report["copy"]
     console.print(f"copy ceiling: {c['gbps']:.1f} GB/s ({c['bytes'] / 1e9:.2f} GB moved, "
                   f"{c['ms']:.3f} ms); parity tests: {report['pytest'].get('summary', '-')}")
+    nf = report["native_fp8"]
+    console.print(f"native fp8 cast vs integer encoder on {nf['patterns']:,} fp32 patterns"
+                  f"{' (interpreter: its cast is known wrong, this proves nothing)' if SMOKE else ''}: "
+                  f"mismatches {nf['mismatches']}; bit-exact on |x| <= 448: {nf['bit_exact_in_range']}"
+                  + (f"; e.g. [bits, encoder, native] {nf['examples'][:3]}" if nf["examples"] else ""))
     t = Table(title="targets (issue 14)" + (" - smoke: NOT GPU figures" if SMOKE else ""))
     for col in ("format", "large slab", "% of copy", f">= {TARGET_PCT_OF_COPY:g}%", "small slab",
                 "loop / 1 launch", f">= {TARGET_LOOP_OVER_LAUNCH:g}x"):
@@ -366,6 +422,7 @@ def main() -> int:
         if SMOKE or ARGS.no_pytest else run_pytest()
     )
     report["copy"] = copy_ceiling()
+    report["native_fp8"] = native_fp8_proof()
     shapes, reps = (SMOKE_SHAPES, 1) if SMOKE else (FULL_SHAPES, 10)
     report["results"] = []
     sers = formats(ARGS.formats)

@@ -162,12 +162,14 @@ def assert_same_bytes(
 
 
 
-#: Device helpers of :mod:`.fp_encode` that :func:`run_fp_encode` can apply, by name.
+#: Device helpers of :mod:`.fp_encode` that :func:`run_fp_encode` can apply, by name
+#: (``e4m3_native`` is Triton's own ``.to(tl.float8e4nv)``, which scripts/gpu_check.py compares
+#: with ``e4m3_encode`` on every fp32 bit pattern).
 FP_ENCODE_OPS = ("e4m3_encode", "e8m0_rceil", "e8m0_floor", "exp2_int", "ceil_pow2",
-                 "e4m3_decode", "e2m1_magnitude")
+                 "e4m3_decode", "e2m1_magnitude", "e4m3_native")
 
 
-def run_fp_encode(op: str, x: torch.Tensor, device: str) -> torch.Tensor:
+def run_fp_encode(op: str, x: torch.Tensor, device: str, to_cpu: bool = True) -> torch.Tensor:
     """Apply one :mod:`.fp_encode` device helper elementwise, to test it against its torch twin.
 
     Args:
@@ -175,7 +177,8 @@ def run_fp_encode(op: str, x: torch.Tensor, device: str) -> torch.Tensor:
         x: flat input (fp32 for most ops; int32 exponents for ``exp2_int``, codes for
             ``e4m3_decode``).
         device: where the kernel runs (see :func:`kernel_device`).
-    Returns: int32 CPU tensor of x's shape: codes/bytes, or the fp32 result's bits.
+        to_cpu: copy the result to the CPU (False: leave it on ``device``).
+    Returns: int32 tensor of x's shape: codes/bytes, or the fp32 result's bits.
     """
     from kernel_probe import fp_encode_probe
 
@@ -183,7 +186,7 @@ def run_fp_encode(op: str, x: torch.Tensor, device: str) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.int32, device=device)
     block = 4096
     fp_encode_probe[(-(-x.numel() // block),)](x, out, x.numel(), OP=FP_ENCODE_OPS.index(op), BLOCK=block)
-    return out.cpu()
+    return out.cpu() if to_cpu else out
 
 
 def check_offsets_beyond_2_31(cls: type, free_bytes_needed: int = 16 * 2**30) -> str | None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="the kernels need triton (pip install 'qstrat[triton]')")
 
@@ -75,3 +76,14 @@ def test_gpu_check_smoke_mode_writes_consistent_json(tmp_path):
         assert t["loop_over_launch"] == pytest.approx(rows[(fmt, small, "kernel, per-expert loop")]["ms"]
                                                       / rows[(fmt, small, "kernel, 1 launch")]["ms"])
         assert t["pct_met"] == (t["pct_of_copy"] >= 85.0) and t["loop_met"] == (t["loop_over_launch"] >= 5.0)
+    # the native-fp8 proof ran over its sample; the encoder's side of each example is torch's cast
+    nf = report["native_fp8"]
+    assert (nf["patterns"], nf["step"]) == (65536, 65537)
+    assert set(nf["mismatches"]) == {"finite <= 448", "finite > 448", "inf", "nan"}
+    assert sum(nf["mismatches"].values()) <= nf["patterns"] and len(nf["examples"]) <= 8
+    assert nf["bit_exact_in_range"] == (nf["mismatches"]["finite <= 448"] == 0)
+    assert "native fp8 cast vs integer encoder" in proc.stdout
+    for bits, enc, _native in nf["examples"]:
+        x = torch.tensor([bits - (1 << 32) if bits >= 1 << 31 else bits], dtype=torch.int32).view(torch.float32)
+        if x.abs().item() <= 448:
+            assert enc == x.to(torch.float8_e4m3fn).view(torch.uint8).item(), hex(bits)
