@@ -186,21 +186,23 @@ class Planner:
         rows = shape[1]
         if rows % k:
             raise PlanError(f"slab rows {rows} do not split into {k} projections {projections}")
-        result = []
-        for e in range(shape[0]):
-            for j, proj in enumerate(projections):
-                for s in specs:
-                    r = s.rows_per_entry
-                    if r is not None and (rows // k) % r:
-                        raise PlanError(
-                            f"per-expert split of {p.projection} needs {rows // k} rows per projection "
-                            f"to be a multiple of the format's {r}-row tile; use expert_emission: fused")
-                    inner = s.shape[1:]
-                    if r is not None:
-                        inner = (inner[0] // k,) + inner[1:]
-                    name = f"{p.engine_module}.{e}.{proj}.{s.suffix}"
-                    result.append(out(name, s, inner, expert=e, row_part=j, row_parts=k))
-        return tuple(result)
+        if not shape[0]:
+            return ()  # an empty slab emits nothing
+        cut = []  # per part: (suffix, shape, dtype, bytes) of one expert's projection, the same for all
+        for s in specs:
+            r = s.rows_per_entry
+            if r is not None and (rows // k) % r:
+                raise PlanError(
+                    f"per-expert split of {p.projection} needs {rows // k} rows per projection "
+                    f"to be a multiple of the format's {r}-row tile; use expert_emission: fused")
+            inner = s.shape[1:]
+            if r is not None:
+                inner = (inner[0] // k,) + inner[1:]
+            cut.append((s.suffix, inner, dtype_name(s.dtype), tensor_nbytes(inner, s.dtype)))
+        experts = p.engine_module
+        return tuple([OutputTensor(f"{experts}.{e}.{proj}.{suffix}", inner, dname, nbytes, suffix, e, j, k)
+                      for e in range(shape[0]) for j, proj in enumerate(projections)
+                      for suffix, inner, dname, nbytes in cut])
 
     def _engine_config(self, entries: list[PlanEntry], ignored: list[str], errors: list[str],
                        format_of: Callable[[PlanEntry], Serializer | None]) -> dict[str, Any] | None:
