@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -246,9 +247,15 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     if args.reps is not None and args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    if args.max_experts is not None and args.max_experts < 1:
+        raise ConfigError(f"--max-experts must be >= 1, got {args.max_experts}")
     unknown = sorted(set(sections) - set(SECTIONS))
-    if unknown or not sections:
+    if not sections:
+        raise ConfigError(f"--only: no section given; choose from {list(SECTIONS)}")
+    if unknown:
         raise ConfigError(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    if args.json is not None:  # before minutes of measuring, not after
+        _check_writable(args.json, "--json")
 
     def show(part: dict[str, Any]) -> None:
         for table in render(part):
@@ -259,10 +266,14 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from qstrat.console import stderr_to
 
     # vLLM and torchao write warnings to stderr while they load (missing CUDA libraries, Triton
-    # without a CPU backend): a log, whose tail is attached to any error, not the tables.
-    with tempfile.TemporaryDirectory(prefix="qstrat-bench-") as tmp, stderr_to(Path(tmp) / "bench.log"):
+    # without a CPU backend): a log, whose tail is attached to any error, not the tables. The log
+    # is kept when the run fails (the error names it) and removed after a successful one.
+    log = Path(tempfile.mkdtemp(prefix="qstrat-bench-")) / "bench.log"
+    with stderr_to(log):
         doc = run_bench(quick=args.quick, sections=sections, reps=args.reps, max_experts=args.max_experts,
                         on_section=show)
+    log.unlink(missing_ok=True)
+    log.parent.rmdir()
     console.print(f"{doc['size']} size, {doc['seconds']} s, load {doc['load_before'][0]:.1f} -> "
                   f"{doc['load_after'][0]:.1f}")
     if args.json is not None:
@@ -270,6 +281,22 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Make ``path``'s directory (as the later write would) and check a file can be written there.
+
+    Raises: ConfigError naming ``flag`` and the reason.
+    """
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create its directory: {exc.strerror or exc}") from None
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{flag} {path}: {target} is not writable")
 
 
 def _export_device(choice: str) -> str:

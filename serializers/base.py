@@ -50,6 +50,10 @@ class SerializerOptions(BaseModel):
     )
 
 
+#: Weight dtypes a serializer reads (fp8, integer and float64 inputs are refused).
+WEIGHT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
 @dataclass(frozen=True)
 class PartSpec:
     """One checkpoint tensor a serializer emits for a weight.
@@ -191,11 +195,24 @@ class Serializer(ABC):
         Returns:
             dict suffix -> tensor, exactly as declared by :meth:`part_specs`, on ``w``'s device.
         Raises:
-            UnsupportedShapeError, NonFiniteError (``nonfinite="error"``),
+            UnsupportedShapeError (also for a dtype other than bf16/fp16/fp32),
+            NonFiniteError (``nonfinite="error"``: NaN/inf in ``w`` or in a given ``context``),
             BackendUnavailableError (a RuntimeError) when the Triton backend is forced where it
             cannot run.
         """
         specs = self.part_specs(w.shape)
+        if w.dtype not in WEIGHT_DTYPES:
+            raise UnsupportedShapeError(
+                f"{name}: {self.name} quantizes bfloat16, float16 or float32 weights, got "
+                f"{dtype_name(w.dtype)}" + (" (cast it to float32)" if w.dtype == torch.float64 else "")
+            )
+        if context is not None and self.options.nonfinite == "error":
+            bad = [k for k, v in context.items() if torch.is_tensor(v) and v.is_floating_point()
+                   and not all_finite(v)]
+            if bad:
+                raise NonFiniteError(f"{name}: the fusion-group context's {', '.join(bad)} is not finite "
+                                     "(group_context of members holding NaN/inf?); set "
+                                     "nonfinite='propagate' to encode it anyway")
         batched = w.dim() == 3
         w3 = w if batched else w.unsqueeze(0)
         kernel = self._use_kernel(w3)

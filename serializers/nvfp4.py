@@ -305,8 +305,9 @@ class NVFP4(Serializer):
         one fp32 copy (``+ 0.0``, so -0.0 becomes +0.0 and the sign bit means ``x < 0``), |x|,
         block maxima, ``|x| * os`` in place (``|x * os| == |x| * os`` for ``os >= 0``), the
         E2M1 code by integer RNE on the fp32 bits (:func:`e2m1_magnitude_from_bits`; a chunk
-        with a NaN block, reachable only with ``nonfinite="propagate"``, takes the reference's
-        comparisons instead), the sign from bit 31, and two codes per byte packed from the
+        where some block's multiplier ``os`` is NaN - a NaN in the block, or a NaN/inf global
+        amax, e.g. from another row band or a fused sibling; reachable only with
+        ``nonfinite="propagate"`` - takes the reference's comparisons instead, which map NaN to 0), the sign from bit 31, and two codes per byte packed from the
         int32 codes read as int64 pairs (element 2i in the low word: ``c | c >> 28``, cast
         to its low byte). Returns block maxima [e, n, K/16]."""
         if context is None or "amax" not in context:
@@ -324,7 +325,7 @@ class NVFP4(Serializer):
         os = torch.where(s == 0, torch.zeros_like(s), (s * dec).reciprocal())
         a.mul_(os)
         codes = scratch.get("codes", f.shape, torch.int32)
-        if self.options.nonfinite == "propagate" and bool(torch.isnan(amax_b).any()):
+        if self.options.nonfinite == "propagate" and bool(torch.isnan(os).any()):
             codes.copy_(e2m1_magnitude(a) | (f < 0).to(torch.uint8) << 3)
         else:
             e2m1_magnitude_from_bits(a, out=codes, tmp=a)

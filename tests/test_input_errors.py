@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import qstrat
 from qstrat import NonFiniteError, PlanError, RefitDriver
 from qstrat.serializers.nvfp4 import NVFP4
 
@@ -141,3 +142,24 @@ def test_a_lazy_handle_must_load_what_it_declared(driver, state, value, got):
     assert str(exc) == (f"{NORM}: load() returned {got}, but the handle declared [256] torch.bfloat16 "
                         "(the plan was made from the declaration)")
     assert NORM not in names
+
+
+@pytest.mark.parametrize("fmt", ["block_fp8", "mxfp8", "nvfp4"])
+def test_direct_quantize_refuses_other_dtypes_and_a_nonfinite_context(fmt):
+    """Serializer.quantize called directly (not through a plan): a float64 value beyond the fp32
+    range used to become inf scales silently, an int32 weight was accepted, and a hand-made NVFP4
+    context with a NaN amax was encoded under nonfinite='error' (adversarial run)."""
+    ser = qstrat.get_serializer(fmt)
+    w = torch.ones(4, 32, dtype=torch.float64)
+    w[1, 3] = 1e39
+    with pytest.raises(qstrat.UnsupportedShapeError) as info:
+        ser.quantize(w, name="layers.0.w")
+    assert str(info.value) == f"layers.0.w: {fmt} quantizes bfloat16, float16 or float32 weights, got float64 (cast it to float32)"
+    with pytest.raises(qstrat.UnsupportedShapeError, match="got int32$"):
+        ser.quantize(torch.ones(4, 32, dtype=torch.int32), name="layers.0.w")
+    if fmt == "nvfp4":
+        with pytest.raises(NonFiniteError, match=r"^layers\.0\.w: the fusion-group context's amax is not finite"):
+            ser.quantize(torch.ones(4, 32), name="layers.0.w", context={"amax": torch.tensor(float("nan"))})
+        got = qstrat.get_serializer(fmt, nonfinite="propagate").quantize(
+            torch.ones(4, 32), context={"amax": torch.tensor(float("nan"))})
+        assert got["weight_scale_2"].isnan()
