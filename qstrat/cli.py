@@ -114,6 +114,10 @@ def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
         raise ConfigError(f"{cfg_path}: not a JSON text file ({exc.reason} at byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{cfg_path}: invalid JSON: {exc}") from exc
+    except RecursionError:
+        from qstrat.config_files import NESTED_TOO_DEEPLY
+
+        raise ConfigError(f"{cfg_path}: invalid JSON: {NESTED_TOO_DEEPLY}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(hf).__name__}")
     return cfg_path, hf

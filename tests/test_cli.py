@@ -208,7 +208,32 @@ def _case_unknown_preset(tmp, src):
     return ["plan", src, "--preset", "nope"], "preset: unknown strategy 'nope'; valid: bf16, block-fp8"
 
 
+TOO_DEEP = "lists or mappings nested too deeply for the parser (it reached Python's recursion limit)"
+
+
+def _case_config_nested_too_deeply(tmp, src):
+    (tmp / "deep.yaml").write_text("rules: " + "[" * 100_000 + "]" * 100_000)
+    return ["quantize", src, "--config", tmp / "deep.yaml", "-o", tmp / "out"], \
+        f"error: {tmp / 'deep.yaml'}: cannot parse: {TOO_DEEP}; a refit config nests only a few levels\n"
+
+
+def _case_model_config_nested_too_deeply(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    return ["plan", tmp / "m", "--preset", "bf16"], f"error: {tmp / 'm' / 'config.json'}: invalid JSON: {TOO_DEEP}\n"
+
+
+def _case_index_nested_too_deeply(tmp, src):
+    (tmp / "m").mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (tmp / "m" / f).write_bytes((src / f).read_bytes())
+    index = tmp / "m" / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    return ["plan", tmp / "m", "--preset", "bf16"], f"error: {index}: not a readable index: {TOO_DEEP}\n"
+
+
 @pytest.mark.parametrize("case", [
+    _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
     _case_config_is_a_directory, _case_binary_config, _case_model_is_a_safetensors_file,
     _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,
     _case_quantize_config_only, _case_unsupported_dtype, _case_no_tensors, _case_out_is_a_file,
@@ -223,9 +248,12 @@ def test_bad_inputs_are_user_errors_not_tracebacks(case, tmp_path, bf16_dir):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ")
     assert message in proc.stderr, proc.stderr
+    if message.startswith("error: "):  # the whole of stderr
+        assert proc.stderr == message
     assert sorted(p.name for p in bf16_dir.iterdir()) == before  # the source is never touched
     if (tmp_path / "afile").exists():
         assert (tmp_path / "afile").read_text() == "keep me"
+    assert not (tmp_path / "out").exists()  # nothing is written
 
 
 def test_quantize_device_cuda_without_a_gpu_is_a_user_error(bf16_dir, tmp_path):
