@@ -447,6 +447,26 @@ def test_input_scale_option():
         NVFP4(group_size=32)
 
 
+@pytest.mark.parametrize("bad,got", [
+    (float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "-inf"), (0.0, "0.0"), (-1.0, "-1.0"),
+    (3.1e38, "3.1e+38"), (2.0**-127, "5.877471754111438e-39"), (1e-45, "1e-45"), (0, "0.0"),
+])
+def test_an_invalid_input_scale_is_named_with_its_value_and_range(bad, got):
+    """Refused: NaN, +-inf, <= 0, > 3e38, fp32 subnormals; the message gives the range readably
+    (not pydantic's bounds as 39-digit numbers) and the value given."""
+    from qstrat import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config({"rules": [{"select": "experts", "serializer": "nvfp4", "options": {"input_scale": bad}}]})
+    assert str(info.value) == ("rules[0].options.input_scale: must be a positive normal fp32 value "
+                               f"(2^-126 = 1.18e-38 .. 3.0e38), got {got}")
+
+
+def test_input_scale_bounds_are_accepted():
+    for ok in (2.0**-126, 3.0e38, 1, 0.25):
+        assert NVFP4(input_scale=ok).options.input_scale == ok
+
+
 def test_vllm_config_parser_accepts_our_config():
     mo = pytest.importorskip("vllm.model_executor.layers.quantization.modelopt")
     ignored = ["lm_head", "model.layers.0.mlp.gate"]
