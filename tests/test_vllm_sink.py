@@ -65,7 +65,7 @@ def test_nan_is_found_before_anything_is_sent(tiny_model, driver):
     bad[5, 9] = float("inf")
     state["model.layers.3.self_attn.o_proj.weight"] = bad
     llm = RecordingLLM(driver.plan(state).vllm_quantization_config())
-    with pytest.raises(NonFiniteError, match=r"layers\.3\.self_attn\.o_proj\.weight: .*\[0, 5, 9\]"):
+    with pytest.raises(NonFiniteError, match=r"layers\.3\.self_attn\.o_proj\.weight: non-finite value inf at index \[5, 9\] \(row, col\);"):
         qstrat.vllm.refit(llm, driver, state, stream=True)
     assert llm.calls == []
 
