@@ -31,18 +31,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qstrat", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+#: ``qstrat --help`` text (plain: argparse prints it as is).
+DESCRIPTION = ("Quantize BF16 weights into the checkpoint tensors a vLLM engine loads (block FP8, MXFP8, "
+               "NVFP4, BF16): plan which tensor gets which format, write a quantized checkpoint, or run "
+               "the demo refit.")
+EPILOG = "Run 'qstrat COMMAND --help' for a command's options."
 
-    demo = sub.add_parser("demo", help="plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
+
+def _subcommand(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line help in ``qstrat --help`` is also its ``--help`` description."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qstrat", description=DESCRIPTION, epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = _subcommand(sub, "demo", "plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
     _strategy_args(demo, required=False)
     demo.add_argument("--out", type=Path, help="directory for the checkpoints (default: temporary)")
     demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine stage")
     demo.set_defaults(func=_cmd_demo)
 
-    plan = sub.add_parser("plan", help="show every tensor's decision (reads config.json and "
-                                       "safetensors headers only; no weights)")
+    plan = _subcommand(sub, "plan", "show every tensor's decision (reads config.json and safetensors "
+                                    "headers only; no weights)")
     plan.add_argument("model", type=Path, help="model directory (config.json [+ *.safetensors])")
     _strategy_args(plan, required=True)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -52,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                            "per-expert names (an error for a directory with *.safetensors)")
     plan.set_defaults(func=_cmd_plan)
 
-    quant = sub.add_parser("quantize", help="quantize a safetensors checkpoint into OUT")
+    quant = _subcommand(sub, "quantize", "quantize a safetensors checkpoint into OUT")
     quant.add_argument("model", type=Path, help="model directory (config.json + *.safetensors)")
     _strategy_args(quant, required=True)
     quant.add_argument("-o", "--out", type=Path, required=True, help="output checkpoint directory")
@@ -65,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                             "when a CUDA device is visible, else cpu")
     quant.set_defaults(func=_cmd_quantize)
 
-    bench = sub.add_parser("bench", help="measure qstrat's CPU paths against vLLM, torchao, a copy "
-                                         "and a per-expert loop (ratios; docs/performance.md)")
+    bench = _subcommand(sub, "bench", "measure qstrat's CPU paths against vLLM, torchao, a copy and a "
+                                      "per-expert loop (ratios; docs/performance.md)")
     bench.add_argument("--quick", action="store_true", help="reduced sizes (seconds; what CI runs)")
     bench.add_argument("--only", default=",".join(SECTIONS),
                        help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
@@ -76,15 +88,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="also write the measurements to this JSON file")
     bench.set_defaults(func=_cmd_bench)
 
-    lst = sub.add_parser("list", help="every registered plugin and where it came from")
+    lst = _subcommand(sub, "list", "list every registered plugin and where it came from")
     lst.set_defaults(func=_cmd_list)
     return p
 
 
 def _strategy_args(p: argparse.ArgumentParser, required: bool) -> None:
     g = p.add_mutually_exclusive_group(required=required)
-    g.add_argument("--config", type=Path, help="refit config (.yaml, .toml, .json)")
-    g.add_argument("--preset", help="a registered strategy preset (see `qstrat list`)")
+    g.add_argument("-c", "--config", type=Path, help="refit config file (.yaml, .toml, .json)")
+    g.add_argument("--preset", help="a registered strategy preset (run 'qstrat list' to see them)")
 
 
 def _config_source(args: argparse.Namespace, default: str | None = None) -> Any:

@@ -213,7 +213,7 @@ TOO_DEEP = "lists or mappings nested too deeply for the parser (it reached Pytho
 
 def _case_config_nested_too_deeply(tmp, src):
     (tmp / "deep.yaml").write_text("rules: " + "[" * 100_000 + "]" * 100_000)
-    return ["quantize", src, "--config", tmp / "deep.yaml", "-o", tmp / "out"], \
+    return ["quantize", src, "-c", tmp / "deep.yaml", "-o", tmp / "out"], \
         f"error: {tmp / 'deep.yaml'}: cannot parse: {TOO_DEEP}; a refit config nests only a few levels\n"
 
 
@@ -301,3 +301,21 @@ def test_quantize_a_file_is_not_a_model_directory(bf16_dir):
     proc = run("quantize", bf16_dir / "config.json", "--preset", "bf16", "-o", "/nonexistent/out", ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"error: {bf16_dir / 'config.json'}: not a model directory (config.json + *.safetensors)" in proc.stderr
+
+
+@pytest.mark.parametrize("command,description", [
+    ([], "Quantize BF16 weights into the checkpoint tensors a vLLM engine loads (block FP8, MXFP8, NVFP4, "
+         "BF16): plan which tensor gets which format, write a quantized checkpoint, or run the demo refit."),
+    (["demo"], "Plan, quantize, verify and refit the built-in tiny Qwen3-MoE."),
+    (["plan"], "Show every tensor's decision (reads config.json and safetensors headers only; no weights)."),
+    (["quantize"], "Quantize a safetensors checkpoint into OUT."),
+    (["bench"], "Measure qstrat's CPU paths against vLLM, torchao, a copy and a per-expert loop (ratios; "
+                "docs/performance.md)."),
+    (["list"], "List every registered plugin and where it came from."),
+])
+def test_help_is_plain_text_with_a_description(command, description):
+    """--help shows what the command does in plain words: no reStructuredText/markdown markup
+    (the top-level help was the module docstring, ``qstrat demo | plan | quantize | list``)."""
+    out = run(*command, "--help").stdout
+    assert "`" not in out and "::" not in out
+    assert f"\n\n{description}\n\n" in out
