@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qstrat.console import make_console
-from qstrat.errors import ConfigError, QstratError
+from qstrat.errors import ConfigError, ConfigOnlyUnsupportedError, QstratError
 
 #: ``qstrat bench`` sections (kept here so ``--help`` does not import torch).
 SECTIONS = ("formats", "grouped", "plan", "driver")
@@ -169,6 +170,8 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
     except KeyError as exc:
         raise ConfigError(f"{cfg_path}: missing key {exc.args[0]!r}, needed to plan the model from its "
                           "config alone (no *.safetensors in the directory)") from exc
+    except ConfigOnlyUnsupportedError as exc:  # a structure the skeleton does not generate
+        raise ConfigOnlyUnsupportedError(f"{cfg_path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
     return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
@@ -198,6 +201,13 @@ def _print_summary(console: Console, plan: Any) -> None:
         table.add_row(name, str(t["tensors"]), str(t["outputs"]), f"{t['bytes_in'] / 2**30:.3f}",
                       f"{t['bytes_out'] / 2**30:.3f}")
     console.print(table)
+    if plan.layout == "generic":
+        why = ("chosen by the refit config" if plan.config.get("layout") == "generic" else
+               "config.json's architectures/model_type match no registered model family")
+        kinds = collections.Counter(e.kind for e in plan.entries)
+        console.print(f"layout generic ({why}): no family-specific names were recognised; tensors by kind: "
+                      + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+                      + " (set 'layout:' in the refit config to choose a family: 'qstrat list')", markup=False)
     qc = plan.vllm_quantization_config()
     if qc is not None:
         shown = {k: (v if not isinstance(v, list) or len(v) <= 6 else v[:6] + [f"... {len(v)} in all"])

@@ -63,6 +63,7 @@ def test_plan_lists_every_tensor_and_summary(tmp_path):
     row = next(ln for ln in lines if ln.startswith("model.layers.93.mlp.experts.0.up_proj.weight "))
     assert "bf16" in row and "keep_bf16.last" in row
     assert '"quant_algo": "MXFP8"' in out
+    assert "layout generic" not in out  # a recognised family: no generic-layout notice
 
 
 def test_quantize_a_checkpoint_and_plan_it_back(tiny_model, tmp_path):
@@ -319,3 +320,47 @@ def test_help_is_plain_text_with_a_description(command, description):
     out = run(*command, "--help").stdout
     assert "`" not in out and "::" not in out
     assert f"\n\n{description}\n\n" in out
+
+
+def _unknown_family(directory, config_only=False):
+    """A Llama-shaped model whose config.json names an architecture no layout registers."""
+    directory.mkdir()
+    hf = {"architectures": ["FooForCausalLM"], "model_type": "foo", "num_hidden_layers": 2, "hidden_size": 128,
+          "intermediate_size": 256, "vocab_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (directory / "config.json").write_text(json.dumps(hf))
+    if not config_only:
+        from safetensors.torch import save_file
+
+        t = {f"model.layers.{i}.self_attn.{p}.weight": torch.zeros(128, 128, dtype=torch.bfloat16)
+             for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        t |= {f"model.layers.{i}.input_layernorm.weight": torch.zeros(128, dtype=torch.bfloat16) for i in range(2)}
+        t |= {n: torch.zeros(100, 128, dtype=torch.bfloat16) for n in ("model.embed_tokens.weight", "lm_head.weight")}
+        save_file(t, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_plan_with_the_generic_layout_says_so_with_counts(tmp_path):
+    """The summary of a model no layout recognises names the generic layout and counts the
+    tensors by kind (it used to show only the table, as if a family had been recognised)."""
+    model = _unknown_family(tmp_path / "foo")
+    lines = run("plan", model, "--preset", "block-fp8", "--summary").stdout.splitlines()
+    assert lines[0] == "plan: layout generic, 2 decoder layers"
+    assert ("layout generic (config.json's architectures/model_type match no registered model family): no "
+            "family-specific names were recognised; tensors by kind: attention 8, embedding 1, lm_head 1, norm 2 "
+            "(set 'layout:' in the refit config to choose a family: 'qstrat list')") in lines
+
+
+def test_config_only_planning_refuses_the_generic_layout(tmp_path):
+    """An unknown family's tensors cannot be derived from config.json alone: a clear refusal (it was
+    'invalid value, cannot derive the tensor shapes: too many values to unpack (expected 3)')."""
+    model = _unknown_family(tmp_path / "foo", config_only=True)
+    proc = run("plan", model, "--preset", "block-fp8", ok=False)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"error: {model / 'config.json'}: layout 'generic': config-only planning does not generate the tensors "
+        "of a model family no registered layout matches (set 'layout:' in the refit config if it is one that "
+        "'qstrat list' shows); plan the trainer's state_dict() instead (a copy on the meta device is enough: "
+        "transformers' class built under torch.device('meta'))\n")
+    cfg = tmp_path / "llama.yaml"
+    cfg.write_text("preset: block-fp8\nlayout: llama\n")
+    assert "plan: layout llama, 2 decoder layers" in run("plan", model, "-c", cfg, "--summary").stdout
