@@ -151,7 +151,7 @@ def _case_truncated_safetensors(tmp, src):
 
 def _case_config_only_missing_key(tmp, src):
     (tmp / "m").mkdir()
-    (tmp / "m" / "config.json").write_text("{}")
+    (tmp / "m" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     return ["plan", tmp / "m", "--preset", "bf16"], \
         f"{tmp / 'm' / 'config.json'}: missing key 'hidden_size', needed to plan the model from its config alone"
 
