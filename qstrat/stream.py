@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import PlanError
+from qstrat.errors import NonFiniteError, PlanError
 from qstrat.inputs import check_new_name, materialize
 from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan
 from qstrat.serializers.base import Serializer, check_finite, dtype_name
@@ -199,18 +199,20 @@ class _Run:
         with torch.no_grad():
             ws = [self.src.get(self.plan.entries[j].name) for j in batch]
             ctxs = [self._context(j, ser) for j in batch]
-            if not self.values_checked:
-                for j, w in zip(batch, ws):
-                    if self.plan.entries[j].name not in self.checked:
-                        ser.check_values(w, self.plan.entries[j].name)
-            if len(batch) == 1:
-                parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=True)
+            checked = self.values_checked or all(self.plan.entries[j].name in self.checked for j in batch)
+            if len(batch) == 1:  # quantize checks NaN/inf itself (the fast path: from its block maxima)
+                parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=checked)
                 result = {i: parts}
             else:
                 stacked = self._stack(ws)
                 ctx = None if ctxs[0] is None else {k: torch.stack([c[k] for c in ctxs]) for k in ctxs[0]}
                 name = f"{e.name} (with {len(batch) - 1} more experts)"
-                parts = ser.quantize(stacked, name=name, context=ctx, values_checked=True)
+                try:
+                    parts = ser.quantize(stacked, name=name, context=ctx, values_checked=checked)
+                except NonFiniteError:  # name the expert's own tensor, not the stacked batch
+                    for j, w in zip(batch, ws):
+                        ser.check_values(w, self.plan.entries[j].name)
+                    raise
                 parts = _unalias(parts, stacked)
                 result = {j: {k: v[b] for k, v in parts.items()} for b, j in enumerate(batch)}
         self._finish(batch)

@@ -10,7 +10,9 @@ the plugin registry, so new formats join automatically):
    Python loop, qstrat's torch reference, and vLLM's quantizer where importable; each is
    checked byte for byte against the torch reference and timed (CUDA events, median of reps).
    Bytes moved = bf16 read + values written + scales written (the declared parts);
-4. prints one table (rich) and the issue-14 targets per format (one launch >= 85% of the copy
+4. compares Triton's native fp32 -> e4m3 cast with the kernels' integer encoder on every fp32
+   bit pattern (:func:`native_fp8_proof`: the proof needed before the GPU path may switch);
+5. prints one table (rich) and the issue-14 targets per format (one launch >= 85% of the copy
    bandwidth on the largest slab; >= 5x a per-expert launch loop on the small-expert slab), and
    writes JSON (default out/gpu_check.json; ``targets`` holds the same figures).
 

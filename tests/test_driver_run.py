@@ -95,6 +95,25 @@ def test_nan_names_the_tensor_and_writes_nothing(tiny_model, tiny_hf_config, tmp
     assert not list(tmp_path.iterdir())  # no temporary directory left behind either
 
 
+@pytest.mark.parametrize("preset", ["block-fp8", "nvfp4-experts"])
+def test_nan_in_a_batched_per_expert_tensor_names_that_expert(tiny_model, tiny_hf_config, preset):
+    """Per-expert inputs are quantized in stacked batches; the NaN check runs inside that one
+    call (no separate read pass) and the error still names the expert's own tensor and index."""
+    state = per_expert_view(dict(tiny_model.state_dict()))
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    bad = state[name].clone()
+    bad[17, 3] = float("nan")
+    state[name] = bad
+    driver = RefitDriver(preset, hf_config=tiny_hf_config)
+    emitted = []
+    with pytest.raises(NonFiniteError) as info:
+        for out_name, _ in driver.run(state):
+            emitted.append(out_name)
+    assert str(info.value) == (f"{name}: non-finite value nan at index [17, 3] (row, col); "
+                               "set nonfinite='propagate' to encode it anyway")
+    assert not any(n.startswith("model.layers.1.mlp.experts.") and ".down_proj." in n for n in emitted)
+
+
 def test_plan_errors_before_any_output(tiny_model, tiny_hf_config):
     state = dict(tiny_model.state_dict())
     state["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(128, 256)

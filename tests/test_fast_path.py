@@ -8,6 +8,7 @@ import torch
 from kernel_harness import assert_same_bytes
 
 import qstrat
+from qstrat.serializers.base import all_finite
 from qstrat.serializers.chunking import block_max, chunks
 
 FORMATS = {
@@ -129,6 +130,20 @@ def test_block_max_equals_amax_with_nan_and_inf():
         assert got.shape == want.shape
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     assert block_max(a.view(6, 4, 4, 16))[2, 1, 0].isnan() and block_max(a.view(6, 4, 4, 16))[3, 2, 2] == float("inf")
+
+
+def test_all_finite_screen_catches_every_nan_and_inf():
+    """check_finite's one-reduction screen (aminmax): any NaN (either sign) or +-inf anywhere,
+    in contiguous and strided views, every float dtype; finite tensors pass."""
+    g = torch.Generator().manual_seed(21)
+    specials = (float("nan"), -float("nan"), float("inf"), -float("inf"))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert all_finite(torch.randn(3, 37, 129, generator=g).to(dtype))
+        assert all_finite(torch.empty(0, 5, dtype=dtype))
+        for i in range(64):
+            w = torch.randn(3, 37, 129, generator=g).to(dtype)
+            w.view(-1)[int(torch.randint(0, w.numel(), (1,), generator=g))] = specials[i % 4]
+            assert not all_finite(w) and not all_finite(w.transpose(1, 2)), (dtype, i)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
