@@ -41,7 +41,7 @@ def e8m0_from_amax(amax: torch.Tensor, rounding: str = "rceil") -> torch.Tensor:
     gives exactly ``127 + k``. FLOOR (OCP MX spec v1.0, section 6.3): ``floor(log2 amax) - 8 + 127``
     = ``b - 8``. Zero and fp32-subnormal amax give byte 0; NaN amax gives 255; +inf amax gives
     254 under both rules: ``ceil(log2 inf)`` clamped to 254, as vLLM's
-    ``_mxfp8_e4m3_quantize_torch`` gives (tests/test_reference_vs_vllm.py) and as a saturating
+    ``_mxfp8_e4m3_quantize_torch`` gives (tests/test_mxfp8.py) and as a saturating
     (``.satfinite``) GPU ue8m0 conversion does; the exponent-field formula alone gives 247.
 
     Args:
