@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qstrat.console import make_console
-from qstrat.errors import ConfigError, QstratError
+from qstrat.errors import ConfigError, ConfigOnlyUnsupportedError, QstratError
 
 #: ``qstrat bench`` sections (kept here so ``--help`` does not import torch).
 SECTIONS = ("formats", "grouped", "plan", "driver")
@@ -32,18 +33,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qstrat", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+#: ``qstrat --help`` text (plain: argparse prints it as is).
+DESCRIPTION = ("Quantize BF16 weights into the checkpoint tensors a vLLM engine loads (block FP8, MXFP8, "
+               "NVFP4, BF16): plan which tensor gets which format, write a quantized checkpoint, or run "
+               "the demo refit.")
+EPILOG = "Run 'qstrat COMMAND --help' for a command's options."
 
-    demo = sub.add_parser("demo", help="plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
+
+def _subcommand(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line help in ``qstrat --help`` is also its ``--help`` description."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qstrat", description=DESCRIPTION, epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = _subcommand(sub, "demo", "plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
     _strategy_args(demo, required=False)
     demo.add_argument("--out", type=Path, help="directory for the checkpoints (default: temporary)")
     demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine stage")
     demo.set_defaults(func=_cmd_demo)
 
-    plan = sub.add_parser("plan", help="show every tensor's decision (reads config.json and "
-                                       "safetensors headers only; no weights)")
+    plan = _subcommand(sub, "plan", "show every tensor's decision (reads config.json and safetensors "
+                                    "headers only; no weights)")
     plan.add_argument("model", type=Path, help="model directory (config.json [+ *.safetensors])")
     _strategy_args(plan, required=True)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -53,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                            "per-expert names (an error for a directory with *.safetensors)")
     plan.set_defaults(func=_cmd_plan)
 
-    quant = sub.add_parser("quantize", help="quantize a safetensors checkpoint into OUT")
+    quant = _subcommand(sub, "quantize", "quantize a safetensors checkpoint into OUT")
     quant.add_argument("model", type=Path, help="model directory (config.json + *.safetensors)")
     _strategy_args(quant, required=True)
     quant.add_argument("-o", "--out", type=Path, required=True, help="output checkpoint directory")
@@ -66,8 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                             "when a CUDA device is visible, else cpu")
     quant.set_defaults(func=_cmd_quantize)
 
-    bench = sub.add_parser("bench", help="measure qstrat's CPU paths against vLLM, torchao, a copy "
-                                         "and a per-expert loop (ratios; docs/performance.md)")
+    bench = _subcommand(sub, "bench", "measure qstrat's CPU paths against vLLM, torchao, a copy and a "
+                                      "per-expert loop (ratios; docs/performance.md)")
     bench.add_argument("--quick", action="store_true", help="reduced sizes (seconds; what CI runs)")
     bench.add_argument("--only", default=",".join(SECTIONS),
                        help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
@@ -77,15 +90,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="also write the measurements to this JSON file")
     bench.set_defaults(func=_cmd_bench)
 
-    lst = sub.add_parser("list", help="every registered plugin and where it came from")
+    lst = _subcommand(sub, "list", "list every registered plugin and where it came from")
     lst.set_defaults(func=_cmd_list)
     return p
 
 
 def _strategy_args(p: argparse.ArgumentParser, required: bool) -> None:
     g = p.add_mutually_exclusive_group(required=required)
-    g.add_argument("--config", type=Path, help="refit config (.yaml, .toml, .json)")
-    g.add_argument("--preset", help="a registered strategy preset (see `qstrat list`)")
+    g.add_argument("-c", "--config", type=Path, help="refit config file (.yaml, .toml, .json)")
+    g.add_argument("--preset", help="a registered strategy preset (run 'qstrat list' to see them)")
 
 
 def _config_source(args: argparse.Namespace, default: str | None = None) -> Any:
@@ -115,6 +128,10 @@ def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
         raise ConfigError(f"{cfg_path}: not a JSON text file ({exc.reason} at byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{cfg_path}: invalid JSON: {exc}") from exc
+    except RecursionError:
+        from qstrat.config_files import NESTED_TOO_DEEPLY
+
+        raise ConfigError(f"{cfg_path}: invalid JSON: {NESTED_TOO_DEEPLY}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(hf).__name__}")
     return cfg_path, hf
@@ -154,6 +171,8 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
     except KeyError as exc:
         raise ConfigError(f"{cfg_path}: missing key {exc.args[0]!r}, needed to plan the model from its "
                           "config alone (no *.safetensors in the directory)") from exc
+    except ConfigOnlyUnsupportedError as exc:  # a structure the skeleton does not generate
+        raise ConfigOnlyUnsupportedError(f"{cfg_path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
     return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
@@ -183,6 +202,13 @@ def _print_summary(console: Console, plan: Any) -> None:
         table.add_row(name, str(t["tensors"]), str(t["outputs"]), f"{t['bytes_in'] / 2**30:.3f}",
                       f"{t['bytes_out'] / 2**30:.3f}")
     console.print(table)
+    if plan.layout == "generic":
+        why = ("chosen by the refit config" if plan.config.get("layout") == "generic" else
+               "config.json's architectures/model_type match no registered model family")
+        kinds = collections.Counter(e.kind for e in plan.entries)
+        console.print(f"layout generic ({why}): no family-specific names were recognised; tensors by kind: "
+                      + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+                      + " (set 'layout:' in the refit config to choose a family: 'qstrat list')", markup=False)
     qc = plan.vllm_quantization_config()
     if qc is not None:
         shown = {k: (v if not isinstance(v, list) or len(v) <= 6 else v[:6] + [f"... {len(v)} in all"])

@@ -420,20 +420,29 @@ def all_finite(w: torch.Tensor) -> bool:
 
 
 def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:
-    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3`` [E, N, K].
+    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3``.
 
     Screens the whole tensor with :func:`all_finite`; only a tensor that holds a NaN/inf is read
-    again, in chunks of ``expert_chunk`` experts, to name the first bad index."""
+    again, in chunks of ``expert_chunk`` experts, to name the first bad index.
+
+    ``w3``: [E, N, K], index printed ``[e, r, c] (expert, row, col)``; [N, K] or [1, N, K] (how a
+    2-D weight reaches here from :meth:`Serializer.quantize`, ``w.unsqueeze(0)``; so a one-expert
+    slab reads as its matrix too): ``[r, c] (row, col)``; [K] or []: ``[i]``.
+    """
     if all_finite(w3):
         return
+    rank = max(w3.dim(), 1) if w3.dim() < 3 else 3 if w3.shape[0] > 1 else 2
+    w3 = w3.reshape((1,) * (3 - w3.dim()) + tuple(w3.shape)) if w3.dim() < 3 else w3
     for e0 in range(0, w3.shape[0], expert_chunk):
         chunk = w3[e0 : e0 + expert_chunk]
         bad = ~torch.isfinite(chunk)
         if bool(bad.any()):
             e, r, c = (int(i) for i in bad.nonzero()[0])
             value = float(chunk[e, r, c])
+            index = ", ".join(str(i) for i in (e0 + e, r, c)[3 - rank:])
+            labels = {1: "", 2: " (row, col)", 3: " (expert, row, col)"}[rank]
             raise NonFiniteError(
-                f"{name}: non-finite value {value} at index [{e0 + e}, {r}, {c}] (expert, row, col); "
+                f"{name}: non-finite value {value} at index [{index}]{labels}; "
                 "set nonfinite='propagate' to encode it anyway"
             )
 

@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.base import Context, PartSpec, Serializer, SerializerOptions, check_finite
@@ -82,8 +83,6 @@ class NVFP4Options(SerializerOptions):
 
     input_scale: float = Field(
         1.0,
-        ge=2.0**-126,
-        le=3.0e38,
         description=(
             "Stored input_scale (activation decode scale, amax_act/2688 when calibrated). vLLM "
             "W4A4 quantizes activations with global encode 1/input_scale and per-16-block dynamic "
@@ -92,6 +91,18 @@ class NVFP4Options(SerializerOptions):
             "vLLM itself fills when it switches NVFP4 MoE activations to per-token dynamic."
         ),
     )
+
+    @field_validator("input_scale")
+    @classmethod
+    def _positive_normal_fp32(cls, v: float) -> float:
+        """2^-126 (the least normal fp32) .. 3.0e38; NaN, +-inf, 0, negatives and subnormals are
+        refused with the value given (not pydantic's bounds printed in 39 digits)."""
+        if not 2.0**-126 <= v <= 3.0e38:  # NaN fails both comparisons
+            raise PydanticCustomError(
+                "input_scale_range",
+                "must be a positive normal fp32 value (2^-126 = 1.18e-38 .. 3.0e38), got {got}",
+                {"got": repr(v)})
+        return v
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:

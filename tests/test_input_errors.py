@@ -107,7 +107,7 @@ def test_nvfp4_fusion_group_nan_names_the_member_tensor(state, tiny_hf_config):
     bad[1, 2] = float("inf")
     names, exc = emitted_before_error(driver, {**state, v: bad})
     assert isinstance(exc, NonFiniteError)
-    assert str(exc) == (f"{v}: non-finite value inf at index [0, 1, 2] (expert, row, col); "
+    assert str(exc) == (f"{v}: non-finite value inf at index [1, 2] (row, col); "
                         "set nonfinite='propagate' to encode it anyway")
     assert not any(n.startswith("model.layers.0.self_attn.") and "_proj." in n for n in names)
 
@@ -117,7 +117,8 @@ def test_group_context_names_members_when_given_names():
     up[3, 4] = float("nan")
     with pytest.raises(NonFiniteError) as info:
         NVFP4().group_context([gate, up], names=["experts.0.gate_proj.weight", "experts.0.up_proj.weight"])
-    assert str(info.value).startswith("experts.0.up_proj.weight: non-finite value nan at index [0, 3, 4]")
+    assert str(info.value) == ("experts.0.up_proj.weight: non-finite value nan at index [3, 4] (row, col); "
+                               "set nonfinite='propagate' to encode it anyway")
 
 
 class Handle:
@@ -163,3 +164,22 @@ def test_direct_quantize_refuses_other_dtypes_and_a_nonfinite_context(fmt):
         got = qstrat.get_serializer(fmt, nonfinite="propagate").quantize(
             torch.ones(4, 32), context={"amax": torch.tensor(float("nan"))})
         assert got["weight_scale_2"].isnan()
+
+
+@pytest.mark.parametrize("fmt", ["block_fp8", "mxfp8", "nvfp4", "bf16"])
+@pytest.mark.parametrize("backend", ["torch", "fast"])
+def test_nonfinite_index_has_the_weights_rank(fmt, backend):
+    """[row, col] for a matrix, [expert, row, col] for a slab, on every format and torch path."""
+    ser = qstrat.get_serializer(fmt, backend=backend)
+    w = torch.randn(4, 128)
+    w[3, 70] = float("nan")
+    with pytest.raises(NonFiniteError) as info:
+        ser.quantize(w, name="layers.0.q_proj.weight")
+    assert str(info.value) == ("layers.0.q_proj.weight: non-finite value nan at index [3, 70] (row, col); "
+                               "set nonfinite='propagate' to encode it anyway")
+    w3 = torch.randn(3, 4, 128, dtype=torch.bfloat16)
+    w3[2, 1, 100] = float("-inf")
+    with pytest.raises(NonFiniteError) as info:
+        ser.quantize(w3, name="experts.down_proj")
+    assert str(info.value) == ("experts.down_proj: non-finite value -inf at index [2, 1, 100] (expert, row, col); "
+                               "set nonfinite='propagate' to encode it anyway")
