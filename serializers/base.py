@@ -218,13 +218,13 @@ class Serializer(ABC):
         kernel = self._use_kernel(w3)
         fast = not kernel and self._use_fast()
         if not values_checked and not fast:  # the fast path checks its block maxima instead
-            self.check_values(w3, name)
+            self.check_values(w, name)
         ctx = context
         if ctx is None:
             try:
                 ctx = self.group_context([w3])
             except NonFiniteError:
-                self.check_values(w3, name)  # the same error, naming this tensor
+                self.check_values(w, name)  # the same error, naming this tensor
                 raise
         if ctx is not None:
             ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}
@@ -232,7 +232,7 @@ class Serializer(ABC):
             parts = type(self).resolve_kernel()(self, w3, ctx)
         elif fast:
             check = None if values_checked or self.options.nonfinite != "error" else name
-            parts = self._fast_chunked(w3, ctx, self.part_specs(w3.shape), check)
+            parts = self._fast_chunked(w3, ctx, self.part_specs(w3.shape), check, source=w)
         else:
             parts = self._reference_chunked(w3, ctx, self.part_specs(w3.shape))
         if not batched:
@@ -244,8 +244,7 @@ class Serializer(ABC):
         """With ``nonfinite="error"``: raise NonFiniteError naming ``name`` and the first NaN/inf
         index of ``w`` ([N, K] or [E, N, K]); read in expert chunks, no full-size copy."""
         if self.options.nonfinite == "error":
-            w3 = w if w.dim() == 3 else w.unsqueeze(0)
-            check_finite(w3, name, self._expert_chunk(w3))
+            check_finite(w, name, self._expert_chunk(w if w.dim() == 3 else w.unsqueeze(0)))
 
     def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
                     scratch: Scratch) -> torch.Tensor:
@@ -357,10 +356,12 @@ class Serializer(ABC):
         return out
 
     def _fast_chunked(
-        self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...], check: str | None
+        self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...], check: str | None,
+        source: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Run :meth:`encode_into` over cache-sized chunks, reusing one scratch. ``check``: the
-        tensor's name when non-finite values must raise (found from the block maxima)."""
+        tensor's name when non-finite values must raise (found from the block maxima);
+        ``source``: the weight in its own rank, for the index in that error (default ``w3``)."""
         out, views = self._chunk_views(w3, ctx, specs)
         workers = torch.get_num_threads()
         if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
@@ -376,7 +377,8 @@ class Serializer(ABC):
 
             finite = all(list(chunk_pool(workers).map(task, views)))
         if not finite:
-            check_finite(w3, check, self._expert_chunk(w3))  # names the first bad index
+            check_finite(w3 if source is None else source, check, self._expert_chunk(w3))  # names the index
+            raise NonFiniteError(f"{check}: its values overflow float32 (non-finite block maxima)")
         return out
 
     def _encode_chunk(self, view: tuple, scratch: Scratch, check: str | None) -> bool:
@@ -420,18 +422,17 @@ def all_finite(w: torch.Tensor) -> bool:
 
 
 def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:
-    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3``.
+    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3`` (rank 0 to 3).
 
     Screens the whole tensor with :func:`all_finite`; only a tensor that holds a NaN/inf is read
     again, in chunks of ``expert_chunk`` experts, to name the first bad index.
 
-    ``w3``: [E, N, K], index printed ``[e, r, c] (expert, row, col)``; [N, K] or [1, N, K] (how a
-    2-D weight reaches here from :meth:`Serializer.quantize`, ``w.unsqueeze(0)``; so a one-expert
-    slab reads as its matrix too): ``[r, c] (row, col)``; [K] or []: ``[i]``.
+    The index is printed in the tensor's own rank: [E, N, K] ``[e, r, c] (expert, row, col)``
+    (also for E = 1), [N, K] ``[r, c] (row, col)``, [K] or [] ``[i]``.
     """
     if all_finite(w3):
         return
-    rank = max(w3.dim(), 1) if w3.dim() < 3 else 3 if w3.shape[0] > 1 else 2
+    rank = min(max(w3.dim(), 1), 3)
     w3 = w3.reshape((1,) * (3 - w3.dim()) + tuple(w3.shape)) if w3.dim() < 3 else w3
     for e0 in range(0, w3.shape[0], expert_chunk):
         chunk = w3[e0 : e0 + expert_chunk]

@@ -256,7 +256,7 @@ class NVFP4(Serializer):
         Raises:
             UnsupportedShapeError: no members, mixed ranks or expert counts, K % 16 != 0.
             NonFiniteError: (``nonfinite="error"``) a member holds NaN/inf; names the member
-                and the first bad [expert, row, col].
+                and the first bad index in its own rank.
         """
         if not members:
             raise UnsupportedShapeError("nvfp4: a fusion group needs at least one member")
@@ -275,9 +275,8 @@ class NVFP4(Serializer):
             amax = a if amax is None else torch.maximum(amax, a)
         if self.options.nonfinite == "error" and not bool(torch.isfinite(amax).all()):
             for i, m in enumerate(members):
-                m3 = m if m.dim() == 3 else m.unsqueeze(0)
                 label = names[i] if names is not None else f"fusion group member {i}"
-                check_finite(m3, label, self._expert_chunk(m3))
+                check_finite(m, label, self._expert_chunk(m if m.dim() == 3 else m.unsqueeze(0)))
         return {"amax": amax}
 
     def reference(self, x: torch.Tensor, context: Context | None) -> dict[str, torch.Tensor]:

@@ -183,3 +183,8 @@ def test_nonfinite_index_has_the_weights_rank(fmt, backend):
         ser.quantize(w3, name="experts.down_proj")
     assert str(info.value) == ("experts.down_proj: non-finite value -inf at index [2, 1, 100] (expert, row, col); "
                                "set nonfinite='propagate' to encode it anyway")
+    one = torch.randn(1, 4, 128)  # a one-expert slab keeps its expert index
+    one[0, 2, 5] = float("nan")
+    with pytest.raises(NonFiniteError) as info:
+        ser.quantize(one, name="experts.down_proj")
+    assert str(info.value).startswith("experts.down_proj: non-finite value nan at index [0, 2, 5] (expert, row, col);")
