@@ -94,8 +94,13 @@ def time_interleaved(impls: Mapping[str, Callable[[], Any]], reps: int) -> dict[
 
 
 def _row(section: str, case: str, impl: str, t: Timed, **extra: Any) -> dict[str, Any]:
-    return {"section": section, "case": case, "impl": impl, "ms": round(t.median_ms, 3),
-            "ms_min": round(t.min_ms, 3), "reps": len(t.times), **extra}
+    return {"section": section, "case": case, "impl": impl, "ms": _sig(t.median_ms),
+            "ms_min": _sig(t.min_ms), "reps": len(t.times), **extra}
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (a 2 us copy keeps its precision, unlike round(x, 3))."""
+    return float(f"{x:.{digits}g}")
 
 
 def _same_bytes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:

@@ -181,7 +181,7 @@ def _listed_files(plan_file: Path) -> set[str] | None:
     """The ``checkpoint_files`` of a qstrat_plan.json, or None (absent, unreadable, not ours)."""
     try:
         doc = json.loads(plan_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     files = doc.get(FILES_KEY) if isinstance(doc, dict) else None
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
@@ -461,6 +461,10 @@ def _read_index(path: Path) -> dict[str, str] | None:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise QstratError(f"{path}: not a readable index: {exc}") from exc
+    except RecursionError:
+        from qstrat.config_files import NESTED_TOO_DEEPLY
+
+        raise QstratError(f"{path}: not a readable index: {NESTED_TOO_DEEPLY}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items()):

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qstrat.console import make_console
-from qstrat.errors import ConfigError, QstratError
+from qstrat.errors import ConfigError, ConfigOnlyUnsupportedError, QstratError
 
 #: ``qstrat bench`` sections (kept here so ``--help`` does not import torch).
 SECTIONS = ("formats", "grouped", "plan", "driver")
@@ -31,18 +33,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qstrat", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+#: ``qstrat --help`` text (plain: argparse prints it as is).
+DESCRIPTION = ("Quantize BF16 weights into the checkpoint tensors a vLLM engine loads (block FP8, MXFP8, "
+               "NVFP4, BF16): plan which tensor gets which format, write a quantized checkpoint, or run "
+               "the demo refit.")
+EPILOG = "Run 'qstrat COMMAND --help' for a command's options."
 
-    demo = sub.add_parser("demo", help="plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
+
+def _subcommand(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line help in ``qstrat --help`` is also its ``--help`` description."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qstrat", description=DESCRIPTION, epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = _subcommand(sub, "demo", "plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
     _strategy_args(demo, required=False)
     demo.add_argument("--out", type=Path, help="directory for the checkpoints (default: temporary)")
     demo.add_argument("--no-engine", action="store_true", help="skip the vLLM engine stage")
     demo.set_defaults(func=_cmd_demo)
 
-    plan = sub.add_parser("plan", help="show every tensor's decision (reads config.json and "
-                                       "safetensors headers only; no weights)")
+    plan = _subcommand(sub, "plan", "show every tensor's decision (reads config.json and safetensors "
+                                    "headers only; no weights)")
     plan.add_argument("model", type=Path, help="model directory (config.json [+ *.safetensors])")
     _strategy_args(plan, required=True)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -52,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                            "per-expert names (an error for a directory with *.safetensors)")
     plan.set_defaults(func=_cmd_plan)
 
-    quant = sub.add_parser("quantize", help="quantize a safetensors checkpoint into OUT")
+    quant = _subcommand(sub, "quantize", "quantize a safetensors checkpoint into OUT")
     quant.add_argument("model", type=Path, help="model directory (config.json + *.safetensors)")
     _strategy_args(quant, required=True)
     quant.add_argument("-o", "--out", type=Path, required=True, help="output checkpoint directory")
@@ -65,8 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                             "when a CUDA device is visible, else cpu")
     quant.set_defaults(func=_cmd_quantize)
 
-    bench = sub.add_parser("bench", help="measure qstrat's CPU paths against vLLM, torchao, a copy "
-                                         "and a per-expert loop (ratios; docs/performance.md)")
+    bench = _subcommand(sub, "bench", "measure qstrat's CPU paths against vLLM, torchao, a copy and a "
+                                      "per-expert loop (ratios; docs/performance.md)")
     bench.add_argument("--quick", action="store_true", help="reduced sizes (seconds; what CI runs)")
     bench.add_argument("--only", default=",".join(SECTIONS),
                        help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
@@ -76,15 +90,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, help="also write the measurements to this JSON file")
     bench.set_defaults(func=_cmd_bench)
 
-    lst = sub.add_parser("list", help="every registered plugin and where it came from")
+    lst = _subcommand(sub, "list", "list every registered plugin and where it came from")
     lst.set_defaults(func=_cmd_list)
     return p
 
 
 def _strategy_args(p: argparse.ArgumentParser, required: bool) -> None:
     g = p.add_mutually_exclusive_group(required=required)
-    g.add_argument("--config", type=Path, help="refit config (.yaml, .toml, .json)")
-    g.add_argument("--preset", help="a registered strategy preset (see `qstrat list`)")
+    g.add_argument("-c", "--config", type=Path, help="refit config file (.yaml, .toml, .json)")
+    g.add_argument("--preset", help="a registered strategy preset (run 'qstrat list' to see them)")
 
 
 def _config_source(args: argparse.Namespace, default: str | None = None) -> Any:
@@ -114,6 +128,10 @@ def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
         raise ConfigError(f"{cfg_path}: not a JSON text file ({exc.reason} at byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{cfg_path}: invalid JSON: {exc}") from exc
+    except RecursionError:
+        from qstrat.config_files import NESTED_TOO_DEEPLY
+
+        raise ConfigError(f"{cfg_path}: invalid JSON: {NESTED_TOO_DEEPLY}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(hf).__name__}")
     return cfg_path, hf
@@ -153,6 +171,8 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
     except KeyError as exc:
         raise ConfigError(f"{cfg_path}: missing key {exc.args[0]!r}, needed to plan the model from its "
                           "config alone (no *.safetensors in the directory)") from exc
+    except ConfigOnlyUnsupportedError as exc:  # a structure the skeleton does not generate
+        raise ConfigOnlyUnsupportedError(f"{cfg_path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
     return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
@@ -182,6 +202,13 @@ def _print_summary(console: Console, plan: Any) -> None:
         table.add_row(name, str(t["tensors"]), str(t["outputs"]), f"{t['bytes_in'] / 2**30:.3f}",
                       f"{t['bytes_out'] / 2**30:.3f}")
     console.print(table)
+    if plan.layout == "generic":
+        why = ("chosen by the refit config" if plan.config.get("layout") == "generic" else
+               "config.json's architectures/model_type match no registered model family")
+        kinds = collections.Counter(e.kind for e in plan.entries)
+        console.print(f"layout generic ({why}): no family-specific names were recognised; tensors by kind: "
+                      + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+                      + " (set 'layout:' in the refit config to choose a family: 'qstrat list')", markup=False)
     qc = plan.vllm_quantization_config()
     if qc is not None:
         shown = {k: (v if not isinstance(v, list) or len(v) <= 6 else v[:6] + [f"... {len(v)} in all"])
@@ -246,9 +273,15 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     if args.reps is not None and args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    if args.max_experts is not None and args.max_experts < 1:
+        raise ConfigError(f"--max-experts must be >= 1, got {args.max_experts}")
     unknown = sorted(set(sections) - set(SECTIONS))
-    if unknown or not sections:
+    if not sections:
+        raise ConfigError(f"--only: no section given; choose from {list(SECTIONS)}")
+    if unknown:
         raise ConfigError(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    if args.json is not None:  # before minutes of measuring, not after
+        _check_writable(args.json, "--json")
 
     def show(part: dict[str, Any]) -> None:
         for table in render(part):
@@ -259,10 +292,14 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from qstrat.console import stderr_to
 
     # vLLM and torchao write warnings to stderr while they load (missing CUDA libraries, Triton
-    # without a CPU backend): a log, whose tail is attached to any error, not the tables.
-    with tempfile.TemporaryDirectory(prefix="qstrat-bench-") as tmp, stderr_to(Path(tmp) / "bench.log"):
+    # without a CPU backend): a log, whose tail is attached to any error, not the tables. The log
+    # is kept when the run fails (the error names it) and removed after a successful one.
+    log = Path(tempfile.mkdtemp(prefix="qstrat-bench-")) / "bench.log"
+    with stderr_to(log):
         doc = run_bench(quick=args.quick, sections=sections, reps=args.reps, max_experts=args.max_experts,
                         on_section=show)
+    log.unlink(missing_ok=True)
+    log.parent.rmdir()
     console.print(f"{doc['size']} size, {doc['seconds']} s, load {doc['load_before'][0]:.1f} -> "
                   f"{doc['load_after'][0]:.1f}")
     if args.json is not None:
@@ -270,6 +307,22 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Make ``path``'s directory (as the later write would) and check a file can be written there.
+
+    Raises: ConfigError naming ``flag`` and the reason.
+    """
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create its directory: {exc.strerror or exc}") from None
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{flag} {path}: {target} is not writable")
 
 
 def _export_device(choice: str) -> str:

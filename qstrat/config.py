@@ -20,6 +20,7 @@ of a config is reported at once, one line each. Files are read by :mod:`qstrat.c
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -224,12 +225,15 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: 
             RefitConfig (returned as is).
         registry: the plugin registry names are checked against (default: the process-wide one).
     Returns: the validated :class:`RefitConfig`.
-    Raises: ConfigError (invalid content, naming key paths; unreadable file).
+    Raises: ConfigError (invalid content, naming key paths; unreadable file; a ``source`` of
+        another type, e.g. None, a number or bytes, naming its type and what is accepted).
     """
     if isinstance(source, RefitConfig):
         return source
     if isinstance(source, Mapping):
         return RefitConfig.from_mapping(source, registry=registry)
+    if not isinstance(source, (str, os.PathLike)) or not isinstance(os.fspath(source), str) or source == "":
+        raise ConfigError(_bad_source(source))
     path = Path(source)
     if not path.exists():
         from qstrat.registry import get_registry
@@ -247,6 +251,16 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: 
         return RefitConfig.from_mapping(data, registry=registry)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _bad_source(source: Any) -> str:
+    """The message for a :func:`load_config` source of a type it does not read."""
+    shown = repr(source) if len(repr(source)) <= 60 else repr(source)[:57] + "..."
+    got = "None" if source is None else f"{type(source).__name__} {shown}"
+    hint = (" (for a file's content, pass the file's path, or the mapping yaml.safe_load returns)"
+            if isinstance(source, (bytes, bytearray, memoryview)) else "")
+    return (f"refit config: got {got}{hint}; expected a config file path (str or pathlib.Path: .yaml, "
+            ".yml, .toml, .json), a preset name, a mapping or a RefitConfig")
 
 
 #: pydantic error type carrying a nested model's errors (``ctx["errors"]``: (loc, msg) pairs),

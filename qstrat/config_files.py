@@ -25,7 +25,10 @@ import yaml
 
 from qstrat.errors import ConfigError
 
-__all__ = ["StrictYAMLLoader", "read_config_file"]
+__all__ = ["NESTED_TOO_DEEPLY", "StrictYAMLLoader", "read_config_file"]
+
+#: Why a file whose lists/mappings nest deeper than the parsers' recursion allows is refused.
+NESTED_TOO_DEEPLY = "lists or mappings nested too deeply for the parser (it reached Python's recursion limit)"
 
 
 class StrictYAMLLoader(yaml.SafeLoader):
@@ -95,8 +98,9 @@ def read_config_file(path: Path) -> Mapping[str, Any]:
     """The mapping a ``.yaml``/``.yml``, ``.toml`` or ``.json`` config file holds (any other
     suffix is read as YAML).
 
-    Raises: ConfigError naming ``path``: unreadable, not text, a parse error (with line), a
-        duplicate key (with both lines for YAML), or a top level that is not a mapping.
+    Raises: ConfigError naming ``path``: unreadable, not text, a parse error (with line), lists or
+        mappings nested too deeply to parse (:data:`NESTED_TOO_DEEPLY`), a duplicate key (with
+        both lines for YAML), or a top level that is not a mapping.
     """
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory, not a config file (.yaml, .toml, .json)")
@@ -115,6 +119,9 @@ def read_config_file(path: Path) -> Mapping[str, Any]:
             data = yaml.load(text, Loader=StrictYAMLLoader)  # noqa: S506 - a SafeLoader subclass
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise ConfigError(f"{path}: cannot parse: {exc}") from exc
+    except RecursionError:  # the parsers recurse per level; the traceback would be ~1000 frames
+        raise ConfigError(f"{path}: cannot parse: {NESTED_TOO_DEEPLY}; a refit config nests only a few "
+                          "levels") from None
     if data is None:
         raise ConfigError(f"{path}: the file holds no settings (empty); a refit config needs at least "
                           "a preset or rules, e.g. `preset: block-fp8`")

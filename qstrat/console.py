@@ -66,6 +66,6 @@ def _tail_note(log_path: Path, lines: int) -> str:
     try:
         tail = log_path.read_text(errors="replace").splitlines()[-lines:]
     except OSError as exc:
-        return f"engine output log {log_path} could not be read: {exc}"
+        return f"stderr log {log_path} could not be read: {exc}"
     body = "\n".join(f"  {line}" for line in tail) if tail else "  (empty)"
-    return f"engine output (stderr) was written to {log_path}; its last lines:\n{body}"
+    return f"stderr (engine and library output) was written to {log_path}; its last lines:\n{body}"

@@ -19,7 +19,8 @@ class PluginError(QstratError):
 
 
 class UnsupportedShapeError(QstratError):
-    """A format cannot represent a tensor of this shape (e.g. MXFP8 with K % 32 != 0)."""
+    """A format cannot represent a tensor of this shape (e.g. MXFP8 with K % 32 != 0) or dtype
+    (a serializer reads bfloat16, float16 or float32 weights)."""
 
 
 class NonFiniteError(QstratError):

@@ -137,6 +137,9 @@ def _check_supported(layout: ModelLayout, hf_config: Mapping[str, Any]) -> None:
         reasons.append("a vision tower")
     if any(not spec.splittable for spec in layout.slabs.values()):
         reasons.append("transposed expert slabs with biases")
+    if layout.name == "generic":  # its names are alternatives to place stored tensors, not a structure
+        reasons.append("the tensors of a model family no registered layout matches (set 'layout:' in the "
+                       "refit config if it is one that 'qstrat list' shows)")
     if reasons:
         raise ConfigOnlyUnsupportedError(f"layout {layout.name!r}: config-only planning does not generate "
                         f"{' and '.join(reasons)}; plan the trainer's state_dict() instead (a copy "

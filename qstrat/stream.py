@@ -354,8 +354,7 @@ def check_passthrough(t: torch.Tensor, name: str) -> None:
     Raises: NonFiniteError naming ``name`` and the first bad index.
     """
     if t.is_floating_point() and t.numel():
-        w3 = t.reshape(1, -1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, 1, -1)
-        check_finite(w3, name, 1)
+        check_finite(t if t.dim() <= 3 else t.reshape(-1, *t.shape[-2:]), name, 1)
 
 
 def cut_output(part: torch.Tensor, o: OutputTensor) -> torch.Tensor:

@@ -35,14 +35,30 @@ from qstrat.plan import RefitPlan, natural_key
 _FAILED = "_qstrat_refit_failed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RefitReport:
-    """What a refit did: the plan, tensors and bytes sent, seconds spent quantizing+sending."""
+    """What a refit did: the plan, tensors and bytes sent, seconds spent quantizing+sending.
+
+    Printed (``repr``/``str``) as one line, the plan as its totals per format (the whole plan:
+    ``report.plan.to_json()``)::
+
+        RefitReport(tensors=247, bytes=5003712 (4.77 MiB), seconds=1.500, plan: layout qwen3_moe,
+        4 decoder layers, 47 inputs -> 247 tensors (passthrough 23 -> 23, block_fp8 24 -> 224))
+    """
 
     plan: RefitPlan
     tensors: int
     bytes: int
     seconds: float
+
+    def __repr__(self) -> str:
+        totals = self.plan.totals()
+        outputs = sum(t["outputs"] for t in totals.values())
+        formats = ", ".join(f"{name} {t['tensors']} -> {t['outputs']}" for name, t in totals.items())
+        layers = "" if self.plan.num_layers is None else f", {self.plan.num_layers} decoder layers"
+        return (f"RefitReport(tensors={self.tensors}, bytes={self.bytes} ({self.bytes / 2**20:.2f} MiB), "
+                f"seconds={self.seconds:.3f}, plan: layout {self.plan.layout}{layers}, "
+                f"{len(self.plan.entries)} inputs -> {outputs} tensors ({formats}))")
 
 
 def engine_quantization_config(llm: Any) -> dict[str, Any] | None:

@@ -50,6 +50,10 @@ class SerializerOptions(BaseModel):
     )
 
 
+#: Weight dtypes a serializer reads (fp8, integer and float64 inputs are refused).
+WEIGHT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
 @dataclass(frozen=True)
 class PartSpec:
     """One checkpoint tensor a serializer emits for a weight.
@@ -191,23 +195,36 @@ class Serializer(ABC):
         Returns:
             dict suffix -> tensor, exactly as declared by :meth:`part_specs`, on ``w``'s device.
         Raises:
-            UnsupportedShapeError, NonFiniteError (``nonfinite="error"``),
+            UnsupportedShapeError (also for a dtype other than bf16/fp16/fp32),
+            NonFiniteError (``nonfinite="error"``: NaN/inf in ``w`` or in a given ``context``),
             BackendUnavailableError (a RuntimeError) when the Triton backend is forced where it
             cannot run.
         """
         specs = self.part_specs(w.shape)
+        if w.dtype not in WEIGHT_DTYPES:
+            raise UnsupportedShapeError(
+                f"{name}: {self.name} quantizes bfloat16, float16 or float32 weights, got "
+                f"{dtype_name(w.dtype)}" + (" (cast it to float32)" if w.dtype == torch.float64 else "")
+            )
+        if context is not None and self.options.nonfinite == "error":
+            bad = [k for k, v in context.items() if torch.is_tensor(v) and v.is_floating_point()
+                   and not all_finite(v)]
+            if bad:
+                raise NonFiniteError(f"{name}: the fusion-group context's {', '.join(bad)} is not finite "
+                                     "(group_context of members holding NaN/inf?); set "
+                                     "nonfinite='propagate' to encode it anyway")
         batched = w.dim() == 3
         w3 = w if batched else w.unsqueeze(0)
         kernel = self._use_kernel(w3)
         fast = not kernel and self._use_fast()
         if not values_checked and not fast:  # the fast path checks its block maxima instead
-            self.check_values(w3, name)
+            self.check_values(w, name)
         ctx = context
         if ctx is None:
             try:
                 ctx = self.group_context([w3])
             except NonFiniteError:
-                self.check_values(w3, name)  # the same error, naming this tensor
+                self.check_values(w, name)  # the same error, naming this tensor
                 raise
         if ctx is not None:
             ctx = {k: (v if batched else v.reshape(1)) for k, v in ctx.items()}
@@ -215,7 +232,7 @@ class Serializer(ABC):
             parts = type(self).resolve_kernel()(self, w3, ctx)
         elif fast:
             check = None if values_checked or self.options.nonfinite != "error" else name
-            parts = self._fast_chunked(w3, ctx, self.part_specs(w3.shape), check)
+            parts = self._fast_chunked(w3, ctx, self.part_specs(w3.shape), check, source=w)
         else:
             parts = self._reference_chunked(w3, ctx, self.part_specs(w3.shape))
         if not batched:
@@ -227,8 +244,7 @@ class Serializer(ABC):
         """With ``nonfinite="error"``: raise NonFiniteError naming ``name`` and the first NaN/inf
         index of ``w`` ([N, K] or [E, N, K]); read in expert chunks, no full-size copy."""
         if self.options.nonfinite == "error":
-            w3 = w if w.dim() == 3 else w.unsqueeze(0)
-            check_finite(w3, name, self._expert_chunk(w3))
+            check_finite(w, name, self._expert_chunk(w if w.dim() == 3 else w.unsqueeze(0)))
 
     def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
                     scratch: Scratch) -> torch.Tensor:
@@ -340,10 +356,12 @@ class Serializer(ABC):
         return out
 
     def _fast_chunked(
-        self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...], check: str | None
+        self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...], check: str | None,
+        source: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Run :meth:`encode_into` over cache-sized chunks, reusing one scratch. ``check``: the
-        tensor's name when non-finite values must raise (found from the block maxima)."""
+        tensor's name when non-finite values must raise (found from the block maxima);
+        ``source``: the weight in its own rank, for the index in that error (default ``w3``)."""
         out, views = self._chunk_views(w3, ctx, specs)
         workers = torch.get_num_threads()
         if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
@@ -359,7 +377,8 @@ class Serializer(ABC):
 
             finite = all(list(chunk_pool(workers).map(task, views)))
         if not finite:
-            check_finite(w3, check, self._expert_chunk(w3))  # names the first bad index
+            check_finite(w3 if source is None else source, check, self._expert_chunk(w3))  # names the index
+            raise NonFiniteError(f"{check}: its values overflow float32 (non-finite block maxima)")
         return out
 
     def _encode_chunk(self, view: tuple, scratch: Scratch, check: str | None) -> bool:
@@ -403,20 +422,28 @@ def all_finite(w: torch.Tensor) -> bool:
 
 
 def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:
-    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3`` [E, N, K].
+    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3`` (rank 0 to 3).
 
     Screens the whole tensor with :func:`all_finite`; only a tensor that holds a NaN/inf is read
-    again, in chunks of ``expert_chunk`` experts, to name the first bad index."""
+    again, in chunks of ``expert_chunk`` experts, to name the first bad index.
+
+    The index is printed in the tensor's own rank: [E, N, K] ``[e, r, c] (expert, row, col)``
+    (also for E = 1), [N, K] ``[r, c] (row, col)``, [K] or [] ``[i]``.
+    """
     if all_finite(w3):
         return
+    rank = min(max(w3.dim(), 1), 3)
+    w3 = w3.reshape((1,) * (3 - w3.dim()) + tuple(w3.shape)) if w3.dim() < 3 else w3
     for e0 in range(0, w3.shape[0], expert_chunk):
         chunk = w3[e0 : e0 + expert_chunk]
         bad = ~torch.isfinite(chunk)
         if bool(bad.any()):
             e, r, c = (int(i) for i in bad.nonzero()[0])
             value = float(chunk[e, r, c])
+            index = ", ".join(str(i) for i in (e0 + e, r, c)[3 - rank:])
+            labels = {1: "", 2: " (row, col)", 3: " (expert, row, col)"}[rank]
             raise NonFiniteError(
-                f"{name}: non-finite value {value} at index [{e0 + e}, {r}, {c}] (expert, row, col); "
+                f"{name}: non-finite value {value} at index [{index}]{labels}; "
                 "set nonfinite='propagate' to encode it anyway"
             )
 

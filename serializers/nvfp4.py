@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.base import Context, PartSpec, Serializer, SerializerOptions, check_finite
@@ -82,8 +83,6 @@ class NVFP4Options(SerializerOptions):
 
     input_scale: float = Field(
         1.0,
-        ge=2.0**-126,
-        le=3.0e38,
         description=(
             "Stored input_scale (activation decode scale, amax_act/2688 when calibrated). vLLM "
             "W4A4 quantizes activations with global encode 1/input_scale and per-16-block dynamic "
@@ -92,6 +91,18 @@ class NVFP4Options(SerializerOptions):
             "vLLM itself fills when it switches NVFP4 MoE activations to per-token dynamic."
         ),
     )
+
+    @field_validator("input_scale")
+    @classmethod
+    def _positive_normal_fp32(cls, v: float) -> float:
+        """2^-126 (the least normal fp32) .. 3.0e38; NaN, +-inf, 0, negatives and subnormals are
+        refused with the value given (not pydantic's bounds printed in 39 digits)."""
+        if not 2.0**-126 <= v <= 3.0e38:  # NaN fails both comparisons
+            raise PydanticCustomError(
+                "input_scale_range",
+                "must be a positive normal fp32 value (2^-126 = 1.18e-38 .. 3.0e38), got {got}",
+                {"got": repr(v)})
+        return v
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -245,7 +256,7 @@ class NVFP4(Serializer):
         Raises:
             UnsupportedShapeError: no members, mixed ranks or expert counts, K % 16 != 0.
             NonFiniteError: (``nonfinite="error"``) a member holds NaN/inf; names the member
-                and the first bad [expert, row, col].
+                and the first bad index in its own rank.
         """
         if not members:
             raise UnsupportedShapeError("nvfp4: a fusion group needs at least one member")
@@ -264,9 +275,8 @@ class NVFP4(Serializer):
             amax = a if amax is None else torch.maximum(amax, a)
         if self.options.nonfinite == "error" and not bool(torch.isfinite(amax).all()):
             for i, m in enumerate(members):
-                m3 = m if m.dim() == 3 else m.unsqueeze(0)
                 label = names[i] if names is not None else f"fusion group member {i}"
-                check_finite(m3, label, self._expert_chunk(m3))
+                check_finite(m, label, self._expert_chunk(m if m.dim() == 3 else m.unsqueeze(0)))
         return {"amax": amax}
 
     def reference(self, x: torch.Tensor, context: Context | None) -> dict[str, torch.Tensor]:
@@ -305,8 +315,9 @@ class NVFP4(Serializer):
         one fp32 copy (``+ 0.0``, so -0.0 becomes +0.0 and the sign bit means ``x < 0``), |x|,
         block maxima, ``|x| * os`` in place (``|x * os| == |x| * os`` for ``os >= 0``), the
         E2M1 code by integer RNE on the fp32 bits (:func:`e2m1_magnitude_from_bits`; a chunk
-        with a NaN block, reachable only with ``nonfinite="propagate"``, takes the reference's
-        comparisons instead), the sign from bit 31, and two codes per byte packed from the
+        where some block's multiplier ``os`` is NaN - a NaN in the block, or a NaN/inf global
+        amax, e.g. from another row band or a fused sibling; reachable only with
+        ``nonfinite="propagate"`` - takes the reference's comparisons instead, which map NaN to 0), the sign from bit 31, and two codes per byte packed from the
         int32 codes read as int64 pairs (element 2i in the low word: ``c | c >> 28``, cast
         to its low byte). Returns block maxima [e, n, K/16]."""
         if context is None or "amax" not in context:
@@ -324,7 +335,7 @@ class NVFP4(Serializer):
         os = torch.where(s == 0, torch.zeros_like(s), (s * dec).reciprocal())
         a.mul_(os)
         codes = scratch.get("codes", f.shape, torch.int32)
-        if self.options.nonfinite == "propagate" and bool(torch.isnan(amax_b).any()):
+        if self.options.nonfinite == "propagate" and bool(torch.isnan(os).any()):
             codes.copy_(e2m1_magnitude(a) | (f < 0).to(torch.uint8) << 3)
         else:
             e2m1_magnitude_from_bits(a, out=codes, tmp=a)

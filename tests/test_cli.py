@@ -63,6 +63,7 @@ def test_plan_lists_every_tensor_and_summary(tmp_path):
     row = next(ln for ln in lines if ln.startswith("model.layers.93.mlp.experts.0.up_proj.weight "))
     assert "bf16" in row and "keep_bf16.last" in row
     assert '"quant_algo": "MXFP8"' in out
+    assert "layout generic" not in out  # a recognised family: no generic-layout notice
 
 
 def test_quantize_a_checkpoint_and_plan_it_back(tiny_model, tmp_path):
@@ -150,7 +151,7 @@ def _case_truncated_safetensors(tmp, src):
 
 def _case_config_only_missing_key(tmp, src):
     (tmp / "m").mkdir()
-    (tmp / "m" / "config.json").write_text("{}")
+    (tmp / "m" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     return ["plan", tmp / "m", "--preset", "bf16"], \
         f"{tmp / 'm' / 'config.json'}: missing key 'hidden_size', needed to plan the model from its config alone"
 
@@ -208,7 +209,32 @@ def _case_unknown_preset(tmp, src):
     return ["plan", src, "--preset", "nope"], "preset: unknown strategy 'nope'; valid: bf16, block-fp8"
 
 
+TOO_DEEP = "lists or mappings nested too deeply for the parser (it reached Python's recursion limit)"
+
+
+def _case_config_nested_too_deeply(tmp, src):
+    (tmp / "deep.yaml").write_text("rules: " + "[" * 100_000 + "]" * 100_000)
+    return ["quantize", src, "-c", tmp / "deep.yaml", "-o", tmp / "out"], \
+        f"error: {tmp / 'deep.yaml'}: cannot parse: {TOO_DEEP}; a refit config nests only a few levels\n"
+
+
+def _case_model_config_nested_too_deeply(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    return ["plan", tmp / "m", "--preset", "bf16"], f"error: {tmp / 'm' / 'config.json'}: invalid JSON: {TOO_DEEP}\n"
+
+
+def _case_index_nested_too_deeply(tmp, src):
+    (tmp / "m").mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (tmp / "m" / f).write_bytes((src / f).read_bytes())
+    index = tmp / "m" / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    return ["plan", tmp / "m", "--preset", "bf16"], f"error: {index}: not a readable index: {TOO_DEEP}\n"
+
+
 @pytest.mark.parametrize("case", [
+    _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
     _case_config_is_a_directory, _case_binary_config, _case_model_is_a_safetensors_file,
     _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,
     _case_quantize_config_only, _case_unsupported_dtype, _case_no_tensors, _case_out_is_a_file,
@@ -223,9 +249,12 @@ def test_bad_inputs_are_user_errors_not_tracebacks(case, tmp_path, bf16_dir):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ")
     assert message in proc.stderr, proc.stderr
+    if message.startswith("error: "):  # the whole of stderr
+        assert proc.stderr == message
     assert sorted(p.name for p in bf16_dir.iterdir()) == before  # the source is never touched
     if (tmp_path / "afile").exists():
         assert (tmp_path / "afile").read_text() == "keep me"
+    assert not (tmp_path / "out").exists()  # nothing is written
 
 
 def test_quantize_device_cuda_without_a_gpu_is_a_user_error(bf16_dir, tmp_path):
@@ -273,3 +302,65 @@ def test_quantize_a_file_is_not_a_model_directory(bf16_dir):
     proc = run("quantize", bf16_dir / "config.json", "--preset", "bf16", "-o", "/nonexistent/out", ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"error: {bf16_dir / 'config.json'}: not a model directory (config.json + *.safetensors)" in proc.stderr
+
+
+@pytest.mark.parametrize("command,description", [
+    ([], "Quantize BF16 weights into the checkpoint tensors a vLLM engine loads (block FP8, MXFP8, NVFP4, "
+         "BF16): plan which tensor gets which format, write a quantized checkpoint, or run the demo refit."),
+    (["demo"], "Plan, quantize, verify and refit the built-in tiny Qwen3-MoE."),
+    (["plan"], "Show every tensor's decision (reads config.json and safetensors headers only; no weights)."),
+    (["quantize"], "Quantize a safetensors checkpoint into OUT."),
+    (["bench"], "Measure qstrat's CPU paths against vLLM, torchao, a copy and a per-expert loop (ratios; "
+                "docs/performance.md)."),
+    (["list"], "List every registered plugin and where it came from."),
+])
+def test_help_is_plain_text_with_a_description(command, description):
+    """--help shows what the command does in plain words: no reStructuredText/markdown markup
+    (the top-level help was the module docstring, ``qstrat demo | plan | quantize | list``)."""
+    out = run(*command, "--help").stdout
+    assert "`" not in out and "::" not in out
+    assert f"\n\n{description}\n\n" in out
+
+
+def _unknown_family(directory, config_only=False):
+    """A Llama-shaped model whose config.json names an architecture no layout registers."""
+    directory.mkdir()
+    hf = {"architectures": ["FooForCausalLM"], "model_type": "foo", "num_hidden_layers": 2, "hidden_size": 128,
+          "intermediate_size": 256, "vocab_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (directory / "config.json").write_text(json.dumps(hf))
+    if not config_only:
+        from safetensors.torch import save_file
+
+        t = {f"model.layers.{i}.self_attn.{p}.weight": torch.zeros(128, 128, dtype=torch.bfloat16)
+             for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        t |= {f"model.layers.{i}.input_layernorm.weight": torch.zeros(128, dtype=torch.bfloat16) for i in range(2)}
+        t |= {n: torch.zeros(100, 128, dtype=torch.bfloat16) for n in ("model.embed_tokens.weight", "lm_head.weight")}
+        save_file(t, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_plan_with_the_generic_layout_says_so_with_counts(tmp_path):
+    """The summary of a model no layout recognises names the generic layout and counts the
+    tensors by kind (it used to show only the table, as if a family had been recognised)."""
+    model = _unknown_family(tmp_path / "foo")
+    lines = run("plan", model, "--preset", "block-fp8", "--summary").stdout.splitlines()
+    assert lines[0] == "plan: layout generic, 2 decoder layers"
+    assert ("layout generic (config.json's architectures/model_type match no registered model family): no "
+            "family-specific names were recognised; tensors by kind: attention 8, embedding 1, lm_head 1, norm 2 "
+            "(set 'layout:' in the refit config to choose a family: 'qstrat list')") in lines
+
+
+def test_config_only_planning_refuses_the_generic_layout(tmp_path):
+    """An unknown family's tensors cannot be derived from config.json alone: a clear refusal (it was
+    'invalid value, cannot derive the tensor shapes: too many values to unpack (expected 3)')."""
+    model = _unknown_family(tmp_path / "foo", config_only=True)
+    proc = run("plan", model, "--preset", "block-fp8", ok=False)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"error: {model / 'config.json'}: layout 'generic': config-only planning does not generate the tensors "
+        "of a model family no registered layout matches (set 'layout:' in the refit config if it is one that "
+        "'qstrat list' shows); plan the trainer's state_dict() instead (a copy on the meta device is enough: "
+        "transformers' class built under torch.device('meta'))\n")
+    cfg = tmp_path / "llama.yaml"
+    cfg.write_text("preset: block-fp8\nlayout: llama\n")
+    assert "plan: layout llama, 2 decoder layers" in run("plan", model, "-c", cfg, "--summary").stdout

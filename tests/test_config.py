@@ -94,3 +94,27 @@ def test_unreadable_config_files_are_config_errors(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "bin.toml")
     assert str(info.value) == f"{tmp_path / 'bin.toml'}: not a text config file (invalid start byte at byte 9)"
+
+
+ACCEPTED = ("expected a config file path (str or pathlib.Path: .yaml, .yml, .toml, .json), a preset name, "
+            "a mapping or a RefitConfig")
+
+
+@pytest.mark.parametrize("source,got", [
+    (None, "None"),
+    (5, "int 5"),
+    (3.5, "float 3.5"),
+    ("", "str ''"),
+    (["block-fp8"], "list ['block-fp8']"),
+    (b"preset: block-fp8", "bytes b'preset: block-fp8' (for a file's content, pass the file's path, or the "
+                           "mapping yaml.safe_load returns)"),
+])
+def test_a_source_of_another_type_is_a_config_error_naming_it(source, got):
+    """load_config and RefitDriver name what they were given and what they read (not a bare
+    TypeError from pathlib)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    assert str(info.value) == f"refit config: got {got}; {ACCEPTED}"
+    with pytest.raises(ConfigError) as info:
+        qstrat.RefitDriver(source)
+    assert str(info.value) == f"refit config: got {got}; {ACCEPTED}"

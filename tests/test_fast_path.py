@@ -74,6 +74,27 @@ def test_nan_and_inf_propagate_exactly_like_the_reference(name, opts):
     _check(name, opts, w, "nan/inf", nonfinite="propagate")
 
 
+def test_nvfp4_nan_multipliers_from_outside_the_block_match_the_reference():
+    """With nonfinite="propagate", NVFP4's per-block multiplier can be NaN in a block holding no
+    NaN: a +inf anywhere makes the global encode scale 0 (so the inf block's scale is 0 * inf),
+    a NaN in another row band (another chunk) or in a fused sibling makes it NaN. The fast path
+    must then give the reference's bytes too (found by an adversarial run)."""
+    inf_only = torch.ones(1, 16)
+    inf_only[0, 0] = float("inf")
+    _check("nvfp4", {}, inf_only, "+inf only", nonfinite="propagate")
+    other_band = torch.ones(2, 16)
+    other_band[0, 0] = float("nan")
+    _check("nvfp4", {}, other_band, "NaN in another row band", nonfinite="propagate", chunk_elements=16)
+    big = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    big[5, 7] = float("nan")  # the default chunks cut this matrix into row bands
+    _check("nvfp4", {}, big, "NaN in the first band of a large matrix", nonfinite="propagate")
+    fast, ref = _pair("nvfp4", nonfinite="propagate")
+    a, b = torch.ones(4, 16), torch.ones(4, 16)
+    b[0, 0] = float("nan")
+    ctx = fast.group_context([a, b])
+    assert_same_bytes(fast.quantize(a, context=ctx), ref.quantize(a, context=ctx), "NaN in a fused sibling")
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_fast_path_raises_naming_tensor_and_first_bad_index(name):
     fast = qstrat.get_serializer(name, backend="fast")

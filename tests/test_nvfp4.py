@@ -325,18 +325,18 @@ def test_subnormal_range_weights_no_nan_no_garbage(dtype):
 def test_nan_default_error_names_tensor_and_index():
     w = torch.randn(4, 32)
     w[2, 5] = float("nan")
-    with pytest.raises(NonFiniteError, match=r"mlp\.down_proj\.weight.*\[0, 2, 5\]"):
+    with pytest.raises(NonFiniteError, match=r"mlp\.down_proj\.weight: non-finite value nan at index \[2, 5\] \(row, col\);"):
         NVFP4().quantize(w, name="model.layers.0.mlp.down_proj.weight")
     w3 = torch.randn(3, 4, 32, dtype=torch.bfloat16)
     w3[1, 2, 3] = float("inf")
-    with pytest.raises(NonFiniteError, match=r"experts\.gate_up_proj.*\[1, 2, 3\]"):
+    with pytest.raises(NonFiniteError, match=r"experts\.gate_up_proj: non-finite value inf at index \[1, 2, 3\] \(expert, row, col\);"):
         NVFP4().quantize(w3, name="experts.gate_up_proj")
 
 
 def test_nan_in_group_member_raises_in_group_context():
     gate, up = torch.randn(8, 32), torch.randn(8, 32)
     up[3, 4] = float("nan")
-    with pytest.raises(NonFiniteError, match=r"fusion group member 1.*\[0, 3, 4\]"):
+    with pytest.raises(NonFiniteError, match=r"fusion group member 1: non-finite value nan at index \[3, 4\] \(row, col\);"):
         NVFP4().group_context([gate, up])
 
 
@@ -445,6 +445,26 @@ def test_input_scale_option():
             NVFP4(input_scale=bad)
     with pytest.raises(ValidationError):
         NVFP4(group_size=32)
+
+
+@pytest.mark.parametrize("bad,got", [
+    (float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "-inf"), (0.0, "0.0"), (-1.0, "-1.0"),
+    (3.1e38, "3.1e+38"), (2.0**-127, "5.877471754111438e-39"), (1e-45, "1e-45"), (0, "0.0"),
+])
+def test_an_invalid_input_scale_is_named_with_its_value_and_range(bad, got):
+    """Refused: NaN, +-inf, <= 0, > 3e38, fp32 subnormals; the message gives the range readably
+    (not pydantic's bounds as 39-digit numbers) and the value given."""
+    from qstrat import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config({"rules": [{"select": "experts", "serializer": "nvfp4", "options": {"input_scale": bad}}]})
+    assert str(info.value) == ("rules[0].options.input_scale: must be a positive normal fp32 value "
+                               f"(2^-126 = 1.18e-38 .. 3.0e38), got {got}")
+
+
+def test_input_scale_bounds_are_accepted():
+    for ok in (2.0**-126, 3.0e38, 1, 0.25):
+        assert NVFP4(input_scale=ok).options.input_scale == ok
 
 
 def test_vllm_config_parser_accepts_our_config():

@@ -154,3 +154,24 @@ def test_hf_config_may_be_a_transformers_config_but_not_a_path(tiny_model):
         RefitDriver("block-fp8", hf_config="config.json")
     assert str(info.value) == ("hf_config must be the model's config.json content (a mapping) or a transformers "
                                "config (model.config), got str")
+
+
+TOO_DEEP = "lists or mappings nested too deeply for the parser (it reached Python's recursion limit)"
+
+
+@pytest.mark.parametrize("name,text", [
+    ("deep.json", "[" * 100_000 + "]" * 100_000),
+    ("deep.json", '{"a": ' * 100_000 + "1" + "}" * 100_000),
+    ("deep.yaml", "rules: " + "[" * 100_000 + "]" * 100_000),
+    ("deep.yaml", "".join("  " * i + "-\n" for i in range(2_000))),  # block style
+    ("deep.toml", "rules = " + "[" * 100_000 + "]" * 100_000),
+])
+def test_a_config_nested_too_deeply_is_a_config_error(tmp_path, name, text):
+    """A parser's RecursionError is a ConfigError naming the file, with nothing chained to it (no
+    thousand-frame traceback behind it)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: cannot parse: {TOO_DEEP}; a refit config nests only a few levels"
+    assert info.value.__cause__ is None and info.value.__suppress_context__
