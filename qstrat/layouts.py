@@ -215,7 +215,7 @@ class ModelLayout:
         if not name.startswith(prefix):
             return ParsedName(name, module, param, "other")
         head, _, rest = name[len(prefix):].partition(".")
-        if not head.isdigit() or not rest:
+        if not (head.isascii() and head.isdigit()) or not rest:
             return ParsedName(name, module, param, "other")
         layer = int(head)
         if num_layers is not None and layer >= num_layers:
@@ -252,7 +252,7 @@ class ModelLayout:
         head = t[0]
         if head == self.experts and len(t) >= 2:
             experts_module = module[: module.index("." + self.experts) + len(self.experts) + 1]
-            if t[1].isdigit() and len(t) == 4 and t[2] in self.expert_projections:
+            if t[1].isascii() and t[1].isdigit() and len(t) == 4 and t[2] in self.expert_projections:
                 return "expert", int(t[1]), t[2], False, experts_module
             if len(t) == 2 and t[1] in self.slabs:
                 return "expert", None, t[1], True, experts_module

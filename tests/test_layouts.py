@@ -66,3 +66,15 @@ def test_mixtral_block_sparse_moe():
 def test_top_level_kinds(name, kind):
     assert isinstance(QWEN3_MOE.parse(name), ParsedName)
     assert QWEN3_MOE.parse(name).kind == kind
+
+
+def test_a_non_ascii_digit_layer_index_is_an_unplaced_name_not_a_crash():
+    """'²' passes str.isdigit() but int() refuses it: it used to end planning with a ValueError."""
+    import torch
+
+    from qstrat import PlanError, RefitDriver
+
+    meta = torch.empty(128, 128, dtype=torch.bfloat16, device="meta")
+    name = "model.layers.\u00b2.self_attn.q_proj.weight"
+    with pytest.raises(PlanError, match=r"cannot place 1 weight matrices: model\.layers\.\u00b2\.self_attn"):
+        RefitDriver("block-fp8").plan({name: meta, "model.layers.0.self_attn.q_proj.weight": meta})

@@ -112,3 +112,17 @@ def test_a_flattened_slab():
     state[f"{EXPERTS}.gate_up_proj"] = meta((E * 2 * I, H))
     assert f"{EXPERTS}.gate_up_proj: a grouped expert slab is [E, rows, K], got shape [1024, 256]" \
         in plan_error(state)
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod."])
+def test_per_expert_names_under_a_wrapper_prefix_plan_like_plain_ones(prefix):
+    """DDP (module.) and torch.compile (_orig_mod.) prefixes on per-expert names: the same plan
+    as the plain names (the expert checks once cut the projection out at the wrong offset and
+    refused every expert with 'shape differs'), and a real mismatch is still refused."""
+    plain = RefitDriver("block-fp8", hf_config=CFG).plan(tensors(False))
+    wrapped = RefitDriver("block-fp8", hf_config=CFG).plan({prefix + n: t for n, t in tensors(False).items()})
+    assert [(o.name, o.shape, o.dtype) for o in wrapped.outputs()] == \
+           [(o.name, o.shape, o.dtype) for o in plain.outputs()]
+    state = {prefix + n: t for n, t in tensors(False).items()}
+    state[f"{prefix}{EXPERTS}.2.up_proj.weight"] = meta((I + 16, H))
+    assert f"{prefix}{EXPERTS}.2.up_proj.weight: shape [{I + 16}, {H}] differs from " in plan_error(state)

@@ -160,7 +160,8 @@ def check_expert_sets(entries: Sequence[PlanEntry], num_experts: int | None,
 def _per_expert(module: str, e: PlanEntry, num_experts: int | None,
                 matrices: dict[str, tuple[tuple[int, ...], str]], experts: dict[str, set[int]]) -> str | None:
     """Record one per-expert tensor in ``matrices`` and ``experts``; its error, if any."""
-    proj = e.name[len(module) + 1:].split(".")[1]
+    at = e.name.rfind(module + ".")  # after a wrapper prefix (DDP's module., torch.compile's _orig_mod.)
+    proj = e.name[at + len(module) + 1:].split(".")[1] if at >= 0 else e.name.split(".")[-2]
     assert e.expert is not None
     if num_experts and e.expert >= num_experts:
         return (f"{e.name}: expert index {e.expert} is out of range: the model config has "
