@@ -389,6 +389,11 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
             return "yes" if v else "NO"
         return f"{v:.2f}" if isinstance(v, float) else str(v)
 
+    def cell(col: str, v: Any) -> str:
+        if col == "overhead" and isinstance(v, float):
+            return f"{v:+.1%}"  # the JSON keeps the fraction
+        return fmt(v)
+
     columns = {
         "formats": ("format", "impl", "ms", "ms_min", "speedup_vs_this", "qstrat_over_copy",
                     "bytes_equal_reference"),
@@ -418,14 +423,20 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         for c in cols:
             table.add_column(headers.get(c, c), justify="left" if c in ("format", "case", "impl") else "right")
         for r in rows:
-            table.add_row(*(fmt(r.get(c)) for c in cols))
+            table.add_row(*(cell(c, r.get(c)) for c in cols))
         tables.append(table)
-    notes = {r["impl"]: r["note"] for r in doc["rows"] if r.get("note")}
-    if notes:
+    by_impl: dict[str, dict[str, list[str]]] = {}  # impl -> note -> formats it describes
+    for r in doc["rows"]:
+        if r.get("note"):
+            fmts = by_impl.setdefault(r["impl"], {}).setdefault(r["note"], [])
+            if r.get("format") and r["format"] not in fmts:
+                fmts.append(r["format"])
+    if by_impl:
         legend = Table(title="implementations", show_header=False)
         legend.add_column("impl")
         legend.add_column("what")
-        for impl, note in notes.items():
-            legend.add_row(impl, note)
+        for impl, notes in by_impl.items():
+            for note, fmts in notes.items():  # a peer differs per format: one row per format
+                legend.add_row(impl if len(notes) == 1 else f"{impl} ({', '.join(fmts)})", note)
         tables.append(legend)
     return tables

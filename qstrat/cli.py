@@ -301,7 +301,9 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     log.unlink(missing_ok=True)
     log.parent.rmdir()
     console.print(f"{doc['size']} size, {doc['seconds']} s, load {doc['load_before'][0]:.1f} -> "
-                  f"{doc['load_after'][0]:.1f}")
+                  f"{doc['load_after'][0]:.1f}"
+                  + ("; a smoke test: tiny shapes, where fixed costs dominate - its ratios do not "
+                     "compare with a full run's" if doc["size"] == "quick" else ""))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -5,6 +5,7 @@ Not core: the trainer-facing API never prints.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -69,3 +70,19 @@ def _tail_note(log_path: Path, lines: int) -> str:
         return f"stderr log {log_path} could not be read: {exc}"
     body = "\n".join(f"  {line}" for line in tail) if tail else "  (empty)"
     return f"stderr (engine and library output) was written to {log_path}; its last lines:\n{body}"
+
+
+#: Loggers that warn while torchao is imported (by transformers or vLLM, when torchao is
+#: installed): torchao 0.18's optional C++ kernels built for other CPython/CUDA versions
+#: ("Failed to load ..._C_mxfp8.cpython-310...so"), and torch's pytree deprecation notice for
+#: the enums torchao registers. Harmless for qstrat's CPU engines and demo.
+TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_torchao_import() -> None:
+    """Raise :data:`TORCHAO_IMPORT_LOGGERS` to ERROR, each only if nobody configured it (level
+    NOTSET); call before transformers or vLLM import torchao. Errors still show."""
+    for name in TORCHAO_IMPORT_LOGGERS:
+        log = logging.getLogger(name)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.ERROR)

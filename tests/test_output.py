@@ -96,3 +96,23 @@ def test_demo_removes_its_temporary_directory_unless_it_failed(tmp_path, monkeyp
         demo.run_demo("mxfp8-experts", engine=False)
     kept = list(tmp_path.glob("qstrat-demo-*"))
     assert len(kept) == 1 and f"the demo's files are kept in {kept[0]}" in info.value.__notes__
+
+
+def test_torchao_import_warnings_are_quieted_unless_configured():
+    """transformers and vLLM import torchao when it is installed; its 'Failed to load
+    ..._C_mxfp8.cpython-310...so' warnings (and torch's pytree notices for its enums) are raised
+    to ERROR, but a logger the user configured keeps its level."""
+    import logging
+
+    from qstrat.console import TORCHAO_IMPORT_LOGGERS, quiet_torchao_import
+
+    saved = {n: logging.getLogger(n).level for n in TORCHAO_IMPORT_LOGGERS}
+    try:
+        logging.getLogger("torchao").setLevel(logging.NOTSET)
+        logging.getLogger("torch.utils._pytree").setLevel(logging.DEBUG)  # the user's choice
+        quiet_torchao_import()
+        assert logging.getLogger("torchao").level == logging.ERROR
+        assert logging.getLogger("torch.utils._pytree").level == logging.DEBUG
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)

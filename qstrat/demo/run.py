@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from qstrat.checkpoint import load_checkpoint, write_checkpoint
+from qstrat.console import quiet_torchao_import
 from qstrat.driver import RefitDriver
 from qstrat.errors import VerificationError
 from qstrat.plan import PASSTHROUGH, RefitPlan
@@ -64,6 +65,7 @@ def run_demo(config: Any = "block-fp8", out_dir: str | Path | None = None, engin
         console: rich Console for progress lines (None: silent).
     """
     say = console.print if console is not None else (lambda *a, **k: None)
+    quiet_torchao_import()  # transformers imports torchao when it is installed
     report = DemoReport()
     out = Path(out_dir or tempfile.mkdtemp(prefix="qstrat-demo-"))
     try:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from qstrat.console import quiet_torchao_import
+
 #: Prompts (token ids) used by the demo and the engine tests.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 900, 12, 55])
 #: The ``vllm.general_plugins`` entry point that installs qstrat's CPU kernels (pyproject.toml).
@@ -100,6 +102,7 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     # vLLM's INFO lines (and a harmless chat-template warm-up traceback when no tokenizer is
     # loaded) would bury the demo's report; set VLLM_LOGGING_LEVEL yourself to see them.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    quiet_torchao_import()
     from vllm import LLM
 
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
