@@ -52,13 +52,8 @@ class RefitReport:
     seconds: float
 
     def __repr__(self) -> str:
-        totals = self.plan.totals()
-        outputs = sum(t["outputs"] for t in totals.values())
-        formats = ", ".join(f"{name} {t['tensors']} -> {t['outputs']}" for name, t in totals.items())
-        layers = "" if self.plan.num_layers is None else f", {self.plan.num_layers} decoder layers"
         return (f"RefitReport(tensors={self.tensors}, bytes={self.bytes} ({self.bytes / 2**20:.2f} MiB), "
-                f"seconds={self.seconds:.3f}, plan: layout {self.plan.layout}{layers}, "
-                f"{len(self.plan.entries)} inputs -> {outputs} tensors ({formats}))")
+                f"seconds={self.seconds:.3f}, plan: {self.plan.summary()})")
 
 
 def engine_quantization_config(llm: Any) -> dict[str, Any] | None:

@@ -306,3 +306,15 @@ def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_c
         write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
                          tmp_path / "out", hf_config={**tiny_hf_config, "rope_theta": float("nan")})
     assert not (tmp_path / "out").exists()
+
+
+def test_a_plan_prints_as_one_line_of_totals(tiny_model, tiny_hf_config):
+    """print(plan) in a notebook: its totals, not every entry (the dataclass repr was the whole plan)."""
+    plan = qstrat.RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tiny_model.state_dict())
+    totals = plan.totals()
+    want = (f"RefitPlan(layout qwen3_moe, 4 decoder layers, {len(plan.entries)} inputs -> "
+            f"{len(plan.outputs())} tensors (passthrough {totals['passthrough']['tensors']} -> "
+            f"{totals['passthrough']['outputs']}, block_fp8 {totals['block_fp8']['tensors']} -> "
+            f"{totals['block_fp8']['outputs']}))")
+    assert repr(plan) == str(plan) == want
+    assert len(repr(plan)) < 200

@@ -94,9 +94,12 @@ class PlanEntry:
         return sum(o.nbytes for o in self.outputs)
 
 
-@dataclass
+@dataclass(repr=False)
 class RefitPlan:
     """A validated plan. Build it with :meth:`qstrat.RefitDriver.plan`.
+
+    Printed (``repr``/``str``) as one line of totals (:meth:`summary`); every entry:
+    ``plan.to_json()`` or ``plan.entries``.
 
     Attributes:
         entries: one per input, in wire order.
@@ -120,6 +123,21 @@ class RefitPlan:
     order: str = "natural"
     rank: int | None = None
     elsewhere: dict[str, int | None] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: layout, depth, inputs -> output tensors, per format (inputs -> tensors),
+        e.g. ``layout qwen3_moe, 4 decoder layers, 47 inputs -> 247 tensors (passthrough 23 ->
+        23, block_fp8 24 -> 224)``; a per-rank plan adds its rank."""
+        totals = self.totals()
+        outputs = sum(t["outputs"] for t in totals.values())
+        formats = ", ".join(f"{name} {t['tensors']} -> {t['outputs']}" for name, t in totals.items())
+        layers = "" if self.num_layers is None else f", {self.num_layers} decoder layers"
+        rank = "" if self.rank is None else f", rank {self.rank}"
+        return (f"layout {self.layout}{layers}{rank}, {len(self.entries)} inputs -> {outputs} tensors"
+                f" ({formats})")
+
+    def __repr__(self) -> str:
+        return f"RefitPlan({self.summary()})"
 
     def vllm_quantization_config(self) -> dict[str, Any] | None:
         """The exact ``quantization_config`` for the engine's config.json (None: unquantized)."""
