@@ -159,6 +159,11 @@ def test_two_receivers_end_with_the_driver_output_bytes(standalone, tiny):
     assert got[0] == got[1] == want
     assert any(s.chunks > 1 for s in report.manifest.slots), "expected a chunked tensor"
     assert report.buckets == len(report.manifest.buckets) and report.bytes == report.manifest.total_bytes
+    assert repr(report) == (
+        f"TransferReport(tensors={len(report.manifest.slots)}, bytes={report.bytes} "
+        f"({report.bytes / 2**20:.2f} MiB), buckets={report.buckets}, stream_seconds="
+        f"{report.stream_seconds:.3f}, seconds={report.seconds:.3f}, manifest digest "
+        f"{report.manifest.digest[:12]})")  # one line, not the whole manifest
 
 
 def test_a_source_that_falls_short_aborts_the_round_and_the_group_stays_usable(standalone, tiny):

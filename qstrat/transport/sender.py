@@ -37,16 +37,23 @@ from qstrat.transport.manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, 
                                        TensorSlot, manifest_for_plan)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class TransferReport:
     """One round: its manifest, payload bytes, buckets, wall seconds of the stream (steps 1-4)
-    and of the whole round (RPCs and engine load included)."""
+    and of the whole round (RPCs and engine load included). Printed as one line (the manifest
+    as its tensor count and digest; every slot: ``report.manifest.to_dict()``)."""
 
     manifest: Manifest
     bytes: int
     buckets: int
     stream_seconds: float
     seconds: float
+
+    def __repr__(self) -> str:
+        return (f"TransferReport(tensors={len(self.manifest.slots)}, bytes={self.bytes} "
+                f"({self.bytes / 2**20:.2f} MiB), buckets={self.buckets}, "
+                f"stream_seconds={self.stream_seconds:.3f}, seconds={self.seconds:.3f}, "
+                f"manifest digest {self.manifest.digest[:12]})")
 
 
 class RefitSender:
