@@ -322,10 +322,19 @@ def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, An
     Args:
         layouts: registered layouts by name (must include ``generic``).
         hf_config: parsed ``config.json`` or None.
+    Raises: ConfigError naming the key for an ``architectures`` that is not a list of class
+        names or a ``model_type`` that is not a string (null or absent are fine).
     """
+    from qstrat.errors import ConfigError
+
     cfg = hf_config or {}
-    archs = set(cfg.get("architectures") or ())
+    archs = cfg.get("architectures")
+    if archs is not None and (not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs)):
+        raise ConfigError(f"model config: architectures must be a list of class names (strings), got {archs!r}")
     model_type = cfg.get("model_type") or ModelLayout.text_config(cfg).get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ConfigError(f"model config: model_type must be a string, got {model_type!r}")
+    archs = set(archs or ())
     for layout in layouts.values():
         if archs & set(layout.architectures) or (model_type and model_type in layout.model_types):
             return layout

@@ -156,6 +156,20 @@ def _case_config_only_missing_key(tmp, src):
         f"{tmp / 'm' / 'config.json'}: missing key 'hidden_size', needed to plan the model from its config alone"
 
 
+def _case_config_architectures_not_a_list(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text('{"architectures": 5, "model_type": "qwen3_moe"}')
+    return ["plan", tmp / "m", "--preset", "bf16"], \
+        "error: model config: architectures must be a list of class names (strings), got 5\n"
+
+
+def _case_config_model_type_not_a_string(tmp, src):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text('{"architectures": null, "model_type": 3}')
+    return ["plan", tmp / "m", "--preset", "bf16"], \
+        "error: model config: model_type must be a string, got 3\n"
+
+
 def _case_quantize_config_only(tmp, src):
     (tmp / "m").mkdir()
     (tmp / "m" / "config.json").write_text("{}")  # the safetensors check comes first
@@ -237,6 +251,7 @@ def _case_index_nested_too_deeply(tmp, src):
     _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
     _case_config_is_a_directory, _case_binary_config, _case_model_is_a_safetensors_file,
     _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,
+    _case_config_architectures_not_a_list, _case_config_model_type_not_a_string,
     _case_quantize_config_only, _case_unsupported_dtype, _case_no_tensors, _case_out_is_a_file,
     _case_out_is_the_source, _case_out_inside_the_source, _case_out_contains_the_source,
     _case_grouped_with_safetensors, _case_unknown_preset,
