@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 from qstrat.errors import UnsupportedShapeError
-from qstrat.serializers.base import Context, PartSpec, Serializer, SerializerOptions
+from qstrat.serializers.base import Context, PartSpec, Serializer, SerializerOptions, all_finite
 from qstrat.serializers.chunking import Scratch, block_max
 from qstrat.serializers.fp_bits import E8M0_BIAS, e8m0_from_amax, exp2_int
 
@@ -73,7 +73,7 @@ class MXFP8(Serializer):
         f.view(e, n, k).copy_(x)
         a = scratch.get("abs", f.shape)
         amax = block_max(torch.abs(f, out=a))
-        byte, inv = self._scale(amax)
+        byte, inv = self._scale_finite(amax) if all_finite(amax) else self._scale(amax)
         out["weight_scale"].copy_(byte)
         out["weight"].copy_(f.mul_(inv.unsqueeze(-1)).view(e, n, k))
         return amax
@@ -83,6 +83,26 @@ class MXFP8(Serializer):
         byte = e8m0_from_amax(amax, self.options.scale_rounding)
         byte = torch.where(byte == 255, byte, byte.clamp(min=self.options.min_scale_byte))
         return byte, exp2_int(E8M0_BIAS - byte)  # exact 1/s; x * 2^-j == x / 2^j bit for bit
+
+    def _scale_finite(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_scale` for finite block maxima (>= 0) in ~10 integer ops instead of ~25 (the
+        special cases of zero, subnormal, inf and NaN maxima cost a ``where`` each there).
+
+        ``byte = clamp(biased - 8 + rceil_bit, min_scale_byte, 254)`` with
+        ``rceil_bit = (mantissa + 0x1FFFFF) >> 23`` (1 iff mantissa > 0x600000, i.e. amax's
+        significand above 1.75: :func:`e8m0_from_amax`; 0 under FLOOR); a zero or subnormal amax
+        (biased exponent 0) clamps to byte 0 as there. The decode reciprocal
+        ``2^(127 - byte)`` from bits: ``(254 - byte) << 23``, or the subnormal 2^-127 (bits
+        0x400000) for byte 254, the only byte whose normal form underflows: one ``max``.
+        Same values as :meth:`_scale`, tested on every finite class (tests/test_mxfp8.py).
+        """
+        bits = amax.contiguous().view(torch.int32)
+        byte = torch.bitwise_right_shift(bits, 23)  # biased exponent: amax >= 0, sign bit clear
+        if self.options.scale_rounding == "rceil":
+            byte.add_((bits & 0x7FFFFF).add_(0x7FFFFF - 0x600000).bitwise_right_shift_(23))
+        byte.sub_(8).clamp_(self.options.min_scale_byte, 254)
+        inv = torch.maximum((254 - byte).bitwise_left_shift_(23), torch.tensor(0x400000, dtype=torch.int32))
+        return byte, inv.view(torch.float32)
 
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """weight * 2^(weight_scale - 127) per 32-block; float32 of weight's shape."""
