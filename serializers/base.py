@@ -244,7 +244,7 @@ class Serializer(ABC):
         """With ``nonfinite="error"``: raise NonFiniteError naming ``name`` and the first NaN/inf
         index of ``w`` ([N, K] or [E, N, K]); read in expert chunks, no full-size copy."""
         if self.options.nonfinite == "error":
-            check_finite(w, name, self._expert_chunk(w if w.dim() == 3 else w.unsqueeze(0)))
+            check_finite(w, name, self._expert_chunk(w))
 
     def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
                     scratch: Scratch) -> torch.Tensor:
@@ -324,8 +324,9 @@ class Serializer(ABC):
     def _chunk_elements(self) -> int:
         return self.options.chunk_elements or cache_chunk_elements()
 
-    def _expert_chunk(self, w3: torch.Tensor) -> int:
-        return max(1, self._chunk_elements() // (w3.shape[1] * w3.shape[2]))
+    def _expert_chunk(self, w: torch.Tensor) -> int:
+        """Experts per cache-sized chunk of ``w`` ([N, K] or [E, N, K]: its last two dims)."""
+        return max(1, self._chunk_elements() // (w.shape[-2] * w.shape[-1]))
 
     def _chunk_views(self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...]):
         """``(out, [(label, x chunk, ctx chunk, part views), ...])`` over cache-sized chunks."""
@@ -357,11 +358,11 @@ class Serializer(ABC):
 
     def _fast_chunked(
         self, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...], check: str | None,
-        source: torch.Tensor | None = None,
+        source: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """Run :meth:`encode_into` over cache-sized chunks, reusing one scratch. ``check``: the
         tensor's name when non-finite values must raise (found from the block maxima);
-        ``source``: the weight in its own rank, for the index in that error (default ``w3``)."""
+        ``source``: the weight as given (``w3`` is it as [E, N, K]), for the index in that error."""
         out, views = self._chunk_views(w3, ctx, specs)
         workers = torch.get_num_threads()
         if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
@@ -377,7 +378,7 @@ class Serializer(ABC):
 
             finite = all(list(chunk_pool(workers).map(task, views)))
         if not finite:
-            check_finite(w3 if source is None else source, check, self._expert_chunk(w3))  # names the index
+            check_finite(source, check, self._expert_chunk(w3))  # names the index
             raise NonFiniteError(f"{check}: its values overflow float32 (non-finite block maxima)")
         return out
 

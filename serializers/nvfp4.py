@@ -276,7 +276,7 @@ class NVFP4(Serializer):
         if self.options.nonfinite == "error" and not bool(torch.isfinite(amax).all()):
             for i, m in enumerate(members):
                 label = names[i] if names is not None else f"fusion group member {i}"
-                check_finite(m, label, self._expert_chunk(m if m.dim() == 3 else m.unsqueeze(0)))
+                check_finite(m, label, self._expert_chunk(m))
         return {"amax": amax}
 
     def reference(self, x: torch.Tensor, context: Context | None) -> dict[str, torch.Tensor]:
