@@ -414,7 +414,10 @@ def all_finite(w: torch.Tensor) -> bool:
 
     One ``torch.aminmax`` reduction (NaN propagates to both results; an infinity is the max or
     the min), no temporary: on CPU ~200x faster than ``torch.isfinite(w).all()`` for bf16
-    (measured: 0.7 ms vs ~150 ms on a 4096 x 4096 bf16, which has no vectorized isfinite).
+    (measured: 0.7 ms vs ~110-150 ms on a 4096 x 4096 bf16, which has no vectorized isfinite).
+
+    Args: w: float tensor (bf16/fp16/fp32/fp64), any shape, any device. Returns: a Python bool
+    (True for an empty tensor). Raises nothing of its own (torch's error for a non-float dtype).
     """
     if w.numel() == 0:
         return True
