@@ -417,7 +417,8 @@ def all_finite(w: torch.Tensor) -> bool:
     (measured: 0.7 ms vs ~110-150 ms on a 4096 x 4096 bf16, which has no vectorized isfinite).
 
     Args: w: float tensor (bf16/fp16/fp32/fp64), any shape, any device. Returns: a Python bool
-    (True for an empty tensor). Raises nothing of its own (torch's error for a non-float dtype).
+    (True for an empty tensor, and for integer or bool tensors, which cannot hold NaN/inf). Raises
+    nothing.
     """
     if w.numel() == 0:
         return True
