@@ -7,7 +7,8 @@ HTTPVLLMWeightSyncClient`` for a ``vllm serve`` endpoint) whose engines run
 ``weight_transfer_config={"backend": "qstrat"}`` (:mod:`qstrat.engine.transfer_backend`), and
 streams the tensors itself on a torch.distributed group (rank 0 = this process).
 
-A round: plan and check values (nothing sent on error) -> wire manifest -> ``start_weight_update``
+A round: ``RefitDriver.prepare`` with the wire manifest as this sink's check (nothing sent on
+error) -> ``start_weight_update``
 -> ``update_weights({"wire_manifest": ...})`` on every engine, concurrently with the stream
 (:mod:`qstrat.transport.protocol`) -> ``finish_weight_update`` (the engines load) only if every
 rank voted to commit.
@@ -29,7 +30,10 @@ from typing import Any
 import torch
 
 from qstrat.errors import WireManifestMismatchError, TransportError
-from qstrat.inputs import NamedTensors, as_tensor_dict
+from qstrat.driver import RefitDriver
+from qstrat.inputs import NamedTensors
+from qstrat.plan import RefitPlan
+from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
 from qstrat.transport.buckets import bucket_contents, checksum, chunk_view, pack
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
@@ -116,7 +120,8 @@ class RefitSender:
             self.group = None
 
     # ---- a round --------------------------------------------------------------------------
-    def refit(self, driver: Any, named_tensors: NamedTensors, plan: Any = None) -> TransferReport:
+    def refit(self, driver: RefitDriver, named_tensors: NamedTensors, plan: RefitPlan | None = None
+              ) -> TransferReport:
         """Quantize ``named_tensors`` with ``driver`` and refit every engine (all or none).
 
         Args:
@@ -124,19 +129,17 @@ class RefitSender:
             plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to
                 refit only the layers that changed (whole layers: engines refuse a partly sent
                 layer; the others keep their weights).
-        Raises: PlanError / NonFiniteError before anything is sent; WireManifestMismatchError if an
-            engine refused the wire manifest (no data sent); TransportError for a failed checksum,
-            an aborted or truncated stream, a lost peer or a timeout - in every case no engine
-            loaded anything.
+        Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, the wire manifest,
+            backends, values): PlanError, WireManifestMismatchError (a ``bucket_bytes`` or
+            ``alignment`` the wire manifest cannot use), BackendUnavailableError, NonFiniteError;
+            WireManifestMismatchError if an engine refused the wire manifest (no data sent);
+            TransportError for a failed checksum, an aborted or truncated stream, a lost peer or
+            a timeout - in every case no engine loaded anything.
         """
-        tensors = as_tensor_dict(named_tensors)
-        if plan is None:
-            plan = driver.plan(tensors)
-        else:
-            driver.check_plan(plan, tensors)
-        driver.check_values(plan, tensors)
-        wire_manifest = wire_manifest_for_plan(plan, self.bucket_bytes, self.alignment)
-        return self.send(wire_manifest, driver.execute(plan, tensors, values_checked=True))
+        check = SinkCheck("wire manifest", lambda p: wire_manifest_for_plan(p.plan, self.bucket_bytes,
+                                                                               self.alignment))
+        prepared = driver.prepare(named_tensors, plan, (check,))
+        return self.send(prepared.results[check.name], prepared.execute())
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> TransferReport:
         """Run one round for ``wire_manifest`` with ``tensors`` yielded in its wire order."""
