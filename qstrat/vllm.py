@@ -281,7 +281,8 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
                                "are in an unknown state: restart the engine")
     start = time.perf_counter()
-    prepared = driver.prepare(named_tensors, plan, engine_checks(llm, driver, manifest, allow_cpu_bf16_experts))
+    checks = engine_checks(llm, driver, manifest, allow_cpu_bf16_experts)
+    prepared = driver.prepare(named_tensors, plan, checks)  # values="first": vLLM's reload has no rollback
     plan = prepared.plan
     sent = {"tensors": 0, "bytes": 0}
 

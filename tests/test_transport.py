@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from qstrat.errors import WireManifestMismatchError, TransportError
+from qstrat.errors import TransportError, WireManifestMismatchError
 from qstrat.transport import RefitSender, build_wire_manifest, check_against
 from qstrat.transport.buckets import bucket_contents, pack, receive_buffers, unpack
 from qstrat.transport.wire_manifest import WireManifest

@@ -34,8 +34,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
-from qstrat.transport.wire_manifest import WireManifest, check_against, expected_from_checkpoint
 from qstrat.transport.receiver import receive_round
+from qstrat.transport.wire_manifest import WireManifest, check_against, expected_from_checkpoint
 
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"

@@ -11,9 +11,10 @@
 The engine side is a vLLM weight-transfer backend, :mod:`qstrat.engine.transfer_backend`
 (``LLM(weight_transfer_config={"backend": "qstrat"})``). See docs/transport.md.
 """
-from qstrat.transport.wire_manifest import WireManifest, build_wire_manifest, check_against, wire_manifest_for_plan
+from qstrat.transport.wire_manifest import (WireManifest, build_wire_manifest, check_against,
+                                            wire_manifest_for_plan)
 from qstrat.transport.receiver import StandaloneReceiver, receive_round
 from qstrat.transport.sender import RefitSender, TransferReport
 
-__all__ = ["WireManifest", "RefitSender", "StandaloneReceiver", "TransferReport", "build_wire_manifest",
+__all__ = ["RefitSender", "StandaloneReceiver", "TransferReport", "WireManifest", "build_wire_manifest",
            "check_against", "wire_manifest_for_plan", "receive_round"]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from qstrat.transport.wire_manifest import Bucket, WireManifest, TensorSlot
+from qstrat.transport.wire_manifest import Bucket, TensorSlot, WireManifest
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -53,13 +53,15 @@ def pack(buffer: torch.Tensor, bucket: Bucket, slots: list[TensorSlot],
     return buffer[:bucket.nbytes]
 
 
-def chunk_view(t: torch.Tensor, wire_manifest: WireManifest, slot: TensorSlot, bucket: Bucket) -> torch.Tensor:
+def chunk_view(t: torch.Tensor, wire_manifest: WireManifest, slot: TensorSlot,
+               bucket: Bucket) -> torch.Tensor:
     """The bytes of ``t`` (contiguous, the slot's tensor) that make up chunk ``bucket`` (no copy)."""
     start = bucket.stream_offset - wire_manifest.buckets[slot.bucket].stream_offset
     return byte_view(t)[start:start + bucket.nbytes]
 
 
-def receive_buffers(wire_manifest: WireManifest, device: torch.device) -> Iterator[tuple[Bucket, torch.Tensor]]:
+def receive_buffers(wire_manifest: WireManifest, device: torch.device
+                    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
     """Allocate, bucket by bucket, the uint8 tensor each bucket is received into.
 
     A shared bucket gets its own buffer (its tensors become views of it: :func:`unpack`); the

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import WireManifestMismatchError, TransportError
+from qstrat.errors import TransportError, WireManifestMismatchError
 from qstrat.transport import protocol as p
 from qstrat.transport.buckets import checksum, receive_buffers, unpack
 from qstrat.transport.group import TransferGroup, open_group
@@ -31,7 +31,8 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
 
     Args:
         group: the open transfer group (this rank > 0).
-        wire_manifest_doc: the round's wire manifest as sent in ``update_info`` (:meth:`WireManifest.to_dict`).
+        wire_manifest_doc: the round's wire manifest as sent in ``update_info``
+            (:meth:`WireManifest.to_dict`).
         check: raises WireManifestMismatchError if the wire manifest does not match the engine (run
             before any data is received).
     Returns: ``(name, tensor)`` in wire order, views of the received buffers on
@@ -54,9 +55,11 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     except RuntimeError as exc:
         raise p.lost(group, "no round header from the sender", exc) from None
     if rejection is None and not torch.equal(header.cpu(), p.round_header(
-            len(wire_manifest.buckets), wire_manifest.total_bytes, wire_manifest.digest, torch.device("cpu"))):
-        rejection = WireManifestMismatchError(f"rank {group.rank}: the sender streams another wire manifest than "
-                                   f"the one in update_info (digest {wire_manifest.digest[:12]}...)")
+            len(wire_manifest.buckets), wire_manifest.total_bytes, wire_manifest.digest,
+            torch.device("cpu"))):
+        rejection = WireManifestMismatchError(
+            f"rank {group.rank}: the sender streams another wire manifest than the one in update_info "
+            f"(digest {wire_manifest.digest[:12]}...)")
     statuses = _vote(group, p.REJECTED if rejection else p.OK, "accept vote")
     if rejection is not None:
         raise rejection

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import WireManifestMismatchError, TransportError
+from qstrat.errors import TransportError, WireManifestMismatchError
 from qstrat.driver import RefitDriver
 from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
@@ -37,8 +37,8 @@ from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
 from qstrat.transport.buckets import bucket_contents, checksum, chunk_view, pack
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
-from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, WireManifest,
-                                       TensorSlot, wire_manifest_for_plan)
+from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
+                                            WireManifest, wire_manifest_for_plan)
 
 
 @dataclass(frozen=True, repr=False)
@@ -141,7 +141,8 @@ class RefitSender:
         prepared = driver.prepare(named_tensors, plan, (check,))
         return self.send(prepared.results[check.name], prepared.execute())
 
-    def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> TransferReport:
+    def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]
+             ) -> TransferReport:
         """Run one round for ``wire_manifest`` with ``tensors`` yielded in its wire order."""
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
@@ -161,8 +162,8 @@ class RefitSender:
         if errors:
             raise TransportError(f"update_weights failed after the stream: {errors}")
         self._call_all("finish_weight_update")
-        return TransferReport(wire_manifest, wire_manifest.total_bytes, len(wire_manifest.buckets), stream_seconds,
-                              time.perf_counter() - start)
+        return TransferReport(wire_manifest, wire_manifest.total_bytes, len(wire_manifest.buckets),
+                              stream_seconds, time.perf_counter() - start)
 
     def _stream(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         group = self.group
