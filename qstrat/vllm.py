@@ -269,8 +269,8 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             host: vLLM 0.32 cannot forward tensors in ``collective_rpc`` kwargs from its engine
             core to a worker process ("cannot pickle memoryview objects"). Not with ``stream``.
     Returns: a :class:`RefitReport`.
-    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError or NonFiniteError (nothing
-        sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
+    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError, BackendUnavailableError or
+        NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine must be restarted), and
         for every later refit of that engine.
     """
