@@ -4,10 +4,10 @@ Uses vLLM's public ``LLM.collective_rpc("reload_weights", kwargs={"weights_itera
 "is_checkpoint_format": True})``: the engine receives HF checkpoint-format names and dtypes
 (weights AND their scales), re-runs its post-load processing per layer and copies the results
 into its live tensors. That reload has no rollback, so everything that can fail is checked
-before the first tensor is sent: the plan, its match with the engine's quantization_config, the
-plan against the engine's manifest (:mod:`qstrat.engine_manifest`: every name, shape and dtype, every
-reload unit complete, cross-checked with vLLM's own record of the model), that each format's
-backend can run here, and every value (NaN/inf). What can still fail once the engine has begun
+before the first tensor is sent: :meth:`RefitDriver.prepare` with this sink's checks
+(:func:`engine_checks`: the engine's format, its manifest - :mod:`qstrat.engine_manifest`,
+cross-checked with vLLM's own record of the model -, its ignore lists, CPU experts) and every
+value read first. What can still fail once the engine has begun
 (out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`.
 Importing this module does not import vLLM.
 """
