@@ -117,7 +117,8 @@ def import_edges(modules: dict[str, Path], root: Path = ROOT) -> list[Edge]:
 
 
 def strongly_connected(nodes: Iterable[str], edges: Iterable[Edge]) -> list[list[str]]:
-    """Tarjan's strongly connected components with more than one module, each sorted."""
+    """Tarjan's strongly connected components with more than one module, each sorted (recursive:
+    the depth is at most the number of modules, a few hundred)."""
     graph: dict[str, set[str]] = {n: set() for n in nodes}
     for e in edges:
         graph[e.src].add(e.dst)
@@ -148,7 +149,6 @@ def strongly_connected(nodes: Iterable[str], edges: Iterable[Edge]) -> list[list
             if len(component) > 1:
                 found.append(sorted(component))
 
-    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
     for v in sorted(graph):
         if v not in index:
             visit(v)
