@@ -1,17 +1,26 @@
-"""Loading a refit config: :func:`load_config` from YAML, TOML, JSON, a mapping or a preset name.
+"""Declarative refit configuration (pydantic v2), loaded from YAML, TOML, JSON, a mapping or a
+preset name by :func:`load_config`.
 
-The schema (:class:`RefitConfig`, :class:`Rule`, :class:`KeepBF16`, :class:`PresetConfig`) lives
-in :mod:`qstrat.config_schema` and is re-exported here; files are read by
-:mod:`qstrat.config_files` (duplicate keys are errors). Example (YAML)::
+Example (YAML)::
 
     preset: mxfp8-experts          # a named strategy; the keys below extend it
     keep_bf16: {first: 1, last: 2} # first/last decoder layers stay BF16
     rules:                         # ordered, first match wins; evaluated before the preset's rules
       - select: [attention]
-        serializer: mxfp8
+        exclude: ['re:layers\\.(0|1)\\.']  # single quotes: YAML keeps the backslashes
+        serializer: mxfp8          # one quantized format per plan: vLLM's quantization_config names one
+        options: {scale_rounding: rceil}
     default: bf16                  # for matrices no rule matched
 
-Names are checked against a plugin registry: the one passed, else the process-wide one
+Unknown keys, plugin names or options are errors naming the key path (``rules[0].serializer``)
+and the valid choices. Types are strict (pydantic strict mode): ``true`` is not 1, ``"yes"`` is
+not a boolean, ``"1"`` is not a number (an int is accepted where a float belongs). Every problem
+of a config is reported at once, one line each.
+
+Files are read by :mod:`qstrat.config_files` (duplicate keys are errors). The schema
+(:class:`RefitConfig`, :class:`Rule`, :class:`KeepBF16`, :class:`PresetConfig`) lives in
+:mod:`qstrat.config_schema` and is re-exported here; names are checked against a plugin
+registry: the one passed to :func:`load_config`, else the process-wide one
 (:func:`qstrat.registry.get_registry`).
 """
 from __future__ import annotations

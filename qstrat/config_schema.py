@@ -1,21 +1,7 @@
 """The refit configuration's schema (pydantic v2): :class:`RefitConfig`, its :class:`Rule` s,
 :class:`KeepBF16` and a preset's :class:`PresetConfig`.
 
-Example (YAML)::
-
-    preset: mxfp8-experts          # a named strategy; the keys below extend it
-    keep_bf16: {first: 1, last: 2} # first/last decoder layers stay BF16
-    rules:                         # ordered, first match wins; evaluated before the preset's rules
-      - select: [attention]
-        exclude: ['re:layers\\.(0|1)\\.']  # single quotes: YAML keeps the backslashes
-        serializer: mxfp8          # one quantized format per plan: vLLM's quantization_config names one
-        options: {scale_rounding: rceil}
-    default: bf16                  # for matrices no rule matched
-
-Unknown keys, plugin names or options are errors naming the key path (``rules[0].serializer``)
-and the valid choices. Types are strict (pydantic strict mode): ``true`` is not 1, ``"yes"`` is
-not a boolean, ``"1"`` is not a number (an int is accepted where a float belongs). Every problem
-of a config is reported at once, one line each.
+See :mod:`qstrat.config` for an example and the strictness rules.
 
 Plugin names (serializers, selectors, preset, layout) and serializer options are checked against
 the registry given in the validation context (``RefitConfig.from_mapping(data, registry)``);
