@@ -48,7 +48,7 @@ class LayoutTensors:
 
     def tensors(self, hf_config: Mapping[str, Any], grouped: bool = False) -> Tensors:
         """Every tensor of the model ``hf_config`` describes (see :func:`model_tensors`)."""
-        reasons = self.config_only_refusals(hf_config)
+        reasons = self.config_only_refusals(hf_config, grouped)
         if reasons:
             raise ConfigOnlyUnsupportedError(
                 f"layout {self.name!r}: config-only planning does not generate {' and '.join(reasons)}; "
@@ -66,12 +66,17 @@ class LayoutTensors:
         if not c.get("tie_word_embeddings", False):
             yield f"{self.lm_heads[0]}.weight", (vocab, h)
 
-    def config_only_refusals(self, hf_config: Mapping[str, Any]) -> list[str]:
+    def config_only_refusals(self, hf_config: Mapping[str, Any], grouped: bool = False) -> list[str]:
         """What this generator would get wrong for ``hf_config`` (empty: nothing): hybrid
         linear-attention layers (``layer_types`` or a ``linear_attn`` block), a vision tower
-        (``vision_config``). A layout that generates them overrides this and the methods."""
+        (``vision_config``); without ``grouped``, per-expert names of experts that exist only as
+        whole slabs (a slab that is not :attr:`~qstrat.layouts.SlabSpec.splittable`: gpt-oss).
+        A layout that generates them overrides this and the methods."""
         c = self.text_config(hf_config)
         reasons = []
+        if not grouped and any(not spec.splittable for spec in self.slabs.values()):
+            reasons.append("per-expert names for experts that exist only as whole transposed slabs (plan "
+                           "them grouped: --grouped, grouped=True)")
         if "linear_attention" in (c.get("layer_types") or ()) or "linear_attn" in self.attention_blocks:
             reasons.append("hybrid linear-attention layers")
         if hf_config.get("vision_config"):
@@ -145,13 +150,13 @@ class LayoutTensors:
         layout's slabs whose parts are (gate, up) and (down,), shaped by their
         :class:`~qstrat.layouts.SlabSpec` (``[E, 2I, H]`` and ``[E, H, I]``; transposed
         ``[E, H, 2I]`` / ``[E, I, H]``) with their ``*_bias`` [E, rows] when the spec has biases.
-        Slabs that cannot be split are the checkpoint form too: emitted whole either way.
+        Slabs that cannot be split have no per-expert form (:meth:`config_only_refusals`).
         """
         h = int(c["hidden_size"])
         gate, up, down = self.expert_projections
         gate_up = next((k, s) for k, s in self.slabs.items() if s.parts == (gate, up))
         down_slab = next((k, s) for k, s in self.slabs.items() if s.parts == (down,))
-        if grouped or not (gate_up[1].splittable and down_slab[1].splittable):
+        if grouped:
             for (slab, spec), rows, k in ((gate_up, inter, h), (down_slab, h, inter)):
                 yield f"{p}.{slab}", spec.shape(n, rows, k)
                 if spec.biases:

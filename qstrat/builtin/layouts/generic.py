@@ -13,9 +13,9 @@ class GenericLayout(ModelLayout):
     inside a decoder layer is a quantizable ``linear``. Its names are alternatives to place
     stored tensors, not a structure: it generates no tensors from a config alone."""
 
-    def config_only_refusals(self, hf_config: Mapping[str, Any]) -> list[str]:
+    def config_only_refusals(self, hf_config: Mapping[str, Any], grouped: bool = False) -> list[str]:
         """The default's refusals, and always the tensors of an unknown family."""
-        return super().config_only_refusals(hf_config) + [
+        return super().config_only_refusals(hf_config, grouped) + [
             "the tensors of a model family no registered layout matches (set 'layout:' in the refit "
             "config if it is one that 'qstrat list' shows)"]
 
