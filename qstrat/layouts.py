@@ -304,7 +304,7 @@ class ModelLayout(LayoutTensors):
                 return "expert", int(t[1]), t[2], False, experts_module
             if len(t) == 2 and t[1] in self.slabs:
                 return "expert", None, t[1], True, experts_module
-            if len(t) == 2 and t[1].removesuffix("_bias") in self.slabs:  # gpt-oss [E, 2I] biases
+            if len(t) == 2 and t[1].removesuffix("_bias") in self.slabs:  # a slab's bias [E, rows] (SlabSpec.biases)
                 return "expert", None, t[1].removesuffix("_bias"), False, experts_module
             return _OTHER
         if head in self.routers and len(t) == 2:
