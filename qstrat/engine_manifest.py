@@ -223,7 +223,11 @@ def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | Non
         entry = registry.serializers.get(e.serializer)
         if entry is not None and entry.obj.quantizes and (e.serializer, repr(e.options)) not in formats:
             formats[(e.serializer, repr(e.options))] = registry.serializer(e.serializer, **e.options)
-    for ser in formats.values() or filter(None, [engine_format(mine, registry)]):
+    checked = list(formats.values())
+    if not checked:  # e.g. one rank's share of the plan: only unquantized tensors
+        own = engine_format(mine, registry)
+        checked = [own] if own is not None else []
+    for ser in checked:
         why = ser.engine_config_mismatch(engine_config)
         if why is not None:
             return f"{why} (the engine does not serve the plan's format {ser.name})"
