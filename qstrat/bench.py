@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from qstrat.cli import SECTIONS
+from qstrat.bench_sections import SECTIONS
 from qstrat.registry import Registry, get_registry
 
 # vLLM logs INFO/WARNING lines at import (e.g. "Triton is installed, but doesn't include CPU
