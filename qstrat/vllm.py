@@ -27,10 +27,11 @@ from qstrat import vllm_model
 from qstrat.driver import RefitDriver, layout_for
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
 from qstrat.inputs import NamedTensors
-from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, config_mismatch, covered,
-                                    ignore_list)
+from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, covered,
+                                    ignore_list, plan_format_mismatch)
 from qstrat.plan import RefitPlan, natural_key
 from qstrat.prepare import PreparedRefit, SinkCheck
+from qstrat.registry import Registry, get_registry
 
 #: Attribute set on an engine whose reload failed part-way (its weights are in an unknown state).
 _FAILED = "_qstrat_refit_failed"
@@ -124,19 +125,19 @@ def _platform() -> str | None:
     return str(current_platform.device_type)
 
 
-def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
-    """Raise PlanError unless the plan's format is the engine's (both unquantized, or equal on
-    :data:`qstrat.engine_manifest.MATCH_KEYS`)."""
-    mine = plan.vllm_quantization_config()
-    if (mine is None) != (engine_config is None):
-        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
-    key = None if mine is None or engine_config is None else config_mismatch(mine, engine_config)
-    if key is not None:
-        raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
-                        f"the plan emits {mine.get(key)!r}")
+def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
+                        registry: Registry | None = None) -> None:
+    """Raise PlanError unless the engine serves the plan's format: both unquantized, or each
+    quantizing format of the plan serves ``engine_config`` by its own rule
+    (:func:`qstrat.engine_manifest.plan_format_mismatch`; ``registry``: the driver's, default
+    the process-wide one)."""
+    why = plan_format_mismatch(plan, engine_config, registry or get_registry())
+    if why is not None:
+        raise PlanError(why)
 
 
-def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
+def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
+                            registry: Registry | None = None) -> None:
     """Raise PlanError unless the plan emits what the engine's modules expect.
 
     Checks the format (:func:`check_engine_format`) and both directions of the
@@ -148,8 +149,9 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
     Args:
         plan: the validated refit plan.
         engine_config: the engine's ``quantization_config`` (None: unquantized engine).
+        registry: where the plan's formats are looked up (default: the process-wide registry).
     """
-    check_engine_format(plan, engine_config)
+    check_engine_format(plan, engine_config, registry)
     mine = plan.vllm_quantization_config()
     if mine is None or engine_config is None:
         return
@@ -205,7 +207,7 @@ class _EngineChecks:
 
     def engine_format(self, p: PreparedRefit) -> None:
         self.config = engine_quantization_config(self.llm)
-        check_engine_format(p.plan, self.config)
+        check_engine_format(p.plan, self.config, self.driver.registry)
 
     def engine_manifest(self, p: PreparedRefit) -> None:
         self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
@@ -214,7 +216,7 @@ class _EngineChecks:
             check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
 
     def ignore_lists(self, p: PreparedRefit) -> None:
-        check_engine_compatible(p.plan, self.config)
+        check_engine_compatible(p.plan, self.config, self.driver.registry)
 
     def cpu_experts(self, p: PreparedRefit) -> None:
         if self.manifest is not None:

@@ -81,12 +81,12 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel, init_nvfp4_linear_kernel
     from vllm.model_executor.layers.fused_moe.oracle import fp8, mxfp8, nvfp4
 
-    if emulation.needed_formats()[0] != emulation.FORMATS:
+    if emulation.needed_formats()[0] != emulation.formats():
         pytest.fail(f"this test expects a CPU without AMX: {emulation.needed_formats()}")
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # what vLLM calls in each process; a no-op if an engine already did
-    assert emulation.status().active == emulation.FORMATS, emulation.status()
+    assert emulation.status().active == emulation.formats(), emulation.status()
     before = _registries()
     assert before["fp8_block"][-1].__name__ == "EmulatedCPUFp8BlockScaledMMKernel"
     assert [k.__name__ for k in before["fp8_block"][:-1]] == [

@@ -55,7 +55,7 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
 
     if not current_platform.is_cpu():
         return True, f"vLLM platform {current_platform.device_name!r}: vLLM's kernels"
-    wanted = [f for f in emulation.FORMATS if f in set(formats)]
+    wanted = [f for f in emulation.formats() if f in set(formats)]
     needed, reason = emulation.needed_formats()
     emulated = [f for f in wanted if f in needed]
     unserved = [f for f in wanted if f not in needed and not (f == "block_fp8" and emulation.has_amx())]
