@@ -100,11 +100,13 @@ class ParityProbe:
     def __call__(self) -> Any:
         from qstrat.engine.local import PROMPTS, greedy
 
-        report = self.sync()
+        # The weights before the sync: TRL's PEFT sync merges and then unmerges the adapter in
+        # place, which may round the base weights in BF16 (a later merge differs by that rounding).
         model = self.trainer.model
         if callable(getattr(model, "merge_and_unload", None)):  # PEFT: its own merge, on a copy
             model = copy.deepcopy(model).merge_and_unload()
         weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        report = self.sync()
         engine = greedy(self.trainer.vllm_generation.llm, PROMPTS, max_tokens=PROBE_TOKENS)
         self.records.append(SyncRecord(self.trainer.state.global_step, weights, engine, report))
         return report
