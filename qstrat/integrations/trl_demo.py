@@ -27,6 +27,17 @@ TRAIN_PROMPTS = ("w5 w6 w7 w8", "w100 w200 w300", "w7 w7 w900", "w12 w55 w9")
 PROBE_TOKENS = 4
 
 
+def probe_greedy(llm: Any) -> list[Any]:
+    """Greedy tokens and logprobs of :data:`qstrat.engine.local.PROMPTS`, one prompt per
+    ``generate`` call: TRL's engine (``max_num_seqs`` = the batch size) and a fresh engine would
+    otherwise schedule the prompts in different batches, and CPU matmuls need not be
+    batch-invariant (seen with the three prompts in one call: MXFP8, after a GRPO step, tokens
+    equal, logprobs 2.3e-4 apart; one prompt per call: exact)."""
+    from qstrat.engine.local import PROMPTS, greedy
+
+    return [g for prompt in PROMPTS for g in greedy(llm, (prompt,), max_tokens=PROBE_TOKENS)]
+
+
 def tiny_tokenizer(vocab_size: int = 1024) -> Any:
     """A word-level ``PreTrainedTokenizerFast``: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then the
     words ``w3`` ... ``w{vocab_size-1}`` (ids = their number), split on whitespace."""
@@ -98,8 +109,6 @@ class ParityProbe:
         gen.sync_weights = self
 
     def __call__(self) -> Any:
-        from qstrat.engine.local import PROMPTS, greedy
-
         # The weights before the sync: TRL's PEFT sync merges and then unmerges the adapter in
         # place, which may round the base weights in BF16 (a later merge differs by that rounding).
         model = self.trainer.model
@@ -107,7 +116,7 @@ class ParityProbe:
             model = copy.deepcopy(model).merge_and_unload()
         weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
         report = self.sync()
-        engine = greedy(self.trainer.vllm_generation.llm, PROMPTS, max_tokens=PROBE_TOKENS)
+        engine = probe_greedy(self.trainer.vllm_generation.llm)
         self.records.append(SyncRecord(self.trainer.state.global_step, weights, engine, report))
         return report
 
@@ -118,12 +127,12 @@ def fresh_engine_greedy(strategy: Any, hf_config: dict[str, Any], weights: dict[
     before returning). ``logprobs_mode`` as TRL starts its engine (processed logprobs)."""
     from qstrat.checkpoint import write_checkpoint
     from qstrat.driver import RefitDriver
-    from qstrat.engine.local import PROMPTS, greedy, release, start_engine
+    from qstrat.engine.local import release, start_engine
 
     write_checkpoint(RefitDriver(strategy, hf_config=hf_config), weights, directory, overwrite=True)
     llm = start_engine(directory, logprobs_mode="processed_logprobs")
     try:
-        return greedy(llm, PROMPTS, max_tokens=PROBE_TOKENS)
+        return probe_greedy(llm)
     finally:
         release(llm)
 
