@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from qstrat.cli import SECTIONS
+from qstrat.bench_sections import SECTIONS
 
 # vLLM logs INFO/WARNING lines at import (e.g. "Triton is installed, but doesn't include CPU
 # backend") that would bury the tables; set VLLM_LOGGING_LEVEL yourself to see them.

@@ -66,3 +66,14 @@ class VerificationError(QstratError):
 class ConfigOnlyUnsupportedError(PlanError):
     """qstrat cannot derive this model's tensors from its config.json alone (hybrid linear
     attention, a vision tower, gpt-oss slabs): plan the trainer's state_dict() instead."""
+
+
+class FidelityError(QstratError, RuntimeError):
+    """After a refit, the engine's logprobs on the probe sequences differ from the trainer's
+    model with the same quantized weights by more than the format's threshold
+    (:mod:`qstrat.fidelity`): the engine does not serve what was sent. The reload itself
+    completed; ``.report`` holds the measured :class:`~qstrat.fidelity.FidelityReport`."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report

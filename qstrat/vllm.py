@@ -51,10 +51,13 @@ class RefitReport:
     tensors: int
     bytes: int
     seconds: float
+    #: the fidelity probe's report (``refit(..., verify=...)``; docs/fidelity.md), else None
+    fidelity: Any = None
 
     def __repr__(self) -> str:
         return (f"RefitReport(tensors={self.tensors}, bytes={self.bytes} ({self.bytes / 2**20:.2f} MiB), "
-                f"seconds={self.seconds:.3f}, plan: {self.plan.summary()})")
+                f"seconds={self.seconds:.3f}, plan: {self.plan.summary()}"
+                + (f"; {self.fidelity}" if self.fidelity is not None else "") + ")")
 
 
 def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
@@ -183,7 +186,8 @@ def check_cpu_expert_reload(plan: RefitPlan, manifest: EngineManifest, allow: bo
 
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
           plan: RefitPlan | None = None, manifest: EngineManifest | None = None,
-          allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None) -> RefitReport:
+          allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None,
+          verify: Any = None) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its format against
@@ -216,11 +220,15 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             vLLM then records that folder as its model path). For multiprocess engines on this
             host: vLLM 0.32 cannot forward tensors in ``collective_rpc`` kwargs from its engine
             core to a worker process ("cannot pickle memoryview objects"). Not with ``stream``.
+        verify: after the reload, ``verify(llm, driver)`` - e.g.
+            ``qstrat.fidelity.Verify(model)``: the fidelity probe (docs/fidelity.md) - and its
+            result on ``RefitReport.fidelity``; it raises FidelityError when the engine does not
+            serve what was sent (the reload is complete then).
     Returns: a :class:`RefitReport`.
     Raises: ValueError for ``stream`` with ``weights_dir``; PlanError or NonFiniteError (nothing
         sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine must be restarted), and
-        for every later refit of that engine.
+        for every later refit of that engine; FidelityError from ``verify``.
     """
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
@@ -263,7 +271,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         with tempfile.TemporaryDirectory(prefix="qstrat-refit-", dir=weights_dir) as spool:
             save_file(dict(payload()), str(Path(spool) / "model.safetensors"))
             _reload(llm, {"weights_path": spool}, sent, len(plan.outputs()))
-    return RefitReport(plan, sent["tensors"], sent["bytes"], time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    fidelity = verify(llm, driver) if verify is not None else None
+    return RefitReport(plan, sent["tensors"], sent["bytes"], seconds, fidelity)
 
 
 def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:
