@@ -93,7 +93,8 @@ _ENTRIES = (
     _name("llm", "class", "vllm:LLM", "vLLM's offline engine class",
           "start an engine (qstrat.engine.local.start_engine)"),
     _name("sampling_params", "class", "vllm:SamplingParams", "vLLM's sampling parameters",
-          "greedy decoding with logprobs (qstrat.engine.local.greedy)"),
+          "greedy decoding with logprobs (qstrat.engine.local.greedy); prompt logprobs for the "
+          "fidelity probe (qstrat.fidelity.engine_prompt_logprobs)"),
     _name("cleanup_dist_env_and_memory", "function",
           "vllm.distributed.parallel_state:cleanup_dist_env_and_memory",
           "tears down vLLM's distributed state and frees memory",

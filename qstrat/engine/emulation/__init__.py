@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from qstrat.engine.emulation import announcing
+from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
 from qstrat.vllm_adapter import names
 from qstrat.vllm_adapter.platform_facts import device_name, has_amx, is_cpu
 from qstrat.vllm_adapter.resolver import VllmNameError, is_known_version, known_versions, vllm_version
 
-__all__ = ["FORMATS", "OPT_OUT_ENV", "Status", "VllmNameError", "check", "has_amx",
+__all__ = ["FORMATS", "OPT_OUT_ENV", "Announcing", "Status", "VllmNameError", "check", "has_amx",
            "needed_formats", "register", "status", "announce", "built_kernels"]
 
 #: Environment variable: ``0`` disables the plugin (vLLM then runs only its own kernels).
@@ -66,8 +67,6 @@ class Status:
 
 
 _status = Status()
-_announced = False
-_built: Counter[str] = Counter()
 
 
 def needed_formats() -> tuple[tuple[str, ...], str]:
@@ -123,41 +122,13 @@ def register() -> None:
     for fmt in formats:
         modules[fmt].register(hooks[fmt])
     _status = Status(formats, reason)
-
-
-def announce(kernel: str) -> None:
-    """Count a built emulated kernel (class name ``kernel``) and log, once per process, that
-    the emulation is in use: called by every emulated kernel when vLLM builds it. (Not at
-    :func:`register`: in the caller's process vLLM loads plugins before it configures its
-    logging, and that line would be lost.)"""
-    global _announced
-    _built[kernel] += 1
-    if _announced:
-        return
-    _announced = True
-    logger.info("qstrat CPU emulation active (%s; first kernel built: %s): emulated %s kernels for "
-                "linear layers and fused MoE; set %s=0 to disable", _status.reason, kernel,
-                ", ".join(_status.active), OPT_OUT_ENV)
-
-
-class Announcing:
-    """Mixin for the emulated kernel classes: :func:`announce` when vLLM builds one."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        announce(type(self).__name__)
+    announcing.describe(reason, formats, OPT_OUT_ENV)
 
 
 def _modules() -> dict[str, Any]:
     from qstrat.engine.emulation import block_fp8, mxfp8, nvfp4
 
     return {"block_fp8": block_fp8, "mxfp8": mxfp8, "nvfp4": nvfp4}
-
-
-def built_kernels() -> Counter[str]:
-    """How many emulated kernel objects vLLM has built in THIS process, by class name (one per
-    quantized linear layer or MoE layer of every engine started here)."""
-    return Counter(_built)
 
 
 def status() -> Status:

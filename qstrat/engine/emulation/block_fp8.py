@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation import Announcing
+from qstrat.engine.emulation.announcing import Announcing
 from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
 from qstrat.engine.emulation.wiring import MARK, is_wired, route_backend
 from qstrat.vllm_adapter.platform_facts import is_cpu

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from qstrat.engine.emulation import Announcing
+from qstrat.engine.emulation.announcing import Announcing
 from qstrat.vllm_adapter.platform_facts import is_cpu
 from qstrat.vllm_adapter.resolver import resolve
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from qstrat.engine.emulation import Announcing
+from qstrat.engine.emulation.announcing import Announcing
 from qstrat.vllm_adapter.resolver import resolve
 
 MARK = "_qstrat_emulation"
