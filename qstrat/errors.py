@@ -48,8 +48,9 @@ class TransportError(QstratError):
     the message names the rank and bucket. Nothing was handed to the engine."""
 
 
-class ManifestMismatchError(TransportError):
-    """A transfer manifest is malformed or does not match what the receiving engine accepts;
+class WireManifestMismatchError(TransportError):
+    """A wire manifest (:mod:`qstrat.transport.wire_manifest`: where each tensor lies in a transfer
+    round; not the engine manifest) is malformed or does not match what the receiving engine accepts;
     raised before any tensor data is received."""
 
 

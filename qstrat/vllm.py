@@ -4,10 +4,10 @@ Uses vLLM's public ``LLM.collective_rpc("reload_weights", kwargs={"weights_itera
 "is_checkpoint_format": True})``: the engine receives HF checkpoint-format names and dtypes
 (weights AND their scales), re-runs its post-load processing per layer and copies the results
 into its live tensors. That reload has no rollback, so everything that can fail is checked
-before the first tensor is sent: the plan, its match with the engine's quantization_config, the
-plan against the engine's manifest (:mod:`qstrat.engine_manifest`: every name, shape and dtype, every
-reload unit complete, cross-checked with vLLM's own record of the model), that each format's
-backend can run here, and every value (NaN/inf). What can still fail once the engine has begun
+before the first tensor is sent: :meth:`RefitDriver.prepare` with this sink's checks
+(:func:`engine_checks`: the engine's format, its manifest - :mod:`qstrat.engine_manifest`,
+cross-checked with vLLM's own record of the model -, its ignore lists, CPU experts) and every
+value read first. What can still fail once the engine has begun
 (out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`.
 Importing this module does not import vLLM.
 """
@@ -25,10 +25,11 @@ import torch
 
 from qstrat.driver import RefitDriver, layout_for
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
-from qstrat.inputs import NamedTensors, as_tensor_dict
+from qstrat.inputs import NamedTensors
 from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, config_mismatch, covered,
                                     ignore_list)
 from qstrat.plan import RefitPlan, natural_key
+from qstrat.prepare import PreparedRefit, SinkCheck
 from qstrat.vllm_adapter import model_record
 from qstrat.vllm_adapter.platform_facts import device_type, in_process
 
@@ -184,19 +185,63 @@ def check_cpu_expert_reload(plan: RefitPlan, manifest: EngineManifest, allow: bo
     warnings.warn(f"{what}; sending them because allow_cpu_bf16_experts=True", RuntimeWarning, stacklevel=3)
 
 
+class _EngineChecks:
+    """The engine sink's checks (:func:`engine_checks`), sharing the engine's quantization_config
+    and manifest between them (each is read once per refit)."""
+
+    def __init__(self, llm: Any, driver: RefitDriver, manifest: EngineManifest | None,
+                 allow_cpu_bf16_experts: bool) -> None:
+        self.llm, self.driver, self.given_manifest = llm, driver, manifest
+        self.allow_cpu_bf16_experts = allow_cpu_bf16_experts
+        self.config: dict[str, Any] | None = None
+        self.manifest: EngineManifest | None = None
+
+    def engine_format(self, p: PreparedRefit) -> None:
+        self.config = engine_quantization_config(self.llm)
+        check_engine_format(p.plan, self.config)
+
+    def engine_manifest(self, p: PreparedRefit) -> None:
+        self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
+            self.llm, self.driver)
+        if self.manifest is not None:  # None: a family qstrat cannot derive from the config (warned)
+            check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
+
+    def ignore_lists(self, p: PreparedRefit) -> None:
+        check_engine_compatible(p.plan, self.config)
+
+    def cpu_experts(self, p: PreparedRefit) -> None:
+        if self.manifest is not None:
+            check_cpu_expert_reload(p.plan, self.manifest, self.allow_cpu_bf16_experts)
+
+
+def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None = None,
+                  allow_cpu_bf16_experts: bool = False) -> tuple[SinkCheck, ...]:
+    """The checks a running engine adds to :meth:`RefitDriver.prepare`, in this order:
+
+    1. ``engine format``: the plan's format is the engine's (:func:`check_engine_format`);
+    2. ``engine manifest``: the plan against the engine's manifest (``manifest``, default
+       :func:`engine_manifest`; :func:`qstrat.engine_manifest.check_plan`: names, shapes,
+       dtypes, every reload unit complete, every layer covered unless the plan was given);
+    3. ``ignore lists``: both directions of the ignore list (:func:`check_engine_compatible`);
+    4. ``cpu experts``: no unquantized routed experts into a CPU engine
+       (:func:`check_cpu_expert_reload`).
+
+    Raises (when run): PlanError; EngineManifestError (the manifest cannot be built or vLLM
+    disagrees with it).
+    """
+    c = _EngineChecks(llm, driver, manifest, allow_cpu_bf16_experts)
+    return (SinkCheck("engine format", c.engine_format), SinkCheck("engine manifest", c.engine_manifest),
+            SinkCheck("ignore lists", c.ignore_lists), SinkCheck("cpu experts", c.cpu_experts))
+
+
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
           plan: RefitPlan | None = None, manifest: EngineManifest | None = None,
           allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None,
           verify: Any = None) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
-    Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its format against
-    the engine's (:func:`check_engine_format`), the plan against the engine's manifest
-    (:func:`qstrat.engine_manifest.check_plan`: names, shapes, dtypes, every reload unit complete,
-    every layer covered unless a partial ``plan`` is given), the ignore lists
-    (:func:`check_engine_compatible`), unquantized experts on a CPU engine
-    (:func:`check_cpu_expert_reload`), the formats' backends (:meth:`RefitDriver.check_backends`)
-    and every value (:meth:`RefitDriver.check_values`).
+    Before the first tensor is sent: :meth:`RefitDriver.prepare` with the engine's checks
+    (:func:`engine_checks`), values first (docs/concepts.md, "What runs before the first byte").
 
     Args:
         llm: a ``vllm.LLM`` started on a checkpoint of the same model and format.
@@ -225,8 +270,8 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             result on ``RefitReport.fidelity``; it raises FidelityError when the engine does not
             serve what was sent (the reload is complete then).
     Returns: a :class:`RefitReport`.
-    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError or NonFiniteError (nothing
-        sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
+    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError, BackendUnavailableError or
+        NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine must be restarted), and
         for every later refit of that engine; FidelityError from ``verify``.
     """
@@ -237,26 +282,13 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
                                "are in an unknown state: restart the engine")
     start = time.perf_counter()
-    tensors = as_tensor_dict(named_tensors)
-    given = plan is not None
-    if plan is None:
-        plan = driver.plan(tensors)
-    else:
-        driver.check_plan(plan, tensors)
-    engine_config = engine_quantization_config(llm)
-    check_engine_format(plan, engine_config)
-    manifest = manifest if manifest is not None else engine_manifest(llm, driver)
-    if manifest is not None:  # None: a family qstrat cannot derive from the config (warned)
-        check_plan(plan, manifest, manifest.parts_sent(plan) if given else None)
-    check_engine_compatible(plan, engine_config)
-    if manifest is not None:
-        check_cpu_expert_reload(plan, manifest, allow_cpu_bf16_experts)
-    driver.check_backends(plan, tensors)
-    driver.check_values(plan, tensors)
+    checks = engine_checks(llm, driver, manifest, allow_cpu_bf16_experts)
+    prepared = driver.prepare(named_tensors, plan, checks)  # values="first": vLLM's reload has no rollback
+    plan = prepared.plan
     sent = {"tensors": 0, "bytes": 0}
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in driver.execute(plan, tensors, values_checked=True):
+        for name, t in prepared.execute():
             t = t.contiguous()
             sent["tensors"] += 1
             sent["bytes"] += t.numel() * t.element_size()
