@@ -120,25 +120,25 @@ def _same_bytes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 # ---- peers -------------------------------------------------------------------------------
 def vllm_peer(fmt: str, x: torch.Tensor) -> tuple[Callable[[], Any] | None, str]:
     """vLLM's reference quantizer of ``fmt`` bound to ``x`` [N, K], or (None, why not)."""
+    from qstrat.vllm_adapter.resolver import VllmNameError, location, resolve
+
     try:
         if fmt == "block_fp8":
-            from vllm.utils.deep_gemm import per_block_cast_to_fp8
-
-            return (lambda: per_block_cast_to_fp8(x)), "vllm.utils.deep_gemm.per_block_cast_to_fp8"
+            per_block_cast_to_fp8 = resolve("per_block_cast_to_fp8")
+            return ((lambda: per_block_cast_to_fp8(x)),
+                    location("per_block_cast_to_fp8")[1].replace(":", "."))
         if fmt == "mxfp8":
-            from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
-
+            mxfp8_e4m3_quantize = resolve("mxfp8_e4m3_quantize")
             return (lambda: mxfp8_e4m3_quantize(x)), "mxfp8_utils.mxfp8_e4m3_quantize (torch on CPU)"
         if fmt == "nvfp4":
-            from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-                ref_nvfp4_quant,
-            )
-
+            ref_nvfp4_quant = resolve("ref_nvfp4_quant")
             gs = (2688.0 / x.abs().amax().float()).reshape(())
             return ((lambda: ref_nvfp4_quant(x, gs, 16)),
                     "nvfp4_emulation_utils.ref_nvfp4_quant (global scale precomputed, untimed)")
     except ImportError as exc:
         return None, f"vLLM not importable: {exc}"
+    except VllmNameError as exc:
+        return None, str(exc)
     return None, "no vLLM peer"
 
 

@@ -23,7 +23,7 @@ The manifest comes from what the ENGINE was started with, never from the trainer
    belongs to (a decoder layer index, or a top-level module name) for explicit partial refits.
 
 :func:`qstrat.vllm.engine_manifest` builds it for a live engine and cross-checks its units with
-vLLM's own record of the model (:mod:`qstrat.vllm_model`). This module does not import vLLM.
+vLLM's own record of the model (:mod:`qstrat.vllm_adapter.model_record`). This module does not import vLLM.
 """
 from __future__ import annotations
 

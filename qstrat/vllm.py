@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from qstrat import vllm_model
 from qstrat.driver import RefitDriver, layout_for
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
 from qstrat.inputs import NamedTensors
@@ -32,6 +31,8 @@ from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, 
 from qstrat.plan import RefitPlan, natural_key
 from qstrat.prepare import PreparedRefit, SinkCheck
 from qstrat.registry import Registry, get_registry
+from qstrat.vllm_adapter import model_record
+from qstrat.vllm_adapter.platform_facts import device_type, in_process
 
 #: Attribute set on an engine whose reload failed part-way (its weights are in an unknown state).
 _FAILED = "_qstrat_refit_failed"
@@ -74,7 +75,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     Built from the engine's own model config, quantization_config and dtype (never from the
     trainer's tensors), with the layout ``driver``'s config names (else the one the engine's
     config selects) and the driver's registry; then cross-checked with vLLM's record of the
-    model (:func:`qstrat.vllm_model.cross_check`). Cached on the engine per layout.
+    model (:func:`qstrat.vllm_adapter.model_record.cross_check`). Cached on the engine per layout.
 
     Returns: the manifest, or None (with a RuntimeWarning) for a family whose tensors qstrat cannot
         derive from the config alone (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`).
@@ -91,7 +92,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     if key in cache:
         return cache[key]
     try:
-        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, _platform())
+        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, device_type())
     except ConfigOnlyUnsupportedError as exc:
         # Families whose tensors qstrat cannot derive from the config alone (hybrid linear
         # attention, gpt-oss slabs): no manifest; the other checks still run (docs/vllm.md).
@@ -100,29 +101,21 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
                       RuntimeWarning, stacklevel=3)
         cache[key] = None
         return None
-    if cross_check and not _in_process(llm):
+    if cross_check and not in_process(llm):
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
         cross_check = False
     if cross_check:
         try:
-            model = vllm_model.engine_model(llm)
+            model = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
-        errors = vllm_model.cross_check(manifest, model)
+        errors = model_record.cross_check(manifest, model)
         if errors:
             raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
                                 "sent):\n  " + "\n  ".join(errors[:25]))
     cache[key] = manifest
     return manifest
-
-
-def _platform() -> str | None:
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return None
-    return str(current_platform.device_type)
 
 
 def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
@@ -336,9 +329,3 @@ def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) 
         setattr(llm, _FAILED, f"{type(exc).__name__} during reload")
         raise
 
-
-def _in_process(llm: Any) -> bool:
-    """Whether the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where
-    ``collective_rpc`` can run a function in the worker (vLLM 0.32's ``InprocClient``)."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    return core is None or type(core).__name__ == "InprocClient"

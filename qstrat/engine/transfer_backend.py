@@ -28,14 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.receiver import receive_round
 from qstrat.transport.wire_manifest import WireManifest, check_against, expected_from_checkpoint
+from qstrat.vllm_adapter.resolver import resolve
+
+# vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
+WeightTransferEngine = resolve("weight_transfer_engine")
+WeightTransferInitInfo = resolve("weight_transfer_init_info")
+WeightTransferUpdateInfo = resolve("weight_transfer_update_info")
 
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"
@@ -130,14 +133,10 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         staged, self._staged = self._staged, None
         if staged is None:
             raise TransportError("qstrat transfer: finish_weight_update without a received round")
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
-
-        initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check():
+        resolve("initialize_layerwise_reload")(self.model)
+        with resolve("disable_mtp_completeness_check")():
             self.model.load_weights(staged)
-        finalize_layerwise_reload(self.model, self.model_config)
+        resolve("finalize_layerwise_reload")(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""
@@ -155,7 +154,7 @@ def register() -> None:
     plugin function.
     """
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, QstratWeightTransferEngine)
+        resolve("weight_transfer_engine_factory").register_engine(BACKEND, QstratWeightTransferEngine)
     except ValueError as exc:  # "... already registered": by an earlier call of this function
         if "already registered" not in str(exc):
             raise

