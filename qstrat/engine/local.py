@@ -45,7 +45,8 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
     Returns: ``(True, how)``: a CUDA GPU (vLLM's kernels), a CPU with AMX for block FP8, or
         qstrat's CPU emulation (:mod:`qstrat.engine.emulation`, loaded by vLLM through the
         ``vllm.general_plugins`` entry point); ``(False, why)``: vLLM missing, the plugin not
-        installed or switched off, or a vLLM name it needs missing.
+        installed or switched off (or ``QSTRAT_VLLM_EMULATION`` set to no known value), or a
+        vLLM name it needs missing.
     """
     if not vllm_installed():
         return False, ("vLLM is not installed: pip install 'qstrat[vllm]' on a CUDA GPU, "
@@ -57,7 +58,10 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
     if not is_cpu():
         return True, f"vLLM platform {device_name()!r}: vLLM's kernels"
     wanted = [f for f in emulation.formats() if f in set(formats)]
-    needed, reason = emulation.needed_formats()
+    try:
+        needed, reason = emulation.needed_formats()
+    except ValueError as exc:  # a bad QSTRAT_VLLM_EMULATION value
+        return False, str(exc)
     emulated = [f for f in wanted if f in needed]
     unserved = [f for f in wanted if f not in needed and not (f == "block_fp8" and emulation.has_amx())]
     if unserved:
