@@ -333,3 +333,25 @@ def test_routed_experts_is_the_router_weighted_silu_mlp():
                 gate, up = w13[ex][:i] @ x[t], w13[ex][i:] @ x[t]
                 want[t] += wts[t, k] * (w2[ex] @ (torch.nn.functional.silu(gate) * up).round())
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_active_line_is_printed_at_start_engines_log_level(monkeypatch, capsys):
+    """start_engine sets VLLM_LOGGING_LEVEL=ERROR (vLLM's chatter hidden); the line docs/vllm.md
+    promises ("qstrat CPU emulation active ...") is printed all the same, once, on stdout."""
+    import logging
+
+    from qstrat.engine.emulation import announcing
+
+    monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.ERROR)
+    for handler in logging.getLogger("vllm").handlers:
+        monkeypatch.setattr(handler, "level", logging.ERROR)
+    monkeypatch.setattr(announcing, "_announced", False)
+    monkeypatch.setattr(announcing, "_registered", ("CPU without AMX", ("block_fp8", "mxfp8"), "QSTRAT_VLLM_EMULATION"))
+    monkeypatch.setattr(announcing, "_built", announcing.Counter())
+    announcing.announce("EmulatedCPUFp8BlockScaledMMKernel")
+    announcing.announce("EmulatedCPUExpertsFp8")
+    out = capsys.readouterr().out
+    assert out.count("qstrat CPU emulation active") == 1, out
+    assert out.rstrip("\n").endswith(
+        "qstrat CPU emulation active (CPU without AMX; first kernel built: EmulatedCPUFp8BlockScaledMMKernel): "
+        "emulated block_fp8, mxfp8 kernels for linear layers and fused MoE; set QSTRAT_VLLM_EMULATION=0 to disable")
