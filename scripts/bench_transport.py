@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from transport_harness import Receiver, free_port, raw_broadcast  # noqa: E402
 
 from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
-from qstrat.transport.buckets import bucket_contents, checksum, pack  # noqa: E402
+from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
+from qstrat.transport.checksum import checksum  # noqa: E402
 
 
 def synthetic(layers: int) -> list[tuple[str, torch.Tensor]]:

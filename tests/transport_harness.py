@@ -98,6 +98,17 @@ class _EngineEndpoint:
     def backend_name(self):
         return self.llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)[0]
 
+    def mixed(self):
+        return self.llm.collective_rpc(lambda w: w.weight_transfer_engine.mixed)[0]
+
+    def forget_counter(self):
+        """Simulate a restarted engine: forget the last accepted round counter."""
+        def forget(w):
+            w.weight_transfer_engine.session.auth.last_counter = -1
+        self.llm.collective_rpc(forget)
+
+    setenv = staticmethod(lambda name, value: _setenv(name, value))
+
 
 def _record_loads(worker: Any) -> None:
     """Wrap the worker model's ``load_weights`` to keep name -> SHA-256 of each tensor handed
@@ -129,9 +140,26 @@ class _StandaloneEndpoint:
     def digests(self):
         return {n: sha256(t) for n, t in self.receiver.tensors.items()}
 
+    def mixed(self):
+        return self.receiver.mixed
+
+    def forget_counter(self):
+        self.receiver.session.auth.last_counter = -1
+
+    setenv = staticmethod(lambda name, value: _setenv(name, value))
+
     def raw_broadcast(self, sizes):
         """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark)."""
         raw_broadcast(self.receiver.group, sizes)
+
+
+def _setenv(name: str, value: str | None) -> None:
+    """Set (None: unset) an environment variable in this receiver process (the engine side reads
+    its secret and address from the environment at each init_weight_transfer_engine)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None) -> None:
