@@ -143,6 +143,15 @@ class _StandaloneEndpoint:
     def mixed(self):
         return self.receiver.mixed
 
+    def stats(self):
+        return dict(self.receiver.session.stats)
+
+    def stage_on_host(self):
+        """Host staging (explicit staging device: each verified bucket copied from a receive buffer)."""
+        import torch
+
+        self.receiver.session.staging = torch.device("cpu")
+
     def forget_counter(self):
         self.receiver.session.auth.last_counter = -1
 

@@ -42,7 +42,7 @@ MODES = ("atomic", "bounded")
 def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check: Check | None = None,
                   auth: ReceiverAuth | None = None, mode: str = "atomic",
                   on_unit: Callable[[str, Unit], None] | None = None,
-                  staging: torch.device | None = None, bounce: bool = False) -> Unit:
+                  staging: torch.device | None = None, stats: dict[str, int] | None = None) -> Unit:
     """Receive one round from rank 0.
 
     Args:
@@ -55,9 +55,11 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             address as joined is not bound); ``auth.last_counter`` advances when the round is accepted.
         mode: ``atomic`` or ``bounded`` (bound into the round MAC: a sender must use the same).
         on_unit: bounded mode: called ``on_unit(unit, tensors)`` in wire order as units verify.
-        staging: atomic mode: where the round is staged (default: the group's device).
-        bounce: receive through two group-device bucket buffers and copy into ``staging`` even
-            when it is the group's device (what host staging does on CUDA; tests force it on CPU).
+        staging: where the round is staged (None: received in place on the group's device); a
+            device given explicitly (host staging: ``cpu``, pinned when CUDA is available) is
+            filled by copying each verified bucket from two group-device receive buffers.
+        stats: if given, receives ``peak_bytes``: the most bytes of received buffers alive at
+            once in this round (staging and in-flight buckets; not the group's own buffers).
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
         sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit).
     Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
@@ -106,7 +108,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
         raise TransportError(f"rank {group.rank}: round refused before any data: {p.describe(statuses)}")
     auth.last_counter = counter
     seal = _Sealer(auth, mac)
-    received, failure, handed = _receive_buckets(group, wire_manifest, seal, on_unit, staging, bounce)
+    received, failure, handed = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
     statuses = _vote(group, failure[0] if failure else p.OK, "commit vote")
     if failure:
         raise failure[1]
@@ -149,12 +151,12 @@ def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[
 
 def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _Sealer,
                      on_unit: Callable[[str, Unit], None] | None, staging: torch.device | None,
-                     bounce: bool) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
+                     stats: dict[str, int] | None) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
     """Step 3: receive every bucket (next one posted while this one is verified); keep
     receiving after a failure so the collectives stay aligned. Returns the staged buffers
     (atomic), the first failure ``(status, error)`` or None, and the units handed (bounded)."""
+    bounce = staging is not None
     staging = staging or group.device
-    bounce = bounce or staging != group.device
     pin = bounce and staging.type == "cpu" and torch.cuda.is_available()
     source = receive_buffers(wire_manifest, staging, pin)
     n = len(wire_manifest.buckets)
@@ -164,19 +166,33 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
     completes, unit_slots, release = _unit_plan(wire_manifest) if on_unit else ({}, {}, {})
     handed: list[str] = []
     failure: tuple[int, Exception] | None = None
+    live: dict[Any, int] = {}  # allocation -> bytes (a chunked tensor: one allocation)
+    peak = sum(w.numel() for w in wires)
+
+    def alloc_key(k: int) -> Any:
+        b = wire_manifest.buckets[k]
+        return k if b.tensor is None else b.tensor
 
     def post(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]:
-        _, dst = next(source)
+        nonlocal peak
+        b, dst = next(source)
+        if alloc_key(k) not in live:
+            live[alloc_key(k)] = b.nbytes if b.tensor is None else next(
+                s.nbytes for s in wire_manifest.slots if s.name == b.tensor)
+            peak = max(peak, sum(live.values()) + sum(w.numel() for w in wires))
         wire = wires[k % 2][:dst.numel()] if bounce else dst
         hdr = torch.empty(p.BUCKET_WORDS, dtype=torch.int64, device=group.device)
         return dst, wire, hdr, group.broadcast(hdr), group.broadcast(wire)
 
     def fail(status: int, message: str) -> tuple[int, Exception]:
         if on_unit is not None and handed:
-            return p.MIXED, MixedWeightsError(
+            exc = MixedWeightsError(
                 f"{message}; loading had begun: {len(handed)} of {len(unit_slots)} reload units are "
                 f"new ({_few(handed)}), the rest old - this receiver holds a MIX; the next refit "
                 f"must be whole")
+            exc.detail = (f"{len(handed)} of {len(unit_slots)} reload units new ({_few(handed)}), "
+                          f"the rest old, after: {message}")
+            return p.MIXED, exc
         return status, TransportError(f"{message}; nothing loaded")
 
     pending = post(0) if n else None
@@ -225,6 +241,9 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
         if on_unit is not None:
             for j in [j for j in kept if release.get(j, -1) <= k]:
                 del kept[j]
+                live.pop(alloc_key(j), None)
+    if stats is not None:
+        stats["peak_bytes"] = peak
     return [kept[k] for k in sorted(kept)], failure, handed
 
 

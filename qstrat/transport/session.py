@@ -69,6 +69,8 @@ class ReceiverSession:
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._received = False
         self._loading = False
+        #: The last round's ``peak_bytes`` (see :func:`~qstrat.transport.receiver.receive_round`).
+        self.stats: dict[str, int] = {}
 
     def join(self, init_info: Any) -> None:
         """Join the transfer group (closing a previous one) after checking the address.
@@ -114,6 +116,7 @@ class ReceiverSession:
         if mode not in MODES:
             raise TransportError(f"qstrat transfer: round mode {mode!r}; use one of {MODES}")
         self._received = True
+        self.stats = {}
         sent: set[str] = set()
 
         def check(wm: WireManifest) -> None:
@@ -130,7 +133,7 @@ class ReceiverSession:
 
         if mode == "atomic":
             self._staged = receive_round(self.group, update_info["wire_manifest"], check, self.auth,
-                                         staging=self.staging)
+                                         staging=self.staging, stats=self.stats)
             return
 
         def on_unit(unit: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -140,10 +143,11 @@ class ReceiverSession:
             self.loader.load(tensors)
 
         try:
-            receive_round(self.group, update_info["wire_manifest"], check, self.auth, "bounded", on_unit)
+            receive_round(self.group, update_info["wire_manifest"], check, self.auth, "bounded", on_unit,
+                          stats=self.stats)
         except MixedWeightsError as exc:
             self._end()
-            self.mixed = str(exc).split(";")[0] + " (bounded round)"
+            self.mixed = getattr(exc, "detail", str(exc))
             self._required = self._required or sent
             raise
         except BaseException:
