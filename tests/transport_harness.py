@@ -157,6 +157,15 @@ class _StandaloneEndpoint:
 
     setenv = staticmethod(lambda name, value: _setenv(name, value))
 
+    def memory(self, reset: bool = False):
+        """(VmRSS, VmHWM) of this process in bytes; ``reset``: first reset the peak (VmHWM) to
+        the current RSS (Linux ``/proc/self/clear_refs``), so the next peak is this phase's."""
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+
     def raw_broadcast(self, sizes):
         """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark)."""
         raw_broadcast(self.receiver.group, sizes)
@@ -186,8 +195,12 @@ def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None
         group.wait(w)
 
 
-def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection) -> None:
+def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads: int | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         endpoint = (_EngineEndpoint if role == "engine" else _StandaloneEndpoint)(model_dir)
         ctl.send(("ok", "ready"))
@@ -232,12 +245,13 @@ def crashing_sender(conns: list[Connection], port: int, crash_at: int, bucket_by
 class Receiver:
     """One spawned receiver: ``rpc`` (a PipeClient for the sender), ``ctl`` (for the test)."""
 
-    def __init__(self, role: str, model_dir: str, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, role: str, model_dir: str, timeout_s: float = TIMEOUT_S,
+                 threads: int | None = None) -> None:
         ctx = mp.get_context("spawn")
         rpc_parent, rpc_child = ctx.Pipe()
         ctl_parent, ctl_child = ctx.Pipe()
         self.role = role
-        self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child),
+        self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child, threads),
                                    daemon=True)
         self.process.start()
         self.rpc, self.ctl = PipeClient(rpc_parent, timeout_s), PipeClient(ctl_parent, 180.0)

@@ -19,6 +19,7 @@ Modes (docs/transport.md, "Which mode"):
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,7 @@ MODES = ("atomic", "bounded")
 def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check: Check | None = None,
                   auth: ReceiverAuth | None = None, mode: str = "atomic",
                   on_unit: Callable[[str, Unit], None] | None = None,
-                  staging: torch.device | None = None, stats: dict[str, int] | None = None) -> Unit:
+                  staging: torch.device | None = None, stats: dict[str, float] | None = None) -> Unit:
     """Receive one round from rank 0.
 
     Args:
@@ -59,7 +60,9 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             device given explicitly (host staging: ``cpu``, pinned when CUDA is available) is
             filled by copying each verified bucket from two group-device receive buffers.
         stats: if given, receives ``peak_bytes``: the most bytes of received buffers alive at
-            once in this round (staging and in-flight buckets; not the group's own buffers).
+            once in this round (staging and in-flight buckets; not the group's own buffers), and
+            the seconds spent in ``alloc_s`` (receive buffers), ``wait_s`` (blocked on the
+            wire), ``checksum_s`` (checksum + seal), ``load_s`` (bounded: handing units).
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
         sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit).
     Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
@@ -151,7 +154,7 @@ def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[
 
 def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _Sealer,
                      on_unit: Callable[[str, Unit], None] | None, staging: torch.device | None,
-                     stats: dict[str, int] | None) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
+                     stats: dict[str, float] | None) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
     """Step 3: receive every bucket (next one posted while this one is verified); keep
     receiving after a failure so the collectives stay aligned. Returns the staged buffers
     (atomic), the first failure ``(status, error)`` or None, and the units handed (bounded)."""
@@ -167,6 +170,8 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
     handed: list[str] = []
     failure: tuple[int, Exception] | None = None
     live: dict[Any, int] = {}  # allocation -> bytes (a chunked tensor: one allocation)
+    prof = {"alloc_s": 0.0, "wait_s": 0.0, "checksum_s": 0.0, "load_s": 0.0}
+    clock = time.perf_counter
     peak = sum(w.numel() for w in wires)
 
     def alloc_key(k: int) -> Any:
@@ -175,7 +180,9 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
 
     def post(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]:
         nonlocal peak
+        t0 = clock()
         b, dst = next(source)
+        prof["alloc_s"] += clock() - t0
         if alloc_key(k) not in live:
             live[alloc_key(k)] = b.nbytes if b.tensor is None else next(
                 s.nbytes for s in wire_manifest.slots if s.name == b.tensor)
@@ -199,14 +206,18 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
     for k in range(n):
         dst, wire, hdr, w_hdr, w_data = pending
         try:
+            t0 = clock()
             group.wait(w_hdr)
+            prof["wait_s"] += clock() - t0
             words = [int(v) for v in hdr.cpu()]
             if words[2] & p.ABORT:
                 group.wait(w_data)
                 return list(kept.values()), failure or fail(
                     p.SENDER_ABORT, f"rank {group.rank}: the sender aborted the stream at bucket {k}/{n}"), handed
             pending = post(k + 1) if k + 1 < n else None
+            t0 = clock()
             group.wait(w_data)
+            prof["wait_s"] += clock() - t0
         except RuntimeError as exc:  # c10d: the sender (or a peer) died or timed out
             error = str(exc)
             pending = hdr = w_hdr = w_data = None
@@ -220,7 +231,7 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
         if words[0] != p.BUCKET_MAGIC or words[1] != k:
             failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order "
                                        f"(header {words[1]})")
-        elif not seal.ok(k, words[2], wire, from_words(words[3:7])):
+        elif not _timed(prof, "checksum_s", seal.ok, k, words[2], wire, from_words(words[3:7])):
             failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
                                        f"(seal mismatch; tensors {_names(wire_manifest, k)})")
         if failure is not None:
@@ -232,7 +243,7 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
         kept[k] = dst
         for u in completes.get(k, []):
             try:
-                on_unit(u, [(s.name, slot_tensor(s, kept[s.bucket])) for s in unit_slots[u]])
+                _timed(prof, "load_s", on_unit, u, [(s.name, slot_tensor(s, kept[s.bucket])) for s in unit_slots[u]])
             except Exception as exc:  # noqa: BLE001 - the engine's load failed: a mix
                 handed.append(u)
                 failure = fail(p.ERROR, f"rank {group.rank}: loading {u} failed: {type(exc).__name__}: {exc}")
@@ -244,7 +255,16 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
                 live.pop(alloc_key(j), None)
     if stats is not None:
         stats["peak_bytes"] = peak
+        stats.update(prof)
     return [kept[k] for k in sorted(kept)], failure, handed
+
+
+def _timed(prof: dict[str, float], key: str, fn: Callable[..., Any], *args: Any) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        prof[key] += time.perf_counter() - t0
 
 
 def _few(names: list[str]) -> str:
@@ -268,8 +288,8 @@ class StandaloneReceiver:
     with ``weight_transfer_config={"backend": "qstrat"}`` (``init_weight_transfer_engine``,
     ``start_weight_update``, ``update_weights``, ``finish_weight_update``).
 
-    Loaded tensors land in :attr:`tensors` (name -> tensor; a round replaces the names it sends,
-    like an engine's reload). ``expected``: name -> (dtype name, shape) the wire manifest is
+    Loaded tensors land in :attr:`tensors` (name -> tensor; a round overwrites the names it sends
+    in place, like an engine's reload: memory behaves like an engine's weights plus staging). ``expected``: name -> (dtype name, shape) the wire manifest is
     checked against (None: accept any wire manifest). ``secret``/``address``: as the engine's
     :data:`~qstrat.transport.auth.ENV_SECRET` / :data:`~qstrat.transport.auth.ENV_ADDRESS`
     (default: read from the environment at each ``init_weight_transfer_engine``).
@@ -293,8 +313,14 @@ class StandaloneReceiver:
         """Nothing to prepare (an engine starts its layerwise reload here)."""
 
     def load(self, tensors: Unit) -> None:
-        """Replace the named tensors."""
-        self.tensors.update(tensors)
+        """Copy each tensor into the one of that name held (as an engine's weight loader copies
+        into its parameters, so the received buffers can be freed), or keep a copy of a new one."""
+        for name, t in tensors:
+            held = self.tensors.get(name)
+            if held is not None and held.dtype == t.dtype and held.shape == t.shape:
+                held.copy_(t)
+            else:
+                self.tensors[name] = t.clone()
 
     def end_load(self) -> None:
         """Nothing to finalize."""

@@ -104,6 +104,9 @@ class RefitSender:
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.timeout_s, self.bucket_bytes, self.alignment = timeout_s, bucket_bytes, alignment
         self.group: TransferGroup | None = None
+        #: Seconds of the last round's bucket loop by activity (source: the driver producing
+        #: tensors; pack; checksum + seal; wait: blocked on broadcasts); see docs/performance.md.
+        self.profile: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)),
                                         thread_name_prefix="qstrat-rpc")
 
@@ -240,6 +243,8 @@ class RefitSender:
         """Step 3. Returns None, or why the sender aborted (its source fell short/disagreed)."""
         contents = bucket_contents(wire_manifest)
         seed = checksum_seed(self._secret, mac)
+        prof = self.profile = {"source_s": 0.0, "pack_s": 0.0, "checksum_s": 0.0, "wait_s": 0.0}
+        clock = time.perf_counter
         buffers: list[torch.Tensor] = []
         pending: deque[tuple[Any, ...]] = deque()
         big: torch.Tensor | None = None
@@ -247,30 +252,42 @@ class RefitSender:
         try:
             for k, b in enumerate(wire_manifest.buckets):
                 if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
+                    t0 = clock()
                     _finish(group, pending.popleft())
+                    prof["wait_s"] += clock() - t0
                 busy = {id(item[-1]) for item in pending}
                 flags = 0
                 try:
+                    t0 = clock()
                     if b.tensor is None:
                         owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
-                        payload = pack(owner, b, contents[k], [self._next(tensors, s, group) for s in contents[k]])
+                        parts = [self._next(tensors, s, group) for s in contents[k]]
+                        t1 = clock()
+                        payload = pack(owner, b, contents[k], parts)
+                        prof["pack_s"] += clock() - t1
+                        prof["source_s"] += t1 - t0
                     else:
                         slot = contents[k][0]
                         if slot.bucket == k:
                             big = self._next(tensors, slot, group).contiguous()
                         payload, owner = chunk_view(big, wire_manifest, slot, b), big
+                        prof["source_s"] += clock() - t0
                 except TransportError as exc:
                     flags, reason = p.ABORT, str(exc)
                     owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
                     payload = owner[:b.nbytes]
+                t0 = clock()
                 seal = bucket_seal(self._secret, mac, k, flags, checksum(payload, seed) if not flags else (0, 0, 0))
+                prof["checksum_s"] += clock() - t0
                 hdr = p.bucket_header(k, flags, seal, group.device)
                 wire = self.transmit_payload(k, payload)
                 pending.append((group.broadcast(hdr), group.broadcast(wire), hdr, wire, owner))
                 if flags:
                     break
+            t0 = clock()
             while pending:
                 _finish(group, pending.popleft())
+            prof["wait_s"] += clock() - t0
             return reason
         except RuntimeError as exc:  # c10d: a peer died or timed out
             pending.clear()

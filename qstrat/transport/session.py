@@ -70,7 +70,7 @@ class ReceiverSession:
         self._received = False
         self._loading = False
         #: The last round's ``peak_bytes`` (see :func:`~qstrat.transport.receiver.receive_round`).
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, float] = {}
 
     def join(self, init_info: Any) -> None:
         """Join the transfer group (closing a previous one) after checking the address.
