@@ -15,6 +15,8 @@ Throughput (default), per bucket size, median of ``--reps``:
   flight, no packing, no checksum (the same group);
 * ``stream ratio``: the same with only the stream (``TransferReport.stream_seconds``: challenge,
   header, votes and buckets; without the three RPCs and the receivers' load);
+* ``raw staged``: the raw broadcast with every receiver receiving each bucket into a NEW buffer
+  kept to the end (fresh memory, as a round's staging), as a ratio to ``raw``;
 * ``pack+sum``: packing and checksumming alone, in this process (no wire);
 * then the sender's bucket loop by activity (source/pack/checksum/wait seconds) and receiver 1's
   (alloc/wait/checksum/load seconds): where a round's time goes.
@@ -82,8 +84,8 @@ def manifest_for(tensors, bucket_bytes):
                                bucket_bytes)
 
 
-def raw_round(sender, receivers, sizes, bufs) -> float:
-    futures = [sender._pool.submit(r.rpc.call, "raw_broadcast", sizes) for r in receivers]
+def raw_round(sender, receivers, sizes, bufs, staged=False) -> float:
+    futures = [sender._pool.submit(r.rpc.call, "raw_broadcast", sizes, staged) for r in receivers]
     t0 = time.perf_counter()
     raw_broadcast(sender.group, sizes, bufs)
     for f in futures:
@@ -109,26 +111,27 @@ def throughput(args, tensors) -> None:
         print(f"torch {torch.__version__}, gloo, {args.receivers} receivers, {torch.get_num_threads()} "
               f"threads per process, {'authenticated' if args.secret else 'no secret'}")
         print(f"{'bucket MiB':>10} {'payload MiB':>11} {'buckets':>7} {'transport GB/s':>14} "
-              f"{'raw GB/s':>9} {'ratio':>6} {'stream ratio':>12} {'pack+sum GB/s':>13}  profile (s)")
+              f"{'raw GB/s':>9} {'ratio':>6} {'stream ratio':>12} {'raw staged':>10} {'pack+sum GB/s':>13}  profile (s)")
         for mib in args.bucket_mib:
             sender.bucket_bytes = int(mib * 2**20)
             wm = manifest_for(tensors, sender.bucket_bytes)
             sizes = [b.nbytes for b in wm.buckets]
             bufs = [torch.zeros(sender.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
-            t_tr, t_raw, t_pack, profs, t_stream = [], [], [], [], []
+            t_tr, t_raw, t_pack, profs, t_stream, t_staged = [], [], [], [], [], []
             for _ in range(args.reps):
                 report = sender.send(wm, iter(tensors))
                 t_tr.append(report.seconds)
                 t_stream.append(report.stream_seconds)
                 profs.append((dict(sender.profile), receivers[0].ctl.call("stats")))
                 t_raw.append(raw_round(sender, receivers, sizes, bufs))
+                t_staged.append(raw_round(sender, receivers, sizes, bufs, staged=True))
                 t_pack.append(pack_only(wm, tensors))
-            gbps = [wm.total_bytes / statistics.median(t) / 1e9 for t in (t_tr, t_raw, t_pack, t_stream)]
+            gbps = [wm.total_bytes / statistics.median(t) / 1e9 for t in (t_tr, t_raw, t_pack, t_stream, t_staged)]
             snd, rcv = profs[t_tr.index(statistics.median(t_tr))] if args.reps % 2 else profs[-1]
             prof = " ".join(f"{k[:-2]}={v:.2f}" for k, v in snd.items())
             prof += " | recv " + " ".join(f"{k[:-2]}={v:.2f}" for k, v in rcv.items() if k.endswith("_s"))
             print(f"{mib:>10g} {wm.total_bytes / 2**20:>11.1f} {len(sizes):>7} {gbps[0]:>14.2f} "
-                  f"{gbps[1]:>9.2f} {gbps[0] / gbps[1]:>6.2f} {gbps[3] / gbps[1]:>12.2f} {gbps[2]:>13.2f}  "
+                  f"{gbps[1]:>9.2f} {gbps[0] / gbps[1]:>6.2f} {gbps[3] / gbps[1]:>12.2f} {gbps[4] / gbps[1]:>10.2f} {gbps[2]:>13.2f}  "
                   f"send {prof}")
         sender.close()
     finally:

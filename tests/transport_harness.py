@@ -166,9 +166,10 @@ class _StandaloneEndpoint:
         fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
         return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
 
-    def raw_broadcast(self, sizes):
-        """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark)."""
-        raw_broadcast(self.receiver.group, sizes)
+    def raw_broadcast(self, sizes, staged=False):
+        """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark);
+        ``staged``: each into a new buffer, all kept to the end (what a round's staging does)."""
+        raw_broadcast(self.receiver.group, sizes, staged=staged)
 
 
 def _setenv(name: str, value: str | None) -> None:
@@ -180,19 +181,26 @@ def _setenv(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None) -> None:
+def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None,
+                  staged: bool = False) -> None:
     """Broadcast (rank 0) or receive buffers of ``sizes`` bytes, at most two in flight: the
-    communication floor the transport is measured against."""
+    communication floor the transport is measured against. A receiver reuses two buffers
+    (cache-resident for small buckets), or with ``staged`` receives each into a new one and
+    keeps them all (fresh memory, as a round's staging)."""
     import torch
 
-    pending = []
+    if buffers is None and not staged:
+        buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8) for _ in range(2)]
+    pending, kept = [], []
     for i, n in enumerate(sizes):
         buf = buffers[i % len(buffers)][:n] if buffers else torch.empty(n, dtype=torch.uint8)
+        kept.append(buf)
         pending.append(group.broadcast(buf))
         if len(pending) == 2:
             group.wait(pending.pop(0))
     for w in pending:
         group.wait(w)
+    del kept
 
 
 def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads: int | None = None) -> None:
