@@ -66,7 +66,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)))
     p.add_argument("--formats", default="block_fp8,mxfp8,nvfp4")
-    p.add_argument("--shapes", default="formats,grouped")
+    p.add_argument("--shapes", default="formats,grouped", help="groups (formats, grouped) or ExNxK shapes")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--loop", action="store_true", help="also time the per-expert loop at each size")
     p.add_argument("--json")
@@ -75,7 +75,7 @@ def main() -> None:
     doc = {"threads": torch.get_num_threads(), "default": DEFAULT_CHUNK_ELEMENTS,
            "load_before": os.getloadavg(), "cases": []}
     for group in args.shapes.split(","):
-        for shape in SHAPES[group]:
+        for shape in SHAPES.get(group) or [tuple(int(d) for d in group.split("x"))]:
             for fmt in args.formats.split(","):
                 case = sweep(fmt, shape, sizes, args.reps, args.loop)
                 doc["cases"].append(case)
