@@ -2,7 +2,8 @@
 
 The directory gets ``model.safetensors`` (or shards plus ``model.safetensors.index.json``) with
 the tensors in wire order, and ``config.json`` with the plan's ``quantization_config``. The plan
-is validated before anything is written. Outputs are assigned to shards from the plan (every
+is validated before anything is written (:meth:`RefitDriver.prepare`, with this sink's check of
+the config.json it writes). Outputs are assigned to shards from the plan (every
 output's size is known before quantizing), and each shard file is written as soon as its last
 tensor is quantized and then dropped: host memory holds about one shard plus the driver's live
 parts (about one decoder layer), not the whole output. Files are written to a temporary
@@ -25,9 +26,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from qstrat.driver import RefitDriver
-from qstrat.inputs import NamedTensors, as_tensor_dict
+from qstrat.inputs import NamedTensors
 from qstrat.errors import QstratError
 from qstrat.plan import OutputTensor, RefitPlan
+from qstrat.prepare import SinkCheck
 
 INDEX = "model.safetensors.index.json"
 
@@ -96,15 +98,14 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         if not overwrite:
             raise FileExistsError(f"{out} exists; use --overwrite (overwrite=True) to replace it")
         check_replaceable(out)
-    if plan is None:
-        tensors: Any = as_tensor_dict(named_tensors)
-        plan = driver.plan(tensors)
-        driver.check_backends(plan, tensors)
-    else:  # a stream: devices are known only as tensors arrive (a failure then leaves nothing)
-        driver.check_plan(plan, named_tensors)
-        tensors = named_tensors
-    cfg_text = json.dumps(output_hf_config(hf_config if hf_config is not None else driver.hf_config,
-                                           plan, driver.layout), indent=2) + "\n"
+    config = hf_config if hf_config is not None else driver.hf_config
+    # Values are checked while quantizing (an error removes the temporary directory), which
+    # spares lazily loaded tensors a second read; a stream (plan given) has its devices checked
+    # as its tensors arrive.
+    check = SinkCheck("config.json", lambda p: output_hf_config(config, p.plan, driver.layout))
+    prepared = driver.prepare(named_tensors, plan, (check,), values="inline", stream=True)
+    plan = prepared.plan
+    cfg_text = json.dumps(prepared.results[check.name], indent=2) + "\n"
     shards = assign_shards(plan.outputs(), shard_bytes)
     total = sum(o.nbytes for o in plan.outputs())
     parent = out.resolve().parent
@@ -116,7 +117,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         if progress is not None:
             progress(0, total)
         with _write_errors(out):
-            _stream_shards(tmp, shards, driver.execute(plan, tensors), total, progress, 0o666 & ~umask)
+            _stream_shards(tmp, shards, prepared.execute(), total, progress, 0o666 & ~umask)
             if source_dir is not None:
                 _copy_other_files(Path(source_dir), tmp)
             (tmp / "config.json").write_text(cfg_text)
@@ -226,10 +227,9 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
     gives it (vLLM picks the model class from it). A mapping without ``model_type`` (no model
     config at all) is written as given.
 
-    ``architectures`` comes from transformers' auto-model tables for the config's
-    ``model_type`` (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` when the config has a
-    ``vision_config``, else ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: what ``save_pretrained`` of
-    that auto class writes), else from the layout when it names exactly one architecture.
+    ``architectures`` is the layout's :meth:`~qstrat.layouts.ModelLayout.output_architecture`:
+    transformers' auto-model table for the config's ``model_type``, else the layout's single
+    architecture.
 
     Raises: QstratError when no architecture can be inferred, or the config is not
         JSON-serializable (naming the key).
@@ -239,7 +239,7 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
     if plan.quantization_config is not None:
         cfg["quantization_config"] = plan.vllm_quantization_config()
     if not cfg.get("architectures") and cfg.get("model_type"):
-        arch = _infer_architecture(cfg, layout)
+        arch = layout.output_architecture(cfg)
         if arch is None:
             raise QstratError(
                 f"the model config has no 'architectures' (model_type {cfg.get('model_type')!r}; "
@@ -252,22 +252,6 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
         except (TypeError, ValueError) as exc:
             raise QstratError(f"the model config's {key!r} cannot be written to config.json: {exc}") from exc
     return cfg
-
-
-def _infer_architecture(cfg: Mapping[str, Any], layout: Any) -> str | None:
-    model_type = cfg.get("model_type")
-    if isinstance(model_type, str):
-        try:
-            from transformers.models.auto import modeling_auto
-        except ImportError:
-            modeling_auto = None
-        if modeling_auto is not None:
-            table = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if cfg.get("vision_config")
-                     else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-            if model_type in table:
-                return table[model_type]
-    archs = tuple(getattr(layout, "architectures", ()))
-    return archs[0] if len(archs) == 1 else None
 
 
 def assign_shards(outputs: list[OutputTensor], shard_bytes: int) -> list[list[OutputTensor]]:

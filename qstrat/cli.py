@@ -12,11 +12,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from qstrat.bench_sections import SECTIONS
 from qstrat.console import make_console
 from qstrat.errors import ConfigError, ConfigOnlyUnsupportedError, QstratError
-
-#: ``qstrat bench`` sections (kept here so ``--help`` does not import torch).
-SECTIONS = ("formats", "grouped", "plan", "driver")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Declarative refit configuration (pydantic v2), loaded from YAML, TOML or a mapping.
+"""Declarative refit configuration (pydantic v2), loaded from YAML, TOML, JSON, a mapping or a
+preset name by :func:`load_config`.
 
 Example (YAML)::
 
@@ -14,207 +15,28 @@ Example (YAML)::
 Unknown keys, plugin names or options are errors naming the key path (``rules[0].serializer``)
 and the valid choices. Types are strict (pydantic strict mode): ``true`` is not 1, ``"yes"`` is
 not a boolean, ``"1"`` is not a number (an int is accepted where a float belongs). Every problem
-of a config is reported at once, one line each. Files are read by :mod:`qstrat.config_files`
-(duplicate keys are errors).
+of a config is reported at once, one line each.
+
+Files are read by :mod:`qstrat.config_files` (duplicate keys are errors). The schema
+(:class:`RefitConfig`, :class:`Rule`, :class:`KeepBF16`, :class:`PresetConfig`) lives in
+:mod:`qstrat.config_schema` and is re-exported here; names are checked against a plugin
+registry: the one passed to :func:`load_config`, else the process-wide one
+(:func:`qstrat.registry.get_registry`).
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
-from pydantic_core import PydanticCustomError
-
+from qstrat.config_files import read_config_file
+from qstrat.config_schema import KeepBF16, PresetConfig, RefitConfig, Rule
 from qstrat.errors import ConfigError
-from qstrat.rules import NamePattern
+from qstrat.registry import get_registry
+from qstrat.validation import close_matches
 
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class KeepBF16(_Model):
-    """First/last N decoder layers left in BF16 whatever the rules say (MTP layers excluded)."""
-
-    first: int = Field(0, ge=0, description="number of leading decoder layers kept in BF16")
-    last: int = Field(0, ge=0, description="number of trailing decoder layers kept in BF16")
-
-
-class Rule(_Model):
-    """One rule: which tensors (selectors AND include AND NOT exclude) get which serializer."""
-
-    select: list[str] = Field(["linear"], description="selector names; a tensor matches if ANY matches")
-    include: list[str] = Field([], description="globs or 're:' regexes; if set, the HF name must match one")
-    exclude: list[str] = Field([], description="globs or 're:' regexes; the HF name must match none")
-    serializer: str = Field(description="registered serializer name")
-    options: dict[str, Any] = Field({}, description="serializer options (validated by the serializer)")
-    on_unsupported: Literal["error", "bf16"] = Field(
-        "error", description="shape the format cannot represent: plan error, or visible BF16 fallback")
-    allow_special: bool = Field(
-        False, description="let include patterns match routers/embeddings/lm_head (explicit opt-in)")
-
-    @field_validator("select", "include", "exclude", mode="before")
-    @classmethod
-    def _listify(cls, v: Any) -> Any:
-        """A single name for a list of one; a tuple (Python callers) for a list."""
-        return [v] if isinstance(v, str) else list(v) if isinstance(v, tuple) else v
-
-    @field_validator("select")
-    @classmethod
-    def _known_selectors(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        if not v:
-            raise ValueError("select needs at least one selector")
-        reg = _registry(info)
-        for name in v if reg is not None else ():
-            reg.lookup("selectors", name)
-        return v
-
-    @field_validator("include", "exclude")
-    @classmethod
-    def _valid_patterns(cls, v: list[str]) -> list[str]:
-        for text in v:
-            try:
-                NamePattern(text)
-            except Exception as exc:  # re.error
-                raise ValueError(f"invalid pattern {text!r}: {exc}") from exc
-        return v
-
-    @field_validator("serializer")
-    @classmethod
-    def _known_serializer(cls, v: str, info: ValidationInfo) -> str:
-        reg = _registry(info)
-        if reg is not None:  # None: a preset being defined; names are checked when the registry loads
-            reg.lookup("serializers", v)
-        return v
-
-    @field_validator("options")
-    @classmethod
-    def _valid_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        """Options are validated by the serializer's Options model (strict, every error at
-        once, each reported as ``rules[i].options.<key>``); skipped when the serializer name
-        itself is invalid (that error is reported instead)."""
-        reg = _registry(info)
-        name = info.data.get("serializer")
-        if reg is None or name not in reg.serializers:
-            return v
-        try:
-            reg.serializers[name].obj.Options(**v)
-        except ValidationError as exc:
-            raise PydanticCustomError(NESTED_ERRORS, "invalid options",
-                                      {"errors": [(e["loc"], e["msg"]) for e in exc.errors()]}) from exc
-        return v
-
-
-class PresetConfig(_Model):
-    """A strategy preset's content: a partial :class:`RefitConfig` (every key optional).
-
-    Define one with :meth:`define`, which validates its structure at once (keys, types,
-    patterns, rule fields); the plugin names it uses (serializers, selectors, layout) are
-    checked against the whole registry when the registry loads, so a preset may use any
-    plugin's formats. A user's config extends it: user rules first, then the preset's;
-    ``keep_bf16`` keys merged; other keys override.
-    """
-
-    rules: list[Rule] = []
-    keep_bf16: KeepBF16 | None = None
-    default: str | None = None
-    expert_emission: Literal["per_expert", "fused"] | None = None
-    layout: str | None = None
-
-    @classmethod
-    def define(cls, **fields: Any) -> PresetConfig:
-        """Validate a preset's fields now. Raises ConfigError naming the key path."""
-        try:
-            return cls.model_validate(fields, context={"structural": True})
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from exc
-
-    def to_mapping(self) -> dict[str, Any]:
-        """The keys this preset sets, as a plain mapping (what :class:`RefitConfig` merges)."""
-        return self.model_dump(mode="json", exclude_unset=True)
-
-
-#: Which registry table each name-valued RefitConfig field is looked up in.
-_REGISTRY_KIND = {"preset": "strategies", "default": "serializers", "layout": "layouts"}
-
-
-class RefitConfig(_Model):
-    """The whole strategy of a refit. Build it with :func:`load_config`.
-
-    Attributes:
-        preset: name of a registered strategy whose rules follow this config's own rules.
-        rules: ordered rules; the first matching rule decides a tensor.
-        keep_bf16: first/last decoder layers kept in BF16 (applies before any rule).
-        default: serializer for matrices no rule matched (``bf16``).
-        expert_emission: ``per_expert`` names (``experts.7.gate_proj.weight``, default, every vLLM)
-            or ``fused`` slab names (``experts.gate_up_proj``, vLLM >= 0.32).
-        layout: registered model layout; None detects it from the HF config.
-        unplaced_weights: ``error`` (default) refuses weight matrices the layout cannot place;
-            ``bf16`` sends them unchanged (see docs/models.md).
-        wire_order: ``natural`` (model order, natural names; default) or ``producer`` (the
-            order the trainer yields its tensors); see docs/concepts.md "Wire order".
-        expert_batch: per-expert inputs of one layer with the same shape and format quantized
-            together, at most this many experts per serializer call (1: one call per expert).
-    """
-
-    preset: str | None = None
-    rules: list[Rule] = []
-    keep_bf16: KeepBF16 = KeepBF16()
-    default: str = "bf16"
-    expert_emission: Literal["per_expert", "fused"] = "per_expert"
-    layout: str | None = None
-    unplaced_weights: Literal["error", "bf16"] = Field(
-        "error", description="weight matrices the layout cannot place: plan error, or sent unchanged "
-        "(BF16) and listed in the engine's ignore list")
-    wire_order: Literal["natural", "producer"] = "natural"
-    expert_batch: int = Field(16, ge=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _expand_preset(cls, data: Any, info: ValidationInfo) -> Any:
-        """Merge a known preset into the config: its rules after the config's own, its keep_bf16
-        under the config's. Only well-typed parts are merged: a preset that is not a known
-        strategy name, or a ``rules`` / ``keep_bf16`` of the wrong type, is left as given for
-        field validation to report with its key path (``rules: Input should be a valid list``)."""
-        if not isinstance(data, Mapping):
-            return data
-        name = data.get("preset")
-        strategies = _registry(info).strategies
-        if not isinstance(name, str) or name not in strategies:
-            return data  # None, a wrong type or an unknown name: reported by _known_preset
-        preset = strategies[name].obj.mapping()
-        merged = {**preset, **data}
-        if "rules" not in data:
-            merged["rules"] = list(preset.get("rules", []))
-        elif isinstance(data["rules"], list):
-            merged["rules"] = list(data["rules"]) + list(preset.get("rules", []))
-        if isinstance(preset.get("keep_bf16"), Mapping) and isinstance(data.get("keep_bf16"), Mapping):
-            merged["keep_bf16"] = {**preset["keep_bf16"], **data["keep_bf16"]}
-        return merged
-
-    @field_validator("preset", "default", "layout")
-    @classmethod
-    def _registered(cls, v: str | None, info: ValidationInfo) -> str | None:
-        """preset, default and layout must name registered plugins (errors list the choices)."""
-        if v is not None:
-            _registry(info).lookup(_REGISTRY_KIND[info.field_name], v)
-        return v
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], registry: Any = None) -> RefitConfig:
-        """Validate a mapping. Raises ConfigError with one line per problem and its key path."""
-        try:
-            return cls.model_validate(dict(data), context={"registry": registry})
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from exc
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of the expanded config (preset rules included)."""
-        return json.loads(self.model_dump_json())
+__all__ = ["KeepBF16", "PresetConfig", "RefitConfig", "Rule", "load_config"]
 
 
 def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: Any = None) -> RefitConfig:
@@ -231,21 +53,18 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: 
     if isinstance(source, RefitConfig):
         return source
     if isinstance(source, Mapping):
-        return RefitConfig.from_mapping(source, registry=registry)
+        return RefitConfig.from_mapping(source, registry=registry or get_registry())
     if not isinstance(source, (str, os.PathLike)) or not isinstance(os.fspath(source), str) or source == "":
         raise ConfigError(_bad_source(source))
+    registry = registry or get_registry()
     path = Path(source)
     if not path.exists():
-        from qstrat.registry import get_registry
-
-        strategies = (registry or get_registry()).strategies
+        strategies = registry.strategies
         if str(source) in strategies:
             return RefitConfig.from_mapping({"preset": str(source)}, registry=registry)
         raise ConfigError(f"config file {str(source)!r} does not exist, nor is it a preset name "
                           f"({close_matches(str(source), strategies)}valid presets: "
                           f"{', '.join(sorted(strategies))})")
-    from qstrat.config_files import read_config_file
-
     data = read_config_file(path)
     try:
         return RefitConfig.from_mapping(data, registry=registry)
@@ -261,50 +80,3 @@ def _bad_source(source: Any) -> str:
             if isinstance(source, (bytes, bytearray, memoryview)) else "")
     return (f"refit config: got {got}{hint}; expected a config file path (str or pathlib.Path: .yaml, "
             ".yml, .toml, .json), a preset name, a mapping or a RefitConfig")
-
-
-#: pydantic error type carrying a nested model's errors (``ctx["errors"]``: (loc, msg) pairs),
-#: expanded by :func:`format_validation_error` into one line per error with the full key path.
-NESTED_ERRORS = "qstrat_nested_errors"
-
-
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per pydantic error: ``rules[0].serializer: unknown serializer 'x'; valid: ...``.
-
-    Errors of a nested model (a rule's serializer options) are expanded under their own path:
-    ``rules[1].options.ue8m0: Input should be a valid boolean``.
-    """
-    def path_of(start: str, loc: tuple[Any, ...]) -> str:
-        for part in loc:
-            start += f"[{part}]" if isinstance(part, int) else (f".{part}" if start else str(part))
-        return start
-
-    lines = []
-    for err in exc.errors():
-        path = path_of(prefix, err["loc"])
-        if err["type"] == NESTED_ERRORS:
-            lines += [f"{path_of(path, loc)}: {msg}" for loc, msg in err["ctx"]["errors"]]
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{path or '<config>'}: {msg}")
-    return "; ".join(lines) if len(lines) == 1 else "invalid config:\n  " + "\n  ".join(lines)
-
-
-def close_matches(name: str, choices: Any) -> str:
-    """``"did you mean 'block-fp8'? "`` for a near miss among ``choices`` (difflib), else ``""``."""
-    import difflib
-
-    found = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.6)
-    return f"did you mean {' or '.join(repr(f) for f in found)}? " if found else ""
-
-
-def _registry(info: ValidationInfo) -> Any:
-    """The registry names are checked against; None while a preset is being defined."""
-    if (info.context or {}).get("structural"):
-        return None
-    reg = (info.context or {}).get("registry")
-    if reg is None:
-        from qstrat.registry import get_registry
-
-        reg = get_registry()
-    return reg

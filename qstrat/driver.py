@@ -5,18 +5,19 @@
 1. :meth:`RefitDriver.plan` - parse names (:mod:`qstrat.layouts`), decide (:mod:`qstrat.rules`),
    declare every output and check the whole plan (:mod:`qstrat.plan.planner`); raises
    :class:`~qstrat.errors.PlanError` before any quantization.
-2. :meth:`RefitDriver.check_values` - one read pass for NaN/inf, before anything is emitted.
+2. :meth:`RefitDriver.prepare` - everything that runs before the first byte, in one order
+   (:data:`qstrat.prepare.STEPS`: plan, the sink's own checks, backends, values).
 3. :meth:`RefitDriver.execute` - quantize each input once (a grouped expert slab, or a batch of
    per-expert tensors, in one call), emit ``(checkpoint_name, tensor)`` in the plan's wire order,
    drop parts after their last output (:mod:`qstrat.stream`).
 
-:meth:`RefitDriver.run` is plan + execute, or, given a plan made from metadata, execute over a
-stream consumed once; the sinks (:mod:`qstrat.vllm`, :mod:`qstrat.checkpoint`) consume the same
-output stream.
+:meth:`RefitDriver.run` is prepare + execute, or, given a plan made from metadata, execute over a
+stream consumed once; every sink (:mod:`qstrat.vllm`, :mod:`qstrat.checkpoint`,
+:mod:`qstrat.transport`) prepares the same way and consumes the same output stream.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,12 +28,14 @@ from qstrat.inputs import NamedTensors, as_tensor_dict, materialize
 from qstrat.layouts import ModelLayout, detect_layout
 from qstrat.plan.data import PASSTHROUGH, RefitPlan
 from qstrat.plan.planner import Planner
+from qstrat.prepare import PreparedRefit, SinkCheck, ValuesWhen, prepare
 from qstrat.registry import Registry, get_registry
 from qstrat.rules import Decision, RuleSet
 from qstrat.serializers.base import Serializer
 from qstrat.stream import check_passthrough, cut_output, execute
 
-__all__ = ["Decision", "NamedTensors", "RefitDriver", "check_passthrough", "cut_output"]
+__all__ = ["Decision", "NamedTensors", "PreparedRefit", "RefitDriver", "SinkCheck", "check_passthrough",
+           "cut_output"]
 
 
 class RefitDriver:
@@ -107,21 +110,37 @@ class RefitDriver:
                 iterator in memory.
         Yields: checkpoint tensors on the input's device; views into a slab's quantized parts
             for per-expert emission (call ``.contiguous()`` before serializing bytes).
-        Raises: PlanError before the first tensor is yielded (a given plan made with another
-            config, an invalid plan) or, streaming, when an input does not match the plan;
-            NonFiniteError naming the tensor.
+        Raises: PlanError or BackendUnavailableError before the first tensor is yielded (a
+            given plan made with another config, an invalid plan: :meth:`prepare`) or,
+            streaming, when an input does not match the plan; NonFiniteError naming the tensor.
         """
-        if plan is None:
-            tensors = as_tensor_dict(named_tensors)
-            plan = self.plan(tensors)
-            yield from self.execute(plan, tensors)
-            return
-        self.check_plan(plan, named_tensors)
-        yield from self.execute(plan, named_tensors)
+        yield from self.prepare(named_tensors, plan, values="inline", stream=True).execute()
+
+    def prepare(self, named_tensors: NamedTensors, plan: RefitPlan | None = None,
+                checks: Sequence[SinkCheck] = (), values: ValuesWhen = "first",
+                stream: bool = False) -> PreparedRefit:
+        """Run every check before the first byte (:data:`qstrat.prepare.STEPS`, in order: plan,
+        the sink's ``checks``, backends, values) and return what to execute.
+
+        Args:
+            named_tensors: as for :meth:`plan` (real tensors, or lazy handles, any device).
+            plan: a plan made beforehand (checked against this driver's config and, as a
+                mapping, the inputs: :meth:`check_plan`); None: plan ``named_tensors`` here.
+            checks: the sink's own checks (:class:`~qstrat.prepare.SinkCheck`), run in order
+                after the plan.
+            values: ``"first"`` - read every input for NaN/inf before returning (sinks that
+                cannot take anything back); ``"inline"`` - while quantizing.
+            stream: with ``plan``, keep an iterator as an iterator (consumed once by
+                ``execute``; devices and values are then checked as each tensor arrives).
+        Returns: a :class:`~qstrat.prepare.PreparedRefit` (``.plan``, ``.execute()``).
+        Raises: PlanError; the sink's errors; BackendUnavailableError; NonFiniteError - the
+            first step that fails, before anything is emitted.
+        """
+        return prepare(self, named_tensors, plan, checks, values, stream)
 
     def check_plan(self, plan: RefitPlan, tensors: Any = None) -> None:
         """Raise PlanError unless ``plan`` was made with this driver's config (a plan given to
-        :meth:`run`, ``qstrat.vllm.refit`` or ``write_checkpoint`` beforehand) and, when
+        :meth:`prepare` beforehand) and, when
         ``tensors`` is a mapping, it holds every planned input with its planned shape and dtype
         (:func:`qstrat.stream.check_inputs`; a stream is checked as it arrives)."""
         if plan.config != self.config.to_dict():
@@ -176,7 +195,8 @@ class RefitDriver:
         Each input is quantized once, when its first output is due, and its parts are dropped
         after its last output: that bounds live parts to about one decoder layer.
         """
-        yield from execute(self, plan, tensors, values_checked, expert_batch, consumer_stream)
+        yield from execute(self, plan, tensors, values_checked, expert_batch or self.config.expert_batch,
+                           consumer_stream)
 
 
 def hf_config_dict(hf_config: Any) -> dict[str, Any]:

@@ -48,8 +48,9 @@ class TransportError(QstratError):
     the message names the rank and bucket. Nothing was handed to the engine."""
 
 
-class ManifestMismatchError(TransportError):
-    """A transfer manifest is malformed or does not match what the receiving engine accepts;
+class WireManifestMismatchError(TransportError):
+    """A wire manifest (:mod:`qstrat.transport.wire_manifest`: where each tensor lies in a transfer
+    round; not the engine manifest) is malformed or does not match what the receiving engine accepts;
     raised before any tensor data is received."""
 
 
@@ -65,4 +66,16 @@ class VerificationError(QstratError):
 
 class ConfigOnlyUnsupportedError(PlanError):
     """qstrat cannot derive this model's tensors from its config.json alone (hybrid linear
-    attention, a vision tower, gpt-oss slabs): plan the trainer's state_dict() instead."""
+    attention, a vision tower, per-expert names of gpt-oss's slab-only experts, a family no layout
+    matches): plan the trainer's state_dict() instead."""
+
+
+class FidelityError(QstratError, RuntimeError):
+    """After a refit, the engine's logprobs on the probe sequences differ from the trainer's
+    model with the same quantized weights by more than the format's threshold
+    (:mod:`qstrat.fidelity`): the engine does not serve what was sent. The reload itself
+    completed; ``.report`` holds the measured :class:`~qstrat.fidelity.FidelityReport`."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report

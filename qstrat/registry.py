@@ -14,12 +14,13 @@ from typing import Any, Generic, TypeVar
 import pluggy
 
 from qstrat import hookspecs
-from qstrat.config import PresetConfig, RefitConfig
+from qstrat.config_schema import PresetConfig, RefitConfig
 from qstrat.errors import ConfigError, PluginError
 from qstrat.layouts import ModelLayout
 from qstrat.selectors import Selector
 from qstrat.serializers.base import Serializer
 from qstrat.strategies import Strategy
+from qstrat.validation import close_matches, format_validation_error
 
 T = TypeVar("T")
 
@@ -119,8 +120,6 @@ class Registry:
         """Entry ``name`` of ``kind`` (one of :attr:`KINDS`). Raises ConfigError listing choices."""
         table: Mapping[str, Entry[Any]] = getattr(self, kind)
         if name not in table:
-            from qstrat.config import close_matches
-
             raise ConfigError(f"unknown {_SINGULAR[kind]} {name!r}; {close_matches(str(name), table)}"
                               f"valid: {', '.join(sorted(table))}")
         return table[name]
@@ -176,8 +175,6 @@ def get_serializer(name: str, **options: Any) -> Serializer:
     Raises: ConfigError (unknown name or invalid options, naming the option).
     """
     from pydantic import ValidationError
-
-    from qstrat.config import format_validation_error
 
     try:
         return get_registry().serializer(name, **options)

@@ -15,16 +15,14 @@ No shapes are checked here (that is the planner's job: :mod:`qstrat.plan.planner
 """
 from __future__ import annotations
 
-import fnmatch
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ParsedName
+from qstrat.patterns import NamePattern, any_match
 
 if TYPE_CHECKING:
-    from qstrat.config import RefitConfig, Rule
+    from qstrat.config_schema import RefitConfig, Rule
     from qstrat.registry import Registry
 
 #: Serializer name of tensors sent unchanged (not a registered format).
@@ -43,31 +41,6 @@ class Decision:
     options: dict[str, Any]
     rule: str
     parsed: ParsedName
-
-
-class NamePattern:
-    """A glob (``*.experts.*``) or, with a ``re:`` prefix, a regex searched in the HF name.
-
-    Raises: re.error for an invalid regex (reported by config validation with its key path).
-    """
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        if text.startswith("re:"):
-            self._match = re.compile(text[3:]).search
-        else:
-            self._match = lambda name: fnmatch.fnmatchcase(name, text)
-
-    def __call__(self, name: str) -> bool:
-        return bool(self._match(name))
-
-    def __repr__(self) -> str:
-        return f"NamePattern({self.text!r})"
-
-
-def any_match(patterns: Sequence[NamePattern], name: str) -> bool:
-    """True if any pattern matches ``name``."""
-    return any(p(name) for p in patterns)
 
 
 def kept_bf16(p: ParsedName, num_layers: int | None, first: int, last: int) -> bool:

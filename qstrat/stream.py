@@ -25,7 +25,7 @@ the driver drops its reference.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,22 +34,30 @@ from qstrat.inputs import check_new_name, materialize
 from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan
 from qstrat.serializers.base import Serializer, check_finite, dtype_name
 
-__all__ = ["check_passthrough", "cut_output", "execute"]
+__all__ = ["SerializerSource", "check_passthrough", "cut_output", "execute"]
 
 
-def execute(driver: Any, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]],
-            values_checked: bool = False, expert_batch: int | None = None,
+class SerializerSource(Protocol):
+    """What execution needs of the driver: the serializer instance for a planned format
+    (:meth:`qstrat.RefitDriver.serializer`, cached per format and options)."""
+
+    def serializer(self, name: str, options: Mapping[str, Any]) -> Serializer: ...
+
+
+def execute(driver: SerializerSource, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]],
+            values_checked: bool, expert_batch: int,
             consumer_stream: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(checkpoint_name, tensor)`` for every output of ``plan`` in its wire order.
 
     Args:
-        driver: the :class:`~qstrat.RefitDriver` that made ``plan`` (serializer instances).
+        driver: the :class:`~qstrat.RefitDriver` that made ``plan`` (its serializer instances).
         plan: a validated plan (whole, or one rank's from :func:`qstrat.sharding.split_plan`).
         inputs: name -> tensor (or lazy handle, DTensor), or an iterator of ``(name, tensor)``
             pairs consumed once in the producer's order. Names must be the plan's inputs (a
             per-rank plan also accepts, and drops, the inputs of :attr:`RefitPlan.elsewhere`).
         values_checked: NaN/inf already checked (:meth:`RefitDriver.check_values`).
-        expert_batch: most experts per serializer call (default: the config's ``expert_batch``).
+        expert_batch: most experts per serializer call (the driver passes its config's
+            ``expert_batch`` unless told otherwise).
         consumer_stream: CUDA stream the consumer reads outputs on (see module docstring).
     Yields: tensors on the input's device; per-expert outputs of a slab or batch are views of
         the quantized batch (call ``.contiguous()`` before serializing bytes).
@@ -57,8 +65,7 @@ def execute(driver: Any, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[t
         twice, differs from the plan in shape or dtype, or never arrives; NonFiniteError. With
         a stream these surface when the tensor arrives, after earlier outputs were yielded.
     """
-    run = _Run(driver, plan, inputs, values_checked, expert_batch or driver.config.expert_batch,
-               consumer_stream)
+    run = _Run(driver, plan, inputs, values_checked, expert_batch, consumer_stream)
     try:
         yield from run.emit()
     finally:
@@ -133,7 +140,7 @@ class _Source:
 class _Run:
     """State of one execution: live parts, group contexts, batch scratch."""
 
-    def __init__(self, driver: Any, plan: RefitPlan, inputs: Any, values_checked: bool,
+    def __init__(self, driver: SerializerSource, plan: RefitPlan, inputs: Any, values_checked: bool,
                  expert_batch: int, consumer_stream: Any) -> None:
         self.driver, self.plan, self.values_checked = driver, plan, values_checked
         self.expert_batch, self.consumer_stream = max(1, expert_batch), consumer_stream

@@ -4,10 +4,10 @@ Uses vLLM's public ``LLM.collective_rpc("reload_weights", kwargs={"weights_itera
 "is_checkpoint_format": True})``: the engine receives HF checkpoint-format names and dtypes
 (weights AND their scales), re-runs its post-load processing per layer and copies the results
 into its live tensors. That reload has no rollback, so everything that can fail is checked
-before the first tensor is sent: the plan, its match with the engine's quantization_config, the
-plan against the engine's manifest (:mod:`qstrat.engine_manifest`: every name, shape and dtype, every
-reload unit complete, cross-checked with vLLM's own record of the model), that each format's
-backend can run here, and every value (NaN/inf). What can still fail once the engine has begun
+before the first tensor is sent: :meth:`RefitDriver.prepare` with this sink's checks
+(:func:`engine_checks`: the engine's format, its manifest - :mod:`qstrat.engine_manifest`,
+cross-checked with vLLM's own record of the model -, its ignore lists, CPU experts) and every
+value read first. What can still fail once the engine has begun
 (out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`.
 Importing this module does not import vLLM.
 """
@@ -23,13 +23,16 @@ from typing import Any
 
 import torch
 
-from qstrat import vllm_model
 from qstrat.driver import RefitDriver, layout_for
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
-from qstrat.inputs import NamedTensors, as_tensor_dict
-from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, config_mismatch, covered,
-                                    ignore_list)
+from qstrat.inputs import NamedTensors
+from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, covered,
+                                    ignore_list, plan_format_mismatch)
 from qstrat.plan import RefitPlan, natural_key
+from qstrat.prepare import PreparedRefit, SinkCheck
+from qstrat.registry import Registry, get_registry
+from qstrat.vllm_adapter import model_record
+from qstrat.vllm_adapter.platform_facts import device_type, in_process
 
 #: Attribute set on an engine whose reload failed part-way (its weights are in an unknown state).
 _FAILED = "_qstrat_refit_failed"
@@ -50,10 +53,13 @@ class RefitReport:
     tensors: int
     bytes: int
     seconds: float
+    #: the fidelity probe's report (``refit(..., verify=...)``; docs/fidelity.md), else None
+    fidelity: Any = None
 
     def __repr__(self) -> str:
         return (f"RefitReport(tensors={self.tensors}, bytes={self.bytes} ({self.bytes / 2**20:.2f} MiB), "
-                f"seconds={self.seconds:.3f}, plan: {self.plan.summary()})")
+                f"seconds={self.seconds:.3f}, plan: {self.plan.summary()}"
+                + (f"; {self.fidelity}" if self.fidelity is not None else "") + ")")
 
 
 def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
@@ -69,7 +75,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     Built from the engine's own model config, quantization_config and dtype (never from the
     trainer's tensors), with the layout ``driver``'s config names (else the one the engine's
     config selects) and the driver's registry; then cross-checked with vLLM's record of the
-    model (:func:`qstrat.vllm_model.cross_check`). Cached on the engine per layout.
+    model (:func:`qstrat.vllm_adapter.model_record.cross_check`). Cached on the engine per layout.
 
     Returns: the manifest, or None (with a RuntimeWarning) for a family whose tensors qstrat cannot
         derive from the config alone (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`).
@@ -86,7 +92,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     if key in cache:
         return cache[key]
     try:
-        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, _platform())
+        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, device_type())
     except ConfigOnlyUnsupportedError as exc:
         # Families whose tensors qstrat cannot derive from the config alone (hybrid linear
         # attention, gpt-oss slabs): no manifest; the other checks still run (docs/vllm.md).
@@ -95,16 +101,16 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
                       RuntimeWarning, stacklevel=3)
         cache[key] = None
         return None
-    if cross_check and not _in_process(llm):
+    if cross_check and not in_process(llm):
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
         cross_check = False
     if cross_check:
         try:
-            model = vllm_model.engine_model(llm)
+            model = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
-        errors = vllm_model.cross_check(manifest, model)
+        errors = model_record.cross_check(manifest, model)
         if errors:
             raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
                                 "sent):\n  " + "\n  ".join(errors[:25]))
@@ -112,27 +118,19 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     return manifest
 
 
-def _platform() -> str | None:
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return None
-    return str(current_platform.device_type)
+def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
+                        registry: Registry | None = None) -> None:
+    """Raise PlanError unless the engine serves the plan's format: both unquantized, or each
+    quantizing format of the plan serves ``engine_config`` by its own rule
+    (:func:`qstrat.engine_manifest.plan_format_mismatch`; ``registry``: the driver's, default
+    the process-wide one)."""
+    why = plan_format_mismatch(plan, engine_config, registry or get_registry())
+    if why is not None:
+        raise PlanError(why)
 
 
-def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
-    """Raise PlanError unless the plan's format is the engine's (both unquantized, or equal on
-    :data:`qstrat.engine_manifest.MATCH_KEYS`)."""
-    mine = plan.vllm_quantization_config()
-    if (mine is None) != (engine_config is None):
-        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
-    key = None if mine is None or engine_config is None else config_mismatch(mine, engine_config)
-    if key is not None:
-        raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
-                        f"the plan emits {mine.get(key)!r}")
-
-
-def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
+def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
+                            registry: Registry | None = None) -> None:
     """Raise PlanError unless the plan emits what the engine's modules expect.
 
     Checks the format (:func:`check_engine_format`) and both directions of the
@@ -144,8 +142,9 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
     Args:
         plan: the validated refit plan.
         engine_config: the engine's ``quantization_config`` (None: unquantized engine).
+        registry: where the plan's formats are looked up (default: the process-wide registry).
     """
-    check_engine_format(plan, engine_config)
+    check_engine_format(plan, engine_config, registry)
     mine = plan.vllm_quantization_config()
     if mine is None or engine_config is None:
         return
@@ -188,18 +187,63 @@ def check_cpu_expert_reload(plan: RefitPlan, manifest: EngineManifest, allow: bo
     warnings.warn(f"{what}; sending them because allow_cpu_bf16_experts=True", RuntimeWarning, stacklevel=3)
 
 
+class _EngineChecks:
+    """The engine sink's checks (:func:`engine_checks`), sharing the engine's quantization_config
+    and manifest between them (each is read once per refit)."""
+
+    def __init__(self, llm: Any, driver: RefitDriver, manifest: EngineManifest | None,
+                 allow_cpu_bf16_experts: bool) -> None:
+        self.llm, self.driver, self.given_manifest = llm, driver, manifest
+        self.allow_cpu_bf16_experts = allow_cpu_bf16_experts
+        self.config: dict[str, Any] | None = None
+        self.manifest: EngineManifest | None = None
+
+    def engine_format(self, p: PreparedRefit) -> None:
+        self.config = engine_quantization_config(self.llm)
+        check_engine_format(p.plan, self.config, self.driver.registry)
+
+    def engine_manifest(self, p: PreparedRefit) -> None:
+        self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
+            self.llm, self.driver)
+        if self.manifest is not None:  # None: a family qstrat cannot derive from the config (warned)
+            check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
+
+    def ignore_lists(self, p: PreparedRefit) -> None:
+        check_engine_compatible(p.plan, self.config, self.driver.registry)
+
+    def cpu_experts(self, p: PreparedRefit) -> None:
+        if self.manifest is not None:
+            check_cpu_expert_reload(p.plan, self.manifest, self.allow_cpu_bf16_experts)
+
+
+def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None = None,
+                  allow_cpu_bf16_experts: bool = False) -> tuple[SinkCheck, ...]:
+    """The checks a running engine adds to :meth:`RefitDriver.prepare`, in this order:
+
+    1. ``engine format``: the plan's format is the engine's (:func:`check_engine_format`);
+    2. ``engine manifest``: the plan against the engine's manifest (``manifest``, default
+       :func:`engine_manifest`; :func:`qstrat.engine_manifest.check_plan`: names, shapes,
+       dtypes, every reload unit complete, every layer covered unless the plan was given);
+    3. ``ignore lists``: both directions of the ignore list (:func:`check_engine_compatible`);
+    4. ``cpu experts``: no unquantized routed experts into a CPU engine
+       (:func:`check_cpu_expert_reload`).
+
+    Raises (when run): PlanError; EngineManifestError (the manifest cannot be built or vLLM
+    disagrees with it).
+    """
+    c = _EngineChecks(llm, driver, manifest, allow_cpu_bf16_experts)
+    return (SinkCheck("engine format", c.engine_format), SinkCheck("engine manifest", c.engine_manifest),
+            SinkCheck("ignore lists", c.ignore_lists), SinkCheck("cpu experts", c.cpu_experts))
+
+
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
           plan: RefitPlan | None = None, manifest: EngineManifest | None = None,
-          allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None) -> RefitReport:
+          allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None,
+          verify: Any = None) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
-    Before the first tensor is sent: the plan (:meth:`RefitDriver.plan`), its format against
-    the engine's (:func:`check_engine_format`), the plan against the engine's manifest
-    (:func:`qstrat.engine_manifest.check_plan`: names, shapes, dtypes, every reload unit complete,
-    every layer covered unless a partial ``plan`` is given), the ignore lists
-    (:func:`check_engine_compatible`), unquantized experts on a CPU engine
-    (:func:`check_cpu_expert_reload`), the formats' backends (:meth:`RefitDriver.check_backends`)
-    and every value (:meth:`RefitDriver.check_values`).
+    Before the first tensor is sent: :meth:`RefitDriver.prepare` with the engine's checks
+    (:func:`engine_checks`), values first (docs/concepts.md, "What runs before the first byte").
 
     Args:
         llm: a ``vllm.LLM`` started on a checkpoint of the same model and format.
@@ -223,11 +267,15 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             vLLM then records that folder as its model path). For multiprocess engines on this
             host: vLLM 0.32 cannot forward tensors in ``collective_rpc`` kwargs from its engine
             core to a worker process ("cannot pickle memoryview objects"). Not with ``stream``.
+        verify: after the reload, ``verify(llm, driver)`` - e.g.
+            ``qstrat.fidelity.Verify(model)``: the fidelity probe (docs/fidelity.md) - and its
+            result on ``RefitReport.fidelity``; it raises FidelityError when the engine does not
+            serve what was sent (the reload is complete then).
     Returns: a :class:`RefitReport`.
-    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError or NonFiniteError (nothing
-        sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
+    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError, BackendUnavailableError or
+        NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine must be restarted), and
-        for every later refit of that engine.
+        for every later refit of that engine; FidelityError from ``verify``.
     """
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
@@ -236,26 +284,13 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
                                "are in an unknown state: restart the engine")
     start = time.perf_counter()
-    tensors = as_tensor_dict(named_tensors)
-    given = plan is not None
-    if plan is None:
-        plan = driver.plan(tensors)
-    else:
-        driver.check_plan(plan, tensors)
-    engine_config = engine_quantization_config(llm)
-    check_engine_format(plan, engine_config)
-    manifest = manifest if manifest is not None else engine_manifest(llm, driver)
-    if manifest is not None:  # None: a family qstrat cannot derive from the config (warned)
-        check_plan(plan, manifest, manifest.parts_sent(plan) if given else None)
-    check_engine_compatible(plan, engine_config)
-    if manifest is not None:
-        check_cpu_expert_reload(plan, manifest, allow_cpu_bf16_experts)
-    driver.check_backends(plan, tensors)
-    driver.check_values(plan, tensors)
+    checks = engine_checks(llm, driver, manifest, allow_cpu_bf16_experts)
+    prepared = driver.prepare(named_tensors, plan, checks)  # values="first": vLLM's reload has no rollback
+    plan = prepared.plan
     sent = {"tensors": 0, "bytes": 0}
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in driver.execute(plan, tensors, values_checked=True):
+        for name, t in prepared.execute():
             t = t.contiguous()
             sent["tensors"] += 1
             sent["bytes"] += t.numel() * t.element_size()
@@ -270,7 +305,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         with tempfile.TemporaryDirectory(prefix="qstrat-refit-", dir=weights_dir) as spool:
             save_file(dict(payload()), str(Path(spool) / "model.safetensors"))
             _reload(llm, {"weights_path": spool}, sent, len(plan.outputs()))
-    return RefitReport(plan, sent["tensors"], sent["bytes"], time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    fidelity = verify(llm, driver) if verify is not None else None
+    return RefitReport(plan, sent["tensors"], sent["bytes"], seconds, fidelity)
 
 
 def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:
@@ -292,9 +329,3 @@ def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) 
         setattr(llm, _FAILED, f"{type(exc).__name__} during reload")
         raise
 
-
-def _in_process(llm: Any) -> bool:
-    """Whether the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where
-    ``collective_rpc`` can run a function in the worker (vLLM 0.32's ``InprocClient``)."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    return core is None or type(core).__name__ == "InprocClient"

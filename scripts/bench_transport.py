@@ -7,7 +7,7 @@ plus a bfloat16 embedding [8192, 1024] (16 MiB: chunked for every bucket size be
 
 For each bucket size it measures, median of ``--reps``:
 
-* ``transport``: ``RefitSender.send`` - manifest RPC and check, pack + CRC-32 (double
+* ``transport``: ``RefitSender.send`` - wire manifest RPC and check, pack + CRC-32 (double
   buffered), broadcast, receive + CRC check, votes, zero-copy unpack, commit on every
   receiver (the round's wall time as the sender sees it, RPCs over pipes included);
 * ``raw``: plain ``broadcast`` of the same bucket sizes from preallocated buffers, two in
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from transport_harness import Receiver, free_port, raw_broadcast  # noqa: E402
 
-from qstrat.transport import RefitSender, build_manifest  # noqa: E402
+from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, checksum, pack  # noqa: E402
 
 
@@ -48,11 +48,11 @@ def synthetic(layers: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def pack_only(manifest, tensors) -> float:
+def pack_only(wire_manifest, tensors) -> float:
     data = dict(tensors)
-    buf = torch.empty(manifest.bucket_bytes, dtype=torch.uint8)
+    buf = torch.empty(wire_manifest.bucket_bytes, dtype=torch.uint8)
     t0 = time.perf_counter()
-    for b, slots in zip(manifest.buckets, bucket_contents(manifest)):
+    for b, slots in zip(wire_manifest.buckets, bucket_contents(wire_manifest)):
         if b.tensor is None:
             checksum(pack(buf, b, slots, [data[s.name] for s in slots]))
         else:
@@ -85,22 +85,22 @@ def main() -> None:
               f"{'raw GB/s':>9} {'ratio':>6} {'pack+crc GB/s':>13}")
         for mib in args.bucket_mib:
             sender.bucket_bytes = int(mib * 2**20)
-            manifest = build_manifest(((n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            wire_manifest = build_wire_manifest(((n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
                                        for n, t in tensors), sender.bucket_bytes)
-            sizes = [b.nbytes for b in manifest.buckets]
+            sizes = [b.nbytes for b in wire_manifest.buckets]
             bufs = [torch.zeros(sender.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
             t_tr, t_raw, t_pack = [], [], []
             for _ in range(args.reps):
-                t_tr.append(sender.send(manifest, iter(tensors)).seconds)
+                t_tr.append(sender.send(wire_manifest, iter(tensors)).seconds)
                 futures = [sender._pool.submit(r.rpc.call, "raw_broadcast", sizes) for r in receivers]
                 t0 = time.perf_counter()
                 raw_broadcast(sender.group, sizes, bufs)
                 for f in futures:
                     f.result(120)
                 t_raw.append(time.perf_counter() - t0)
-                t_pack.append(pack_only(manifest, tensors))
-            gbps = [manifest.total_bytes / statistics.median(t) / 1e9 for t in (t_tr, t_raw, t_pack)]
-            print(f"{mib:>10g} {manifest.total_bytes / 2**20:>11.1f} {len(sizes):>7} {gbps[0]:>14.2f} "
+                t_pack.append(pack_only(wire_manifest, tensors))
+            gbps = [wire_manifest.total_bytes / statistics.median(t) / 1e9 for t in (t_tr, t_raw, t_pack)]
+            print(f"{mib:>10g} {wire_manifest.total_bytes / 2**20:>11.1f} {len(sizes):>7} {gbps[0]:>14.2f} "
                   f"{gbps[1]:>9.2f} {gbps[0] / gbps[1]:>6.2f} {gbps[2]:>13.2f}")
         sender.close()
     finally:

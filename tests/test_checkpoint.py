@@ -39,8 +39,8 @@ def test_shards_are_written_while_quantizing_and_then_dropped(tiny_model, tiny_h
     emitted = []                      # names the driver has yielded so far
     execute = driver.execute
 
-    def spy_execute(plan, tensors):
-        for name, t in execute(plan, tensors):
+    def spy_execute(plan, tensors, **kw):
+        for name, t in execute(plan, tensors, **kw):
             emitted.append(name)
             yield name, t
     monkeypatch.setattr(driver, "execute", spy_execute)

@@ -10,7 +10,7 @@ fresh-engine reference) and is refit to A, then back to B, through the backend. 
 round both receivers hold byte-identical tensors, equal to what ``RefitDriver.run`` emits (the
 engine's side is hashed as vLLM's ``load_weights`` receives it); back on B the engine's greedy
 tokens and logprobs equal, exactly, the fresh engine's on the same checkpoint. Faults -
-manifest mismatch, corrupted bucket, truncated stream, a receiver killed mid-way - each raise a
+wire manifest mismatch, corrupted bucket, truncated stream, a receiver killed mid-way - each raise a
 clear error on the sender and the engine within the timeout, and leave the engine's outputs
 unchanged. Tests run in file order on one engine; the kill is last.
 
@@ -108,7 +108,7 @@ def test_refit_through_backend_equals_fresh_engine_and_receivers_agree(cluster, 
               f"{report.bytes / 2**20:.2f} MiB in {report.buckets} buckets")
         want = {name: sha256(t) for name, t in ckpts["driver"].run(ckpts[target])}
         engine_got, other_got = cluster["engine"].ctl.call("digests"), cluster["other"].ctl.call("digests")
-        assert len(engine_got) == len(want) == len(report.manifest.slots)
+        assert len(engine_got) == len(want) == len(report.wire_manifest.slots)
         assert engine_got == other_got == want, "receivers hold different bytes"
         if target == "a":
             cluster["a_out"] = cluster["engine"].ctl.call("greedy")
@@ -122,18 +122,18 @@ def expect_unchanged(cluster, fresh_b):
 
 def test_manifest_mismatch_is_refused_before_any_data(cluster, ckpts, fresh_b):
     from qstrat.driver import RefitDriver
-    from qstrat.errors import ManifestMismatchError
+    from qstrat.errors import WireManifestMismatchError
 
     sent = []
     sender = faulty(cluster, lambda self, k, payload: sent.append(k) or payload)
     mxfp8 = RefitDriver("mxfp8", hf_config=ckpts["cfg"])
     t0 = time.perf_counter()
-    with pytest.raises(ManifestMismatchError) as err:
+    with pytest.raises(WireManifestMismatchError) as err:
         sender.refit(mxfp8, ckpts["a"])
     msg = str(err.value)
-    assert "rank 1 rejected the manifest" in msg and "rank 2 rejected the manifest" in msg
-    assert "manifest does not match the engine" in msg and "weight_scale_inv" in msg
-    assert sent == [], "a bucket was sent after the manifest was refused"
+    assert "rank 1 rejected the wire manifest" in msg and "rank 2 rejected the wire manifest" in msg
+    assert "wire manifest does not match the engine" in msg and "weight_scale_inv" in msg
+    assert sent == [], "a bucket was sent after the wire manifest was refused"
     assert time.perf_counter() - t0 < TIMEOUT_S
     expect_unchanged(cluster, fresh_b)
 
@@ -186,12 +186,12 @@ def test_truncated_stream_is_an_error_within_the_timeout(cluster, ckpts, fresh_b
 def test_whole_layer_partial_rounds_equal_the_fresh_engine(cluster, ckpts, fresh_b):
     """From A to B in two rounds: layers 0-1, then the rest (layers 2-3 and the modules outside
     the decoder). A round that would send part of a layer is refused before any data."""
-    from qstrat.errors import ManifestMismatchError
+    from qstrat.errors import WireManifestMismatchError
 
     driver, sender = ckpts["driver"], cluster["sender"]
     plan = driver.plan(ckpts["b"])
     half = [e for e in plan.entries if e.layer == 0][:3]
-    with pytest.raises(ManifestMismatchError, match=r"partly sent.*model\.layers\.0"):
+    with pytest.raises(WireManifestMismatchError, match=r"partly sent.*model\.layers\.0"):
         sender.refit(driver, ckpts["b"], plan=plan.subset(lambda e: e in half))
     assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
     sender.refit(driver, ckpts["b"], plan=plan.only_layers([0, 1]))

@@ -1,4 +1,4 @@
-"""The transport without an engine: manifest layout, bucket packing, and a real gloo round from
+"""The transport without an engine: wire manifest layout, bucket packing, and a real gloo round from
 this process (rank 0) to two spawned StandaloneReceiver processes.
 
 Oracle for the bytes: ``RefitDriver.run`` of the same trainer tensors in this process (the
@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from qstrat.errors import ManifestMismatchError, TransportError
-from qstrat.transport import RefitSender, build_manifest, check_against
+from qstrat.errors import TransportError, WireManifestMismatchError
+from qstrat.transport import RefitSender, build_wire_manifest, check_against
 from qstrat.transport.buckets import bucket_contents, pack, receive_buffers, unpack
-from qstrat.transport.manifest import Manifest
+from qstrat.transport.wire_manifest import WireManifest
 
 from transport_harness import Receiver, crashing_sender, free_port, sha256
 
@@ -36,7 +36,7 @@ def tensors_for(specs, seed=0):
 
 
 def test_manifest_layout_mixed_dtypes_aligned_bounded_and_chunked():
-    m = build_manifest(MIXED, bucket_bytes=1024, alignment=64)
+    m = build_wire_manifest(MIXED, bucket_bytes=1024, alignment=64)
     slots = {s.name: s for s in m.slots}
     assert [s.name for s in m.slots] == [n for n, _, _ in MIXED]  # wire order kept
     assert all(s.offset % 64 == 0 for s in m.slots)
@@ -54,23 +54,23 @@ def test_manifest_layout_mixed_dtypes_aligned_bounded_and_chunked():
 
 
 def test_manifest_round_trip_and_digest_guards_every_field():
-    m = build_manifest(MIXED, bucket_bytes=1024)
+    m = build_wire_manifest(MIXED, bucket_bytes=1024)
     doc = m.to_dict()
-    assert Manifest.from_dict(doc) == m
-    assert build_manifest(MIXED, bucket_bytes=2048).digest != m.digest
+    assert WireManifest.from_dict(doc) == m
+    assert build_wire_manifest(MIXED, bucket_bytes=2048).digest != m.digest
     edited = m.to_dict()
     edited["slots"][2]["shape"] = [8]
-    with pytest.raises(ManifestMismatchError, match="digest"):
-        Manifest.from_dict(edited)
+    with pytest.raises(WireManifestMismatchError, match="digest"):
+        WireManifest.from_dict(edited)
     from dataclasses import replace
 
     bad = replace(m, buckets=(replace(m.buckets[0], tensor="b.weight"),) + m.buckets[1:])
-    with pytest.raises(ManifestMismatchError, match="bucket 0: holds 'b.weight'"):
+    with pytest.raises(WireManifestMismatchError, match="bucket 0: holds 'b.weight'"):
         bad.check_layout()
-    with pytest.raises(ManifestMismatchError, match="multiple of the alignment"):
-        build_manifest(MIXED, bucket_bytes=1000)
-    with pytest.raises(ManifestMismatchError, match="unknown dtype"):
-        build_manifest([("x", "float9", (2,))])
+    with pytest.raises(WireManifestMismatchError, match="multiple of the alignment"):
+        build_wire_manifest(MIXED, bucket_bytes=1000)
+    with pytest.raises(WireManifestMismatchError, match="unknown dtype"):
+        build_wire_manifest([("x", "float9", (2,))])
 
 
 def test_check_against_names_partial_units_extra_and_wrong_tensors():
@@ -78,15 +78,15 @@ def test_check_against_names_partial_units_extra_and_wrong_tensors():
                      ("model.layers.0.q.weight_scale_inv", "float32", (1, 1)),
                      ("model.layers.1.q.weight", "bfloat16", (2, 2))]
     expected = {n: (d, s) for n, d, s in specs}
-    check_against(build_manifest(specs), expected)
+    check_against(build_wire_manifest(specs), expected)
     # whole units may be left out (a partial refit): layer 1, module b
-    check_against(build_manifest([t for t in specs if t[0] not in ("model.layers.1.q.weight", "b.weight")]),
+    check_against(build_wire_manifest([t for t in specs if t[0] not in ("model.layers.1.q.weight", "b.weight")]),
                   expected)
-    m = build_manifest([t for t in specs if t[0] != "model.layers.0.q.weight_scale_inv"])
+    m = build_wire_manifest([t for t in specs if t[0] != "model.layers.0.q.weight_scale_inv"])
     expected["e.weight"] = ("bfloat16", (2,))
     expected["a.weight"] = ("float8_e4m3fn", (5, 3))
     del expected["c.flag"]
-    with pytest.raises(ManifestMismatchError) as err:
+    with pytest.raises(WireManifestMismatchError) as err:
         check_against(m, expected)
     msg = str(err.value)
     assert "model.layers.0 (missing ['model.layers.0.q.weight_scale_inv'])" in msg
@@ -96,7 +96,7 @@ def test_check_against_names_partial_units_extra_and_wrong_tensors():
 
 
 def test_pack_then_unpack_gives_the_same_bytes_as_views_of_the_received_buffers():
-    m = build_manifest(MIXED, bucket_bytes=1024)
+    m = build_wire_manifest(MIXED, bucket_bytes=1024)
     data = dict(tensors_for(MIXED))
     contents = bucket_contents(m)
     received, big = [], data["big.weight"].contiguous()
@@ -157,35 +157,35 @@ def test_two_receivers_end_with_the_driver_output_bytes(standalone, tiny):
     want = {name: sha256(t) for name, t in driver.run(trainer_b)}
     got = [r.ctl.call("digests") for r in receivers]
     assert got[0] == got[1] == want
-    assert any(s.chunks > 1 for s in report.manifest.slots), "expected a chunked tensor"
-    assert report.buckets == len(report.manifest.buckets) and report.bytes == report.manifest.total_bytes
+    assert any(s.chunks > 1 for s in report.wire_manifest.slots), "expected a chunked tensor"
+    assert report.buckets == len(report.wire_manifest.buckets) and report.bytes == report.wire_manifest.total_bytes
     assert repr(report) == (
-        f"TransferReport(tensors={len(report.manifest.slots)}, bytes={report.bytes} "
+        f"TransferReport(tensors={len(report.wire_manifest.slots)}, bytes={report.bytes} "
         f"({report.bytes / 2**20:.2f} MiB), buckets={report.buckets}, stream_seconds="
-        f"{report.stream_seconds:.3f}, seconds={report.seconds:.3f}, manifest digest "
-        f"{report.manifest.digest[:12]})")  # one line, not the whole manifest
+        f"{report.stream_seconds:.3f}, seconds={report.seconds:.3f}, wire manifest digest "
+        f"{report.wire_manifest.digest[:12]})")  # one line, not the whole wire manifest
 
 
 def test_a_source_that_falls_short_aborts_the_round_and_the_group_stays_usable(standalone, tiny):
-    from qstrat.transport.manifest import manifest_for_plan
+    from qstrat.transport.wire_manifest import wire_manifest_for_plan
 
     sender, receivers = standalone
     driver, trainer_a, trainer_b, _ = tiny
     sender.refit(driver, trainer_b)
     before = receivers[0].ctl.call("digests")
     plan = driver.plan(trainer_a)
-    manifest = manifest_for_plan(plan, sender.bucket_bytes)
+    wire_manifest = wire_manifest_for_plan(plan, sender.bucket_bytes)
     emitted = list(driver.execute(plan, trainer_a))
     t0 = time.perf_counter()
     with pytest.raises(TransportError, match="source ended before") as err:
-        sender.send(manifest, iter(emitted[:len(emitted) // 2]))
+        sender.send(wire_manifest, iter(emitted[:len(emitted) // 2]))
     assert "aborted the stream at bucket" in str(err.value)  # what the receivers reported
     assert time.perf_counter() - t0 < 10
     assert [r.ctl.call("digests") for r in receivers] == [before, before]  # nothing committed
     wrong = emitted[:3] + [(emitted[4][0], emitted[3][1])] + emitted[4:]
-    with pytest.raises(TransportError, match="where the manifest has"):
-        sender.send(manifest, iter(wrong))
-    sender.send(manifest, iter(emitted))  # same group, next round
+    with pytest.raises(TransportError, match="where the wire manifest has"):
+        sender.send(wire_manifest, iter(wrong))
+    sender.send(wire_manifest, iter(emitted))  # same group, next round
     want = {name: sha256(t) for name, t in emitted}
     assert [r.ctl.call("digests") for r in receivers] == [want, want]
 

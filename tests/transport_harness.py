@@ -115,11 +115,11 @@ def _record_loads(worker: Any) -> None:
 
 
 class _StandaloneEndpoint:
-    """A StandaloneReceiver checked against ``model_dir``'s headers ("": accepts any manifest)."""
+    """A StandaloneReceiver checked against ``model_dir``'s headers ("": accepts any wire manifest)."""
 
     def __init__(self, model_dir: str) -> None:
         from qstrat.transport import StandaloneReceiver
-        from qstrat.transport.manifest import expected_from_checkpoint
+        from qstrat.transport.wire_manifest import expected_from_checkpoint
 
         self.receiver = StandaloneReceiver(expected_from_checkpoint(model_dir) if model_dir else None)
 

@@ -35,4 +35,4 @@ driver = RefitDriver({"preset": "mxfp8-experts", "wire_order": "producer"}, hf_c
 plan = driver.plan(tensor_specs(specs))
 sent = [(name, tuple(t.shape), str(t.dtype)) for name, t in driver.run(export(), plan=plan)]
 assert [n for n, _, _ in sent] == [o.name for o in plan.outputs()]   # what the receiver derives
-print(f"{len(sent)} tensors in producer order; first: {sent[1]}, last: {sent[-1]}")
+print(f"{len(sent)} tensors in producer order; first: {sent[0]}, last: {sent[-1]}")

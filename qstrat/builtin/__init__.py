@@ -7,7 +7,7 @@ implementations below are the whole list; the data they return lives beside them
 - selectors: :mod:`qstrat.builtin.selectors`;
 - model layouts: :mod:`qstrat.builtin.layouts`;
 - strategy presets: ``strategies/presets.py`` (:mod:`qstrat.strategies.presets`), typed
-  :class:`~qstrat.config.PresetConfig` data validated when defined.
+  :class:`~qstrat.config_schema.PresetConfig` data validated when defined.
 """
 from __future__ import annotations
 

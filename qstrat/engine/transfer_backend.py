@@ -8,7 +8,7 @@ GPU) and loads it only when the whole round arrived intact:
   worker's rank (fields: ``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
   ``backend``, ``timeout_s``).
 * ``start_weight_update()``: forget any staged round; the model is NOT touched.
-* ``update_weights({"manifest": ...})``: check the manifest against what the engine accepts
+* ``update_weights({"wire_manifest": ...})``: check the wire manifest against what the engine accepts
   (:func:`engine_expectations`) and refuse a mismatch before any data; receive every bucket,
   verify every CRC-32, take part in the commit vote; stage the tensors (views of the received
   buffers). Any failure raises and drops the staging - the model is still untouched.
@@ -28,14 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
-from qstrat.transport.manifest import Manifest, check_against, expected_from_checkpoint
 from qstrat.transport.receiver import receive_round
+from qstrat.transport.wire_manifest import WireManifest, check_against, expected_from_checkpoint
+from qstrat.vllm_adapter.resolver import resolve
+
+# vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
+WeightTransferEngine = resolve("weight_transfer_engine")
+WeightTransferInitInfo = resolve("weight_transfer_init_info")
+WeightTransferUpdateInfo = resolve("weight_transfer_update_info")
 
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"
@@ -55,9 +58,9 @@ class QstratTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One round: the manifest as :meth:`qstrat.transport.Manifest.to_dict`."""
+    """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`."""
 
-    manifest: dict[str, Any]
+    wire_manifest: dict[str, Any]
 
 
 def engine_expectations(engine: WeightTransferEngine) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -73,7 +76,7 @@ def engine_expectations(engine: WeightTransferEngine) -> dict[str, tuple[str, tu
         return expected_from_checkpoint(model)
     except FileNotFoundError as exc:
         raise TransportError(f"cannot tell which tensors the engine expects: {exc} (the qstrat "
-                             f"backend checks manifests against a local checkpoint directory)") from exc
+                             f"backend checks wire manifests against a local checkpoint directory)") from exc
 
 
 class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, QstratTransferUpdateInfo]):
@@ -109,7 +112,7 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: QstratTransferUpdateInfo) -> None:
-        """Check, receive, verify and stage one round. Raises ManifestMismatchError (refused
+        """Check, receive, verify and stage one round. Raises WireManifestMismatchError (refused
         before data) or TransportError; the model is untouched either way."""
         if self.group is None or self.group.pg is None:
             raise TransportError("qstrat transfer: call init_weight_transfer_engine first "
@@ -117,10 +120,10 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         if self._staged is not None:
             raise TransportError("qstrat transfer: one update_weights round per session "
                                  "(call finish_weight_update first)")
-        self._staged = receive_round(self.group, update_info.manifest, self._check)
+        self._staged = receive_round(self.group, update_info.wire_manifest, self._check)
 
-    def _check(self, manifest: Manifest) -> None:
-        check_against(manifest, engine_expectations(self))
+    def _check(self, wire_manifest: WireManifest) -> None:
+        check_against(wire_manifest, engine_expectations(self))
 
     def finish_weight_update(self) -> None:
         """Commit the staged round through vLLM's layerwise reload; then free the staging.
@@ -130,14 +133,10 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         staged, self._staged = self._staged, None
         if staged is None:
             raise TransportError("qstrat transfer: finish_weight_update without a received round")
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-        from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                             initialize_layerwise_reload)
-
-        initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check():
+        resolve("initialize_layerwise_reload")(self.model)
+        with resolve("disable_mtp_completeness_check")():
             self.model.load_weights(staged)
-        finalize_layerwise_reload(self.model, self.model_config)
+        resolve("finalize_layerwise_reload")(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""
@@ -155,7 +154,7 @@ def register() -> None:
     plugin function.
     """
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, QstratWeightTransferEngine)
+        resolve("weight_transfer_engine_factory").register_engine(BACKEND, QstratWeightTransferEngine)
     except ValueError as exc:  # "... already registered": by an earlier call of this function
         if "already registered" not in str(exc):
             raise

@@ -1,6 +1,6 @@
 """Refit across processes: qstrat's weight transport on torch.distributed (gloo / NCCL).
 
-- :mod:`.manifest`: names, dtypes, shapes, byte offsets, bucket boundaries, wire order, digest;
+- :mod:`.wire_manifest`: names, dtypes, shapes, byte offsets, bucket boundaries, wire order, digest;
   computed from the plan before any data flows, checked by every receiver.
 - :mod:`.buckets`: packing, zero-copy unpacking, CRC-32 per bucket.
 - :mod:`.group`: the stateless trainer<->engines process group, timeouts on everything.
@@ -11,9 +11,10 @@
 The engine side is a vLLM weight-transfer backend, :mod:`qstrat.engine.transfer_backend`
 (``LLM(weight_transfer_config={"backend": "qstrat"})``). See docs/transport.md.
 """
-from qstrat.transport.manifest import Manifest, build_manifest, check_against, manifest_for_plan
+from qstrat.transport.wire_manifest import (WireManifest, build_wire_manifest, check_against,
+                                            wire_manifest_for_plan)
 from qstrat.transport.receiver import StandaloneReceiver, receive_round
 from qstrat.transport.sender import RefitSender, TransferReport
 
-__all__ = ["Manifest", "RefitSender", "StandaloneReceiver", "TransferReport", "build_manifest",
-           "check_against", "manifest_for_plan", "receive_round"]
+__all__ = ["RefitSender", "StandaloneReceiver", "TransferReport", "WireManifest", "build_wire_manifest",
+           "check_against", "wire_manifest_for_plan", "receive_round"]

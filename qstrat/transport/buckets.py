@@ -1,6 +1,6 @@
 """Bucket packing (sender), zero-copy unpacking (receiver) and the per-bucket checksum.
 
-A shared bucket is one ``uint8`` buffer holding several tensors at their manifest offsets
+A shared bucket is one ``uint8`` buffer holding several tensors at their wire manifest offsets
 (mixed dtypes); a chunk bucket is a slice of one large tensor's own bytes and is sent and
 received in place (no copy on either side). Checksum: CRC-32 (``zlib.crc32``, ISO-HDLC
 polynomial, as in zlib/PNG) of the payload bytes; it releases the GIL, so it overlaps the
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from qstrat.transport.manifest import Bucket, Manifest, TensorSlot
+from qstrat.transport.wire_manifest import Bucket, TensorSlot, WireManifest
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -27,10 +27,10 @@ def checksum(payload: torch.Tensor) -> int:
     return zlib.crc32(host.numpy()) if host.numel() else 0
 
 
-def bucket_contents(manifest: Manifest) -> list[list[TensorSlot]]:
+def bucket_contents(wire_manifest: WireManifest) -> list[list[TensorSlot]]:
     """For each bucket, the slots that lie in it (a chunked slot in each of its buckets)."""
-    contents: list[list[TensorSlot]] = [[] for _ in manifest.buckets]
-    for s in manifest.slots:
+    contents: list[list[TensorSlot]] = [[] for _ in wire_manifest.buckets]
+    for s in wire_manifest.slots:
         for c in range(s.chunks):
             contents[s.bucket + c].append(s)
     return contents
@@ -53,39 +53,41 @@ def pack(buffer: torch.Tensor, bucket: Bucket, slots: list[TensorSlot],
     return buffer[:bucket.nbytes]
 
 
-def chunk_view(t: torch.Tensor, manifest: Manifest, slot: TensorSlot, bucket: Bucket) -> torch.Tensor:
+def chunk_view(t: torch.Tensor, wire_manifest: WireManifest, slot: TensorSlot,
+               bucket: Bucket) -> torch.Tensor:
     """The bytes of ``t`` (contiguous, the slot's tensor) that make up chunk ``bucket`` (no copy)."""
-    start = bucket.stream_offset - manifest.buckets[slot.bucket].stream_offset
+    start = bucket.stream_offset - wire_manifest.buckets[slot.bucket].stream_offset
     return byte_view(t)[start:start + bucket.nbytes]
 
 
-def receive_buffers(manifest: Manifest, device: torch.device) -> Iterator[tuple[Bucket, torch.Tensor]]:
+def receive_buffers(wire_manifest: WireManifest, device: torch.device
+                    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
     """Allocate, bucket by bucket, the uint8 tensor each bucket is received into.
 
     A shared bucket gets its own buffer (its tensors become views of it: :func:`unpack`); the
     chunks of a large tensor are slices of one buffer of that tensor's size.
     """
-    contents = bucket_contents(manifest)
+    contents = bucket_contents(wire_manifest)
     whole: dict[str, torch.Tensor] = {}
-    for b, slots in zip(manifest.buckets, contents):
+    for b, slots in zip(wire_manifest.buckets, contents):
         if b.tensor is None:
             yield b, torch.empty(b.nbytes, dtype=torch.uint8, device=device)
             continue
         slot = slots[0]
         if slot.name not in whole:
             whole[slot.name] = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
-        start = b.stream_offset - manifest.buckets[slot.bucket].stream_offset
+        start = b.stream_offset - wire_manifest.buckets[slot.bucket].stream_offset
         yield b, whole[slot.name][start:start + b.nbytes]
 
 
-def unpack(manifest: Manifest, received: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def unpack(wire_manifest: WireManifest, received: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` in wire order, each a view of the received bytes (no copy).
 
     Args: received: per bucket, the buffer :func:`receive_buffers` gave for it, filled.
     Views are valid because every offset is a multiple of the alignment (>= element size).
     """
     out = []
-    for s in manifest.slots:
+    for s in wire_manifest.slots:
         buf = received[s.bucket]
         if s.chunks > 1:  # the chunks are consecutive slices of one storage
             base = buf.untyped_storage()

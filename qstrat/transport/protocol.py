@@ -1,14 +1,14 @@
 """One transfer round on the group, the steps sender and receivers take in the same order.
 
-1. ROUND HEADER (broadcast, int64[8]): magic, bucket count, payload bytes, the manifest digest
-   (32 bytes as 4 int64). A receiver whose manifest (from the ``update_info`` RPC) has another
+1. ROUND HEADER (broadcast, int64[8]): magic, bucket count, payload bytes, the wire manifest digest
+   (32 bytes as 4 int64). A receiver whose wire manifest (from the ``update_info`` RPC) has another
    digest rejects the round.
 2. ACCEPT (all-reduce, int64[world_size]): each rank writes its status in its own slot
-   (receivers: did the manifest pass the engine check). Any nonzero slot: every rank stops
+   (receivers: did the wire manifest pass the engine check). Any nonzero slot: every rank stops
    here; no data is sent.
-3. BUCKETS, in manifest order: per bucket a BUCKET HEADER (broadcast, int64[4]: magic, index,
+3. BUCKETS, in wire manifest order: per bucket a BUCKET HEADER (broadcast, int64[4]: magic, index,
    CRC-32, flags), then the payload (broadcast, the bucket's bytes). ``flags = ABORT``: the
-   sender could not produce the bucket (its source fell short or disagreed with the manifest);
+   sender could not produce the bucket (its source fell short or disagreed with the wire manifest);
    the payload is still sent (garbage of the right size) and every rank goes to step 4.
 4. COMMIT VOTE (all-reduce, int64[world_size]): each rank's verdict (receivers: every checksum
    matched). Only if every slot is zero may any receiver hand its tensors to the engine.
@@ -30,7 +30,7 @@ ABORT = 1
 
 #: Status codes a rank writes in its slot of an ACCEPT / COMMIT vote.
 OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR = 0, 1, 2, 3, 4
-REASONS = {REJECTED: "rejected the manifest", CHECKSUM: "a bucket failed its checksum",
+REASONS = {REJECTED: "rejected the wire manifest", CHECKSUM: "a bucket failed its checksum",
            SENDER_ABORT: "the sender aborted the stream", ERROR: "failed"}
 
 

@@ -1,4 +1,4 @@
-"""Receiver side of a transfer round: check the manifest, receive and verify every bucket, stage.
+"""Receiver side of a transfer round: check the wire manifest, receive and verify every bucket, stage.
 
 :func:`receive_round` runs the receiver's half of :mod:`qstrat.transport.protocol` and returns
 the round's tensors only when every rank voted to commit; it never touches an engine. The vLLM
@@ -6,7 +6,7 @@ backend (:mod:`qstrat.engine.transfer_backend`) and :class:`StandaloneReceiver` 
 benchmarks, tests, a checkpoint writer) both build on it.
 
 Staging: a round's tensors stay in the received bucket buffers (tensors are views of them) until
-the commit vote; peak memory is the round's payload bytes (:attr:`Manifest.total_bytes`) on the
+the commit vote; peak memory is the round's payload bytes (:attr:`WireManifest.total_bytes`) on the
 group's device, plus two bucket headers.
 """
 from __future__ import annotations
@@ -16,36 +16,37 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import ManifestMismatchError, TransportError
+from qstrat.errors import TransportError, WireManifestMismatchError
 from qstrat.transport import protocol as p
 from qstrat.transport.buckets import checksum, receive_buffers, unpack
 from qstrat.transport.group import TransferGroup, open_group
-from qstrat.transport.manifest import Manifest
+from qstrat.transport.wire_manifest import WireManifest
 
-Check = Callable[[Manifest], None]
+Check = Callable[[WireManifest], None]
 
 
-def receive_round(group: TransferGroup, manifest_doc: dict[str, Any], check: Check | None = None
+def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check: Check | None = None
                   ) -> list[tuple[str, torch.Tensor]]:
     """Receive one round from rank 0.
 
     Args:
         group: the open transfer group (this rank > 0).
-        manifest_doc: the round's manifest as sent in ``update_info`` (:meth:`Manifest.to_dict`).
-        check: raises ManifestMismatchError if the manifest does not match the engine (run
+        wire_manifest_doc: the round's wire manifest as sent in ``update_info``
+            (:meth:`WireManifest.to_dict`).
+        check: raises WireManifestMismatchError if the wire manifest does not match the engine (run
             before any data is received).
     Returns: ``(name, tensor)`` in wire order, views of the received buffers on
         ``group.device``, every bucket checksum-verified, every rank agreeing to commit.
-    Raises: ManifestMismatchError (manifest malformed, digest mismatch, engine check failed:
+    Raises: WireManifestMismatchError (wire manifest malformed, digest mismatch, engine check failed:
         the round is refused at step 2, no data flows); TransportError for a failed checksum,
         a sender abort, another rank's refusal, or a lost peer/timeout (the group is closed).
     """
     rejection: Exception | None = None
-    manifest = None
+    wire_manifest = None
     try:
-        manifest = Manifest.from_dict(manifest_doc)
+        wire_manifest = WireManifest.from_dict(wire_manifest_doc)
         if check is not None:
-            check(manifest)
+            check(wire_manifest)
     except TransportError as exc:
         rejection = exc
     header = torch.empty(8, dtype=torch.int64, device=group.device)
@@ -54,29 +55,31 @@ def receive_round(group: TransferGroup, manifest_doc: dict[str, Any], check: Che
     except RuntimeError as exc:
         raise p.lost(group, "no round header from the sender", exc) from None
     if rejection is None and not torch.equal(header.cpu(), p.round_header(
-            len(manifest.buckets), manifest.total_bytes, manifest.digest, torch.device("cpu"))):
-        rejection = ManifestMismatchError(f"rank {group.rank}: the sender streams another manifest than "
-                                   f"the one in update_info (digest {manifest.digest[:12]}...)")
+            len(wire_manifest.buckets), wire_manifest.total_bytes, wire_manifest.digest,
+            torch.device("cpu"))):
+        rejection = WireManifestMismatchError(
+            f"rank {group.rank}: the sender streams another wire manifest than the one in update_info "
+            f"(digest {wire_manifest.digest[:12]}...)")
     statuses = _vote(group, p.REJECTED if rejection else p.OK, "accept vote")
     if rejection is not None:
         raise rejection
     if any(statuses):
         raise TransportError(f"rank {group.rank}: round refused before any data: {p.describe(statuses)}")
-    received, failure = _receive_buckets(group, manifest)
+    received, failure = _receive_buckets(group, wire_manifest)
     statuses = _vote(group, failure[0] if failure else p.OK, "commit vote")
     if failure:
         raise TransportError(failure[1])
     if any(statuses):
         raise TransportError(f"rank {group.rank}: round not committed: {p.describe(statuses)}")
-    return unpack(manifest, received)
+    return unpack(wire_manifest, received)
 
 
-def _receive_buckets(group: TransferGroup, manifest: Manifest
+def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest
                      ) -> tuple[list[torch.Tensor], tuple[int, str] | None]:
     """Step 3: receive every bucket (next one posted while this one is verified); keep
     receiving after a bad checksum so the collectives stay aligned. Returns the buffers and the
     first failure ``(status, message)`` or None."""
-    buffers = list(receive_buffers(manifest, group.device))
+    buffers = list(receive_buffers(wire_manifest, group.device))
     n = len(buffers)
     failure: tuple[int, str] | None = None
 
@@ -104,12 +107,12 @@ def _receive_buckets(group: TransferGroup, manifest: Manifest
             failure = (p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order (header {index})")
         elif failure is None and checksum(buffers[k][1]) != crc:
             failure = (p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its CRC-32 checksum "
-                                   f"(tensors {_names(manifest, k)}); nothing loaded")
+                                   f"(tensors {_names(wire_manifest, k)}); nothing loaded")
     return [b for _, b in buffers], failure
 
 
-def _names(manifest: Manifest, k: int) -> list[str]:
-    names = [s.name for s in manifest.slots if s.bucket <= k < s.bucket + s.chunks]
+def _names(wire_manifest: WireManifest, k: int) -> list[str]:
+    names = [s.name for s in wire_manifest.slots if s.bucket <= k < s.bucket + s.chunks]
     return names[:3] + (["..."] if len(names) > 3 else [])
 
 
@@ -126,7 +129,7 @@ class StandaloneReceiver:
     ``start_weight_update``, ``update_weights``, ``finish_weight_update``).
 
     Committed tensors land in :attr:`tensors` (name -> tensor). ``expected``: name ->
-    (dtype name, shape) the manifest is checked against (None: accept any manifest).
+    (dtype name, shape) the wire manifest is checked against (None: accept any wire manifest).
     """
 
     def __init__(self, expected: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> None:
@@ -147,14 +150,14 @@ class StandaloneReceiver:
         self._staged = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one round (``{"manifest": Manifest.to_dict()}``) into staging; raises like
+        """Receive one round (``{"wire_manifest": WireManifest.to_dict()}``) into staging; raises like
         :func:`receive_round`."""
-        from qstrat.transport.manifest import check_against
+        from qstrat.transport.wire_manifest import check_against
 
         if self.group is None or self.group.pg is None:
             raise TransportError("init_weight_transfer_engine first (no open transfer group)")
         check = None if self.expected is None else (lambda m: check_against(m, self.expected))
-        self._staged = receive_round(self.group, update_info["manifest"], check)
+        self._staged = receive_round(self.group, update_info["wire_manifest"], check)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Commit the staged round to :attr:`tensors`. Raises TransportError without one."""

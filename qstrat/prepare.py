@@ -1,0 +1,205 @@
+"""What runs before the first byte: the one preparation step every refit sink goes through.
+
+A sink (``qstrat.vllm.refit``, ``qstrat.checkpoint.write_checkpoint``,
+``qstrat.transport.RefitSender.refit``, ``RefitDriver.run``) calls
+:meth:`qstrat.RefitDriver.prepare`, which runs :data:`STEPS` in order and returns a
+:class:`PreparedRefit`; only then does the sink emit anything (``PreparedRefit.execute``). The
+sink hands in its own checks (:class:`SinkCheck`: the engine's format and manifest, the
+checkpoint's config.json, the wire manifest), run as the second step. docs/concepts.md, "What
+runs before the first byte", lists the same steps; tests/test_prepare.py holds the two to each
+other and makes every check of every sink fail in turn.
+
+Order: everything that reads only metadata (names, shapes, dtypes, devices, the sink's own
+description of what it accepts) comes first; the values pass, which reads every byte of every
+input, comes last, so a refusal on metadata costs no read pass.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+from qstrat.inputs import NamedTensors, as_tensor_dict
+from qstrat.plan.data import RefitPlan
+
+__all__ = ["STEPS", "PreparedRefit", "SinkCheck", "Step", "prepare"]
+
+#: When a sink wants the NaN/inf check: ``"first"`` - one read pass over every input before
+#: anything is emitted (sinks with no rollback: an engine, a wire round); ``"inline"`` - while
+#: quantizing each input (a sink that discards everything on error, e.g. a checkpoint written to
+#: a temporary directory; saves a second read of lazily loaded inputs).
+ValuesWhen = Literal["first", "inline"]
+
+
+class Driver(Protocol):
+    """What preparation needs of the driver (:class:`qstrat.RefitDriver` is the one)."""
+
+    def plan(self, named_tensors: NamedTensors) -> RefitPlan: ...
+
+    def check_plan(self, plan: RefitPlan, tensors: Any = None) -> None: ...
+
+    def check_backends(self, plan: RefitPlan, tensors: Mapping[str, Any]) -> None: ...
+
+    def check_values(self, plan: RefitPlan, tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    def execute(self, plan: RefitPlan, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                values_checked: bool = False, expert_batch: int | None = None,
+                consumer_stream: Any = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class SinkCheck:
+    """One check a sink adds (run by the ``sink`` step, in the order the sink gives them).
+
+    ``run(prepared)`` reads ``prepared.plan`` (and ``prepared.plan_given``, ``prepared.tensors``)
+    and raises the sink's error naming what is wrong; it must not emit or send anything. What it
+    returns (e.g. the wire manifest it built) is kept in ``prepared.results[name]``.
+    """
+
+    name: str
+    run: Callable[[PreparedRefit], Any]
+
+
+@dataclass
+class PreparedRefit:
+    """A plan and its inputs that passed every step: :meth:`execute` emits the outputs.
+
+    Attributes:
+        driver: the driver that planned (serializer instances, config).
+        plan: the plan (made here, or given and checked against the inputs).
+        tensors: name -> tensor (or lazy handle), or - a given plan with ``stream=True`` - the
+            iterator of ``(name, tensor)`` pairs, consumed once by :meth:`execute`.
+        plan_given: the caller gave the plan (a partial refit may then leave layers out).
+        values_checked: the values step read every input (``execute`` does not check again).
+        ran: the names of the steps and sink checks that ran, in order (``sink`` is replaced by
+            the sink's check names; a step deferred to the stream is absent).
+        results: what each sink check returned, by its name.
+    """
+
+    driver: Driver
+    plan: RefitPlan
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]
+    plan_given: bool
+    values_checked: bool = False
+    ran: list[str] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the inputs are an iterator consumed once (their devices and values are then
+        checked as each tensor arrives, by execution, with the same errors)."""
+        return not isinstance(self.tensors, Mapping)
+
+    def execute(self, expert_batch: int | None = None, consumer_stream: Any = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(checkpoint_name, tensor)`` in the plan's wire order
+        (:meth:`qstrat.RefitDriver.execute`; the arguments as there). A streamed input can be
+        executed once."""
+        return self.driver.execute(self.plan, self.tensors, values_checked=self.values_checked,
+                                   expert_batch=expert_batch, consumer_stream=consumer_stream)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.execute()
+
+
+@dataclass
+class _Preparation:
+    """The arguments of :func:`prepare` and, from the ``plan`` step on, its result."""
+
+    driver: Driver
+    named_tensors: NamedTensors
+    plan: RefitPlan | None
+    checks: Sequence[SinkCheck]
+    values: ValuesWhen
+    stream: bool
+    prepared: PreparedRefit | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of :data:`STEPS`: its name, what it checks, the error it raises, its code."""
+
+    name: str
+    checks: str
+    error: str
+    run: Callable[[_Preparation], None] = field(repr=False)
+
+
+def _plan(s: _Preparation) -> None:
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]
+    if s.plan is None:
+        tensors = as_tensor_dict(s.named_tensors)
+        plan = s.driver.plan(tensors)
+    else:
+        tensors = s.named_tensors if s.stream else as_tensor_dict(s.named_tensors)
+        s.driver.check_plan(s.plan, tensors)
+        plan = s.plan
+    s.prepared = PreparedRefit(s.driver, plan, tensors, plan_given=s.plan is not None, ran=["plan"])
+
+
+def _sink(s: _Preparation) -> None:
+    p = _prepared(s)
+    for check in s.checks:
+        p.results[check.name] = check.run(p)
+        p.ran.append(check.name)
+
+
+def _backends(s: _Preparation) -> None:
+    p = _prepared(s)
+    if isinstance(p.tensors, Mapping):  # a stream: checked as each tensor arrives
+        p.driver.check_backends(p.plan, p.tensors)
+        p.ran.append("backends")
+
+
+def _values(s: _Preparation) -> None:
+    p = _prepared(s)
+    if s.values == "first" and isinstance(p.tensors, Mapping):
+        p.driver.check_values(p.plan, p.tensors)
+        p.values_checked = True
+        p.ran.append("values")
+
+
+def _prepared(s: _Preparation) -> PreparedRefit:
+    assert s.prepared is not None, "the plan step runs first"
+    return s.prepared
+
+
+#: What runs before the first byte, in this order (docs/concepts.md lists it; a test keeps the two
+#: equal).
+STEPS: tuple[Step, ...] = (
+    Step("plan", "plan every input (names, shapes, dtypes, formats, the whole plan's consistency), "
+                 "or check a given plan: made with this driver's config, and every planned input "
+                 "present with its planned shape and dtype", "PlanError", _plan),
+    Step("sink", "the sink's own checks, in the sink's order (SinkCheck)", "the sink's errors", _sink),
+    Step("backends", "every planned format's backend can run on its input's device",
+         "BackendUnavailableError", _backends),
+    Step("values", "every input is finite (one read pass), for sinks with values='first'",
+         "NonFiniteError", _values),
+)
+
+
+def prepare(driver: Driver, named_tensors: NamedTensors, plan: RefitPlan | None = None,
+            checks: Sequence[SinkCheck] = (), values: ValuesWhen = "first",
+            stream: bool = False) -> PreparedRefit:
+    """Run :data:`STEPS` (what :meth:`qstrat.RefitDriver.prepare` does).
+
+    Args:
+        driver: the refit driver.
+        named_tensors: mapping or iterable of (HF name, tensor), any device.
+        plan: a plan made beforehand (``driver.plan(specs)``, ``plan.only_layers(...)``);
+            None: plan the inputs here.
+        checks: the sink's checks, run in order after the plan.
+        values: ``"first"`` or ``"inline"`` (see :data:`ValuesWhen`).
+        stream: with a given ``plan``, keep an iterator as it is (consumed once by execute; its
+            devices and values are then checked as each tensor arrives). Otherwise the inputs
+            are collected into a mapping first (without a plan they always are: planning reads
+            every input's metadata).
+    Returns: the :class:`PreparedRefit`.
+    Raises: the error of the first step that fails (see :data:`STEPS`); nothing was emitted.
+    """
+    state = _Preparation(driver, named_tensors, plan, tuple(checks), values, stream)
+    for step in STEPS:
+        step.run(state)
+    return _prepared(state)

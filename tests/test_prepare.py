@@ -1,0 +1,234 @@
+"""What runs before the first byte (qstrat/prepare.py): the one list of steps, the same in the docs,
+run by every sink; each check made to fail in turn for each sink refuses the refit with that
+check's error and nothing was written or sent (no checkpoint directory, no engine RPC, no
+transfer RPC or broadcast)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import qstrat
+import qstrat.checkpoint
+import qstrat.transport.sender
+import qstrat.vllm
+from qstrat import NonFiniteError, PlanError, RefitDriver
+from qstrat.errors import BackendUnavailableError, EngineManifestError, QstratError, WireManifestMismatchError
+from qstrat.prepare import STEPS, PreparedRefit
+from qstrat.transport import RefitSender
+from test_vllm_sink import RecordingLLM
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
+
+#: Every sink's checks, in the order it runs them (the ``ran`` of a refit that passes them all).
+RAN = {
+    "vllm": ["plan", "engine format", "engine manifest", "ignore lists", "cpu experts", "backends", "values"],
+    "checkpoint": ["plan", "config.json", "backends"],  # values while quantizing (values="inline")
+    "sender": ["plan", "wire manifest", "backends", "values"],
+    "run": ["plan", "backends"],  # values while quantizing
+}
+#: The doc's bullet for each sink's own checks.
+DOC_SINK = {"vllm": "`qstrat.vllm.refit`", "checkpoint": "`write_checkpoint`", "sender": "`RefitSender.refit`",
+            "run": "`RefitDriver.run`"}
+
+
+@pytest.fixture(autouse=True)
+def manifest_without_cross_check(monkeypatch):
+    real = qstrat.vllm.engine_manifest
+    monkeypatch.setattr(qstrat.vllm, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
+    monkeypatch.setattr(qstrat.vllm, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
+
+
+@pytest.fixture()
+def driver(tiny_hf_config):
+    return RefitDriver("block-fp8", hf_config=tiny_hf_config)
+
+
+@pytest.fixture()
+def prepared(monkeypatch):
+    """Every PreparedRefit that RefitDriver.prepare returned during the test."""
+    seen: list[PreparedRefit] = []
+    real = RefitDriver.prepare
+
+    def spy(self, *a, **k):
+        p = real(self, *a, **k)
+        seen.append(p)
+        return p
+
+    monkeypatch.setattr(RefitDriver, "prepare", spy)
+    return seen
+
+
+def _section() -> str:
+    text = DOCS.read_text()
+    start = text.index("## What runs before the first byte")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_the_steps_are_the_documented_list_in_order():
+    section = _section()
+    documented = re.findall(r"^(\d)\. \*\*([\w.]+)\*\*", section, flags=re.M)
+    assert documented == [(str(i + 1), s.name) for i, s in enumerate(STEPS)]
+    assert [s.name for s in STEPS] == ["plan", "sink", "backends", "values"]
+    assert [s.error for s in STEPS] == ["PlanError", "the sink's errors", "BackendUnavailableError",
+                                        "NonFiniteError"]
+    for step in STEPS:  # each step's error is the one the docs give it
+        item = re.search(rf"^\d\. \*\*{step.name}\*\*(.*?)(?=^\d\. |\Z)", section, flags=re.M | re.S).group(1)
+        if step.name != "sink":
+            assert f"`{step.error}`" in item, step.name
+
+
+@pytest.mark.parametrize("sink", sorted(RAN))
+def test_each_sinks_own_checks_are_documented_in_its_order(sink):
+    bullet = re.search(rf"^   - {re.escape(DOC_SINK[sink])}: (.*?)(?=^   - |^\d\. )", _section(),
+                       flags=re.M | re.S).group(1)
+    own = [n for n in RAN[sink] if n not in {s.name for s in STEPS}]
+    assert re.findall(r"\*\*([\w. ]+)\*\*", bullet) == own
+
+
+def _sender():
+    """A RefitSender whose engines and group record every call: nothing may reach them."""
+    calls: list[str] = []
+
+    class Client:
+        def __getattr__(self, method):
+            return lambda *a, **k: calls.append(method)
+
+    class Group:
+        pg = object()
+        device = torch.device("cpu")
+
+        def wait(self, work):
+            raise AssertionError("unreachable: broadcast raises first")
+
+        def broadcast(self, tensor):
+            calls.append("broadcast")
+            raise AssertionError("a broadcast after a refused check")
+
+    sender = RefitSender([Client()], "127.0.0.1", 1)
+    sender.group = Group()
+    return sender, calls
+
+
+def _refit(sink, driver, state, tmp_path, engine_config, reached):
+    """Run ``sink`` on ``state``; what it reached (engine RPCs, transfer RPCs and broadcasts, the
+    first emitted tensor) is appended to ``reached`` as it happens."""
+    if sink == "vllm":
+        llm = RecordingLLM(engine_config)
+        reached.append(llm.calls)
+        qstrat.vllm.refit(llm, driver, state)
+    elif sink == "checkpoint":
+        qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
+    elif sink == "sender":
+        sender, calls = _sender()
+        reached.append(calls)
+        sender.refit(driver, state)
+    else:
+        for name, _ in driver.run(state):
+            reached.append([name])
+            break
+
+
+def test_every_sink_runs_its_checks_in_the_documented_order(tiny_model, driver, tmp_path, prepared):
+    state = tiny_model.state_dict()
+    qstrat.vllm.refit(RecordingLLM(driver.plan(state).vllm_quantization_config()), driver, state)
+    qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
+    next(driver.run(state))
+    sender, calls = _sender()
+    with pytest.raises(AssertionError, match="a broadcast after a refused check"):
+        sender.refit(driver, state)  # every check passed: the round starts (and the stand-in stops it)
+    sender._pool.shutdown(wait=True)  # update_weights runs on the RPC pool, concurrently with the stream
+    assert sorted(calls) == ["broadcast", "start_weight_update", "update_weights"]
+    assert calls[0] == "start_weight_update"
+    assert [p.ran for p in prepared] == [RAN["vllm"], RAN["checkpoint"], RAN["run"], RAN["sender"]]
+    assert [p.values_checked for p in prepared] == [True, False, False, True]
+
+
+def _fail(monkeypatch, target, name, error):
+    def refuse(*a, **k):
+        raise error(f"refused by {name}")
+
+    monkeypatch.setattr(*target, refuse)
+
+
+#: What makes each check refuse: (object, attribute) replaced by a function raising its error.
+TARGETS = {
+    "plan": ((RefitDriver, "plan"), PlanError),
+    "engine format": ((qstrat.vllm, "check_engine_format"), PlanError),
+    "engine manifest": ((qstrat.vllm, "check_plan"), EngineManifestError),
+    "ignore lists": ((qstrat.vllm, "check_engine_compatible"), PlanError),
+    "cpu experts": ((qstrat.vllm, "check_cpu_expert_reload"), PlanError),
+    "config.json": ((qstrat.checkpoint, "output_hf_config"), QstratError),
+    "wire manifest": ((qstrat.transport.sender, "wire_manifest_for_plan"), WireManifestMismatchError),
+    "backends": ((RefitDriver, "check_backends"), BackendUnavailableError),
+    "values": ((RefitDriver, "check_values"), NonFiniteError),
+}
+
+
+@pytest.mark.parametrize("sink,check", [(s, c) for s in sorted(RAN) for c in RAN[s]])
+def test_each_check_refuses_before_the_first_byte(tiny_model, driver, tmp_path, monkeypatch, prepared,
+                                                  sink, check):
+    state = tiny_model.state_dict()
+    engine_config = driver.plan(state).vllm_quantization_config()  # the stand-in engine's
+    target, error = TARGETS[check]
+    _fail(monkeypatch, target, check, error)
+    reached: list = []
+    with pytest.raises(error, match=f"^refused by {re.escape(check)}$"):
+        _refit(sink, driver, state, tmp_path, engine_config, reached)
+    # no engine RPC, no transfer RPC or broadcast, no tensor emitted
+    assert reached == ([[]] if sink in ("vllm", "sender") else [])
+    assert list(tmp_path.iterdir()) == []  # no checkpoint directory, no temporary one
+    assert prepared == []  # prepare never returned
+
+
+def test_a_checkpoint_with_a_nan_leaves_nothing_written(tiny_model, driver, tmp_path):
+    """write_checkpoint checks values while quantizing (values="inline"): the error removes the
+    temporary directory, so nothing is left either."""
+    state = dict(tiny_model.state_dict())
+    bad = state["model.layers.2.self_attn.o_proj.weight"].clone()
+    bad[1, 2] = float("inf")
+    state["model.layers.2.self_attn.o_proj.weight"] = bad
+    with pytest.raises(NonFiniteError, match=r"^model\.layers\.2\.self_attn\.o_proj\.weight: non-finite value inf"):
+        qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sender_refuses_an_unavailable_backend_before_sending(tiny_model, tiny_hf_config, monkeypatch):
+    """Before prepare, RefitSender.refit did not check backends: a backend='triton' rule on CPU
+    tensors started the round and failed inside the stream."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    drv = RefitDriver({"preset": "block-fp8", "rules": [{"select": "attention", "serializer": "block_fp8",
+                                                         "options": {"backend": "triton"}}]},
+                      hf_config=tiny_hf_config)
+    sender, calls = _sender()
+    with pytest.raises(BackendUnavailableError, match=r"^model\.layers\.0\.self_attn\.k_proj\.weight \(rules\[0\]\): "
+                                                      r"block_fp8: backend='triton' needs CUDA tensors"):
+        sender.refit(drv, tiny_model.state_dict())
+    assert calls == []
+
+
+def test_the_sender_refuses_a_nan_and_an_unusable_bucket_size_before_sending(tiny_model, driver):
+    state = dict(tiny_model.state_dict())
+    sender, calls = _sender()
+    sender.bucket_bytes = 1000  # not a multiple of the 64-byte alignment
+    with pytest.raises(WireManifestMismatchError, match="bucket_bytes 1000: must be a positive multiple"):
+        sender.refit(driver, state)
+    bad = state["model.layers.1.mlp.experts.down_proj"].clone()
+    bad[2, 3, 4] = float("nan")
+    state["model.layers.1.mlp.experts.down_proj"] = bad
+    sender, calls = _sender()
+    with pytest.raises(NonFiniteError, match=r"model\.layers\.1\.mlp\.experts\.down_proj"):
+        sender.refit(driver, state)
+    assert calls == []
+
+
+def test_a_stream_with_a_plan_defers_backends_and_values_to_its_arrival(tiny_model, driver):
+    state = tiny_model.state_dict()
+    plan = driver.plan(state)
+    p = driver.prepare(iter(state.items()), plan, values="first", stream=True)
+    assert p.ran == ["plan"] and p.streamed and p.plan_given and not p.values_checked
+    assert [n for n, _ in p.execute()] == [n for n, _ in driver.run(state)]
+    p = driver.prepare(iter(state.items()), plan)  # not a stream: collected, every step runs
+    assert p.ran == ["plan", "backends", "values"] and not p.streamed and p.values_checked
