@@ -1,4 +1,6 @@
-"""Planning: decisions, ignore lists and errors, before any quantization."""
+"""qstrat.plan.planner: entries, outputs (per-expert cuts, fused emission), wire order, the engine's
+quantization_config and per-tensor refusals, before any quantization. The whole-plan checks are in
+test_plan_checks.py, the structure checks in test_plan_structure.py, rule matching in test_rules.py."""
 from __future__ import annotations
 
 import random
@@ -7,20 +9,11 @@ import time
 import pytest
 import torch
 
-import qstrat
 from qstrat import PlanError, RefitDriver
 from qstrat.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
-from qstrat.skeleton import model_tensors
 
 from conftest import model_config
-
-
-def meta(layout, cfg, grouped=False):
-    return {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(layout, cfg, grouped)}
-
-
-def by_name(plan):
-    return {e.name: e for e in plan.entries}
+from plan_cases import by_name, meta, small_moe
 
 
 def test_deepseek_v3_plan_from_config_only():
@@ -104,18 +97,11 @@ def test_wire_order_is_natural_and_independent_of_input_order():
     assert layers == sorted(layers) and 10 in layers
 
 
-def _small(cfg_overrides=None):
-    cfg = {**model_config("qwen3-235b-a22b"), "num_hidden_layers": 4, "num_experts": 4,
-           "hidden_size": 256, "moe_intermediate_size": 128, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, **(cfg_overrides or {})}
-    return cfg, meta(QWEN3_MOE, cfg)
-
-
 def test_unsupported_shape_is_a_plan_error_or_visible_fallback():
-    cfg, tensors = _small({"moe_intermediate_size": 48})  # down_proj K = 48: not a multiple of 32
+    cfg, tensors = small_moe({"moe_intermediate_size": 48})  # down_proj K = 48: not a multiple of 32
     with pytest.raises(PlanError, match=r"experts\.0\.down_proj\.weight: mxfp8 needs K .* K=48"):
         RefitDriver("mxfp8-experts", hf_config=cfg).plan(tensors)
-    cfg, tensors = _small({"head_dim": 36})  # o_proj K = 4 * 36 = 144; q/k/v K = 256
+    cfg, tensors = small_moe({"head_dim": 36})  # o_proj K = 4 * 36 = 144; q/k/v K = 256
     plan = RefitDriver({"rules": [{"select": "attention", "serializer": "mxfp8", "on_unsupported": "bf16"}]},
                        hf_config=cfg).plan(tensors)
     e = by_name(plan)
@@ -126,33 +112,12 @@ def test_unsupported_shape_is_a_plan_error_or_visible_fallback():
     assert "model.layers.1.self_attn.o_proj" in ignore and "model.layers.1.self_attn.q_proj" not in ignore
 
 
-def test_half_quantized_fused_module_is_a_plan_error():
-    cfg, tensors = _small({"moe_intermediate_size": 48})
-    with pytest.raises(PlanError, match=r"model\.layers\.\d\.mlp\.experts: some of its tensors are quantized"):
-        RefitDriver({"rules": [{"select": "experts", "serializer": "mxfp8", "on_unsupported": "bf16"}]},
-                    hf_config=cfg).plan(tensors)
-
-
-def test_fused_shards_with_different_formats_are_a_plan_error():
-    cfg, tensors = _small()
-    bad = {"rules": [{"select": "attention", "exclude": ["*.k_proj.weight"], "serializer": "block_fp8"}]}
-    with pytest.raises(PlanError, match=r"k_proj\.weight .* are fused by the engine but planned differently"):
-        RefitDriver(bad, hf_config=cfg).plan(tensors)
-
-
 def test_mixed_quantized_formats_are_a_plan_error():
-    cfg, tensors = _small()
+    cfg, tensors = small_moe()
     mixed = {"rules": [{"select": "experts", "serializer": "mxfp8"},
                        {"select": "attention", "serializer": "block_fp8"}]}
     with pytest.raises(PlanError, match="mixes quantized formats"):
         RefitDriver(mixed, hf_config=cfg).plan(tensors)
-
-
-def test_duplicate_outputs_per_expert_and_slab_are_a_plan_error():
-    cfg, tensors = _small()
-    tensors["model.layers.0.mlp.experts.gate_up_proj"] = torch.empty(4, 256, 256, device="meta")
-    with pytest.raises(PlanError, match="both emit model.layers.0.mlp.experts.0.gate_proj.weight"):
-        RefitDriver("block-fp8", hf_config=cfg).plan(tensors)
 
 
 def test_per_expert_split_needs_tile_aligned_halves():
@@ -164,99 +129,8 @@ def test_per_expert_split_needs_tile_aligned_halves():
     assert plan.outputs()[1].shape == (2, 3, 2)
 
 
-def test_routers_embeddings_lm_head_need_explicit_rules():
-    cfg, tensors = _small()
-    everything = {"rules": [{"select": "linear", "include": ["*"], "serializer": "block_fp8"}]}
-    e = by_name(RefitDriver(everything, hf_config=cfg).plan(tensors))
-    assert e["model.layers.1.mlp.gate.weight"].serializer == "passthrough"
-    assert e["lm_head.weight"].serializer == "passthrough"
-    explicit = {"rules": [{"select": ["linear", "routers", "lm_head"], "serializer": "block_fp8"}]}
-    e = by_name(RefitDriver(explicit, hf_config=cfg).plan(tensors))
-    assert e["model.layers.1.mlp.gate.weight"].serializer == "block_fp8"
-    assert e["lm_head.weight"].serializer == "block_fp8"
-    assert e["model.embed_tokens.weight"].serializer == "passthrough"
-    assert e["model.layers.1.input_layernorm.weight"].serializer == "passthrough"
-
-
-def test_include_exclude_glob_and_regex():
-    cfg, tensors = _small()
-    rules = {"rules": [{"select": "linear", "include": ["re:layers\\.[12]\\."],
-                        "exclude": ["*.o_proj.weight"], "serializer": "block_fp8"}]}
-    e = by_name(RefitDriver(rules, hf_config=cfg).plan(tensors))
-    assert e["model.layers.1.self_attn.q_proj.weight"].serializer == "block_fp8"
-    assert e["model.layers.1.self_attn.o_proj.weight"].serializer == "bf16"
-    assert e["model.layers.3.self_attn.q_proj.weight"].serializer == "bf16"
-
-
-def test_plan_json_roundtrip():
-    import json
-
-    cfg, tensors = _small()
-    doc = json.loads(RefitDriver("block-fp8", hf_config=cfg).plan(tensors).to_json())
-    assert doc["quantization_config"]["quant_method"] == "fp8"
-    assert doc["totals"]["block_fp8"]["tensors"] == 4 * (4 + 4 * 3)
-    # natural wire order is model order: embeddings, layers by index, then the rest
-    assert doc["wire_order"] == "natural"
-    assert doc["entries"][0]["name"] == "model.embed_tokens.weight"
-    assert [e["name"] for e in doc["entries"][-2:]] == ["lm_head.weight", "model.norm.weight"]
-
-
-def test_select_on_module_and_names(tiny_model):
-    decisions = qstrat.select({"preset": "mxfp8-experts", "keep_bf16": {"first": 1}}, tiny_model)
-    assert decisions["model.layers.1.mlp.experts.gate_up_proj"].serializer == "mxfp8"
-    assert decisions["model.layers.0.mlp.experts.gate_up_proj"].rule == "keep_bf16.first"
-    assert decisions["model.layers.1.mlp.gate"].serializer == "passthrough"
-    assert decisions["model.layers.1.self_attn.q_proj"].serializer == "bf16"
-    assert "model.layers.1.input_layernorm" in decisions
-    by_names = qstrat.select("block-fp8", ["model.layers.0.mlp.gate", "model.layers.0.mlp.gate_proj",
-                                           "model.layers.0.mlp.experts.gate_up_proj"],
-                             hf_config={"model_type": "qwen3_moe"})
-    assert {k: d.serializer for k, d in by_names.items()} == {
-        "model.layers.0.mlp.gate": "passthrough", "model.layers.0.mlp.gate_proj": "block_fp8",
-        "model.layers.0.mlp.experts.gate_up_proj": "block_fp8"}
-
-
-def test_generic_layout_never_quantizes_unknown_routers():
-    t = {n: torch.empty(8, 256, device="meta") for n in (
-        "model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.feed_forward.router.weight",
-        "model.layers.0.some_block.gate.weight")}
-    t["model.layers.0.block_sparse_moe.experts.0.w1.weight"] = torch.empty(128, 256, device="meta")
-    plan = RefitDriver("block-fp8").plan(t)  # no hf_config: generic layout
-    assert {e.name: e.serializer for e in plan.entries} == {
-        "model.layers.0.block_sparse_moe.experts.0.w1.weight": "block_fp8",
-        "model.layers.0.block_sparse_moe.gate.weight": "passthrough",
-        "model.layers.0.feed_forward.router.weight": "passthrough",
-        "model.layers.0.some_block.gate.weight": "passthrough"}
-    assert "model.layers.0.block_sparse_moe.gate" in plan.ignored_layers
-
-
-def test_allow_special_lets_include_reach_routers_only():
-    cfg, tensors = _small()
-    rule = {"select": "attention", "include": ["*layers.1.*"], "allow_special": True, "serializer": "block_fp8"}
-    e = by_name(RefitDriver({"rules": [rule]}, hf_config=cfg).plan(tensors))
-    assert e["model.layers.1.mlp.gate.weight"].serializer == "block_fp8"            # opted in
-    assert e["model.layers.1.self_attn.q_proj.weight"].serializer == "block_fp8"
-    assert e["model.layers.1.mlp.experts.0.up_proj.weight"].serializer == "bf16"    # not selected
-    assert e["model.layers.2.mlp.gate.weight"].serializer == "passthrough"
-
-
-def test_slab_and_per_expert_inputs_for_one_layer_are_refused_in_any_emission():
-    cfg, tensors = _small()
-    tensors["model.layers.0.mlp.experts.gate_up_proj"] = torch.empty(4, 256, 256, device="meta")
-    for emission in ("per_expert", "fused"):
-        with pytest.raises(PlanError, match="given both as grouped slabs and as per-expert tensors"):
-            RefitDriver({"preset": "block-fp8", "expert_emission": emission}, hf_config=cfg).plan(tensors)
-
-
-def test_slab_expert_count_must_match_config():
-    cfg, _ = _small()
-    t = {"model.layers.0.mlp.experts.down_proj": torch.empty(3, 256, 128, device="meta")}
-    with pytest.raises(PlanError, match="slab holds 3 experts, the model config says 4"):
-        RefitDriver("block-fp8", hf_config=cfg).plan(t)
-
-
 def test_keep_bf16_last_needs_the_configured_depth():
-    cfg, tensors = _small()
+    cfg, tensors = small_moe()
     with pytest.raises(PlanError, match="keep_bf16.last needs the decoder depth"):
         RefitDriver({"preset": "block-fp8", "keep_bf16": {"last": 1}}).plan(tensors)
 
@@ -267,54 +141,3 @@ def test_non_float_weights_are_plan_errors(dtype):
     with pytest.raises(PlanError, match=rf"q_proj\.weight: is planned as block_fp8 \(rules\[0\]\) and needs a "
                                         rf"bfloat16/float16/float32 tensor, got {str(dtype)[6:]} \("):
         RefitDriver("block-fp8").plan(t)
-
-
-def test_names_must_be_strings():
-    with pytest.raises(PlanError, match="tensor names must be strings, got 5"):
-        RefitDriver("block-fp8").plan([(5, torch.empty(2, 2, device="meta"))])
-
-
-def test_fused_group_mismatch_shows_options():
-    cfg, tensors = _small()
-    rules = {"rules": [{"select": "attention", "include": ["*.k_proj.weight"], "serializer": "block_fp8",
-                        "options": {"ue8m0": True}}, {"select": "attention", "serializer": "block_fp8"}]}
-    with pytest.raises(PlanError, match=r"'ue8m0': True"):
-        RefitDriver(rules, hf_config=cfg).plan(tensors)
-
-
-def test_layers_past_the_configs_depth_are_an_error_not_mtp(tiny_model, tiny_hf_config):
-    """num_hidden_layers too small for the tensors given (an adversarial case: layers 2-3 were
-    taken for MTP layers and passed through in BF16 silently)."""
-    with pytest.raises(PlanError, match=r"tensors are in layers past the model config's 2 decoder layers "
-                                        r"\(it has no MTP layers\): model\.layers\.2\."):
-        RefitDriver("block-fp8", hf_config={**tiny_hf_config, "num_hidden_layers": 2}).plan(tiny_model.state_dict())
-
-
-@pytest.mark.parametrize("value", ["four", 2.5, True, 0])
-def test_a_config_depth_that_is_not_a_positive_integer_names_the_key(tiny_model, tiny_hf_config, value):
-    from qstrat import ConfigError
-
-    with pytest.raises(ConfigError, match=r"model config: num_hidden_layers must be an integer >= 1, got "):
-        RefitDriver("block-fp8", hf_config={**tiny_hf_config, "num_hidden_layers": value}).plan(tiny_model.state_dict())
-
-
-def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_config, tmp_path):
-    from qstrat import QstratError
-    from qstrat.checkpoint import write_checkpoint
-
-    with pytest.raises(QstratError, match=r"'rope_theta' cannot be written to config.json"):
-        write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
-                         tmp_path / "out", hf_config={**tiny_hf_config, "rope_theta": float("nan")})
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_plan_prints_as_one_line_of_totals(tiny_model, tiny_hf_config):
-    """print(plan) in a notebook: its totals, not every entry (the dataclass repr was the whole plan)."""
-    plan = qstrat.RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tiny_model.state_dict())
-    totals = plan.totals()
-    want = (f"RefitPlan(layout qwen3_moe, 4 decoder layers, {len(plan.entries)} inputs -> "
-            f"{len(plan.outputs())} tensors (passthrough {totals['passthrough']['tensors']} -> "
-            f"{totals['passthrough']['outputs']}, block_fp8 {totals['block_fp8']['tensors']} -> "
-            f"{totals['block_fp8']['outputs']}))")
-    assert repr(plan) == str(plan) == want
-    assert len(repr(plan)) < 200
