@@ -171,3 +171,40 @@ def test_fused_group_mismatch_shows_options():
                         "options": {"ue8m0": True}}, {"select": "attention", "serializer": "block_fp8"}]}
     with pytest.raises(PlanError, match=r"'ue8m0': True"):
         RefitDriver(rules, hf_config=cfg).plan(tensors)
+
+
+def entries(driver, shapes):
+    """Plan entries of ``{name: shape}`` (bf16), one by one: no whole-plan check runs."""
+    return [driver.planner.entry(n, s, torch.bfloat16, CFG["num_hidden_layers"]) for n, s in shapes.items()]
+
+
+def test_check_ranks_allows_slab_biases_and_convolutions_only():
+    from qstrat.plan import checks
+
+    driver = RefitDriver("bf16", hf_config=CFG)
+    es = entries(driver, {
+        f"{EXPERTS}.gate_up_proj": (E, 2 * I, H), f"{EXPERTS}.gate_up_proj_bias": (E, 2 * I),
+        "model.layers.1.self_attn.q_proj.weight": (256, 256), "model.layers.1.self_attn.q_proj.bias": (256,),
+        "model.layers.1.self_attn.conv1d.weight": (256, 1, 4),
+        "model.layers.1.self_attn.k_proj.weight": (2, 128, 256), f"{EXPERTS}.down_proj": (E * H, I)})
+    assert checks.check_ranks(es) == [
+        "model.layers.1.self_attn.k_proj.weight: a projection weight is a matrix [N, K] (out_features, "
+        "in_features), got shape [2, 128, 256]",
+        f"{EXPERTS}.down_proj: a grouped expert slab is [E, rows, K], got shape [{E * H}, {I}]"]
+
+
+def test_check_groups_and_check_outputs_return_one_line_per_problem():
+    from qstrat.plan import checks
+
+    plain = RefitDriver("block-fp8", hf_config=CFG)
+    ue8m0 = RefitDriver({"rules": [{"select": "attention", "serializer": "block_fp8", "options": {"ue8m0": True}}]},
+                        hf_config=CFG)
+    q, k = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"
+    es = entries(plain, {q: (256, 256)}) + entries(ue8m0, {k: (128, 256)})
+    assert es[0].group == es[1].group == "model.layers.1.self_attn.{q_proj,k_proj,v_proj}"
+    assert checks.check_groups(es) == [
+        f"{k} (block_fp8 {{'ue8m0': True}}, rules[0]) and {q} (block_fp8 {{}}, rules[0]) are fused by the "
+        "engine but planned differently"]
+    assert checks.check_groups(entries(plain, {q: (256, 256), k: (128, 256)})) == []
+    assert checks.check_outputs(es) == []
+    assert checks.check_outputs(es + es[:1]) == [f"{q} and {q} both emit {q}", f"{q} and {q} both emit {q}_scale_inv"]
