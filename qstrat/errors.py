@@ -79,7 +79,8 @@ class VerificationError(QstratError):
 
 class ConfigOnlyUnsupportedError(PlanError):
     """qstrat cannot derive this model's tensors from its config.json alone (hybrid linear
-    attention, a vision tower, gpt-oss slabs): plan the trainer's state_dict() instead."""
+    attention, a vision tower, per-expert names of gpt-oss's slab-only experts, a family no layout
+    matches): plan the trainer's state_dict() instead."""
 
 
 class FidelityError(QstratError, RuntimeError):

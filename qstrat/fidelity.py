@@ -266,9 +266,11 @@ def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
     skipped by vLLM for such requests, so every position is computed by the refit weights).
 
     ``k`` = ``min(top_k, the engine's max_logprobs)`` (-1 there: the vocabulary).
-    The ONE place this module imports vLLM.
+    The ONE place this module reaches vLLM (through :mod:`qstrat.vllm_adapter`).
     """
-    from vllm import SamplingParams
+    from qstrat.vllm_adapter.resolver import resolve
+
+    SamplingParams = resolve("sampling_params")
 
     limit = llm.llm_engine.model_config.max_logprobs
     k = top_k if limit == -1 else min(top_k, limit)

@@ -4,7 +4,13 @@ A :class:`ModelLayout` says where decoder layers live, what the MLP/MoE block, t
 experts, their grouped slabs and the engine's fused shards are called. :meth:`ModelLayout.parse`
 turns an HF tensor name into a :class:`ParsedName` (layer index, expert index, kind) from that
 structure - never from substrings (``gate`` is a substring of ``gate_proj``).
-Layouts are registered as plugins (hook ``qstrat_layouts``); adding a model family is data.
+Layouts are registered as plugins (hook ``qstrat_layouts``); adding a model family is data, plus
+an override of a small method where its structure differs: the tensors a config.json implies
+(:class:`~qstrat.skeleton.LayoutTensors`, the Llama-style default every layout inherits), the
+architecture an output config.json names (:meth:`ModelLayout.output_architecture`), which
+decoder layers are MoE (:meth:`ModelLayout.is_moe_layer`) and why a grouped slab must stay whole
+(:meth:`ModelLayout.whole_slab_reason`). Each built-in family lives in one module of
+:mod:`qstrat.builtin.layouts`; shared code asks the layout, never its name.
 
 Names are parsed in CHECKPOINT form, the names vLLM's loader accepts: wrapper prefixes added by
 DDP (``module.``) or ``torch.compile`` (``_orig_mod.``) are stripped, and a layout's
@@ -17,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from qstrat.skeleton import LayoutTensors, Shape
 
 #: Kinds that ordinary selectors may quantize. Everything else needs ``allow_special``.
 QUANTIZABLE_KINDS = frozenset({"attention", "dense_mlp", "expert", "shared_expert", "linear"})
@@ -43,20 +51,30 @@ class SlabSpec:
     vLLM's ``GptOssForCausalLM`` loads such experts only unquantized (slab name ``gate_up_proj``)
     or as its own MXFP4 ``*_blocks``/``*_scales``: qstrat sends it whole, unchanged, and refuses
     to quantize it (:class:`~qstrat.errors.PlanError`).
+
+    ``biases``: the slab has a ``{slab}_bias`` [E, parts * rows] beside it (gpt-oss).
     """
 
     parts: tuple[str, ...]
     transposed_interleaved: bool = False
+    biases: bool = False
 
     @property
     def splittable(self) -> bool:
         """Whether the slab can be cut into per-expert ``[rows, K]`` matrices (and quantized)."""
         return not self.transposed_interleaved
 
+    def shape(self, experts: int, rows: int, k: int) -> Shape:
+        """The slab's shape for ``experts`` experts whose parts are each ``[rows, k]`` matrices
+        (out_features, in_features): ``[E, parts * rows, k]``, transposed ``[E, k, parts * rows]``."""
+        n = len(self.parts) * rows
+        return (experts, k, n) if self.transposed_interleaved else (experts, n, k)
+
 
 @dataclass(frozen=True)
-class ModelLayout:
-    """Naming data of one model family (see module docstring).
+class ModelLayout(LayoutTensors):
+    """Naming data of one model family, and the small methods its family may override (see the
+    module docstring; the tensor generator's methods: :class:`~qstrat.skeleton.LayoutTensors`).
 
     Attributes:
         name: registry name (``qwen3_moe``).
@@ -92,7 +110,8 @@ class ModelLayout:
 
     Methods read the model's facts from an HF config (``text_config`` of a multimodal config
     first): :meth:`num_layers`, :meth:`num_experts`, :meth:`num_mtp_layers`,
-    :meth:`is_moe_layer`.
+    :meth:`is_moe_layer`, :meth:`output_architecture`; and from the layout's data:
+    :meth:`whole_slab_reason`.
     """
 
     name: str
@@ -152,15 +171,44 @@ class ModelLayout:
         return int(self.text_config(hf_config).get(self.mtp_layers_key, 0) or 0)
 
     def is_moe_layer(self, hf_config: Mapping[str, Any] | None, layer: int) -> bool:
-        """Whether decoder layer ``layer`` has routed experts: not one of DeepSeek's
-        ``first_k_dense_replace`` dense layers or Qwen's ``mlp_only_layers``, and on Qwen's
-        ``decoder_sparse_step`` (HF modeling code of each family)."""
-        if not self.num_experts(hf_config):
-            return False
-        c = self.text_config(hf_config)
-        if layer < int(c.get("first_k_dense_replace", 0) or 0) or layer in (c.get("mlp_only_layers") or ()):
-            return False
-        return (layer + 1) % int(c.get("decoder_sparse_step", 1) or 1) == 0
+        """Whether decoder layer ``layer`` has routed experts: every layer of a model with
+        experts (Mixtral, gpt-oss). Families with dense layers override it (DeepSeek's
+        ``first_k_dense_replace``, Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``)."""
+        return bool(self.num_experts(hf_config))
+
+    def output_architecture(self, hf_config: Mapping[str, Any]) -> str | None:
+        """The ``architectures`` entry an output config.json gets when ``hf_config`` has none
+        (``model.config.to_dict()`` leaves it null; vLLM picks the model class from it):
+        transformers' auto-model table for the config's ``model_type``
+        (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` with a ``vision_config``, else
+        ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: what ``save_pretrained`` of that auto class
+        writes), else this layout's architecture when it names exactly one; None when neither says.
+        """
+        model_type = hf_config.get("model_type")
+        if isinstance(model_type, str):
+            try:
+                from transformers.models.auto import modeling_auto
+            except ImportError:
+                modeling_auto = None
+            if modeling_auto is not None:
+                table = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if hf_config.get("vision_config")
+                         else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+                if model_type in table:
+                    return table[model_type]
+        return self.architectures[0] if len(self.architectures) == 1 else None
+
+    def whole_slab_reason(self, projection: str | None, shape: Shape) -> str | None:
+        """Why the grouped expert slab ``projection`` (of ``shape``) cannot be cut into
+        per-expert matrices, so it is neither quantized nor split over expert-parallel ranks; None
+        when it can (:attr:`SlabSpec.splittable`) or ``projection`` is no slab of this layout.
+        A family adds what its engine does with such slabs (gpt-oss)."""
+        spec = self.slabs.get(projection) if projection is not None else None
+        if spec is None or spec.splittable:
+            return None
+        interleaved = ", ".join(f"{slab}: {'/'.join(x.removesuffix('_proj') for x in s.parts)} interleaved "
+                                "along the last dim" for slab, s in self.slabs.items() if len(s.parts) > 1)
+        return (f"{self.name} stores its experts as transposed {shape} slabs [E, in, out]"
+                + (f" ({interleaved})" if interleaved else ""))
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint name vLLM loads for the trainer's key ``name``: wrapper prefixes
@@ -256,7 +304,7 @@ class ModelLayout:
                 return "expert", int(t[1]), t[2], False, experts_module
             if len(t) == 2 and t[1] in self.slabs:
                 return "expert", None, t[1], True, experts_module
-            if len(t) == 2 and t[1].removesuffix("_bias") in self.slabs:  # gpt-oss [E, 2I] biases
+            if len(t) == 2 and t[1].removesuffix("_bias") in self.slabs:  # a slab's bias [E, rows] (SlabSpec.biases)
                 return "expert", None, t[1].removesuffix("_bias"), False, experts_module
             return _OTHER
         if head in self.routers and len(t) == 2:

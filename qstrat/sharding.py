@@ -105,9 +105,9 @@ class ExpertParallel:
                                     f"{self.local_experts} experts")
                 yield f"{p.engine_module}.{first + p.expert}.{name[len(p.engine_module) + 1:].partition('.')[2]}", t
             elif p.slab:
-                if not layout.slabs[p.projection].splittable:  # gpt-oss: [E, in, out], interleaved
-                    raise PlanError(f"{name}: {layout.name} expert slabs are transposed with gate/up "
-                                    "interleaved; they cannot be cut into per-expert shards")
+                whole = layout.whole_slab_reason(p.projection, tuple(t.shape))
+                if whole:
+                    raise PlanError(f"{name}: {whole}; they cannot be cut into per-expert shards")
                 if t.shape[0] != self.local_experts:
                     raise PlanError(f"{name}: local slab holds {t.shape[0]} experts, rank {rank} "
                                     f"holds {self.local_experts}")

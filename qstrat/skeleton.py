@@ -1,125 +1,181 @@
-"""Tensor names and shapes of a model from its HF ``config.json`` alone (no weights).
+"""The tensors a model's HF ``config.json`` implies (names and shapes, no weights): the default,
+Llama-style generator every :class:`~qstrat.layouts.ModelLayout` inherits, and
+:func:`model_tensors`, the one entry point.
 
-Used by ``qstrat plan`` on a config-only directory (DeepSeek-V3- or Qwen3-235B-shaped) and by
-tests. Names follow the layout (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``); shapes
-follow HF's modeling code: linear weights are [out_features, in_features]. With ``grouped=True``
-the names and shapes equal the transformers 5.x class's ``state_dict()`` for Llama, Qwen3,
-Qwen3-MoE, DeepSeek-V3, GLM-4.5 and (in checkpoint names) Mixtral, MTP layers aside
-(tests/test_model_families.py). Families whose structure this module does not generate
-(hybrid linear attention, vision towers, gpt-oss' transposed slabs) are refused with a
-:class:`~qstrat.errors.PlanError`: plan their trainer's ``state_dict()`` (a ``meta`` copy is enough).
+Used by ``qstrat plan`` on a config-only directory (DeepSeek-V3- or Qwen3-235B-shaped), by the
+engine manifest and by tests. Names follow the layout (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``);
+shapes follow HF's modeling code: linear weights are [out_features, in_features].
+
+The generator is a chain of small methods a family layout overrides where its structure differs
+(its home is its layout module in :mod:`qstrat.builtin.layouts`, or a plugin's):
+
+- :meth:`LayoutTensors.tensors`: embeddings, decoder layers, MTP layers, final norm, ``lm_head``;
+- :meth:`~LayoutTensors.layer_tensors`: the two norms, :meth:`~LayoutTensors.attention_tensors`
+  (q/k/v/o with HF's ``attention_bias`` / ``qkv_bias``), :meth:`~LayoutTensors.mlp_tensors`
+  (a dense MLP, or :meth:`~LayoutTensors.router_tensors`, :meth:`~LayoutTensors.expert_tensors`
+  from the layout's :class:`~qstrat.layouts.SlabSpec` data, :meth:`~LayoutTensors.shared_expert_tensors`);
+- :meth:`~LayoutTensors.mtp_layer_tensors`: a decoder layer stored past ``num_hidden_layers``;
+- :meth:`~LayoutTensors.config_only_refusals`: structures the layout does not generate.
+
+With ``grouped=True`` the built-in layouts' names and shapes equal the transformers 5.x class's
+``state_dict()`` (in checkpoint names), MTP layers aside (tests/test_model_families.py,
+tests/test_layout_tensors.py). Families whose structure no layout generates (hybrid linear
+attention, vision towers, the ``generic`` layout) are refused with a
+:class:`~qstrat.errors.ConfigOnlyUnsupportedError`: plan their trainer's ``state_dict()`` (a
+``meta`` copy is enough).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from qstrat.errors import ConfigOnlyUnsupportedError, PlanError
-from qstrat.layouts import ModelLayout
+from qstrat.errors import ConfigOnlyUnsupportedError
 
 Shape = tuple[int, ...]
+#: ``(checkpoint name, shape)`` pairs, in the order a model's ``state_dict()`` lists them.
+Tensors = Iterator[tuple[str, Shape]]
 
 
-def model_tensors(layout: ModelLayout, hf_config: Mapping[str, Any],
-                  grouped: bool = False) -> Iterator[tuple[str, Shape]]:
-    """Yield ``(hf_name, shape)`` for every tensor of the model described by ``hf_config``.
+class LayoutTensors:
+    """The default (Llama-style) tensors of a decoder LM, read from a layout's naming data.
 
-    Args:
-        layout: naming data of the model family.
-        hf_config: parsed config.json (``text_config`` is used when present).
-        grouped: emit routed experts as grouped slabs ``experts.gate_up_proj`` [E, 2I, H] and
-            ``experts.down_proj`` [E, H, I] (the trainer's in-memory view) instead of per-expert.
-    Raises: KeyError naming a config key the model needs but the config lacks; PlanError for
-        a family whose structure is not generated here (see the module docstring).
+    A mixin of :class:`~qstrat.layouts.ModelLayout` (it reads ``self.embeddings``,
+    ``self.layers_prefix``, ``self.slabs`` ...). ``p`` arguments are dotted name prefixes
+    (``model.layers.3.self_attn``), ``c`` the language model's config (``text_config`` of a
+    multimodal one). Every method yields ``(name, shape)`` pairs; a missing config key raises
+    KeyError naming it.
     """
-    _check_supported(layout, hf_config)
-    c = layout.text_config(hf_config)
-    h, vocab = int(c["hidden_size"]), int(c["vocab_size"])
-    n_layers = int(c[layout.num_layers_key])
-    n_mtp = layout.num_mtp_layers(hf_config)
-    yield f"{layout.embeddings[0]}.weight", (vocab, h)
-    for i in range(n_layers + n_mtp):
-        p = f"{layout.layers_prefix}.{i}"
-        if i >= n_layers:  # DeepSeek-V3 MTP block: projections around a full decoder layer
-            yield f"{p}.embed_tokens.weight", (vocab, h)
-            yield f"{p}.enorm.weight", (h,)
-            yield f"{p}.hnorm.weight", (h,)
-            yield f"{p}.eh_proj.weight", (h, 2 * h)
-            yield f"{p}.shared_head.norm.weight", (h,)
-            yield f"{p}.shared_head.head.weight", (vocab, h)
+
+    def tensors(self, hf_config: Mapping[str, Any], grouped: bool = False) -> Tensors:
+        """Every tensor of the model ``hf_config`` describes (see :func:`model_tensors`)."""
+        reasons = self.config_only_refusals(hf_config, grouped)
+        if reasons:
+            raise ConfigOnlyUnsupportedError(
+                f"layout {self.name!r}: config-only planning does not generate {' and '.join(reasons)}; "
+                "plan the trainer's state_dict() instead (a copy on the meta device is enough: "
+                "transformers' class built under torch.device('meta'))")
+        c = self.text_config(hf_config)
+        h, vocab = int(c["hidden_size"]), int(c["vocab_size"])
+        n_layers = int(c[self.num_layers_key])
+        yield f"{self.embeddings[0]}.weight", (vocab, h)
+        for i in range(n_layers):
+            yield from self.layer_tensors(f"{self.layers_prefix}.{i}", c, i, grouped)
+        for i in range(n_layers, n_layers + self.num_mtp_layers(hf_config)):
+            yield from self.mtp_layer_tensors(f"{self.layers_prefix}.{i}", c, i, grouped)
+        yield f"{self.final_norms[0]}.weight", (h,)
+        if not c.get("tie_word_embeddings", False):
+            yield f"{self.lm_heads[0]}.weight", (vocab, h)
+
+    def config_only_refusals(self, hf_config: Mapping[str, Any], grouped: bool = False) -> list[str]:
+        """What this generator would get wrong for ``hf_config`` (empty: nothing): hybrid
+        linear-attention layers (``layer_types`` or a ``linear_attn`` block), a vision tower
+        (``vision_config``); without ``grouped``, per-expert names of experts that exist only as
+        whole slabs (a slab that is not :attr:`~qstrat.layouts.SlabSpec.splittable`: gpt-oss).
+        A layout that generates them overrides this and the methods."""
+        c = self.text_config(hf_config)
+        reasons = []
+        if not grouped and any(not spec.splittable for spec in self.slabs.values()):
+            reasons.append("per-expert names for experts that exist only as whole transposed slabs (plan "
+                           "them grouped: --grouped, grouped=True)")
+        if "linear_attention" in (c.get("layer_types") or ()) or "linear_attn" in self.attention_blocks:
+            reasons.append("hybrid linear-attention layers")
+        if hf_config.get("vision_config"):
+            reasons.append("a vision tower")
+        return reasons
+
+    def layer_tensors(self, p: str, c: Mapping[str, Any], i: int, grouped: bool) -> Tensors:
+        """Decoder layer ``i``: ``input_layernorm`` and ``post_attention_layernorm`` [H], the
+        attention block, the MLP block."""
+        h = int(c["hidden_size"])
         yield f"{p}.input_layernorm.weight", (h,)
         yield f"{p}.post_attention_layernorm.weight", (h,)
-        yield from _attention(f"{p}.{layout.attention_blocks[0]}", c, h)
-        yield from _mlp(layout, f"{p}.{layout.mlp_blocks[0]}", c, h, i, grouped)
-    yield f"{layout.final_norms[0]}.weight", (h,)
-    if not c.get("tie_word_embeddings", False):
-        yield f"{layout.lm_heads[0]}.weight", (vocab, h)
+        yield from self.attention_tensors(f"{p}.{self.attention_blocks[0]}", c)
+        yield from self.mlp_tensors(f"{p}.{self.mlp_blocks[0]}", c, i, grouped)
 
+    def mtp_layer_tensors(self, p: str, c: Mapping[str, Any], i: int, grouped: bool) -> Tensors:
+        """A multi-token-prediction layer stored as decoder layer ``i >= num_hidden_layers``
+        (:attr:`~qstrat.layouts.ModelLayout.mtp_layers_key`): by default a plain decoder layer;
+        DeepSeek-V3's block overrides it (:mod:`qstrat.builtin.layouts.deepseek`)."""
+        yield from self.layer_tensors(p, c, i, grouped)
 
-def _attention(p: str, c: Mapping[str, Any], h: int) -> Iterator[tuple[str, Shape]]:
-    heads = int(c["num_attention_heads"])
-    if c.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3)
-        nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
-        kv_rank, q_rank = int(c["kv_lora_rank"]), c.get("q_lora_rank")
-        if q_rank:
-            yield f"{p}.q_a_proj.weight", (int(q_rank), h)
-            yield f"{p}.q_a_layernorm.weight", (int(q_rank),)
-            yield f"{p}.q_b_proj.weight", (heads * (nope + rope), int(q_rank))
-        else:
-            yield f"{p}.q_proj.weight", (heads * (nope + rope), h)
-        yield f"{p}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h)
-        yield f"{p}.kv_a_layernorm.weight", (kv_rank,)
-        yield f"{p}.kv_b_proj.weight", (heads * (nope + v), kv_rank)
-        yield f"{p}.o_proj.weight", (h, heads * v)
-        return
-    d = int(c.get("head_dim") or h // heads)
-    kv = int(c.get("num_key_value_heads") or heads)
-    yield f"{p}.q_proj.weight", (heads * d, h)
-    yield f"{p}.k_proj.weight", (kv * d, h)
-    yield f"{p}.v_proj.weight", (kv * d, h)
-    yield f"{p}.o_proj.weight", (h, heads * d)
-    # Biases as HF builds them: ``attention_bias`` on q/k/v/o (Llama, Qwen3), ``qkv_bias`` on
-    # q/k/v (Qwen2-MoE, default True there).
-    if c.get("attention_bias") or c.get("qkv_bias", str(c.get("model_type", "")).startswith("qwen2")):
-        yield f"{p}.q_proj.bias", (heads * d,)
-        yield f"{p}.k_proj.bias", (kv * d,)
-        yield f"{p}.v_proj.bias", (kv * d,)
-    if c.get("attention_bias"):
-        yield f"{p}.o_proj.bias", (h,)
-    if c.get("model_type", "").startswith("qwen3"):
-        yield f"{p}.q_norm.weight", (d,)
-        yield f"{p}.k_norm.weight", (d,)
+    @staticmethod
+    def head_dim(c: Mapping[str, Any]) -> int:
+        """Attention head size: ``head_dim``, else ``hidden_size // num_attention_heads`` (HF)."""
+        return int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
 
+    def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+        """Softmax attention (``LlamaAttention``): q [heads*d, H], k/v [kv_heads*d, H],
+        o [H, heads*d]; biases as HF builds them: ``attention_bias`` on q/k/v/o, ``qkv_bias``
+        on q/k/v."""
+        h, heads, d = int(c["hidden_size"]), int(c["num_attention_heads"]), self.head_dim(c)
+        kv = int(c.get("num_key_value_heads") or heads)
+        yield f"{p}.q_proj.weight", (heads * d, h)
+        yield f"{p}.k_proj.weight", (kv * d, h)
+        yield f"{p}.v_proj.weight", (kv * d, h)
+        yield f"{p}.o_proj.weight", (h, heads * d)
+        if c.get("attention_bias") or c.get("qkv_bias"):
+            yield f"{p}.q_proj.bias", (heads * d,)
+            yield f"{p}.k_proj.bias", (kv * d,)
+            yield f"{p}.v_proj.bias", (kv * d,)
+        if c.get("attention_bias"):
+            yield f"{p}.o_proj.bias", (h,)
 
-def _mlp(layout: ModelLayout, p: str, c: Mapping[str, Any], h: int, i: int,
-         grouped: bool) -> Iterator[tuple[str, Shape]]:
-    gate, up, down = layout.expert_projections
-    if not layout.is_moe_layer(c, i):
-        inter = int(c["intermediate_size"])
-        yield f"{p}.gate_proj.weight", (inter, h)
-        yield f"{p}.up_proj.weight", (inter, h)
-        yield f"{p}.down_proj.weight", (h, inter)
-        return
-    n = layout.num_experts(c)
-    inter = int(c.get("moe_intermediate_size") or c["intermediate_size"])
-    yield f"{p}.{layout.routers[0]}.weight", (n, h)
-    # DeepSeek-V3 says topk_method noaux_tc; GLM-4.5 has n_group and no topk_method (noaux_tc only)
-    if c.get("topk_method", "noaux_tc" if "n_group" in c else None) == "noaux_tc":
-        yield f"{p}.{layout.routers[0]}.e_score_correction_bias", (n,)
-    if grouped:
-        slab_gate_up = next(k for k, v in layout.slabs.items() if v.parts == (gate, up))
-        slab_down = next(k for k, v in layout.slabs.items() if v.parts == (down,))
-        yield f"{p}.{layout.experts}.{slab_gate_up}", (n, 2 * inter, h)
-        yield f"{p}.{layout.experts}.{slab_down}", (n, h, inter)
-    else:
+    def mlp_tensors(self, p: str, c: Mapping[str, Any], i: int, grouped: bool) -> Tensors:
+        """Layer ``i``'s MLP block: a dense gate/up/down MLP (``intermediate_size``) unless
+        :meth:`~qstrat.layouts.ModelLayout.is_moe_layer`; else the router, the routed experts
+        (``moe_intermediate_size``, else ``intermediate_size``) and the shared experts."""
+        h = int(c["hidden_size"])
+        if not self.is_moe_layer(c, i):
+            gate, up, down = self.dense_projections
+            inter = int(c["intermediate_size"])
+            yield f"{p}.{gate}.weight", (inter, h)
+            yield f"{p}.{up}.weight", (inter, h)
+            yield f"{p}.{down}.weight", (h, inter)
+            return
+        n = self.num_experts(c)
+        inter = int(c.get("moe_intermediate_size") or c["intermediate_size"])
+        yield from self.router_tensors(f"{p}.{self.routers[0]}", c, n)
+        yield from self.expert_tensors(f"{p}.{self.experts}", c, n, inter, grouped)
+        yield from self.shared_expert_tensors(p, c, inter)
+
+    def router_tensors(self, p: str, c: Mapping[str, Any], n: int) -> Tensors:
+        """The router linear ``{p}.weight`` [E, H] (no bias)."""
+        yield f"{p}.weight", (n, int(c["hidden_size"]))
+
+    def expert_tensors(self, p: str, c: Mapping[str, Any], n: int, inter: int, grouped: bool) -> Tensors:
+        """``n`` routed experts of intermediate size ``inter`` under the experts container ``p``.
+
+        Per expert (``grouped=False``, the checkpoint form vLLM loads): ``{p}.{e}.{gate,up}.weight``
+        [I, H], ``{p}.{e}.{down}.weight`` [H, I] (:attr:`expert_projections`). Grouped: the
+        layout's slabs whose parts are (gate, up) and (down,), shaped by their
+        :class:`~qstrat.layouts.SlabSpec` (``[E, 2I, H]`` and ``[E, H, I]``; transposed
+        ``[E, H, 2I]`` / ``[E, I, H]``) with their ``*_bias`` [E, rows] when the spec has biases.
+        Slabs that cannot be split have no per-expert form (:meth:`config_only_refusals`).
+        """
+        h = int(c["hidden_size"])
+        gate, up, down = self.expert_projections
+        gate_up = next((k, s) for k, s in self.slabs.items() if s.parts == (gate, up))
+        down_slab = next((k, s) for k, s in self.slabs.items() if s.parts == (down,))
+        if grouped:
+            for (slab, spec), rows, k in ((gate_up, inter, h), (down_slab, h, inter)):
+                yield f"{p}.{slab}", spec.shape(n, rows, k)
+                if spec.biases:
+                    yield f"{p}.{slab}_bias", (n, len(spec.parts) * rows)
+            return
         for e in range(n):
-            q = f"{p}.{layout.experts}.{e}"
-            yield f"{q}.{gate}.weight", (inter, h)
-            yield f"{q}.{up}.weight", (inter, h)
-            yield f"{q}.{down}.weight", (h, inter)
-    shared = int(c.get("n_shared_experts") or 0) * inter or int(c.get("shared_expert_intermediate_size") or 0)
-    if shared and layout.shared_experts:
-        q = f"{p}.{layout.shared_experts[0]}"
+            yield f"{p}.{e}.{gate}.weight", (inter, h)
+            yield f"{p}.{e}.{up}.weight", (inter, h)
+            yield f"{p}.{e}.{down}.weight", (h, inter)
+
+    def shared_expert_tensors(self, p: str, c: Mapping[str, Any], inter: int) -> Tensors:
+        """Always-active shared experts of the MoE block ``p``: DeepSeek's ``n_shared_experts`` x
+        ``inter`` wide, or Qwen's ``shared_expert_intermediate_size`` (with its
+        ``shared_expert_gate`` [1, H]); nothing when the layout names no shared experts."""
+        h = int(c["hidden_size"])
+        shared = int(c.get("n_shared_experts") or 0) * inter or int(c.get("shared_expert_intermediate_size") or 0)
+        if not (shared and self.shared_experts):
+            return
+        q = f"{p}.{self.shared_experts[0]}"
         yield f"{q}.gate_proj.weight", (shared, h)
         yield f"{q}.up_proj.weight", (shared, h)
         yield f"{q}.down_proj.weight", (h, shared)
@@ -127,21 +183,18 @@ def _mlp(layout: ModelLayout, p: str, c: Mapping[str, Any], h: int, i: int,
             yield f"{p}.shared_expert_gate.weight", (1, h)
 
 
-def _check_supported(layout: ModelLayout, hf_config: Mapping[str, Any]) -> None:
-    """Refuse (PlanError) structures :func:`model_tensors` would get wrong."""
-    c = layout.text_config(hf_config)
-    reasons = []
-    if "linear_attention" in (c.get("layer_types") or ()) or "linear_attn" in layout.attention_blocks:
-        reasons.append("hybrid linear-attention layers")
-    if hf_config.get("vision_config"):
-        reasons.append("a vision tower")
-    if any(not spec.splittable for spec in layout.slabs.values()):
-        reasons.append("transposed expert slabs with biases")
-    if layout.name == "generic":  # its names are alternatives to place stored tensors, not a structure
-        reasons.append("the tensors of a model family no registered layout matches (set 'layout:' in the "
-                       "refit config if it is one that 'qstrat list' shows)")
-    if reasons:
-        raise ConfigOnlyUnsupportedError(f"layout {layout.name!r}: config-only planning does not generate "
-                        f"{' and '.join(reasons)}; plan the trainer's state_dict() instead (a copy "
-                        "on the meta device is enough: transformers' class built under "
-                        "torch.device('meta'))")
+def model_tensors(layout: LayoutTensors, hf_config: Mapping[str, Any], grouped: bool = False) -> Tensors:
+    """Yield ``(hf_name, shape)`` for every tensor of the model described by ``hf_config``:
+    ``layout.tensors(hf_config, grouped)`` (the layout's own generator, the default above unless
+    its family overrides it).
+
+    Args:
+        layout: the model family's :class:`~qstrat.layouts.ModelLayout`.
+        hf_config: parsed config.json (``text_config`` is used when present).
+        grouped: emit routed experts as grouped slabs (``experts.gate_up_proj`` [E, 2I, H] and
+            ``experts.down_proj`` [E, H, I], the trainer's in-memory view) instead of per-expert.
+    Raises: KeyError naming a config key the model needs but the config lacks;
+        ConfigOnlyUnsupportedError (a PlanError) for a structure the layout does not generate
+        (:meth:`LayoutTensors.config_only_refusals`).
+    """
+    return layout.tensors(hf_config, grouped)

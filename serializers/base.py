@@ -8,6 +8,11 @@ planned - names, shapes, dtypes, bytes - before a single weight is read.
 Subclasses provide ``matrix_parts`` (shapes for one [N, K] matrix), ``reference`` (torch math for a
 chunk of experts/rows: the CPU path and the test oracle), ``dequantize`` and, optionally, a Triton
 ``kernel`` (see :mod:`qstrat.serializers.kernels`) and a ``group_context`` step.
+
+A format also owns its engine contract: the ``quantization_config`` it writes and which engine
+configs it serves (:meth:`Serializer.engine_config_mismatch`, :mod:`qstrat.serializers.engine_contract`),
+its CPU emulation of vLLM's kernels (``emulation``) and its peers in ``qstrat bench``
+(``bench_peers``); qstrat's lists of formats are read from the registry, never written out.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError
-from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunks
+from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunk_workers, chunks
+from qstrat.serializers.engine_contract import MATCH_KEYS, config_difference, on_defaults
 
 #: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
 Context = Mapping[str, torch.Tensor]
@@ -100,7 +106,8 @@ class Serializer(ABC):
     Class attributes: ``name`` (registry name), ``summary`` (one line for ``qstrat list``),
     ``Options`` (pydantic options model), ``quantizes`` (False for passthrough formats: modules
     using them go into the engine's ignore list), ``row_tile`` (rows quantized together: the
-    granularity of chunking and of row splits of fused weights).
+    granularity of chunking and of row splits of fused weights), ``kernel``, ``emulation``,
+    ``bench_peers`` (below).
     """
 
     name: ClassVar[str]
@@ -112,6 +119,17 @@ class Serializer(ABC):
     #: ``"module:function"`` reference (imported by :meth:`resolve_kernel` when a backend is
     #: chosen and triton imports), a callable, or None (torch reference only).
     kernel: ClassVar[str | Callable[..., dict[str, torch.Tensor]] | None] = None
+    #: CPU emulation of vLLM's kernels for this format, opted into by naming it: a lazy
+    #: ``"module"`` / ``"module:attr"`` reference or the object itself, with ``hooks() -> dict``
+    #: (resolve the vLLM names it needs, change nothing; raise VllmHookError naming a missing
+    #: one) and ``register(hooks)`` (install, idempotent). :mod:`qstrat.engine.emulation` registers
+    #: every registered format's on a CPU vLLM platform. None: no emulation (vLLM's own kernels).
+    emulation: ClassVar[str | object | None] = None
+    #: ``qstrat bench`` peers of this format: implementation label (``"vllm"``) -> a lazy
+    #: ``"module:function"`` reference or the function, ``peer(format_name, x) -> (fn | None, note)``
+    #: with ``x`` a bf16 [N, K] weight and ``fn()`` the timed call (None: unavailable here, ``note``
+    #: says why). Empty: the format has no peer, and its bench rows say so.
+    bench_peers: ClassVar[Mapping[str, str | Callable[..., Any]]] = {}
 
     def __init__(self, **options: Any) -> None:
         """Raises: pydantic.ValidationError on unknown or invalid options."""
@@ -153,6 +171,58 @@ class Serializer(ABC):
         Returns: the config dict, or None for a passthrough format.
         """
         return None
+
+    # ---- the engine contract -------------------------------------------------------------
+    def engine_config_mismatch(self, quantization_config: Mapping[str, Any]) -> str | None:
+        """Why an engine started with ``quantization_config`` does not serve this format's
+        checkpoints (with these options), or None when it does. Override to tell apart configs
+        the default rule cannot (compare more keys with
+        :func:`~qstrat.serializers.engine_contract.config_difference`).
+
+        Default: the format's own ``vllm_quantization_config([])`` and the engine's agree on
+        :data:`~qstrat.serializers.engine_contract.MATCH_KEYS`; a passthrough format (no config)
+        serves no quantized engine.
+
+        Args: quantization_config: the engine's (its config.json ``quantization_config``).
+        Returns: ``"quantization_config.KEY: engine has X, NAME writes Y"`` or None.
+        """
+        mine = self.vllm_quantization_config([])
+        if mine is None:
+            return f"{self.name} writes no quantization_config (a passthrough format)"
+        return config_difference(mine, quantization_config, MATCH_KEYS, self.name)
+
+    @on_defaults
+    def matches_engine_config(self, quantization_config: Mapping[str, Any]) -> bool:
+        """Whether an engine started with ``quantization_config`` serves this format's
+        checkpoints: :meth:`engine_config_mismatch` is None. On the class
+        (``BlockFP8.matches_engine_config(cfg)``) it asks the format with default options.
+
+        Raises: pydantic ValidationError (on the class) if the format's options have no defaults.
+        """
+        return self.engine_config_mismatch(quantization_config) is None
+
+    @classmethod
+    def resolve_emulation(cls) -> Any | None:
+        """The format's CPU emulation object (see ``emulation``), imported on first use, or None.
+
+        Raises: PluginError if the reference cannot be imported or lacks ``hooks``/``register``.
+        """
+        ref = cls.emulation
+        obj = _import_ref(cls.name, ref, "emulation", need_callable=False) if isinstance(ref, str) else ref
+        if obj is not None and not all(callable(getattr(obj, a, None)) for a in ("hooks", "register")):
+            from qstrat.errors import PluginError
+
+            raise PluginError(f"serializer {cls.name!r}: emulation {ref!r} has no hooks() and register(hooks)")
+        return obj
+
+    @classmethod
+    def resolve_bench_peers(cls) -> dict[str, Callable[..., Any]]:
+        """``bench_peers`` with lazy references imported: label -> ``peer(format_name, x)``.
+
+        Raises: PluginError naming the format and the reference that does not import.
+        """
+        return {label: _import_ref(cls.name, ref, f"bench peer {label!r}") if isinstance(ref, str) else ref
+                for label, ref in cls.bench_peers.items()}
 
     # ---- the contract used by the driver -------------------------------------------------
     def part_specs(self, shape: Sequence[int]) -> tuple[PartSpec, ...]:
@@ -364,7 +434,7 @@ class Serializer(ABC):
         tensor's name when non-finite values must raise (found from the block maxima);
         ``source``: the weight as given (``w3`` is it as [E, N, K]), for the index in that error."""
         out, views = self._chunk_views(w3, ctx, specs)
-        workers = torch.get_num_threads()
+        workers = chunk_workers()
         if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
             scratch = Scratch(w3.device)
             finite = all([self._encode_chunk(v, scratch, check) for v in views])
@@ -393,20 +463,22 @@ class Serializer(ABC):
 _RESOLVED: dict[type, Callable[..., dict[str, torch.Tensor]] | None] = {}
 
 
-def _import_ref(fmt: str, ref: str) -> Callable[..., dict[str, torch.Tensor]]:
-    """Import ``"module:function"``; raise PluginError naming the format if it is not callable."""
+def _import_ref(fmt: str, ref: str, what: str = "kernel", need_callable: bool = True) -> Any:
+    """Import ``"module:attr"`` (or ``"module"``: the module itself); raise PluginError naming the
+    format and ``what`` if it does not import or (``need_callable``) is not callable."""
     import importlib
 
     from qstrat.errors import PluginError
 
     module, _, attr = ref.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        obj = importlib.import_module(module)
+        obj = getattr(obj, attr) if attr else obj
     except (ImportError, AttributeError) as exc:
-        raise PluginError(f"serializer {fmt!r}: kernel {ref!r} cannot be imported: {exc}") from exc
-    if not callable(fn):
-        raise PluginError(f"serializer {fmt!r}: kernel {ref!r} is not callable")
-    return fn
+        raise PluginError(f"serializer {fmt!r}: {what} {ref!r} cannot be imported: {exc}") from exc
+    if need_callable and not callable(obj):
+        raise PluginError(f"serializer {fmt!r}: {what} {ref!r} is not callable")
+    return obj
 
 
 def all_finite(w: torch.Tensor) -> bool:

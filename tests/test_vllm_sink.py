@@ -35,7 +35,7 @@ class RecordingLLM:
 def manifest_without_cross_check(monkeypatch):
     real = qstrat.vllm.engine_manifest
     monkeypatch.setattr(qstrat.vllm, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
-    monkeypatch.setattr(qstrat.vllm, "_platform", lambda: "cpu")  # the stand-in is a CPU engine
+    monkeypatch.setattr(qstrat.vllm, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
 
 
 @pytest.fixture()

@@ -6,4 +6,6 @@
   qstrat format it has no native kernels for (block FP8 without AMX, MXFP8, NVFP4).
 - :mod:`.transfer_backend`: the vLLM weight-transfer backend ``"qstrat"`` (receives
   :mod:`qstrat.transport` rounds; imports vLLM).
+
+Every vLLM name they use comes through :mod:`qstrat.vllm_adapter` (its version table).
 """

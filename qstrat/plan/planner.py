@@ -135,13 +135,10 @@ class Planner:
             return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, rule, PASSTHROUGH,
                              {}, outs, None, "", p.vllm_module)
         ser = self.serializer(serializer, options)
-        slab = self.layout.slabs.get(p.projection) if p.slab else None
-        if slab is not None and not slab.splittable and ser.quantizes:
-            raise PlanError(
-                f"{serializer} ({rule}): {self.layout.name} stores its experts as transposed "
-                f"{shape} slabs [E, in, out] (gate_up_proj: gate/up interleaved along the last dim); "
-                "vLLM loads them unquantized or as its own MXFP4 only, so qstrat does not quantize "
-                "them: keep them BF16 (a rule 'select: [experts], serializer: bf16' first)")
+        whole = self.layout.whole_slab_reason(p.projection, shape) if p.slab and ser.quantizes else None
+        if whole:
+            raise PlanError(f"{serializer} ({rule}): {whole}, so qstrat does not quantize them: keep them "
+                            "BF16 (a rule 'select: [experts], serializer: bf16' first)")
         note = ""
         try:
             specs = ser.part_specs(shape)

