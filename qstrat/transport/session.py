@@ -2,7 +2,7 @@
 the mode of the round in progress, and the MIX flag.
 
 Shared by the vLLM backend (:mod:`qstrat.engine.transfer_backend`) and
-:class:`~qstrat.transport.receiver.StandaloneReceiver`; what differs is the LOADER:
+:class:`~qstrat.transport.standalone.StandaloneReceiver`; what differs is the LOADER:
 
 * ``begin_load()``: before the first tensor is loaded (an engine: ``initialize_layerwise_reload``);
 * ``load(tensors)``: ``(name, tensor)`` pairs of whole reload units (an engine: ``model.load_weights``);
