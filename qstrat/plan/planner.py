@@ -115,6 +115,7 @@ class Planner:
         format_of = self._format_lookup(entries)
         ignored = checks.ignored_layers(entries, errors,
                                         lambda e: (ser := format_of(e)) is not None and ser.quantizes)
+        ignored += checks.tied_lm_head(entries, self.layout, self.hf_config)
         qconfig = self._engine_config(entries, ignored, errors, format_of)
         if errors:
             raise PlanError("refit plan is invalid:\n  " + "\n  ".join(errors))

@@ -97,11 +97,18 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
     ``packed_modules_mapping`` for fused modules, or as a child of an experts unit), and every
     unit must match vLLM modules; with one rank, their checkpoint elements per dtype must be
     equal (tensors vLLM leaves out of its record excluded on both sides), after vLLM's
-    load-time transforms: a vocabulary's rows padded (``EngineModel.vocab_padding``).
+    load-time transforms: a vocabulary's rows padded (``EngineModel.vocab_padding``); a tied
+    lm_head (the manifest's ``dropped`` tensor: no unit of its own) is vLLM's module sharing
+    the embedding's weight, neither unknown nor counted.
     """
     owner: dict[str, str] = {}  # vLLM module -> manifest unit
     by_members = {_members(u): u.name for u in manifest.units.values()}
+    # A tied lm_head (the manifest drops its tensor) shares the embedding's weight: vLLM still
+    # records the module, but a refit loads nothing into it and it serves the new embedding.
+    tied = {name.rpartition(".")[0] for name in manifest.dropped}
     for layer in model.layers:
+        if layer in tied:
+            continue
         parent, _, leaf = layer.rpartition(".")
         members = frozenset(f"{parent}.{m}" if parent else m for m in model.packed.get(leaf, ())) or {layer}
         unit = by_members.get(frozenset(members))
@@ -112,7 +119,8 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
             owner[layer] = unit
     errors = [f"vLLM's model has {layer} ({dict(model.layers[layer])}), which the manifest does not "
               "know: a refit would leave it with its old weights"
-              for layer in model.layers if layer not in owner]
+              for layer in model.layers if layer not in owner and layer not in tied]
+    errors += _tied_errors(manifest, model, tied)
     for u in manifest.units.values():
         theirs: dict[str, int] = {}
         pad = 1
@@ -127,6 +135,23 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
                 errors.append(f"{u.name}: no vLLM module takes these tensors")
         elif model.world_size == 1 and not _same_elements(mine, theirs, u.quantized):
             errors.append(f"{u.name}: the manifest has {mine} elements per dtype, vLLM records {theirs}")
+    return errors
+
+
+def _tied_errors(manifest: EngineManifest, model: EngineModel, tied: set[str]) -> list[str]:
+    """A tied lm_head must hold exactly the embedding's weight (padded alike): anything more
+    means the engine built it quantized (scales a refit never loads)."""
+    errors = []
+    embedding = next((u for u in manifest.units.values() if u.kind == "embedding"), None)
+    for layer in sorted(tied & set(model.layers)):
+        if embedding is None or model.world_size != 1:
+            continue
+        pad = model.vocab_padding.get(layer, 1)
+        want = _numel(manifest, embedding, model.skipped, pad)
+        if dict(model.layers[layer]) != want:
+            errors.append(f"{layer}: tied to {embedding.name}, it should hold the embedding's {want} elements "
+                          f"per dtype, vLLM records {dict(model.layers[layer])} (the engine's "
+                          f"quantization_config quantizes the tied {layer}: list it in its ignore list)")
     return errors
 
 
