@@ -191,6 +191,21 @@ class Serializer(ABC):
             return f"{self.name} writes no quantization_config (a passthrough format)"
         return config_difference(mine, quantization_config, MATCH_KEYS, self.name)
 
+    def engine_fusion_problem(self, rows: Sequence[int], experts: bool) -> str | None:
+        """Why vLLM cannot load, in this format, one fused module made of members with these
+        row counts, or None when it can. Checked at plan time for every engine-fused group
+        (q/k/v, gate/up of a dense MLP: ``experts=False``; gate/up of routed experts, whose
+        down_proj vLLM's fused-MoE layer builds with them: ``experts=True``), so that no
+        checkpoint or refit reaches an engine that then fails on it (docs/formats.md).
+
+        Default: None (formats whose scales are per row, e.g. MXFP8, NVFP4, load any split).
+
+        Args: rows: each member's weight rows (N), in the engine's fused order (q, k, v;
+            gate, up); experts: a routed experts module.
+        Returns: the reason, naming the rule vLLM applies, or None.
+        """
+        return None
+
     @on_defaults
     def matches_engine_config(self, quantization_config: Mapping[str, Any]) -> bool:
         """Whether an engine started with ``quantization_config`` serves this format's

@@ -4,6 +4,7 @@ test_plan_checks.py, the structure checks in test_plan_structure.py, rule matchi
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import pytest
@@ -120,13 +121,18 @@ def test_mixed_quantized_formats_are_a_plan_error():
         RefitDriver(mixed, hf_config=cfg).plan(tensors)
 
 
-def test_per_expert_split_needs_tile_aligned_halves():
+def test_slab_halves_off_the_tile_are_refused_for_vllms_fused_moe_rule():
+    """gate/up halves of 192 rows: per expert each half could be tiled on its own
+    (tests/test_odd_shapes.py), but vLLM's fused-MoE block-FP8 layer refuses an intermediate
+    size off the 128 grid in either emission (this test asserted, before issue 19, that
+    per-expert emission was refused for the tile and that fused emission planned)."""
     t = {"model.layers.0.mlp.experts.gate_up_proj": torch.empty(2, 2 * 192, 256, device="meta")}
-    with pytest.raises(PlanError, match="multiple of the format's 128-row tile; use expert_emission: fused"):
-        RefitDriver("block-fp8", hf_config={"model_type": "qwen3_moe", "num_hidden_layers": 1}).plan(t)
-    plan = RefitDriver({"preset": "block-fp8", "expert_emission": "fused"},
-                       hf_config={"model_type": "qwen3_moe", "num_hidden_layers": 1}).plan(t)
-    assert plan.outputs()[1].shape == (2, 3, 2)
+    why = ("model.layers.0.mlp.experts: block_fp8 (rules[0]): vLLM's fused-MoE block-FP8 layer needs the "
+           "experts' intermediate size to be a multiple of 128 (got 192;")
+    for emission in ("per_expert", "fused"):
+        with pytest.raises(PlanError, match=re.escape(why)):
+            RefitDriver({"preset": "block-fp8", "expert_emission": emission},
+                        hf_config={"model_type": "qwen3_moe", "num_hidden_layers": 1}).plan(t)
 
 
 def test_keep_bf16_last_needs_the_configured_depth():
