@@ -32,6 +32,7 @@ import torch
 from qstrat.errors import NonFiniteError, PlanError
 from qstrat.inputs import check_new_name, materialize
 from qstrat.plan.data import PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan
+from qstrat.plan.planner import projection_shape, split_by_projection
 from qstrat.serializers.base import Serializer, check_finite, dtype_name
 
 __all__ = ["SerializerSource", "check_passthrough", "cut_output", "execute"]
@@ -208,7 +209,14 @@ class _Run:
             ctxs = [self._context(j, ser) for j in batch]
             checked = self.values_checked or all(self.plan.entries[j].name in self.checked for j in batch)
             if len(batch) == 1:  # quantize checks NaN/inf itself (the fast path: from its block maxima)
-                parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=checked)
+                k = _projection_split(e, ser)
+                if k:  # a slab whose projections are tiled on their own (planner.split_by_projection)
+                    w = ws[0]
+                    parts = ser.quantize(w.reshape(projection_shape(tuple(w.shape), k)), name=e.name,
+                                         context=ctxs[0], values_checked=checked)
+                    parts = {n: v.reshape(w.shape[0], k * v.shape[1], *v.shape[2:]) for n, v in parts.items()}
+                else:
+                    parts = ser.quantize(ws[0], name=e.name, context=ctxs[0], values_checked=checked)
                 result = {i: parts}
             else:
                 stacked = self._stack(ws)
@@ -304,6 +312,15 @@ class _Run:
         out = buf[: len(ws)]
         torch.stack(ws, out=out)
         return out
+
+
+def _projection_split(e: PlanEntry, ser: Serializer) -> int:
+    """For a grouped slab the plan tiles per projection (:func:`~qstrat.plan.planner.split_by_projection`),
+    the number of projections it stacks; else 0."""
+    if e.expert is not None or len(e.shape) != 3 or not e.outputs or e.outputs[0].row_parts < 2:
+        return 0
+    k = e.outputs[0].row_parts
+    return k if split_by_projection(ser.part_specs(e.shape), e.shape[1], k) else 0
 
 
 def _as_strided_batch(ws: list[torch.Tensor]) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError
-from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunks
+from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunk_workers, chunks
 from qstrat.serializers.engine_contract import MATCH_KEYS, config_difference, on_defaults
 
 #: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
@@ -190,6 +190,21 @@ class Serializer(ABC):
         if mine is None:
             return f"{self.name} writes no quantization_config (a passthrough format)"
         return config_difference(mine, quantization_config, MATCH_KEYS, self.name)
+
+    def engine_fusion_problem(self, rows: Sequence[int], experts: bool) -> str | None:
+        """Why vLLM cannot load, in this format, one fused module made of members with these
+        row counts, or None when it can. Checked at plan time for every engine-fused group
+        (q/k/v, gate/up of a dense MLP: ``experts=False``; gate/up of routed experts, whose
+        down_proj vLLM's fused-MoE layer builds with them: ``experts=True``), so that no
+        checkpoint or refit reaches an engine that then fails on it (docs/formats.md).
+
+        Default: None (formats whose scales are per row, e.g. MXFP8, NVFP4, load any split).
+
+        Args: rows: each member's weight rows (N), in the engine's fused order (q, k, v;
+            gate, up); experts: a routed experts module.
+        Returns: the reason, naming the rule vLLM applies, or None.
+        """
+        return None
 
     @on_defaults
     def matches_engine_config(self, quantization_config: Mapping[str, Any]) -> bool:
@@ -434,7 +449,7 @@ class Serializer(ABC):
         tensor's name when non-finite values must raise (found from the block maxima);
         ``source``: the weight as given (``w3`` is it as [E, N, K]), for the index in that error."""
         out, views = self._chunk_views(w3, ctx, specs)
-        workers = torch.get_num_threads()
+        workers = chunk_workers()
         if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
             scratch = Scratch(w3.device)
             finite = all([self._encode_chunk(v, scratch, check) for v in views])

@@ -99,6 +99,32 @@ class BlockFP8(Serializer):
         full = s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
         return q.float() * full[..., :n, :k]
 
+    def engine_fusion_problem(self, rows: Sequence[int], experts: bool) -> str | None:
+        """vLLM's rule for 128x128 block scales in a fused module (vLLM 0.32):
+
+        - a dense fused module (``QKVParallelLinear``, ``MergedColumnParallelLinear``) loads
+          member ``i``'s scale rows at ``ceil(offset_i / 128)``, ``ceil(rows_i / 128)`` of them
+          (``linear.adjust_block_scale_shard``), into a tensor of ``ceil(sum(rows) / 128)``
+          rows (``fp8_utils.create_fp8_scale_parameter``): unless every member but the last is
+          a multiple of 128 rows, a tile straddles two members - the load fails ("start (5) +
+          length (5) exceeds dimension size (9)") or takes the wrong scale;
+        - a fused-MoE layer needs the intermediate size (the rows of gate and of up) to be a
+          multiple of 128 (``fp8_utils.validate_fp8_block_shape_moe``: the engine refuses to start).
+        """
+        if experts:
+            bad = sorted({r for r in rows if r % BLOCK})
+            if bad:
+                return (f"vLLM's fused-MoE block-FP8 layer needs the experts' intermediate size to be a "
+                        f"multiple of {BLOCK} (got {bad[0]}; vLLM's validate_fp8_block_shape_moe refuses "
+                        "to start the engine)")
+            return None
+        if any(r % BLOCK for r in rows[:-1]):
+            return (f"vLLM fuses these members ({list(rows)} rows) into one module with {BLOCK}-row scale "
+                    f"tiles: every member but the last must be a multiple of {BLOCK} rows, or a tile "
+                    "straddles two members (vLLM's adjust_block_scale_shard: the engine fails to load it "
+                    "or reads the wrong scale)")
+        return None
+
     def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any]:
         """vLLM ``fp8`` config with ``weight_block_size`` [128, 128] and dynamic activations."""
         return {

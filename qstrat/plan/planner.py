@@ -10,6 +10,7 @@ Every problem is collected and raised together as one :class:`~qstrat.errors.Pla
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -102,6 +103,7 @@ class Planner:
                 errors.append(f"{name}: {exc}")
         entries = order_entries(entries, order, names_sorted=order == "natural")
         errors += checks.check_groups(entries) + checks.check_outputs(entries)
+        self._engine_fusions(entries, num_layers, errors)
         num_experts = self.layout.num_experts(self.hf_config)
         errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
         errors += checks.check_expert_sets(entries, num_experts, self.layout.slabs)
@@ -113,6 +115,7 @@ class Planner:
         format_of = self._format_lookup(entries)
         ignored = checks.ignored_layers(entries, errors,
                                         lambda e: (ser := format_of(e)) is not None and ser.quantizes)
+        ignored += checks.tied_lm_head(entries, self.layout, self.hf_config)
         qconfig = self._engine_config(entries, ignored, errors, format_of)
         if errors:
             raise PlanError("refit plan is invalid:\n  " + "\n  ".join(errors))
@@ -149,9 +152,32 @@ class Planner:
             note = f"BF16 fallback: {exc}"
             serializer, options = "bf16", {}
             specs = self.serializer("bf16", {}).part_specs(shape)
-        outs = self._outputs(p, specs, shape)
+        outs = self._outputs(p, specs, shape, None if note else ser)
         return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                          options, outs, fusion_group(self.layout, p), note, p.vllm_module)
+
+    def _engine_fusions(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
+        """Engine-fused modules the engine cannot load in their format
+        (:func:`qstrat.plan.checks.fusion_shape_problems`): kept BF16 in place (a visible
+        ``note``; they join the ignore list) when every rule that decided them says
+        ``on_unsupported: bf16``, else an error naming the module, the reason and the fix."""
+        format_of = self._format_lookup(entries)
+        for indices, problem, module in checks.fusion_shape_problems(entries, self.layout.slabs, format_of):
+            rules = sorted({entries[i].rule for i in indices})
+            fallback = all((r := self.rules.rule_for(label)) is not None and r.on_unsupported == "bf16"
+                           for label in rules)
+            fmt = entries[indices[0]].serializer
+            if not fallback:
+                errors.append(f"{module}: {fmt} ({', '.join(rules)}): {problem}; set on_unsupported: bf16 "
+                              "on the rule to keep it BF16, or choose a format with per-row scales")
+                continue
+            bf16 = self.serializer("bf16", {})
+            for i in indices:
+                e = entries[i]
+                p = self.layout.parse(e.name, num_layers)
+                outs = self._outputs(p, bf16.part_specs(e.shape), e.shape) if len(e.shape) >= 2 else e.outputs
+                entries[i] = dataclasses.replace(e, serializer="bf16", options={}, outputs=outs,
+                                                 note=f"BF16 fallback: {module}: {problem}")
 
     def _format_lookup(self, entries: list[PlanEntry]) -> Callable[[PlanEntry], Serializer | None]:
         """``entry -> its Serializer`` (None: passthrough) for ``entries``: looked up once per format
@@ -165,8 +191,11 @@ class Planner:
 
         return format_of
 
-    def _outputs(self, p: ParsedName, specs: tuple[PartSpec, ...],
-                 shape: tuple[int, ...]) -> tuple[OutputTensor, ...]:
+    def _outputs(self, p: ParsedName, specs: tuple[PartSpec, ...], shape: tuple[int, ...],
+                 ser: Serializer | None = None) -> tuple[OutputTensor, ...]:
+        """The outputs of one input: whole, a fused slab, or per expert (a slab cut into
+        ``experts.{e}.{proj}``; ``ser``: the format, needed to tile each projection of a slab
+        on its own when its rows are off the format's row tile, :func:`split_by_projection`)."""
         if not p.slab:  # the common case (~46k times for DeepSeek-V3): no per-output arithmetic
             module = p.module
             return tuple([OutputTensor(f"{module}.{s.suffix}", s.shape, dtype_name(s.dtype), s.nbytes,
@@ -185,15 +214,18 @@ class Planner:
             raise PlanError(f"slab rows {rows} do not split into {k} projections {projections}")
         if not shape[0]:
             return ()  # an empty slab emits nothing
+        split = split_by_projection(specs, rows, k)
+        if split:  # each projection tiled on its own: the parts of the slab viewed as [E*k, rows/k, K]
+            if ser is None or any(s.rows_per_entry is None for s in specs):
+                raise PlanError(f"per-expert split of {p.projection} needs {rows // k} rows per projection "
+                                "to be a multiple of the format's row tile (it has a per-matrix value "
+                                "shared by the projections); use expert_emission: fused")
+            specs = ser.part_specs(projection_shape(shape, k))
         cut = []  # per part: (suffix, shape, dtype, bytes) of one expert's projection, the same for all
         for s in specs:
             r = s.rows_per_entry
-            if r is not None and (rows // k) % r:
-                raise PlanError(
-                    f"per-expert split of {p.projection} needs {rows // k} rows per projection "
-                    f"to be a multiple of the format's {r}-row tile; use expert_emission: fused")
             inner = s.shape[1:]
-            if r is not None:
+            if r is not None and not split:
                 inner = (inner[0] // k,) + inner[1:]
             cut.append((s.suffix, inner, dtype_name(s.dtype), tensor_nbytes(inner, s.dtype)))
         experts = p.engine_module
@@ -214,6 +246,21 @@ class Planner:
             errors.append(f"the plan mixes quantized formats {formats} that one vLLM quantization_config "
                           "cannot express")
         return next(iter(configs.values()), None)
+
+
+def split_by_projection(specs: tuple[PartSpec, ...], rows: int, k: int) -> bool:
+    """Whether a grouped slab ``[E, rows, K]`` of ``k`` stacked projections (gate_up: k=2),
+    emitted per expert, is quantized as ``[E*k, rows/k, K]`` (:func:`projection_shape`): when a
+    part's row tile (``rows_per_entry``, 128 for block FP8) does not divide ``rows/k``, a tile of
+    the whole slab would straddle gate and up. Tiled per projection, the bytes are those of
+    quantizing each expert's gate_proj and up_proj on their own (what a per-expert checkpoint
+    holds); the stream views the slab so (:mod:`qstrat.stream`), still in one serializer call."""
+    return k > 1 and any(s.rows_per_entry is not None and (rows // k) % s.rows_per_entry for s in specs)
+
+
+def projection_shape(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """``[E, k*R, K]`` -> ``[E*k, R, K]``: a slab's projections as separate matrices."""
+    return (shape[0] * k, shape[1] // k) + tuple(shape[2:])
 
 
 def fusion_group(layout: ModelLayout, p: ParsedName) -> str | None:

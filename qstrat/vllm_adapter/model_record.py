@@ -22,7 +22,7 @@ Importing this module does not import vLLM.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from qstrat.engine_manifest import EngineManifest, ManifestUnit
@@ -36,16 +36,21 @@ class EngineModel:
 
     Attributes:
         layers: vLLM module prefix -> {dtype name: checkpoint elements} of its parameters
-            (padding excluded), for modules with parameters (deferred attention layers left out).
+            as recorded (a vocabulary's padding rows included), for modules with parameters (deferred attention layers left out).
         packed: the model's ``packed_modules_mapping`` (fused module -> checkpoint modules).
         skipped: parameter names the record leaves out (``bias``, ``e_score_correction_bias``...).
         world_size: ranks; above 1 the recorded shapes are shards, and sizes are not compared.
+        vocab_padding: vLLM module prefix -> the row multiple its vocabulary is padded to
+            (``VocabParallelEmbedding.padding_size``: 64, vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``,
+            unless the model asks for another), for the embedding and lm_head modules; their
+            recorded counts hold the padded rows, the checkpoint the real ones.
     """
 
     layers: Mapping[str, Mapping[str, int]]
     packed: Mapping[str, Sequence[str]]
     skipped: frozenset[str]
     world_size: int
+    vocab_padding: Mapping[str, int] = field(default_factory=dict)
 
 
 def read_engine_model(worker: Any) -> EngineModel:
@@ -63,9 +68,12 @@ def read_engine_model(worker: Any) -> EngineModel:
                            f"was checked against vllm {known_versions()})")
     model = runner.get_model()
     layers: dict[str, dict[str, int]] = {}
+    padding: dict[str, int] = {}
     for name, module in model.named_modules():
         if module not in info or deferred(module):
             continue
+        if hasattr(module, "num_embeddings_padded") and isinstance(getattr(module, "padding_size", None), int):
+            padding[name] = module.padding_size
         params, _buffers = info[module].restore_metadata
         for t in params.values():
             numel = layers.setdefault(name, {})
@@ -74,7 +82,7 @@ def read_engine_model(worker: Any) -> EngineModel:
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
     world = int(getattr(parallel, "world_size", 1) or 1)
-    return EngineModel(layers, packed, frozenset(skipped), world)
+    return EngineModel(layers, packed, frozenset(skipped), world, padding)
 
 
 def engine_model(llm: Any) -> EngineModel:
@@ -88,11 +96,19 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
     Every vLLM module with parameters must be one manifest unit (matched by name, through
     ``packed_modules_mapping`` for fused modules, or as a child of an experts unit), and every
     unit must match vLLM modules; with one rank, their checkpoint elements per dtype must be
-    equal (tensors vLLM leaves out of its record excluded on both sides).
+    equal (tensors vLLM leaves out of its record excluded on both sides), after vLLM's
+    load-time transforms: a vocabulary's rows padded (``EngineModel.vocab_padding``); a tied
+    lm_head (the manifest's ``dropped`` tensor: no unit of its own) is vLLM's module sharing
+    the embedding's weight, neither unknown nor counted.
     """
     owner: dict[str, str] = {}  # vLLM module -> manifest unit
     by_members = {_members(u): u.name for u in manifest.units.values()}
+    # A tied lm_head (the manifest drops its tensor) shares the embedding's weight: vLLM still
+    # records the module, but a refit loads nothing into it and it serves the new embedding.
+    tied = {name.rpartition(".")[0] for name in manifest.dropped}
     for layer in model.layers:
+        if layer in tied:
+            continue
         parent, _, leaf = layer.rpartition(".")
         members = frozenset(f"{parent}.{m}" if parent else m for m in model.packed.get(leaf, ())) or {layer}
         unit = by_members.get(frozenset(members))
@@ -103,19 +119,39 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
             owner[layer] = unit
     errors = [f"vLLM's model has {layer} ({dict(model.layers[layer])}), which the manifest does not "
               "know: a refit would leave it with its old weights"
-              for layer in model.layers if layer not in owner]
+              for layer in model.layers if layer not in owner and layer not in tied]
+    errors += _tied_errors(manifest, model, tied)
     for u in manifest.units.values():
-        mine = _numel(manifest, u, model.skipped)
         theirs: dict[str, int] = {}
+        pad = 1
         for layer, unit in owner.items():
             if unit == u.name:
+                pad = model.vocab_padding.get(layer, pad)
                 for k, v in model.layers[layer].items():
                     theirs[k] = theirs.get(k, 0) + v
+        mine = _numel(manifest, u, model.skipped, pad)
         if not theirs:
             if mine:
                 errors.append(f"{u.name}: no vLLM module takes these tensors")
         elif model.world_size == 1 and not _same_elements(mine, theirs, u.quantized):
             errors.append(f"{u.name}: the manifest has {mine} elements per dtype, vLLM records {theirs}")
+    return errors
+
+
+def _tied_errors(manifest: EngineManifest, model: EngineModel, tied: set[str]) -> list[str]:
+    """A tied lm_head must hold exactly the embedding's weight (padded alike): anything more
+    means the engine built it quantized (scales a refit never loads)."""
+    errors = []
+    embedding = next((u for u in manifest.units.values() if u.kind == "embedding"), None)
+    for layer in sorted(tied & set(model.layers)):
+        if embedding is None or model.world_size != 1:
+            continue
+        pad = model.vocab_padding.get(layer, 1)
+        want = _numel(manifest, embedding, model.skipped, pad)
+        if dict(model.layers[layer]) != want:
+            errors.append(f"{layer}: tied to {embedding.name}, it should hold the embedding's {want} elements "
+                          f"per dtype, vLLM records {dict(model.layers[layer])} (the engine's "
+                          f"quantization_config quantizes the tied {layer}: list it in its ignore list)")
     return errors
 
 
@@ -126,15 +162,17 @@ def _members(u: ManifestUnit) -> frozenset[str]:
     return frozenset({u.name})
 
 
-def _numel(manifest: EngineManifest, u: ManifestUnit, skipped: frozenset[str]) -> dict[str, int]:
+def _numel(manifest: EngineManifest, u: ManifestUnit, skipped: frozenset[str], pad: int = 1) -> dict[str, int]:
+    """The elements per dtype vLLM records for unit ``u``: the checkpoint shapes, with the rows of
+    a vocabulary module padded up to a multiple of ``pad`` (vLLM's ``pad_vocab_size``)."""
     out: dict[str, int] = {}
     for name in next(iter(u.forms.values())):
         t = manifest.tensors[name]
         if name.rpartition(".")[2] in skipped:
             continue
         n = 1
-        for s in t.shape:
-            n *= s
+        for i, s in enumerate(t.shape):
+            n *= -(-s // pad) * pad if i == 0 else s
         out[t.dtype] = out.get(t.dtype, 0) + n
     return out
 

@@ -1,0 +1,278 @@
+"""Shapes off the 128 grid at plan time (issue 19), no engine.
+
+- What can be quantized per expert, is: a MoE whose hidden size is off the 128-row tile gets its
+  down_proj slab cut per expert (each expert's tiles are its own); a slab whose gate/up halves are
+  off a format's row tile is tiled per projection - the bytes of quantizing each expert's
+  gate_proj and up_proj on their own (before the fix both were refused: "needs N rows per
+  projection to be a multiple of the format's 128-row tile; use expert_emission: fused").
+- What vLLM cannot load in a format is known at plan time (before the fix `qstrat quantize`
+  wrote a block-FP8 checkpoint with q/k/v of [256, 64, 64] rows that vLLM failed to load:
+  "start (5) + length (5) exceeds dimension size (9)"): refused naming the module, the rule vLLM
+  applies and the fix, or kept BF16 and listed in the ignore list with ``on_unsupported: bf16``.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qstrat import PlanError, RefitDriver
+from qstrat.builtin.layouts import QWEN3, QWEN3_MOE
+from qstrat.hookspecs import hookimpl
+from qstrat.registry import Registry
+from qstrat.serializers.block_fp8 import BlockFP8
+from qstrat.skeleton import model_tensors
+
+DENSE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2,
+         "hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 1,
+         "head_dim": 64, "vocab_size": 1000, "tie_word_embeddings": False}
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 2,
+       "hidden_size": 192, "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 4,
+       "num_experts_per_tok": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+       "vocab_size": 1000, "tie_word_embeddings": False}
+QKV0 = "model.layers.0.self_attn.{q_proj,k_proj,v_proj}"
+
+
+def random_tensors(layout, cfg, grouped: bool) -> dict[str, torch.Tensor]:
+    return {n: torch.randn(s, dtype=torch.bfloat16) for n, s in model_tensors(layout, cfg, grouped)}
+
+
+def per_expert_view(slabs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same weights as transformers saves them: experts.{e}.{proj}.weight."""
+    out = {}
+    for name, t in slabs.items():
+        head, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":
+            i = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{head}.{e}.gate_proj.weight"] = t[e, :i]
+                out[f"{head}.{e}.up_proj.weight"] = t[e, i:]
+        elif leaf == "down_proj" and t.dim() == 3:
+            for e in range(t.shape[0]):
+                out[f"{head}.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def outputs(driver, tensors) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in driver.run(tensors)}
+
+
+def assert_same_bytes(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for n in want:
+        assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape, n
+        assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)), n
+
+
+def test_moe_hidden_size_off_the_tile_is_quantized_per_expert():
+    """H = 192: down_proj [E, 192, 128] has a ragged last row tile per expert; each expert's
+    tiles are its own, so the slab is cut per expert with the bytes of per-expert inputs."""
+    slabs = random_tensors(QWEN3_MOE, MOE, grouped=True)
+    driver = RefitDriver("block-fp8", hf_config=MOE)
+    got = outputs(driver, slabs)
+    assert got["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"].shape == (2, 1)
+    want = outputs(driver, per_expert_view(slabs))
+    assert_same_bytes(got, want)
+    w = slabs["model.layers.1.mlp.experts.down_proj"][3]
+    parts = BlockFP8().quantize(w)
+    assert torch.equal(got["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"], parts["weight_scale_inv"])
+
+
+class AnyFusion(BlockFP8):
+    """Block FP8 for an engine that loads fused members of any size (a plugin format's rule)."""
+
+    name = "block_fp8_any_fusion"
+
+    def engine_fusion_problem(self, rows, experts):
+        return None
+
+
+class _Plugin:
+    @hookimpl
+    def qstrat_serializers(self):
+        return [AnyFusion]
+
+
+def test_slab_halves_off_the_row_tile_are_tiled_per_projection():
+    """gate_up [E, 2*192, H]: a 128-row tile of the whole slab would straddle gate and up; tiled
+    per projection (one serializer call on the slab viewed as [E*2, 192, H]), the bytes equal
+    quantizing each expert's gate_proj and up_proj on their own."""
+    cfg = {**MOE, "hidden_size": 256, "moe_intermediate_size": 192}
+    slabs = random_tensors(QWEN3_MOE, cfg, grouped=True)
+    driver = RefitDriver({"rules": [{"select": ["experts"], "serializer": "block_fp8_any_fusion"}]},
+                         hf_config=cfg, registry=Registry(plugins=[_Plugin()]))
+    got = outputs(driver, slabs)
+    assert got["model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"].shape == (2, 2)
+    assert_same_bytes(got, outputs(driver, per_expert_view(slabs)))
+    up = slabs["model.layers.0.mlp.experts.gate_up_proj"][2, 192:]
+    assert torch.equal(got["model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"],
+                       AnyFusion().quantize(up)["weight_scale_inv"])
+
+
+def plan_error(config, cfg) -> str:
+    with pytest.raises(PlanError) as exc:
+        RefitDriver(config, hf_config=cfg).plan({n: torch.empty(s, dtype=torch.bfloat16, device="meta")
+                                                 for n, s in model_tensors(QWEN3 if cfg is DENSE else QWEN3_MOE,
+                                                                           cfg, True)})
+    return str(exc.value)
+
+
+def test_block_fp8_qkv_off_the_tile_is_refused_with_vllms_rule():
+    """64-wide heads, one KV head: q/k/v = [256, 64, 64] rows; k's tile would straddle k and v."""
+    msg = plan_error("block-fp8", {**DENSE, "intermediate_size": 256})
+    assert (f"{QKV0}: block_fp8 (rules[0]): vLLM fuses these members ([256, 64, 64] rows) into one module "
+            "with 128-row scale tiles: every member but the last must be a multiple of 128 rows, or a tile "
+            "straddles two members (vLLM's adjust_block_scale_shard: the engine fails to load it or reads "
+            "the wrong scale); set on_unsupported: bf16 on the rule to keep it BF16, or choose a format "
+            "with per-row scales") in msg
+    assert "model.layers.1.self_attn.{q_proj,k_proj,v_proj}: block_fp8 (rules[0])" in msg
+    assert "gate_proj" not in msg  # the MLP's [256, 256] members tile exactly
+
+
+def test_block_fp8_dense_gate_up_off_the_tile_is_refused():
+    msg = plan_error("block-fp8", {**DENSE, "num_attention_heads": 2, "head_dim": 128, "intermediate_size": 320})
+    assert ("model.layers.0.mlp.{gate_proj,up_proj}: block_fp8 (rules[0]): vLLM fuses these members "
+            "([320, 320] rows)") in msg
+    assert "self_attn" not in msg  # [256, 128, 128]: every member but the last tiles exactly
+
+
+def test_block_fp8_moe_intermediate_off_the_tile_is_refused():
+    msg = plan_error("block-fp8", {**MOE, "moe_intermediate_size": 96})
+    assert msg.count("vLLM's fused-MoE block-FP8 layer needs the experts' intermediate size to be a multiple "
+                     "of 128 (got 96; vLLM's validate_fp8_block_shape_moe refuses to start the engine)") == 2
+    assert "model.layers.0.mlp.experts: block_fp8 (rules[0]):" in msg
+
+
+def test_on_unsupported_bf16_keeps_the_fused_module_bf16_and_ignored():
+    cfg = {**DENSE, "intermediate_size": 320}
+    rules = {"rules": [{"select": ["attention", "dense_mlp"], "serializer": "block_fp8", "on_unsupported": "bf16"}]}
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(QWEN3, cfg)}
+    plan = RefitDriver(rules, hf_config=cfg).plan(tensors)
+    by_name = {e.name: e for e in plan.entries}
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        e = by_name[f"model.layers.1.{proj}.weight"]
+        assert e.serializer == "bf16" and e.note.startswith("BF16 fallback: model.layers.1.") and \
+            "must be a multiple of 128 rows" in e.note, proj
+        assert [o.name for o in e.outputs] == [e.name] and e.outputs[0].dtype == "bfloat16"
+    assert by_name["model.layers.1.self_attn.o_proj.weight"].serializer == "block_fp8"
+    assert by_name["model.layers.1.mlp.down_proj.weight"].serializer == "block_fp8"
+    ignored = plan.quantization_config["ignored_layers"]
+    assert ignored == ["lm_head"] + [f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+        "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj")]
+
+
+def test_on_unsupported_bf16_keeps_a_moe_layers_experts_bf16_whole():
+    cfg = {**MOE, "moe_intermediate_size": 96}
+    rules = {"rules": [{"select": ["experts"], "serializer": "block_fp8", "on_unsupported": "bf16"},
+                       {"select": ["attention"], "serializer": "block_fp8"}]}
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(QWEN3_MOE, cfg, True)}
+    plan = RefitDriver(rules, hf_config=cfg).plan(tensors)
+    experts = [e for e in plan.entries if e.kind == "expert"]
+    assert len(experts) == 4 and all(e.serializer == "bf16" and "validate_fp8_block_shape_moe" in e.note
+                                     for e in experts)
+    assert "model.layers.0.mlp.experts" in plan.quantization_config["ignored_layers"]
+    down = next(e for e in experts if e.name == "model.layers.0.mlp.experts.down_proj")
+    assert [o.name for o in down.outputs][:2] == ["model.layers.0.mlp.experts.0.down_proj.weight",
+                                                  "model.layers.0.mlp.experts.1.down_proj.weight"]
+
+
+def test_row_scaled_formats_load_any_fused_split():
+    """MXFP8 and NVFP4 scale per row (1x32, 1x16 blocks): the same shapes plan without a fallback."""
+    cfg = {**DENSE, "intermediate_size": 320}
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(QWEN3, cfg)}
+    for fmt in ("mxfp8", "nvfp4"):
+        plan = RefitDriver({"default": fmt}, hf_config=cfg).plan(tensors)
+        assert {e.serializer for e in plan.entries if e.kind == "attention"} == {fmt}
+        assert not any(e.note for e in plan.entries), fmt
+
+
+# ---- the manifest's cross-check with vLLM's record: vocabulary padding ----------------------
+def _record(manifest, pad: int, rows_seen: int):
+    """vLLM's record as a CPU engine of this manifest's model holds it: every unit's elements,
+    the embedding and lm_head rows padded to ``rows_seen``."""
+    from qstrat.vllm_adapter.model_record import EngineModel
+
+    layers = {}
+    for u in manifest.units.values():
+        if "{" in u.name:
+            continue  # fused groups are recorded under vLLM's fused name
+        n = {}
+        for name in next(iter(u.forms.values())):
+            t = manifest.tensors[name]
+            count = rows_seen * t.shape[1] if u.kind in ("embedding", "lm_head") else math.prod(t.shape)
+            n[t.dtype] = n.get(t.dtype, 0) + count
+        layers[u.name] = n
+    for u in manifest.units.values():
+        if "{" in u.name:
+            parent, _, members = u.name.partition(".{")
+            fused = "qkv_proj" if "q_proj" in members else "gate_up_proj"
+            n = {}
+            for name in next(iter(u.forms.values())):
+                t = manifest.tensors[name]
+                n[t.dtype] = n.get(t.dtype, 0) + math.prod(t.shape)
+            layers[f"{parent}.{fused}"] = n
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    return EngineModel(layers, packed, frozenset({"bias"}), 1, {"model.embed_tokens": pad, "lm_head": pad})
+
+
+def test_cross_check_models_vllms_vocabulary_padding():
+    """vocab 1000: vLLM records 1024 rows (padded to 64) where the checkpoint has 1000. Before
+    the fix this was a disagreement, and every refit of such a model was refused."""
+    from qstrat.engine_manifest import build_manifest
+    from qstrat.registry import get_registry
+    from qstrat.vllm_adapter.model_record import cross_check
+
+    manifest = build_manifest(DENSE, None, QWEN3, get_registry(), "bfloat16")
+    assert cross_check(manifest, _record(manifest, 64, 1024)) == []
+    # a record whose rows are not what padding to 64 gives is still a disagreement
+    errors = cross_check(manifest, _record(manifest, 64, 1088))
+    assert errors == [f"model.embed_tokens: the manifest has {{'bfloat16': {1024 * 256}}} elements per dtype, "
+                      f"vLLM records {{'bfloat16': {1088 * 256}}}",
+                      f"lm_head: the manifest has {{'bfloat16': {1024 * 256}}} elements per dtype, "
+                      f"vLLM records {{'bfloat16': {1088 * 256}}}"]
+
+
+# ---- tied embeddings -----------------------------------------------------------------------
+TIED = {**DENSE, "tie_word_embeddings": True, "num_attention_heads": 2, "head_dim": 128, "intermediate_size": 256}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "block_fp8"])
+def test_a_tied_lm_head_without_a_tensor_is_in_the_ignore_list(fmt):
+    """No lm_head input (as transformers saves a tied model): vLLM still builds lm_head with the
+    checkpoint's quantization config, and ModelOpt formats quantize it unless ignored (before
+    the fix the MXFP8 ignore list lacked it: a live refit then differed from a fresh engine,
+    max |dlogprob| 5.3). With an lm_head input it is listed as before, once."""
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(QWEN3, TIED)}
+    assert "lm_head.weight" not in tensors
+    plan = RefitDriver({"default": fmt}, hf_config=TIED).plan(tensors)
+    ignored = plan.quantization_config.get("ignore") or plan.quantization_config["ignored_layers"]
+    assert ignored == ["lm_head"]
+    tensors["lm_head.weight"] = torch.empty(1000, 256, dtype=torch.bfloat16, device="meta")
+    plan = RefitDriver({"default": fmt}, hf_config=TIED).plan(tensors)
+    assert (plan.quantization_config.get("ignore") or plan.quantization_config["ignored_layers"]) == ["lm_head"]
+
+
+def test_cross_check_takes_a_tied_lm_head_as_the_embedding_and_refuses_a_quantized_one():
+    """vLLM records a tied lm_head module (sharing the embedding's weight) that the manifest
+    has no unit for: not unknown, but it must hold the embedding's elements exactly - a tied
+    head built quantized (the MXFP8 scales [1024, 8] nothing loads) is refused."""
+    from qstrat.engine_manifest import build_manifest
+    from qstrat.registry import get_registry
+    from qstrat.vllm_adapter.model_record import EngineModel, cross_check
+
+    qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]}
+    manifest = build_manifest(TIED, qcfg, QWEN3, get_registry(), "bfloat16")
+    assert "lm_head" not in manifest.units and "lm_head.weight" in manifest.dropped
+    record = _record(manifest, 64, 1024)
+    layers = {**record.layers, "lm_head": {"bfloat16": 1024 * 256}}
+    ok = EngineModel(layers, record.packed, record.skipped, 1, record.vocab_padding)
+    assert cross_check(manifest, ok) == []
+    quantized = EngineModel({**layers, "lm_head": {"bfloat16": 1024 * 256, "uint8": 1024 * 8}}, record.packed,
+                            record.skipped, 1, record.vocab_padding)
+    assert cross_check(manifest, quantized) == [
+        f"lm_head: tied to model.embed_tokens, it should hold the embedding's {{'bfloat16': {1024 * 256}}} elements "
+        f"per dtype, vLLM records {{'bfloat16': {1024 * 256}, 'uint8': {1024 * 8}}} (the engine's "
+        "quantization_config quantizes the tied lm_head: list it in its ignore list)"]
