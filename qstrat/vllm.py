@@ -277,6 +277,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         EngineStateError if the reload failed after it began (the engine must be restarted), and
         for every later refit of that engine; FidelityError from ``verify``.
     """
+    if verify is not None and not callable(verify):
+        raise TypeError(f"refit: verify must be callable as verify(llm, driver) (e.g. qstrat.fidelity.Verify(model)), "
+                        f"got {type(verify).__name__}; nothing was sent")
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
     failed = getattr(llm, _FAILED, None)
