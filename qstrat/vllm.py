@@ -211,8 +211,7 @@ class _EngineChecks:
     def engine_manifest(self, p: PreparedRefit) -> None:
         self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
             self.llm, self.driver)
-        if self.manifest is not None:
-            check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
+        check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
 
     def ignore_lists(self, p: PreparedRefit) -> None:
         check_engine_compatible(p.plan, self.config, self.driver.registry)
