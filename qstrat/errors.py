@@ -54,6 +54,19 @@ class WireManifestMismatchError(TransportError):
     raised before any tensor data is received."""
 
 
+class TransferAuthError(TransportError):
+    """A transfer round (or an ``init_weight_transfer_engine``) was refused by authentication: no
+    valid MAC (no secret, a wrong key, tampered), a replayed round, or an init info pointing the
+    engine at another address than the configured one. Raised before any tensor data is loaded;
+    the message never contains the secret."""
+
+
+class MixedWeightsError(TransportError):
+    """A bounded-memory round failed after some reload units were already loaded: the engine holds
+    a mix of the old and the new weights (the message names which units are new). The engine
+    keeps running; qstrat refuses partial refits until a whole refit succeeds."""
+
+
 class BackendUnavailableError(QstratError, RuntimeError):
     """A rule's ``backend`` option cannot run here (``triton`` without triton, or on CPU tensors
     without ``TRITON_INTERPRET=1``). Raised when the plan is checked, before anything is written

@@ -152,7 +152,7 @@ def test_corrupted_bucket_fails_its_checksum_and_nothing_loads(cluster, ckpts, f
         faulty(cluster, corrupt).refit(ckpts["driver"], ckpts["a"])
     msg = str(err.value)
     assert "round not committed: rank 1 a bucket failed its checksum; rank 2 a bucket failed" in msg
-    assert "bucket 3/" in msg and "CRC-32" in msg  # the receivers' own messages
+    assert "bucket 3/" in msg and "failed its checksum (seal mismatch" in msg  # the receivers' own messages
     expect_unchanged(cluster, fresh_b)
 
 
@@ -198,6 +198,120 @@ def test_whole_layer_partial_rounds_equal_the_fresh_engine(cluster, ckpts, fresh
     assert cluster["engine"].ctl.call("greedy") not in (cluster["a_out"], fresh_b)
     sender.refit(driver, ckpts["b"], plan=plan.subset(lambda e: e.layer not in (0, 1)))
     assert cluster["engine"].ctl.call("greedy") == fresh_b, "two partial rounds differ from fresh B"
+
+
+SECRET = "engine-side secret for the tests"
+
+
+def keyed_sender(cluster, secret, cls=None, **kw):
+    from qstrat.transport import RefitSender
+
+    sender = (cls or RefitSender)(cluster["sender"].clients, "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
+                                  bucket_bytes=BUCKET_BYTES, secret=secret, **kw)
+    sender.connect()
+    return sender
+
+
+def test_authenticated_rounds_refuse_every_attack_with_the_engine_unchanged(cluster, ckpts, fresh_b):
+    """The engine (and the standalone receiver) hold QSTRAT_TRANSFER_SECRET: a keyed refit to A
+    works; no MAC, a wrong key, a replayed round header and an init info pointing at another
+    address are each refused before anything is loaded, the engine's outputs unchanged."""
+    from qstrat.errors import TransferAuthError, TransportError
+    from qstrat.transport import RefitSender
+    from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET
+
+    receivers = (cluster["engine"], cluster["other"])
+    for r in receivers:
+        r.ctl.call("setenv", ENV_SECRET, SECRET)
+    try:
+        keyed_sender(cluster, SECRET).refit(ckpts["driver"], ckpts["a"])
+        assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
+        for secret in (None, "a wrong key of enough length"):
+            with pytest.raises(TransferAuthError) as err:
+                keyed_sender(cluster, secret).refit(ckpts["driver"], ckpts["b"])
+            msg = str(err.value)
+            assert "rank 1 refused the round's authentication; rank 2 refused" in msg, msg
+            assert "engine 0: RuntimeError: TransferAuthError: rank 1: round refused: the round's MAC " \
+                   "does not verify" in msg, msg
+            assert SECRET not in msg
+            assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
+
+        class Replaying(RefitSender):
+            recorded = None
+
+            def round_header(self, wire_manifest, ctx, mac):
+                header = super().round_header(wire_manifest, ctx, mac)
+                Replaying.recorded = header.clone() if Replaying.recorded is None else Replaying.recorded
+                return Replaying.recorded
+
+        replaying = keyed_sender(cluster, SECRET, Replaying)
+        replaying.refit(ckpts["driver"], ckpts["a"])  # recorded (A again: outputs stay a_out)
+        with pytest.raises(TransferAuthError, match="a replayed round"):
+            replaying.refit(ckpts["driver"], ckpts["b"])
+        cluster["engine"].ctl.call("forget_counter")  # as after an engine restart: the challenge refuses
+        with pytest.raises(TransferAuthError, match="the round's MAC does not verify"):
+            replaying.refit(ckpts["driver"], ckpts["b"])
+        assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
+        for r in receivers:
+            r.ctl.call("setenv", ENV_ADDRESS, "10.9.9.9")
+        with pytest.raises(TransportError) as err:
+            RefitSender(cluster["sender"].clients, "127.0.0.1", free_port(), timeout_s=3,
+                        secret=SECRET).connect()
+        assert "engine 0: RuntimeError: TransferAuthError: init_weight_transfer_engine refused: it " \
+               "points the engine at 127.0.0.1:" in str(err.value), str(err.value)
+        for r in receivers:
+            r.ctl.call("setenv", ENV_ADDRESS, None)
+        keyed_sender(cluster, SECRET).refit(ckpts["driver"], ckpts["b"])
+        assert cluster["engine"].ctl.call("greedy") == fresh_b
+    finally:
+        for r in receivers:
+            r.ctl.call("setenv", ENV_SECRET, None)
+            r.ctl.call("setenv", ENV_ADDRESS, None)
+        cluster["sender"].master_port = free_port()
+        cluster["sender"].connect()
+
+
+def test_bounded_round_fault_at_the_middle_layer_flags_the_engine_and_a_whole_refit_repairs(
+        cluster, ckpts, fresh_b):
+    """Bounded mode on the live engine: B -> A equals the atomic round's outputs; a corrupted
+    bucket inside layer 2 (of 4) leaves the engine holding layers 0-1 of B and 2-3 of A, flagged;
+    a partial refit is refused naming the flag; a whole bounded refit equals a fresh engine on B."""
+    from qstrat.errors import MixedWeightsError, WireManifestMismatchError
+    from qstrat.transport import RefitSender
+    from qstrat.transport.buckets import bucket_contents
+    from qstrat.transport.wire_manifest import reload_unit, wire_manifest_for_plan
+
+    driver = ckpts["driver"]
+    keyed_sender(cluster, None, mode="bounded").refit(driver, ckpts["a"])
+    assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "bounded round differs from atomic"
+    plan = driver.plan(ckpts["b"])
+    m = wire_manifest_for_plan(plan, BUCKET_BYTES)
+    bad_bucket = next(k for k, slots in enumerate(bucket_contents(m))
+                      if slots and {reload_unit(s.name) for s in slots} == {"model.layers.2"})
+
+    class Corrupting(RefitSender):
+        def transmit_payload(self, index, payload):
+            if index != bad_bucket:
+                return payload
+            bad = payload.clone()
+            bad[0] ^= 1
+            return bad
+
+    bad = keyed_sender(cluster, None, Corrupting, mode="bounded")
+    with pytest.raises(MixedWeightsError, match="rank 1 a bucket failed its checksum after loading began"):
+        bad.refit(driver, ckpts["b"])
+    flag = cluster["engine"].ctl.call("mixed")
+    assert flag is not None and "model.layers.1" in flag and "the rest old" in flag, flag
+    mixed_out = cluster["engine"].ctl.call("greedy")
+    assert mixed_out not in (cluster["a_out"], fresh_b), "the fault did not leave a mix"
+    with pytest.raises(WireManifestMismatchError, match=r"holds a MIX of two rounds .* must be whole"):
+        bad.refit(driver, ckpts["b"], plan=plan.only_layers([2, 3]))
+    assert cluster["engine"].ctl.call("greedy") == mixed_out
+    keyed_sender(cluster, None, mode="bounded").refit(driver, ckpts["b"])
+    assert cluster["engine"].ctl.call("mixed") is None
+    assert cluster["engine"].ctl.call("greedy") == fresh_b, "whole refit after a mix differs from fresh B"
+    cluster["sender"].master_port = free_port()
+    cluster["sender"].connect()
 
 
 def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster, ckpts, fresh_b):

@@ -1,7 +1,7 @@
 """What runs before the first byte (qstrat/prepare.py): the one list of steps, the same in the docs,
 run by every sink; each check made to fail in turn for each sink refuses the refit with that
 check's error and nothing was written or sent (no checkpoint directory, no engine RPC, no
-transfer RPC or broadcast)."""
+transfer RPC or collective)."""
 from __future__ import annotations
 
 import re
@@ -18,7 +18,7 @@ from qstrat import NonFiniteError, PlanError, RefitDriver
 from qstrat.errors import BackendUnavailableError, EngineManifestError, QstratError, WireManifestMismatchError
 from qstrat.prepare import STEPS, PreparedRefit
 from qstrat.transport import RefitSender
-from test_vllm_sink import RecordingLLM
+from test_vllm_sink import RecordingLLM, driver, manifest_without_cross_check  # noqa: F401 (fixtures)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
 
@@ -32,18 +32,6 @@ RAN = {
 #: The doc's bullet for each sink's own checks.
 DOC_SINK = {"vllm": "`qstrat.vllm.refit`", "checkpoint": "`write_checkpoint`", "sender": "`RefitSender.refit`",
             "run": "`RefitDriver.run`"}
-
-
-@pytest.fixture(autouse=True)
-def manifest_without_cross_check(monkeypatch):
-    real = qstrat.vllm.engine_manifest
-    monkeypatch.setattr(qstrat.vllm, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
-    monkeypatch.setattr(qstrat.vllm, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
-
-
-@pytest.fixture()
-def driver(tiny_hf_config):
-    return RefitDriver("block-fp8", hf_config=tiny_hf_config)
 
 
 @pytest.fixture()
@@ -101,11 +89,17 @@ def _sender():
         device = torch.device("cpu")
 
         def wait(self, work):
-            raise AssertionError("unreachable: broadcast raises first")
+            raise AssertionError("unreachable: the first collective raises")
+
+        world_size, rank = 2, 0
 
         def broadcast(self, tensor):
-            calls.append("broadcast")
-            raise AssertionError("a broadcast after a refused check")
+            calls.append("collective")
+            raise AssertionError("a collective after a refused check")
+
+        def sum(self, tensor):  # the round's first collective: the receivers' challenge
+            calls.append("collective")
+            raise AssertionError("a collective after a refused check")
 
     sender = RefitSender([Client()], "127.0.0.1", 1)
     sender.group = Group()
@@ -113,7 +107,7 @@ def _sender():
 
 
 def _refit(sink, driver, state, tmp_path, engine_config, reached):
-    """Run ``sink`` on ``state``; what it reached (engine RPCs, transfer RPCs and broadcasts, the
+    """Run ``sink`` on ``state``; what it reached (engine RPCs, transfer RPCs and collectives, the
     first emitted tensor) is appended to ``reached`` as it happens."""
     if sink == "vllm":
         llm = RecordingLLM(engine_config)
@@ -137,10 +131,10 @@ def test_every_sink_runs_its_checks_in_the_documented_order(tiny_model, driver, 
     qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
     next(driver.run(state))
     sender, calls = _sender()
-    with pytest.raises(AssertionError, match="a broadcast after a refused check"):
+    with pytest.raises(AssertionError, match="a collective after a refused check"):
         sender.refit(driver, state)  # every check passed: the round starts (and the stand-in stops it)
     sender._pool.shutdown(wait=True)  # update_weights runs on the RPC pool, concurrently with the stream
-    assert sorted(calls) == ["broadcast", "start_weight_update", "update_weights"]
+    assert sorted(calls) == ["collective", "start_weight_update", "update_weights"]
     assert calls[0] == "start_weight_update"
     assert [p.ran for p in prepared] == [RAN["vllm"], RAN["checkpoint"], RAN["run"], RAN["sender"]]
     assert [p.values_checked for p in prepared] == [True, False, False, True]
@@ -177,7 +171,7 @@ def test_each_check_refuses_before_the_first_byte(tiny_model, driver, tmp_path, 
     reached: list = []
     with pytest.raises(error, match=f"^refused by {re.escape(check)}$"):
         _refit(sink, driver, state, tmp_path, engine_config, reached)
-    # no engine RPC, no transfer RPC or broadcast, no tensor emitted
+    # no engine RPC, no transfer RPC or collective, no tensor emitted
     assert reached == ([[]] if sink in ("vllm", "sender") else [])
     assert list(tmp_path.iterdir()) == []  # no checkpoint directory, no temporary one
     assert prepared == []  # prepare never returned

@@ -98,6 +98,17 @@ class _EngineEndpoint:
     def backend_name(self):
         return self.llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)[0]
 
+    def mixed(self):
+        return self.llm.collective_rpc(lambda w: w.weight_transfer_engine.mixed)[0]
+
+    def forget_counter(self):
+        """Simulate a restarted engine: forget the last accepted round counter."""
+        def forget(w):
+            w.weight_transfer_engine.session.auth.last_counter = -1
+        self.llm.collective_rpc(forget)
+
+    setenv = staticmethod(lambda name, value: _setenv(name, value))
+
 
 def _record_loads(worker: Any) -> None:
     """Wrap the worker model's ``load_weights`` to keep name -> SHA-256 of each tensor handed
@@ -129,28 +140,75 @@ class _StandaloneEndpoint:
     def digests(self):
         return {n: sha256(t) for n, t in self.receiver.tensors.items()}
 
-    def raw_broadcast(self, sizes):
-        """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark)."""
-        raw_broadcast(self.receiver.group, sizes)
+    def mixed(self):
+        return self.receiver.mixed
+
+    def stats(self):
+        return dict(self.receiver.session.stats)
+
+    def stage_on_host(self):
+        """Host staging (explicit staging device: each verified bucket copied from a receive buffer)."""
+        import torch
+
+        self.receiver.session.staging = torch.device("cpu")
+
+    def forget_counter(self):
+        self.receiver.session.auth.last_counter = -1
+
+    setenv = staticmethod(lambda name, value: _setenv(name, value))
+
+    def memory(self, reset: bool = False):
+        """(VmRSS, VmHWM) of this process in bytes; ``reset``: first reset the peak (VmHWM) to
+        the current RSS (Linux ``/proc/self/clear_refs``), so the next peak is this phase's."""
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+
+    def raw_broadcast(self, sizes, staged=False):
+        """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark);
+        ``staged``: each into a new buffer, all kept to the end (what a round's staging does)."""
+        raw_broadcast(self.receiver.group, sizes, staged=staged)
 
 
-def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None) -> None:
+def _setenv(name: str, value: str | None) -> None:
+    """Set (None: unset) an environment variable in this receiver process (the engine side reads
+    its secret and address from the environment at each init_weight_transfer_engine)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None,
+                  staged: bool = False) -> None:
     """Broadcast (rank 0) or receive buffers of ``sizes`` bytes, at most two in flight: the
-    communication floor the transport is measured against."""
+    communication floor the transport is measured against. A receiver reuses two buffers
+    (cache-resident for small buckets), or with ``staged`` receives each into a new one and
+    keeps them all (fresh memory, as a round's staging)."""
     import torch
 
-    pending = []
+    if buffers is None and not staged:
+        buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8) for _ in range(2)]
+    pending, kept = [], []
     for i, n in enumerate(sizes):
         buf = buffers[i % len(buffers)][:n] if buffers else torch.empty(n, dtype=torch.uint8)
+        kept.append(buf)
         pending.append(group.broadcast(buf))
         if len(pending) == 2:
             group.wait(pending.pop(0))
     for w in pending:
         group.wait(w)
+    del kept
 
 
-def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection) -> None:
+def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads: int | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         endpoint = (_EngineEndpoint if role == "engine" else _StandaloneEndpoint)(model_dir)
         ctl.send(("ok", "ready"))
@@ -195,12 +253,13 @@ def crashing_sender(conns: list[Connection], port: int, crash_at: int, bucket_by
 class Receiver:
     """One spawned receiver: ``rpc`` (a PipeClient for the sender), ``ctl`` (for the test)."""
 
-    def __init__(self, role: str, model_dir: str, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, role: str, model_dir: str, timeout_s: float = TIMEOUT_S,
+                 threads: int | None = None) -> None:
         ctx = mp.get_context("spawn")
         rpc_parent, rpc_child = ctx.Pipe()
         ctl_parent, ctl_child = ctx.Pipe()
         self.role = role
-        self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child),
+        self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child, threads),
                                    daemon=True)
         self.process.start()
         self.rpc, self.ctl = PipeClient(rpc_parent, timeout_s), PipeClient(ctl_parent, 180.0)

@@ -2,37 +2,43 @@
 
 A ``vllm.distributed.weight_transfer.WeightTransferEngine`` (vLLM 0.32) that receives a refit
 from :class:`qstrat.transport.RefitSender` over a torch.distributed group (gloo on CPU, NCCL on
-GPU) and loads it only when the whole round arrived intact:
+GPU). The receiver logic is :class:`qstrat.transport.session.ReceiverSession`; this class is its
+LOADER (vLLM's layerwise reload):
 
-* ``init_weight_transfer_engine(init_info)``: join the group as rank ``rank_offset`` + this
-  worker's rank (fields: ``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
+* ``init_weight_transfer_engine(init_info)``: refuse an address other than
+  ``QSTRAT_TRANSFER_ADDRESS`` (when set), read the secret ``QSTRAT_TRANSFER_SECRET`` (when set,
+  every round must carry a valid MAC), join the group as rank ``rank_offset`` + this worker's
+  rank (fields: ``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
   ``backend``, ``timeout_s``).
 * ``start_weight_update()``: forget any staged round; the model is NOT touched.
-* ``update_weights({"wire_manifest": ...})``: check the wire manifest against what the engine accepts
-  (:func:`engine_expectations`) and refuse a mismatch before any data; receive every bucket,
-  verify every CRC-32, take part in the commit vote; stage the tensors (views of the received
-  buffers). Any failure raises and drops the staging - the model is still untouched.
-* ``finish_weight_update()``: VALIDATE-THEN-COMMIT: only now run vLLM's layerwise reload
+* ``update_weights({"wire_manifest": ..., "mode": ...})``: check the wire manifest against what
+  the engine accepts (:func:`engine_expectations`; a whole round only while the engine is flagged
+  as holding a mix) and the round's MAC, and refuse before any data; then receive and verify
+  every bucket's seal. ``atomic`` (default): stage the round (views of the received buffers; in
+  host memory when ``QSTRAT_TRANSFER_STAGING=host``), touch nothing. ``bounded``: load each
+  reload unit as soon as it verified; a fault after that flags the engine (MixedWeightsError).
+* ``finish_weight_update()``: atomic: VALIDATE-THEN-COMMIT: only now run vLLM's layerwise reload
   (``initialize_layerwise_reload``, ``model.load_weights`` with the staged tensors,
   ``finalize_layerwise_reload``), as vLLM's NCCL backend does inside its receive.
 
-Memory: the staging holds one round's payload (every tensor sent, ~ the quantized checkpoint
-size) on the worker's device until ``finish_weight_update``; see docs/transport.md.
+Memory: atomic: one round's payload (~ the quantized checkpoint size) in staging until
+``finish_weight_update``; bounded: about two buckets plus one layer; see docs/transport.md.
 
 Registration: :func:`register` (idempotent), also run by the ``vllm.general_plugins`` entry
 point ``qstrat_transfer`` in every vLLM process. One round per update session.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qstrat.errors import TransportError
-from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
-from qstrat.transport.receiver import receive_round
-from qstrat.transport.wire_manifest import WireManifest, check_against, expected_from_checkpoint
+from qstrat.transport.group import DEFAULT_TIMEOUT_S
+from qstrat.transport.session import ReceiverSession
+from qstrat.transport.wire_manifest import expected_from_checkpoint
 from qstrat.vllm_adapter.resolver import resolve
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
@@ -42,6 +48,9 @@ WeightTransferUpdateInfo = resolve("weight_transfer_update_info")
 
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"
+#: Environment variable choosing where an atomic round is staged: ``device`` (default) or
+#: ``host`` (host memory, pinned with CUDA: fits rounds larger than the free device memory).
+ENV_STAGING = "QSTRAT_TRANSFER_STAGING"
 
 
 @dataclass
@@ -61,6 +70,7 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`."""
 
     wire_manifest: dict[str, Any]
+    mode: str = "atomic"
 
 
 def engine_expectations(engine: WeightTransferEngine) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -88,62 +98,70 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group: TransferGroup | None = None
-        self._staged: list[tuple[str, torch.Tensor]] | None = None
-
-    def init_transfer_engine(self, init_info: QstratTransferInitInfo) -> None:
-        """Join the transfer group (closing a previous one). Raises TransportError."""
-        self.shutdown()
+        staging = os.environ.get(ENV_STAGING, "device")
+        if staging not in ("device", "host"):
+            raise TransportError(f"{ENV_STAGING}={staging!r}: use 'device' or 'host'")
         worker = (self.parallel_config.data_parallel_index * self.parallel_config.world_size
                   + self.parallel_config.rank)
-        self.group = open_group(init_info.master_address, init_info.master_port,
-                                init_info.rank_offset + worker, init_info.world_size,
-                                init_info.backend, init_info.timeout_s)
+        self.session = ReceiverSession(lambda: engine_expectations(self), self, rank_in_client=worker,
+                                       staging=torch.device("cpu") if staging == "host" else None)
+
+    @property
+    def group(self) -> Any:
+        """The open transfer group (None before ``init_weight_transfer_engine``)."""
+        return self.session.group
+
+    @property
+    def mixed(self) -> str | None:
+        """Why this engine holds a mix of two rounds (None: it does not); see docs/transport.md."""
+        return self.session.mixed
+
+    def init_transfer_engine(self, init_info: QstratTransferInitInfo) -> None:
+        """Join the transfer group (closing a previous one). Raises TransferAuthError for another
+        address than ``QSTRAT_TRANSFER_ADDRESS``, TransportError if the rendezvous fails."""
+        self.session.join(init_info)
 
     def start_weight_update(self) -> None:
         """Begin a session: drop any staged round. The model is left as it is."""
-        self._staged = None
+        self.session.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one round into staging (no ``torch.accelerator.synchronize``: CPU torch has
-        no accelerator; CUDA work is synchronized here instead)."""
+        """Receive one round (no ``torch.accelerator.synchronize``: CPU torch has no
+        accelerator; CUDA work is synchronized here instead)."""
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: QstratTransferUpdateInfo) -> None:
-        """Check, receive, verify and stage one round. Raises WireManifestMismatchError (refused
-        before data) or TransportError; the model is untouched either way."""
-        if self.group is None or self.group.pg is None:
-            raise TransportError("qstrat transfer: call init_weight_transfer_engine first "
-                                 "(no open transfer group)")
-        if self._staged is not None:
-            raise TransportError("qstrat transfer: one update_weights round per session "
-                                 "(call finish_weight_update first)")
-        self._staged = receive_round(self.group, update_info.wire_manifest, self._check)
-
-    def _check(self, wire_manifest: WireManifest) -> None:
-        check_against(wire_manifest, engine_expectations(self))
+        """Check, authenticate, receive, verify; stage (atomic) or load unit by unit (bounded).
+        Raises WireManifestMismatchError / TransferAuthError (refused before data),
+        TransportError, MixedWeightsError (bounded, after loading began)."""
+        self.session.update({"wire_manifest": update_info.wire_manifest, "mode": update_info.mode})
 
     def finish_weight_update(self) -> None:
-        """Commit the staged round through vLLM's layerwise reload; then free the staging.
+        """Atomic: commit the staged round through vLLM's layerwise reload; then free the staging.
 
         Raises: TransportError if no round was received in this session (the model untouched).
         """
-        staged, self._staged = self._staged, None
-        if staged is None:
-            raise TransportError("qstrat transfer: finish_weight_update without a received round")
+        self.session.finish()
+
+    # ---- the session's loader: vLLM's layerwise reload ------------------------------------
+    def begin_load(self) -> None:
+        """``initialize_layerwise_reload`` (every layer to meta until its weights arrive)."""
         resolve("initialize_layerwise_reload")(self.model)
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """``model.load_weights`` (a layer is processed once all its weights arrived)."""
         with resolve("disable_mtp_completeness_check")():
-            self.model.load_weights(staged)
+            self.model.load_weights(tensors)
+
+    def end_load(self) -> None:
+        """``finalize_layerwise_reload`` (layers that received nothing keep their weights)."""
         resolve("finalize_layerwise_reload")(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""
-        self._staged = None
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.session.shutdown()
 
 
 def register() -> None:

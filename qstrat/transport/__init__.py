@@ -2,18 +2,23 @@
 
 - :mod:`.wire_manifest`: names, dtypes, shapes, byte offsets, bucket boundaries, wire order, digest;
   computed from the plan before any data flows, checked by every receiver.
-- :mod:`.buckets`: packing, zero-copy unpacking, CRC-32 per bucket.
+- :mod:`.buckets`: packing, zero-copy unpacking.
+- :mod:`.checksum`: the per-bucket checksum, tensor ops on the payload's device.
+- :mod:`.auth`: the shared secret, round MAC, bucket seals, replay and address checks.
 - :mod:`.group`: the stateless trainer<->engines process group, timeouts on everything.
 - :mod:`.protocol`: the steps of one round (header, accept vote, buckets, commit vote).
 - :mod:`.sender`: :class:`RefitSender`, the trainer side, driven from a ``RefitDriver`` plan.
-- :mod:`.receiver`: :func:`receive_round` and :class:`StandaloneReceiver` (no engine).
+- :mod:`.receiver`: :func:`receive_round` (atomic or bounded).
+- :mod:`.session`: a receiver's state across rounds (secret, address, counter, the mix flag).
+- :mod:`.standalone`: :class:`StandaloneReceiver` (no engine).
 
 The engine side is a vLLM weight-transfer backend, :mod:`qstrat.engine.transfer_backend`
 (``LLM(weight_transfer_config={"backend": "qstrat"})``). See docs/transport.md.
 """
 from qstrat.transport.wire_manifest import (WireManifest, build_wire_manifest, check_against,
                                             wire_manifest_for_plan)
-from qstrat.transport.receiver import StandaloneReceiver, receive_round
+from qstrat.transport.receiver import receive_round
+from qstrat.transport.standalone import StandaloneReceiver
 from qstrat.transport.sender import RefitSender, TransferReport
 
 __all__ = ["RefitSender", "StandaloneReceiver", "TransferReport", "WireManifest", "build_wire_manifest",

@@ -1,14 +1,12 @@
-"""Bucket packing (sender), zero-copy unpacking (receiver) and the per-bucket checksum.
+"""Bucket packing (sender) and zero-copy unpacking (receiver).
 
 A shared bucket is one ``uint8`` buffer holding several tensors at their wire manifest offsets
 (mixed dtypes); a chunk bucket is a slice of one large tensor's own bytes and is sent and
-received in place (no copy on either side). Checksum: CRC-32 (``zlib.crc32``, ISO-HDLC
-polynomial, as in zlib/PNG) of the payload bytes; it releases the GIL, so it overlaps the
-broadcast of the previous bucket.
+received in place (no copy on either side). The per-bucket checksum is
+:mod:`qstrat.transport.checksum` (device tensor ops, no host copy).
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 
 import torch
@@ -19,12 +17,6 @@ from qstrat.transport.wire_manifest import Bucket, TensorSlot, WireManifest
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes of contiguous ``t`` as a flat ``uint8`` view (no copy; 0-dim and bool work)."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def checksum(payload: torch.Tensor) -> int:
-    """CRC-32 of a contiguous ``uint8`` tensor's bytes (a CUDA tensor is copied to the host)."""
-    host = payload if payload.device.type == "cpu" else payload.cpu()
-    return zlib.crc32(host.numpy()) if host.numel() else 0
 
 
 def bucket_contents(wire_manifest: WireManifest) -> list[list[TensorSlot]]:
@@ -60,24 +52,42 @@ def chunk_view(t: torch.Tensor, wire_manifest: WireManifest, slot: TensorSlot,
     return byte_view(t)[start:start + bucket.nbytes]
 
 
-def receive_buffers(wire_manifest: WireManifest, device: torch.device
+def receive_buffers(wire_manifest: WireManifest, device: torch.device, pin: bool = False
                     ) -> Iterator[tuple[Bucket, torch.Tensor]]:
-    """Allocate, bucket by bucket, the uint8 tensor each bucket is received into.
+    """Allocate, bucket by bucket (lazily), the uint8 tensor each bucket is received into.
 
     A shared bucket gets its own buffer (its tensors become views of it: :func:`unpack`); the
-    chunks of a large tensor are slices of one buffer of that tensor's size.
+    chunks of a large tensor are slices of one buffer of that tensor's size (held here only until
+    its last chunk was yielded). ``pin``: page-locked host memory (``device`` must be the CPU).
     """
     contents = bucket_contents(wire_manifest)
     whole: dict[str, torch.Tensor] = {}
     for b, slots in zip(wire_manifest.buckets, contents):
         if b.tensor is None:
-            yield b, torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+            yield b, torch.empty(b.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
             continue
         slot = slots[0]
         if slot.name not in whole:
-            whole[slot.name] = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
+            whole[slot.name] = torch.empty(slot.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         start = b.stream_offset - wire_manifest.buckets[slot.bucket].stream_offset
-        yield b, whole[slot.name][start:start + b.nbytes]
+        view = whole[slot.name][start:start + b.nbytes]
+        if b.index == slot.bucket + slot.chunks - 1:
+            del whole[slot.name]
+        yield b, view
+
+
+def slot_tensor(slot: TensorSlot, first: torch.Tensor) -> torch.Tensor:
+    """The tensor of ``slot`` as a view of the received bytes (no copy).
+
+    Args: first: the buffer its (first) bucket was received into (:func:`receive_buffers`); the
+        chunks of a chunked slot are consecutive slices of one storage.
+    """
+    if slot.chunks > 1:
+        raw = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+            first.untyped_storage(), first.storage_offset(), (slot.nbytes,))
+    else:
+        raw = first[slot.offset:slot.offset + slot.nbytes]
+    return raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)
 
 
 def unpack(wire_manifest: WireManifest, received: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -86,15 +96,4 @@ def unpack(wire_manifest: WireManifest, received: list[torch.Tensor]) -> list[tu
     Args: received: per bucket, the buffer :func:`receive_buffers` gave for it, filled.
     Views are valid because every offset is a multiple of the alignment (>= element size).
     """
-    out = []
-    for s in wire_manifest.slots:
-        buf = received[s.bucket]
-        if s.chunks > 1:  # the chunks are consecutive slices of one storage
-            base = buf.untyped_storage()
-            raw = torch.empty(0, dtype=torch.uint8, device=buf.device).set_(
-                base, buf.storage_offset(), (s.nbytes,))
-        else:
-            raw = buf[s.offset:s.offset + s.nbytes]
-        dtype = getattr(torch, s.dtype)
-        out.append((s.name, raw.view(dtype).reshape(s.shape)))
-    return out
+    return [(s.name, slot_tensor(s, received[s.bucket])) for s in wire_manifest.slots]

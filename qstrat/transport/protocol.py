@@ -1,17 +1,23 @@
 """One transfer round on the group, the steps sender and receivers take in the same order.
 
-1. ROUND HEADER (broadcast, int64[8]): magic, bucket count, payload bytes, the wire manifest digest
-   (32 bytes as 4 int64). A receiver whose wire manifest (from the ``update_info`` RPC) has another
-   digest rejects the round.
+0. CHALLENGE (all-reduce, int64[2 * world_size]): each receiver writes two fresh random words in
+   its slots (:func:`qstrat.transport.auth.challenge`); the sender writes zeros.
+1. ROUND HEADER (broadcast, int64[12]): magic, bucket count, payload bytes, round counter, the
+   wire manifest digest (32 bytes as 4 int64), the round MAC (4 int64: HMAC-SHA256 over digest,
+   mode, counter, every challenge and the group address; :mod:`qstrat.transport.auth`). A
+   receiver whose wire manifest (from the ``update_info`` RPC) has another digest, whose MAC does
+   not verify, or whose counter is not above the last it accepted rejects the round.
 2. ACCEPT (all-reduce, int64[world_size]): each rank writes its status in its own slot
-   (receivers: did the wire manifest pass the engine check). Any nonzero slot: every rank stops
-   here; no data is sent.
-3. BUCKETS, in wire manifest order: per bucket a BUCKET HEADER (broadcast, int64[4]: magic, index,
-   CRC-32, flags), then the payload (broadcast, the bucket's bytes). ``flags = ABORT``: the
-   sender could not produce the bucket (its source fell short or disagreed with the wire manifest);
-   the payload is still sent (garbage of the right size) and every rank goes to step 4.
-4. COMMIT VOTE (all-reduce, int64[world_size]): each rank's verdict (receivers: every checksum
-   matched). Only if every slot is zero may any receiver hand its tensors to the engine.
+   (receivers: did the wire manifest pass the engine check, did the MAC verify). Any nonzero
+   slot: every rank stops here; no data is sent.
+3. BUCKETS, in wire manifest order: per bucket a BUCKET HEADER (broadcast, int64[7]: magic,
+   index, flags, SEAL = HMAC over the round MAC, index, flags and the bucket's device checksum),
+   then the payload (broadcast, the bucket's bytes). ``flags = ABORT``: the sender could not
+   produce the bucket (its source fell short or disagreed with the wire manifest); the payload is
+   still sent (garbage of the right size) and every rank goes to step 4.
+4. COMMIT VOTE (all-reduce, int64[world_size]): each rank's verdict (receivers: every seal
+   matched). Only if every slot is zero may any receiver hand its tensors to the engine
+   (all-or-nothing mode; in bounded mode the units were handed as they verified).
 
 Every rank finishes the same sequence of collectives even when it has already failed, so
 a refused round leaves the group usable; a lost peer or a timeout raises (the group is then
@@ -22,27 +28,41 @@ from __future__ import annotations
 import torch
 
 from qstrat.errors import TransportError
+from qstrat.transport.auth import challenge, words
 from qstrat.transport.group import TransferGroup
 
 ROUND_MAGIC = 0x5153_5452_4E44  # "QSTRND"
 BUCKET_MAGIC = 0x5153_5442_4B54  # "QSTBKT"
 ABORT = 1
+#: Lengths (int64 words) of the round and bucket headers.
+ROUND_WORDS, BUCKET_WORDS = 12, 7
 
 #: Status codes a rank writes in its slot of an ACCEPT / COMMIT vote.
-OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR = 0, 1, 2, 3, 4
+OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR, UNAUTHENTICATED, MIXED = 0, 1, 2, 3, 4, 5, 6
 REASONS = {REJECTED: "rejected the wire manifest", CHECKSUM: "a bucket failed its checksum",
-           SENDER_ABORT: "the sender aborted the stream", ERROR: "failed"}
+           SENDER_ABORT: "the sender aborted the stream", ERROR: "failed",
+           UNAUTHENTICATED: "refused the round's authentication",
+           MIXED: "a bucket failed its checksum after loading began (engine holds a mix)"}
 
 
-def round_header(n_buckets: int, total_bytes: int, digest: str, device: torch.device) -> torch.Tensor:
-    """The int64[8] round header (see the module docstring, step 1)."""
-    words = [int.from_bytes(bytes.fromhex(digest)[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
-    return torch.tensor([ROUND_MAGIC, n_buckets, total_bytes, 0, *words], dtype=torch.int64, device=device)
+def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, mac: bytes,
+                 device: torch.device) -> torch.Tensor:
+    """The int64[12] round header (see the module docstring, step 1)."""
+    return torch.tensor([ROUND_MAGIC, n_buckets, total_bytes, counter, *words(bytes.fromhex(digest)),
+                         *words(mac)], dtype=torch.int64, device=device)
 
 
-def bucket_header(index: int, crc: int, flags: int, device: torch.device) -> torch.Tensor:
-    """The int64[4] bucket header (step 3)."""
-    return torch.tensor([BUCKET_MAGIC, index, crc, flags], dtype=torch.int64, device=device)
+def bucket_header(index: int, flags: int, seal: bytes, device: torch.device) -> torch.Tensor:
+    """The int64[7] bucket header (step 3)."""
+    return torch.tensor([BUCKET_MAGIC, index, flags, *words(seal)], dtype=torch.int64, device=device)
+
+
+def challenges(group: TransferGroup) -> tuple[int, ...]:
+    """Step 0: every receiver's fresh challenge words, rank order (the sender's slots are 0)."""
+    slots = torch.zeros(2 * group.world_size, dtype=torch.int64, device=group.device)
+    if group.rank:
+        slots[2 * group.rank:2 * group.rank + 2] = torch.tensor(challenge(), dtype=torch.int64)
+    return tuple(int(v) for v in group.sum(slots).cpu())
 
 
 def vote(group: TransferGroup, status: int) -> list[int]:

@@ -1,32 +1,50 @@
-"""Receiver side of a transfer round: check the wire manifest, receive and verify every bucket, stage.
+"""Receiver side of a transfer round: check the wire manifest, authenticate, receive and verify
+every bucket, then stage (all-or-nothing) or hand each reload unit on (bounded memory).
 
-:func:`receive_round` runs the receiver's half of :mod:`qstrat.transport.protocol` and returns
-the round's tensors only when every rank voted to commit; it never touches an engine. The vLLM
-backend (:mod:`qstrat.engine.transfer_backend`) and :class:`StandaloneReceiver` (no engine:
-benchmarks, tests, a checkpoint writer) both build on it.
+:func:`receive_round` runs the receiver's half of :mod:`qstrat.transport.protocol`; it never
+touches an engine itself. The vLLM backend (:mod:`qstrat.engine.transfer_backend`) and
+:class:`~qstrat.transport.standalone.StandaloneReceiver` (no engine: benchmarks, tests, a
+checkpoint writer) build on it, through :class:`~qstrat.transport.session.ReceiverSession`.
 
-Staging: a round's tensors stay in the received bucket buffers (tensors are views of them) until
-the commit vote; peak memory is the round's payload bytes (:attr:`WireManifest.total_bytes`) on the
-group's device, plus two bucket headers.
+Modes (docs/transport.md, "Which mode"):
+
+* ``atomic`` (default): the round's tensors stay in the received buffers (tensors are views of
+  them) until the commit vote; peak memory: the round's payload (:attr:`WireManifest.total_bytes`)
+  in ``staging`` memory (the group's device, or host memory - pinned with CUDA - received through
+  two device bucket buffers).
+* ``bounded``: ``on_unit`` is called with each reload unit's tensors (a decoder layer, or a
+  module outside the layers: :func:`~qstrat.transport.wire_manifest.reload_unit`) as soon as
+  every bucket holding them has arrived and its seal verified; a bucket buffer is released
+  once every unit in it was handed. Peak memory: about two buckets plus one unit. A failure after
+  the first unit was handed leaves the receiver holding a MIX (:class:`MixedWeightsError`).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from qstrat.errors import TransportError, WireManifestMismatchError
+from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport import protocol as p
-from qstrat.transport.buckets import checksum, receive_buffers, unpack
-from qstrat.transport.group import TransferGroup, open_group
-from qstrat.transport.wire_manifest import WireManifest
+from qstrat.transport.auth import (ReceiverAuth, RoundContext, bucket_seal, checksum_seed,
+                                   from_words, same)
+from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
+from qstrat.transport.checksum import checksum
+from qstrat.transport.group import TransferGroup
+from qstrat.transport.wire_manifest import WireManifest, reload_unit
 
 Check = Callable[[WireManifest], None]
+Unit = list[tuple[str, torch.Tensor]]
+#: The round modes (``update_info["mode"]``).
+MODES = ("atomic", "bounded")
 
 
-def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check: Check | None = None
-                  ) -> list[tuple[str, torch.Tensor]]:
+def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check: Check | None = None,
+                  auth: ReceiverAuth | None = None, mode: str = "atomic",
+                  on_unit: Callable[[str, Unit], None] | None = None,
+                  staging: torch.device | None = None, stats: dict[str, float] | None = None) -> Unit:
     """Receive one round from rank 0.
 
     Args:
@@ -35,12 +53,28 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             (:meth:`WireManifest.to_dict`).
         check: raises WireManifestMismatchError if the wire manifest does not match the engine (run
             before any data is received).
-    Returns: ``(name, tensor)`` in wire order, views of the received buffers on
-        ``group.device``, every bucket checksum-verified, every rank agreeing to commit.
-    Raises: WireManifestMismatchError (wire manifest malformed, digest mismatch, engine check failed:
-        the round is refused at step 2, no data flows); TransportError for a failed checksum,
-        a sender abort, another rank's refusal, or a lost peer/timeout (the group is closed).
+        auth: the receiver's secret, group address and last accepted counter (None: no secret,
+            address as joined is not bound); ``auth.last_counter`` advances when the round is accepted.
+        mode: ``atomic`` or ``bounded`` (bound into the round MAC: a sender must use the same).
+        on_unit: bounded mode: called ``on_unit(unit, tensors)`` in wire order as units verify.
+        staging: where the round is staged (None: received in place on the group's device); a
+            device given explicitly (host staging: ``cpu``, pinned when CUDA is available) is
+            filled by copying each verified bucket from two group-device receive buffers.
+        stats: if given, receives ``peak_bytes``: the most bytes of received buffers alive at
+            once in this round (staging and in-flight buckets; not the group's own buffers), and
+            the seconds spent in ``alloc_s`` (receive buffers), ``wait_s`` (blocked on the
+            wire), ``checksum_s`` (checksum + seal), ``load_s`` (bounded: handing units).
+    Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
+        sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit).
+    Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
+        TransferAuthError (no/wrong MAC, replay) - both at step 2, before any data; TransportError
+        for a failed seal, a sender abort, another rank's refusal, or a lost peer/timeout (the
+        group is then closed); MixedWeightsError when that happens in bounded mode after a unit
+        was handed.
     """
+    if mode not in MODES or (mode == "bounded") != (on_unit is not None):
+        raise TransportError(f"round mode {mode!r}: use 'atomic', or 'bounded' with on_unit")
+    auth = auth or ReceiverAuth(None, "", 0)
     rejection: Exception | None = None
     wire_manifest = None
     try:
@@ -49,66 +83,193 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             check(wire_manifest)
     except TransportError as exc:
         rejection = exc
-    header = torch.empty(8, dtype=torch.int64, device=group.device)
+    header = torch.empty(p.ROUND_WORDS, dtype=torch.int64, device=group.device)
     try:
+        challenges = p.challenges(group)
         group.wait(group.broadcast(header))
     except RuntimeError as exc:
         raise p.lost(group, "no round header from the sender", exc) from None
-    if rejection is None and not torch.equal(header.cpu(), p.round_header(
-            len(wire_manifest.buckets), wire_manifest.total_bytes, wire_manifest.digest,
-            torch.device("cpu"))):
-        rejection = WireManifestMismatchError(
-            f"rank {group.rank}: the sender streams another wire manifest than the one in update_info "
-            f"(digest {wire_manifest.digest[:12]}...)")
-    statuses = _vote(group, p.REJECTED if rejection else p.OK, "accept vote")
+    words = [int(v) for v in header.cpu()]
+    counter, mac = words[3], from_words(words[8:12])
+    status = p.REJECTED
+    if rejection is None:
+        want = p.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes, counter,
+                              wire_manifest.digest, mac, torch.device("cpu")).tolist()
+        if want != words:
+            rejection = WireManifestMismatchError(
+                f"rank {group.rank}: the sender streams another wire manifest than the one in "
+                f"update_info (digest {wire_manifest.digest[:12]}...)")
+    if rejection is None:
+        ctx = RoundContext(wire_manifest.digest, mode, counter, challenges, auth.address, auth.port,
+                           group.world_size)
+        reason = auth.verify(ctx, mac)
+        if reason is not None:
+            rejection, status = TransferAuthError(f"rank {group.rank}: round refused: {reason}"), p.UNAUTHENTICATED
+    statuses = _vote(group, status if rejection else p.OK, "accept vote")
     if rejection is not None:
         raise rejection
     if any(statuses):
         raise TransportError(f"rank {group.rank}: round refused before any data: {p.describe(statuses)}")
-    received, failure = _receive_buckets(group, wire_manifest)
+    auth.last_counter = counter
+    seal = _Sealer(auth, mac)
+    received, failure, handed = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
     statuses = _vote(group, failure[0] if failure else p.OK, "commit vote")
     if failure:
-        raise TransportError(failure[1])
+        raise failure[1]
     if any(statuses):
-        raise TransportError(f"rank {group.rank}: round not committed: {p.describe(statuses)}")
-    return unpack(wire_manifest, received)
+        done = " (this receiver loaded the whole round)" if handed else ""
+        raise TransportError(f"rank {group.rank}: round not committed: {p.describe(statuses)}{done}")
+    return [] if on_unit is not None else unpack(wire_manifest, received)
 
 
-def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest
-                     ) -> tuple[list[torch.Tensor], tuple[int, str] | None]:
+class _Sealer:
+    """Computes and checks bucket seals for one round."""
+
+    def __init__(self, auth: ReceiverAuth, mac: bytes) -> None:
+        self.secret, self.mac = auth.secret, mac
+        self.seed = checksum_seed(auth.secret, mac)
+
+    def ok(self, index: int, flags: int, payload: torch.Tensor, seal: bytes) -> bool:
+        return same(seal, bucket_seal(self.secret, self.mac, index, flags, checksum(payload, self.seed)))
+
+
+def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[str, list[Any]], dict[int, int]]:
+    """Bounded mode bookkeeping: units completed by each bucket, each unit's slots, and the
+    bucket after which each bucket's buffer can be released."""
+    slots: dict[str, list[Any]] = {}
+    last: dict[str, int] = {}
+    for s in wire_manifest.slots:
+        u = reload_unit(s.name)
+        slots.setdefault(u, []).append(s)
+        last[u] = max(last.get(u, -1), s.bucket + s.chunks - 1)
+    completes: dict[int, list[str]] = {}
+    for u in slots:  # dict order: wire order of each unit's first tensor
+        completes.setdefault(last[u], []).append(u)
+    release: dict[int, int] = {}
+    for u, ss in slots.items():
+        for s in ss:
+            for c in range(s.chunks):
+                release[s.bucket + c] = max(release.get(s.bucket + c, -1), last[u])
+    return completes, slots, release
+
+
+def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _Sealer,
+                     on_unit: Callable[[str, Unit], None] | None, staging: torch.device | None,
+                     stats: dict[str, float] | None) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
     """Step 3: receive every bucket (next one posted while this one is verified); keep
-    receiving after a bad checksum so the collectives stay aligned. Returns the buffers and the
-    first failure ``(status, message)`` or None."""
-    buffers = list(receive_buffers(wire_manifest, group.device))
-    n = len(buffers)
-    failure: tuple[int, str] | None = None
+    receiving after a failure so the collectives stay aligned. Returns the staged buffers
+    (atomic), the first failure ``(status, error)`` or None, and the units handed (bounded)."""
+    bounce = staging is not None
+    staging = staging or group.device
+    pin = bounce and staging.type == "cpu" and torch.cuda.is_available()
+    source = receive_buffers(wire_manifest, staging, pin)
+    n = len(wire_manifest.buckets)
+    kept: dict[int, torch.Tensor] = {}
+    wires = ([torch.empty(wire_manifest.bucket_bytes, dtype=torch.uint8, device=group.device)
+              for _ in range(2)] if bounce else [])
+    completes, unit_slots, release = _unit_plan(wire_manifest) if on_unit else ({}, {}, {})
+    handed: list[str] = []
+    failure: tuple[int, Exception] | None = None
+    live: dict[Any, int] = {}  # allocation -> bytes (a chunked tensor: one allocation)
+    prof = {"alloc_s": 0.0, "wait_s": 0.0, "checksum_s": 0.0, "load_s": 0.0}
+    clock = time.perf_counter
+    peak = sum(w.numel() for w in wires)
 
-    def post(k: int) -> tuple[torch.Tensor, Any, Any]:
-        hdr = torch.empty(4, dtype=torch.int64, device=group.device)
-        return hdr, group.broadcast(hdr), group.broadcast(buffers[k][1])
+    def alloc_key(k: int) -> Any:
+        b = wire_manifest.buckets[k]
+        return k if b.tensor is None else b.tensor
+
+    def post(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]:
+        nonlocal peak
+        t0 = clock()
+        b, dst = next(source)
+        prof["alloc_s"] += clock() - t0
+        if alloc_key(k) not in live:
+            live[alloc_key(k)] = b.nbytes if b.tensor is None else next(
+                s.nbytes for s in wire_manifest.slots if s.name == b.tensor)
+            peak = max(peak, sum(live.values()) + sum(w.numel() for w in wires))
+        wire = wires[k % 2][:dst.numel()] if bounce else dst
+        hdr = torch.empty(p.BUCKET_WORDS, dtype=torch.int64, device=group.device)
+        return dst, wire, hdr, group.broadcast(hdr), group.broadcast(wire)
+
+    def fail(status: int, message: str) -> tuple[int, Exception]:
+        if on_unit is not None and handed:
+            exc = MixedWeightsError(
+                f"{message}; loading had begun: {len(handed)} of {len(unit_slots)} reload units are "
+                f"new ({_few(handed)}), the rest old - this receiver holds a MIX; the next refit "
+                f"must be whole")
+            exc.detail = (f"{len(handed)} of {len(unit_slots)} reload units new ({_few(handed)}), "
+                          f"the rest old, after: {message}")
+            return p.MIXED, exc
+        return status, TransportError(f"{message}; nothing loaded")
 
     pending = post(0) if n else None
     for k in range(n):
-        hdr, w_hdr, w_data = pending
+        dst, wire, hdr, w_hdr, w_data = pending
         try:
+            t0 = clock()
             group.wait(w_hdr)
-            magic, index, crc, flags = (int(v) for v in hdr.cpu())
-            if flags & p.ABORT:
+            prof["wait_s"] += clock() - t0
+            words = [int(v) for v in hdr.cpu()]
+            if words[2] & p.ABORT:
                 group.wait(w_data)
-                return [b for _, b in buffers], (p.SENDER_ABORT, f"rank {group.rank}: the sender "
-                                                 f"aborted the stream at bucket {k}/{n}; nothing loaded")
+                return list(kept.values()), failure or fail(
+                    p.SENDER_ABORT, f"rank {group.rank}: the sender aborted the stream at bucket {k}/{n}"), handed
             pending = post(k + 1) if k + 1 < n else None
+            t0 = clock()
             group.wait(w_data)
+            prof["wait_s"] += clock() - t0
         except RuntimeError as exc:  # c10d: the sender (or a peer) died or timed out
             error = str(exc)
             pending = hdr = w_hdr = w_data = None
+            if on_unit is not None and handed:
+                group.close()
+                raise fail(p.ERROR, f"rank {group.rank}: stream truncated at bucket {k}/{n} (sender "
+                                    f"lost?): {error} (the transfer group is closed)")[1] from None
             raise p.lost(group, f"stream truncated at bucket {k}/{n} (sender lost?)", error) from None
-        if failure is None and (magic != p.BUCKET_MAGIC or index != k):
-            failure = (p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order (header {index})")
-        elif failure is None and checksum(buffers[k][1]) != crc:
-            failure = (p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its CRC-32 checksum "
-                                   f"(tensors {_names(wire_manifest, k)}); nothing loaded")
-    return [b for _, b in buffers], failure
+        if failure is not None:
+            continue
+        if words[0] != p.BUCKET_MAGIC or words[1] != k:
+            failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order "
+                                       f"(header {words[1]})")
+        elif not _timed(prof, "checksum_s", seal.ok, k, words[2], wire, from_words(words[3:7])):
+            failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
+                                       f"(seal mismatch; tensors {_names(wire_manifest, k)})")
+        if failure is not None:
+            continue
+        if bounce:
+            dst.copy_(wire, non_blocking=pin)
+            if group.device.type == "cuda":
+                torch.cuda.current_stream(group.device).synchronize()
+        kept[k] = dst
+        for u in completes.get(k, []):
+            try:
+                _timed(prof, "load_s", on_unit, u, [(s.name, slot_tensor(s, kept[s.bucket])) for s in unit_slots[u]])
+            except Exception as exc:  # noqa: BLE001 - the engine's load failed: a mix
+                handed.append(u)
+                failure = fail(p.ERROR, f"rank {group.rank}: loading {u} failed: {type(exc).__name__}: {exc}")
+                break
+            handed.append(u)
+        if on_unit is not None:
+            for j in [j for j in kept if release.get(j, -1) <= k]:
+                del kept[j]
+                live.pop(alloc_key(j), None)
+    if stats is not None:
+        stats["peak_bytes"] = peak
+        stats.update(prof)
+    return [kept[k] for k in sorted(kept)], failure, handed
+
+
+def _timed(prof: dict[str, float], key: str, fn: Callable[..., Any], *args: Any) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        prof[key] += time.perf_counter() - t0
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f", ... +{len(names) - 3}" if len(names) > 3 else "")
 
 
 def _names(wire_manifest: WireManifest, k: int) -> list[str]:
@@ -121,53 +282,3 @@ def _vote(group: TransferGroup, status: int, what: str) -> list[int]:
         return p.vote(group, status)
     except RuntimeError as exc:
         raise p.lost(group, f"{what} failed (a peer died?)", exc) from None
-
-
-class StandaloneReceiver:
-    """A receiver without an engine, speaking the same four weight-sync calls as a vLLM engine
-    with ``weight_transfer_config={"backend": "qstrat"}`` (``init_weight_transfer_engine``,
-    ``start_weight_update``, ``update_weights``, ``finish_weight_update``).
-
-    Committed tensors land in :attr:`tensors` (name -> tensor). ``expected``: name ->
-    (dtype name, shape) the wire manifest is checked against (None: accept any wire manifest).
-    """
-
-    def __init__(self, expected: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> None:
-        self.expected = expected
-        self.group: TransferGroup | None = None
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._staged: list[tuple[str, torch.Tensor]] | None = None
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the group: ``init_info`` as :class:`qstrat.transport.sender.RefitSender` sends it."""
-        self.shutdown()
-        self.group = open_group(init_info["master_address"], init_info["master_port"],
-                                init_info["rank_offset"], init_info["world_size"],
-                                init_info.get("backend", "gloo"), init_info.get("timeout_s", 60.0))
-
-    def start_weight_update(self) -> None:
-        """Begin a session: drop any staged round (:attr:`tensors` keeps the last commit)."""
-        self._staged = None
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one round (``{"wire_manifest": WireManifest.to_dict()}``) into staging; raises like
-        :func:`receive_round`."""
-        from qstrat.transport.wire_manifest import check_against
-
-        if self.group is None or self.group.pg is None:
-            raise TransportError("init_weight_transfer_engine first (no open transfer group)")
-        check = None if self.expected is None else (lambda m: check_against(m, self.expected))
-        self._staged = receive_round(self.group, update_info["wire_manifest"], check)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Commit the staged round to :attr:`tensors`. Raises TransportError without one."""
-        if self._staged is None:
-            raise TransportError("finish_weight_update without a received round")
-        self.tensors = dict(self._staged)
-        self._staged = None
-
-    def shutdown(self) -> None:
-        """Close the transfer group."""
-        if self.group is not None:
-            self.group.close()
-            self.group = None

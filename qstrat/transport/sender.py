@@ -9,9 +9,10 @@ streams the tensors itself on a torch.distributed group (rank 0 = this process).
 
 A round: ``RefitDriver.prepare`` with the wire manifest as this sink's check (nothing sent on
 error) -> ``start_weight_update``
--> ``update_weights({"wire_manifest": ...})`` on every engine, concurrently with the stream
-(:mod:`qstrat.transport.protocol`) -> ``finish_weight_update`` (the engines load) only if every
-rank voted to commit.
+-> ``update_weights({"wire_manifest": ..., "mode": ...})`` on every engine, concurrently with the
+stream (:mod:`qstrat.transport.protocol`; authenticated with the shared secret,
+:mod:`qstrat.transport.auth`) -> ``finish_weight_update`` (atomic mode: the engines load) only if
+every rank voted to commit.
 
 Double buffering: at most two buckets are in flight; bucket k+1 is packed (and checksummed)
 while bucket k is being broadcast. Chunks of a tensor larger than a bucket are broadcast from
@@ -19,6 +20,7 @@ the tensor's own memory (no packing copy).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -29,13 +31,17 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import TransportError, WireManifestMismatchError
+from qstrat.errors import (MixedWeightsError, TransferAuthError, TransportError,
+                           WireManifestMismatchError)
 from qstrat.driver import RefitDriver
 from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
-from qstrat.transport.buckets import bucket_contents, checksum, chunk_view, pack
+from qstrat.transport.auth import (ENV_SECRET, RoundContext, Secret, bucket_seal, checksum_seed,
+                                   round_mac)
+from qstrat.transport.buckets import bucket_contents, chunk_view, pack
+from qstrat.transport.checksum import checksum
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
                                             WireManifest, wire_manifest_for_plan)
@@ -70,12 +76,27 @@ class RefitSender:
         timeout_s: rendezvous, per-collective and per-RPC timeout (seconds).
         bucket_bytes, alignment: bucket bound and in-bucket alignment (bytes).
         workers_per_client: ranks each engine brings (its TP x PP x DP worker count).
+        secret: the secret shared with the engines (bytes or text, >= 16 bytes; default: the
+            environment variable ``QSTRAT_TRANSFER_SECRET``; None there too: unauthenticated
+            rounds, which an engine holding a secret refuses). Never logged or sent.
+        mode: ``atomic`` (default: engines stage the whole round and load it only when every
+            rank verified every bucket) or ``bounded`` (engines load each reload unit as soon as
+            its buckets verified: memory ~ two buckets + one layer; a fault mid-round leaves a
+            MIX, reported as MixedWeightsError, after which engines accept only whole refits).
     """
 
     def __init__(self, clients: Sequence[Any], master_address: str, master_port: int,
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
-                 workers_per_client: Sequence[int] | None = None) -> None:
+                 workers_per_client: Sequence[int] | None = None,
+                 secret: Secret | bytes | str | None = None, mode: str = "atomic") -> None:
+        if mode not in ("atomic", "bounded"):
+            raise TransportError(f"RefitSender mode {mode!r}: use 'atomic' or 'bounded'")
+        self.mode = mode
+        self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
+        self._counter = 0
+        #: After a failed bounded round: which ranks reported holding a mix (None: no mix known).
+        self.mixed: str | None = None
         self.clients = list(clients)
         self.workers = list(workers_per_client or [1] * len(self.clients))
         if len(self.workers) != len(self.clients):
@@ -83,6 +104,9 @@ class RefitSender:
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.timeout_s, self.bucket_bytes, self.alignment = timeout_s, bucket_bytes, alignment
         self.group: TransferGroup | None = None
+        #: Seconds of the last round's bucket loop by activity (source: the driver producing
+        #: tensors; pack; checksum + seal; wait: blocked on broadcasts); see docs/performance.md.
+        self.profile: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)),
                                         thread_name_prefix="qstrat-rpc")
 
@@ -107,8 +131,11 @@ class RefitSender:
         try:
             self.group = open_group(self.master_address, self.master_port, 0, 1 + sum(self.workers),
                                     self.backend, self.timeout_s)
-        finally:
+        except TransportError as exc:  # say why the engines did not join (e.g. an address refusal)
             errors = self._results(futures)
+            kind = TransferAuthError if any("TransferAuthError" in e for e in errors) else TransportError
+            raise kind(f"{exc}; init_weight_transfer_engine: {errors or 'no error reported'}") from None
+        errors = self._results(futures)
         if errors:
             self.close()
             raise TransportError(f"init_weight_transfer_engine failed: {errors}")
@@ -148,49 +175,76 @@ class RefitSender:
             raise TransportError("connect() first (no open transfer group)")
         start = time.perf_counter()
         self._call_all("start_weight_update")
-        doc = {"wire_manifest": wire_manifest.to_dict()}
+        doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode}
         futures = [self._pool.submit(c.update_weights, doc) for c in self.clients]
         stream_start = time.perf_counter()
         try:
             self._stream(wire_manifest, tensors)
         except TransportError as exc:
             errors = self._results(futures)
-            kind = WireManifestMismatchError if isinstance(exc, WireManifestMismatchError) else TransportError
+            kind = next(k for k in (WireManifestMismatchError, TransferAuthError, MixedWeightsError,
+                                    TransportError) if isinstance(exc, k))
             raise kind(f"{exc}; engines: {errors or 'no error reported'}") from exc
         stream_seconds = time.perf_counter() - stream_start
         errors = self._results(futures)
         if errors:
             raise TransportError(f"update_weights failed after the stream: {errors}")
         self._call_all("finish_weight_update")
+        self.mixed = None
         return TransferReport(wire_manifest, wire_manifest.total_bytes, len(wire_manifest.buckets),
                               stream_seconds, time.perf_counter() - start)
 
     def _stream(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         group = self.group
         assert group is not None
+        self._counter = max(self._counter + 1, time.time_ns())
         try:
-            group.wait(group.broadcast(p.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes,
-                                                      wire_manifest.digest, group.device)))
+            challenges = p.challenges(group)
+            ctx = RoundContext(wire_manifest.digest, self.mode, self._counter, challenges,
+                               self.master_address, self.master_port, group.world_size)
+            mac = round_mac(self._secret, ctx)
+            group.wait(group.broadcast(self.round_header(wire_manifest, ctx, mac)))
             statuses = p.vote(group, p.OK)
         except RuntimeError as exc:
             raise p.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
         if any(statuses):
-            cls = WireManifestMismatchError if p.REJECTED in statuses else TransportError
+            cls = (WireManifestMismatchError if p.REJECTED in statuses else
+                   TransferAuthError if p.UNAUTHENTICATED in statuses else TransportError)
             raise cls(f"round refused before any data: {p.describe(statuses)}")
-        failure = self._send_buckets(group, wire_manifest, iter(tensors))
+        try:
+            failure = self._send_buckets(group, wire_manifest, iter(tensors), mac)
+        except TransportError as exc:
+            if self.mode == "bounded":
+                self.mixed = f"a bounded round was cut off ({exc})"
+                raise MixedWeightsError(f"{exc}; bounded mode: engines may hold a MIX of two "
+                                        f"rounds, the next refit must be whole") from None
+            raise
         try:
             statuses = p.vote(group, p.SENDER_ABORT if failure else p.OK)
         except RuntimeError as exc:
             raise p.lost(group, "commit vote failed (a receiver died?)", exc) from None
+        if p.MIXED in statuses:
+            self.mixed = p.describe([s if s == p.MIXED else 0 for s in statuses])
+            raise MixedWeightsError(f"round not committed: {p.describe(statuses)}; bounded mode: "
+                                    f"{self.mixed}; the next refit must be whole")
+        loaded = "" if self.mode == "atomic" else " (bounded mode: no unit was loaded)"
         if failure:
-            raise TransportError(f"sender aborted the stream: {failure}; nothing loaded")
+            raise TransportError(f"sender aborted the stream: {failure}; nothing loaded{loaded}")
         if any(statuses):
-            raise TransportError(f"round not committed: {p.describe(statuses)}; nothing loaded")
+            raise TransportError(f"round not committed: {p.describe(statuses)}; nothing loaded{loaded}")
+
+    def round_header(self, wire_manifest: WireManifest, ctx: RoundContext, mac: bytes) -> torch.Tensor:
+        """The round header for ``ctx`` (a hook: the replay tests override it)."""
+        return p.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes, ctx.counter,
+                              wire_manifest.digest, mac, self.group.device)
 
     def _send_buckets(self, group: TransferGroup, wire_manifest: WireManifest,
-                      tensors: Iterator[tuple[str, torch.Tensor]]) -> str | None:
+                      tensors: Iterator[tuple[str, torch.Tensor]], mac: bytes) -> str | None:
         """Step 3. Returns None, or why the sender aborted (its source fell short/disagreed)."""
         contents = bucket_contents(wire_manifest)
+        seed = checksum_seed(self._secret, mac)
+        prof = self.profile = {"source_s": 0.0, "pack_s": 0.0, "checksum_s": 0.0, "wait_s": 0.0}
+        clock = time.perf_counter
         buffers: list[torch.Tensor] = []
         pending: deque[tuple[Any, ...]] = deque()
         big: torch.Tensor | None = None
@@ -198,29 +252,42 @@ class RefitSender:
         try:
             for k, b in enumerate(wire_manifest.buckets):
                 if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
+                    t0 = clock()
                     _finish(group, pending.popleft())
+                    prof["wait_s"] += clock() - t0
                 busy = {id(item[-1]) for item in pending}
                 flags = 0
                 try:
+                    t0 = clock()
                     if b.tensor is None:
                         owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
-                        payload = pack(owner, b, contents[k], [self._next(tensors, s, group) for s in contents[k]])
+                        parts = [self._next(tensors, s, group) for s in contents[k]]
+                        t1 = clock()
+                        payload = pack(owner, b, contents[k], parts)
+                        prof["pack_s"] += clock() - t1
+                        prof["source_s"] += t1 - t0
                     else:
                         slot = contents[k][0]
                         if slot.bucket == k:
                             big = self._next(tensors, slot, group).contiguous()
                         payload, owner = chunk_view(big, wire_manifest, slot, b), big
+                        prof["source_s"] += clock() - t0
                 except TransportError as exc:
                     flags, reason = p.ABORT, str(exc)
                     owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
                     payload = owner[:b.nbytes]
-                hdr = p.bucket_header(k, checksum(payload) if not flags else 0, flags, group.device)
+                t0 = clock()
+                seal = bucket_seal(self._secret, mac, k, flags, checksum(payload, seed) if not flags else (0, 0, 0))
+                prof["checksum_s"] += clock() - t0
+                hdr = p.bucket_header(k, flags, seal, group.device)
                 wire = self.transmit_payload(k, payload)
                 pending.append((group.broadcast(hdr), group.broadcast(wire), hdr, wire, owner))
                 if flags:
                     break
+            t0 = clock()
             while pending:
                 _finish(group, pending.popleft())
+            prof["wait_s"] += clock() - t0
             return reason
         except RuntimeError as exc:  # c10d: a peer died or timed out
             pending.clear()

@@ -238,7 +238,7 @@ def check_against(wire_manifest: WireManifest, expected: Mapping[str, tuple[str,
     sent = {s.name: (s.dtype, tuple(s.shape)) for s in wire_manifest.slots}
     units: dict[str, list[str]] = {}
     for name in expected:
-        units.setdefault(_unit(name), []).append(name)
+        units.setdefault(reload_unit(name), []).append(name)
     partial = [f"{unit} (missing {sorted(set(names) - set(sent))[:3]})"
                for unit, names in sorted(units.items())
                if set(names) & set(sent) and not set(names) <= set(sent)]
@@ -257,7 +257,7 @@ def check_against(wire_manifest: WireManifest, expected: Mapping[str, tuple[str,
         raise WireManifestMismatchError("wire manifest does not match the engine: " + "; ".join(problems))
 
 
-def _unit(name: str) -> str:
+def reload_unit(name: str) -> str:
     """The reload unit of a checkpoint name: its decoder layer, else its module."""
     parts = name.split(".")
     for i, part in enumerate(parts):

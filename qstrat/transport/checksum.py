@@ -1,0 +1,117 @@
+"""The per-bucket checksum, computed with tensor ops where the bytes are (no host copy).
+
+Formula (all arithmetic in int64, i.e. modulo 2**64, two's complement; exact and independent of
+the order of summation, so every device and every reduction order gives the same value):
+
+* the payload's ``n`` bytes, zero-padded to a multiple of ``8 * ROW_WORDS``, viewed as int64
+  words ``W[r, j]`` (little-endian, rows of ``ROW_WORDS`` words); the zero padding of the tail
+  row is made by copying the < 32 KiB tail on the payload's device;
+* two KEYS per checksum seed: column keys ``c1, c2`` (``ROW_WORDS`` odd int64 each) and row keys
+  ``r1, r2`` (one odd int64 per row), drawn from a CPU ``torch.Generator`` seeded with the
+  seed, so the keys are the same wherever the payload lives (they are moved to its device);
+* ``h1 = sum_r r1[r] * sum_j c1[j] * W[r, j]`` and ``h2 = sum_j c2[j] * sum_r r2[r] * W[r, j]``
+  (a keyed bilinear form read along rows, and one read along columns), and the checksum is
+  ``(h1, h2, n)``.
+
+Why this form: it is two matrix-vector products over a zero-copy int64 view of the payload, the
+fastest exact reduction torch has on CPU (``torch.mv`` on int64: 4-8 GB/s single-threaded here,
+against 1.5 GB/s for ``zlib.crc32``), and a multiply + sum on CUDA (where integer ``mv`` is not
+implemented: same formula, same value, memory-bound). Detection: every word has an odd weight in
+both forms, so any change confined to one word changes both; for random keys a change whose
+lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``
+(multilinear hashing modulo 2**64: high-bit-only changes are the weak case). It replaces CRC-32
+(which needed ``payload.cpu()`` on a GPU) for accident detection; with a round secret the seed
+is secret (derived per round from the key, :mod:`qstrat.transport.auth`), so a sender without the
+key cannot predict it - the bucket's SEAL (an HMAC over this checksum) is what authenticates.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+#: Words per row of the int64 view (32 KiB rows).
+ROW_WORDS = 4096
+_ROW_BYTES = 8 * ROW_WORDS
+#: Rows reduced per step on a device without integer ``mv`` (bounds the temporary to 32 MiB).
+_ROWS_PER_STEP = 128
+
+
+@functools.lru_cache(maxsize=64)
+def _keys(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CPU keys ``(c1, r1, c2, r2)`` for ``seed`` (int64 odd values); c: ROW_WORDS, r: rows."""
+    g = torch.Generator().manual_seed(seed & (2**63 - 1))
+    low, high = -(2**63), 2**63 - 1
+
+    def draw(n: int) -> torch.Tensor:
+        return torch.randint(low, high, (n,), dtype=torch.int64, generator=g) | 1
+
+    c1, c2 = draw(ROW_WORDS), draw(ROW_WORDS)
+    return c1, draw(rows), c2, draw(rows)
+
+
+def _rows_for(n: int) -> int:
+    return max(1, -(-n // _ROW_BYTES))
+
+
+def checksum(payload: torch.Tensor, seed: int = 0) -> tuple[int, int, int]:
+    """The keyed checksum ``(h1, h2, n)`` of a contiguous ``uint8`` tensor (module docstring).
+
+    Args:
+        payload: 1-D contiguous uint8 tensor on any device; its storage offset a multiple of 8
+            bytes (bucket buffers and tensor storages are), else the aligned part is copied.
+        seed: selects the keys (0: the public keys of an unauthenticated round).
+    Returns: ``(h1, h2, n)``: two signed int64 values and the byte count.
+    Raises: ValueError for a tensor that is not 1-D contiguous uint8.
+    """
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        raise ValueError(f"checksum: needs a 1-D contiguous uint8 tensor, got {payload.dtype} "
+                         f"{list(payload.shape)}")
+    n = payload.numel()
+    rows = _rows_for(n)
+    c1, r1, c2, r2 = (k.to(payload.device) for k in _keys(seed, rows))
+    full = n // _ROW_BYTES
+    body = payload[:full * _ROW_BYTES]
+    if body.storage_offset() % 8:
+        body = body.clone()
+    h1 = torch.zeros((), dtype=torch.int64, device=payload.device)
+    col = torch.zeros(ROW_WORDS, dtype=torch.int64, device=payload.device)
+    if full:
+        words = body.view(torch.int64).view(full, ROW_WORDS)
+        h1 = h1 + _dot(_row_sums(words, c1), r1[:full])
+        col = col + _col_sums(words, r2[:full])
+    if n > full * _ROW_BYTES:
+        tail = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=payload.device)
+        tail[:n - full * _ROW_BYTES] = payload[full * _ROW_BYTES:]
+        words = tail.view(torch.int64).view(1, ROW_WORDS)
+        h1 = h1 + _dot(_row_sums(words, c1), r1[full:full + 1])
+        col = col + _col_sums(words, r2[full:full + 1])
+    h2 = _dot(col, c2)
+    a, b = torch.stack([h1, h2]).tolist()
+    return int(a), int(b), n
+
+
+def _integer_mv(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def _row_sums(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``words @ keys`` modulo 2**64 (int64[rows])."""
+    if _integer_mv(words.device):
+        return torch.mv(words, keys)
+    out = [(words[i:i + _ROWS_PER_STEP] * keys).sum(1) for i in range(0, words.shape[0], _ROWS_PER_STEP)]
+    return torch.cat(out)
+
+
+def _col_sums(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``keys @ words`` modulo 2**64 (int64[ROW_WORDS])."""
+    if _integer_mv(words.device):
+        return torch.mv(words.t(), keys)
+    acc = torch.zeros(words.shape[1], dtype=torch.int64, device=words.device)
+    for i in range(0, words.shape[0], _ROWS_PER_STEP):
+        acc += (words[i:i + _ROWS_PER_STEP] * keys[i:i + _ROWS_PER_STEP, None]).sum(0)
+    return acc
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum()

@@ -1,0 +1,194 @@
+"""A receiver's state across rounds: its group, secret, address binding, last round counter,
+the mode of the round in progress, and the MIX flag.
+
+Shared by the vLLM backend (:mod:`qstrat.engine.transfer_backend`) and
+:class:`~qstrat.transport.standalone.StandaloneReceiver`; what differs is the LOADER:
+
+* ``begin_load()``: before the first tensor is loaded (an engine: ``initialize_layerwise_reload``);
+* ``load(tensors)``: ``(name, tensor)`` pairs of whole reload units (an engine: ``model.load_weights``);
+* ``end_load()``: after the last (an engine: ``finalize_layerwise_reload``: units that received
+  nothing keep their weights).
+
+Fault semantics (enforced here): in ``bounded`` mode loading begins during ``update_weights``;
+a fault after the first unit was loaded finalizes the reload (the units not loaded keep their
+old weights) and flags the receiver :attr:`ReceiverSession.mixed`. While flagged, a round must
+be WHOLE (send every tensor the engine expects): a partial round is refused before any data,
+naming the flag. A whole round that loads completely clears it. The engine keeps running (it
+serves requests with whatever it holds); qstrat never loads a partial round on it and reports the
+flag in every refusal and in the failing round's error.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from qstrat.errors import MixedWeightsError, TransportError, WireManifestMismatchError
+from qstrat.transport.auth import ENV_ADDRESS, ReceiverAuth, Secret, check_address
+from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
+from qstrat.transport.receiver import MODES, receive_round
+from qstrat.transport.wire_manifest import WireManifest, check_against
+
+Expected = dict[str, tuple[str, tuple[int, ...]]]
+
+
+class Loader(Protocol):
+    """Where a receiver's tensors go (see the module docstring)."""
+
+    def begin_load(self) -> None: ...
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None: ...
+    def end_load(self) -> None: ...
+
+
+class ReceiverSession:
+    """The four weight-sync calls' receiver logic.
+
+    Args:
+        expected: returns name -> (dtype, shape) the receiver accepts (None: anything).
+        loader: a :class:`Loader`.
+        secret: the shared secret (Secret, bytes, text), or None to read :data:`ENV_SECRET
+            <qstrat.transport.auth.ENV_SECRET>` at each :meth:`join`.
+        address: the one group address to join (``host`` / ``host:port``), or None to read
+            :data:`~qstrat.transport.auth.ENV_ADDRESS` at each :meth:`join` (unset: any).
+        rank_in_client: this worker's index among its engine's workers (added to ``rank_offset``).
+        staging: atomic mode staging device (None: the group's device; ``cpu``: host staging,
+            pinned when CUDA is available).
+    """
+
+    def __init__(self, expected: Callable[[], Expected | None], loader: Loader, secret: Any = None,
+                 address: str | None = None, rank_in_client: int = 0,
+                 staging: torch.device | None = None) -> None:
+        self.expected, self.loader = expected, loader
+        self._secret, self._address = Secret.coerce(secret), address
+        self.rank_in_client, self.staging = rank_in_client, staging
+        self.group: TransferGroup | None = None
+        self.auth: ReceiverAuth | None = None
+        self.mixed: str | None = None
+        self._required: set[str] | None = None
+        self._staged: list[tuple[str, torch.Tensor]] | None = None
+        self._received = False
+        self._loading = False
+        #: The last round's ``peak_bytes`` (see :func:`~qstrat.transport.receiver.receive_round`).
+        self.stats: dict[str, float] = {}
+
+    def join(self, init_info: Any) -> None:
+        """Join the transfer group (closing a previous one) after checking the address.
+
+        Args: init_info: a mapping or object with ``master_address``, ``master_port``,
+            ``rank_offset``, ``world_size`` and optionally ``backend``, ``timeout_s``.
+        Raises: TransferAuthError for an address other than the configured one (nothing joined);
+            TransportError if the rendezvous fails.
+        """
+        get = (lambda k, d=None: init_info.get(k, d)) if isinstance(init_info, dict) else (
+            lambda k, d=None: getattr(init_info, k, d))
+        import os
+
+        address = self._address if self._address is not None else os.environ.get(ENV_ADDRESS)
+        host, port = str(get("master_address")), int(get("master_port"))
+        check_address(address, host, port)
+        secret = self._secret if self._secret is not None else Secret.from_env()
+        self.shutdown()
+        self.group = open_group(host, port, int(get("rank_offset")) + self.rank_in_client,
+                                int(get("world_size")), get("backend", "gloo"),
+                                float(get("timeout_s", DEFAULT_TIMEOUT_S)))
+        last = self.auth.last_counter if self.auth is not None else -1
+        self.auth = ReceiverAuth(secret, host, port, last)
+
+    def start(self) -> None:
+        """Begin an update session: drop any staged round; the loader is not touched."""
+        self._staged, self._received = None, False
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded"}``.
+
+        Raises: as :func:`~qstrat.transport.receiver.receive_round`; TransportError for a second
+            round in one session or an unknown mode. Bounded mode: a fault after loading began
+            finalizes the reload, sets :attr:`mixed` and raises MixedWeightsError.
+        """
+        if self.group is None or self.group.pg is None:
+            raise TransportError("qstrat transfer: call init_weight_transfer_engine first "
+                                 "(no open transfer group)")
+        if self._received:
+            raise TransportError("qstrat transfer: one update_weights round per session "
+                                 "(call finish_weight_update first)")
+        mode = update_info.get("mode", "atomic")
+        if mode not in MODES:
+            raise TransportError(f"qstrat transfer: round mode {mode!r}; use one of {MODES}")
+        self._received = True
+        self.stats = {}
+        sent: set[str] = set()
+
+        def check(wm: WireManifest) -> None:
+            sent.update(s.name for s in wm.slots)
+            expected = self.expected()
+            if expected is not None:
+                check_against(wm, expected)
+            if self.mixed is not None:
+                need = set(expected) if expected is not None else (self._required or set())
+                if not need <= sent:
+                    raise WireManifestMismatchError(
+                        f"this receiver holds a MIX of two rounds ({self.mixed}): the next refit "
+                        f"must be whole, this one sends {len(sent & need)} of the {len(need)} tensors")
+
+        if mode == "atomic":
+            self._staged = receive_round(self.group, update_info["wire_manifest"], check, self.auth,
+                                         staging=self.staging, stats=self.stats)
+            return
+
+        def on_unit(unit: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+            if not self._loading:
+                self.loader.begin_load()
+                self._loading = True
+            self.loader.load(tensors)
+
+        try:
+            receive_round(self.group, update_info["wire_manifest"], check, self.auth, "bounded", on_unit,
+                          stats=self.stats)
+        except MixedWeightsError as exc:
+            self._end()
+            self.mixed = getattr(exc, "detail", str(exc))
+            self._required = self._required or sent
+            raise
+        except BaseException:
+            self._end()
+            raise
+        self._end()
+        self._committed(sent)
+        self._staged = []
+
+    def finish(self) -> None:
+        """Atomic mode: load the staged round (begin, load, end); bounded mode: nothing left.
+
+        Raises: TransportError if no round was received in this session.
+        """
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise TransportError("qstrat transfer: finish_weight_update without a received round")
+        if not staged:
+            return
+        self.loader.begin_load()
+        self._loading = True
+        try:
+            self.loader.load(staged)
+        finally:
+            self._end()
+        self._committed({n for n, _ in staged})
+
+    def _committed(self, sent: set[str]) -> None:
+        expected = self.expected()
+        need = set(expected) if expected is not None else (self._required or set())
+        if self.mixed is not None and need <= sent:
+            self.mixed, self._required = None, None
+
+    def _end(self) -> None:
+        if self._loading:
+            self._loading = False
+            self.loader.end_load()
+
+    def shutdown(self) -> None:
+        """Close the transfer group; staged data is dropped."""
+        self._staged = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None

@@ -1,0 +1,142 @@
+"""Round modes without an engine: bounded memory and host staging, over gloo from this process
+to two StandaloneReceiver processes (the live-engine versions are in tests/test_engine_transport.py).
+
+* bounded mode ends with exactly the driver's bytes, like atomic; its receivers' peak of live
+  receive buffers is at most two buckets plus one reload unit plus the largest tensor that spans
+  several buckets (received in place), under half the round; atomic's is the round's payload;
+* atomic mode with host staging (each verified bucket copied out of two receive buffers: what
+  ``QSTRAT_TRANSFER_STAGING=host`` does on CUDA, here on CPU) gives the same bytes;
+* a bucket corrupted at the middle layer in bounded mode: MixedWeightsError on the sender naming
+  the ranks, both receivers flagged, the units before the fault new and the rest old (exactly),
+  a partial refit refused naming the flag, a whole refit repairs (== the driver's bytes) and
+  clears the flag.
+"""
+from __future__ import annotations
+
+import pytest
+
+from qstrat.errors import MixedWeightsError, WireManifestMismatchError
+from qstrat.transport import RefitSender
+from qstrat.transport.wire_manifest import reload_unit, wire_manifest_for_plan
+
+from transport_harness import Receiver, free_port, sha256
+
+BUCKET = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
+    ckpt = tmp_path_factory.mktemp("modes") / "a-fp8"
+    write_checkpoint(driver, model_a.state_dict(), ckpt)
+    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
+
+
+@pytest.fixture(scope="module")
+def receivers(tiny):
+    rs = [Receiver("standalone", tiny[3]) for _ in range(2)]
+    try:
+        for r in rs:
+            r.wait_ready()
+        yield rs
+    finally:
+        for r in rs:
+            r.close()
+
+
+def sender_for(receivers, mode, cls=RefitSender):
+    s = cls([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=BUCKET,
+            mode=mode)
+    s.connect()
+    return s
+
+
+def want(driver, trainer):
+    return {name: sha256(t) for name, t in driver.run(trainer)}
+
+
+def test_bounded_round_gives_the_atomic_bytes_with_bounded_buffers(receivers, tiny):
+    driver, trainer_a, trainer_b, _ = tiny
+    atomic = sender_for(receivers, "atomic")
+    report = atomic.refit(driver, trainer_a)
+    m = report.wire_manifest
+    assert [r.ctl.call("stats")["peak_bytes"] for r in receivers] == [m.total_bytes] * 2
+    atomic.close()
+    bounded = sender_for(receivers, "bounded")
+    bounded.refit(driver, trainer_b)
+    assert [r.ctl.call("digests") for r in receivers] == [want(driver, trainer_b)] * 2
+    unit_bytes: dict[str, int] = {}
+    for s in m.slots:
+        unit_bytes[reload_unit(s.name)] = unit_bytes.get(reload_unit(s.name), 0) + s.nbytes
+    # one unit being completed, plus the next allocation: a bucket, or a tensor larger than a
+    # bucket (received in place, allocated whole at its first chunk: the 512 KiB lm_head here)
+    largest_chunked = max(s.nbytes for s in m.slots if s.chunks > 1)
+    bound = 2 * BUCKET + max(unit_bytes.values()) + largest_chunked
+    peaks = [r.ctl.call("stats")["peak_bytes"] for r in receivers]
+    print(f"[memory] round {m.total_bytes} B, atomic peak {m.total_bytes} B, bounded peaks {peaks} B, "
+          f"bound {bound} B (largest unit {max(unit_bytes.values())} B)")
+    assert all(p <= bound for p in peaks) and all(p < m.total_bytes / 2 for p in peaks)
+    bounded.close()
+
+
+def test_host_staging_gives_the_same_bytes(receivers, tiny):
+    driver, trainer_a, _, _ = tiny
+    for r in receivers:
+        r.ctl.call("stage_on_host")
+    sender = sender_for(receivers, "atomic")
+    sender.refit(driver, trainer_a)
+    assert [r.ctl.call("digests") for r in receivers] == [want(driver, trainer_a)] * 2
+    sender.close()
+
+
+def test_bounded_fault_at_the_middle_layer_flags_a_mix_and_a_whole_refit_repairs(receivers, tiny):
+    driver, trainer_a, trainer_b, _ = tiny
+    sender = sender_for(receivers, "atomic")
+    sender.refit(driver, trainer_a)
+    old = want(driver, trainer_a)
+    new = want(driver, trainer_b)
+    plan = driver.plan(trainer_b)
+    m = wire_manifest_for_plan(plan, BUCKET)
+    from qstrat.transport.buckets import bucket_contents
+
+    bad_bucket = next(k for k, slots in enumerate(bucket_contents(m))  # layer 2's first bucket of its own
+                      if slots and {reload_unit(s.name) for s in slots} == {"model.layers.2"})
+
+    class Corrupting(RefitSender):
+        def transmit_payload(self, index, payload):
+            if index != bad_bucket:
+                return payload
+            bad = payload.clone()
+            bad[0] ^= 1
+            return bad
+
+    bad = sender_for(receivers, "bounded", Corrupting)
+    with pytest.raises(MixedWeightsError) as err:
+        bad.refit(driver, trainer_b)
+    msg = str(err.value)
+    assert "rank 1 a bucket failed its checksum after loading began (engine holds a mix)" in msg, msg
+    assert "rank 2 a bucket failed its checksum after loading began" in msg and "must be whole" in msg
+    assert bad.mixed is not None
+    # units wholly before the bad bucket are new, the rest (layer 2 included) old
+    done = {reload_unit(s.name) for s in m.slots} - {
+        reload_unit(s.name) for s in m.slots if s.bucket + s.chunks - 1 >= bad_bucket}
+    assert "model.layers.1" in done and "model.layers.2" not in done and "model.layers.3" not in done
+    mix = {n: (new[n] if reload_unit(n) in done else old[n]) for n in old}
+    for r in receivers:
+        assert r.ctl.call("digests") == mix
+        flag = r.ctl.call("mixed")
+        assert flag is not None and f"{len(done)} of " in flag, flag
+    with pytest.raises(WireManifestMismatchError, match=r"holds a MIX of two rounds .* must be whole"):
+        bad.refit(driver, trainer_b, plan=plan.only_layers([2, 3]))
+    assert [r.ctl.call("digests") for r in receivers] == [mix, mix]
+    bad.close()
+    whole = sender_for(receivers, "bounded")
+    whole.refit(driver, trainer_b)
+    assert [r.ctl.call("digests") for r in receivers] == [new, new]
+    assert [r.ctl.call("mixed") for r in receivers] == [None, None] and whole.mixed is None
+    whole.close()

@@ -1,0 +1,212 @@
+"""Integrity on the device and authenticated rounds, without an engine.
+
+* The device checksum (qstrat/transport/checksum.py) against a pure-Python oracle of its
+  formula; the multiply+sum path (what CUDA runs: no integer ``mv`` there) gives the same value
+  as the CPU ``mv`` path; every single-bit flip and a word swap change it.
+* Authenticated rounds between this process (sender) and two StandaloneReceiver processes over
+  gloo: a keyed round delivers the driver's bytes; no MAC, a wrong key, a replayed header (by
+  counter, and on a "restarted" receiver by its fresh challenge) and an init info pointing at
+  another address are each refused before any data with the receivers' tensors unchanged; the
+  secret appears in no error text. The engine versions are in tests/test_engine_transport.py.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import torch
+
+from qstrat.errors import TransferAuthError, TransportError
+from qstrat.transport import RefitSender
+from qstrat.transport import checksum as cs
+from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET, Secret
+
+from transport_harness import Receiver, free_port, sha256
+
+SECRET = "correct horse battery staple 42"
+OTHER = "an entirely different secret!!"
+M64 = 2**64
+
+
+def oracle(payload: bytes, seed: int) -> tuple[int, int, int]:
+    """The checksum formula in Python integers (module docstring of qstrat.transport.checksum)."""
+    n = len(payload)
+    rows = max(1, -(-n // cs._ROW_BYTES))
+    padded = payload + bytes(rows * cs._ROW_BYTES - n)
+    c1, r1, c2, r2 = (k.tolist() for k in cs._keys(seed, rows))
+    w = [int.from_bytes(padded[8 * i:8 * i + 8], "little") for i in range(rows * cs.ROW_WORDS)]
+    h1 = sum(r1[r] * sum(c1[j] * w[r * cs.ROW_WORDS + j] for j in range(cs.ROW_WORDS))
+             for r in range(rows)) % M64
+    h2 = sum(c2[j] * sum(r2[r] * w[r * cs.ROW_WORDS + j] for r in range(rows))
+             for j in range(cs.ROW_WORDS)) % M64
+    signed = [h - M64 if h >= 2**63 else h for h in (h1, h2)]
+    return signed[0], signed[1], n
+
+
+@pytest.mark.parametrize("n", [0, 5, 8 * cs.ROW_WORDS, 2 * 8 * cs.ROW_WORDS + 13])
+def test_checksum_equals_the_formula(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    assert cs.checksum(x, 7) == oracle(bytes(x.tolist()), 7)
+
+
+def test_multiply_sum_path_equals_mv_path_and_unaligned_views_work(monkeypatch):
+    x = torch.randint(0, 256, (5 * 8 * cs.ROW_WORDS + 1000,), dtype=torch.uint8)
+    want = cs.checksum(x, 3)
+    monkeypatch.setattr(cs, "_integer_mv", lambda device: False)  # the CUDA path, here on CPU
+    assert cs.checksum(x, 3) == want
+    monkeypatch.undo()
+    assert cs.checksum(x[3:], 3) == cs.checksum(x[3:].clone(), 3)  # storage offset 3
+
+
+def test_checksum_catches_bit_flips_word_swaps_and_depends_on_the_seed():
+    x = torch.randint(0, 256, (3 * 8 * cs.ROW_WORDS + 77,), dtype=torch.uint8)
+    base = cs.checksum(x, 11)
+    for pos in range(0, x.numel(), 997):
+        for bit in (0, 3, 7):
+            y = x.clone()
+            y[pos] ^= 1 << bit
+            h = cs.checksum(y, 11)
+            assert h[0] != base[0] and h[1] != base[1], (pos, bit)
+    y = x.clone()
+    y[0:8], y[8:16] = x[8:16], x[0:8]
+    if not torch.equal(x[0:8], x[8:16]):
+        assert cs.checksum(y, 11) != base
+    assert cs.checksum(x, 12) != base
+    assert cs.checksum(x[:-1], 11)[2] == x.numel() - 1
+
+
+def test_secret_is_hidden_and_not_picklable():
+    s = Secret(SECRET)
+    assert SECRET not in repr(s) and SECRET not in str(s) and repr(s) == "Secret(<hidden>)"
+    with pytest.raises(TypeError, match="not picklable"):
+        pickle.dumps(s)
+    with pytest.raises(ValueError, match=r"too short \(3 bytes"):
+        Secret("abc")
+
+
+# ---- authenticated rounds over gloo ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
+    ckpt = tmp_path_factory.mktemp("security") / "a-fp8"
+    write_checkpoint(driver, model_a.state_dict(), ckpt)
+    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
+
+
+@pytest.fixture(scope="module")
+def receivers(tiny):
+    rs = [Receiver("standalone", tiny[3]) for _ in range(2)]
+    try:
+        for r in rs:
+            r.wait_ready()
+            r.ctl.call("setenv", ENV_SECRET, SECRET)
+        yield rs
+    finally:
+        for r in rs:
+            r.close()
+
+
+def connect(receivers, secret, **kw):
+    sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
+                         bucket_bytes=64 << 10, secret=secret, **kw)
+    sender.connect()
+    return sender
+
+
+def digests(receivers):
+    return [r.ctl.call("digests") for r in receivers]
+
+
+def test_keyed_round_delivers_the_bytes_and_the_mac_cost_is_small(receivers, tiny):
+    driver, trainer_a, _, _ = tiny
+    sender = connect(receivers, SECRET)
+    report = sender.refit(driver, trainer_a)
+    want = {name: sha256(t) for name, t in driver.run(trainer_a)}
+    assert digests(receivers) == [want, want]
+    # the MAC's cost: one round MAC + one seal per bucket (HMAC-SHA256 over < 200 bytes each)
+    from qstrat.transport.auth import RoundContext, bucket_seal, round_mac
+
+    ctx = RoundContext(report.wire_manifest.digest, "atomic", 1, (0,) * 6, "127.0.0.1", 1, 3)
+    t0 = time.perf_counter()
+    for _ in range(100):
+        mac = round_mac(Secret(SECRET), ctx)
+        for k in range(report.buckets):
+            bucket_seal(Secret(SECRET), mac, k, 0, (1, 2, 3))
+    mac_s = (time.perf_counter() - t0) / 100
+    print(f"[timing] MAC + {report.buckets} seals: {mac_s * 1e6:.0f} us per round; round "
+          f"{report.seconds * 1e3:.0f} ms ({mac_s / report.seconds:.2%})")
+    assert mac_s < 0.02 * report.seconds
+    sender.close()
+
+
+def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_data(receivers, tiny):
+    driver, trainer_a, trainer_b, _ = tiny
+    before = digests(receivers)
+    sent = []
+
+    class Watching(RefitSender):
+        def transmit_payload(self, index, payload):
+            sent.append(index)
+            return payload
+
+    for secret in (None, OTHER):
+        sender = Watching([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
+                          bucket_bytes=64 << 10, secret=secret)
+        sender.connect()
+        with pytest.raises(TransferAuthError) as err:
+            sender.refit(driver, trainer_b)
+        msg = str(err.value)
+        assert "rank 1 refused the round's authentication; rank 2 refused" in msg, msg
+        assert msg.count("the round's MAC does not verify (this engine holds a transfer secret") == 2, msg
+        assert SECRET not in msg and OTHER not in msg
+        assert sent == [] and digests(receivers) == before
+        sender.close()
+
+    # replay: a keyed sender records its round header and sends it again in the next round
+    class Replaying(RefitSender):
+        recorded = None
+
+        def round_header(self, wire_manifest, ctx, mac):
+            header = super().round_header(wire_manifest, ctx, mac)
+            if Replaying.recorded is None:
+                Replaying.recorded = header.clone()
+                return header
+            return Replaying.recorded
+
+    sender = Replaying([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
+                       bucket_bytes=64 << 10, secret=SECRET)
+    sender.connect()
+    sender.refit(driver, trainer_b)  # recorded, accepted
+    after_b = digests(receivers)
+    with pytest.raises(TransferAuthError, match=r"is not above the last accepted .*: a replayed round"):
+        sender.refit(driver, trainer_b)
+    for r in receivers:  # a restarted engine has forgotten the counter: its challenge still refuses
+        r.ctl.call("forget_counter")
+    with pytest.raises(TransferAuthError, match="the round's MAC does not verify"):
+        sender.refit(driver, trainer_b)
+    assert digests(receivers) == after_b
+    sender.close()
+
+
+def test_init_info_pointing_at_another_address_is_refused_before_joining(receivers, tiny):
+    for r in receivers:
+        r.ctl.call("setenv", ENV_ADDRESS, "10.1.2.3")
+    try:
+        sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=3,
+                             secret=SECRET)
+        with pytest.raises(TransportError) as err:
+            sender.connect()
+        msg = str(err.value)
+        assert msg.count("init_weight_transfer_engine refused: it points the engine at 127.0.0.1:") == 2, msg
+        assert "the configured transfer address is 10.1.2.3 (QSTRAT_TRANSFER_ADDRESS)" in msg
+        assert SECRET not in msg
+    finally:
+        for r in receivers:
+            r.ctl.call("setenv", ENV_ADDRESS, None)
