@@ -149,8 +149,10 @@ class EngineManifest:
             return (f"expert index {p.expert} is out of range: the engine's model has {self.num_experts} "
                     f"experts per layer (0..{self.num_experts - 1})")
         if p.kind == "mtp":
-            return (f"decoder layer {p.layer} does not exist: the engine's model has {self.num_layers} "
-                    "decoder layers (MTP layers load only into a speculative-decoding draft model)")
+            where = (f"decoder layer {p.layer} does not exist: the engine's model has {self.num_layers} "
+                     "decoder layers" if p.layer is not None else "an MTP layer is not part of the engine's model")
+            return (f"{where} (MTP layers load only into a speculative-decoding draft model, and vLLM's "
+                    "reload_weights reloads the main model only: the drafter would keep its old weights)")
         module, _, suffix = name.rpartition(".")
         unit = self.units.get(module)
         if unit is not None and unit.kind == "expert" and "fused" not in unit.forms:
@@ -250,7 +252,7 @@ _WILD = re.compile(r"[*?\[]")
 
 def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[str, Any] | None,
                    layout: ModelLayout, registry: Registry, dtype: str | torch.dtype = "bfloat16",
-                   platform: str | None = None) -> EngineManifest:
+                   platform: str | None = None, unbuilt: Collection[str] = ()) -> EngineManifest:
     """The manifest of an engine started on a checkpoint with this config (module docstring).
 
     Args:
@@ -258,6 +260,9 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         quantization_config: the engine's checkpoint quantization_config (None: unquantized).
         layout: naming data of the model family; registry: where formats are looked up.
         dtype: the engine's model dtype; platform: recorded for platform-specific checks.
+        unbuilt: name prefixes of towers the engine did not build (a multimodal model started
+            without images: vLLM skips the vision tower and its weights); their tensors are
+            accepted and dropped.
     Returns: an :class:`EngineManifest`.
     Raises: EngineManifestError (unknown format, a config key the model needs is missing, a shape the
         format cannot represent, a fused module the ignore list splits).
@@ -270,12 +275,17 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
     if num_layers is None:
         raise EngineManifestError(f"the engine's model config has no {layout.num_layers_key!r}")
     try:
-        per_expert = list(model_tensors(layout, hf_config))
-        slabs = [(n, s) for n, s in model_tensors(layout, hf_config, grouped=True)
-                 if layout.parse(n, num_layers).slab]
+        grouped = list(model_tensors(layout, hf_config, grouped=True))
+        if all(spec.splittable for spec in layout.slabs.values()):
+            per_expert = list(model_tensors(layout, hf_config))
+            slabs = [(n, s) for n, s in grouped if layout.parse(n, num_layers).slab]
+        else:  # experts that exist only as whole slabs (gpt-oss): the fused form only
+            slabs = [(n, s) for n, s in grouped if layout.parse(n, num_layers).kind == "expert"]
+            per_expert = [(n, s) for n, s in grouped if layout.parse(n, num_layers).kind != "expert"]
     except KeyError as exc:
         raise EngineManifestError(f"the engine's model config lacks {exc} (layout {layout.name})") from exc
     tensors: dict[str, ManifestTensor] = {}
+    dropped: dict[str, ManifestTensor] = {}
     members: dict[str, dict[str, list[str]]] = {}
     unit_info: dict[str, tuple[int | str, str, set[bool]]] = {}
     if fmt is not None and any(len(s.shape) != 3 for _, shape in slabs[:1] for s in fmt.part_specs(shape)):
@@ -283,7 +293,10 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
     for items, slab_form in ((per_expert, False), (slabs, True)):
         for name, shape in items:
             p = layout.parse(name, num_layers)
-            if p.kind in ("mtp", "non_decoder"):
+            if p.kind == "mtp":  # loaded by a speculative-decoding drafter only (docs/vllm.md)
+                continue
+            if unbuilt and name.startswith(tuple(unbuilt)):
+                dropped[name] = ManifestTensor(name, tuple(shape), engine_dtype, "")
                 continue
             owner = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
             unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, owner) or p.module)
@@ -296,7 +309,8 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
                                          engine_dtype, unit, form):
                 tensors[t.name] = t
                 members.setdefault(unit, {}).setdefault(form, []).append(t.name)
-            part = p.layer if p.layer is not None else p.module
+            part = p.layer if p.layer is not None else (
+                _tower(layout, name) if p.kind == "non_decoder" else p.module)
             statuses = unit_info.setdefault(unit, (part, p.kind, set()))[2]
             if matrix:  # a module's bias or norm follows its weight matrix
                 statuses.add(quantized)
@@ -307,7 +321,6 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
                                 "members but not all (vLLM refuses such a checkpoint)")
         forms = {f: tuple(sorted(ns, key=natural_key)) for f, ns in members[unit].items()}
         units[unit] = ManifestUnit(unit, part, kind, bool(statuses and statuses.pop()), forms)
-    dropped = {}
     cfg = layout.text_config(hf_config)
     if cfg.get("tie_word_embeddings") and layout.lm_heads:
         emb = tensors[f"{layout.embeddings[0]}.weight"]
@@ -315,6 +328,11 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         dropped[name] = ManifestTensor(name, emb.shape, emb.dtype, "")
     return EngineManifest(tensors, units, layout, num_layers, layout.num_experts(hf_config),
                           fmt.name if fmt else None, engine_dtype, dropped, platform)
+
+
+def _tower(layout: ModelLayout, name: str) -> str:
+    """The part a non-decoder tensor belongs to: its tower's prefix (``model.visual``)."""
+    return next(p for p in layout.non_decoder_prefixes if name.startswith(p)).rstrip(".")
 
 
 def _checkpoint_tensors(name: str, shape: tuple[int, ...], module: str, slab: bool, fmt: Serializer | None,

@@ -78,9 +78,10 @@ class VerificationError(QstratError):
 
 
 class ConfigOnlyUnsupportedError(PlanError):
-    """qstrat cannot derive this model's tensors from its config.json alone (hybrid linear
-    attention, a vision tower, per-expert names of gpt-oss's slab-only experts, a family no layout
-    matches): plan the trainer's state_dict() instead."""
+    """qstrat cannot derive this model's tensors from its config.json alone (a structure its
+    layout does not generate - the default generator's hybrid linear attention and vision towers,
+    per-expert names of gpt-oss's slab-only experts -, a family no layout matches): plan the
+    trainer's state_dict() instead. An engine of such a family gets no manifest and is not refit."""
 
 
 class FidelityError(QstratError, RuntimeError):

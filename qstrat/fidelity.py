@@ -257,6 +257,26 @@ def expected_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
     return torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
 
 
+def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int | None = None) -> None:
+    """Raise ValueError unless ``sequences`` can be probed: at least one sequence, all of one
+    length >= 2 (the first token has no logprob), every id an int in ``[0, vocab_size)`` (the
+    model's real vocabulary). Checked before the engine sees them: an id past the vocabulary
+    fails inside a vLLM CPU engine and can leave it unusable."""
+    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence) or len(sequences) == 0:
+        raise ValueError(f"probe: sequences must be a non-empty list of token id lists, got {sequences!r:.80}")
+    lengths = {len(s) for s in sequences}
+    if len(lengths) != 1:
+        raise ValueError(f"probe: sequences must all have the same length, got lengths {sorted(lengths)}")
+    if lengths.pop() < 2:
+        raise ValueError("probe: each sequence needs at least 2 token ids (the first token has no logprob)")
+    for i, seq in enumerate(sequences):
+        for j, tok in enumerate(seq):
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size is not None
+                                                                              and tok >= vocab_size):
+                raise ValueError(f"probe: sequences[{i}][{j}] = {tok!r} is not a token id in [0, "
+                                 f"{vocab_size if vocab_size is not None else 'vocab_size'})")
+
+
 # ---- the engine --------------------------------------------------------------------------------
 def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
                            top_k: int = 20) -> tuple[int, list[list[dict[int, float]]]]:
@@ -383,8 +403,7 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     fmt, limit = threshold_for(plan, thresholds)
     if sequences is None:
         sequences = probe_sequences(int(model.config.vocab_size))
-    if len({len(s) for s in sequences}) != 1:
-        raise ValueError("probe: sequences must all have the same length")
+    check_sequences(sequences, int(model.config.vocab_size))
     k, engine = engine_prompt_logprobs(llm, sequences, top_k)
     weights = expected_weights(driver, plan, state)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -420,6 +439,12 @@ class Verify:
     top_k: int = 20
     thresholds: Mapping[str, Threshold] | None = field(default=None)
     check: bool = True
+
+    def __post_init__(self) -> None:
+        # Refused when Verify is built, i.e. before a refit reloads anything.
+        if self.sequences is not None:
+            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+            check_sequences(self.sequences, int(vocab) if vocab is not None else None)
 
     def __call__(self, llm: Any, driver: Any) -> FidelityReport:
         return probe(llm, self.model, driver, sequences=self.sequences, top_k=self.top_k,

@@ -69,7 +69,7 @@ def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
     return dict(cfg) if cfg else None
 
 
-def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest | None:
+def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest:
     """The :class:`~qstrat.engine_manifest.EngineManifest` of a running ``vllm.LLM``.
 
     Built from the engine's own model config, quantization_config and dtype (never from the
@@ -77,9 +77,10 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     config selects) and the driver's registry; then cross-checked with vLLM's record of the
     model (:func:`qstrat.vllm_adapter.model_record.cross_check`). Cached on the engine per layout.
 
-    Returns: the manifest, or None (with a RuntimeWarning) for a family whose tensors qstrat cannot
-        derive from the config alone (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`).
-    Raises: EngineManifestError (nothing sent) if it cannot be built or vLLM disagrees with it.
+    Returns: the manifest.
+    Raises: EngineManifestError (nothing sent) if it cannot be built - a family whose tensors its
+        layout cannot derive from the config (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`,
+        e.g. the ``generic`` layout) included - or if vLLM disagrees with it.
     """
     from qstrat.registry import get_registry
 
@@ -92,15 +93,11 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     if key in cache:
         return cache[key]
     try:
-        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, device_type())
-    except ConfigOnlyUnsupportedError as exc:
-        # Families whose tensors qstrat cannot derive from the config alone (hybrid linear
-        # attention, gpt-oss slabs): no manifest; the other checks still run (docs/vllm.md).
-        warnings.warn(f"no engine manifest for layout {layout.name!r} ({exc}); the refit is checked "
-                      "against the engine's quantization_config, ignore list and values only",
-                      RuntimeWarning, stacklevel=3)
-        cache[key] = None
-        return None
+        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, device_type(),
+                                  unbuilt=layout.non_decoder_prefixes if _no_towers(mc) else ())
+    except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks
+        raise EngineManifestError(f"no engine manifest for layout {layout.name!r}: {exc} (nothing was "
+                                  "sent; qstrat refits only engines whose tensors it can check)") from exc
     if cross_check and not in_process(llm):
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
@@ -116,6 +113,15 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
                                 "sent):\n  " + "\n  ".join(errors[:25]))
     cache[key] = manifest
     return manifest
+
+
+def _no_towers(model_config: Any) -> bool:
+    """Whether a multimodal engine was started with every modality limited to 0
+    (``limit_mm_per_prompt``): vLLM then builds no vision tower and skips its weights."""
+    mm = getattr(model_config, "multimodal_config", None)
+    if mm is None:
+        return False
+    return all(mm.get_limit_per_prompt(m) == 0 for m in ("image", "video"))
 
 
 def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
@@ -205,8 +211,7 @@ class _EngineChecks:
     def engine_manifest(self, p: PreparedRefit) -> None:
         self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
             self.llm, self.driver)
-        if self.manifest is not None:  # None: a family qstrat cannot derive from the config (warned)
-            check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
+        check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
 
     def ignore_lists(self, p: PreparedRefit) -> None:
         check_engine_compatible(p.plan, self.config, self.driver.registry)
@@ -281,6 +286,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         EngineStateError if the reload failed after it began (the engine must be restarted), and
         for every later refit of that engine; FidelityError from ``verify``.
     """
+    if verify is not None and not callable(verify):
+        raise TypeError(f"refit: verify must be callable as verify(llm, driver) (e.g. qstrat.fidelity.Verify(model)), "
+                        f"got {type(verify).__name__}; nothing was sent")
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
     failed = getattr(llm, _FAILED, None)

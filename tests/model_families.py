@@ -46,9 +46,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**_BASE, **_MOE, **_GDN}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
         **_BASE, "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1, "n_group": 1,
-        "topk_group": 1, "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "num_key_value_heads": 2, "topk_method": "noaux_tc"}),
+        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1, "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 2.5, "q_lora_rank": 128, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "num_key_value_heads": 2, "topk_method": "noaux_tc",
+        # DeepSeek-V3's config.json says sigmoid; transformers' config class has no such key, and
+        # without it vLLM routes with softmax (an engine no CPU MoE kernel serves). The CPU MLA
+        # decode kernel only takes kv_lora_rank + qk_rope_head_dim = 576 (DeepSeek's 512 + 64).
+        "scoring_func": "sigmoid", "kv_lora_rank": 512}),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
         **_BASE, "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1, "n_group": 1,

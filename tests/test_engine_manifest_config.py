@@ -13,6 +13,7 @@ from qstrat.engine_manifest import build_manifest, check_plan
 from qstrat.registry import get_registry
 from qstrat.skeleton import model_tensors
 
+import model_families as mf
 from conftest import model_config
 
 
@@ -162,3 +163,69 @@ def test_qwen2_moe_biases_follow_their_quantized_module():
     assert qkv.quantized and "model.layers.0.self_attn.q_proj.bias" in qkv.forms[""]
     assert manifest.tensors["model.layers.0.self_attn.q_proj.bias"].dtype == "bfloat16"
     assert manifest.units["model.layers.1.mlp.shared_expert.{gate_proj,up_proj}"].quantized
+
+
+# ---- every family has a manifest (no refit without its checks) -------------------------------
+#: Built-in families (tests/model_families.py) x presets: MXFP8 experts on every MoE family but gpt-oss.
+FAMILY_CASES = [(f, "block-fp8") for f in mf.FAMILIES] + [
+    (f, "mxfp8-experts") for f in mf.FAMILIES if f not in ("llama", "qwen3", "gpt_oss")]
+
+
+@pytest.mark.parametrize("family,preset", FAMILY_CASES, ids=[f"{f}-{p}" for f, p in FAMILY_CASES])
+def test_every_family_builds_a_manifest_its_plan_passes(family, preset):
+    """The engine manifest of every built-in family builds from its config (the layout's tensors:
+    hybrid linear attention, Qwen3.5's vision tower and gpt-oss' whole slabs included), and the
+    plan of the family's transformers ``state_dict()`` matches it exactly - every name, shape and
+    dtype, every unit complete (the live engines of tests/test_model_families_engine.py also
+    cross-check it with vLLM's record)."""
+    cfg = mf.hf_config(family)
+    hf = mf.config_dict(cfg)
+    rules = [{"select": ["experts"], "serializer": "bf16"}] if family == "gpt_oss" else []
+    drv = RefitDriver({"preset": preset, "rules": rules}, hf_config=hf)
+    plan = drv.plan(mf.hf_state_dict(family, cfg))
+    manifest = build_manifest(hf, plan.vllm_quantization_config(), drv.layout, drv.registry)
+    check_plan(plan, manifest)
+    sent = {o.name for e in plan.entries for o in e.outputs}
+    assert sent <= set(manifest.tensors) | set(manifest.dropped)
+    assert {manifest.tensors[n].unit for n in sent if n in manifest.tensors} == set(manifest.units)
+
+
+def test_qwen3_5_mtp_tensors_are_refused_with_the_reason():
+    cfg = mf.hf_config("qwen3_5_moe_text")
+    hf = mf.config_dict(cfg)
+    drv = RefitDriver("block-fp8", hf_config=hf)
+    sd = mf.hf_state_dict("qwen3_5_moe_text", cfg)
+    plan = drv.plan({**sd, "mtp.fc.weight": torch.empty(256, 512, dtype=torch.bfloat16, device="meta")})
+    manifest = build_manifest(hf, plan.vllm_quantization_config(), drv.layout, drv.registry)
+    with pytest.raises(PlanError, match=r"mtp\.fc\.weight: an MTP layer is not part of the engine's model \(MTP "
+                                        r"layers load only into a speculative-decoding draft model, and vLLM's "
+                                        r"reload_weights reloads the main model only"):
+        check_plan(plan, manifest)
+
+
+def test_an_engine_without_its_vision_tower_drops_the_tower_tensors():
+    cfg = mf.hf_config("qwen3_5_moe")
+    hf = mf.config_dict(cfg)
+    drv = RefitDriver("block-fp8", hf_config=hf)
+    plan = drv.plan(mf.hf_state_dict("qwen3_5_moe", cfg))
+    manifest = build_manifest(hf, plan.vllm_quantization_config(), drv.layout, drv.registry,
+                              unbuilt=("model.visual.",))
+    check_plan(plan, manifest)
+    assert "model.visual.blocks.0.attn.qkv.weight" in manifest.dropped
+    assert not any(n.startswith("model.visual.") for n in manifest.tensors)
+
+
+def test_an_engine_of_a_family_without_a_manifest_is_refused():
+    """No refit without the manifest's checks: a family whose tensors its layout cannot derive
+    from the config (here the ``generic`` layout) is an EngineManifestError, not a warning."""
+    from types import SimpleNamespace
+
+    from qstrat import vllm as qvllm
+
+    hf = {**model_config("qwen3-235b-a22b"), "architectures": ["SomethingNewForCausalLM"], "model_type": "new"}
+    config = SimpleNamespace(to_dict=lambda: hf, quantization_config=None)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(
+        hf_config=config, dtype="bfloat16", multimodal_config=None)))
+    with pytest.raises(EngineManifestError, match=r"no engine manifest for layout 'generic': layout 'generic': "
+                                                  r"config-only planning does not generate .*\(nothing was sent"):
+        qvllm.engine_manifest(llm)

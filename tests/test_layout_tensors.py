@@ -165,14 +165,23 @@ def test_a_layout_generates_its_own_structure_not_the_configs_model_type():
 
 
 # ---- refusals ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family,reason", [
-    ("qwen3_next", "hybrid linear-attention layers"),
-    ("qwen3_5_moe", "hybrid linear-attention layers and a vision tower")])
-def test_structures_no_layout_generates_are_refused_before_the_first_tensor(family, reason):
-    cfg = mf.hf_config(family)
-    hf = mf.config_dict(cfg)
+@pytest.mark.parametrize("kw", [{}, {"layer_types": None, "num_hidden_layers": 4, "full_attention_interval": 2},
+                                {"attention_bias": True}])
+def test_qwen3_next_hybrid_layers_equal_the_transformers_class(kw):
+    """Gated DeltaNet layers (stored-fused in_proj_qkvz/in_proj_ba), gated attention (q_proj
+    twice as wide), layer types from ``layer_types`` or ``full_attention_interval``."""
+    cfg = config("Qwen3NextConfig", "Qwen3NextForCausalLM", **{**BASE, **MOE, **mf._GDN, **kw})
+    hf = cfg.to_dict()
+    layout = RefitDriver("bf16", hf_config=hf).layout
+    assert dict(model_tensors(layout, hf, grouped=True)) == real(cfg, layout)
+
+
+def test_a_vision_key_no_layout_generates_is_refused_before_the_first_tensor():
+    hf = mf.config_dict(mf.hf_config("qwen3_5_moe"))
+    hf["vision_config"] = {**hf["vision_config"], "deepstack_visual_indexes": [0]}
     gen = model_tensors(RefitDriver("bf16", hf_config=hf).layout, hf)
-    with pytest.raises(ConfigOnlyUnsupportedError, match=f"config-only planning does not generate {reason}; "):
+    with pytest.raises(ConfigOnlyUnsupportedError, match="config-only planning does not generate "
+                       "vision_config.deepstack_visual_indexes; "):
         next(gen)
 
 

@@ -26,7 +26,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
 RAN = {
     "vllm": ["plan", "engine format", "engine manifest", "ignore lists", "cpu experts", "backends", "values"],
     "checkpoint": ["plan", "config.json", "backends"],  # values while quantizing (values="inline")
-    "sender": ["plan", "wire manifest", "backends", "values"],
+    "sender": ["plan", "every layer", "wire manifest", "backends", "values"],
     "run": ["plan", "backends"],  # values while quantizing
 }
 #: The doc's bullet for each sink's own checks.
@@ -155,6 +155,7 @@ TARGETS = {
     "ignore lists": ((qstrat.vllm, "check_engine_compatible"), PlanError),
     "cpu experts": ((qstrat.vllm, "check_cpu_expert_reload"), PlanError),
     "config.json": ((qstrat.checkpoint, "output_hf_config"), QstratError),
+    "every layer": ((qstrat.transport.sender, "check_every_layer"), PlanError),
     "wire manifest": ((qstrat.transport.sender, "wire_manifest_for_plan"), WireManifestMismatchError),
     "backends": ((RefitDriver, "check_backends"), BackendUnavailableError),
     "values": ((RefitDriver, "check_values"), NonFiniteError),
@@ -226,3 +227,18 @@ def test_a_stream_with_a_plan_defers_backends_and_values_to_its_arrival(tiny_mod
     assert [n for n, _ in p.execute()] == [n for n, _ in driver.run(state)]
     p = driver.prepare(iter(state.items()), plan)  # not a stream: collected, every step runs
     assert p.ran == ["plan", "backends", "values"] and not p.streamed and p.values_checked
+
+
+def test_sender_refuses_a_refit_that_leaves_out_a_layer(tiny_model, driver):
+    """Without plan=, a refit missing a decoder layer would leave the engines' old weights there
+    (vLLM's reload keeps a layer that gets none): refused before anything is sent. Found by an
+    adversarial run: the wire manifest passed the engine's check with 185 of 247 tensors."""
+    from qstrat.transport.sender import check_every_layer
+
+    state = {k: v for k, v in tiny_model.state_dict().items() if not k.startswith("model.layers.3.")}
+    plan = driver.plan(state)
+    with pytest.raises(PlanError, match=r"^the refit leaves out decoder layer\(s\) 3 of the model's 4 "
+                                        r"\(hf_config.num_hidden_layers\): the engines would keep their old"):
+        check_every_layer(plan, driver, plan_given=False)
+    check_every_layer(plan, driver, plan_given=True)          # an explicit partial refit is fine
+    check_every_layer(driver.plan(tiny_model.state_dict()), driver, plan_given=False)   # whole: fine

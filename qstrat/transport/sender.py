@@ -34,6 +34,7 @@ import torch
 from qstrat.errors import (MixedWeightsError, TransferAuthError, TransportError,
                            WireManifestMismatchError)
 from qstrat.driver import RefitDriver
+from qstrat.errors import PlanError
 from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
@@ -157,8 +158,10 @@ class RefitSender:
             plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to
                 refit only the layers that changed (whole layers: engines refuse a partly sent
                 layer; the others keep their weights).
-        Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, the wire manifest,
-            backends, values): PlanError, WireManifestMismatchError (a ``bucket_bytes`` or
+        Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, every layer, the wire
+            manifest, backends, values): PlanError (also for a refit without ``plan`` that leaves
+            out a decoder layer of the driver's ``hf_config``: the engines would keep its old
+            weights), WireManifestMismatchError (a ``bucket_bytes`` or
             ``alignment`` the wire manifest cannot use), BackendUnavailableError, NonFiniteError;
             WireManifestMismatchError if an engine refused the wire manifest (no data sent);
             TransportError for a failed checksum, an aborted or truncated stream, a lost peer or
@@ -166,7 +169,8 @@ class RefitSender:
         """
         check = SinkCheck("wire manifest", lambda p: wire_manifest_for_plan(p.plan, self.bucket_bytes,
                                                                                self.alignment))
-        prepared = driver.prepare(named_tensors, plan, (check,))
+        whole = SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given))
+        prepared = driver.prepare(named_tensors, plan, (whole, check))
         return self.send(prepared.results[check.name], prepared.execute())
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]
@@ -345,3 +349,24 @@ def _free_buffer(buffers: list[torch.Tensor], busy: set[int], size: int,
             return buf
     buffers.append(torch.empty(size, dtype=torch.uint8, device=device))
     return buffers[-1]
+
+
+def check_every_layer(plan: RefitPlan, driver: RefitDriver, plan_given: bool) -> None:
+    """Raise PlanError when a refit without an explicit (partial) ``plan`` leaves out a decoder
+    layer of the model: vLLM's layerwise reload keeps the old weights of a layer that gets none,
+    so the engines would serve a mix silently. The depth is the driver's ``hf_config``
+    (``num_hidden_layers``); without one there is nothing to compare with and nothing is checked.
+    A partial refit is explicit: ``plan=driver.plan(specs).only_layers(changed)``."""
+    if plan_given:
+        return
+    depth = driver.layout.num_layers(driver.hf_config) if driver.hf_config else None
+    if not depth:
+        return
+    have = {e.layer for e in plan.entries if e.layer is not None and e.kind != "mtp"}
+    missing = [i for i in range(depth) if i not in have]
+    if missing:
+        few = ", ".join(map(str, missing[:6])) + (" ..." if len(missing) > 6 else "")
+        raise PlanError(f"the refit leaves out decoder layer(s) {few} of the model's {depth} (hf_config."
+                        "num_hidden_layers): the engines would keep their old weights there. Send every "
+                        "layer, or pass plan=driver.plan(specs).only_layers(changed) for an explicit partial "
+                        "refit (nothing was sent)")

@@ -44,6 +44,9 @@ class EngineModel:
             (``VocabParallelEmbedding.padding_size``: 64, vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``,
             unless the model asks for another), for the embedding and lm_head modules; their
             recorded counts hold the padded rows, the checkpoint the real ones.
+        mapper: the class's ``hf_to_vllm_mapper`` (vLLM's ``WeightsMapper``; None: names are
+            vLLM's as they are), by which checkpoint names become vLLM's (Qwen3.5's multimodal
+            class: ``model.visual.`` -> ``visual.``; gpt-oss: ``.self_attn.`` -> ``.attn.``).
     """
 
     layers: Mapping[str, Mapping[str, int]]
@@ -51,6 +54,13 @@ class EngineModel:
     skipped: frozenset[str]
     world_size: int
     vocab_padding: Mapping[str, int] = field(default_factory=dict)
+    mapper: Any = None
+
+    def vllm_name(self, module: str) -> str:
+        """A checkpoint module name as vLLM names it: ``{module}.weight`` through the mapper's
+        public ``map_name``, less ``.weight`` (a module whose weight the mapper drops keeps its name)."""
+        mapped = self.mapper.map_name(f"{module}.weight") if self.mapper is not None else None
+        return mapped[: -len(".weight")] if mapped and mapped.endswith(".weight") else module
 
 
 def read_engine_model(worker: Any) -> EngineModel:
@@ -82,7 +92,8 @@ def read_engine_model(worker: Any) -> EngineModel:
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
     world = int(getattr(parallel, "world_size", 1) or 1)
-    return EngineModel(layers, packed, frozenset(skipped), world, padding)
+    return EngineModel(layers, packed, frozenset(skipped), world, padding,
+                       getattr(model, "hf_to_vllm_mapper", None))
 
 
 def engine_model(llm: Any) -> EngineModel:
@@ -102,7 +113,7 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
     the embedding's weight, neither unknown nor counted.
     """
     owner: dict[str, str] = {}  # vLLM module -> manifest unit
-    by_members = {_members(u): u.name for u in manifest.units.values()}
+    by_members = {frozenset(model.vllm_name(m) for m in _members(u)): u.name for u in manifest.units.values()}
     # A tied lm_head (the manifest drops its tensor) shares the embedding's weight: vLLM still
     # records the module, but a refit loads nothing into it and it serves the new embedding.
     tied = {name.rpartition(".")[0] for name in manifest.dropped}
@@ -111,10 +122,10 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
             continue
         parent, _, leaf = layer.rpartition(".")
         members = frozenset(f"{parent}.{m}" if parent else m for m in model.packed.get(leaf, ())) or {layer}
-        unit = by_members.get(frozenset(members))
+        unit = by_members.get(frozenset(members)) or by_members.get(frozenset({layer}))
         if unit is None:  # a child module of a unit, e.g. experts.routed_experts
             unit = next((u.name for u in manifest.units.values() if "{" not in u.name
-                         and layer.startswith(u.name + ".")), None)
+                         and layer.startswith(model.vllm_name(u.name) + ".")), None)
         if unit is not None:
             owner[layer] = unit
     errors = [f"vLLM's model has {layer} ({dict(model.layers[layer])}), which the manifest does not "

@@ -15,6 +15,10 @@ from qstrat.builtin.layouts.common import QKV_GATE_UP, QKVO
 from qstrat.layouts import ModelLayout
 from qstrat.skeleton import Tensors
 
+#: Vision-tower keys :meth:`QwenHybridLayout.vision_tensors` does not generate (Qwen3-VL's
+#: deepstack mergers): a config that sets them is refused rather than guessed.
+_UNGENERATED_VISION_KEYS = ("deepstack_visual_indexes",)
+
 
 class QwenLayout(ModelLayout):
     """A Qwen layout: the default generator with Qwen's attention and MoE-layer rules. One
@@ -42,6 +46,117 @@ class QwenLayout(ModelLayout):
         if layer in (c.get("mlp_only_layers") or ()):
             return False
         return (layer + 1) % int(c.get("decoder_sparse_step", 1) or 1) == 0
+
+
+class QwenHybridLayout(QwenLayout):
+    """Qwen3-Next and Qwen3.5: hybrid Gated-DeltaNet (``linear_attn``) / gated softmax attention
+    layers, and Qwen3.5's vision tower. From transformers 5.x ``modeling_qwen3_next.py`` /
+    ``modeling_qwen3_5_moe.py`` (``Qwen3NextGatedDeltaNet``, ``Qwen3NextAttention``,
+    ``Qwen3_5MoeVisionModel``); held against the classes' ``state_dict()`` in
+    tests/test_layout_tensors.py."""
+
+    def config_only_refusals(self, hf_config: Mapping[str, Any], grouped: bool = False) -> list[str]:
+        """The default's reasons less the two this layout generates (linear attention, the
+        vision tower), plus vision keys it does not generate (:data:`_UNGENERATED_VISION_KEYS`)."""
+        reasons = [r for r in super().config_only_refusals(hf_config, grouped)
+                   if r not in ("hybrid linear-attention layers", "a vision tower")]
+        vision = hf_config.get("vision_config") or {}
+        reasons += [f"vision_config.{k}" for k in _UNGENERATED_VISION_KEYS if vision.get(k)]
+        return reasons
+
+    def tensors(self, hf_config: Mapping[str, Any], grouped: bool = False) -> Tensors:
+        """The vision tower (if ``vision_config``), then the default's language model."""
+        decoder = super().tensors(hf_config, grouped)  # runs the refusals first
+        first = next(decoder, None)
+        if hf_config.get("vision_config"):
+            yield from self.vision_tensors(hf_config["vision_config"])
+        if first is not None:
+            yield first
+        yield from decoder
+
+    @staticmethod
+    def layer_type(c: Mapping[str, Any], i: int) -> str:
+        """``layer_types[i]``, else every ``full_attention_interval``-th layer (default 4, as
+        ``Qwen3NextConfig``) is ``full_attention``, the others ``linear_attention``."""
+        types = c.get("layer_types")
+        if types:
+            return str(types[i])
+        return "full_attention" if (i + 1) % int(c.get("full_attention_interval") or 4) == 0 else "linear_attention"
+
+    def layer_tensors(self, p: str, c: Mapping[str, Any], i: int, grouped: bool) -> Tensors:
+        """Layer ``i``: ``linear_attn`` or ``self_attn`` (:meth:`layer_type`), the MLP block, the two norms."""
+        if self.layer_type(c, i) == "linear_attention":
+            yield from self.linear_attention_tensors(f"{p}.linear_attn", c)
+        else:
+            yield from self.attention_tensors(f"{p}.self_attn", c)
+        yield from self.mlp_tensors(f"{p}.{self.mlp_blocks[0]}", c, i, grouped)
+        h = int(c["hidden_size"])
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+
+    def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+        """Gated softmax attention: the default's (Qwen3's q_norm/k_norm included) with ``q_proj``
+        twice as wide - queries and the output gate (``Qwen3NextAttention``: ``heads * head_dim * 2``)."""
+        heads, d, h = int(c["num_attention_heads"]), self.head_dim(c), int(c["hidden_size"])
+        for name, shape in super().attention_tensors(p, c):
+            if name == f"{p}.q_proj.weight":
+                shape = (2 * heads * d, h)
+            elif name == f"{p}.q_proj.bias":
+                shape = (2 * heads * d,)
+            yield name, shape
+
+    def linear_attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+        """Gated DeltaNet: ``dt_bias``, ``A_log`` [Hv], ``conv1d`` [2*Hk*Dk + Hv*Dv, 1, kernel],
+        the input projections - Qwen3-Next's stored fused ``in_proj_qkvz`` [2*Hk*Dk + 2*Hv*Dv, H] and
+        ``in_proj_ba`` [2*Hv, H], or Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+        ``in_proj_a`` -, ``norm`` [Dv], ``out_proj`` [H, Hv*Dv] (``linear_*`` config keys)."""
+        h = int(c["hidden_size"])
+        hv, dv = int(c["linear_num_value_heads"]), int(c["linear_value_head_dim"])
+        key, value = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"]), hv * dv
+        yield f"{p}.dt_bias", (hv,)
+        yield f"{p}.A_log", (hv,)
+        yield f"{p}.conv1d.weight", (2 * key + value, 1, int(c["linear_conv_kernel_dim"]))
+        if "in_proj_qkvz" in (self.attention_projections or ()):
+            yield f"{p}.in_proj_qkvz.weight", (2 * key + 2 * value, h)
+            yield f"{p}.in_proj_ba.weight", (2 * hv, h)
+        else:
+            yield f"{p}.in_proj_qkv.weight", (2 * key + value, h)
+            yield f"{p}.in_proj_z.weight", (value, h)
+            yield f"{p}.in_proj_b.weight", (hv, h)
+            yield f"{p}.in_proj_a.weight", (hv, h)
+        yield f"{p}.norm.weight", (dv,)
+        yield f"{p}.out_proj.weight", (h, value)
+
+    def vision_tensors(self, v: Mapping[str, Any]) -> Tensors:
+        """Qwen3.5's vision tower ``model.visual`` from ``vision_config`` (``Qwen3_5MoeVisionModel``):
+        the Conv3d ``patch_embed.proj`` [D, C, T, P, P] with bias, ``pos_embed`` [positions, D],
+        ``depth`` blocks (LayerNorms ``norm1``/``norm2``, ``attn.qkv`` [3D, D], ``attn.proj``,
+        ``mlp.linear_fc1`` [I, D], ``mlp.linear_fc2``, all with biases) and the patch merger
+        (``norm`` [D], ``linear_fc1`` [D*m^2, D*m^2], ``linear_fc2`` [out_hidden_size, D*m^2])."""
+        p = self.non_decoder_prefixes[0].rstrip(".")
+        d, inter, patch = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"])
+        merged = d * int(v["spatial_merge_size"]) ** 2
+
+        def linear(name: str, out: int, k: int) -> Tensors:
+            yield f"{name}.weight", (out, k)
+            yield f"{name}.bias", (out,)
+
+        yield f"{p}.patch_embed.proj.weight", (d, int(v["in_channels"]), int(v["temporal_patch_size"]), patch, patch)
+        yield f"{p}.patch_embed.proj.bias", (d,)
+        yield f"{p}.pos_embed.weight", (int(v["num_position_embeddings"]), d)
+        for i in range(int(v["depth"])):
+            b = f"{p}.blocks.{i}"
+            for norm in ("norm1", "norm2"):
+                yield f"{b}.{norm}.weight", (d,)
+                yield f"{b}.{norm}.bias", (d,)
+            yield from linear(f"{b}.attn.qkv", 3 * d, d)
+            yield from linear(f"{b}.attn.proj", d, d)
+            yield from linear(f"{b}.mlp.linear_fc1", inter, d)
+            yield from linear(f"{b}.mlp.linear_fc2", d, inter)
+        yield f"{p}.merger.norm.weight", (d,)
+        yield f"{p}.merger.norm.bias", (d,)
+        yield from linear(f"{p}.merger.linear_fc1", merged, merged)
+        yield from linear(f"{p}.merger.linear_fc2", int(v["out_hidden_size"]), merged)
 
 
 #: Dense Qwen3 (q_norm/k_norm are norms) and Qwen2: Llama's structure. vLLM ``Qwen3ForCausalLM``.
@@ -73,8 +188,7 @@ _NEXT_LINEAR_ATTN = ("in_proj_qkvz", "in_proj_ba", "out_proj", "conv1d")
 
 #: Qwen3-Next: hybrid ``linear_attn`` (Gated DeltaNet) / ``self_attn`` layers, shared expert with
 #: its gate. vLLM ``Qwen3NextForCausalLM``. ``in_proj_ba`` stays BF16 (Qwen's FP8 checkpoints).
-#: Its tensors are not generated from a config alone (the default refuses linear attention).
-QWEN3_NEXT = QwenLayout(
+QWEN3_NEXT = QwenHybridLayout(
     name="qwen3_next",
     architectures=("Qwen3NextForCausalLM",),
     model_types=("qwen3_next",),
@@ -94,7 +208,7 @@ _QWEN3_5_FUSED = QKV_GATE_UP + (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_
 #: under ``model.language_model``, the vision tower ``model.visual`` (BF16, in the ignore list),
 #: MTP under ``mtp.`` (dropped by vLLM's main model). ``in_proj_a/b`` stay BF16 (Qwen's FP8
 #: checkpoints keep them; vLLM fuses them into one ``in_proj_ba``).
-QWEN3_5_MOE = QwenLayout(
+QWEN3_5_MOE = QwenHybridLayout(
     name="qwen3_5_moe",
     architectures=("Qwen3_5MoeForConditionalGeneration",),
     model_types=("qwen3_5_moe",),
