@@ -96,7 +96,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     if out.exists() or out.is_symlink():
         _check_not_cwd(out)
         if not overwrite:
-            raise FileExistsError(f"{out} exists; use --overwrite (overwrite=True) to replace it")
+            raise OutputExistsError(f"{out} exists; pass {{option}} to replace it")
         check_replaceable(out)
     config = hf_config if hf_config is not None else driver.hf_config
     # Values are checked while quantizing (an error removes the temporary directory), which
@@ -131,6 +131,20 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     return plan
 
 
+class OutputExistsError(FileExistsError):
+    """The output directory exists and is not replaced. Its message names the option that
+    replaces one as the API spells it (``overwrite=True``); :meth:`for_option` words it for
+    another caller (the command line: ``--overwrite``)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template  # "{option}" where the option's name goes
+        super().__init__(self.for_option("overwrite=True"))
+
+    def for_option(self, option: str) -> str:
+        """The message with ``option`` (e.g. ``"--overwrite"``) as the option's name."""
+        return self.template.replace("{option}", option)
+
+
 #: The plan file every qstrat checkpoint holds; its ``checkpoint_files`` key lists every file
 #: qstrat wrote into the directory (what ``overwrite`` may delete).
 PLAN_FILE = "qstrat_plan.json"
@@ -149,23 +163,23 @@ def check_replaceable(out: Path) -> None:
     Raises: FileExistsError saying why and what to do.
     """
     if out.is_symlink() or not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory; not replacing it "
-                              "(overwrite replaces a checkpoint directory only)")
+        raise OutputExistsError(f"{out} exists and is not a directory; not replacing it "
+                                "({option} replaces a checkpoint directory only)")
     _check_not_cwd(out)
     entries = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in out.iterdir())
     if not entries:
         return
     listed = _listed_files(out / PLAN_FILE)
     if listed is None:
-        raise FileExistsError(f"{out} is not a checkpoint qstrat wrote (no {PLAN_FILE} listing its files); "
-                              "--overwrite never deletes other directories: choose a new output directory "
-                              "or empty this one yourself")
+        raise OutputExistsError(f"{out} is not a checkpoint qstrat wrote (no {PLAN_FILE} listing its files); "
+                                "{option} never deletes other directories: choose a new output directory "
+                                "or empty this one yourself")
     extra = [e for e in entries if e not in listed]
     if extra:
         shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-        raise FileExistsError(f"{out} is a qstrat checkpoint but also holds {shown}, which qstrat did not "
-                              "write; --overwrite never deletes them: move them out or choose a new output "
-                              "directory")
+        raise OutputExistsError(f"{out} is a qstrat checkpoint but also holds {shown}, which qstrat did not "
+                                "write; {option} never deletes them: move them out or choose a new output "
+                                "directory")
 
 
 def _check_not_cwd(out: Path) -> None:

@@ -44,7 +44,11 @@ def _subcommand(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from qstrat import __version__
+
     p = argparse.ArgumentParser(prog="qstrat", description=DESCRIPTION, epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"qstrat {__version__}",
+                   help="print qstrat's version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = _subcommand(sub, "demo", "plan, quantize, verify and refit the built-in tiny Qwen3-MoE")
@@ -254,9 +258,13 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
             tasks.append(progress.add_task("quantizing", total=total))
         progress.update(tasks[0], completed=done, total=total)
 
+    from qstrat.checkpoint import OutputExistsError
+
     try:
         plan = write_checkpoint(driver, tensors, args.out, overwrite=args.overwrite,
                                 source_dir=args.model, progress=update)
+    except OutputExistsError as exc:  # the API's wording says overwrite=True
+        raise FileExistsError(exc.for_option("--overwrite")) from None
     finally:
         if tasks and console.is_terminal:
             progress.stop()

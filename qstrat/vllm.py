@@ -269,15 +269,19 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         weights_dir: send the tensors through a file instead of the RPC: they are written as
             one safetensors file into a fresh temporary folder under ``weights_dir`` (deleted
             afterwards), and the engine reloads from it (``reload_weights(weights_path=...)``;
-            vLLM then records that folder as its model path). For multiprocess engines on this
-            host: vLLM 0.32 cannot forward tensors in ``collective_rpc`` kwargs from its engine
-            core to a worker process ("cannot pickle memoryview objects"). Not with ``stream``.
+            vLLM then records that folder as its model path). Needed by multiprocess engines
+            (vLLM's default, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``): vLLM 0.32 cannot forward
+            tensors in ``collective_rpc`` kwargs from its engine core to a worker process
+            ("cannot pickle memoryview objects"), so for such an engine the default is the
+            system's temporary folder (``tempfile.gettempdir()``; the engine runs on this host).
+            Not with ``stream``.
         verify: after the reload, ``verify(llm, driver)`` - e.g.
             ``qstrat.fidelity.Verify(model)``: the fidelity probe (docs/fidelity.md) - and its
             result on ``RefitReport.fidelity``; it raises FidelityError when the engine does not
             serve what was sent (the reload is complete then).
     Returns: a :class:`RefitReport`.
-    Raises: ValueError for ``stream`` with ``weights_dir``; PlanError, BackendUnavailableError or
+    Raises: ValueError (nothing sent, the engine unchanged) for ``stream`` with ``weights_dir``
+        or with a multiprocess engine; PlanError, BackendUnavailableError or
         NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine must be restarted), and
         for every later refit of that engine; FidelityError from ``verify``.
@@ -291,6 +295,13 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     if failed:
         raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
                                "are in an unknown state: restart the engine")
+    if not in_process(llm):  # vLLM cannot pickle tensors (nor a generator) to a worker process
+        if stream:
+            raise ValueError("refit: stream=True needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0); "
+                             "this engine runs in worker processes, which cannot receive a generator: "
+                             "drop stream=True (the refit then goes through a temporary file)")
+        if weights_dir is None:
+            weights_dir = tempfile.gettempdir()
     start = time.perf_counter()
     checks = engine_checks(llm, driver, manifest, allow_cpu_bf16_experts)
     prepared = driver.prepare(named_tensors, plan, checks)  # values="first": vLLM's reload has no rollback

@@ -31,6 +31,21 @@ def require_block_fp8_engine() -> str:
     return how
 
 
+def expected_emulated_kernels(fmt: str, kernels: frozenset[str], biased_linears: bool = False) -> set[str]:
+    """The emulated kernel classes an engine in ``fmt`` must build ON THIS MACHINE (this vLLM
+    platform, CPU kind and QSTRAT_VLLM_EMULATION), given ``kernels``, the classes a fully
+    emulated engine builds: none where vLLM has kernels for the format (a GPU; a CPU with AMX for
+    block FP8, except its kernel for linear layers with a bias when the model has some)."""
+    from qstrat.engine import emulation
+    from qstrat.engine.emulation import mode
+
+    if fmt not in emulation.needed_formats()[0]:
+        return set()
+    if fmt == "block_fp8" and mode.block_fp8_placement() == mode.BIASED:
+        return {"QstratBiasAwareCPUFp8BlockScaledMMKernel"} if biased_linears else set()
+    return set(kernels)
+
+
 @pytest.fixture(scope="module")
 def models():
     """Trainer-side models A (seed 0) and B (seed 1)."""

@@ -137,13 +137,13 @@ def test_existing_output_needs_overwrite(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError) as info:
         write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "out")
-    assert str(info.value) == f"{tmp_path / 'out'} exists; use --overwrite (overwrite=True) to replace it"
+    assert str(info.value) == f"{tmp_path / 'out'} exists; pass overwrite=True to replace it"
     (tmp_path / "afile").write_text("keep")
     with pytest.raises(FileExistsError) as info:
         write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "afile",
                          overwrite=True)
     assert str(info.value) == (f"{tmp_path / 'afile'} exists and is not a directory; not replacing it "
-                               "(overwrite replaces a checkpoint directory only)")
+                               "(overwrite=True replaces a checkpoint directory only)")
     assert (tmp_path / "afile").read_text() == "keep"
     write_checkpoint(RefitDriver("bf16"), {"model.norm.weight": torch.ones(8)}, tmp_path / "out", overwrite=True)
     assert load_checkpoint(tmp_path / "out")["model.norm.weight"].tolist() == [1.0] * 8

@@ -62,7 +62,7 @@ def test_overwrite_never_deletes_a_directory_qstrat_did_not_write(tmp_path):
     with pytest.raises(FileExistsError) as info:
         write_checkpoint(RefitDriver("bf16"), NORM, out, overwrite=True)
     assert str(info.value) == (f"{out} is not a checkpoint qstrat wrote (no qstrat_plan.json listing its files); "
-                               "--overwrite never deletes other directories: choose a new output directory or "
+                               "overwrite=True never deletes other directories: choose a new output directory or "
                                "empty this one yourself")
     assert tree(out) == before
     (out / "qstrat_plan.json").write_text('{"entries": []}')  # looks like a plan, lists no files
@@ -85,7 +85,7 @@ def test_overwrite_replaces_a_qstrat_checkpoint_but_not_files_added_to_it(tmp_pa
     with pytest.raises(FileExistsError) as info:
         write_checkpoint(RefitDriver("bf16"), NORM, out, hf_config=CFG, overwrite=True)
     assert str(info.value) == (f"{out} is a qstrat checkpoint but also holds README.md, eval/, which qstrat "
-                               "did not write; --overwrite never deletes them: move them out or choose a new "
+                               "did not write; overwrite=True never deletes them: move them out or choose a new "
                                "output directory")
     assert tree(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

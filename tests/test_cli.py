@@ -280,11 +280,22 @@ def test_quantize_device_cuda_without_a_gpu_is_a_user_error(bf16_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_version_prints_qstrats_version():
+    import qstrat
+
+    proc = run("--version")
+    assert proc.stdout == f"qstrat {qstrat.__version__}\n"
+    from importlib.metadata import version
+
+    assert qstrat.__version__ == version("qstrat")
+
+
 def test_exists_error_names_the_overwrite_option(bf16_dir, tmp_path):
     (tmp_path / "out").mkdir()
     proc = run("quantize", bf16_dir, "--preset", "bf16", "-o", tmp_path / "out", ok=False)
     assert proc.returncode == 2
-    assert f"error: {tmp_path / 'out'} exists; use --overwrite (overwrite=True) to replace it" in proc.stderr
+    assert f"error: {tmp_path / 'out'} exists; pass --overwrite to replace it" in proc.stderr
+    assert "overwrite=True" not in proc.stderr
 
 
 def test_quantize_copies_the_source_models_other_files(bf16_dir, tmp_path):

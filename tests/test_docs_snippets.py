@@ -64,6 +64,8 @@ NOISE = {
     "a progress bar": re.compile(r"\d+it/s\]|it/s\b|Loading safetensors checkpoint shards"),
     "vLLM's Triton notice": re.compile(r"Triton is installed, but"),
     "a traceback": re.compile(r"^Traceback \(most recent call last\)", re.M),
+    "torchao's C++ extension load failure": re.compile(r"Failed to load \S*torchao\S*\.so"),
+    "torch's pytree deprecation (torchao's enums)": re.compile(r"register_constant\(\) on Enum subclasses is deprecated"),
 }
 
 

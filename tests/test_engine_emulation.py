@@ -31,19 +31,47 @@ def test_entry_point_is_installed_in_vllms_plugin_group():
 
 
 def test_needed_formats_on_this_cpu_and_elsewhere(emulation, monkeypatch):
+    """The decision on each CPU kind (faked at the adapter's AMX check,
+    platform_facts.has_amx) and setting; a GPU platform (faked) needs nothing."""
     from vllm.platforms import current_platform
 
+    from qstrat.vllm_adapter import platform_facts
+
     monkeypatch.delenv(emulation.OPT_OUT_ENV, raising=False)
-    monkeypatch.setattr(emulation, "has_amx", lambda: False)
+    monkeypatch.setattr(platform_facts, "has_amx", lambda: False)
     assert emulation.needed_formats() == (("block_fp8", "mxfp8", "nvfp4"), "CPU without AMX")
-    monkeypatch.setattr(emulation, "has_amx", lambda: True)  # vLLM has AMX block-FP8 kernels
-    assert emulation.needed_formats()[0] == ("mxfp8", "nvfp4")
+    monkeypatch.setattr(platform_facts, "has_amx", lambda: True)  # vLLM has AMX block-FP8 kernels...
+    assert emulation.needed_formats() == (("block_fp8", "mxfp8", "nvfp4"), (
+        "CPU with AMX (block FP8: vLLM's AMX kernels, except linear layers with a bias, which "
+        "vLLM's fp8_scaled_mm_cpu cannot run)"))  # ...but not for a layer with a bias (gpt-oss)
+    monkeypatch.setenv(emulation.OPT_OUT_ENV, "force")
+    assert emulation.needed_formats() == (("block_fp8", "mxfp8", "nvfp4"), (
+        "CPU with AMX, forced by QSTRAT_VLLM_EMULATION=force (qstrat's kernels first)"))
+    monkeypatch.setenv(emulation.OPT_OUT_ENV, " Force ")
+    assert emulation.needed_formats()[1].endswith("forced by QSTRAT_VLLM_EMULATION=force (qstrat's kernels first)")
     monkeypatch.setenv(emulation.OPT_OUT_ENV, "0")
     assert emulation.needed_formats() == ((), "disabled by QSTRAT_VLLM_EMULATION=0")
+    monkeypatch.setenv(emulation.OPT_OUT_ENV, "yes")
+    with pytest.raises(ValueError, match=r"^QSTRAT_VLLM_EMULATION='yes' is not a setting: use auto .*, "
+                                         r"force .* or 0 \(off\)$"):
+        emulation.needed_formats()
     monkeypatch.delenv(emulation.OPT_OUT_ENV)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)  # a GPU
     formats, reason = emulation.needed_formats()
     assert formats == () and "native kernels" in reason
+
+
+def test_bad_setting_registers_nothing_and_engine_support_says_why(emulation, monkeypatch, caplog):
+    from qstrat.engine.local import engine_support
+
+    monkeypatch.setenv(emulation.OPT_OUT_ENV, "always")
+    ok, why = engine_support(["mxfp8"])
+    assert not ok and why.startswith("QSTRAT_VLLM_EMULATION='always' is not a setting")
+    monkeypatch.setattr(emulation, "_status", emulation.Status())
+    with caplog.at_level("ERROR", logger="vllm.plugins.qstrat"):
+        emulation.register()  # never raises: that would break every engine on the machine
+    assert emulation.status() == emulation.Status((), "bad setting", why)
+    assert "qstrat CPU emulation NOT registered: QSTRAT_VLLM_EMULATION='always'" in caplog.text
 
 
 def test_opted_out_engine_support_says_why(emulation, monkeypatch):
@@ -75,37 +103,158 @@ def _registries():
 
 
 def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, monkeypatch):
-    """vLLM's own plugin loader runs the entry point. On this CPU (no AMX) all three formats are
-    registered, each emulated linear kernel after
-    whatever vLLM lists for CPU, and the MoE oracles resolve EMULATION to the torch experts."""
+    """vLLM's own plugin loader runs the entry point; what it installed is what is right for THIS
+    machine and setting (:func:`qstrat.engine.emulation.mode.block_fp8_placement`): without AMX
+    every format's kernels go after whatever vLLM lists for CPU; with AMX vLLM's block-FP8 kernels
+    stay and qstrat's kernel for biased linear layers sits just before vLLM's W8A16 one (fused MoE
+    untouched); under QSTRAT_VLLM_EMULATION=force qstrat's block-FP8 kernels come first. MXFP8
+    and NVFP4 (no CPU kernels in vLLM) are qstrat's everywhere; the MoE oracles resolve EMULATION
+    to the torch experts."""
     from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel, init_nvfp4_linear_kernel
     from vllm.model_executor.layers.fused_moe.oracle import fp8, mxfp8, nvfp4
-
-    if emulation.needed_formats()[0] != emulation.formats():
-        pytest.fail(f"this test expects a CPU without AMX: {emulation.needed_formats()}")
     from vllm.plugins import load_general_plugins
+
+    from qstrat.engine.emulation import mode
 
     load_general_plugins()  # what vLLM calls in each process; a no-op if an engine already did
     assert emulation.status().active == emulation.formats(), emulation.status()
+    placement = mode.block_fp8_placement()
     before = _registries()
-    assert before["fp8_block"][-1].__name__ == "EmulatedCPUFp8BlockScaledMMKernel"
-    assert [k.__name__ for k in before["fp8_block"][:-1]] == [
-        "CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"], "vLLM's AMX kernels stay first"
+    vllms = ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]
+    fp8_block = [k.__name__ for k in before["fp8_block"]]
+    fp8_moe = [c.__name__ for c in fp8.backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)]
+    if placement == mode.ONLY:  # a CPU without AMX
+        assert fp8_block == [*vllms, "EmulatedCPUFp8BlockScaledMMKernel"], "vLLM's AMX kernels stay first"
+        assert fp8_moe == ["EmulatedCPUExpertsFp8"]
+        assert fp8._get_priority_backends(None, None, None)[-1] == fp8.Fp8MoeBackend.EMULATION
+    elif placement == mode.FIRST:  # QSTRAT_VLLM_EMULATION=force
+        assert fp8_block == ["EmulatedCPUFp8BlockScaledMMKernel", *vllms]
+        assert fp8_moe == ["EmulatedCPUExpertsFp8"]
+        assert fp8._get_priority_backends(None, None, None)[0] == fp8.Fp8MoeBackend.EMULATION
+    else:  # a CPU with AMX: vLLM's kernels, qstrat's only for linear layers with a bias
+        assert fp8_block == [vllms[0], "QstratBiasAwareCPUFp8BlockScaledMMKernel", vllms[1]]
+        assert fp8_moe != ["EmulatedCPUExpertsFp8"]
+        assert not getattr(fp8._get_priority_backends, "_qstrat_emulation", False)
     assert [k.__name__ for k in before["mxfp8"]] == ["QstratEmulationMxfp8LinearKernel"]
     assert [k.__name__ for k in before["nvfp4"]] == ["QstratEmulationNvFp4LinearKernel"]
     assert type(init_mxfp8_linear_kernel(weight_shape=(256, 256))).__name__ == "QstratEmulationMxfp8LinearKernel"
     assert type(init_nvfp4_linear_kernel()).__name__ == "QstratEmulationNvFp4LinearKernel"
-    assert [c.__name__ for c in fp8.backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)] == ["EmulatedCPUExpertsFp8"]
     assert [c.__name__ for c in mxfp8._mxfp8_backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)] == [
         "TorchMxfp8EmulationExperts"]
     assert [c.__name__ for c in nvfp4.backend_to_kernel_cls(nvfp4.NvFp4MoeBackend.EMULATION)] == [
         "TorchNvfp4EmulationExperts"]
-    assert fp8.Fp8MoeBackend.EMULATION in fp8._get_priority_backends(None, None, None)
     assert [c.__name__ for c in nvfp4.backend_to_kernel_cls(nvfp4.NvFp4MoeBackend.MARLIN)] == ["MarlinExperts"]
 
     monkeypatch.setattr(emulation, "_status", emulation.Status())  # as if vLLM loaded it again
     emulation.register()
     assert _registries() == before
+
+
+def _fake_block_fp8_hooks():
+    """block_fp8.hooks() with vLLM's real kernel classes but FRESH registries: vLLM's CPU list of
+    block-FP8 linear kernels (a copy) and an FP8 MoE oracle stand-in whose priority list is
+    [CPU (vLLM's AMX experts)] - so a registration can be inspected without touching vLLM's."""
+    import types
+
+    from qstrat.engine.emulation import block_fp8
+
+    h = block_fp8.hooks()
+    real = h["linear_kernels"][h["cpu"]]
+    vllms = [k for k in real if not getattr(k, "_qstrat_emulation", False)]
+    backends = types.SimpleNamespace(CPU="CPU", EMULATION=h["emulation"])
+    return {**h, "linear_kernels": {h["cpu"]: vllms}, "oracle": types.SimpleNamespace(),
+            "priority": lambda *a, **k: [backends.CPU], "to_cls": lambda b: [f"vllm's {b}"]}
+
+
+@pytest.mark.parametrize(("amx", "setting", "linear", "moe"), [
+    (False, None, ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel", "EmulatedCPUFp8BlockScaledMMKernel"],
+     ["CPU", "EMULATION"]),
+    (True, None, ["CPUFp8W8A8BlockScaledMMKernel", "QstratBiasAwareCPUFp8BlockScaledMMKernel",
+                  "CPUFp8BlockScaledMMKernel"], None),
+    (True, "force", ["EmulatedCPUFp8BlockScaledMMKernel", "CPUFp8W8A8BlockScaledMMKernel",
+                     "CPUFp8BlockScaledMMKernel"], ["EMULATION", "CPU"]),
+    (False, "force", ["EmulatedCPUFp8BlockScaledMMKernel", "CPUFp8W8A8BlockScaledMMKernel",
+                      "CPUFp8BlockScaledMMKernel"], ["EMULATION", "CPU"]),
+])
+def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, linear, moe):
+    """SIMULATED CPU kind (platform_facts.has_amx faked): where block_fp8.register puts its
+    kernels, into fresh copies of vLLM's registries. ``moe`` None: the MoE oracle is untouched."""
+    from qstrat.engine.emulation import block_fp8
+    from qstrat.vllm_adapter import platform_facts
+
+    monkeypatch.setattr(platform_facts, "has_amx", lambda: amx)
+    if setting is None:
+        monkeypatch.delenv("QSTRAT_VLLM_EMULATION", raising=False)
+    else:
+        monkeypatch.setenv("QSTRAT_VLLM_EMULATION", setting)
+    h = _fake_block_fp8_hooks()
+    block_fp8.register(h)
+    cpu_list = h["linear_kernels"][h["cpu"]]
+    assert [k.__name__ for k in cpu_list] == linear
+    if moe is None:
+        assert vars(h["oracle"]) == {}
+    else:
+        names = {h["emulation"]: "EMULATION", "CPU": "CPU"}
+        assert [names[b] for b in h["oracle"]._get_priority_backends()] == moe
+        assert [c.__name__ for c in h["oracle"].backend_to_kernel_cls(h["emulation"])] == ["EmulatedCPUExpertsFp8"]
+        assert h["oracle"].backend_to_kernel_cls("CPU") == ["vllm's CPU"]
+    snapshot = (list(cpu_list), dict(vars(h["oracle"])))
+    block_fp8.register(h)  # idempotent
+    assert (h["linear_kernels"][h["cpu"]], vars(h["oracle"])) == snapshot
+
+
+def test_bias_kernel_emulates_biased_layers_and_leaves_the_others_to_vllms_amx_kernel(monkeypatch):
+    """On a CPU with AMX, vLLM 0.32's fp8_scaled_mm_cpu fails on a bf16 bias (gpt-oss). The kernel
+    qstrat puts before vLLM's W8A16 AMX kernel: a layer WITH a bias keeps its checkpoint layout and
+    computes x @ dequant(W).T + bias in fp32 (exact against that formula), announcing itself once;
+    a layer WITHOUT one goes to vLLM's AMX kernel. SIMULATED: vLLM's AMX methods need AMX tiles
+    (this CPU has none), so they are replaced by recorders; the kernel object and its config are
+    vLLM's real classes."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8Dynamic128Sym, kFp8Static128BlockSym
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from qstrat.engine.emulation import announcing, block_fp8
+
+    calls = []
+    monkeypatch.setattr(cpu.CPUFp8BlockScaledMMKernel, "process_weights_after_loading",
+                        lambda self, layer: calls.append(("vllm process", layer.name)))
+    monkeypatch.setattr(cpu.CPUFp8BlockScaledMMKernel, "apply_weights",
+                        lambda self, layer, x, bias=None, **kw: calls.append(("vllm apply", layer.name)) or "vllm")
+    kernel_cls = block_fp8._build_bias_kernel(cpu.CPUFp8BlockScaledMMKernel)
+    config = FP8ScaledMMLinearLayerConfig(weight_quant_key=kFp8Static128BlockSym, activation_quant_key=kFp8Dynamic128Sym,
+                                          weight_shape=(300, 256), input_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):  # vLLM's kernels build a QuantFP8 custom op
+        kernel = kernel_cls(config)
+    g = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(disable=True):
+        q, s = per_block_cast_to_fp8(torch.randn(300, 256, generator=g), block_size=[128, 128], use_ue8m0=False)
+
+    def layer(name, bias):
+        m = torch.nn.Module()
+        m.name = name
+        m.weight = torch.nn.Parameter(q.clone(), requires_grad=False)
+        m.weight_scale_inv = torch.nn.Parameter(s.clone(), requires_grad=False)
+        m.register_parameter("bias", None if bias is None else torch.nn.Parameter(bias, requires_grad=False))
+        return m
+
+    bias = torch.randn(300, generator=g).to(torch.bfloat16)
+    biased, plain = layer("biased", bias), layer("plain", None)
+    built = announcing.built_kernels()
+    kernel.process_weights_after_loading(biased)
+    kernel.process_weights_after_loading(biased)  # after a reload: announced once per layer
+    kernel.process_weights_after_loading(plain)
+    assert announcing.built_kernels() - built == {"QstratBiasAwareCPUFp8BlockScaledMMKernel": 1}
+    assert torch.equal(biased.weight, q) and torch.equal(biased.weight_scale_inv, s)  # checkpoint layout
+    x = torch.randn(2, 3, 256, generator=g).to(torch.bfloat16)
+    got = kernel.apply_weights(biased, x, biased.bias)
+    want = (x.reshape(6, 256).float() @ block_fp8.dequantize_block_fp8(q, s, (128, 128)).t() + bias.float())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16).reshape(2, 3, 300))
+    assert kernel.apply_weights(plain, x) == "vllm"
+    assert calls == [("vllm process", "plain"), ("vllm apply", "plain")]
 
 
 def test_other_vllm_missing_a_name_registers_nothing_and_says_what(emulation, monkeypatch, caplog):
@@ -184,3 +333,25 @@ def test_routed_experts_is_the_router_weighted_silu_mlp():
                 gate, up = w13[ex][:i] @ x[t], w13[ex][i:] @ x[t]
                 want[t] += wts[t, k] * (w2[ex] @ (torch.nn.functional.silu(gate) * up).round())
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_active_line_is_printed_at_start_engines_log_level(monkeypatch, capsys):
+    """start_engine sets VLLM_LOGGING_LEVEL=ERROR (vLLM's chatter hidden); the line docs/vllm.md
+    promises ("qstrat CPU emulation active ...") is printed all the same, once, on stdout."""
+    import logging
+
+    from qstrat.engine.emulation import announcing
+
+    monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.ERROR)
+    for handler in logging.getLogger("vllm").handlers:
+        monkeypatch.setattr(handler, "level", logging.ERROR)
+    monkeypatch.setattr(announcing, "_announced", False)
+    monkeypatch.setattr(announcing, "_registered", ("CPU without AMX", ("block_fp8", "mxfp8"), "QSTRAT_VLLM_EMULATION"))
+    monkeypatch.setattr(announcing, "_built", announcing.Counter())
+    announcing.announce("EmulatedCPUFp8BlockScaledMMKernel")
+    announcing.announce("EmulatedCPUExpertsFp8")
+    out = capsys.readouterr().out
+    assert out.count("qstrat CPU emulation active") == 1, out
+    assert out.rstrip("\n").endswith(
+        "qstrat CPU emulation active (CPU without AMX; first kernel built: EmulatedCPUFp8BlockScaledMMKernel): "
+        "emulated block_fp8, mxfp8 kernels for linear layers and fused MoE; set QSTRAT_VLLM_EMULATION=0 to disable")

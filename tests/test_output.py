@@ -70,7 +70,7 @@ def test_quantize_prints_no_progress_above_an_error(bf16_dir, tmp_path):
     mixed.write_text("preset: mxfp8-experts\nrules:\n  - select: [attention]\n    serializer: block_fp8\n")
     (tmp_path / "exists").mkdir()
     for args, message in (([ "--config", mixed, "-o", tmp_path / "out"], "mixes quantized formats"),
-                          (["--preset", "block-fp8", "-o", tmp_path / "exists"], "exists; use --overwrite")):
+                          (["--preset", "block-fp8", "-o", tmp_path / "exists"], "exists; pass --overwrite to replace it")):
         proc = subprocess.run([*CLI, "quantize", bf16_dir, *map(str, args)], capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 2 and message in proc.stderr

