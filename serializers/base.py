@@ -28,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError
-from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunks
+from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunk_workers, chunks
 from qstrat.serializers.engine_contract import MATCH_KEYS, config_difference, on_defaults
 
 #: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
@@ -434,7 +434,7 @@ class Serializer(ABC):
         tensor's name when non-finite values must raise (found from the block maxima);
         ``source``: the weight as given (``w3`` is it as [E, N, K]), for the index in that error."""
         out, views = self._chunk_views(w3, ctx, specs)
-        workers = torch.get_num_threads()
+        workers = chunk_workers()
         if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
             scratch = Scratch(w3.device)
             finite = all([self._encode_chunk(v, scratch, check) for v in views])

@@ -3,9 +3,10 @@
 The torch paths (the eager reference and the fast path) quantize a weight ``[E, N, K]`` in
 chunks ``[e, r, K]``: whole experts when an expert is small (a grouped slab of small experts is
 one chunk of several experts, not one call per expert), else bands of rows, a multiple of the
-format's row tile. A chunk's fp32 scratch is sized to stay in the CPU's last-level cache, so
-each pass over it (abs, scale, cast) reads cache, not DRAM, and no chunk allocates fresh pages:
-the fast path reuses one :class:`Scratch` per call.
+format's row tile. A chunk (default :data:`DEFAULT_CHUNK_ELEMENTS`, a measured size, not one
+derived from the cache size the OS reports) keeps its fp32 scratch in cache, so each pass over
+it (abs, scale, cast) reads cache, not DRAM, and no chunk allocates fresh pages: the fast path
+reuses one :class:`Scratch` per worker.
 """
 from __future__ import annotations
 
@@ -14,31 +15,83 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-#: Last-level cache size assumed when the OS does not report one (bytes).
-DEFAULT_LLC_BYTES = 32 << 20
-#: Bytes of fp32 scratch per element of a chunk in the fast paths (the fp32 copy and |x|).
-SCRATCH_BYTES_PER_ELEMENT = 8
-#: Share of the last-level cache a chunk's scratch may use: the rest holds the chunk's input,
-#: its outputs and other processes' data. Measured best on a 2-core EPYC (32 MiB L3, see
-#: docs/performance.md): chunks of 0.5-1 M elements; smaller ones pay per-op overhead
-#: (~2-5 us per torch call), larger ones spill to DRAM.
-LLC_SHARE = 4
-#: Smallest chunk (elements).
-MIN_CHUNK_ELEMENTS = 1 << 16
+from qstrat.errors import ConfigError
+
+#: Default chunk size (weight elements), whatever the machine reports about its caches.
+#: Chosen from measurement, not derived from the last-level cache size the OS reports: on a 2-core
+#: AMD EPYC (32 MiB L3) 0.5-1 M elements are fastest for every format and shape of ``qstrat bench``
+#: and 8-10 M are 2-3x slower; on a 2-core Intel Xeon VM whose sysfs reports a 300 MiB L3, the
+#: former rule (L3 / 4 / 8 bytes = 9.8 M elements) ran at a third of the speed of 1 M
+#: (docs/performance.md, "Chunk size"; ``scripts/chunk_sweep.py`` reproduces the sweep).
+DEFAULT_CHUNK_ELEMENTS = 1 << 20
+#: Environment variable overriding :data:`DEFAULT_CHUNK_ELEMENTS` (an integer >= 1).
+CHUNK_ENV = "QSTRAT_CHUNK_ELEMENTS"
+
+
+@dataclass(frozen=True)
+class ChunkSetting:
+    """The chunk size in force and where it came from: ``"env"`` (:data:`CHUNK_ENV`) or
+    ``"default"`` (:data:`DEFAULT_CHUNK_ELEMENTS`). A serializer's ``chunk_elements`` option,
+    where set, overrides both for that serializer."""
+
+    elements: int
+    source: str
+
+
+def chunk_setting() -> ChunkSetting:
+    """The default chunk size of the torch paths: :data:`CHUNK_ENV` if set, else
+    :data:`DEFAULT_CHUNK_ELEMENTS`. Read on every call (the variable may change at run time).
+
+    Raises: qstrat.errors.ConfigError (a ValueError) naming :data:`CHUNK_ENV` when it is set
+    but not an integer >= 1.
+    """
+    env = os.environ.get(CHUNK_ENV, "").strip()
+    if not env:
+        return ChunkSetting(DEFAULT_CHUNK_ELEMENTS, "default")
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{CHUNK_ENV}={env!r}: expected an integer >= 1 (weight elements per chunk)")
+    return ChunkSetting(value, "env")
+
+
+def cache_chunk_elements() -> int:
+    """Default chunk size in weight elements (:func:`chunk_setting`'s ``elements``).
+
+    Raises: qstrat.errors.ConfigError for a malformed :data:`CHUNK_ENV`.
+    """
+    return chunk_setting().elements
+
+
+def chunk_workers() -> int:
+    """Worker threads the fast paths spread a call's chunks over: ``torch.get_num_threads()``
+    (torch sets it from ``OMP_NUM_THREADS`` or the CPUs this process may run on; change it with
+    ``torch.set_num_threads``). One worker runs the chunks on the calling thread."""
+    return torch.get_num_threads()
+
+
+#: Where Linux reports cpu0's caches.
+SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 @functools.cache
-def llc_bytes() -> int:
-    """Size of the largest CPU cache level of cpu0 (Linux sysfs), else :data:`DEFAULT_LLC_BYTES`."""
+def reported_llc_bytes(root: Path = SYSFS_CACHE) -> int | None:
+    """Size in bytes of the largest data/unified cache under ``root`` (Linux sysfs layout:
+    ``index*/type`` and ``index*/size`` such as ``32768K``), None where none is reported. Reported
+    only (``qstrat bench``): a VM may report its host's cache (300 MiB seen on a 2-core Intel VM),
+    so nothing is sized from it."""
     best = 0
     try:
-        for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        for index in root.glob("index*"):
             if (index / "type").read_text().strip() == "Instruction":
                 continue
             size = (index / "size").read_text().strip().upper()
@@ -46,19 +99,7 @@ def llc_bytes() -> int:
             best = max(best, int(size.rstrip("KM")) * mult)
     except (OSError, ValueError):
         best = 0
-    return best or DEFAULT_LLC_BYTES
-
-
-def cache_chunk_elements() -> int:
-    """Default chunk size (weight elements): the fp32 scratch of one chunk is 1/:data:`LLC_SHARE`
-    of the last-level cache (32 MiB L3: 1,048,576 elements, 8 MiB of scratch).
-
-    Environment override: ``QSTRAT_CHUNK_ELEMENTS`` (an integer > 0).
-    """
-    env = os.environ.get("QSTRAT_CHUNK_ELEMENTS")
-    if env:
-        return max(1, int(env))
-    return max(MIN_CHUNK_ELEMENTS, llc_bytes() // LLC_SHARE // SCRATCH_BYTES_PER_ELEMENT)
+    return best or None
 
 
 def chunks(shape: tuple[int, int, int], chunk_elements: int,

@@ -51,3 +51,27 @@ def driver(cfg):
     from qstrat.driver import RefitDriver
 
     return RefitDriver("block-fp8", hf_config=cfg)
+
+
+def corrupted(llm, transform):
+    """Context: the next reload's payload (a list of (name, tensor)) goes through ``transform``."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def patch():
+        real = llm.collective_rpc
+
+        def rpc(method, *args, **kwargs):
+            if method == "reload_weights":
+                kw = dict(kwargs["kwargs"])
+                kw["weights_iterator"] = transform(list(kw["weights_iterator"]))
+                kwargs = {**kwargs, "kwargs": kw}
+            return real(method, *args, **kwargs)
+
+        llm.collective_rpc = rpc
+        try:
+            yield
+        finally:
+            del llm.collective_rpc  # the instance attribute; the method shows again
+
+    return patch()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 
+from qstrat.bench import machine
 from qstrat.cli import main
+from qstrat.serializers import chunking
 
 
 def test_quick_bench_reports_every_figure(tmp_path, capsys):
@@ -42,6 +44,41 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
     assert plan["tensors"] > 20 and math.isclose(plan["us_per_tensor"], plan["ms"] * 1e3 / plan["tensors"], rel_tol=0.02)
     text = capsys.readouterr().out
     assert "its ms / qstrat ms" in text and "loop / grouped" in text and "overhead" in text
+    # the machine facts: the JSON's are what the code in force uses, and the header prints them
+    m = doc["machine"]
+    setting = chunking.chunk_setting()
+    assert (m["chunk_elements"], m["chunk_source"]) == (setting.elements, setting.source)
+    assert m["chunk_workers"] == chunking.chunk_workers() == m["torch_threads"]
+    assert m["reported_llc_bytes"] == chunking.reported_llc_bytes()
+    assert m == {**machine(), "torch_threads": m["torch_threads"]}
+    assert f"{setting.elements:,} ({setting.source})" in text and "AMX" in text
+
+
+def test_machine_facts_come_from_cpuinfo_and_the_chunk_setting(monkeypatch, capsys):
+    from pathlib import Path
+
+    from qstrat.bench import machine_table
+    from rich.console import Console
+
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+    flags = next(ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags"))
+    monkeypatch.setenv("QSTRAT_CHUNK_ELEMENTS", "262144")
+    m = machine()
+    assert m["cpu"] == model and m["amx"] == ("amx_tile" in flags)
+    assert (m["chunk_elements"], m["chunk_source"]) == (262144, "env")
+    Console(width=200).print(machine_table(m))
+    text = capsys.readouterr().out
+    assert "262,144 (env)" in text and model in text
+    assert ("AMX" in text) and (("yes" if m["amx"] else "no") in text.split("AMX", 1)[1].split("\n")[0])
+
+
+def test_malformed_chunk_variable_is_refused_before_measuring(monkeypatch, capsys):
+    monkeypatch.setenv("QSTRAT_CHUNK_ELEMENTS", "1M")
+    assert main(["bench", "--quick", "--only", "plan"]) == 2
+    captured = capsys.readouterr()
+    assert "QSTRAT_CHUNK_ELEMENTS='1M': expected an integer >= 1" in captured.err
+    assert "us / tensor" not in captured.out
 
 
 def test_unknown_section_is_a_user_error(capsys):

@@ -185,3 +185,13 @@ def test_source_dir_files_are_copied_except_weights_and_regenerated_ones(tmp_pat
         "tokenizer.model", "vocab.txt"]
     assert (out / "vocab.txt").read_text() == "vocab.txt"
     assert json.loads((out / "config.json").read_text()) == {"model_type": "x", "architectures": ["XForCausalLM"]}
+
+
+def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_config, tmp_path):
+    from qstrat import QstratError
+    from qstrat.checkpoint import write_checkpoint
+
+    with pytest.raises(QstratError, match=r"'rope_theta' cannot be written to config.json"):
+        write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
+                         tmp_path / "out", hf_config={**tiny_hf_config, "rope_theta": float("nan")})
+    assert not (tmp_path / "out").exists()

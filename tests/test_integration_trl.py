@@ -24,14 +24,14 @@ def _vllm_generation():
     return importlib.import_module(HOOK_MODULE)
 
 
-def _run(strategy, tmp_path, peft=False):
+def _run(strategy, tmp_path, peft=False, verify_every=0):
     """Train, release the trainer's engine, then compare every sync with a fresh engine."""
     from qstrat.demo.tiny_model import hf_config
     from qstrat.engine.local import release
     from qstrat.integrations.trl import QstratWeightSync
     from qstrat.integrations.trl_demo import fresh_engine_greedy, policy, train
 
-    trainer, probe = train(strategy, 2, tmp_path, peft=peft)
+    trainer, probe = train(strategy, 2, tmp_path, peft=peft, verify_every=verify_every)
     sync = probe.sync
     assert isinstance(sync, QstratWeightSync)
     # The engine started on the qstrat checkpoint of the policy, in the strategy's format.
@@ -60,6 +60,14 @@ def _run(strategy, tmp_path, peft=False):
         assert h["qstrat/refit/tensors"] == report.tensors
         assert h["qstrat/refit/seconds"] == pytest.approx(report.seconds)
         assert h["qstrat/sync/seconds"] >= report.seconds
+        if verify_every:  # the fidelity probe ran on every sync and logged its numbers
+            f = report.fidelity
+            assert f is not None and f.passed and f.mean_kl <= f.threshold.mean_kl
+            assert h["qstrat/fidelity/mean_kl"] == f.mean_kl
+            assert h["qstrat/fidelity/max_dlogprob"] == f.max_dlogprob
+            assert h["qstrat/fidelity/bf16_kl"] == f.bf16_kl > 0
+        else:
+            assert report.fidelity is None and "qstrat/fidelity/mean_kl" not in h
         # TRL's importance-sampling statistics are still computed (quantized engine vs BF16 trainer).
         for key in ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
             assert math.isfinite(h[key])
@@ -69,7 +77,8 @@ def _run(strategy, tmp_path, peft=False):
 @pytest.mark.engine
 @pytest.mark.parametrize("strategy", ["block-fp8", "mxfp8"])
 def test_grpo_engine_equals_fresh_engine_after_every_step(strategy, tmp_path, one_engine_thread):
-    _run(strategy, tmp_path)
+    # MXFP8 also runs the fidelity probe on every sync and logs its numbers with TRL's metrics.
+    _run(strategy, tmp_path, verify_every=1 if strategy == "mxfp8" else 0)
 
 
 @pytest.mark.engine
@@ -166,6 +175,10 @@ def test_bad_arguments_fail_before_anything_is_patched():
     with pytest.raises(ConfigError, match=r"^engine_kwargs.model: the engine starts on the qstrat checkpoint"):
         with qtrl.rollouts("block-fp8", engine_kwargs={"model": "x"}):
             pass
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match=r"^verify_every: a sync count >= 0 \(0: never probe\), got"):
+            with qtrl.rollouts("block-fp8", verify_every=bad):
+                pass
     assert cls.__dict__["_init_vllm"] is original
 
 
@@ -181,3 +194,24 @@ def test_trainer_without_vllm_is_refused(tmp_path):
         qtrl.make_trainer(GRPOTrainer, "block-fp8", model=policy(), processing_class=tiny_tokenizer(),
                           reward_funcs=word_reward, train_dataset=Dataset.from_dict({"prompt": ["w5 w6"]}),
                           args=grpo_args(tmp_path, 1, use_vllm=False))
+
+
+def test_fidelity_probe_with_a_peft_model_is_refused_before_the_engine_starts(tmp_path):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOTrainer
+
+    from qstrat.errors import ConfigError
+    from qstrat.integrations import trl as qtrl
+    from qstrat.integrations.trl_demo import grpo_args, policy, tiny_tokenizer, word_reward
+
+    cls = _vllm_generation().VLLMGeneration
+    original = cls.__dict__["_init_vllm"]
+    with pytest.raises(ConfigError, match=r"^verify_every: the fidelity probe runs the trainer's model on the "
+                                          r"refit's own tensor names; a PEFT model's names differ"):
+        qtrl.make_trainer(GRPOTrainer, "block-fp8", model=policy(), processing_class=tiny_tokenizer(),
+                          reward_funcs=word_reward, train_dataset=Dataset.from_dict({"prompt": ["w5 w6"]}),
+                          args=grpo_args(tmp_path, 1), verify_every=1,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert cls.__dict__["_init_vllm"] is original
+    assert not list(tmp_path.glob("**/*.safetensors"))  # no checkpoint was written

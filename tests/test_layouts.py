@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from qstrat import RefitDriver
 from qstrat.builtin.layouts import DEEPSEEK_V3, MIXTRAL, QWEN3_5_MOE, QWEN3_MOE
 from qstrat.layouts import ParsedName
 
@@ -78,3 +79,11 @@ def test_a_non_ascii_digit_layer_index_is_an_unplaced_name_not_a_crash():
     name = "model.layers.\u00b2.self_attn.q_proj.weight"
     with pytest.raises(PlanError, match=r"cannot place 1 weight matrices: model\.layers\.\u00b2\.self_attn"):
         RefitDriver("block-fp8").plan({name: meta, "model.layers.0.self_attn.q_proj.weight": meta})
+
+
+@pytest.mark.parametrize("value", ["four", 2.5, True, 0])
+def test_a_config_depth_that_is_not_a_positive_integer_names_the_key(tiny_model, tiny_hf_config, value):
+    from qstrat import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model config: num_hidden_layers must be an integer >= 1, got "):
+        RefitDriver("block-fp8", hf_config={**tiny_hf_config, "num_hidden_layers": value}).plan(tiny_model.state_dict())

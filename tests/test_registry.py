@@ -1,4 +1,5 @@
-"""Mistakes a plugin author makes get a PluginError that names the plugin, the hook and the fix.
+"""qstrat.registry: what the plugins (built-ins included) register, looked up by name; mistakes a plugin
+author makes get a PluginError that names the plugin, the hook and the fix.
 
 Each test registers a deliberately broken in-process plugin with ``Registry(plugins=[...])``
 next to the built-ins (loaded through the entry point, as in production).
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import qstrat
-from qstrat import PluginError, Registry
+from qstrat import ConfigError, PluginError, Registry
 from qstrat.hookspecs import hookimpl
 from qstrat.layouts import ModelLayout
 from qstrat.selectors import Selector
@@ -238,20 +239,8 @@ def test_in_process_registry_is_used_for_driver_config_validation():
         qstrat.RefitDriver({"preset": "only-here"})
 
 
-def test_non_special_selector_never_matches_routers():
-    from qstrat.hookspecs import hookimpl
-    from qstrat.selectors import Selector
-
-    class Greedy:
-        @hookimpl
-        def qstrat_selectors(self):
-            return [Selector("everything", "matches any name", lambda p: True)]
-
-    reg = qstrat.Registry(plugins=[Greedy()])
-    driver = qstrat.RefitDriver({"rules": [{"select": "everything", "serializer": "block_fp8"}]},
-                                hf_config={"model_type": "qwen3_moe", "num_hidden_layers": 1}, registry=reg)
-    t = {"model.layers.0.mlp.gate.weight": torch.empty(8, 256, device="meta"),
-         "model.layers.0.self_attn.q_proj.weight": torch.empty(256, 256, device="meta")}
-    decided = {e.name: e.serializer for e in driver.plan(t).entries}
-    assert decided == {"model.layers.0.mlp.gate.weight": "passthrough",
-                       "model.layers.0.self_attn.q_proj.weight": "block_fp8"}
+def test_get_serializer_errors():
+    with pytest.raises(ConfigError, match="unknown serializer 'fp7'; valid:"):
+        qstrat.get_serializer("fp7")
+    with pytest.raises(ConfigError, match=r"min_scale_byte: Input should be less than or equal to 254"):
+        qstrat.get_serializer("mxfp8", min_scale_byte=255)

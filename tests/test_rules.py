@@ -1,0 +1,151 @@
+"""qstrat.rules: which serializer each tensor gets and why (keep_bf16, the rules in order with
+their selectors and include/exclude patterns, the default, special kinds only by explicit rule)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qstrat
+from qstrat import RefitDriver, load_config
+from qstrat.builtin.layouts import QWEN3_MOE
+from qstrat.registry import get_registry
+from qstrat.rules import PASSTHROUGH, RuleSet, is_weight_matrix, kept_bf16
+
+from plan_cases import by_name, small_moe
+
+
+def test_routers_embeddings_lm_head_need_explicit_rules():
+    cfg, tensors = small_moe()
+    everything = {"rules": [{"select": "linear", "include": ["*"], "serializer": "block_fp8"}]}
+    e = by_name(RefitDriver(everything, hf_config=cfg).plan(tensors))
+    assert e["model.layers.1.mlp.gate.weight"].serializer == "passthrough"
+    assert e["lm_head.weight"].serializer == "passthrough"
+    explicit = {"rules": [{"select": ["linear", "routers", "lm_head"], "serializer": "block_fp8"}]}
+    e = by_name(RefitDriver(explicit, hf_config=cfg).plan(tensors))
+    assert e["model.layers.1.mlp.gate.weight"].serializer == "block_fp8"
+    assert e["lm_head.weight"].serializer == "block_fp8"
+    assert e["model.embed_tokens.weight"].serializer == "passthrough"
+    assert e["model.layers.1.input_layernorm.weight"].serializer == "passthrough"
+
+
+def test_include_exclude_glob_and_regex():
+    cfg, tensors = small_moe()
+    rules = {"rules": [{"select": "linear", "include": ["re:layers\\.[12]\\."],
+                        "exclude": ["*.o_proj.weight"], "serializer": "block_fp8"}]}
+    e = by_name(RefitDriver(rules, hf_config=cfg).plan(tensors))
+    assert e["model.layers.1.self_attn.q_proj.weight"].serializer == "block_fp8"
+    assert e["model.layers.1.self_attn.o_proj.weight"].serializer == "bf16"
+    assert e["model.layers.3.self_attn.q_proj.weight"].serializer == "bf16"
+
+
+def test_generic_layout_never_quantizes_unknown_routers():
+    t = {n: torch.empty(8, 256, device="meta") for n in (
+        "model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.feed_forward.router.weight",
+        "model.layers.0.some_block.gate.weight")}
+    t["model.layers.0.block_sparse_moe.experts.0.w1.weight"] = torch.empty(128, 256, device="meta")
+    plan = RefitDriver("block-fp8").plan(t)  # no hf_config: generic layout
+    assert {e.name: e.serializer for e in plan.entries} == {
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight": "block_fp8",
+        "model.layers.0.block_sparse_moe.gate.weight": "passthrough",
+        "model.layers.0.feed_forward.router.weight": "passthrough",
+        "model.layers.0.some_block.gate.weight": "passthrough"}
+    assert "model.layers.0.block_sparse_moe.gate" in plan.ignored_layers
+
+
+def test_allow_special_lets_include_reach_routers_only():
+    cfg, tensors = small_moe()
+    rule = {"select": "attention", "include": ["*layers.1.*"], "allow_special": True, "serializer": "block_fp8"}
+    e = by_name(RefitDriver({"rules": [rule]}, hf_config=cfg).plan(tensors))
+    assert e["model.layers.1.mlp.gate.weight"].serializer == "block_fp8"            # opted in
+    assert e["model.layers.1.self_attn.q_proj.weight"].serializer == "block_fp8"
+    assert e["model.layers.1.mlp.experts.0.up_proj.weight"].serializer == "bf16"    # not selected
+    assert e["model.layers.2.mlp.gate.weight"].serializer == "passthrough"
+
+
+def test_non_special_selector_never_matches_routers():
+    from qstrat.hookspecs import hookimpl
+    from qstrat.selectors import Selector
+
+    class Greedy:
+        @hookimpl
+        def qstrat_selectors(self):
+            return [Selector("everything", "matches any name", lambda p: True)]
+
+    reg = qstrat.Registry(plugins=[Greedy()])
+    driver = qstrat.RefitDriver({"rules": [{"select": "everything", "serializer": "block_fp8"}]},
+                                hf_config={"model_type": "qwen3_moe", "num_hidden_layers": 1}, registry=reg)
+    t = {"model.layers.0.mlp.gate.weight": torch.empty(8, 256, device="meta"),
+         "model.layers.0.self_attn.q_proj.weight": torch.empty(256, 256, device="meta")}
+    decided = {e.name: e.serializer for e in driver.plan(t).entries}
+    assert decided == {"model.layers.0.mlp.gate.weight": "passthrough",
+                       "model.layers.0.self_attn.q_proj.weight": "block_fp8"}
+
+
+def rule_set(config) -> RuleSet:
+    return RuleSet(load_config(config), get_registry())
+
+
+def decided(rules: RuleSet, name: str, matrix: bool = True, num_layers: int | None = 8):
+    d = rules.decide(QWEN3_MOE.parse(name, num_layers), matrix, num_layers)
+    return d.serializer, d.options, d.rule
+
+
+def test_decide_in_the_documented_order():
+    """not a matrix, then keep_bf16, then the rules in order (first match wins), then default
+    for quantizable kinds and passthrough for the rest."""
+    rules = rule_set({"keep_bf16": {"first": 1, "last": 2}, "default": "mxfp8",
+                      "rules": [{"select": "attention", "exclude": ["*.o_proj.weight"], "serializer": "block_fp8",
+                                 "options": {"ue8m0": True}},
+                                {"select": ["attention", "experts"], "serializer": "nvfp4"}]})
+    assert decided(rules, "model.layers.3.self_attn.q_proj.weight", matrix=False) == \
+        (PASSTHROUGH, {}, "not a weight matrix")
+    assert decided(rules, "model.layers.0.self_attn.q_proj.weight") == ("bf16", {}, "keep_bf16.first")
+    assert decided(rules, "model.layers.6.mlp.experts.1.up_proj.weight") == ("bf16", {}, "keep_bf16.last")
+    assert decided(rules, "model.layers.5.mlp.experts.1.up_proj.weight") == ("nvfp4", {}, "rules[1]")
+    assert decided(rules, "model.layers.3.self_attn.q_proj.weight") == ("block_fp8", {"ue8m0": True}, "rules[0]")
+    assert decided(rules, "model.layers.3.self_attn.o_proj.weight") == ("nvfp4", {}, "rules[1]")  # excluded from [0]
+    assert decided(rules, "model.layers.3.mlp.shared_expert.up_proj.weight") == ("mxfp8", {}, "default")
+    assert decided(rules, "model.layers.3.mlp.gate.weight") == (PASSTHROUGH, {}, "never quantized: router")
+    assert decided(rules, "model.layers.0.mlp.gate.weight") == (PASSTHROUGH, {}, "never quantized: router")
+    assert decided(rules, "lm_head.weight") == (PASSTHROUGH, {}, "never quantized: lm_head")
+    d = rules.decide(QWEN3_MOE.parse("model.layers.3.self_attn.k_proj.weight", 8), True, 8)
+    assert (d.parsed.kind, d.parsed.layer, d.parsed.projection) == ("attention", 3, "k_proj")
+
+
+def test_a_decisions_options_are_a_copy_of_the_rules():
+    rules = rule_set({"rules": [{"serializer": "block_fp8", "options": {"ue8m0": True}}]})
+    first = rules.decide(QWEN3_MOE.parse("model.layers.1.self_attn.q_proj.weight"), True, 4)
+    first.options["ue8m0"] = False
+    assert decided(rules, "model.layers.1.self_attn.q_proj.weight") == ("block_fp8", {"ue8m0": True}, "rules[0]")
+
+
+def test_rule_for_finds_only_config_rules():
+    rules = rule_set({"rules": [{"select": "attention", "serializer": "mxfp8", "on_unsupported": "bf16"}]})
+    assert rules.rule_for("rules[0]").on_unsupported == "bf16"
+    assert rules.rule_for("rules[1]") is None and rules.rule_for("default") is None
+
+
+@pytest.mark.parametrize("layer,num_layers,first,last,kept", [
+    (0, 8, 1, 0, True), (1, 8, 1, 0, False), (7, 8, 0, 1, True), (6, 8, 0, 1, False), (6, 8, 0, 2, True),
+    (7, None, 0, 1, False),  # depth unknown: last keeps nothing (the planner refuses keep_bf16.last then)
+    (3, 8, 0, 0, False),
+])
+def test_kept_bf16_counts_decoder_layers_from_both_ends(layer, num_layers, first, last, kept):
+    p = QWEN3_MOE.parse(f"model.layers.{layer}.self_attn.q_proj.weight", num_layers)
+    assert kept_bf16(p, num_layers, first, last) is kept
+
+
+def test_kept_bf16_never_keeps_mtp_or_non_decoder_tensors():
+    from qstrat.builtin.layouts import DEEPSEEK_V3
+
+    mtp = DEEPSEEK_V3.parse("model.layers.61.mlp.experts.0.up_proj.weight", 61)
+    assert mtp.kind == "mtp" and kept_bf16(mtp, 61, 0, 1) is False
+    assert kept_bf16(QWEN3_MOE.parse("lm_head.weight", 8), 8, 8, 8) is False
+
+
+def test_is_weight_matrix_is_a_2d_weight_or_a_3d_slab():
+    q = QWEN3_MOE.parse("model.layers.0.self_attn.q_proj.weight")
+    bias = QWEN3_MOE.parse("model.layers.0.self_attn.q_proj.bias")
+    slab = QWEN3_MOE.parse("model.layers.0.mlp.experts.gate_up_proj")
+    assert [is_weight_matrix(q, 2), is_weight_matrix(q, 1), is_weight_matrix(q, 3)] == [True, False, False]
+    assert [is_weight_matrix(bias, 2), is_weight_matrix(slab, 3), is_weight_matrix(slab, 2)] == [False, True, False]
