@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import platform
 import sys
@@ -167,11 +168,17 @@ def triton_facts() -> list[Fact]:
 
 
 def diagnose() -> list[Fact]:
-    """Every fact, in report order. Never raises. vLLM logs at ERROR level unless
-    ``VLLM_LOGGING_LEVEL`` is set (read when vLLM is first imported)."""
+    """Every fact, in report order. Never raises. Unless ``VLLM_LOGGING_LEVEL`` is set, vLLM's
+    loggers show errors only (its import-time notices, e.g. "Triton is installed, but doesn't
+    include CPU backend", are logged before its own logging configuration applies)."""
     from qstrat.console import quiet_torchao_import
+    from qstrat.vllm_adapter import names
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+        root = logging.getLogger(names.LOGGER)
+        if root.level == logging.NOTSET:
+            root.setLevel(logging.ERROR)
     quiet_torchao_import()
     facts: list[Fact] = []
     for part in (environment, vllm_facts, kernel_facts, transfer_facts, triton_facts):

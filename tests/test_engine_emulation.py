@@ -4,6 +4,7 @@ The engines that run its kernels are in test_engine_refit.py and test_engine_mul
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from importlib.metadata import entry_points
 
 import pytest
@@ -99,7 +100,9 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
         assert [k.__name__ for k in native] == ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]
     assert [k.__name__ for k in before["mxfp8"]] == ["QstratEmulationMxfp8LinearKernel"]
     assert [k.__name__ for k in before["nvfp4"]] == ["QstratEmulationNvFp4LinearKernel"]
-    assert type(init_mxfp8_linear_kernel(weight_shape=(256, 256))).__name__ == "QstratEmulationMxfp8LinearKernel"
+    # vLLM 0.32 added the required weight_shape argument; older releases take none
+    shape = {"weight_shape": (256, 256)} if "weight_shape" in inspect.signature(init_mxfp8_linear_kernel).parameters else {}
+    assert type(init_mxfp8_linear_kernel(**shape)).__name__ == "QstratEmulationMxfp8LinearKernel"
     assert type(init_nvfp4_linear_kernel()).__name__ == "QstratEmulationNvFp4LinearKernel"
     assert [c.__name__ for c in fp8.backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)] == ["EmulatedCPUExpertsFp8"]
     assert [c.__name__ for c in mxfp8._mxfp8_backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)] == [
