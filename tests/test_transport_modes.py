@@ -19,22 +19,14 @@ from qstrat.errors import MixedWeightsError, WireManifestMismatchError
 from qstrat.transport import RefitSender
 from qstrat.transport.wire_manifest import reload_unit, wire_manifest_for_plan
 
-from transport_harness import Receiver, free_port, sha256
+from transport_harness import Receiver, free_port, sha256, tiny_refit_models
 
 BUCKET = 64 << 10
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-
-    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
-    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
-    ckpt = tmp_path_factory.mktemp("modes") / "a-fp8"
-    write_checkpoint(driver, model_a.state_dict(), ckpt)
-    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
+    return tiny_refit_models(tmp_path_factory.mktemp("modes"))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from qstrat.transport import RefitSender
 from qstrat.transport import checksum as cs
 from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET, Secret
 
-from transport_harness import Receiver, free_port, sha256
+from transport_harness import Receiver, free_port, sha256, tiny_refit_models
 
 SECRET = "correct horse battery staple 42"
 OTHER = "an entirely different secret!!"
@@ -89,15 +89,7 @@ def test_secret_is_hidden_and_not_picklable():
 # ---- authenticated rounds over gloo ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-
-    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
-    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
-    ckpt = tmp_path_factory.mktemp("security") / "a-fp8"
-    write_checkpoint(driver, model_a.state_dict(), ckpt)
-    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
+    return tiny_refit_models(tmp_path_factory.mktemp("security"))
 
 
 @pytest.fixture(scope="module")

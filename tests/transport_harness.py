@@ -31,6 +31,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_refit_models(directory: Any) -> tuple[Any, dict, dict, Any]:
+    """(block-FP8 driver, trainer tensors of model A, of model B, A's checkpoint under ``directory``):
+    the standalone receivers start on A's checkpoint and a round refits them to B."""
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+
+    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
+    ckpt = directory / "a-fp8"
+    write_checkpoint(driver, model_a.state_dict(), ckpt)
+    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
+
+
 def sha256(t: Any) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(__import__("torch").uint8).numpy()).hexdigest()
 
