@@ -3,7 +3,8 @@
 Loaded by tests/conftest.py. Strict when ``CI=true`` (how CI runs ``.ci/run``) or
 ``QSTRAT_STRICT=1``: vLLM and Triton must be importable (else the run stops at once, exit 3), and a
 test marked ``engine`` (starts a vLLM engine) or ``interpreter`` (runs the Triton kernels) that
-skips makes the run fail, listing each with its reason.
+skips makes the run fail, listing each with its reason - unless it is also marked ``gpu`` (it
+needs a GPU, which CI machines do not have).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def pytest_sessionstart(session):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if strict() and report.skipped and any(item.get_closest_marker(m) for m in MUST_RUN):
+    if (strict() and report.skipped and any(item.get_closest_marker(m) for m in MUST_RUN)
+            and not item.get_closest_marker("gpu")):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         item.config.stash[SKIPPED].append(f"{report.nodeid}: {reason}")
 

@@ -230,6 +230,7 @@ def test_mxfp8_rejects_k_not_multiple_of_32():
 
 # ---- GPU only: offsets beyond 2^31 elements ---------------------------------------------
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with >= 16 GiB free")
 @pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
 def test_offsets_beyond_2_31_elements(cls):

@@ -181,6 +181,7 @@ def test_e2m1_magnitude_equals_reference():
 
 # ---- GPU only: offsets beyond 2^31 elements -----------------------------------------
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU with >= 16 GiB free")
 def test_offsets_beyond_2_31_elements():
     reason = testing.check_offsets_beyond_2_31(NVFP4)

@@ -12,6 +12,11 @@ INNER = """
 import pytest
 
 @pytest.mark.engine
+@pytest.mark.gpu
+def test_gpu_only_engine_skips():
+    pytest.skip("needs a GPU")
+
+@pytest.mark.engine
 def test_engine_skips():
     pytest.skip("no engine here")
 
@@ -29,13 +34,13 @@ def run_inner(pytester, monkeypatch, ci: str | None, missing: str | None = None)
         monkeypatch.delenv("CI", raising=False)
     else:
         monkeypatch.setenv("CI", ci)
-    if missing:  # make find_spec(missing) return None inside the inner run
-        pytester.makeconftest(f"""
-import importlib.util
-_real = importlib.util.find_spec
-importlib.util.find_spec = lambda name, *a, **k: None if name == {missing!r} else _real(name, *a, **k)
-""")
-    pytester.makeini("[pytest]\nmarkers =\n    engine: x\n    interpreter: y\n")
+    if missing:  # find_spec(missing) is None during the inner (in-process) run only; monkeypatch restores it
+        import importlib.util
+
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, **k: None if name == missing else real(name, *a, **k))
+    pytester.makeini("[pytest]\nmarkers =\n    engine: x\n    interpreter: y\n    gpu: z\n")
     pytester.makepyfile(INNER)
     pytester.syspathinsert(HERE)
     return pytester.runpytest_inprocess("-p", "strict_suite", "-rs")
@@ -43,17 +48,18 @@ importlib.util.find_spec = lambda name, *a, **k: None if name == {missing!r} els
 
 def test_outside_ci_skips_are_skips(pytester, monkeypatch):
     result = run_inner(pytester, monkeypatch, ci=None)
-    result.assert_outcomes(passed=1, skipped=2)
+    result.assert_outcomes(passed=1, skipped=3)
     assert result.ret == 0
 
 
 def test_under_ci_a_skipped_engine_test_fails_the_run(pytester, monkeypatch):
     result = run_inner(pytester, monkeypatch, ci="true")
-    result.assert_outcomes(passed=1, skipped=2)
+    result.assert_outcomes(passed=1, skipped=3)
     assert result.ret == 1
     result.stdout.fnmatch_lines(["*FAILED (strict mode): 1 engine/kernel test(s) skipped under CI=true*",
                                  "*test_engine_skips: Skipped: no engine here*"])
-    assert "test_plain_skips" not in result.stdout.str().split("FAILED (strict mode)")[1]
+    listed = result.stdout.str().split("FAILED (strict mode)")[1]
+    assert "test_plain_skips" not in listed and "test_gpu_only" not in listed   # CI has no GPU
 
 
 def test_under_ci_a_missing_vllm_stops_the_run(pytester, monkeypatch):
