@@ -276,7 +276,10 @@ class Receiver:
         self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child, threads),
                                    daemon=True)
         self.process.start()
-        self.rpc, self.ctl = PipeClient(rpc_parent, timeout_s), PipeClient(ctl_parent, 180.0)
+        # The sender's wait for an RPC outlasts the group's timeout: a receiver whose peer died
+        # answers with its own TransportError once ITS collective times out (about timeout_s),
+        # which a wait of exactly timeout_s raced (the harness's TimeoutError won on a quiet machine).
+        self.rpc, self.ctl = PipeClient(rpc_parent, timeout_s + 15.0), PipeClient(ctl_parent, 180.0)
 
     def wait_ready(self) -> None:
         if not self.ctl.conn.poll(self.ctl.timeout_s):
