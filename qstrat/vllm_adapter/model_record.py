@@ -27,7 +27,7 @@ from typing import Any
 
 from qstrat.engine_manifest import EngineManifest, ManifestUnit
 from qstrat.serializers.base import dtype_name
-from qstrat.vllm_adapter.resolver import known_versions, resolve
+from qstrat.vllm_adapter.resolver import available, known_versions, resolve
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def read_engine_model(worker: Any) -> EngineModel:
     """
     info = resolve("layerwise_info")
     skipped = resolve("skip_tensors")
-    deferred = resolve("is_deferred_attention_layer")
+    deferred = _deferred_attention_predicate()
     runner = getattr(worker, "model_runner", None)
     if runner is None or not hasattr(runner, "get_model"):
         raise RuntimeError("the vLLM worker has no model_runner.get_model() (qstrat's vLLM version table "
@@ -94,6 +94,17 @@ def read_engine_model(worker: Any) -> EngineModel:
     world = int(getattr(parallel, "world_size", 1) or 1)
     return EngineModel(layers, packed, frozenset(skipped), world, padding,
                        getattr(model, "hf_to_vllm_mapper", None))
+
+
+def _deferred_attention_predicate() -> Any:
+    """``module -> bool``: whether vLLM's layerwise reload defers this attention module (its
+    kv-cache scales are not checkpoint weights). vLLM's ``is_deferred_attention_layer`` where the
+    installed version has it; before it existed (vllm < 0.28), the test those versions' reload
+    itself makes (``reload/layerwise.py``: ``isinstance(layer, (Attention, MLAAttention))``)."""
+    if available("is_deferred_attention_layer"):
+        return resolve("is_deferred_attention_layer")
+    kinds = (resolve("attention_layer"), resolve("mla_attention_layer"))
+    return lambda module: isinstance(module, kinds)
 
 
 def engine_model(llm: Any) -> EngineModel:
