@@ -58,9 +58,10 @@ class EngineModel:
 
     def vllm_name(self, module: str) -> str:
         """A checkpoint module name as vLLM names it: ``{module}.weight`` through the mapper's
-        public ``map_name``, less ``.weight`` (a module whose weight the mapper drops keeps its name)."""
-        mapped = self.mapper.map_name(f"{module}.weight") if self.mapper is not None else None
-        return mapped[: -len(".weight")] if mapped and mapped.endswith(".weight") else module
+        ``apply_list`` (public in every supported vLLM; ``map_name`` exists only from 0.31.0),
+        less ``.weight`` (a module whose weight the mapper drops keeps its name)."""
+        mapped = self.mapper.apply_list([f"{module}.weight"]) if self.mapper is not None else []
+        return mapped[0][: -len(".weight")] if mapped and mapped[0].endswith(".weight") else module
 
 
 def read_engine_model(worker: Any) -> EngineModel:
