@@ -20,8 +20,14 @@ from pathlib import Path
 
 import torch
 
-#: qstrat's formats, in the order doctor reports whose kernels an engine would run.
-ENGINE_FORMATS = ("block_fp8", "mxfp8", "nvfp4", "bf16")
+
+
+def engine_formats() -> tuple[str, ...]:
+    """The formats doctor reports kernels for: every registered format with a CPU emulation
+    (from the registry, plugins' too: :func:`qstrat.engine.emulation.formats`), then BF16."""
+    from qstrat.engine import emulation
+
+    return (*emulation.formats(), "bf16")
 
 
 @dataclass(frozen=True)
@@ -121,10 +127,10 @@ def kernel_facts() -> list[Fact]:
     from qstrat.vllm_adapter.platform_facts import vllm_installed
 
     if not vllm_installed():
-        return [Fact("engine kernels", f, "no engine: vLLM is not installed", True) for f in ENGINE_FORMATS]
+        return [Fact("engine kernels", f, "no engine: vLLM is not installed", True) for f in engine_formats()]
     env = os.environ.get("QSTRAT_VLLM_EMULATION")
     facts = []
-    for fmt in ENGINE_FORMATS:
+    for fmt in engine_formats():
         def support(fmt: str = fmt) -> tuple[str, bool]:
             ok, how = engine_support([fmt])
             if ok and fmt == "bf16":  # no quantized kernels involved

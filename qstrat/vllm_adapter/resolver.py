@@ -41,12 +41,17 @@ def known_versions() -> str:
 def is_known_version(version: str) -> bool:
     """Whether ``version`` is one the table was checked against (a local label such as
     ``+cpu`` ignored, as PEP 440 ``==`` does)."""
-    return any(_contains(f"=={v}", version) for v in names.VERSIONS)
+    return any(_contains(f"=={v}", version, as_release=False) for v in names.VERSIONS)
 
 
-def _contains(spec: str, version: str) -> bool:
+def _contains(spec: str, version: str, as_release: bool = True) -> bool:
+    """Whether ``version`` is in ``spec``, read as its release (PEP 440 ``base_version``): a
+    pre-release, dev build or post-release of X.Y.Z (``0.30.0rc1``, ``0.30.1.dev5+g1a2b``, a
+    source build) is taken as X.Y.Z - PEP 440 would put ``0.30.0rc1`` in neither ``<0.30.0`` nor
+    ``>=0.30.0``, so no table location would hold it. ``as_release=False``: PEP 440 as is."""
     try:
-        return SpecifierSet(spec).contains(Version(version), prereleases=True)
+        v = Version(version)
+        return SpecifierSet(spec).contains(Version(v.base_version) if as_release else v, prereleases=True)
     except InvalidVersion:
         return False
 
