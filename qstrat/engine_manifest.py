@@ -10,10 +10,11 @@ The manifest comes from what the ENGINE was started with, never from the trainer
 1. the model's tensors from its config.json alone (:func:`qstrat.skeleton.model_tensors`: the
    layout's names, HF modeling shapes), routed experts both per expert and as grouped slabs;
 2. which modules the engine serves quantized: with a ``quantization_config``, every weight
-   matrix of a decoder layer (attention, MLP, experts, routers) whose vLLM module is not covered
-   by its ``ignored_layers`` / ``ignore`` list (exact prefix or ``fnmatch`` wildcard);
-   embeddings, lm_head and norms never (vLLM's ``Fp8Config`` / ``ModelOptConfig`` quantize only
-   linear and MoE layers);
+   matrix of a decoder layer (attention, MLP, experts, routers) - and ``lm_head`` for ModelOpt
+   methods, which quantize a ``ParallelLMHead`` too - that the engine's ignore list does not
+   exclude, read by vLLM's rule for the engine's method (:mod:`qstrat.engine_ignore`: exact for
+   ``fp8``, also substrings and wildcards for ModelOpt, ``re:`` for compressed-tensors; fused
+   modules under vLLM's fused name); embeddings and norms never;
 3. the checkpoint tensors of a quantized module from the format's part specs (the registered
    serializer that serves the engine's config by its own rule, :func:`engine_format`):
    exact names, shapes and dtypes; every other tensor in the engine's dtype (any float dtype
@@ -27,8 +28,6 @@ vLLM's own record of the model (:mod:`qstrat.vllm_adapter.model_record`). This m
 """
 from __future__ import annotations
 
-import fnmatch
-import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from qstrat.engine_ignore import ignore_entries, quantizes_lm_head, unquantized_modules
 from qstrat.errors import EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
 from qstrat.plan.data import RefitPlan, natural_key
@@ -237,17 +237,11 @@ def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | Non
 
 
 def ignore_list(quantization_config: Mapping[str, Any] | None) -> list[str]:
-    """The modules a quantization_config leaves unquantized (``ignored_layers`` or ModelOpt ``ignore``)."""
-    cfg = quantization_config or {}
-    return list(cfg.get("ignored_layers") or cfg.get("ignore") or ())
-
-
-def covered(module: str, patterns: Collection[str]) -> bool:
-    """Whether an ignore list covers a vLLM module: an exact prefix or an ``fnmatch`` wildcard."""
-    return module in patterns or any(fnmatch.fnmatchcase(module, p) for p in patterns if _WILD.search(p))
-
-
-_WILD = re.compile(r"[*?\[]")
+    """The modules a quantization_config leaves unquantized, from the key the engine's vLLM method
+    reads (:func:`qstrat.engine_ignore.ignore_entries`: ``ignored_layers``, ModelOpt ``ignore`` or
+    nested ``quantization.exclude_modules``...). Which modules its entries exclude:
+    :func:`qstrat.engine_ignore.unquantized_modules`."""
+    return ignore_entries(quantization_config)
 
 
 def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[str, Any] | None,
@@ -268,8 +262,6 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         format cannot represent, a fused module the ignore list splits).
     """
     fmt = engine_format(quantization_config, registry)
-    ignore = set(ignore_list(quantization_config))
-    ignored: dict[str, bool] = {}  # vLLM module -> covered by the ignore list
     engine_dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
     num_layers = layout.num_layers(hf_config)
     if num_layers is None:
@@ -284,6 +276,10 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
             per_expert = [(n, s) for n, s in grouped if layout.parse(n, num_layers).kind != "expert"]
     except KeyError as exc:
         raise EngineManifestError(f"the engine's model config lacks {exc} (layout {layout.name})") from exc
+    quantizable = LINEAR_KINDS | ({"lm_head"} if quantizes_lm_head(quantization_config) else set())
+    # vLLM module -> kept unquantized by the engine's ignore list (vLLM's rule for its method)
+    ignored = unquantized_modules(quantization_config, {layout.parse(n, num_layers).vllm_module
+                                                        for n, _ in per_expert + slabs}, layout.fused)
     tensors: dict[str, ManifestTensor] = {}
     dropped: dict[str, ManifestTensor] = {}
     members: dict[str, dict[str, list[str]]] = {}
@@ -301,9 +297,7 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
             owner = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
             unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, owner) or p.module)
             form = ("fused" if slab_form else "per_expert") if p.kind == "expert" else ""
-            if p.vllm_module not in ignored:
-                ignored[p.vllm_module] = covered(p.vllm_module, ignore)
-            matrix = p.kind in LINEAR_KINDS and is_weight_matrix(p, len(shape))
+            matrix = p.kind in quantizable and is_weight_matrix(p, len(shape))
             quantized = fmt is not None and matrix and not ignored[p.vllm_module]
             for t in _checkpoint_tensors(name, shape, p.module, slab_form, fmt if quantized else None,
                                          engine_dtype, unit, form):
