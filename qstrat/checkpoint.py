@@ -236,7 +236,8 @@ def _write_errors(out: Path) -> Iterator[None]:
 
 def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any) -> dict[str, Any]:
     """The config.json a checkpoint of ``plan`` gets: ``hf_config`` with the plan's
-    ``quantization_config`` (removed for a BF16 plan) and ``architectures`` filled in when it is
+    ``quantization_config`` (removed for a BF16 plan; a ``text_config.quantization_config`` or
+    ``compression_config``, which vLLM would read too, removed) and ``architectures`` filled in when it is
     missing or null in a model config (one with ``model_type``), as ``model.config.to_dict()``
     gives it (vLLM picks the model class from it). A mapping without ``model_type`` (no model
     config at all) is written as given.
@@ -249,7 +250,12 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
         JSON-serializable (naming the key).
     """
     cfg = dict(hf_config)
+    # every place vLLM looks for a quantization config (text_config's: multimodal models;
+    # compression_config: compressed-tensors) holds the plan's or nothing
     cfg.pop("quantization_config", None)
+    cfg.pop("compression_config", None)
+    if isinstance(cfg.get("text_config"), Mapping) and "quantization_config" in cfg["text_config"]:
+        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k != "quantization_config"}
     if plan.quantization_config is not None:
         cfg["quantization_config"] = plan.vllm_quantization_config()
     if not cfg.get("architectures") and cfg.get("model_type"):

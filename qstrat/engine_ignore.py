@@ -56,8 +56,15 @@ class IgnoreRuleError(EngineManifestError):
 
 
 def method_of(quantization_config: Mapping[str, Any]) -> str:
-    """The config's ``quant_method``, lower-cased (vLLM compares it so)."""
-    return str(quantization_config.get("quant_method", "")).lower()
+    """The config's ``quant_method`` as vLLM names it: lower-cased, ``compressed_tensors`` ->
+    ``compressed-tensors``, ``modelopt`` for a producer-only ModelOpt hf_quant_config.json."""
+    cfg = quantization_config
+    producer = cfg.get("producer")
+    nested = cfg.get("quantization")
+    if (isinstance(producer, Mapping) and producer.get("name") == "modelopt") or (
+            isinstance(nested, Mapping) and "modelopt_quant_config" in nested):
+        return "modelopt"
+    return str(cfg.get("quant_method") or "").lower().replace("compressed_tensors", "compressed-tensors")
 
 
 def ignore_entries(quantization_config: Mapping[str, Any] | None) -> list[str]:
@@ -211,4 +218,8 @@ def _compressed_tensors(prefix: str, shards: Sequence[str], entries: Sequence[st
     """``should_ignore_layer`` (via ``find_matching_patterns``)."""
     def match(p: str) -> bool:
         return any(_ct_match(p, e) for e in entries)
-    return _fused(prefix, shards, match)
+    try:
+        return _fused(prefix, shards, match)
+    except re.error as exc:
+        raise IgnoreRuleError(f"quantization_config.ignore: an 're:' entry is not a regular expression ({exc})") \
+            from None

@@ -195,3 +195,17 @@ def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_c
         write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
                          tmp_path / "out", hf_config={**tiny_hf_config, "rope_theta": float("nan")})
     assert not (tmp_path / "out").exists()
+
+
+def test_output_config_keeps_no_quantization_config_vllm_would_read_instead():
+    """vLLM reads text_config.quantization_config (or compression_config) when the top level has
+    none: a BF16 checkpoint must not carry a stale one there."""
+    from qstrat.checkpoint import output_hf_config
+    from qstrat.layouts import ModelLayout
+
+    plan = RefitDriver("bf16").plan({"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4)})
+    cfg = {"architectures": ["X"], "text_config": {"hidden_size": 4, "quantization_config": {"quant_method": "fp8"}},
+           "compression_config": {"quant_method": "compressed-tensors"}, "quantization_config": {"quant_method": "fp8"}}
+    out = output_hf_config(cfg, plan, ModelLayout("x"))
+    assert out == {"architectures": ["X"], "text_config": {"hidden_size": 4}}
+    assert cfg["text_config"]["quantization_config"] == {"quant_method": "fp8"}  # the caller's config untouched
