@@ -81,7 +81,9 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         BackendUnavailableError (a rule's ``backend`` cannot run on the tensors' device);
         FileExistsError (``out_dir`` exists and not ``overwrite``; is not a directory; is not a
         checkpoint qstrat wrote - see :func:`check_replaceable`; is the current directory or
-        holds it); QstratError (``out_dir`` overlaps ``source_dir``; the config has no
+        holds it); QstratError (``out_dir`` cannot be created - a file on its path, a directory
+        that takes no new entries such as ``/proc``; parent directories a failed write created are
+        removed again -; ``out_dir`` overlaps ``source_dir``; the config has no
         ``architectures`` and none can be inferred; it is not JSON-serializable; writing failed,
         e.g. the disk is full: the message names the file and the cause).
     """
@@ -93,6 +95,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             raise FileNotFoundError(f"source_dir {source_dir} is not a directory (the model directory the "
                                     "tensors were read from, whose tokenizer and other files are copied)")
         _check_not_source(out, Path(source_dir))
+    check_output_location(out)
     if out.exists() or out.is_symlink():
         _check_not_cwd(out)
         if not overwrite:
@@ -109,8 +112,13 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     shards = assign_shards(plan.outputs(), shard_bytes)
     total = sum(o.nbytes for o in plan.outputs())
     parent = out.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=parent))
+    created = _make_parent(out, parent)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=parent))
+    except OSError as exc:
+        _remove_created(created)
+        raise QstratError(f"cannot create {out}: {parent} does not take new entries ({exc.strerror or exc}); "
+                          "nothing was written") from exc
     try:
         umask = _umask()
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700: an engine under another uid could not read it
@@ -127,8 +135,59 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_created(created)
         raise
     return plan
+
+
+def check_output_location(out: Path) -> None:
+    """Refuse an output path that cannot be created, before anything is planned or written: its
+    nearest existing ancestor must be a directory (``-o a_file/sub``) this process may write in.
+
+    Raises: QstratError naming ``out`` and the ancestor.
+    """
+    anc = out.absolute().parent
+    while not (anc.exists() or anc.is_symlink()) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise QstratError(f"cannot create {out}: {anc} is a file, not a directory; nothing was written")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise QstratError(f"cannot create {out}: no permission to create entries in {anc}; nothing was written")
+
+
+def _make_parent(out: Path, parent: Path) -> list[Path]:
+    """Create ``out``'s missing parent directories; return those created (outermost first), which
+    a failed write removes again (what the user did not have is not left behind).
+
+    Raises: QstratError naming ``out`` and the directory that could not be created.
+    """
+    missing: list[Path] = []
+    d = parent
+    while not d.exists() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    created: list[Path] = []
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs, never removed
+        except OSError as exc:
+            _remove_created(created)
+            raise QstratError(f"cannot create {out}: creating {d} failed ({exc.strerror or exc}); nothing was "
+                              "written") from exc
+        created.append(d)
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories :func:`_make_parent` created, innermost first, each only if still
+    empty (anything another process put there stays)."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 class OutputExistsError(FileExistsError):
