@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from qstrat.engine_manifest import model_tensors_check
 from qstrat.driver import RefitDriver
 from qstrat.inputs import NamedTensors
 from qstrat.errors import QstratError
@@ -106,7 +107,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     # spares lazily loaded tensors a second read; a stream (plan given) has its devices checked
     # as its tensors arrive.
     check = SinkCheck("config.json", lambda p: output_hf_config(config, p.plan, driver.layout))
-    prepared = driver.prepare(named_tensors, plan, (check,), values="inline", stream=True)
+    prepared = driver.prepare(named_tensors, plan, (check, model_tensors_check(driver, config)), values="inline", stream=True)
     plan = prepared.plan
     cfg_text = json.dumps(prepared.results[check.name], indent=2) + "\n"
     shards = assign_shards(plan.outputs(), shard_bytes)

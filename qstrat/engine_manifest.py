@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from qstrat.engine_ignore import ignore_entries, quantizes_lm_head, unquantized_modules
-from qstrat.errors import EngineManifestError, PlanError, UnsupportedShapeError
+from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
 from qstrat.plan.data import RefitPlan, natural_key
 from qstrat.plan.planner import FLOAT_INPUTS, fusion_group, fused_name
@@ -246,7 +246,8 @@ def ignore_list(quantization_config: Mapping[str, Any] | None) -> list[str]:
 
 def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[str, Any] | None,
                    layout: ModelLayout, registry: Registry, dtype: str | torch.dtype = "bfloat16",
-                   platform: str | None = None, unbuilt: Collection[str] = ()) -> EngineManifest:
+                   platform: str | None = None, unbuilt: Collection[str] = (),
+                   accept_mtp: bool = False) -> EngineManifest:
     """The manifest of an engine started on a checkpoint with this config (module docstring).
 
     Args:
@@ -257,6 +258,9 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         unbuilt: name prefixes of towers the engine did not build (a multimodal model started
             without images: vLLM skips the vision tower and its weights); their tensors are
             accepted and dropped.
+        accept_mtp: accept the model's MTP layers as optional tensors (``dropped``: a checkpoint
+            may hold them; a running engine's main model does not load them, so by default they
+            are unknown names).
     Returns: an :class:`EngineManifest`.
     Raises: EngineManifestError (unknown format, a config key the model needs is missing, a shape the
         format cannot represent, a fused module the ignore list splits).
@@ -290,6 +294,8 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         for name, shape in items:
             p = layout.parse(name, num_layers)
             if p.kind == "mtp":  # loaded by a speculative-decoding drafter only (docs/vllm.md)
+                if accept_mtp:
+                    dropped[name] = ManifestTensor(name, tuple(shape), engine_dtype, "")
                 continue
             if unbuilt and name.startswith(tuple(unbuilt)):
                 dropped[name] = ManifestTensor(name, tuple(shape), engine_dtype, "")
@@ -342,7 +348,8 @@ def _checkpoint_tensors(name: str, shape: tuple[int, ...], module: str, slab: bo
 
 
 def check_plan(plan: RefitPlan, manifest: EngineManifest,
-               layers: Collection[int | str] | None = None) -> None:
+               layers: Collection[int | str] | None = None,
+               against: str = "what the engine accepts (nothing was sent)") -> None:
     """Raise PlanError unless every tensor the plan emits is one the engine accepts and every
     reload unit gets all of its tensors or none.
 
@@ -353,7 +360,8 @@ def check_plan(plan: RefitPlan, manifest: EngineManifest,
     :meth:`EngineManifest.parts`) exactly the units of those parts, each completely.
 
     Args:
-        plan: the validated plan; manifest: the engine's; layers: an explicit partial refit.
+        plan: the validated plan; manifest: the engine's; layers: an explicit partial refit;
+        against: what the manifest stands for, in the error's first line.
     Raises: PlanError listing every problem (the first :data:`MAX_LINES`), naming the tensors.
     """
     if isinstance(layers, (int, str)):  # one part given bare
@@ -389,8 +397,7 @@ def check_plan(plan: RefitPlan, manifest: EngineManifest,
     if errors:
         more = len(errors) - MAX_LINES
         shown = errors[:MAX_LINES] + ([f"... and {more} more"] if more > 0 else [])
-        raise PlanError("the refit does not match what the engine accepts (nothing was sent):\n  "
-                        + "\n  ".join(shown))
+        raise PlanError(f"the refit does not match {against}:\n  " + "\n  ".join(shown))
 
 
 def _unit_errors(unit: ManifestUnit, names: set[str], sent: Mapping[str, str]) -> list[str]:
@@ -439,3 +446,49 @@ def _part_label(part: int | str) -> str:
 
 def _few(items: Sequence[str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, layout: ModelLayout,
+                        registry: Registry, partial: bool = False) -> bool:
+    """Check ``plan`` against the tensors ``hf_config`` implies: the manifest of an engine started on
+    the plan's own checkpoint (:func:`build_manifest` with the plan's ``quantization_config``, MTP
+    layers optional) and :func:`check_plan` - the same check ``qstrat.vllm.refit`` makes against a
+    live engine, for sinks without one (``write_checkpoint``, ``RefitSender.refit``): a missing or
+    extra tensor, a wrong shape (a transposed projection, a padded vocabulary) or dtype, a reload
+    unit sent in part.
+
+    Args:
+        plan: the validated plan; hf_config: the model config (None: nothing to check);
+        layout, registry: the driver's; partial: the plan was given (an explicit partial refit:
+            whole parts, not every layer).
+    Returns: True if checked; False when the layout cannot derive the model's tensors from
+        ``hf_config`` (a structure it does not generate, the ``generic`` layout, a key it lacks).
+    Raises: PlanError naming every problem (:func:`check_plan`); EngineManifestError for an ignore
+        list vLLM would refuse or read two ways.
+    """
+    if not hf_config or layout.num_layers(hf_config) is None:
+        return False
+    try:
+        manifest = build_manifest(hf_config, plan.vllm_quantization_config(), layout, registry, accept_mtp=True)
+    except ConfigOnlyUnsupportedError:
+        return False
+    except EngineManifestError as exc:
+        if isinstance(exc.__cause__, KeyError):  # the config lacks a key: nothing to derive from
+            return False
+        raise
+    check_plan(plan, manifest, manifest.parts_sent(plan) if partial else None,
+               against="the model's tensors (from its config; nothing was written or sent)")
+    return True
+
+
+def model_tensors_check(driver: Any, hf_config: Mapping[str, Any] | None = None) -> Any:
+    """The ``model tensors`` :class:`~qstrat.prepare.SinkCheck` of a sink without an engine
+    (``write_checkpoint``, ``RefitSender.refit``): :func:`check_model_tensors` with the driver's
+    layout and registry, against ``hf_config`` (default: the driver's), partial when the plan was
+    given."""
+    from qstrat.prepare import SinkCheck
+
+    def run(p: Any) -> bool:
+        cfg = hf_config if hf_config is not None else driver.hf_config
+        return check_model_tensors(p.plan, cfg, driver.layout, driver.registry, p.plan_given)
+    return SinkCheck("model tensors", run)

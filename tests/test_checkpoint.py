@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import qstrat.checkpoint as ckpt
-from qstrat import NonFiniteError, QstratError, RefitDriver
+from qstrat import NonFiniteError, PlanError, QstratError, RefitDriver
 from qstrat.checkpoint import assign_shards, load_checkpoint, shard_file_names, write_checkpoint
 
 MiB = 1 << 20
@@ -209,3 +209,58 @@ def test_output_config_keeps_no_quantization_config_vllm_would_read_instead():
     out = output_hf_config(cfg, plan, ModelLayout("x"))
     assert out == {"architectures": ["X"], "text_config": {"hidden_size": 4}}
     assert cfg["text_config"]["quantization_config"] == {"quant_method": "fp8"}  # the caller's config untouched
+
+
+# ---- the plan against the tensors hf_config implies (the "model tensors" sink check) ------------
+def _mutated(state, change):
+    state = dict(state)
+    change(state)
+    return state
+
+
+MODEL_TENSOR_CASES = {
+    "missing": (lambda s: s.pop("model.layers.2.self_attn.k_proj.weight"),
+                r"model\.layers\.2\.self_attn\.\{q_proj,k_proj,v_proj\}: the plan sends 2 of its 3 tensors; vLLM would "
+                r"process it with uninitialised memory for the rest\. Missing: model\.layers\.2\.self_attn\.k_proj\.weight"),
+    "extra bias": (lambda s: s.__setitem__("model.layers.1.self_attn.q_proj.bias", torch.ones(256)),
+                   r"model\.layers\.1\.self_attn\.q_proj\.bias: the engine's model\.layers\.1\.self_attn\.q_proj takes "
+                   r"weight, not bias"),
+    "transposed": (lambda s: s.__setitem__("model.layers.1.self_attn.k_proj.weight",
+                                           s["model.layers.1.self_attn.k_proj.weight"].T.contiguous()),
+                   r"model\.layers\.1\.self_attn\.k_proj\.weight: shape \[256, 128\], the engine expects \[128, 256\]"),
+    "narrow norm": (lambda s: s.__setitem__("model.layers.0.input_layernorm.weight", torch.ones(255)),
+                    r"model\.layers\.0\.input_layernorm\.weight: shape \[255\], the engine expects \[256\]"),
+    "padded vocab": (lambda s: s.__setitem__("model.embed_tokens.weight", torch.ones(1088, 256, dtype=torch.bfloat16)),
+                     r"model\.embed_tokens\.weight: shape \[1088, 256\], the engine expects \[1024, 256\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_TENSOR_CASES))
+def test_a_plan_that_is_not_the_models_tensors_is_not_written(case, tiny_model, tiny_hf_config, tmp_path):
+    change, message = MODEL_TENSOR_CASES[case]
+    state = _mutated(tiny_model.state_dict(), change)
+    driver = RefitDriver("bf16", hf_config=tiny_hf_config)
+    with pytest.raises(PlanError, match=r"^the refit does not match the model's tensors \(from its config; nothing "
+                                        r"was written or sent\):\n  " + (message or "")):
+        write_checkpoint(driver, state, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_model_tensors_check_accepts_mtp_and_skips_what_it_cannot_derive(tmp_path):
+    from qstrat.builtin.layouts import DEEPSEEK_V3
+    from qstrat.engine_manifest import check_model_tensors
+    from qstrat.registry import get_registry
+    from qstrat.skeleton import model_tensors
+
+    from conftest import model_config
+
+    cfg = model_config("deepseek-v3")
+    drv = RefitDriver("block-fp8", hf_config=cfg)
+    meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(DEEPSEEK_V3, cfg)}
+    assert any(n.startswith("model.layers.61.") for n in meta)  # the MTP layer
+    assert check_model_tensors(drv.plan(meta), cfg, DEEPSEEK_V3, get_registry()) is True
+    no_mtp = {n: t for n, t in meta.items() if not n.startswith("model.layers.61.")}
+    assert check_model_tensors(drv.plan(no_mtp), cfg, DEEPSEEK_V3, get_registry()) is True
+    generic = RefitDriver("bf16", hf_config={"model_type": "x", "num_hidden_layers": 1})
+    plan = generic.plan({"model.norm.weight": torch.ones(8)})
+    assert check_model_tensors(plan, generic.hf_config, generic.layout, get_registry()) is False
