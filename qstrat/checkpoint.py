@@ -304,7 +304,9 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
 
     ``architectures`` is the layout's :meth:`~qstrat.layouts.ModelLayout.output_architecture`:
     transformers' auto-model table for the config's ``model_type``, else the layout's single
-    architecture.
+    architecture. Then the layout's :meth:`~qstrat.layouts.ModelLayout.output_config` (DeepSeek-V3:
+    the routing keys transformers fixes and vLLM reads, ``scoring_func: sigmoid``,
+    ``topk_method: noaux_tc``, filled in when absent).
 
     Raises: QstratError when no architecture can be inferred, or the config is not
         JSON-serializable (naming the key).
@@ -326,6 +328,7 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
                 "model.config.to_dict() leaves it null) and qstrat cannot infer it; vLLM picks the model "
                 "class from it: set hf_config['architectures'], e.g. [type(model).__name__]")
         cfg["architectures"] = [arch]
+    cfg = layout.output_config(cfg)
     for key, value in cfg.items():
         try:
             json.dumps(value, allow_nan=False)  # NaN/inf is not JSON: vLLM and HF refuse the file

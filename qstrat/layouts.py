@@ -199,6 +199,13 @@ class ModelLayout(LayoutTensors):
                     return table[model_type]
         return self.architectures[0] if len(self.architectures) == 1 else None
 
+    def output_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+        """The model config a checkpoint of this family is written with (``write_checkpoint``'s
+        config.json): ``hf_config`` as given. A family whose transformers modeling fixes what vLLM
+        reads from a config key (with another default) overrides it: it fills in the key, or
+        refuses (QstratError naming the key) a value vLLM would read differently from the trainer."""
+        return dict(hf_config)
+
     def whole_slab_reason(self, projection: str | None, shape: Shape) -> str | None:
         """Why the grouped expert slab ``projection`` (of ``shape``) cannot be cut into
         per-expert matrices, so it is neither quantized nor split over expert-parallel ranks; None

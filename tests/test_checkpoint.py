@@ -264,3 +264,37 @@ def test_the_model_tensors_check_accepts_mtp_and_skips_what_it_cannot_derive(tmp
     generic = RefitDriver("bf16", hf_config={"model_type": "x", "num_hidden_layers": 1})
     plan = generic.plan({"model.norm.weight": torch.ones(8)})
     assert check_model_tensors(plan, generic.hf_config, generic.layout, get_registry()) is False
+
+
+# ---- DeepSeek-V3 routing keys transformers fixes and vLLM reads ---------------------------------
+def test_a_deepseek_v3_config_without_routing_keys_is_written_as_transformers_routes(tmp_path):
+    """transformers' DeepseekV3Config.to_dict() has no scoring_func / topk_method (its modeling
+    always routes sigmoid + noaux_tc); vLLM 0.32 reads them with defaults softmax / none. The
+    checkpoint says what the trainer computes."""
+    import transformers
+
+    from qstrat.checkpoint import output_hf_config
+
+    cfg = transformers.DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                                        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                        n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=128,
+                                        num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    hf = cfg.to_dict()
+    assert "scoring_func" not in hf and "topk_method" not in hf
+    driver = RefitDriver("bf16", hf_config=hf)
+    write_checkpoint(driver, model.state_dict(), tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["scoring_func"], written["topk_method"]) == ("sigmoid", "noaux_tc")
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in load_checkpoint(tmp_path / "out")
+    plan = driver.plan(model.state_dict())
+    layout = driver.layout
+    with pytest.raises(QstratError, match=r"^model config: scoring_func 'softmax': transformers' DeepSeek-V3 always "
+                                          r"routes with scoring_func 'sigmoid' \(it does not read the key\) while vLLM "
+                                          r"would use 'softmax'"):
+        output_hf_config({**hf, "scoring_func": "softmax"}, plan, layout)
+    v2 = {**hf, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "greedy"}
+    assert output_hf_config(v2, plan, layout) == v2  # DeepSeek-V2: transformers and vLLM read the keys alike
