@@ -18,7 +18,8 @@ and the reverse refuses a valid checkpoint. The rules, read from vLLM 0.32's sou
   is_layer_excluded``: the exact rule above, then ANY entry that is a substring of the prefix
   (``"lm_head"``, ``"mlp.gate"``, ``"model.layers.0."`` - the last one excludes all of layer 0; also
   after stripping a leading ``language_model.``), then ``fnmatch`` wildcards - all on the fused
-  prefix. Before that, a model class with a weights mapper rewrites an entry ``X*`` (``*`` not after
+  prefix; modules under ``vision_tower``, ``vision_model`` or ``vit_large_projector`` are never
+  quantized (``get_quant_method``). Before that, a model class with a weights mapper rewrites an entry ``X*`` (``*`` not after
   ``.``) into ``X`` and ``X.*`` (``apply_vllm_mapper``); whether a class has one is vLLM's per-model
   data, so where the two readings disagree for a module qstrat refuses (:class:`IgnoreRuleError`)
   rather than guess. ModelOpt also quantizes ``lm_head`` (a ``ParallelLMHead``) unless excluded.
@@ -46,6 +47,8 @@ ENGINE_FUSED_NAMES: Mapping[tuple[str, ...], str] = {
     ("gate_proj", "up_proj"): "gate_up_proj",
     ("q_a_proj", "kv_a_proj_with_mqa"): "fused_qkv_a_proj",
 }
+#: Substrings of module prefixes ModelOpt's ``get_quant_method`` never quantizes (vision towers).
+MODELOPT_UNQUANTIZED = ("vision_tower", "vision_model", "vit_large_projector")
 #: ModelOpt method names (vLLM's method_to_config entries served by a ModelOpt config).
 MODELOPT_METHODS = frozenset({"modelopt", "modelopt_fp4", "modelopt_mxfp8", "modelopt_mixed", "mxfp8"})
 
@@ -129,7 +132,8 @@ def engine_keeps_unquantized(quantization_config: Mapping[str, Any] | None, modu
                 "class (one with a weights mapper rewrites 'X*' into 'X' and 'X.*', read as a substring: "
                 "ModelOptQuantConfigBase.apply_vllm_mapper); qstrat cannot tell which the engine did - "
                 "write 'X.*' or the module names")
-        return plain
+        # get_quant_method keeps these unquantized whatever the list says (older ModelOpt exports)
+        return plain or any(tower in module for tower in MODELOPT_UNQUANTIZED)
     raise IgnoreRuleError(f"quantization_config.quant_method {method!r}: qstrat does not know how vLLM's "
                           f"method reads its ignore list (known: fp8, compressed-tensors, "
                           f"{', '.join(sorted(MODELOPT_METHODS))})")

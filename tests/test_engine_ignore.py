@@ -89,6 +89,14 @@ def test_substring_entries_of_modelopt_differ_from_exact_fp8():
         "model.layers.10.self_attn.o_proj": False}
 
 
+def test_modelopt_never_quantizes_vision_towers():
+    mo = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": []}
+    fp8 = {"quant_method": "fp8", "ignored_layers": []}
+    mods = ["model.vision_tower.blocks.0.attn.proj", "model.layers.0.self_attn.o_proj"]
+    assert unquantized_modules(mo, mods, ()) == {mods[0]: True, mods[1]: False}
+    assert unquantized_modules(fp8, mods, ()) == {mods[0]: False, mods[1]: False}
+
+
 def test_fp8_per_expert_entry_excludes_the_whole_experts_module():
     cfg = {"quant_method": "fp8", "ignored_layers": ["model.layers.2.mlp.experts.5.down_proj"]}
     assert unquantized_modules(cfg, ["model.layers.2.mlp.experts", "model.layers.3.mlp.experts"], ()) == {
