@@ -28,6 +28,7 @@ vLLM's own record of the model (:mod:`qstrat.vllm_adapter.model_record`). This m
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -449,7 +450,8 @@ def _few(items: Sequence[str], limit: int = 6) -> str:
 
 
 def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, layout: ModelLayout,
-                        registry: Registry, partial: bool = False) -> bool:
+                        registry: Registry, partial: bool = False,
+                        cache: dict[Any, EngineManifest] | None = None) -> bool:
     """Check ``plan`` against the tensors ``hf_config`` implies: the manifest of an engine started on
     the plan's own checkpoint (:func:`build_manifest` with the plan's ``quantization_config``, MTP
     layers optional) and :func:`check_plan` - the same check ``qstrat.vllm.refit`` makes against a
@@ -460,7 +462,9 @@ def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, la
     Args:
         plan: the validated plan; hf_config: the model config (None: nothing to check);
         layout, registry: the driver's; partial: the plan was given (an explicit partial refit:
-            whole parts, not every layer).
+            whole parts, not every layer); cache: where manifests are kept between calls, by
+            model config and quantization_config (a sender's rounds; building one for
+            DeepSeek-V3 takes seconds).
     Returns: True if checked; False when the layout cannot derive the model's tensors from
         ``hf_config`` (a structure it does not generate, the ``generic`` layout, a key it lacks).
     Raises: PlanError naming every problem (:func:`check_plan`); EngineManifestError for an ignore
@@ -468,14 +472,22 @@ def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, la
     """
     if not hf_config or layout.num_layers(hf_config) is None:
         return False
-    try:
-        manifest = build_manifest(hf_config, plan.vllm_quantization_config(), layout, registry, accept_mtp=True)
-    except ConfigOnlyUnsupportedError:
-        return False
-    except EngineManifestError as exc:
-        if isinstance(exc.__cause__, KeyError):  # the config lacks a key: nothing to derive from
+    qc = plan.vllm_quantization_config()
+    key = (layout.name, json.dumps(hf_config, sort_keys=True, default=repr), json.dumps(qc, sort_keys=True, default=repr))
+    manifest = cache.get(key) if cache is not None else None
+    if manifest is None:
+        try:
+            manifest = build_manifest(hf_config, qc, layout, registry, accept_mtp=True)
+        except ConfigOnlyUnsupportedError:
             return False
-        raise
+        except EngineManifestError as exc:
+            if isinstance(exc.__cause__, KeyError):  # the config lacks a key: nothing to derive from
+                return False
+            raise
+        if cache is not None:
+            if len(cache) >= 4:  # a driver meets one model config (and a few formats)
+                cache.clear()
+            cache[key] = manifest
     check_plan(plan, manifest, manifest.parts_sent(plan) if partial else None,
                against="the model's tensors (from its config; nothing was written or sent)")
     return True
@@ -490,5 +502,6 @@ def model_tensors_check(driver: Any, hf_config: Mapping[str, Any] | None = None)
 
     def run(p: Any) -> bool:
         cfg = hf_config if hf_config is not None else driver.hf_config
-        return check_model_tensors(p.plan, cfg, driver.layout, driver.registry, p.plan_given)
+        cache = driver.__dict__.setdefault("_qstrat_model_manifests", {})
+        return check_model_tensors(p.plan, cfg, driver.layout, driver.registry, p.plan_given, cache)
     return SinkCheck("model tensors", run)

@@ -298,3 +298,15 @@ def test_a_deepseek_v3_config_without_routing_keys_is_written_as_transformers_ro
         output_hf_config({**hf, "scoring_func": "softmax"}, plan, layout)
     v2 = {**hf, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "greedy"}
     assert output_hf_config(v2, plan, layout) == v2  # DeepSeek-V2: transformers and vLLM read the keys alike
+
+
+def test_the_model_tensors_manifest_is_built_once_per_driver(tiny_model, tiny_hf_config, tmp_path, monkeypatch):
+    import qstrat.engine_manifest as em
+
+    built = []
+    real = em.build_manifest
+    monkeypatch.setattr(em, "build_manifest", lambda *a, **k: built.append(1) or real(*a, **k))
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    for i in range(2):
+        write_checkpoint(driver, tiny_model.state_dict(), tmp_path / f"out{i}")
+    assert built == [1]
