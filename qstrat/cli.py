@@ -181,6 +181,8 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
                           "config alone (no *.safetensors in the directory)") from exc
     except ConfigOnlyUnsupportedError as exc:  # a structure the skeleton does not generate
         raise ConfigOnlyUnsupportedError(f"{cfg_path}: {exc}") from exc
+    except ConfigError as exc:  # a value out of range, named by qstrat.model_config
+        raise ConfigError(f"{cfg_path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
     return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
