@@ -94,8 +94,8 @@ class Families:
         self.first = first
         self.last = last
         self.recipes: dict[_Key, _Recipe] = {}
-        # layer index as written ("17") -> (layer, kept by keep_bf16.first, .last), or None: not a
-        # decoder layer (no digits, an MTP layer)
+        # layer prefix as written ("model.layers.17.") -> (layer, kept by keep_bf16.first, .last),
+        # or None: not a decoder layer (no digits, an MTP layer)
         self.layers: dict[str, tuple[int, bool, bool] | None] = {}
 
     def key(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[_Key, str, int] | None:
@@ -108,16 +108,17 @@ class Families:
         dot = name.find(".", at)
         if dot < 0 or dot == len(name) - 1:
             return None
-        head = name[at:dot]
+        prefix = name[:dot + 1]
         try:
-            layer = self.layers[head]
+            layer = self.layers[prefix]
         except KeyError:
-            layer = self.layers[head] = self._layer(head)
+            layer = self.layers[prefix] = self._layer(name[at:dot])
         if layer is None:
             return None
-        return (name[dot + 1:], shape, dtype, layer[1], layer[2]), name[:dot + 1], layer[0]
+        return (name[dot + 1:], shape, dtype, layer[1], layer[2]), prefix, layer[0]
 
     def _layer(self, head: str) -> tuple[int, bool, bool] | None:
+        """``(layer, kept by keep_bf16.first, .last)`` of a layer index as written, or None."""
         if not (head.isascii() and head.isdigit()):
             return None
         layer = int(head)
