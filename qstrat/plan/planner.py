@@ -111,8 +111,8 @@ class Planner:
         families = families_for(self.layout, self.rules, num_layers)  # None: every entry the full way
         for name in names:
             t = tensors[name]
-            shape, dtype = t.shape, t.dtype  # a derived entry holds its family's tuple shape
-            if type(shape) is not torch.Size:  # a lazy handle's own shape type: as the full way reads it
+            shape, dtype = t.shape, t.dtype  # torch.Size: a family key as is (a derived entry holds a tuple)
+            if type(shape) is not torch.Size:  # another object's shape (a lazy handle's): read as the full way does
                 shape = tuple(shape)
             try:
                 e = families.entry(name, shape, dtype) if families is not None else None
@@ -169,10 +169,11 @@ class Planner:
             outs = (_output_tensor(p.checkpoint_name, shape, dname, tensor_nbytes(shape, dtype)),)
             return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, PASSTHROUGH,
                                {}, outs, None, "", p.vllm_module)
-        if options:
+        ser = self._plain.get(serializer) if not options else None
+        if ser is None:
             ser = self.serializer(serializer, options)
-        else:
-            ser = self._plain.get(serializer) or self._plain.setdefault(serializer, self.serializer(serializer, options))
+            if not options:
+                self._plain[serializer] = ser
         whole = self.layout.whole_slab_reason(p.projection, shape) if p.slab and ser.quantizes else None
         if whole:
             raise PlanError(f"{serializer} ({rule}): {whole}, so qstrat does not quantize them: keep them "
