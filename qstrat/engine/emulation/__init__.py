@@ -44,7 +44,7 @@ from qstrat.engine.emulation import announcing, mode
 from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
 from qstrat.vllm_adapter import names, platform_facts
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu
-from qstrat.vllm_adapter.resolver import VllmNameError, check_supported_version
+from qstrat.vllm_adapter.resolver import VllmNameError, VllmVersionError, check_supported_version
 
 from qstrat.errors import PluginError
 from qstrat.registry import Registry, get_registry
@@ -137,11 +137,11 @@ def register() -> None:
     Idempotent (vLLM may load plugins more than once per process). All hooks are resolved before
     the first one is installed, so a missing name leaves vLLM untouched. Never raises for a
     missing name (that would break every engine on the machine, including ones that need no
-    emulation): it logs an error and records it in :func:`status`.
-
-    Raises: VllmVersionError, when it would install kernels (a CPU, not opted out) into a vLLM
-        outside the supported range (``qstrat.vllm_adapter.SUPPORTED``): the engine start stops
-        with that one line instead of failing later inside a hook.
+    emulation): it logs an error and records it in :func:`status`. The same for a vLLM outside
+    the supported range (``qstrat.vllm_adapter.SUPPORTED``): one ERROR line at engine start
+    (the VllmVersionError message: installed version, supported range, what to install), nothing
+    installed - a BF16 engine still starts; qstrat's own entry points (``start_engine``,
+    ``engine_support``, ``qstrat doctor``) refuse or flag that vLLM.
     """
     global _status
     if _status.active or _status.error:
@@ -159,8 +159,13 @@ def register() -> None:
     if not needed:
         _status = Status((), reason)
         return
-    check_supported_version("qstrat's CPU emulation (vLLM plugin qstrat; QSTRAT_VLLM_EMULATION=0 starts "
-                            "vLLM without it)")
+    try:
+        check_supported_version("qstrat's CPU emulation (vLLM plugin qstrat; QSTRAT_VLLM_EMULATION=0 "
+                                "silences this)")
+    except VllmVersionError as exc:  # raising here would stop every engine, BF16 ones included
+        _status = Status((), reason, str(exc))
+        logger.error("qstrat CPU emulation NOT registered: %s", exc)
+        return
     from qstrat.engine.emulation import modular_on_cpu
 
     try:
