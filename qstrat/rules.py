@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qstrat.builtin.selectors import BUILTIN_SELECTORS
 from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ParsedName
 from qstrat.patterns import NamePattern, any_match
 
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 PASSTHROUGH = "passthrough"
 #: Special kinds an ``allow_special`` rule's include patterns may select.
 OPT_IN_KINDS = frozenset({"router", "embedding", "lm_head", "sensitive"})
+#: The built-in :class:`~qstrat.selectors.Selector` objects (by identity): their predicates read
+#: ``ParsedName.kind`` alone (:meth:`RuleSet.structural`).
+_BUILTIN_SELECTOR_IDS = frozenset(id(s) for s in BUILTIN_SELECTORS)
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,15 @@ class RuleSet:
         if p.kind in QUANTIZABLE_KINDS:
             return self.config.default, {}, "default"
         return PASSTHROUGH, {}, f"never quantized: {p.kind}"
+
+    def structural(self) -> bool:
+        """Whether every decision depends on a name only through its structure - the parsed
+        ``kind``, ``projection``, ``expert``, ``slab``, ``param`` - and on its layer only through
+        ``keep_bf16``: every rule selects with built-in selectors (each reads ``kind`` alone) and
+        has no include/exclude patterns (they read the name). The planner then derives one
+        layer's entries from another's (:mod:`qstrat.plan.families`)."""
+        return all(not r.include and not r.exclude and all(id(s) in _BUILTIN_SELECTOR_IDS for s in r.selectors)
+                   for r in self.rules)
 
     def rule_for(self, label: str) -> Rule | None:
         """The config rule labelled ``rules[i]``, or None (``default``, ``keep_bf16.*``...)."""

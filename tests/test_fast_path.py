@@ -178,3 +178,23 @@ def test_auto_backend_on_cpu_takes_the_fast_path(name, monkeypatch):
     monkeypatch.setattr(cls, "reference", refuse)
     parts = ser.quantize(torch.randn(256, 128))
     assert set(parts) == {p.suffix for p in ser.part_specs((256, 128))}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_grouped_call_equals_the_per_expert_loop_on_bench_shapes(name):
+    """``qstrat bench``'s grouped section compares one call on a slab with a loop of per-expert
+    calls: both must give the same bytes (the loop's outputs stacked; NVFP4: a global scale per
+    expert both ways), on each bench shape's experts [N, K] - whole experts packed several per
+    chunk (256 x 512), experts cut into row bands (1536 x 2048: three 512-row bands; 2048 x 768:
+    a 1280- and a 768-row band) - with enough experts for a ragged last chunk of several."""
+    from qstrat.bench import SIZES
+
+    ser = qstrat.get_serializer(name)  # the CPU default (auto: the fast path), as the bench runs it
+    g = torch.Generator().manual_seed(5)
+    for e, n, k in SIZES["full"]["grouped"]:
+        experts = 11 if n * k * 8 <= ser._chunk_elements() else 2
+        w = torch.randn(experts, n, k, generator=g).to(torch.bfloat16)
+        grouped = ser.quantize(w)
+        loop = [ser.quantize(w[i]) for i in range(experts)]
+        stacked = {part: torch.stack([out[part] for out in loop]) for part in grouped}
+        assert_same_bytes(grouped, stacked, f"{name} {experts} x {n} x {k}: grouped call vs per-expert loop")

@@ -144,10 +144,11 @@ def check_expert_sets(entries: Sequence[PlanEntry], num_experts: int | None,
             continue  # slabs AND per-expert tensors: check_expert_inputs reports it
         matrices: dict[str, tuple[tuple[int, ...], str]] = {}  # projection -> ([N, K], source)
         experts: dict[str, set[int]] = {}
+        module_dot = module + "."
         for e in group:
             if e.expert is not None:
-                error = _per_expert(module, e, num_experts, matrices, experts)
-                if error:
+                error = _per_expert(module_dot, e, num_experts, matrices, experts)
+                if error is not None:
                     errors.append(error)
             elif len(e.shape) == 3:
                 errors += _slab(module, e, slabs, matrices, group)
@@ -175,26 +176,29 @@ def check_expert_sets(entries: Sequence[PlanEntry], num_experts: int | None,
     return errors
 
 
-def _per_expert(module: str, e: PlanEntry, num_experts: int | None,
+def _per_expert(module_dot: str, e: PlanEntry, num_experts: int | None,
                 matrices: dict[str, tuple[tuple[int, ...], str]], experts: dict[str, set[int]]) -> str | None:
-    """Record one per-expert tensor in ``matrices`` and ``experts``; its error, if any."""
-    at = e.name.rfind(module + ".")  # after a wrapper prefix (DDP's module., torch.compile's _orig_mod.)
-    proj = e.name[at + len(module) + 1:].split(".")[1] if at >= 0 else e.name.split(".")[-2]
-    assert e.expert is not None
-    if num_experts and e.expert >= num_experts:
-        return (f"{e.name}: expert index {e.expert} is out of range: the model config has "
+    """Record one per-expert tensor of the experts module ``module_dot`` (``...mlp.experts.``)
+    in ``matrices`` and ``experts``; its error, if any."""
+    name, expert, shape = e.name, e.expert, e.shape
+    at = name.rfind(module_dot)  # after a wrapper prefix (DDP's module., torch.compile's _orig_mod.)
+    proj = name[at + len(module_dot):].split(".")[1] if at >= 0 else name.split(".")[-2]
+    assert expert is not None
+    if num_experts and expert >= num_experts:
+        return (f"{name}: expert index {expert} is out of range: the model config has "
                 f"{num_experts} experts per layer (0..{num_experts - 1})")
-    if proj in experts:
-        experts[proj].add(e.expert)
+    seen = experts.get(proj)
+    if seen is None:
+        experts[proj] = {expert}
     else:
-        experts[proj] = {e.expert}
-    if len(e.shape) != 2:
+        seen.add(expert)
+    if len(shape) != 2:
         return None  # check_ranks reports it
     first = matrices.get(proj)
     if first is None:
-        matrices[proj] = (e.shape, e.name)
-    elif first[0] != e.shape:
-        return f"{e.name}: shape {list(e.shape)} differs from {first[1]} {list(first[0])}"
+        matrices[proj] = (shape, name)
+    elif first[0] != shape:
+        return f"{name}: shape {list(shape)} differs from {first[1]} {list(first[0])}"
     return None
 
 
@@ -238,28 +242,48 @@ def fusion_shape_problems(entries: Sequence[PlanEntry], slabs: Mapping[str, Slab
     """
     groups: dict[str, list[tuple[int, int, int]]] = {}  # group key -> (order, rows, index)
     experts: dict[str, str] = {}  # experts module -> problem
+    places: dict[tuple[str, str], int | None] = {}  # (group key's "{a,b}" end, projection) -> its place
     for i, e in enumerate(entries):
+        slab = e.expert is None and e.kind == "expert" and len(e.shape) == 3
+        if not (slab or e.group) or e.engine_module in experts:
+            continue  # neither a slab nor a fused member (nearly half of a model): no format lookup
         ser = format_of(e)
-        if ser is None or not ser.quantizes or e.engine_module in experts:
+        if ser is None or not ser.quantizes:
             continue
-        if e.kind == "expert" and e.expert is None and len(e.shape) == 3:
+        if slab:
             spec = slabs.get(e.name.rsplit(".", 1)[1])
             if spec is not None and spec.splittable and len(spec.parts) > 1 and not e.shape[1] % len(spec.parts):
                 problem = ser.engine_fusion_problem([e.shape[1] // len(spec.parts)] * len(spec.parts), True)
                 if problem:
                     experts[e.engine_module] = problem
-        elif e.group and len(e.shape) == 2 and e.name.endswith(".weight"):
-            members = e.group.rpartition("{")[2].rstrip("}").split(",")
-            projection = e.name.rsplit(".", 2)[-2]
-            if projection in members:
-                groups.setdefault(e.group, []).append((members.index(projection), e.shape[0], i))
+        elif len(e.shape) == 2 and e.name.endswith(".weight"):  # e.group is set (else skipped above)
+            name, group = e.name, e.group
+            # (the group key after its last "{", the name's part before ".weight"): as
+            # group.rpartition("{")[2] and name.rsplit(".", 2)[-2], without the lists
+            place_key = (group[group.rfind("{") + 1:], name[name.rfind(".", 0, len(name) - 7) + 1:-7])
+            try:
+                place = places[place_key]
+            except KeyError:  # once per (members, projection): a model repeats a few
+                members = place_key[0].rstrip("}").split(",")
+                place = places[place_key] = members.index(place_key[1]) if place_key[1] in members else None
+            if place is not None:
+                groups.setdefault(e.group, []).append((place, e.shape[0], i))
     found: list[tuple[list[int], str, str]] = []
+    # engine_fusion_problem is a function of (format, rows, experts): asked once per distinct
+    # question (DeepSeek-V3 has 14,848 experts' gate/up pairs and one question); the key holds
+    # the format object, so its id cannot be reused while the memo lives
+    answers: dict[tuple[int, tuple[int, ...], bool], tuple[Any, str | None]] = {}
     for key, members in groups.items():
         first = entries[members[0][2]]
         if first.kind == "expert" and first.engine_module in experts:
             continue
-        rows = [r for _, r, _ in sorted(members)]
-        problem = format_of(first).engine_fusion_problem(rows, first.kind == "expert")
+        rows = tuple([r for _, r, _ in (members if len(members) == 1 else sorted(members))])
+        ser = format_of(first)
+        question = (id(ser), rows, first.kind == "expert")
+        answer = answers.get(question)
+        if answer is None:
+            answer = answers[question] = (ser, ser.engine_fusion_problem(list(rows), first.kind == "expert"))
+        problem = answer[1]
         if not problem:
             continue
         if first.kind == "expert":

@@ -221,6 +221,13 @@ def gc_paused() -> Iterator[None]:
 
     Planning allocates ~5 long-lived objects per tensor (230k for DeepSeek-V3) and no cycles;
     the collector would rescan them again and again (~20-40% of planning and wire-order time).
+    Re-enabled, it would still scan them all once, at the next allocation (~10% of a plan: all
+    are in its youngest generation); so they are moved to the oldest generation first, unscanned
+    (``gc.freeze()`` then ``gc.unfreeze()``: two list splices), as surviving two young
+    collections would have moved them. Other young objects of the process move with them (their
+    cycles, if any, are collected at the next full collection instead of a young one). Skipped
+    when the process has frozen objects of its own (``gc.get_freeze_count()``: unfreezing would
+    release them).
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -228,6 +235,9 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -251,23 +261,42 @@ def natural_key(name: str) -> str:
 
 
 def natural_keys(names: Iterable[str]) -> list[str]:
-    """:func:`natural_key` of each name, for sorting many names of one model at once: the key of
-    a name's parent (all but its last two dotted parts: ``model.layers.3.mlp.experts.7``) is
-    computed once per distinct parent, which the names of a plan share (an expert's
-    projections, a weight and its scales)."""
+    """:func:`natural_key` of each name, for sorting many names of one model at once: a name is
+    its parent (all but its last two dotted parts: ``model.layers.3.mlp.experts.7``) and its
+    tail (``gate_proj.weight``), whose keys are computed once per distinct parent and tail, which
+    the names of a plan share (an expert's projections, a weight and its scales; every layer's
+    ``gate_proj.weight``); a parent's key is its own parent's key and its last part's (one
+    layer's experts share ``model.layers.3.mlp.experts``)."""
     parents: dict[str, str] = {}
+    tails: dict[str, str] = {}
     keys = []
     for name in names:
-        parts = name.rsplit(".", 2)
-        if len(parts) < 3:
+        i = name.rfind(".")
+        j = name.rfind(".", 0, i) if i > 0 else -1
+        if j < 0:
             keys.append(natural_key(name))
             continue
-        parent, a, b = parts
+        parent = name[:j]
         key = parents.get(parent)
         if key is None:
-            key = parents[parent] = natural_key(parent)
-        keys.append(f"{key}.{_segment_key(a)}.{_segment_key(b)}")
+            key = _prefix_key(parent, parents)
+        tail = name[j + 1:]
+        tail_key = tails.get(tail)
+        if tail_key is None:
+            tail_key = tails[tail] = natural_key(tail)
+        keys.append(key + "." + tail_key)
     return keys
+
+
+def _prefix_key(prefix: str, memo: dict[str, str]) -> str:
+    """:func:`natural_key` of ``prefix``, from the memoized key of its own parent (``memo``: prefix
+    -> key, filled in here)."""
+    key = memo.get(prefix)
+    if key is None:
+        k = prefix.rfind(".")
+        key = _segment_key(prefix) if k < 0 else _prefix_key(prefix[:k], memo) + "." + _segment_key(prefix[k + 1:])
+        memo[prefix] = key
+    return key
 
 
 @functools.lru_cache(maxsize=1 << 16)
