@@ -20,9 +20,11 @@ implemented: same formula, same value, memory-bound). Detection: every word has 
 both forms, so any change confined to one word changes both; for random keys a change whose
 lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``
 (multilinear hashing modulo 2**64: high-bit-only changes are the weak case). It replaces CRC-32
-(which needed ``payload.cpu()`` on a GPU) for accident detection; with a round secret the seed
-is secret (derived per round from the key, :mod:`qstrat.transport.auth`), so a sender without the
-key cannot predict it - the bucket's SEAL (an HMAC over this checksum) is what authenticates.
+(which needed ``payload.cpu()`` on a GPU) for accident detection in rounds WITHOUT a secret.
+It is not a MAC: adding 2**63 to two words changes each form by ``key * 2**63`` twice, i.e. by
+``2**64 = 0``, whatever the keys, so an adversary forges it without knowing them. Rounds with a
+secret seal each bucket with the bucket MAC instead (NH + HMAC-SHA256,
+:mod:`qstrat.transport.nh`, :mod:`qstrat.transport.seal`).
 """
 from __future__ import annotations
 

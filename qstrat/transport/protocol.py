@@ -11,7 +11,8 @@
    (receivers: did the wire manifest pass the engine check, did the MAC verify). Any nonzero
    slot: every rank stops here; no data is sent.
 3. BUCKETS, in wire manifest order: per bucket a BUCKET HEADER (broadcast, int64[7]: magic,
-   index, flags, SEAL = HMAC over the round MAC, index, flags and the bucket's device checksum),
+   index, flags, SEAL: with a secret the bucket MAC over the payload's NH hash, without one an
+   integrity HMAC over its device checksum; :mod:`qstrat.transport.seal`),
    then the payload (broadcast, the bucket's bytes). ``flags = ABORT``: the sender could not
    produce the bucket (its source fell short or disagreed with the wire manifest); the payload is
    still sent (garbage of the right size) and every rank goes to step 4.

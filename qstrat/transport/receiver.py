@@ -28,11 +28,10 @@ import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport import protocol as p
-from qstrat.transport.auth import (ReceiverAuth, RoundContext, bucket_seal, checksum_seed,
-                                   from_words, same)
+from qstrat.transport.auth import ReceiverAuth, RoundContext, from_words
 from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
-from qstrat.transport.checksum import checksum
 from qstrat.transport.group import TransferGroup
+from qstrat.transport.seal import Sealer
 from qstrat.transport.wire_manifest import WireManifest, reload_unit
 
 Check = Callable[[WireManifest], None]
@@ -111,7 +110,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     if any(statuses):
         raise TransportError(f"rank {group.rank}: round refused before any data: {p.describe(statuses)}")
     auth.last_counter = counter
-    seal = _Sealer(auth, mac)
+    seal = Sealer(auth.secret, mac, group.device)
     received, failure, handed = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
     statuses = _vote(group, failure[0] if failure else p.OK, "commit vote")
     if failure:
@@ -120,17 +119,6 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
         done = " (this receiver loaded the whole round)" if handed else ""
         raise TransportError(f"rank {group.rank}: round not committed: {p.describe(statuses)}{done}")
     return [] if on_unit is not None else unpack(wire_manifest, received)
-
-
-class _Sealer:
-    """Computes and checks bucket seals for one round."""
-
-    def __init__(self, auth: ReceiverAuth, mac: bytes) -> None:
-        self.secret, self.mac = auth.secret, mac
-        self.seed = checksum_seed(auth.secret, mac)
-
-    def ok(self, index: int, flags: int, payload: torch.Tensor, seal: bytes) -> bool:
-        return same(seal, bucket_seal(self.secret, self.mac, index, flags, checksum(payload, self.seed)))
 
 
 def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[str, list[Any]], dict[int, int]]:
@@ -153,7 +141,7 @@ def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[
     return completes, slots, release
 
 
-def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _Sealer,
+def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Sealer,
                      on_unit: Callable[[str, Unit], None] | None, staging: torch.device | None,
                      stats: dict[str, float] | None) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
     """Step 3: receive every bucket (next one posted while this one is verified); keep

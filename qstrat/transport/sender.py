@@ -39,12 +39,11 @@ from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
-from qstrat.transport.auth import (ENV_SECRET, RoundContext, Secret, bucket_seal, checksum_seed,
-                                   round_mac)
+from qstrat.transport.auth import ENV_SECRET, RoundContext, Secret, round_mac
 from qstrat.transport.buckets import bucket_contents, chunk_view, pack
-from qstrat.transport.checksum import checksum
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.rpc_errors import describe as describe_rpc_error
+from qstrat.transport.seal import Sealer
 from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
                                             WireManifest, wire_manifest_for_plan)
 
@@ -247,7 +246,7 @@ class RefitSender:
                       tensors: Iterator[tuple[str, torch.Tensor]], mac: bytes) -> str | None:
         """Step 3. Returns None, or why the sender aborted (its source fell short/disagreed)."""
         contents = bucket_contents(wire_manifest)
-        seed = checksum_seed(self._secret, mac)
+        sealer = Sealer(self._secret, mac, group.device)
         prof = self.profile = {"source_s": 0.0, "pack_s": 0.0, "checksum_s": 0.0, "wait_s": 0.0}
         clock = time.perf_counter
         buffers: list[torch.Tensor] = []
@@ -282,7 +281,7 @@ class RefitSender:
                     owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
                     payload = owner[:b.nbytes]
                 t0 = clock()
-                seal = bucket_seal(self._secret, mac, k, flags, checksum(payload, seed) if not flags else (0, 0, 0))
+                seal = sealer.seal(k, flags, None if flags else payload)
                 prof["checksum_s"] += clock() - t0
                 hdr = p.bucket_header(k, flags, seal, group.device)
                 wire = self.transmit_payload(k, payload)
