@@ -310,3 +310,23 @@ def test_bucket_mac_refuses_the_bit63_forgery_and_integrity_seal_does_not():
         y = x.clone()
         y[pos] ^= 1 << bit
         assert not keyed.ok(4, 0, y, keyed.seal(4, 0, x)), (pos, bit)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_seal_fed_piece_by_piece_equals_the_whole_buckets(secret):
+    from qstrat.transport.seal import PIECE_BYTES, pieces
+
+    x = torch.randint(0, 256, (2 * PIECE_BYTES + 3 * nh.CHUNK_BYTES + 11,), dtype=torch.uint8)
+    sealer = Sealer(Secret(secret) if secret else None, bytes(range(32)), x.device)
+    state = sealer.begin(3, x.numel())
+    cut = pieces(x)
+    assert [c.numel() for c in cut] == [PIECE_BYTES, PIECE_BYTES, 3 * nh.CHUNK_BYTES + 11]
+    for c in cut:
+        state.update(c)
+    assert state.seal(0) == sealer.seal(3, 0, x) and state.matches(0, sealer.seal(3, 0, x))
+    early = sealer.begin(3, x.numel())
+    early.update(x[:100])
+    with pytest.raises(ValueError, match="pieces before the last must be whole"):
+        early.update(x[100:200])
+    with pytest.raises(ValueError, match=r"100 of \d+ bytes fed"):
+        early.seal(0)

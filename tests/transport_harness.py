@@ -182,8 +182,13 @@ class _StandaloneEndpoint:
 
     def raw_broadcast(self, sizes, staged=False):
         """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark);
-        ``staged``: each into a new buffer, all kept to the end (what a round's staging does)."""
+        ``staged``: each into a new buffer, all kept to the end (what a round's staging does).
+        Returns this process's CPU seconds over it (all threads)."""
+        import time
+
+        cpu = time.process_time()
         raw_broadcast(self.receiver.group, sizes, staged=staged)
+        return time.process_time() - cpu
 
 
 def _setenv(name: str, value: str | None) -> None:

@@ -115,6 +115,35 @@ def _hash(words: torch.Tensor, key: torch.Tensor, scratch: _Scratch) -> torch.Te
     return torch.stack(out, 1)
 
 
+class NH:
+    """NH of ``n`` bytes fed in consecutive pieces (:meth:`update`): the same outputs as
+    :func:`nh` over the whole. Every piece but the last must be a multiple of
+    :data:`CHUNK_BYTES`.
+
+    Raises: ValueError (from :meth:`update`) for a piece after a partial chunk or more than
+        ``n`` bytes in all; from :meth:`value` before all ``n`` bytes were fed.
+    """
+
+    def __init__(self, key: torch.Tensor, n: int) -> None:
+        self.key, self.n, self.done = key, n, 0
+        self.parts: list[torch.Tensor] = []
+
+    def update(self, piece: torch.Tensor) -> None:
+        """Add the next ``piece`` of the payload (1-D contiguous uint8 on the key's device)."""
+        if self.done % CHUNK_BYTES or self.done + piece.numel() > self.n:
+            raise ValueError(f"nh: piece of {piece.numel()} bytes at {self.done} of {self.n} (pieces "
+                             f"before the last must be whole chunks of {CHUNK_BYTES} bytes)")
+        if piece.numel() or not self.n:
+            self.parts.append(nh(piece, self.key))
+        self.done += piece.numel()
+
+    def value(self) -> torch.Tensor:
+        """int64[chunks, ITERATIONS], as :func:`nh` of the whole payload."""
+        if self.done != self.n or not self.parts:
+            raise ValueError(f"nh: {self.done} of {self.n} bytes fed")
+        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+
+
 def to_bytes(hashes: torch.Tensor) -> bytes:
     """The NH outputs as little-endian bytes (moved to the host: 16 bytes per chunk)."""
     return hashes.cpu().contiguous().numpy().astype("<i8").tobytes()
