@@ -271,6 +271,7 @@ class RefitSender:
         pending: deque[tuple[Any, ...]] = deque()
         big: torch.Tensor | None = None
         reason, k = None, 0
+        works: list[Any] | None = None
         try:
             for k, b in enumerate(wire_manifest.buckets):
                 if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
@@ -322,6 +323,7 @@ class RefitSender:
             return reason
         except RuntimeError as exc:  # c10d: a peer died or timed out
             pending.clear()
+            works = None  # no Work may outlive this block: gloo closes the group with the last one
             error = str(exc)
         raise p.lost(group, f"broadcast of bucket {k}/{len(wire_manifest.buckets)} failed "
                             f"(a receiver died?)", error) from None
