@@ -245,28 +245,26 @@ def test_buckets_larger_than_a_piece_are_sealed_piece_by_piece_and_a_bad_middle_
             first, second = tensors_for(specs, seed=1), tensors_for(specs, seed=2)
 
             class Corrupting(RefitSender):
-                corrupt = False
-
                 def transmit_payload(self, index, payload):
-                    if index != 0 or not self.corrupt:
+                    if index != 0:
                         return payload
                     bad = payload.clone()
                     bad[PIECE_BYTES + 5] ^= 0x01  # inside the second of three pieces
                     return bad
 
-            sender = Corrupting([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=30,
-                                bucket_bytes=10 << 20, secret=secret if keyed else None)
-            sender.connect()
+            kw = dict(timeout_s=30, bucket_bytes=10 << 20, secret=secret if keyed else None)
+            sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), **kw)
+            sender.connect()  # the plain sender packs shared buckets piece by piece
+            bad = Corrupting(sender.clients, sender.master_address, sender.master_port, **kw)
+            bad.group = sender.group
             sender.send(wm, iter(first))
             want = {n: sha256(t) for n, t in first}
             assert [r.ctl.call("digests") for r in receivers] == [want, want]
-            sender.corrupt = True
             with pytest.raises(TransportError) as err:
-                sender.send(wm, iter(second))
+                bad.send(wm, iter(second))
             msg = str(err.value)
             assert msg.count("bucket 0/5 failed its checksum (seal mismatch; tensors ['a.weight', 'a.scale'])") == 2, msg
             assert [r.ctl.call("digests") for r in receivers] == [want, want]
-            sender.corrupt = False
             sender.send(wm, iter(second))
             want = {n: sha256(t) for n, t in second}
             assert [r.ctl.call("digests") for r in receivers] == [want, want]

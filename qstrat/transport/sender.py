@@ -16,8 +16,9 @@ every rank voted to commit.
 
 Double buffering: at most two buckets are in flight; bucket k+1 is packed while bucket k is
 being broadcast. A bucket's payload goes out in pieces of at most ``PIECE_BYTES``
-(:mod:`qstrat.transport.seal`), each sealed just before it is posted, so the seal of piece i+1
-overlaps the transfer of piece i and the header (with the seal) follows the payload. Chunks of
+(:mod:`qstrat.transport.seal`), each packed and sealed just before it is posted, so the packing
+and sealing of piece i+1 overlap the transfer of piece i and the header (with the seal) follows
+the payload. Chunks of
 a tensor larger than a bucket are broadcast from the tensor's own memory (no packing copy).
 """
 from __future__ import annotations
@@ -42,10 +43,10 @@ from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
 from qstrat.transport.auth import ENV_SECRET, RoundContext, Secret, round_mac
-from qstrat.transport.buckets import bucket_contents, chunk_view, pack
+from qstrat.transport.buckets import bucket_contents, chunk_view, pack_range
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.rpc_errors import describe as describe_rpc_error
-from qstrat.transport.seal import Sealer, pieces
+from qstrat.transport.seal import PIECE_BYTES, Sealer, pieces
 from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
                                             WireManifest, wire_manifest_for_plan)
 
@@ -279,16 +280,14 @@ class RefitSender:
                     _finish(group, pending.popleft())
                     prof["wait_s"] += clock() - t0
                 busy = {id(item[-1]) for item in pending}
-                flags = 0
+                flags, parts = 0, None
                 try:
                     t0 = clock()
                     if b.tensor is None:
                         owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
-                        parts = [self._next(tensors, s, group) for s in contents[k]]
-                        t1 = clock()
-                        payload = pack(owner, b, contents[k], parts)
-                        prof["pack_s"] += clock() - t1
-                        prof["source_s"] += t1 - t0
+                        parts = [self._next(tensors, s, group).contiguous() for s in contents[k]]
+                        payload = owner[:b.nbytes]  # packed piece by piece below
+                        prof["source_s"] += clock() - t0
                     else:
                         slot = contents[k][0]
                         if slot.bucket == k:
@@ -299,10 +298,21 @@ class RefitSender:
                     flags, reason = p.ABORT, str(exc)
                     owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
                     payload = owner[:b.nbytes]
+                # a shared bucket is packed piece by piece, each piece just before it is sealed
+                # and posted; a transmit_payload override sees the whole packed bucket first
+                lazy = parts is not None and not flags and _default_hook(self)
+                if parts is not None and not flags and not lazy:
+                    t0 = clock()
+                    pack_range(owner, contents[k], parts, 0, b.nbytes)
+                    prof["pack_s"] += clock() - t0
                 wire = self.transmit_payload(k, payload)
                 works = []  # the payload in pieces, each sealed just before it is posted
                 state = None if flags else sealer.begin(k, payload.numel())
-                for piece, out in zip(pieces(payload), pieces(wire)):
+                for i, (piece, out) in enumerate(zip(pieces(payload), pieces(wire))):
+                    if lazy:
+                        t0 = clock()
+                        pack_range(owner, contents[k], parts, i * PIECE_BYTES, i * PIECE_BYTES + piece.numel())
+                        prof["pack_s"] += clock() - t0
                     if state is not None:
                         t0 = clock()
                         state.update(piece)
@@ -362,6 +372,11 @@ class RefitSender:
             elif f.exception() is not None:
                 errors.append(f"engine {i}: {describe_rpc_error(f.exception())}")
         return errors
+
+
+def _default_hook(sender: RefitSender) -> bool:
+    """Whether ``sender`` keeps the identity :meth:`RefitSender.transmit_payload`."""
+    return type(sender).transmit_payload is RefitSender.transmit_payload
 
 
 def _finish(group: TransferGroup, item: tuple[Any, ...]) -> None:
