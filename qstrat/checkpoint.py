@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from qstrat.engine_manifest import model_tensors_check
 from qstrat.driver import RefitDriver
 from qstrat.inputs import NamedTensors
 from qstrat.errors import QstratError
@@ -81,7 +82,9 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         BackendUnavailableError (a rule's ``backend`` cannot run on the tensors' device);
         FileExistsError (``out_dir`` exists and not ``overwrite``; is not a directory; is not a
         checkpoint qstrat wrote - see :func:`check_replaceable`; is the current directory or
-        holds it); QstratError (``out_dir`` overlaps ``source_dir``; the config has no
+        holds it); QstratError (``out_dir`` cannot be created - a file on its path, a directory
+        that takes no new entries such as ``/proc``; parent directories a failed write created are
+        removed again -; ``out_dir`` overlaps ``source_dir``; the config has no
         ``architectures`` and none can be inferred; it is not JSON-serializable; writing failed,
         e.g. the disk is full: the message names the file and the cause).
     """
@@ -93,6 +96,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             raise FileNotFoundError(f"source_dir {source_dir} is not a directory (the model directory the "
                                     "tensors were read from, whose tokenizer and other files are copied)")
         _check_not_source(out, Path(source_dir))
+    check_output_location(out)
     if out.exists() or out.is_symlink():
         _check_not_cwd(out)
         if not overwrite:
@@ -103,14 +107,19 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
     # spares lazily loaded tensors a second read; a stream (plan given) has its devices checked
     # as its tensors arrive.
     check = SinkCheck("config.json", lambda p: output_hf_config(config, p.plan, driver.layout))
-    prepared = driver.prepare(named_tensors, plan, (check,), values="inline", stream=True)
+    prepared = driver.prepare(named_tensors, plan, (check, model_tensors_check(driver, config)), values="inline", stream=True)
     plan = prepared.plan
     cfg_text = json.dumps(prepared.results[check.name], indent=2) + "\n"
     shards = assign_shards(plan.outputs(), shard_bytes)
     total = sum(o.nbytes for o in plan.outputs())
     parent = out.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=parent))
+    created = _make_parent(out, parent)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".qstrat-", dir=parent))
+    except OSError as exc:
+        _remove_created(created)
+        raise QstratError(f"cannot create {out}: {parent} does not take new entries ({exc.strerror or exc}); "
+                          "nothing was written") from exc
     try:
         umask = _umask()
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700: an engine under another uid could not read it
@@ -127,8 +136,59 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_created(created)
         raise
     return plan
+
+
+def check_output_location(out: Path) -> None:
+    """Refuse an output path that cannot be created, before anything is planned or written: its
+    nearest existing ancestor must be a directory (``-o a_file/sub``) this process may write in.
+
+    Raises: QstratError naming ``out`` and the ancestor.
+    """
+    anc = out.absolute().parent
+    while not (anc.exists() or anc.is_symlink()) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise QstratError(f"cannot create {out}: {anc} is a file, not a directory; nothing was written")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise QstratError(f"cannot create {out}: no permission to create entries in {anc}; nothing was written")
+
+
+def _make_parent(out: Path, parent: Path) -> list[Path]:
+    """Create ``out``'s missing parent directories; return those created (outermost first), which
+    a failed write removes again (what the user did not have is not left behind).
+
+    Raises: QstratError naming ``out`` and the directory that could not be created.
+    """
+    missing: list[Path] = []
+    d = parent
+    while not d.exists() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    created: list[Path] = []
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs, never removed
+        except OSError as exc:
+            _remove_created(created)
+            raise QstratError(f"cannot create {out}: creating {d} failed ({exc.strerror or exc}); nothing was "
+                              "written") from exc
+        created.append(d)
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories :func:`_make_parent` created, innermost first, each only if still
+    empty (anything another process put there stays)."""
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 class OutputExistsError(FileExistsError):
@@ -236,20 +296,28 @@ def _write_errors(out: Path) -> Iterator[None]:
 
 def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any) -> dict[str, Any]:
     """The config.json a checkpoint of ``plan`` gets: ``hf_config`` with the plan's
-    ``quantization_config`` (removed for a BF16 plan) and ``architectures`` filled in when it is
+    ``quantization_config`` (removed for a BF16 plan; a ``text_config.quantization_config`` or
+    ``compression_config``, which vLLM would read too, removed) and ``architectures`` filled in when it is
     missing or null in a model config (one with ``model_type``), as ``model.config.to_dict()``
     gives it (vLLM picks the model class from it). A mapping without ``model_type`` (no model
     config at all) is written as given.
 
     ``architectures`` is the layout's :meth:`~qstrat.layouts.ModelLayout.output_architecture`:
     transformers' auto-model table for the config's ``model_type``, else the layout's single
-    architecture.
+    architecture. Then the layout's :meth:`~qstrat.layouts.ModelLayout.output_config` (DeepSeek-V3:
+    the routing keys transformers fixes and vLLM reads, ``scoring_func: sigmoid``,
+    ``topk_method: noaux_tc``, filled in when absent).
 
     Raises: QstratError when no architecture can be inferred, or the config is not
         JSON-serializable (naming the key).
     """
     cfg = dict(hf_config)
+    # every place vLLM looks for a quantization config (text_config's: multimodal models;
+    # compression_config: compressed-tensors) holds the plan's or nothing
     cfg.pop("quantization_config", None)
+    cfg.pop("compression_config", None)
+    if isinstance(cfg.get("text_config"), Mapping) and "quantization_config" in cfg["text_config"]:
+        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k != "quantization_config"}
     if plan.quantization_config is not None:
         cfg["quantization_config"] = plan.vllm_quantization_config()
     if not cfg.get("architectures") and cfg.get("model_type"):
@@ -260,6 +328,7 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
                 "model.config.to_dict() leaves it null) and qstrat cannot infer it; vLLM picks the model "
                 "class from it: set hf_config['architectures'], e.g. [type(model).__name__]")
         cfg["architectures"] = [arch]
+    cfg = layout.output_config(cfg)
     for key, value in cfg.items():
         try:
             json.dumps(value, allow_nan=False)  # NaN/inf is not JSON: vLLM and HF refuse the file

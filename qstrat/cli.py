@@ -1,4 +1,4 @@
-"""Command line: ``qstrat demo | plan | quantize | list``."""
+"""Command line: ``qstrat demo | plan | quantize | bench | list | doctor``."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
 
     lst = _subcommand(sub, "list", "list every registered plugin and where it came from")
     lst.set_defaults(func=_cmd_list)
+
+    doctor = _subcommand(sub, "doctor", "report what this machine gives qstrat: vLLM version and range, "
+                                        "torch, GPU or CPU (AMX), each format's engine kernels, "
+                                        "weight-transfer backends, Triton (always exits 0)")
+    doctor.add_argument("--json", action="store_true", help="print the facts as JSON")
+    doctor.set_defaults(func=_cmd_doctor)
     return p
 
 
@@ -175,6 +181,8 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
                           "config alone (no *.safetensors in the directory)") from exc
     except ConfigOnlyUnsupportedError as exc:  # a structure the skeleton does not generate
         raise ConfigOnlyUnsupportedError(f"{cfg_path}: {exc}") from exc
+    except ConfigError as exc:  # a value out of range, named by qstrat.model_config
+        raise ConfigError(f"{cfg_path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
     return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
@@ -358,6 +366,14 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
             summary = getattr(entry.obj, "summary", "") or ", ".join(getattr(entry.obj, "architectures", ()))
             table.add_row(kind, name, summary, entry.origin)
     console.print(table)
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace, console: Console) -> int:
+    from qstrat import doctor
+
+    facts = doctor.diagnose()
+    print(json.dumps(doctor.as_dicts(facts), indent=2) if args.json else doctor.render(facts))
     return 0
 
 

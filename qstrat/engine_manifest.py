@@ -10,10 +10,11 @@ The manifest comes from what the ENGINE was started with, never from the trainer
 1. the model's tensors from its config.json alone (:func:`qstrat.skeleton.model_tensors`: the
    layout's names, HF modeling shapes), routed experts both per expert and as grouped slabs;
 2. which modules the engine serves quantized: with a ``quantization_config``, every weight
-   matrix of a decoder layer (attention, MLP, experts, routers) whose vLLM module is not covered
-   by its ``ignored_layers`` / ``ignore`` list (exact prefix or ``fnmatch`` wildcard);
-   embeddings, lm_head and norms never (vLLM's ``Fp8Config`` / ``ModelOptConfig`` quantize only
-   linear and MoE layers);
+   matrix of a decoder layer (attention, MLP, experts, routers) - and ``lm_head`` for ModelOpt
+   methods, which quantize a ``ParallelLMHead`` too - that the engine's ignore list does not
+   exclude, read by vLLM's rule for the engine's method (:mod:`qstrat.engine_ignore`: exact for
+   ``fp8``, also substrings and wildcards for ModelOpt, ``re:`` for compressed-tensors; fused
+   modules under vLLM's fused name); embeddings and norms never;
 3. the checkpoint tensors of a quantized module from the format's part specs (the registered
    serializer that serves the engine's config by its own rule, :func:`engine_format`):
    exact names, shapes and dtypes; every other tensor in the engine's dtype (any float dtype
@@ -27,8 +28,7 @@ vLLM's own record of the model (:mod:`qstrat.vllm_adapter.model_record`). This m
 """
 from __future__ import annotations
 
-import fnmatch
-import re
+import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import EngineManifestError, PlanError, UnsupportedShapeError
+from qstrat.engine_ignore import ignore_entries, quantizes_lm_head, unquantized_modules
+from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
 from qstrat.plan.data import RefitPlan, natural_key
 from qstrat.plan.planner import FLOAT_INPUTS, fusion_group, fused_name
@@ -237,22 +238,17 @@ def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | Non
 
 
 def ignore_list(quantization_config: Mapping[str, Any] | None) -> list[str]:
-    """The modules a quantization_config leaves unquantized (``ignored_layers`` or ModelOpt ``ignore``)."""
-    cfg = quantization_config or {}
-    return list(cfg.get("ignored_layers") or cfg.get("ignore") or ())
-
-
-def covered(module: str, patterns: Collection[str]) -> bool:
-    """Whether an ignore list covers a vLLM module: an exact prefix or an ``fnmatch`` wildcard."""
-    return module in patterns or any(fnmatch.fnmatchcase(module, p) for p in patterns if _WILD.search(p))
-
-
-_WILD = re.compile(r"[*?\[]")
+    """The modules a quantization_config leaves unquantized, from the key the engine's vLLM method
+    reads (:func:`qstrat.engine_ignore.ignore_entries`: ``ignored_layers``, ModelOpt ``ignore`` or
+    nested ``quantization.exclude_modules``...). Which modules its entries exclude:
+    :func:`qstrat.engine_ignore.unquantized_modules`."""
+    return ignore_entries(quantization_config)
 
 
 def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[str, Any] | None,
                    layout: ModelLayout, registry: Registry, dtype: str | torch.dtype = "bfloat16",
-                   platform: str | None = None, unbuilt: Collection[str] = ()) -> EngineManifest:
+                   platform: str | None = None, unbuilt: Collection[str] = (),
+                   accept_mtp: bool = False) -> EngineManifest:
     """The manifest of an engine started on a checkpoint with this config (module docstring).
 
     Args:
@@ -263,13 +259,14 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         unbuilt: name prefixes of towers the engine did not build (a multimodal model started
             without images: vLLM skips the vision tower and its weights); their tensors are
             accepted and dropped.
+        accept_mtp: accept the model's MTP layers as optional tensors (``dropped``: a checkpoint
+            may hold them; a running engine's main model does not load them, so by default they
+            are unknown names).
     Returns: an :class:`EngineManifest`.
     Raises: EngineManifestError (unknown format, a config key the model needs is missing, a shape the
         format cannot represent, a fused module the ignore list splits).
     """
     fmt = engine_format(quantization_config, registry)
-    ignore = set(ignore_list(quantization_config))
-    ignored: dict[str, bool] = {}  # vLLM module -> covered by the ignore list
     engine_dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
     num_layers = layout.num_layers(hf_config)
     if num_layers is None:
@@ -284,6 +281,10 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
             per_expert = [(n, s) for n, s in grouped if layout.parse(n, num_layers).kind != "expert"]
     except KeyError as exc:
         raise EngineManifestError(f"the engine's model config lacks {exc} (layout {layout.name})") from exc
+    quantizable = LINEAR_KINDS | ({"lm_head"} if quantizes_lm_head(quantization_config) else set())
+    # vLLM module -> kept unquantized by the engine's ignore list (vLLM's rule for its method)
+    ignored = unquantized_modules(quantization_config, {layout.parse(n, num_layers).vllm_module
+                                                        for n, _ in per_expert + slabs}, layout.fused)
     tensors: dict[str, ManifestTensor] = {}
     dropped: dict[str, ManifestTensor] = {}
     members: dict[str, dict[str, list[str]]] = {}
@@ -294,6 +295,8 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
         for name, shape in items:
             p = layout.parse(name, num_layers)
             if p.kind == "mtp":  # loaded by a speculative-decoding drafter only (docs/vllm.md)
+                if accept_mtp:
+                    dropped[name] = ManifestTensor(name, tuple(shape), engine_dtype, "")
                 continue
             if unbuilt and name.startswith(tuple(unbuilt)):
                 dropped[name] = ManifestTensor(name, tuple(shape), engine_dtype, "")
@@ -301,9 +304,7 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
             owner = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
             unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, owner) or p.module)
             form = ("fused" if slab_form else "per_expert") if p.kind == "expert" else ""
-            if p.vllm_module not in ignored:
-                ignored[p.vllm_module] = covered(p.vllm_module, ignore)
-            matrix = p.kind in LINEAR_KINDS and is_weight_matrix(p, len(shape))
+            matrix = p.kind in quantizable and is_weight_matrix(p, len(shape))
             quantized = fmt is not None and matrix and not ignored[p.vllm_module]
             for t in _checkpoint_tensors(name, shape, p.module, slab_form, fmt if quantized else None,
                                          engine_dtype, unit, form):
@@ -348,7 +349,8 @@ def _checkpoint_tensors(name: str, shape: tuple[int, ...], module: str, slab: bo
 
 
 def check_plan(plan: RefitPlan, manifest: EngineManifest,
-               layers: Collection[int | str] | None = None) -> None:
+               layers: Collection[int | str] | None = None,
+               against: str = "what the engine accepts (nothing was sent)") -> None:
     """Raise PlanError unless every tensor the plan emits is one the engine accepts and every
     reload unit gets all of its tensors or none.
 
@@ -359,7 +361,8 @@ def check_plan(plan: RefitPlan, manifest: EngineManifest,
     :meth:`EngineManifest.parts`) exactly the units of those parts, each completely.
 
     Args:
-        plan: the validated plan; manifest: the engine's; layers: an explicit partial refit.
+        plan: the validated plan; manifest: the engine's; layers: an explicit partial refit;
+        against: what the manifest stands for, in the error's first line.
     Raises: PlanError listing every problem (the first :data:`MAX_LINES`), naming the tensors.
     """
     if isinstance(layers, (int, str)):  # one part given bare
@@ -395,8 +398,7 @@ def check_plan(plan: RefitPlan, manifest: EngineManifest,
     if errors:
         more = len(errors) - MAX_LINES
         shown = errors[:MAX_LINES] + ([f"... and {more} more"] if more > 0 else [])
-        raise PlanError("the refit does not match what the engine accepts (nothing was sent):\n  "
-                        + "\n  ".join(shown))
+        raise PlanError(f"the refit does not match {against}:\n  " + "\n  ".join(shown))
 
 
 def _unit_errors(unit: ManifestUnit, names: set[str], sent: Mapping[str, str]) -> list[str]:
@@ -445,3 +447,61 @@ def _part_label(part: int | str) -> str:
 
 def _few(items: Sequence[str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, layout: ModelLayout,
+                        registry: Registry, partial: bool = False,
+                        cache: dict[Any, EngineManifest] | None = None) -> bool:
+    """Check ``plan`` against the tensors ``hf_config`` implies: the manifest of an engine started on
+    the plan's own checkpoint (:func:`build_manifest` with the plan's ``quantization_config``, MTP
+    layers optional) and :func:`check_plan` - the same check ``qstrat.vllm.refit`` makes against a
+    live engine, for sinks without one (``write_checkpoint``, ``RefitSender.refit``): a missing or
+    extra tensor, a wrong shape (a transposed projection, a padded vocabulary) or dtype, a reload
+    unit sent in part.
+
+    Args:
+        plan: the validated plan; hf_config: the model config (None: nothing to check);
+        layout, registry: the driver's; partial: the plan was given (an explicit partial refit:
+            whole parts, not every layer); cache: where manifests are kept between calls, by
+            model config and quantization_config (a sender's rounds; building one for
+            DeepSeek-V3 takes seconds).
+    Returns: True if checked; False when the layout cannot derive the model's tensors from
+        ``hf_config`` (a structure it does not generate, the ``generic`` layout, a key it lacks).
+    Raises: PlanError naming every problem (:func:`check_plan`); EngineManifestError for an ignore
+        list vLLM would refuse or read two ways.
+    """
+    if not hf_config or layout.num_layers(hf_config) is None:
+        return False
+    qc = plan.vllm_quantization_config()
+    key = (layout.name, json.dumps(hf_config, sort_keys=True, default=repr), json.dumps(qc, sort_keys=True, default=repr))
+    manifest = cache.get(key) if cache is not None else None
+    if manifest is None:
+        try:
+            manifest = build_manifest(hf_config, qc, layout, registry, accept_mtp=True)
+        except ConfigOnlyUnsupportedError:
+            return False
+        except EngineManifestError as exc:
+            if isinstance(exc.__cause__, KeyError):  # the config lacks a key: nothing to derive from
+                return False
+            raise
+        if cache is not None:
+            if len(cache) >= 4:  # a driver meets one model config (and a few formats)
+                cache.clear()
+            cache[key] = manifest
+    check_plan(plan, manifest, manifest.parts_sent(plan) if partial else None,
+               against="the model's tensors (from its config; nothing was written or sent)")
+    return True
+
+
+def model_tensors_check(driver: Any, hf_config: Mapping[str, Any] | None = None) -> Any:
+    """The ``model tensors`` :class:`~qstrat.prepare.SinkCheck` of a sink without an engine
+    (``write_checkpoint``, ``RefitSender.refit``): :func:`check_model_tensors` with the driver's
+    layout and registry, against ``hf_config`` (default: the driver's), partial when the plan was
+    given."""
+    from qstrat.prepare import SinkCheck
+
+    def run(p: Any) -> bool:
+        cfg = hf_config if hf_config is not None else driver.hf_config
+        cache = driver.__dict__.setdefault("_qstrat_model_manifests", {})
+        return check_model_tensors(p.plan, cfg, driver.layout, driver.registry, p.plan_given, cache)
+    return SinkCheck("model tensors", run)

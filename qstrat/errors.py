@@ -77,6 +77,11 @@ class VerificationError(QstratError):
     """A written checkpoint does not match its plan (names, shapes, dtypes, config or bytes)."""
 
 
+class NoValuesError(PlanError, TypeError):
+    """An input that has only a shape and dtype (a :class:`qstrat.inputs.TensorSpec`, for planning)
+    was given where its values are needed (quantizing, sending, writing); the message names it."""
+
+
 class ConfigOnlyUnsupportedError(PlanError):
     """qstrat cannot derive this model's tensors from its config.json alone (a structure its
     layout does not generate - the default generator's hybrid linear attention and vision towers,

@@ -94,6 +94,18 @@ def threshold_for(plan: RefitPlan, thresholds: Mapping[str, Threshold] | None = 
 
 
 # ---- probe sequences ---------------------------------------------------------------------------
+def text_vocab_size(model: Any) -> int | None:
+    """The language model's vocabulary size of a transformers model: ``config.vocab_size``, or
+    its text config's where the top-level config has none (multimodal configs such as Qwen3.5-MoE
+    keep it in ``text_config``: ``PretrainedConfig.get_text_config()``). None if neither has one."""
+    config = getattr(model, "config", None)
+    for cfg in (config, config.get_text_config() if hasattr(config, "get_text_config") else None):
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is not None:
+            return int(vocab)
+    return None
+
+
 def probe_sequences(vocab_size: int, count: int = 4, length: int = 32, seed: int = 0,
                     low: int = 0) -> list[list[int]]:
     """``count`` fixed token sequences of ``length`` ids, uniform in ``[low, vocab_size)`` from a
@@ -401,9 +413,13 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     state = model.state_dict()
     plan = plan if plan is not None else driver.plan(state)
     fmt, limit = threshold_for(plan, thresholds)
+    vocab = text_vocab_size(model)
+    if vocab is None:
+        raise ValueError("probe: the model's config has no vocab_size (nor its text config's): "
+                         "cannot check the probe's token ids")
     if sequences is None:
-        sequences = probe_sequences(int(model.config.vocab_size))
-    check_sequences(sequences, int(model.config.vocab_size))
+        sequences = probe_sequences(vocab)
+    check_sequences(sequences, vocab)
     k, engine = engine_prompt_logprobs(llm, sequences, top_k)
     weights = expected_weights(driver, plan, state)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -443,8 +459,7 @@ class Verify:
     def __post_init__(self) -> None:
         # Refused when Verify is built, i.e. before a refit reloads anything.
         if self.sequences is not None:
-            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-            check_sequences(self.sequences, int(vocab) if vocab is not None else None)
+            check_sequences(self.sequences, text_vocab_size(self.model))
 
     def __call__(self, llm: Any, driver: Any) -> FidelityReport:
         return probe(llm, self.model, driver, sequences=self.sequences, top_k=self.top_k,

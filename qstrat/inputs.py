@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import PlanError
+from qstrat.errors import NoValuesError, PlanError
 
 #: A mapping or an iterable of (HF name, tensor) pairs; tensors may be ``meta`` for planning.
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -144,6 +144,21 @@ def _short(obj: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def lacks_values(t: Any) -> bool:
+    """Whether input ``t`` has no values to read: neither a tensor (DTensors included) nor a lazy
+    handle with ``.load()`` - a :class:`TensorSpec` (shape and dtype, for planning)."""
+    return not isinstance(t, torch.Tensor) and not is_dtensor(t) and not callable(getattr(t, "load", None))
+
+
+def no_values_error(names: list[str], t: Any) -> NoValuesError:
+    """The :class:`~qstrat.errors.NoValuesError` for inputs ``names`` (the first one's value ``t``)."""
+    more = f" (and {len(names) - 1} more: {', '.join(names[1:4])}{' ...' if len(names) > 4 else ''})" \
+        if len(names) > 1 else ""
+    return NoValuesError(f"{names[0]}: is a {type(t).__name__} (a shape and dtype only, for planning){more}; "
+                         "quantizing, sending or writing needs its values: pass the tensor, or a lazy handle "
+                         "with .load()")
+
+
 def materialize(t: Any, name: str) -> torch.Tensor:
     """A plain tensor of the input's whole value.
 
@@ -153,12 +168,15 @@ def materialize(t: Any, name: str) -> torch.Tensor:
     The gather is a collective: every rank of the mesh must materialize the same DTensors in
     the same order (the driver does, since every rank runs the same plan in wire order).
 
-    Raises: PlanError for a ``meta`` tensor (it has no values to quantize or send), and for a
-        handle whose ``load()`` returns something other than a tensor of the shape and dtype it
-        declared (what the plan was made from).
+    Raises: NoValuesError (a PlanError and a TypeError) naming the input for a value without values
+        (a :class:`TensorSpec`); PlanError for a ``meta`` tensor (it has no values to quantize or
+        send), and for a handle whose ``load()`` returns something other than a tensor of the
+        shape and dtype it declared (what the plan was made from).
     """
     if is_dtensor(t):
         t = t.full_tensor()
+    elif lacks_values(t):
+        raise no_values_error([name], t)
     elif not isinstance(t, torch.Tensor):
         declared = (tuple(t.shape), t.dtype)
         t = t.load()

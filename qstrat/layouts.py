@@ -147,10 +147,12 @@ class ModelLayout(LayoutTensors):
 
     @staticmethod
     def text_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
-        """The language model's config: ``text_config`` of a multimodal config, else the config."""
-        if not hf_config:
-            return {}
-        return hf_config.get("text_config") or hf_config
+        """The language model's config: ``text_config`` of a multimodal config, else the config.
+        Raises ConfigError for a ``text_config`` that is not a mapping
+        (:func:`qstrat.model_config.language_config`)."""
+        from qstrat.model_config import language_config
+
+        return language_config(hf_config)
 
     def num_layers(self, hf_config: Mapping[str, Any] | None) -> int | None:
         """Decoder depth from an HF config, or None when the config does not say."""
@@ -196,6 +198,13 @@ class ModelLayout(LayoutTensors):
                 if model_type in table:
                     return table[model_type]
         return self.architectures[0] if len(self.architectures) == 1 else None
+
+    def output_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+        """The model config a checkpoint of this family is written with (``write_checkpoint``'s
+        config.json): ``hf_config`` as given. A family whose transformers modeling fixes what vLLM
+        reads from a config key (with another default) overrides it: it fills in the key, or
+        refuses (QstratError naming the key) a value vLLM would read differently from the trainer."""
+        return dict(hf_config)
 
     def whole_slab_reason(self, projection: str | None, shape: Shape) -> str | None:
         """Why the grouped expert slab ``projection`` (of ``shape``) cannot be cut into
@@ -391,9 +400,15 @@ def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, An
 
 def _config_int(key: str, value: Any, minimum: int) -> int:
     """An HF config's integer ``key``; ConfigError naming it for anything else (``"four"``,
-    ``2.5``, ``true``, below ``minimum``)."""
+    ``2.5``, ``true``, below ``minimum``, above qstrat's limit for it:
+    :data:`qstrat.model_config.INT_KEYS`)."""
     from qstrat.errors import ConfigError
+    from qstrat.model_config import INT_KEYS, MAX_LAYERS
 
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"model config: {key} must be an integer >= {minimum}, got {value!r}")
+    top = INT_KEYS.get(key, (minimum, MAX_LAYERS if key.endswith("layers") else None))[1]
+    if top is not None and value > top:
+        raise ConfigError(f"model config: {key} must be an integer in {minimum}..{top}, got {value!r} "
+                          f"(qstrat's limit: a larger {key} is no real model)")
     return value

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from qstrat.inputs import NamedTensors, as_tensor_dict
+from qstrat.inputs import NamedTensors, as_tensor_dict, lacks_values, no_values_error
 from qstrat.plan.data import RefitPlan
 
 __all__ = ["STEPS", "PreparedRefit", "SinkCheck", "Step", "prepare"]
@@ -136,6 +136,10 @@ def _plan(s: _Preparation) -> None:
         tensors = s.named_tensors if s.stream else as_tensor_dict(s.named_tensors)
         s.driver.check_plan(s.plan, tensors)
         plan = s.plan
+    if isinstance(tensors, Mapping):  # every sink reads the values: a spec-only input is refused now
+        empty = [e.name for e in plan.entries if e.name in tensors and lacks_values(tensors[e.name])]
+        if empty:
+            raise no_values_error(empty, tensors[empty[0]])
     s.prepared = PreparedRefit(s.driver, plan, tensors, plan_given=s.plan is not None, ran=["plan"])
 
 
@@ -171,7 +175,8 @@ def _prepared(s: _Preparation) -> PreparedRefit:
 STEPS: tuple[Step, ...] = (
     Step("plan", "plan every input (names, shapes, dtypes, formats, the whole plan's consistency), "
                  "or check a given plan: made with this driver's config, and every planned input "
-                 "present with its planned shape and dtype", "PlanError", _plan),
+                 "present with its planned shape and dtype; every input holds values (not a "
+                 "TensorSpec)", "PlanError", _plan),
     Step("sink", "the sink's own checks, in the sink's order (SinkCheck)", "the sink's errors", _sink),
     Step("backends", "every planned format's backend can run on its input's device",
          "BackendUnavailableError", _backends),

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from qstrat.errors import ConfigOnlyUnsupportedError
+from qstrat.model_config import bounded, check_model_config
 
 Shape = tuple[int, ...]
 #: ``(checkpoint name, shape)`` pairs, in the order a model's ``state_dict()`` lists them.
@@ -193,8 +194,12 @@ def model_tensors(layout: LayoutTensors, hf_config: Mapping[str, Any], grouped: 
         hf_config: parsed config.json (``text_config`` is used when present).
         grouped: emit routed experts as grouped slabs (``experts.gate_up_proj`` [E, 2I, H] and
             ``experts.down_proj`` [E, H, I], the trainer's in-memory view) instead of per-expert.
-    Raises: KeyError naming a config key the model needs but the config lacks;
+    Raises: KeyError naming a config key the model needs but the config lacks; ConfigError
+        naming a key whose value is not an integer in range or a ``text_config`` that is not a
+        mapping (:func:`qstrat.model_config.check_model_config`, before any tensor), or a config
+        implying more than :data:`qstrat.model_config.MAX_TENSORS` tensors;
         ConfigOnlyUnsupportedError (a PlanError) for a structure the layout does not generate
         (:meth:`LayoutTensors.config_only_refusals`).
     """
-    return layout.tensors(hf_config, grouped)
+    check_model_config(hf_config, getattr(layout, "num_layers_key", "num_hidden_layers"))
+    return bounded(layout.tensors(hf_config, grouped), f"layout {getattr(layout, 'name', '?')}")

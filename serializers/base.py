@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qstrat.errors import NonFiniteError, UnsupportedShapeError
 from qstrat.serializers.chunking import Scratch, cache_chunk_elements, chunk_pool, chunk_workers, chunks
-from qstrat.serializers.engine_contract import MATCH_KEYS, config_difference, on_defaults
+from qstrat.serializers.engine_contract import config_difference, on_defaults, read_difference
 
 #: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
 Context = Mapping[str, torch.Tensor]
@@ -180,8 +180,11 @@ class Serializer(ABC):
         :func:`~qstrat.serializers.engine_contract.config_difference`).
 
         Default: the format's own ``vllm_quantization_config([])`` and the engine's agree on
-        :data:`~qstrat.serializers.engine_contract.MATCH_KEYS`; a passthrough format (no config)
-        serves no quantized engine.
+        :data:`~qstrat.serializers.engine_contract.MATCH_KEYS` as vLLM reads them
+        (:func:`~qstrat.serializers.engine_contract.read_difference`: lower-case ``quant_algo``,
+        ``group_size: "16"``, the nested ModelOpt form, MiniMax ``mxfp8`` are what vLLM accepts; a
+        config vLLM refuses is refused naming the key); a passthrough format (no config) serves
+        no quantized engine.
 
         Args: quantization_config: the engine's (its config.json ``quantization_config``).
         Returns: ``"quantization_config.KEY: engine has X, NAME writes Y"`` or None.
@@ -189,7 +192,7 @@ class Serializer(ABC):
         mine = self.vllm_quantization_config([])
         if mine is None:
             return f"{self.name} writes no quantization_config (a passthrough format)"
-        return config_difference(mine, quantization_config, MATCH_KEYS, self.name)
+        return read_difference(mine, quantization_config, self.name)
 
     def engine_fusion_problem(self, rows: Sequence[int], experts: bool) -> str | None:
         """Why vLLM cannot load, in this format, one fused module made of members with these

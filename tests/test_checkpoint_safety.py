@@ -359,3 +359,50 @@ def test_bad_arguments_are_refused_before_quantizing(tmp_path):
         write_checkpoint(RefitDriver("bf16"), NORM, tmp_path / "out", hf_config=CFG, source_dir=tmp_path / "nope")
     assert str(info.value).startswith(f"source_dir {tmp_path / 'nope'} is not a directory")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- output locations that cannot be created; parents a failed write created -------------------
+
+def test_an_output_under_a_file_is_refused_before_planning(tmp_path):
+    (tmp_path / "afile").write_text("keep me")
+    out = tmp_path / "afile" / "sub" / "ckpt"
+    with pytest.raises(QstratError) as info:
+        write_checkpoint(RefitDriver("bf16"), NORM, out, hf_config=CFG)
+    assert str(info.value) == f"cannot create {out}: {tmp_path / 'afile'} is a file, not a directory; nothing was written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_an_output_in_a_directory_that_takes_no_entries_names_the_output(tmp_path):
+    out = Path("/proc/qstrat-out")
+    with pytest.raises(QstratError) as info:
+        write_checkpoint(RefitDriver("bf16"), NORM, out, hf_config=CFG)
+    assert str(info.value) == ("cannot create /proc/qstrat-out: /proc does not take new entries (No such file or "
+                               "directory); nothing was written")
+
+
+def test_a_failed_write_removes_the_parents_it_created_and_keeps_the_users(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ckpt, "save_file", failing_save(calls, fail_at=1))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    out = tmp_path / "mine" / "a" / "b" / "ckpt"
+    with pytest.raises(QstratError, match="No space left on device"):
+        write_checkpoint(RefitDriver("bf16"), NORM, out, hf_config=CFG)
+    assert tree(tmp_path) == {"mine/": b"", "mine/notes.txt": b"keep"}  # a/ and a/b/ are gone, mine/ stays
+    # an error before the first byte creates nothing at all
+    with pytest.raises(QstratError, match="the model config's 'x' cannot be written"):
+        write_checkpoint(RefitDriver("bf16"), NORM, out, hf_config={**CFG, "x": float("nan")})
+    assert tree(tmp_path) == {"mine/": b"", "mine/notes.txt": b"keep"}
+
+
+@pytest.mark.parametrize("target, message", [
+    ("/proc/foo", "error: cannot create /proc/foo: /proc does not take new entries (No such file or directory); "
+                  "nothing was written\n"),
+    ("{tmp}/afile/sub", "error: cannot create {tmp}/afile/sub: {tmp}/afile is a file, not a directory; nothing was "
+                        "written\n"),
+])
+def test_cli_output_that_cannot_be_created_is_a_user_error(tmp_path, src, target, message, capsys):
+    (tmp_path / "afile").write_text("keep me")
+    rc, err = in_process(capsys, "quantize", src, "--preset", "bf16", "-o", target.format(tmp=tmp_path))
+    assert (rc, err) == (2, message.format(tmp=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

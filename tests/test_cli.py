@@ -247,7 +247,47 @@ def _case_index_nested_too_deeply(tmp, src):
     return ["plan", tmp / "m", "--preset", "bf16"], f"error: {index}: not a readable index: {TOO_DEEP}\n"
 
 
+def _config_only(tmp, **changes):
+    """A config-only copy of examples/models/qwen3-235b-a22b with ``changes``."""
+    cfg = json.loads((MODELS / "qwen3-235b-a22b" / "config.json").read_text())
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return ["plan", tmp / "m", "--preset", "mxfp8", "--summary"]
+
+
+def _case_config_zero_heads(tmp, src):
+    return _config_only(tmp, num_attention_heads=0), (
+        f"error: {tmp / 'm' / 'config.json'}: model config: num_attention_heads must be an integer in "
+        "1..2147483647, got 0\n")
+
+
+def _case_config_negative_hidden_size(tmp, src):
+    return _config_only(tmp, hidden_size=-4096), (
+        f"error: {tmp / 'm' / 'config.json'}: model config: hidden_size must be an integer in 1..2147483647, "
+        "got -4096\n")
+
+
+def _case_config_text_config_not_a_mapping(tmp, src):
+    return _config_only(tmp, text_config=5), (
+        f"error: {tmp / 'm' / 'config.json'}: model config: text_config must be a mapping (the language model's config), got int 5\n")
+
+
+def _case_config_too_many_layers(tmp, src):
+    return _config_only(tmp, num_hidden_layers=10**12), (
+        "model config: num_hidden_layers must be an integer in 1..4096, got 1000000000000 (qstrat's limit: "
+        "a larger num_hidden_layers is no real model)\n")
+
+
+def _case_config_too_many_tensors(tmp, src):
+    return _config_only(tmp, num_hidden_layers=4000, num_experts=60000), (
+        f"error: {tmp / 'm' / 'config.json'}: model config: it implies more than 1000000 tensors (layout "
+        "qwen3_moe); qstrat's limit is far above any real model's count - check the config's layer and expert "
+        "counts\n")
+
+
 @pytest.mark.parametrize("case", [
+    _case_config_zero_heads, _case_config_negative_hidden_size, _case_config_text_config_not_a_mapping,
+    _case_config_too_many_layers, _case_config_too_many_tensors,
     _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
     _case_config_is_a_directory, _case_binary_config, _case_model_is_a_safetensors_file,
     _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,

@@ -4,6 +4,7 @@ The engines that run its kernels are in test_engine_refit.py and test_engine_mul
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from importlib.metadata import entry_points
 
 import pytest
@@ -112,6 +113,9 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     to the torch experts."""
     from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel, init_nvfp4_linear_kernel
     from vllm.model_executor.layers.fused_moe.oracle import fp8, mxfp8, nvfp4
+
+    from qstrat.vllm_adapter import resolver
+    from qstrat.vllm_adapter.resolver import resolve
     from vllm.plugins import load_general_plugins
 
     from qstrat.engine.emulation import mode
@@ -120,7 +124,11 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     assert emulation.status().active == emulation.formats(), emulation.status()
     placement = mode.block_fp8_placement()
     before = _registries()
-    vllms = ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]
+    native = [k for k in before["fp8_block"] if k.__module__.startswith("vllm.")]
+    assert resolve("cpu_fp8_block_linear_kernel") in native, "vLLM's CPU list, whatever this version has in it"
+    vllms = [k.__name__ for k in native]
+    if resolver.vllm_version() == "0.32.0":
+        assert vllms == ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]
     fp8_block = [k.__name__ for k in before["fp8_block"]]
     fp8_moe = [c.__name__ for c in fp8.backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)]
     if placement == mode.ONLY:  # a CPU without AMX
@@ -132,12 +140,15 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
         assert fp8_moe == ["EmulatedCPUExpertsFp8"]
         assert fp8._get_priority_backends(None, None, None)[0] == fp8.Fp8MoeBackend.EMULATION
     else:  # a CPU with AMX: vLLM's kernels, qstrat's only for linear layers with a bias
-        assert fp8_block == [vllms[0], "QstratBiasAwareCPUFp8BlockScaledMMKernel", vllms[1]]
+        at = vllms.index(resolve("cpu_fp8_block_linear_kernel").__name__)
+        assert fp8_block == [*vllms[:at], "QstratBiasAwareCPUFp8BlockScaledMMKernel", *vllms[at:]]
         assert fp8_moe != ["EmulatedCPUExpertsFp8"]
         assert not getattr(fp8._get_priority_backends, "_qstrat_emulation", False)
     assert [k.__name__ for k in before["mxfp8"]] == ["QstratEmulationMxfp8LinearKernel"]
     assert [k.__name__ for k in before["nvfp4"]] == ["QstratEmulationNvFp4LinearKernel"]
-    assert type(init_mxfp8_linear_kernel(weight_shape=(256, 256))).__name__ == "QstratEmulationMxfp8LinearKernel"
+    # vLLM 0.32 added the required weight_shape argument; older releases take none
+    shape = {"weight_shape": (256, 256)} if "weight_shape" in inspect.signature(init_mxfp8_linear_kernel).parameters else {}
+    assert type(init_mxfp8_linear_kernel(**shape)).__name__ == "QstratEmulationMxfp8LinearKernel"
     assert type(init_nvfp4_linear_kernel()).__name__ == "QstratEmulationNvFp4LinearKernel"
     assert [c.__name__ for c in mxfp8._mxfp8_backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)] == [
         "TorchMxfp8EmulationExperts"]
@@ -166,21 +177,23 @@ def _fake_block_fp8_hooks():
             "priority": lambda *a, **k: [backends.CPU], "to_cls": lambda b: [f"vllm's {b}"]}
 
 
-@pytest.mark.parametrize(("amx", "setting", "linear", "moe"), [
-    (False, None, ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel", "EmulatedCPUFp8BlockScaledMMKernel"],
-     ["CPU", "EMULATION"]),
-    (True, None, ["CPUFp8W8A8BlockScaledMMKernel", "QstratBiasAwareCPUFp8BlockScaledMMKernel",
-                  "CPUFp8BlockScaledMMKernel"], None),
-    (True, "force", ["EmulatedCPUFp8BlockScaledMMKernel", "CPUFp8W8A8BlockScaledMMKernel",
-                     "CPUFp8BlockScaledMMKernel"], ["EMULATION", "CPU"]),
-    (False, "force", ["EmulatedCPUFp8BlockScaledMMKernel", "CPUFp8W8A8BlockScaledMMKernel",
-                      "CPUFp8BlockScaledMMKernel"], ["EMULATION", "CPU"]),
+EMULATED, BIASED = "EmulatedCPUFp8BlockScaledMMKernel", "QstratBiasAwareCPUFp8BlockScaledMMKernel"
+
+
+@pytest.mark.parametrize(("amx", "setting", "where", "moe"), [
+    (False, None, "last", ["CPU", "EMULATION"]),
+    (True, None, "before vLLM's W8A16 kernel", None),
+    (True, "force", "first", ["EMULATION", "CPU"]),
+    (False, "force", "first", ["EMULATION", "CPU"]),
 ])
-def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, linear, moe):
+def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, where, moe):
     """SIMULATED CPU kind (platform_facts.has_amx faked): where block_fp8.register puts its
-    kernels, into fresh copies of vLLM's registries. ``moe`` None: the MoE oracle is untouched."""
+    kernels, into fresh copies of vLLM's registries (vLLM's CPU list is this version's: 0.32 has
+    [CPUFp8W8A8BlockScaledMMKernel, CPUFp8BlockScaledMMKernel], 0.27 only the second).
+    ``moe`` None: the MoE oracle is untouched."""
     from qstrat.engine.emulation import block_fp8
-    from qstrat.vllm_adapter import platform_facts
+    from qstrat.vllm_adapter import platform_facts, resolver
+    from qstrat.vllm_adapter.resolver import resolve
 
     monkeypatch.setattr(platform_facts, "has_amx", lambda: amx)
     if setting is None:
@@ -188,6 +201,12 @@ def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, linear,
     else:
         monkeypatch.setenv("QSTRAT_VLLM_EMULATION", setting)
     h = _fake_block_fp8_hooks()
+    vllms = [k.__name__ for k in h["linear_kernels"][h["cpu"]]]
+    if resolver.vllm_version() == "0.32.0":
+        assert vllms == ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]
+    at = vllms.index(resolve("cpu_fp8_block_linear_kernel").__name__)
+    linear = {"last": [*vllms, EMULATED], "first": [EMULATED, *vllms],
+              "before vLLM's W8A16 kernel": [*vllms[:at], BIASED, *vllms[at:]]}[where]
     block_fp8.register(h)
     cpu_list = h["linear_kernels"][h["cpu"]]
     assert [k.__name__ for k in cpu_list] == linear
@@ -258,36 +277,33 @@ def test_bias_kernel_emulates_biased_layers_and_leaves_the_others_to_vllms_amx_k
 
 
 def test_other_vllm_missing_a_name_registers_nothing_and_says_what(emulation, monkeypatch, caplog):
-    """As on a vLLM release without vLLM 0.32's NVFP4 emulation experts: a warning names both
-    versions, an error names the missing name, no format is installed, nothing raises. (The
-    version table is given a vllm 0.99.0 where every name is where 0.32.0 has it except those
-    experts, which it places at a name that does not exist.)"""
+    """As on a supported vLLM release that lacked vLLM 0.32's NVFP4 emulation experts: an error
+    names the missing name and the version, no format is installed, nothing raises. (The version
+    table places those experts, for the installed version, at a name that does not exist. A vLLM
+    outside the supported range is refused before this: tests/test_vllm_compat.py.)"""
     from dataclasses import replace
 
     from qstrat.engine.emulation import block_fp8, mxfp8, nvfp4
     from qstrat.vllm_adapter import names, resolver
 
-    table = {k: replace(e, locations={**e.locations, "==0.99.0": e.locations["==0.32.0"]})
-             for k, e in names.TABLE.items()}
+    version = resolver.vllm_version()
+    table = dict(names.TABLE)
     experts = table["nvfp4_emulation_triton_experts"]
     table[experts.key] = replace(experts, locations={
-        "==0.32.0": experts.locations["==0.32.0"],
-        "==0.99.0": "vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe:NoSuchExperts"})
+        f"=={version}": "vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe:NoSuchExperts",
+        f"!={version}": next(iter(experts.locations.values()))})
     installed = []
     for module in (block_fp8, mxfp8, nvfp4):
         monkeypatch.setattr(module, "register", lambda h, m=module: installed.append(m.__name__))
     monkeypatch.setattr(names, "TABLE", table)
-    monkeypatch.setattr(emulation, "vllm_version", lambda: "0.99.0")
-    monkeypatch.setattr(resolver, "vllm_version", lambda: "0.99.0")
     monkeypatch.setattr(emulation, "_status", emulation.Status())
     with caplog.at_level("WARNING", logger="vllm.plugins.qstrat"):
         emulation.register()  # must not raise: that would break every engine on this machine
     assert installed == [], "a format was installed although another's hook is missing"
     status = emulation.status()
     assert status.active == ()
-    assert "nvfp4_emulation_moe.NoSuchExperts" in status.error and "vllm 0.99.0" in status.error
-    assert "checked against vllm 0.32.0" in status.error
-    assert "running on vllm 0.99.0; qstrat's vLLM version table was checked against vllm 0.32.0" in caplog.text
+    assert "nvfp4_emulation_moe.NoSuchExperts" in status.error and f"vllm {version}" in status.error
+    assert "checked against vllm 0.25.1, 0.26.0, 0.27.1" in status.error
     assert "NOT registered" in caplog.text and "NoSuchExperts" in caplog.text
 
 

@@ -351,3 +351,21 @@ def test_refit_refuses_a_verify_that_is_not_callable(tiny_model, tiny_hf_config)
     with pytest.raises(TypeError, match=r"^refit: verify must be callable as verify\(llm, driver\)"):
         qvllm.refit(llm, driver, tiny_model.state_dict(), verify=True)
     assert llm.calls == []   # nothing reached the engine
+
+
+def test_the_vocabulary_of_a_multimodal_config_is_its_text_configs():
+    """Qwen3.5-MoE's transformers config has no top-level vocab_size (its text_config has):
+    the probe and Verify read the language model's vocabulary (before the fix: AttributeError
+    after the reload, and Verify skipped its out-of-vocabulary check)."""
+    import transformers
+
+    from qstrat.fidelity import Verify, text_vocab_size
+
+    model = torch.nn.Module()
+    model.config = transformers.Qwen3_5MoeConfig(text_config={"vocab_size": 512})
+    assert not hasattr(model.config, "vocab_size") and text_vocab_size(model) == 512
+    model.config = transformers.Qwen3Config(vocab_size=1000)
+    assert text_vocab_size(model) == 1000
+    model.config = transformers.Qwen3_5MoeConfig(text_config={"vocab_size": 512})
+    with pytest.raises(ValueError, match=r"^probe: sequences\[0\]\[1\] = 600 is not a token id in \[0, 512\)$"):
+        Verify(model, sequences=[[1, 600]])

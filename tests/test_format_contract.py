@@ -4,6 +4,8 @@ peers; qstrat's format lists (the engine's format, the emulation list, the bench
 from the registry. The INT8 example plugin's side is in test_example_plugin.py."""
 from __future__ import annotations
 
+import json
+import re
 import types
 
 import pytest
@@ -254,3 +256,95 @@ def test_a_bench_peer_that_does_not_import_names_the_format():
     with pytest.raises(PluginError, match=r"^serializer 'toy_lost': bench peer 'vllm' 'qstrat_no_such_module:peer' "
                                           "cannot be imported"):
         Lost.resolve_bench_peers()
+
+
+# ---- configs as vLLM 0.32 reads them (spelling variants it accepts; what it refuses) ----------
+_NESTED_NV = {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+ACCEPTED = [
+    ("nvfp4", {"quant_method": "modelopt", "quant_algo": "nvfp4", "group_size": 16, "ignore": []}),
+    ("nvfp4", {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": "16", "ignore": []}),
+    ("nvfp4", {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": []}),  # group_size defaults to 16
+    ("nvfp4", {"quant_method": "modelopt", "quantization": _NESTED_NV}),
+    ("nvfp4", {"quant_method": "modelopt_fp4", "quantization": _NESTED_NV}),
+    ("nvfp4", {"producer": {"name": "modelopt", "version": "0.39.0"}, "quantization": _NESTED_NV}),
+    ("mxfp8", {"quant_method": "mxfp8", "ignored_layers": ["lm_head", "mlp.gate"]}),  # MiniMax style
+    ("mxfp8", {"quant_method": "modelopt", "quant_algo": "mxfp8", "ignore": []}),
+    ("mxfp8", {"quant_method": "MODELOPT_MXFP8", "quant_algo": "MXFP8"}),
+    ("mxfp8", {"quant_method": "modelopt", "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None,
+                                                            "exclude_modules": []}}),
+    ("block_fp8", {"quant_method": "FP8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
+]
+REFUSED = [
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": "sixteen"},
+     "quantization_config.group_size: vLLM refuses 'sixteen' (must be an integer)"),
+    ({"quant_method": "modelopt", "quantization": {k: v for k, v in _NESTED_NV.items() if k != "kv_cache_quant_algo"}},
+     "quantization_config.quantization.kv_cache_quant_algo: missing; vLLM requires ['group_size', "
+     "'kv_cache_quant_algo', 'exclude_modules'] in the nested ModelOpt form"),
+    ({"quant_method": "modelopt", "quantization": "NVFP4"},
+     "quantization_config.quantization: vLLM refuses 'NVFP4' (expected a mapping, the nested ModelOpt form)"),
+    ({"quant_method": "modelopt", "quant_algo": "nvfp5"},
+     "quantization_config.quant_algo: vLLM refuses 'nvfp5' (ModelOpt algorithms: FP8, FP8_PER_CHANNEL_PER_TOKEN, "
+     "FP8_PB_WO, NVFP4, W4A16_NVFP4, MXFP8, MIXED_PRECISION)"),
+    ({"quant_method": "modelopt"}, "quantization_config.quant_algo: missing; vLLM's ModelOpt config requires it"),
+    ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None,
+                                                         "exclude_modules": []}},
+     "quantization_config.quantization.quant_algo: vLLM refuses 'MXFP8' in an hf_quant_config.json with producer "
+     "modelopt (Unknown ModelOpt quant algo)"),
+    ({"quant_method": "mxfp8", "quant_algo": "NVFP4"},
+     "quantization_config.quant_algo: vLLM's MXFP8 config (quant_method 'mxfp8') refuses 'NVFP4'"),
+]
+_FORMATS = {c.name: c for c in BUILTIN_QUANTIZING}
+
+
+def _vllm_parses(cfg):
+    """vLLM 0.32's own reading of a checkpoint config: its method (with the ModelOpt overrides) and
+    from_config; raises ValueError where vLLM refuses it."""
+    import vllm.config  # noqa: F401 (imported first: the convertor module is part of an import cycle)
+    from vllm.model_executor.layers.quantization import get_quantization_config
+    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
+
+    cfg = json.loads(json.dumps(cfg))
+    norm = ModelArchConfigConvertorBase._normalize_quantization_config(None, types.SimpleNamespace(
+        quantization_config=cfg))
+    method = norm["quant_method"]
+    for name in ("modelopt", "modelopt_fp4", "modelopt_mxfp8"):
+        method = get_quantization_config(name).override_quantization_method(norm, None) or method
+    return get_quantization_config(method).from_config(norm)
+
+
+@pytest.mark.parametrize("fmt, cfg", ACCEPTED, ids=[f"{f}-{i}" for i, (f, _) in enumerate(ACCEPTED)])
+def test_what_vllm_accepts_is_the_formats_config(fmt, cfg):
+    _vllm_parses(cfg)  # the oracle: vLLM accepts it
+    assert type(engine_format(cfg, get_registry())) is _FORMATS[fmt]
+    for other in BUILTIN_QUANTIZING:
+        assert other.matches_engine_config(cfg) is (other is _FORMATS[fmt])
+
+
+@pytest.mark.parametrize("cfg, reason", REFUSED, ids=range(len(REFUSED)))
+def test_what_vllm_refuses_is_refused_naming_the_key(cfg, reason):
+    with pytest.raises(ValueError):
+        _vllm_parses(cfg)  # the oracle: vLLM refuses it
+    for fmt in (MXFP8, NVFP4):
+        assert fmt().engine_config_mismatch(cfg) == reason
+    with pytest.raises(EngineManifestError, match=re.escape(f"mxfp8: {reason}; nvfp4: {reason}")):
+        engine_format(cfg, get_registry())
+
+
+def test_a_value_vllm_reads_differently_is_shown_both_ways():
+    assert NVFP4().engine_config_mismatch({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": "32"}) == \
+        "quantization_config.group_size: engine has '32' (vLLM reads 32), nvfp4 writes 16"
+    assert NVFP4().engine_config_mismatch({"quant_method": "mxfp8"}) == \
+        "quantization_config.quant_algo: engine has none (vLLM reads 'MXFP8'), nvfp4 writes 'NVFP4'"
+
+
+def test_the_quantization_config_is_read_where_vllm_reads_it():
+    from qstrat.vllm import quantization_config_of
+
+    nv = NVFP4().vllm_quantization_config(["lm_head"])
+    assert quantization_config_of({"text_config": {"quantization_config": nv}}) == nv
+    assert quantization_config_of(types.SimpleNamespace(quantization_config=None, text_config=types.SimpleNamespace(
+        quantization_config=nv))) == nv
+    assert quantization_config_of({"quantization_config": nv, "text_config": {"quantization_config": {"x": 1}}}) == nv
+    assert quantization_config_of({"compression_config": {"quant_method": "compressed-tensors"}}) == {
+        "quant_method": "compressed-tensors"}
+    assert quantization_config_of({"text_config": {}}) is None

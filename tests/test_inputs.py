@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from qstrat import PlanError, RefitDriver, tensor_specs
+from qstrat import PlanError, RefitDriver, TensorSpec, tensor_specs
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 K = "model.layers.0.self_attn.k_proj.weight"
@@ -108,3 +108,43 @@ def test_plan_from_spec_triples_equals_plan_from_tensors(tiny_model, tiny_hf_con
 def test_names_must_be_strings():
     with pytest.raises(PlanError, match="tensor names must be strings, got 5"):
         RefitDriver("block-fp8").plan([(5, torch.empty(2, 2, device="meta"))])
+
+
+# ---- a TensorSpec (shape and dtype only) where values are needed -----------------------------
+def _spec_inputs():
+    return {"model.layers.0.mlp.down_proj.weight": TensorSpec((64, 64), torch.bfloat16),
+            "model.layers.0.mlp.up_proj.weight": torch.ones(64, 64, dtype=torch.bfloat16)}
+
+
+SPEC_ERROR = (r"^model\.layers\.0\.mlp\.down_proj\.weight: is a TensorSpec \(a shape and dtype only, for planning\); "
+              r"quantizing, sending or writing needs its values: pass the tensor, or a lazy handle with \.load\(\)$")
+
+
+def test_a_spec_given_as_a_value_is_refused_before_anything_is_emitted(tmp_path):
+    from qstrat import RefitDriver
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.errors import NoValuesError
+
+    driver = RefitDriver("mxfp8")
+    driver.plan(_spec_inputs())  # planning takes specs
+    out = driver.run(_spec_inputs())
+    with pytest.raises(NoValuesError, match=SPEC_ERROR) as exc:
+        next(iter(out))
+    assert isinstance(exc.value, TypeError) and isinstance(exc.value, PlanError)
+    with pytest.raises(NoValuesError, match=SPEC_ERROR):
+        write_checkpoint(driver, _spec_inputs(), tmp_path / "out" / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+    specs = {f"model.layers.{i}.mlp.down_proj.weight": TensorSpec((64, 64), torch.float32) for i in range(6)}
+    with pytest.raises(NoValuesError, match=r"^model\.layers\.0\.mlp\.down_proj\.weight: is a TensorSpec .*\(and "
+                                            r"5 more: model\.layers\.1\.mlp\.down_proj\.weight, .* \.\.\.\);"):
+        list(driver.run(specs))
+
+
+def test_a_spec_in_a_stream_is_named_when_it_arrives():
+    from qstrat import RefitDriver
+    from qstrat.errors import NoValuesError
+
+    driver = RefitDriver("mxfp8")
+    plan = driver.plan(_spec_inputs())
+    with pytest.raises(NoValuesError, match=SPEC_ERROR):
+        list(driver.run(iter(_spec_inputs().items()), plan=plan))

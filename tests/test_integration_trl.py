@@ -182,6 +182,31 @@ def test_bad_arguments_fail_before_anything_is_patched():
     assert cls.__dict__["_init_vllm"] is original
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"engine_kwargs": "abc"}, r"engine_kwargs: a mapping of vllm.LLM arguments \(e.g. \{'max_model_len': 2048\}\), "
+                               r"got str 'abc'$"),
+    ({"engine_kwargs": {1: 2}}, r"engine_kwargs: argument names are strings, got 1$"),
+    ({"engine_kwargs": {"quantization": "fp8"}}, r"engine_kwargs\.quantization: the engine's quantization is the "
+                                                 r"strategy's, read from the qstrat checkpoint's quantization_config"),
+    ({"engine_kwargs": {"quantization_config": {}}}, r"engine_kwargs\.quantization_config: the engine's quantization"),
+    ({"engine_kwargs": {"hf_overrides": {"num_hidden_layers": 1}}},
+     r"engine_kwargs\.hf_overrides: it rewrites the model config the checkpoint and every sync's plan are made "
+     r"from \(its layers, its quantization_config\)"),
+    ({"checkpoint_dir": 5}, r"checkpoint_dir: a directory path \(str or pathlib\.Path\) or None, got int 5$"),
+])
+def test_wrong_arguments_are_refused_at_make_trainer_naming_the_key(kwargs, message):
+    """Before: a raw TypeError/AttributeError, or (engine_kwargs changing the quantization or
+    the model) an engine that took no sync correctly. Nothing of the trainer is built."""
+    from qstrat.errors import ConfigError
+    from qstrat.integrations import trl as qtrl
+
+    built = []
+    with pytest.raises(ConfigError, match="^" + message):
+        qtrl.make_trainer(lambda **kw: built.append(kw), "block-fp8", **kwargs)
+    assert built == []
+    assert qtrl.check_engine_kwargs({"max_model_len": 64}) == {"max_model_len": 64}
+
+
 def test_trainer_without_vllm_is_refused(tmp_path):
     from datasets import Dataset
     from trl import GRPOTrainer

@@ -276,3 +276,39 @@ def test_cross_check_takes_a_tied_lm_head_as_the_embedding_and_refuses_a_quantiz
         f"lm_head: tied to model.embed_tokens, it should hold the embedding's {{'bfloat16': {1024 * 256}}} elements "
         f"per dtype, vLLM records {{'bfloat16': {1024 * 256}, 'uint8': {1024 * 8}}} (the engine's "
         "quantization_config quantizes the tied lm_head: list it in its ignore list)"]
+
+
+class _Prefix:
+    """A stand-in for vLLM's ``WeightsMapper`` of a multimodal class (Qwen3.5's
+    ``hf_to_vllm_mapper`` puts the language model under ``language_model.``): its public
+    ``apply_list``, which qstrat's record calls."""
+
+    def apply_list(self, names):
+        return [f"language_model.{n}" for n in names]
+
+
+def test_cross_check_finds_a_tied_lm_head_that_vllm_renames():
+    """A tied lm_head under vLLM's renamed module (``language_model.lm_head``) is the tied head,
+    not an unknown module (before the fix every refit of a tied Qwen3.5-MoE was refused: "vLLM's
+    model has language_model.lm_head ... which the manifest does not know"), and a quantized one
+    is still refused under vLLM's name."""
+    from qstrat.engine_manifest import build_manifest
+    from qstrat.registry import get_registry
+    from qstrat.vllm_adapter.model_record import EngineModel, cross_check
+
+    qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]}
+    manifest = build_manifest(TIED, qcfg, QWEN3, get_registry(), "bfloat16")
+    record = _record(manifest, 64, 1024)
+    rename = _Prefix().apply_list
+    layers = {rename([k])[0]: v for k, v in record.layers.items()}
+    pad = {rename([k])[0]: v for k, v in record.vocab_padding.items()}
+    ok = EngineModel({**layers, "language_model.lm_head": {"bfloat16": 1024 * 256}}, record.packed,
+                     record.skipped, 1, pad, _Prefix())
+    assert cross_check(manifest, ok) == []
+    quantized = EngineModel({**layers, "language_model.lm_head": {"bfloat16": 1024 * 256, "uint8": 1024 * 8}},
+                            record.packed, record.skipped, 1, pad, _Prefix())
+    assert cross_check(manifest, quantized) == [
+        f"language_model.lm_head: tied to model.embed_tokens, it should hold the embedding's "
+        f"{{'bfloat16': {1024 * 256}}} elements per dtype, vLLM records {{'bfloat16': {1024 * 256}, "
+        f"'uint8': {1024 * 8}}} (the engine's quantization_config quantizes the tied "
+        "language_model.lm_head: list it in its ignore list)"]

@@ -12,6 +12,7 @@ import torch
 
 import qstrat
 import qstrat.checkpoint
+import qstrat.engine_manifest
 import qstrat.transport.sender
 import qstrat.vllm
 from qstrat import NonFiniteError, PlanError, RefitDriver
@@ -25,8 +26,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
 #: Every sink's checks, in the order it runs them (the ``ran`` of a refit that passes them all).
 RAN = {
     "vllm": ["plan", "engine format", "engine manifest", "ignore lists", "cpu experts", "backends", "values"],
-    "checkpoint": ["plan", "config.json", "backends"],  # values while quantizing (values="inline")
-    "sender": ["plan", "every layer", "wire manifest", "backends", "values"],
+    "checkpoint": ["plan", "config.json", "model tensors", "backends"],  # values while quantizing (values="inline")
+    "sender": ["plan", "every layer", "model tensors", "wire manifest", "backends", "values"],
     "run": ["plan", "backends"],  # values while quantizing
 }
 #: The doc's bullet for each sink's own checks.
@@ -156,6 +157,7 @@ TARGETS = {
     "cpu experts": ((qstrat.vllm, "check_cpu_expert_reload"), PlanError),
     "config.json": ((qstrat.checkpoint, "output_hf_config"), QstratError),
     "every layer": ((qstrat.transport.sender, "check_every_layer"), PlanError),
+    "model tensors": ((qstrat.engine_manifest, "check_model_tensors"), PlanError),
     "wire manifest": ((qstrat.transport.sender, "wire_manifest_for_plan"), WireManifestMismatchError),
     "backends": ((RefitDriver, "check_backends"), BackendUnavailableError),
     "values": ((RefitDriver, "check_values"), NonFiniteError),
@@ -242,3 +244,16 @@ def test_sender_refuses_a_refit_that_leaves_out_a_layer(tiny_model, driver):
         check_every_layer(plan, driver, plan_given=False)
     check_every_layer(plan, driver, plan_given=True)          # an explicit partial refit is fine
     check_every_layer(driver.plan(tiny_model.state_dict()), driver, plan_given=False)   # whole: fine
+
+
+def test_sender_refuses_a_plan_that_is_not_the_models_tensors(tiny_model, driver):
+    """RefitSender checks the plan against the tensors the driver's hf_config implies, as
+    write_checkpoint does and qstrat.vllm.refit does against a live engine."""
+    state = dict(tiny_model.state_dict())
+    state["model.layers.0.input_layernorm.weight"] = torch.ones(255, dtype=torch.bfloat16)
+    sender, calls = _sender()
+    with pytest.raises(PlanError, match=r"^the refit does not match the model's tensors \(from its config; nothing "
+                                        r"was written or sent\):\n  model\.layers\.0\.input_layernorm\.weight: shape "
+                                        r"\[255\], the engine expects \[256\]"):
+        sender.refit(driver, state)
+    assert calls == []

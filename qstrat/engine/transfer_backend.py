@@ -30,6 +30,7 @@ point ``qstrat_transfer`` in every vLLM process. One round per update session.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.wire_manifest import expected_from_checkpoint
-from qstrat.vllm_adapter.resolver import resolve
+from qstrat.vllm_adapter.resolver import available, resolve
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
 WeightTransferEngine = resolve("weight_transfer_engine")
@@ -152,12 +153,24 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """``model.load_weights`` (a layer is processed once all its weights arrived)."""
-        with resolve("disable_mtp_completeness_check")():
+        # vllm < 0.27.1 has no MTP completeness check, so nothing to skip (version table)
+        skip_mtp_check = (resolve("disable_mtp_completeness_check")()
+                          if available("disable_mtp_completeness_check") else nullcontext())
+        with skip_mtp_check:
             self.model.load_weights(tensors)
 
     def end_load(self) -> None:
         """``finalize_layerwise_reload`` (layers that received nothing keep their weights)."""
         resolve("finalize_layerwise_reload")(self.model, self.model_config)
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """Not qstrat's sending side: vllm < 0.28 declares this abstract on every backend (0.28
+        moved trainer sending to ``TrainerWeightTransferEngine``), so it is defined to let the
+        class be built there. Raises: TransportError naming :class:`qstrat.transport.RefitSender`,
+        which is what sends a qstrat round."""
+        raise TransportError("the qstrat backend's trainer side is qstrat.transport.RefitSender "
+                             "(RefitSender.send), not vLLM's trainer_send_weights")
 
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""

@@ -42,6 +42,7 @@ trainer (docs/integrations.md). This module leaves them as TRL computes them.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import warnings
@@ -225,6 +226,42 @@ def _hf_config(model: Any) -> dict[str, Any]:
     return cfg
 
 
+#: ``vllm.LLM`` arguments the qstrat checkpoint decides: setting them would start an engine that
+#: differs from what every sync sends (another quantization, another model).
+ENGINE_KWARGS_OWNED = ("model", "quantization", "quantization_config", "hf_overrides")
+
+
+def check_engine_kwargs(engine_kwargs: Any) -> dict[str, Any]:
+    """``engine_kwargs`` as a dict of ``vllm.LLM`` arguments, refused when it is not a mapping with
+    string keys or sets what the qstrat checkpoint decides (:data:`ENGINE_KWARGS_OWNED`): the
+    model (the checkpoint), the quantization (the strategy's ``quantization_config``; an engine
+    with another method, or online quantization, would take none of the syncs' tensors), and
+    ``hf_overrides`` (it rewrites the model config the checkpoint and every sync's plan come from:
+    its layers, its quantization_config).
+
+    Raises: ConfigError naming the argument (``engine_kwargs.quantization: ...``).
+    """
+    if engine_kwargs is None:
+        return {}
+    if not isinstance(engine_kwargs, Mapping):
+        raise ConfigError(f"engine_kwargs: a mapping of vllm.LLM arguments (e.g. {{'max_model_len': 2048}}), got "
+                          f"{type(engine_kwargs).__name__} {engine_kwargs!r}")
+    bad = [k for k in engine_kwargs if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"engine_kwargs: argument names are strings, got {bad[0]!r}")
+    why = {"model": "the engine starts on the qstrat checkpoint of the policy",
+           "quantization": "the engine's quantization is the strategy's, read from the qstrat checkpoint's "
+                           "quantization_config (another method would take none of the syncs' tensors)",
+           "quantization_config": "the engine's quantization is the strategy's, read from the qstrat checkpoint's "
+                                  "quantization_config",
+           "hf_overrides": "it rewrites the model config the checkpoint and every sync's plan are made from "
+                           "(its layers, its quantization_config); change the policy model instead"}
+    for key in ENGINE_KWARGS_OWNED:
+        if key in engine_kwargs:
+            raise ConfigError(f"engine_kwargs.{key}: {why[key]}; do not set it")
+    return dict(engine_kwargs)
+
+
 def _cpu_engine() -> bool:
     """Whether vLLM runs on a CPU here (its platform; vLLM is installed, check_trl made sure)."""
     from qstrat.vllm_adapter.platform_facts import is_cpu
@@ -244,10 +281,10 @@ class QstratRollouts:
         if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
             raise ConfigError(f"verify_every: a sync count >= 0 (0: never probe), got {verify_every!r}")
         self.verify_every = verify_every
-        engine_kwargs = dict(engine_kwargs or {})
-        if "model" in engine_kwargs:
-            raise ConfigError("engine_kwargs.model: the engine starts on the qstrat checkpoint of the "
-                              "policy; do not set it")
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise ConfigError(f"checkpoint_dir: a directory path (str or pathlib.Path) or None, got "
+                              f"{type(checkpoint_dir).__name__} {checkpoint_dir!r}")
+        engine_kwargs = check_engine_kwargs(engine_kwargs)
         self.strategy = strategy
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.engine_kwargs = engine_kwargs
@@ -349,7 +386,9 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
             (``checkpoint_dir/rank<process index>``; an earlier qstrat checkpoint there is
             replaced, anything else refused). Default: a temporary directory, removed with the
             engine's :class:`QstratWeightSync`.
-        engine_kwargs: more ``vllm.LLM`` arguments, overriding TRL's (e.g. ``max_num_batched_tokens``);
+        engine_kwargs: more ``vllm.LLM`` arguments, overriding TRL's (e.g. ``max_num_batched_tokens``;
+            not ``model``, ``quantization``, ``quantization_config`` or ``hf_overrides``, which the
+            checkpoint decides);
             on a vLLM CPU engine ``enforce_eager=True`` is the default (qstrat's CPU kernels do
             not run under ``torch.compile``).
         verify_every: probe the engine's fidelity (docs/fidelity.md) on the first sync and every
@@ -357,8 +396,10 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
             Costs a dequantized copy of the quantized weights and two forward passes per probe;
             not with a PEFT model.
     Raises: ImportError / TRLHookError from :func:`check_trl`; ConfigError for an invalid strategy,
-        a ``verify_every`` that is not an int >= 0 (or set with a PEFT model)
-        or ``engine_kwargs['model']``; while a trainer is built: ConfigError for ``vllm_mode``
+        a ``verify_every`` that is not an int >= 0 (or set with a PEFT model), a ``checkpoint_dir``
+        that is not a path, an ``engine_kwargs`` that is not a mapping or sets what the checkpoint
+        decides (:func:`check_engine_kwargs`: ``model``, ``quantization``, ``quantization_config``,
+        ``hf_overrides``), all before the trainer is built; while a trainer is built: ConfigError for ``vllm_mode``
         other than ``colocate`` or ``vllm_enable_sleep_mode``, what ``write_checkpoint`` raises
         (PlanError, NonFiniteError, FileExistsError), PlanError when the started engine's
         quantization_config does not match the plan.

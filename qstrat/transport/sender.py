@@ -40,6 +40,7 @@ from qstrat.driver import RefitDriver
 from qstrat.errors import PlanError
 from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
+from qstrat.engine_manifest import model_tensors_check
 from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
 from qstrat.transport.auth import ENV_SECRET, RoundContext, Secret, round_mac
@@ -165,10 +166,11 @@ class RefitSender:
             plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to
                 refit only the layers that changed (whole layers: engines refuse a partly sent
                 layer; the others keep their weights).
-        Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, every layer, the wire
-            manifest, backends, values): PlanError (also for a refit without ``plan`` that leaves
-            out a decoder layer of the driver's ``hf_config``: the engines would keep its old
-            weights), WireManifestMismatchError (a ``bucket_bytes`` or
+        Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, every layer, model
+            tensors, the wire manifest, backends, values): PlanError (also for a refit without
+            ``plan`` that leaves out a decoder layer of the driver's ``hf_config``: the engines
+            would keep its old weights; and for a plan that does not match the tensors that
+            ``hf_config`` implies: :func:`qstrat.engine_manifest.check_model_tensors`), WireManifestMismatchError (a ``bucket_bytes`` or
             ``alignment`` the wire manifest cannot use), BackendUnavailableError, NonFiniteError;
             WireManifestMismatchError if an engine refused the wire manifest (no data sent);
             TransportError for a failed checksum, an aborted or truncated stream, a lost peer or
@@ -177,7 +179,7 @@ class RefitSender:
         check = SinkCheck("wire manifest", lambda p: wire_manifest_for_plan(p.plan, self.bucket_bytes,
                                                                                self.alignment))
         whole = SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given))
-        prepared = driver.prepare(named_tensors, plan, (whole, check))
+        prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
         return self.send(prepared.results[check.name], prepared.execute())
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]

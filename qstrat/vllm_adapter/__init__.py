@@ -13,11 +13,13 @@ vLLM-version code lives".
 """
 from __future__ import annotations
 
-from qstrat.vllm_adapter.names import TABLE, VERSIONS, VllmName
+from qstrat.vllm_adapter.names import SUPPORTED, TABLE, VERSIONS, VllmName
 from qstrat.vllm_adapter.platform_facts import device_name, device_type, has_amx, in_process, is_cpu, vllm_installed
-from qstrat.vllm_adapter.resolver import (VllmNameError, is_known_version, known_versions, location, resolve,
+from qstrat.vllm_adapter.resolver import (VllmNameError, VllmVersionError, available, check_supported_version,
+                                          is_supported, is_known_version, known_versions, location, resolve,
                                           vllm_version)
 
-__all__ = ["TABLE", "VERSIONS", "VllmName", "VllmNameError", "device_name", "device_type", "has_amx",
+__all__ = ["SUPPORTED", "TABLE", "VERSIONS", "VllmName", "VllmNameError", "VllmVersionError", "available",
+           "check_supported_version", "is_supported", "device_name", "device_type", "has_amx",
            "in_process", "is_cpu", "is_known_version", "known_versions", "location", "resolve",
            "vllm_installed", "vllm_version"]

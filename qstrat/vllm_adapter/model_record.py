@@ -27,7 +27,7 @@ from typing import Any
 
 from qstrat.engine_manifest import EngineManifest, ManifestUnit
 from qstrat.serializers.base import dtype_name
-from qstrat.vllm_adapter.resolver import known_versions, resolve
+from qstrat.vllm_adapter.resolver import available, known_versions, resolve
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ class EngineModel:
 
     def vllm_name(self, module: str) -> str:
         """A checkpoint module name as vLLM names it: ``{module}.weight`` through the mapper's
-        public ``map_name``, less ``.weight`` (a module whose weight the mapper drops keeps its name)."""
-        mapped = self.mapper.map_name(f"{module}.weight") if self.mapper is not None else None
-        return mapped[: -len(".weight")] if mapped and mapped.endswith(".weight") else module
+        ``apply_list`` (public in every supported vLLM; ``map_name`` exists only from 0.31.0),
+        less ``.weight`` (a module whose weight the mapper drops keeps its name)."""
+        mapped = self.mapper.apply_list([f"{module}.weight"]) if self.mapper is not None else []
+        return mapped[0][: -len(".weight")] if mapped and mapped[0].endswith(".weight") else module
 
 
 def read_engine_model(worker: Any) -> EngineModel:
@@ -71,7 +72,7 @@ def read_engine_model(worker: Any) -> EngineModel:
     """
     info = resolve("layerwise_info")
     skipped = resolve("skip_tensors")
-    deferred = resolve("is_deferred_attention_layer")
+    deferred = _deferred_attention_predicate()
     runner = getattr(worker, "model_runner", None)
     if runner is None or not hasattr(runner, "get_model"):
         raise RuntimeError("the vLLM worker has no model_runner.get_model() (qstrat's vLLM version table "
@@ -96,6 +97,17 @@ def read_engine_model(worker: Any) -> EngineModel:
                        getattr(model, "hf_to_vllm_mapper", None))
 
 
+def _deferred_attention_predicate() -> Any:
+    """``module -> bool``: whether vLLM's layerwise reload defers this attention module (its
+    kv-cache scales are not checkpoint weights). vLLM's ``is_deferred_attention_layer`` where the
+    installed version has it; before it existed (vllm < 0.28), the test those versions' reload
+    itself makes (``reload/layerwise.py``: ``isinstance(layer, (Attention, MLAAttention))``)."""
+    if available("is_deferred_attention_layer"):
+        return resolve("is_deferred_attention_layer")
+    kinds = (resolve("attention_layer"), resolve("mla_attention_layer"))
+    return lambda module: isinstance(module, kinds)
+
+
 def engine_model(llm: Any) -> EngineModel:
     """Rank 0's :class:`EngineModel` of a running ``vllm.LLM`` (one ``collective_rpc``)."""
     return llm.collective_rpc(read_engine_model)[0]
@@ -116,7 +128,8 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
     by_members = {frozenset(model.vllm_name(m) for m in _members(u)): u.name for u in manifest.units.values()}
     # A tied lm_head (the manifest drops its tensor) shares the embedding's weight: vLLM still
     # records the module, but a refit loads nothing into it and it serves the new embedding.
-    tied = {name.rpartition(".")[0] for name in manifest.dropped}
+    # (vLLM's names: a mapper may rename it, e.g. Qwen3.5's language_model.lm_head)
+    tied = {model.vllm_name(name.rpartition(".")[0]) for name in manifest.dropped}
     for layer in model.layers:
         if layer in tied:
             continue

