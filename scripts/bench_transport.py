@@ -6,29 +6,38 @@ loader). The payload is a synthetic block-FP8 checkpoint: per layer 24 float8_e4
 [rows, 1024] (rows from ``--layer-mib``; 512 rows = 12 MiB per layer, the default) with float32
 block scales and a bfloat16 norm; plus a bfloat16 embedding [8192, 1024] (16 MiB).
 
-Throughput (default), per bucket size, median of ``--reps``:
+Throughput (default), per receiver count (``--receivers 1 2``) and bucket size, median of ``--reps``:
 
 * ``transport``: ``RefitSender.send`` - wire manifest RPC and check, challenge, round MAC, pack +
-  device checksum + seal (double buffered), broadcast, receive + checksum + seal check, votes,
-  unpack and load on every receiver (the round's wall time as the sender sees it);
+  seal (device checksum, or with ``--secret`` the NH bucket MAC; double buffered), broadcast,
+  receive + seal check, votes, unpack and load on every receiver (the round's wall time as the
+  sender sees it);
 * ``raw``: plain ``broadcast`` of the same bucket sizes from preallocated buffers, two in
   flight, no packing, no checksum (the same group);
-* ``stream ratio``: the same with only the stream (``TransferReport.stream_seconds``: challenge,
-  header, votes and buckets; without the three RPCs and the receivers' load);
-* ``raw staged``: the raw broadcast with every receiver receiving each bucket into a NEW buffer
+* ``ratio``: transport GB/s / raw GB/s (the issue's target: >= 0.8);
+* ``stream``: the same ratio with only the stream (``TransferReport.stream_seconds``: challenge,
+  header, votes and buckets; without the RPCs and the receivers' load);
+* ``staged``: the raw broadcast with every receiver receiving each bucket into a NEW buffer
   kept to the end (fresh memory, as a round's staging), as a ratio to ``raw``;
-* ``pack+sum``: packing and checksumming alone, in this process (no wire);
-* then the sender's bucket loop by activity (source/pack/checksum/wait seconds) and receiver 1's
-  (alloc/wait/checksum/load seconds): where a round's time goes.
+* ``pack+seal``: packing and sealing alone, in this process (no wire): the checksum, or the
+  bucket MAC with ``--secret``;
+* ``cpu s``: CPU seconds (all threads) of the sender and of receiver 1 over a transport round
+  and over a raw broadcast: on a machine with few cores the round is bound by their sum;
+* then, per row, the phase profile of the median round: the sender's (``start``: the
+  start_weight_update RPCs; ``handshake``: challenge, header, accept vote; ``source``,
+  ``pack``, ``seal``, ``wait`` (blocked on the wire) in the bucket loop; ``commit`` vote;
+  ``update``: waiting for the update_weights RPCs; ``finish``: the receivers' load) and
+  receiver 1's (``handshake``, ``alloc``, ``wait``, ``seal``, ``commit``, ``finish``: its load).
 
-GB/s = payload bytes / seconds / 1e9; ratio = transport GB/s / raw GB/s.
+GB/s = payload bytes / seconds / 1e9. Each configuration first runs one unmeasured round (the
+receivers' held tensors, "the model", are allocated by it, as in an engine).
 
 Memory (``--memory``), per mode, fresh receivers: round 1 fills the receivers' tensors (the
 "model"), the peak RSS is reset (Linux ``/proc/self/clear_refs``), round 2 runs; printed: the
 receivers' peak RSS above their RSS before round 2, against the payload, and the round's time
 against a raw broadcast of the same bytes.
 
-    .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 2] [--bucket-mib 4 16 64] [--reps 3]
+    .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
     .venv/bin/python scripts/bench_transport.py --memory --layers 8 --layer-mib 256 --receivers 1 --bucket-mib 64 --modes atomic bounded
 """
 from __future__ import annotations
@@ -47,7 +56,8 @@ from transport_harness import Receiver, free_port, raw_broadcast  # noqa: E402
 
 from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
-from qstrat.transport.checksum import checksum  # noqa: E402
+from qstrat.transport.auth import Secret  # noqa: E402
+from qstrat.transport.seal import Sealer  # noqa: E402
 
 SECRET = "benchmark secret, not a real one"
 
@@ -67,15 +77,17 @@ def synthetic(layers: int, layer_mib: float = 12) -> list[tuple[str, torch.Tenso
     return out
 
 
-def pack_only(wire_manifest, tensors) -> float:
+def pack_only(wire_manifest, tensors, secret: bool) -> float:
+    """Seconds to pack and seal every bucket in this process (no wire)."""
     data = dict(tensors)
     buf = torch.empty(wire_manifest.bucket_bytes, dtype=torch.uint8)
+    sealer = Sealer(Secret(SECRET) if secret else None, bytes(32), torch.device("cpu"))
     t0 = time.perf_counter()
     for b, slots in zip(wire_manifest.buckets, bucket_contents(wire_manifest)):
         if b.tensor is None:
-            checksum(pack(buf, b, slots, [data[s.name] for s in slots]))
+            sealer.seal(b.index, 0, pack(buf, b, slots, [data[s.name] for s in slots]))
         else:
-            checksum(data[b.tensor].reshape(-1).view(torch.uint8)[:b.nbytes])
+            sealer.seal(b.index, 0, data[b.tensor].reshape(-1).view(torch.uint8)[:b.nbytes])
     return time.perf_counter() - t0
 
 
@@ -84,17 +96,18 @@ def manifest_for(tensors, bucket_bytes):
                                bucket_bytes)
 
 
-def raw_round(sender, receivers, sizes, bufs, staged=False) -> float:
+def raw_round(sender, receivers, sizes, bufs, staged=False) -> tuple[float, float, float]:
+    """(wall seconds, sender CPU seconds, receiver 1 CPU seconds) of a raw broadcast."""
     futures = [sender._pool.submit(r.rpc.call, "raw_broadcast", sizes, staged) for r in receivers]
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     raw_broadcast(sender.group, sizes, bufs)
-    for f in futures:
-        f.result(600)
-    return time.perf_counter() - t0
+    cpus = [f.result(600) for f in futures]
+    return time.perf_counter() - t0, time.process_time() - cpu, cpus[0]
 
 
-def start(args, mode="atomic"):
-    receivers = [Receiver("standalone", "", timeout_s=600, threads=args.threads) for _ in range(args.receivers)]
+def start(args, mode="atomic", receivers=None):
+    n = receivers or args.receivers[0]
+    receivers = [Receiver("standalone", "", timeout_s=600, threads=args.threads) for _ in range(n)]
     for r in receivers:
         r.wait_ready()
         if args.secret:
@@ -105,38 +118,57 @@ def start(args, mode="atomic"):
     return sender, receivers
 
 
+def _phases(d: dict, keys: tuple[str, ...]) -> str:
+    return " ".join(f"{k}={d.get(k + '_s', 0.0):.3f}" for k in keys)
+
+
+SEND_PHASES = ("start", "handshake", "source", "pack", "seal", "wait", "commit", "update", "finish")
+RECV_PHASES = ("handshake", "alloc", "wait", "seal", "load", "commit", "finish")
+
+
 def throughput(args, tensors) -> None:
-    sender, receivers = start(args)
-    try:
-        print(f"torch {torch.__version__}, gloo, {args.receivers} receivers, {torch.get_num_threads()} "
-              f"threads per process, {'authenticated' if args.secret else 'no secret'}")
-        print(f"{'bucket MiB':>10} {'payload MiB':>11} {'buckets':>7} {'transport GB/s':>14} "
-              f"{'raw GB/s':>9} {'ratio':>6} {'stream ratio':>12} {'raw staged':>10} {'pack+sum GB/s':>13}  profile (s)")
-        for mib in args.bucket_mib:
-            sender.bucket_bytes = int(mib * 2**20)
-            wm = manifest_for(tensors, sender.bucket_bytes)
-            sizes = [b.nbytes for b in wm.buckets]
-            bufs = [torch.zeros(sender.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
-            t_tr, t_raw, t_pack, profs, t_stream, t_staged = [], [], [], [], [], []
-            for _ in range(args.reps):
-                report = sender.send(wm, iter(tensors))
-                t_tr.append(report.seconds)
-                t_stream.append(report.stream_seconds)
-                profs.append((dict(sender.profile), receivers[0].ctl.call("stats")))
-                t_raw.append(raw_round(sender, receivers, sizes, bufs))
-                t_staged.append(raw_round(sender, receivers, sizes, bufs, staged=True))
-                t_pack.append(pack_only(wm, tensors))
-            gbps = [wm.total_bytes / statistics.median(t) / 1e9 for t in (t_tr, t_raw, t_pack, t_stream, t_staged)]
-            snd, rcv = profs[t_tr.index(statistics.median(t_tr))] if args.reps % 2 else profs[-1]
-            prof = " ".join(f"{k[:-2]}={v:.2f}" for k, v in snd.items())
-            prof += " | recv " + " ".join(f"{k[:-2]}={v:.2f}" for k, v in rcv.items() if k.endswith("_s"))
-            print(f"{mib:>10g} {wm.total_bytes / 2**20:>11.1f} {len(sizes):>7} {gbps[0]:>14.2f} "
-                  f"{gbps[1]:>9.2f} {gbps[0] / gbps[1]:>6.2f} {gbps[3] / gbps[1]:>12.2f} {gbps[4] / gbps[1]:>10.2f} {gbps[2]:>13.2f}  "
-                  f"send {prof}")
-        sender.close()
-    finally:
-        for r in receivers:
-            r.close()
+    print(f"torch {torch.__version__}, gloo, {torch.get_num_threads()} torch thread(s) per process, "
+          f"{'authenticated (bucket MAC)' if args.secret else 'no secret (integrity checksum)'}, "
+          f"median of {args.reps}")
+    print(f"{'recv':>4} {'bucket MiB':>10} {'payload MiB':>11} {'buckets':>7} {'transport GB/s':>14} "
+          f"{'raw GB/s':>8} {'ratio':>5} {'stream':>6} {'staged':>6} {'pack+seal GB/s':>14} "
+          f"{'cpu s send tr/raw':>17} {'cpu s recv tr/raw':>17}")
+    profiles = []
+    for n in args.receivers:
+        sender, receivers = start(args, receivers=n)
+        try:
+            for mib in args.bucket_mib:
+                sender.bucket_bytes = int(mib * 2**20)
+                wm = manifest_for(tensors, sender.bucket_bytes)
+                sizes = [b.nbytes for b in wm.buckets]
+                bufs = [torch.zeros(sender.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+                rows = []  # (round s, stream s, raw s, staged s, pack s, send profile, recv stats, raw cpu)
+                sender.send(wm, iter(tensors))  # warm-up: the receivers' held tensors exist after it
+                for _ in range(args.reps):
+                    report = sender.send(wm, iter(tensors))
+                    send_prof, recv_stats = dict(sender.profile), receivers[0].ctl.call("stats")
+                    raw = raw_round(sender, receivers, sizes, bufs)
+                    staged = raw_round(sender, receivers, sizes, bufs, staged=True)
+                    rows.append((report.seconds, report.stream_seconds, raw[0], staged[0],
+                                 pack_only(wm, tensors, args.secret), send_prof, recv_stats, raw[1:]))
+                med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
+                gbps = [wm.total_bytes / med(i) / 1e9 for i in range(5)]
+                mid = sorted(rows, key=lambda r: r[0])[len(rows) // 2]
+                send_prof, recv_stats, raw_cpu = mid[5], mid[6], mid[7]
+                print(f"{n:>4} {mib:>10g} {wm.total_bytes / 2**20:>11.1f} {len(sizes):>7} {gbps[0]:>14.2f} "
+                      f"{gbps[2]:>8.2f} {gbps[0] / gbps[2]:>5.2f} {gbps[1] / gbps[2]:>6.2f} "
+                      f"{gbps[3] / gbps[2]:>6.2f} {gbps[4]:>14.2f} "
+                      f"{send_prof['cpu_s']:>8.2f}/{raw_cpu[0]:<8.2f} {recv_stats['cpu_s']:>8.2f}/{raw_cpu[1]:<8.2f}",
+                      flush=True)
+                profiles.append((n, mib, mid[0], send_prof, recv_stats))
+            sender.close()
+        finally:
+            for r in receivers:
+                r.close()
+    print("\nphase profile of the median round (wall seconds; send = the sender, recv = receiver 1):")
+    for n, mib, seconds, send_prof, recv_stats in profiles:
+        print(f"  {n} recv, {mib:g} MiB, round {seconds:.3f} s: send {_phases(send_prof, SEND_PHASES)} "
+              f"| recv {_phases(recv_stats, RECV_PHASES)}")
 
 
 def memory(args, tensors) -> None:
@@ -156,7 +188,7 @@ def memory(args, tensors) -> None:
             peaks = [r.ctl.call("memory")[1] for r in receivers]
             sizes = [b.nbytes for b in wm.buckets]
             bufs = [torch.zeros(sender.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
-            raw = raw_round(sender, receivers, sizes, bufs)
+            raw = raw_round(sender, receivers, sizes, bufs)[0]
             above = max(p - b for p, b in zip(peaks, before))
             print(f"{mode:>8} {wm.total_bytes / 2**20:>11.1f} {max(before) / 2**20:>14.0f} "
                   f"{above / 2**20:>14.0f} {above / wm.total_bytes:>9.2f} {report.seconds:>8.2f} "
@@ -171,7 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--layer-mib", type=float, default=12)
-    ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bucket-mib", type=float, nargs="+", default=[4, 16, 64])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--secret", action="store_true", help="authenticated rounds (both sides hold a secret)")

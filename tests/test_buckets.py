@@ -43,3 +43,20 @@ def test_a_large_tensor_is_cut_into_consecutive_chunk_views():
     assert [c.numel() for c in chunks] == [128, 128, 128, 16]
     assert torch.equal(torch.cat(chunks), byte_view(big))
     assert all(c.untyped_storage().data_ptr() == big.untyped_storage().data_ptr() for c in chunks)
+
+
+def test_packing_piece_by_piece_gives_the_packed_bucket():
+    from qstrat.transport.buckets import pack_range
+
+    specs = [("a", "bfloat16", (5, 3)), ("b", "float32", (70,)), ("c", "uint8", (1,)), ("d", "bfloat16", (200,))]
+    m = build_wire_manifest(specs, bucket_bytes=4096, alignment=64)
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(s[2], generator=g).to(getattr(torch, s[1])) if s[1] != "uint8"
+          else torch.tensor([7], dtype=torch.uint8) for s in specs]
+    b, slots = m.buckets[0], bucket_contents(m)[0]
+    want = pack(torch.full((4096,), 0xAB, dtype=torch.uint8), b, slots, ts).clone()
+    for step in (1, 7, 64, 100, b.nbytes):
+        buf = torch.full((4096,), 0xCD, dtype=torch.uint8)  # garbage: padding must be zeroed
+        for lo in range(0, b.nbytes, step):
+            pack_range(buf, slots, ts, lo, min(b.nbytes, lo + step))
+        assert torch.equal(buf[:b.nbytes], want), step

@@ -186,13 +186,19 @@ def test_truncated_stream_is_an_error_within_the_timeout(cluster, ckpts, fresh_b
 def test_whole_layer_partial_rounds_equal_the_fresh_engine(cluster, ckpts, fresh_b):
     """From A to B in two rounds: layers 0-1, then the rest (layers 2-3 and the modules outside
     the decoder). A round that would send part of a layer is refused before any data."""
-    from qstrat.errors import WireManifestMismatchError
+    from qstrat.errors import PlanError, WireManifestMismatchError
+    from qstrat.transport.wire_manifest import wire_manifest_for_plan
 
     driver, sender = ckpts["driver"], cluster["sender"]
     plan = driver.plan(ckpts["b"])
     half = [e for e in plan.entries if e.layer == 0][:3]
+    half_plan = plan.subset(lambda e: e in half)
+    with pytest.raises(PlanError, match="decoder layer 0 is refit partially"):
+        sender.refit(driver, ckpts["b"], plan=half_plan)  # the trainer's own check, before any RPC
+    # the engine's refusal, for a sender that skips the trainer-side check
     with pytest.raises(WireManifestMismatchError, match=r"partly sent.*model\.layers\.0"):
-        sender.refit(driver, ckpts["b"], plan=plan.subset(lambda e: e in half))
+        sender.send(wire_manifest_for_plan(half_plan, sender.bucket_bytes),
+                    iter(driver.execute(half_plan, ckpts["b"])))
     assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
     sender.refit(driver, ckpts["b"], plan=plan.only_layers([0, 1]))
     assert cluster["engine"].ctl.call("greedy") not in (cluster["a_out"], fresh_b)

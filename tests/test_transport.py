@@ -218,3 +218,57 @@ def test_a_sender_process_that_dies_mid_stream_leaves_the_receivers_unchanged(st
         if proc.is_alive():
             proc.kill()
     assert [r.ctl.call("digests") for r in receivers] == before
+
+
+def test_buckets_larger_than_a_piece_are_sealed_piece_by_piece_and_a_bad_middle_piece_is_caught():
+    """Buckets over PIECE_BYTES travel as several broadcasts, each sealed as it is produced and as
+    it arrives (the seal then equals the whole bucket's). A shared 9 MiB bucket (pieces of 4, 4
+    and 1 MiB) and a 25 MiB tensor in 10 MiB chunks arrive byte-exact, without and with a secret
+    (checksum and bucket MAC paths); one byte changed in the MIDDLE piece is refused, receivers
+    unchanged."""
+    from qstrat.transport.auth import ENV_SECRET
+    from qstrat.transport.seal import PIECE_BYTES
+
+    specs = [("a.weight", "uint8", ((9 << 20) - 4096,)), ("a.scale", "float32", (7,)),
+             ("big.weight", "bfloat16", (25 << 19,)), ("c.weight", "bfloat16", (3, 5))]
+    wm = build_wire_manifest(specs, bucket_bytes=10 << 20)
+    sizes = [b.nbytes for b in wm.buckets]
+    assert len(sizes) == 5 and sizes[0] > 2 * PIECE_BYTES and sizes[1:4] == [10 << 20, 10 << 20, 5 << 20], sizes
+    secret = "a test secret of enough length"
+    receivers = [Receiver("standalone", "") for _ in range(2)]
+    try:
+        for r in receivers:
+            r.wait_ready()
+        for keyed in (False, True):
+            for r in receivers:
+                r.ctl.call("setenv", ENV_SECRET, secret if keyed else None)
+            first, second = tensors_for(specs, seed=1), tensors_for(specs, seed=2)
+
+            class Corrupting(RefitSender):
+                def transmit_payload(self, index, payload):
+                    if index != 0:
+                        return payload
+                    bad = payload.clone()
+                    bad[PIECE_BYTES + 5] ^= 0x01  # inside the second of three pieces
+                    return bad
+
+            kw = dict(timeout_s=30, bucket_bytes=10 << 20, secret=secret if keyed else None)
+            sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), **kw)
+            sender.connect()  # the plain sender packs shared buckets piece by piece
+            bad = Corrupting(sender.clients, sender.master_address, sender.master_port, **kw)
+            bad.group = sender.group
+            sender.send(wm, iter(first))
+            want = {n: sha256(t) for n, t in first}
+            assert [r.ctl.call("digests") for r in receivers] == [want, want]
+            with pytest.raises(TransportError) as err:
+                bad.send(wm, iter(second))
+            msg = str(err.value)
+            assert msg.count("bucket 0/5 failed its checksum (seal mismatch; tensors ['a.weight', 'a.scale'])") == 2, msg
+            assert [r.ctl.call("digests") for r in receivers] == [want, want]
+            sender.send(wm, iter(second))
+            want = {n: sha256(t) for n, t in second}
+            assert [r.ctl.call("digests") for r in receivers] == [want, want]
+            sender.close()
+    finally:
+        for r in receivers:
+            r.close()

@@ -83,11 +83,12 @@ class PipeClient:
 class _EngineEndpoint:
     """The four weight-sync calls on an ``LLM`` (its RLOfflineMixin API), plus test queries."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, **engine_kwargs: Any) -> None:
         from qstrat.engine.local import start_engine
 
-        self.llm = start_engine(model_dir, weight_transfer_config={"backend": "qstrat"})
-        self.llm.collective_rpc(_record_loads)
+        self.llm = start_engine(model_dir, weight_transfer_config={"backend": "qstrat"}, **engine_kwargs)
+        if engine_kwargs.get("tensor_parallel_size", 1) == 1:  # in-process: wrap load_weights
+            self.llm.collective_rpc(_record_loads)
 
     def init_weight_transfer_engine(self, init_info):
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -182,8 +183,13 @@ class _StandaloneEndpoint:
 
     def raw_broadcast(self, sizes, staged=False):
         """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark);
-        ``staged``: each into a new buffer, all kept to the end (what a round's staging does)."""
+        ``staged``: each into a new buffer, all kept to the end (what a round's staging does).
+        Returns this process's CPU seconds over it (all threads)."""
+        import time
+
+        cpu = time.process_time()
         raw_broadcast(self.receiver.group, sizes, staged=staged)
+        return time.process_time() - cpu
 
 
 def _setenv(name: str, value: str | None) -> None:
@@ -217,14 +223,20 @@ def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None
     del kept
 
 
-def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads: int | None = None) -> None:
+def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads: int | None = None,
+           engine_kwargs: dict | None = None) -> None:
+    engine_kwargs = engine_kwargs or {}
+    if engine_kwargs.get("tensor_parallel_size", 1) > 1:  # TP workers are processes of their own
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     try:
-        endpoint = (_EngineEndpoint if role == "engine" else _StandaloneEndpoint)(model_dir)
+        endpoint = (_EngineEndpoint(model_dir, **engine_kwargs) if role == "engine"
+                    else _StandaloneEndpoint(model_dir))
         ctl.send(("ok", "ready"))
     except BaseException:  # noqa: BLE001 - reported to the test
         ctl.send(("err", traceback.format_exc()))
@@ -236,6 +248,10 @@ def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads:
             except EOFError:
                 return
             if method == "exit":
+                if isinstance(endpoint, _EngineEndpoint):  # a multiprocess engine's core and
+                    from qstrat.engine.local import release  # workers would outlive this process
+
+                    release(endpoint.llm)
                 conn.send(("ok", None))
                 return
             try:
@@ -268,18 +284,20 @@ class Receiver:
     """One spawned receiver: ``rpc`` (a PipeClient for the sender), ``ctl`` (for the test)."""
 
     def __init__(self, role: str, model_dir: str, timeout_s: float = TIMEOUT_S,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, engine_kwargs: dict | None = None,
+                 start_timeout_s: float = 180.0) -> None:
         ctx = mp.get_context("spawn")
         rpc_parent, rpc_child = ctx.Pipe()
         ctl_parent, ctl_child = ctx.Pipe()
         self.role = role
-        self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child, threads),
-                                   daemon=True)
+        self.process = ctx.Process(target=_serve, args=(role, str(model_dir), rpc_child, ctl_child, threads, engine_kwargs),
+                                   # a TP engine spawns its workers: not allowed from a daemon
+                                   daemon=(engine_kwargs or {}).get("tensor_parallel_size", 1) == 1)
         self.process.start()
         # The sender's wait for an RPC outlasts the group's timeout: a receiver whose peer died
         # answers with its own TransportError once ITS collective times out (about timeout_s),
         # which a wait of exactly timeout_s raced (the harness's TimeoutError won on a quiet machine).
-        self.rpc, self.ctl = PipeClient(rpc_parent, timeout_s + 15.0), PipeClient(ctl_parent, 180.0)
+        self.rpc, self.ctl = PipeClient(rpc_parent, timeout_s + 15.0), PipeClient(ctl_parent, start_timeout_s)
 
     def wait_ready(self) -> None:
         if not self.ctl.conn.poll(self.ctl.timeout_s):
@@ -297,7 +315,7 @@ class Receiver:
         if self.process.is_alive():
             try:
                 self.ctl.conn.send(("exit", ()))
-                self.process.join(5)
+                self.process.join(30 if self.role == "engine" else 5)
             except (OSError, BrokenPipeError):
                 pass
         self.kill()

@@ -3,7 +3,9 @@
 - :mod:`.wire_manifest`: names, dtypes, shapes, byte offsets, bucket boundaries, wire order, digest;
   computed from the plan before any data flows, checked by every receiver.
 - :mod:`.buckets`: packing, zero-copy unpacking.
-- :mod:`.checksum`: the per-bucket checksum, tensor ops on the payload's device.
+- :mod:`.checksum`: the per-bucket integrity checksum, tensor ops on the payload's device.
+- :mod:`.nh`: NH universal hashing (UMAC, RFC 4418) on the payload's device, for the bucket MAC.
+- :mod:`.seal`: the bucket seal both sides compute (MAC with a secret, integrity seal without).
 - :mod:`.auth`: the shared secret, round MAC, bucket seals, replay and address checks.
 - :mod:`.group`: the stateless trainer<->engines process group, timeouts on everything.
 - :mod:`.protocol`: the steps of one round (header, accept vote, buckets, commit vote).

@@ -11,11 +11,21 @@ sender's ``secret=`` argument, the engine's environment variable :data:`ENV_SECR
   round, so a header recorded from an earlier round never verifies again (replay), even on a
   restarted engine; the counter (strictly increasing per sender) gives a replay its own error
   while the engine remembers the last one it accepted.
-* BUCKET SEAL: ``HMAC-SHA256(secret, "qstrat-bucket-v1" | round MAC | index | flags |
-  checksum)`` in each bucket header, the checksum being the device checksum
-  (:mod:`qstrat.transport.checksum`) keyed with a seed derived from the secret and the round MAC.
-  The checksum itself never travels: a receiver recomputes it and compares seals
-  (``hmac.compare_digest``).
+* BUCKET SEAL, with a secret (the bucket MAC): ``HMAC-SHA256(secret, "qstrat-bucket-mac-v1" |
+  round MAC | index | flags | n | NH(payload))``, NH being UMAC's universal hash computed with
+  tensor ops on the payload's device under a per-round key (:mod:`qstrat.transport.nh`: 16
+  bytes per 32 KiB reach the host). Security (hash-then-PRF; Black et al., CRYPTO 1999; RFC
+  4418): for a bucket changed in any way by someone without the secret, the seal still matches
+  only if the two NH outputs of a changed chunk collide (probability <= 2**-64 over the
+  round's NH key) or HMAC-SHA256 is broken; the NH key is derived from the secret and the round
+  MAC (:func:`nh_key`), new every round, and never leaves either side.
+* BUCKET SEAL, without a secret (integrity only): ``HMAC-SHA256("", "qstrat-bucket-v1" | round
+  MAC | index | flags | checksum)``, the checksum being the keyed multilinear device checksum
+  (:mod:`qstrat.transport.checksum`): it catches accidents (any single-word change, bit flips),
+  not an adversary - its keys are public without a secret, and even with secret keys two words
+  changed by 2**63 each cancel (which is why a secret switches the seal to the MAC above).
+  In both forms the checksum/NH value never travels: a receiver recomputes it and compares
+  seals (``hmac.compare_digest``).
 * ADDRESS: an engine configured with :data:`ENV_ADDRESS` refuses, before joining, an init info
   naming another address (or port).
 
@@ -39,6 +49,7 @@ ENV_SECRET = "QSTRAT_TRANSFER_SECRET"
 ENV_ADDRESS = "QSTRAT_TRANSFER_ADDRESS"
 
 _ROUND, _BUCKET, _SEED = b"qstrat-round-v1\0", b"qstrat-bucket-v1\0", b"qstrat-checksum-seed-v1\0"
+_BUCKET_MAC, _NH_KEY = b"qstrat-bucket-mac-v1\0", b"qstrat-nh-key-v1\0"
 
 
 class Secret:
@@ -116,6 +127,25 @@ def bucket_seal(secret: Secret | None, mac: bytes, index: int, flags: int,
     """HMAC-SHA256 over the round MAC, bucket index, flags and checksum ``(h1, h2, n)``."""
     body = struct.pack("<qq3q", index, flags, *checksum)
     return hmac.new(_key(secret), _BUCKET + mac + body, hashlib.sha256).digest()
+
+
+def nh_key(secret: Secret, mac: bytes) -> bytes:
+    """The round's NH key (:data:`qstrat.transport.nh.KEY_BYTES` bytes): SHAKE-256 (FIPS 202, an
+    extendable-output function) of ``HMAC-SHA256(secret, "qstrat-nh-key-v1" | round MAC)``. New
+    every round (the MAC binds the receivers' fresh challenges); unpredictable without the secret.
+    """
+    from qstrat.transport.nh import KEY_BYTES
+
+    seed = hmac.new(_key(secret), _NH_KEY + mac, hashlib.sha256).digest()
+    return hashlib.shake_256(seed).digest(KEY_BYTES)
+
+
+def bucket_mac(secret: Secret, mac: bytes, index: int, flags: int, nbytes: int, nh_bytes: bytes) -> bytes:
+    """The bucket MAC of an authenticated round: HMAC-SHA256 over the round MAC, bucket index,
+    flags, payload length (bytes) and the payload's NH outputs (:func:`qstrat.transport.nh.nh`,
+    as :func:`~qstrat.transport.nh.to_bytes`). 32 bytes."""
+    body = struct.pack("<qqq", index, flags, nbytes)
+    return hmac.new(_key(secret), _BUCKET_MAC + mac + body + nh_bytes, hashlib.sha256).digest()
 
 
 def same(a: bytes, b: bytes) -> bool:

@@ -35,14 +35,27 @@ def pack(buffer: torch.Tensor, bucket: Bucket, slots: list[TensorSlot],
     Padding bytes are zeroed, so the checksum is a function of the tensors alone.
     Returns: the payload view ``buffer[:bucket.nbytes]``.
     """
-    pos = 0
-    for s, t in zip(slots, tensors):
-        if s.offset > pos:
-            buffer[pos:s.offset].zero_()
-        buffer[s.offset:s.offset + s.nbytes].copy_(byte_view(t.contiguous()))
-        pos = s.offset + s.nbytes
-    buffer[pos:bucket.nbytes].zero_()
+    pack_range(buffer, slots, [t.contiguous() for t in tensors], 0, bucket.nbytes)
     return buffer[:bucket.nbytes]
+
+
+def pack_range(buffer: torch.Tensor, slots: list[TensorSlot], tensors: list[torch.Tensor],
+               lo: int, hi: int) -> None:
+    """Fill bytes ``[lo, hi)`` of a shared bucket's ``buffer``: the parts of ``tensors``
+    (contiguous, in slot order) that fall there, zeros elsewhere (padding). Filling consecutive
+    ranges that cover the bucket gives the bytes of :func:`pack` (the sender packs each piece
+    just before sealing and sending it)."""
+    pos = lo
+    for s, t in zip(slots, tensors):
+        a, e = max(lo, s.offset), min(hi, s.offset + s.nbytes)
+        if e <= a:
+            continue
+        if a > pos:
+            buffer[pos:a].zero_()
+        buffer[a:e].copy_(byte_view(t)[a - s.offset:e - s.offset])
+        pos = e
+    if hi > pos:
+        buffer[pos:hi].zero_()
 
 
 def chunk_view(t: torch.Tensor, wire_manifest: WireManifest, slot: TensorSlot,

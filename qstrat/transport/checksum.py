@@ -20,9 +20,11 @@ implemented: same formula, same value, memory-bound). Detection: every word has 
 both forms, so any change confined to one word changes both; for random keys a change whose
 lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``
 (multilinear hashing modulo 2**64: high-bit-only changes are the weak case). It replaces CRC-32
-(which needed ``payload.cpu()`` on a GPU) for accident detection; with a round secret the seed
-is secret (derived per round from the key, :mod:`qstrat.transport.auth`), so a sender without the
-key cannot predict it - the bucket's SEAL (an HMAC over this checksum) is what authenticates.
+(which needed ``payload.cpu()`` on a GPU) for accident detection in rounds WITHOUT a secret.
+It is not a MAC: adding 2**63 to two words changes each form by ``key * 2**63`` twice, i.e. by
+``2**64 = 0``, whatever the keys, so an adversary forges it without knowing them. Rounds with a
+secret seal each bucket with the bucket MAC instead (NH + HMAC-SHA256,
+:mod:`qstrat.transport.nh`, :mod:`qstrat.transport.seal`).
 """
 from __future__ import annotations
 
@@ -64,31 +66,58 @@ def checksum(payload: torch.Tensor, seed: int = 0) -> tuple[int, int, int]:
     Returns: ``(h1, h2, n)``: two signed int64 values and the byte count.
     Raises: ValueError for a tensor that is not 1-D contiguous uint8.
     """
-    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
-        raise ValueError(f"checksum: needs a 1-D contiguous uint8 tensor, got {payload.dtype} "
-                         f"{list(payload.shape)}")
-    n = payload.numel()
-    rows = _rows_for(n)
-    c1, r1, c2, r2 = (k.to(payload.device) for k in _keys(seed, rows))
-    full = n // _ROW_BYTES
-    body = payload[:full * _ROW_BYTES]
-    if body.storage_offset() % 8:
-        body = body.clone()
-    h1 = torch.zeros((), dtype=torch.int64, device=payload.device)
-    col = torch.zeros(ROW_WORDS, dtype=torch.int64, device=payload.device)
-    if full:
-        words = body.view(torch.int64).view(full, ROW_WORDS)
-        h1 = h1 + _dot(_row_sums(words, c1), r1[:full])
-        col = col + _col_sums(words, r2[:full])
-    if n > full * _ROW_BYTES:
-        tail = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=payload.device)
-        tail[:n - full * _ROW_BYTES] = payload[full * _ROW_BYTES:]
-        words = tail.view(torch.int64).view(1, ROW_WORDS)
-        h1 = h1 + _dot(_row_sums(words, c1), r1[full:full + 1])
-        col = col + _col_sums(words, r2[full:full + 1])
-    h2 = _dot(col, c2)
-    a, b = torch.stack([h1, h2]).tolist()
-    return int(a), int(b), n
+    state = Checksum(seed, payload.numel(), payload.device)
+    state.update(payload)
+    return state.value()
+
+
+class Checksum:
+    """The checksum of ``n`` bytes fed in consecutive pieces (:meth:`update`), e.g. as they arrive:
+    the same value as :func:`checksum` over the whole. Every piece but the last must be a multiple
+    of ``8 * ROW_WORDS`` bytes (whole rows).
+
+    Raises: ValueError (from :meth:`update`) for a piece that is not 1-D contiguous uint8, a
+        piece after a partial row, or more than ``n`` bytes in all.
+    """
+
+    def __init__(self, seed: int, n: int, device: torch.device) -> None:
+        self.n, self.done, self.device = n, 0, device
+        self.c1, self.r1, self.c2, self.r2 = (k.to(device) for k in _keys(seed, _rows_for(n)))
+        self.h1 = torch.zeros((), dtype=torch.int64, device=device)
+        self.col = torch.zeros(ROW_WORDS, dtype=torch.int64, device=device)
+
+    def update(self, piece: torch.Tensor) -> None:
+        """Add the next ``piece`` of the payload (1-D contiguous uint8 on the device)."""
+        if piece.dtype != torch.uint8 or piece.dim() != 1 or not piece.is_contiguous():
+            raise ValueError(f"checksum: needs a 1-D contiguous uint8 tensor, got {piece.dtype} "
+                             f"{list(piece.shape)}")
+        m = piece.numel()
+        if self.done % _ROW_BYTES or self.done + m > self.n:
+            raise ValueError(f"checksum: piece of {m} bytes at {self.done} of {self.n} (pieces before "
+                             f"the last must be whole rows of {_ROW_BYTES} bytes)")
+        row0, full = self.done // _ROW_BYTES, m // _ROW_BYTES
+        body = piece[:full * _ROW_BYTES]
+        if body.storage_offset() % 8:
+            body = body.clone()
+        if full:
+            self._rows(body.view(torch.int64).view(full, ROW_WORDS), row0)
+        if m > full * _ROW_BYTES:
+            tail = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=self.device)
+            tail[:m - full * _ROW_BYTES] = piece[full * _ROW_BYTES:]
+            self._rows(tail.view(torch.int64).view(1, ROW_WORDS), row0 + full)
+        self.done += m
+
+    def _rows(self, words: torch.Tensor, row0: int) -> None:
+        rows = words.shape[0]
+        self.h1 = self.h1 + _dot(_row_sums(words, self.c1), self.r1[row0:row0 + rows])
+        self.col = self.col + _col_sums(words, self.r2[row0:row0 + rows])
+
+    def value(self) -> tuple[int, int, int]:
+        """``(h1, h2, n)`` (module docstring). Raises ValueError before all ``n`` bytes were fed."""
+        if self.done != self.n:
+            raise ValueError(f"checksum: {self.done} of {self.n} bytes fed")
+        a, b = torch.stack([self.h1, _dot(self.col, self.c2)]).tolist()
+        return int(a), int(b), self.n
 
 
 def _integer_mv(device: torch.device) -> bool:

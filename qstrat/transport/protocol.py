@@ -10,11 +10,15 @@
 2. ACCEPT (all-reduce, int64[world_size]): each rank writes its status in its own slot
    (receivers: did the wire manifest pass the engine check, did the MAC verify). Any nonzero
    slot: every rank stops here; no data is sent.
-3. BUCKETS, in wire manifest order: per bucket a BUCKET HEADER (broadcast, int64[7]: magic,
-   index, flags, SEAL = HMAC over the round MAC, index, flags and the bucket's device checksum),
-   then the payload (broadcast, the bucket's bytes). ``flags = ABORT``: the sender could not
-   produce the bucket (its source fell short or disagreed with the wire manifest); the payload is
-   still sent (garbage of the right size) and every rank goes to step 4.
+3. BUCKETS, in wire manifest order: per bucket the payload (broadcasts of the bucket's bytes in
+   pieces of at most ``PIECE_BYTES``, :mod:`qstrat.transport.seal`), then a BUCKET HEADER
+   (broadcast, int64[7]: magic, index, flags, SEAL: with a secret the bucket MAC over the
+   payload's NH hash, without one an integrity HMAC over its device checksum). The header
+   follows the payload so that each piece is sealed as it is produced (sender) and as it
+   arrives (receivers), overlapping the transfer; a receiver posts bucket k+1 once header k
+   told it the stream goes on. ``flags = ABORT``: the sender could not produce the bucket (its
+   source fell short or disagreed with the wire manifest); the payload was still sent (garbage
+   of the right size) and every rank goes to step 4.
 4. COMMIT VOTE (all-reduce, int64[world_size]): each rank's verdict (receivers: every seal
    matched). Only if every slot is zero may any receiver hand its tensors to the engine
    (all-or-nothing mode; in bounded mode the units were handed as they verified).

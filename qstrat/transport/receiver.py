@@ -28,11 +28,10 @@ import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport import protocol as p
-from qstrat.transport.auth import (ReceiverAuth, RoundContext, bucket_seal, checksum_seed,
-                                   from_words, same)
+from qstrat.transport.auth import ReceiverAuth, RoundContext, from_words
 from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
-from qstrat.transport.checksum import checksum
 from qstrat.transport.group import TransferGroup
+from qstrat.transport.seal import Sealer, pieces
 from qstrat.transport.wire_manifest import WireManifest, reload_unit
 
 Check = Callable[[WireManifest], None]
@@ -62,8 +61,11 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             filled by copying each verified bucket from two group-device receive buffers.
         stats: if given, receives ``peak_bytes``: the most bytes of received buffers alive at
             once in this round (staging and in-flight buckets; not the group's own buffers), and
-            the seconds spent in ``alloc_s`` (receive buffers), ``wait_s`` (blocked on the
-            wire), ``checksum_s`` (checksum + seal), ``load_s`` (bounded: handing units).
+            wall seconds by phase: ``handshake_s`` (wire manifest check, challenge, round header,
+            accept vote), ``alloc_s`` (receive buffers), ``wait_s`` (blocked on the wire),
+            ``seal_s`` (checksum or NH + HMAC, and the comparison), ``load_s`` (bounded: handing
+            units), ``commit_s`` (commit vote), and ``cpu_s``: this process's CPU seconds over
+            the round (all threads, gloo's included).
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
         sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit).
     Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
@@ -75,6 +77,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     if mode not in MODES or (mode == "bounded") != (on_unit is not None):
         raise TransportError(f"round mode {mode!r}: use 'atomic', or 'bounded' with on_unit")
     auth = auth or ReceiverAuth(None, "", 0)
+    t_start, cpu = time.perf_counter(), time.process_time()
     rejection: Exception | None = None
     wire_manifest = None
     try:
@@ -111,26 +114,19 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     if any(statuses):
         raise TransportError(f"rank {group.rank}: round refused before any data: {p.describe(statuses)}")
     auth.last_counter = counter
-    seal = _Sealer(auth, mac)
+    stats = stats if stats is not None else {}
+    stats["handshake_s"] = time.perf_counter() - t_start
+    seal = Sealer(auth.secret, mac, group.device)
     received, failure, handed = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
+    t0 = time.perf_counter()
     statuses = _vote(group, failure[0] if failure else p.OK, "commit vote")
+    stats["commit_s"], stats["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu
     if failure:
         raise failure[1]
     if any(statuses):
         done = " (this receiver loaded the whole round)" if handed else ""
         raise TransportError(f"rank {group.rank}: round not committed: {p.describe(statuses)}{done}")
     return [] if on_unit is not None else unpack(wire_manifest, received)
-
-
-class _Sealer:
-    """Computes and checks bucket seals for one round."""
-
-    def __init__(self, auth: ReceiverAuth, mac: bytes) -> None:
-        self.secret, self.mac = auth.secret, mac
-        self.seed = checksum_seed(auth.secret, mac)
-
-    def ok(self, index: int, flags: int, payload: torch.Tensor, seal: bytes) -> bool:
-        return same(seal, bucket_seal(self.secret, self.mac, index, flags, checksum(payload, self.seed)))
 
 
 def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[str, list[Any]], dict[int, int]]:
@@ -153,7 +149,7 @@ def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[
     return completes, slots, release
 
 
-def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _Sealer,
+def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Sealer,
                      on_unit: Callable[[str, Unit], None] | None, staging: torch.device | None,
                      stats: dict[str, float] | None) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
     """Step 3: receive every bucket (next one posted while this one is verified); keep
@@ -171,7 +167,7 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
     handed: list[str] = []
     failure: tuple[int, Exception] | None = None
     live: dict[Any, int] = {}  # allocation -> bytes (a chunked tensor: one allocation)
-    prof = {"alloc_s": 0.0, "wait_s": 0.0, "checksum_s": 0.0, "load_s": 0.0}
+    prof = {"alloc_s": 0.0, "wait_s": 0.0, "seal_s": 0.0, "load_s": 0.0}
     clock = time.perf_counter
     peak = sum(w.numel() for w in wires)
 
@@ -189,8 +185,10 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
                 s.nbytes for s in wire_manifest.slots if s.name == b.tensor)
             peak = max(peak, sum(live.values()) + sum(w.numel() for w in wires))
         wire = wires[k % 2][:dst.numel()] if bounce else dst
+        cut = pieces(wire)
+        works = [group.broadcast(piece) for piece in cut]  # the payload in pieces, then the header
         hdr = torch.empty(p.BUCKET_WORDS, dtype=torch.int64, device=group.device)
-        return dst, wire, hdr, group.broadcast(hdr), group.broadcast(wire)
+        return dst, wire, cut, hdr, works, group.broadcast(hdr)
 
     def fail(status: int, message: str) -> tuple[int, Exception]:
         if on_unit is not None and handed:
@@ -205,34 +203,38 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: _S
 
     pending = post(0) if n else None
     for k in range(n):
-        dst, wire, hdr, w_hdr, w_data = pending
+        dst, wire, cut, hdr, w_data, w_hdr = pending
+        state = seal.begin(k, wire.numel()) if failure is None else None
         try:
-            t0 = clock()
-            group.wait(w_hdr)
-            prof["wait_s"] += clock() - t0
-            words = [int(v) for v in hdr.cpu()]
-            if words[2] & p.ABORT:
-                group.wait(w_data)
-                return list(kept.values()), failure or fail(
-                    p.SENDER_ABORT, f"rank {group.rank}: the sender aborted the stream at bucket {k}/{n}"), handed
-            pending = post(k + 1) if k + 1 < n else None
-            t0 = clock()
-            group.wait(w_data)
-            prof["wait_s"] += clock() - t0
+            for i, work in enumerate(w_data):
+                t0 = clock()
+                group.wait(work)
+                if i == len(w_data) - 1:  # the header follows the payload: flags and seal
+                    group.wait(w_hdr)
+                    words = [int(v) for v in hdr.cpu()]
+                    if words[2] & p.ABORT:
+                        return list(kept.values()), failure or fail(
+                            p.SENDER_ABORT, f"rank {group.rank}: the sender aborted the stream at "
+                                            f"bucket {k}/{n}"), handed
+                    pending = post(k + 1) if k + 1 < n else None  # before sealing the last piece
+                prof["wait_s"] += clock() - t0
+                if state is not None:  # piece i is sealed while piece i+1 arrives
+                    _timed(prof, "seal_s", state.update, cut[i])
         except RuntimeError as exc:  # c10d: the sender (or a peer) died or timed out
             error = str(exc)
-            pending = hdr = w_hdr = w_data = None
+            pending = hdr = w_hdr = w_data = work = None
             if on_unit is not None and handed:
                 group.close()
                 raise fail(p.ERROR, f"rank {group.rank}: stream truncated at bucket {k}/{n} (sender "
                                     f"lost?): {error} (the transfer group is closed)")[1] from None
             raise p.lost(group, f"stream truncated at bucket {k}/{n} (sender lost?)", error) from None
+        w_data = w_hdr = work = None
         if failure is not None:
             continue
         if words[0] != p.BUCKET_MAGIC or words[1] != k:
             failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order "
                                        f"(header {words[1]})")
-        elif not _timed(prof, "checksum_s", seal.ok, k, words[2], wire, from_words(words[3:7])):
+        elif not _timed(prof, "seal_s", state.matches, words[2], from_words(words[3:7])):
             failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
                                        f"(seal mismatch; tensors {_names(wire_manifest, k)})")
         if failure is not None:

@@ -14,9 +14,12 @@ stream (:mod:`qstrat.transport.protocol`; authenticated with the shared secret,
 :mod:`qstrat.transport.auth`) -> ``finish_weight_update`` (atomic mode: the engines load) only if
 every rank voted to commit.
 
-Double buffering: at most two buckets are in flight; bucket k+1 is packed (and checksummed)
-while bucket k is being broadcast. Chunks of a tensor larger than a bucket are broadcast from
-the tensor's own memory (no packing copy).
+Double buffering: at most two buckets are in flight; bucket k+1 is packed while bucket k is
+being broadcast. A bucket's payload goes out in pieces of at most ``PIECE_BYTES``
+(:mod:`qstrat.transport.seal`), each packed and sealed just before it is posted, so the packing
+and sealing of piece i+1 overlap the transfer of piece i and the header (with the seal) follows
+the payload. Chunks of
+a tensor larger than a bucket are broadcast from the tensor's own memory (no packing copy).
 """
 from __future__ import annotations
 
@@ -40,12 +43,11 @@ from qstrat.plan import RefitPlan
 from qstrat.engine_manifest import model_tensors_check
 from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as p
-from qstrat.transport.auth import (ENV_SECRET, RoundContext, Secret, bucket_seal, checksum_seed,
-                                   round_mac)
-from qstrat.transport.buckets import bucket_contents, chunk_view, pack
-from qstrat.transport.checksum import checksum
+from qstrat.transport.auth import ENV_SECRET, RoundContext, Secret, round_mac
+from qstrat.transport.buckets import bucket_contents, chunk_view, pack_range
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.rpc_errors import describe as describe_rpc_error
+from qstrat.transport.seal import PIECE_BYTES, Sealer, pieces
 from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
                                             WireManifest, wire_manifest_for_plan)
 
@@ -107,8 +109,13 @@ class RefitSender:
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.timeout_s, self.bucket_bytes, self.alignment = timeout_s, bucket_bytes, alignment
         self.group: TransferGroup | None = None
-        #: Seconds of the last round's bucket loop by activity (source: the driver producing
-        #: tensors; pack; checksum + seal; wait: blocked on broadcasts); see docs/performance.md.
+        #: The last round's seconds by phase (wall): ``start_s`` (start_weight_update RPCs),
+        #: ``handshake_s`` (challenge, round header, accept vote), the bucket loop by activity
+        #: (``source_s``: the driver producing tensors; ``pack_s``; ``seal_s``: checksum or NH +
+        #: HMAC; ``wait_s``: blocked on broadcasts), ``commit_s`` (commit vote), ``update_s``
+        #: (waiting for the update_weights RPCs after the stream), ``finish_s``
+        #: (finish_weight_update: the engines' load), and ``cpu_s``: this process's CPU seconds
+        #: over the round (all threads). See docs/performance.md.
         self.profile: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)),
                                         thread_name_prefix="qstrat-rpc")
@@ -180,11 +187,14 @@ class RefitSender:
         """Run one round for ``wire_manifest`` with ``tensors`` yielded in its wire order."""
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
+        self.profile = prof = dict.fromkeys(("start_s", "handshake_s", "source_s", "pack_s", "seal_s",
+                                             "wait_s", "commit_s", "update_s", "finish_s", "cpu_s"), 0.0)
         self._call_all("start_weight_update")
         doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode}
         futures = [self._pool.submit(c.update_weights, doc) for c in self.clients]
         stream_start = time.perf_counter()
+        prof["start_s"] = stream_start - start
         try:
             self._stream(wire_manifest, tensors)
         except TransportError as exc:
@@ -192,11 +202,15 @@ class RefitSender:
             kind = next(k for k in (WireManifestMismatchError, TransferAuthError, MixedWeightsError,
                                     TransportError) if isinstance(exc, k))
             raise kind(f"{exc}; engines: {errors or 'no error reported'}") from exc
-        stream_seconds = time.perf_counter() - stream_start
+        t0 = time.perf_counter()
+        stream_seconds = t0 - stream_start
         errors = self._results(futures)
         if errors:
             raise TransportError(f"update_weights failed after the stream: {errors}")
+        t1 = time.perf_counter()
         self._call_all("finish_weight_update")
+        prof["update_s"], prof["finish_s"] = t1 - t0, time.perf_counter() - t1
+        prof["cpu_s"] = time.process_time() - cpu
         self.mixed = None
         return TransferReport(wire_manifest, wire_manifest.total_bytes, len(wire_manifest.buckets),
                               stream_seconds, time.perf_counter() - start)
@@ -205,6 +219,7 @@ class RefitSender:
         group = self.group
         assert group is not None
         self._counter = max(self._counter + 1, time.time_ns())
+        prof, t0 = self.profile, time.perf_counter()
         try:
             challenges = p.challenges(group)
             ctx = RoundContext(wire_manifest.digest, self.mode, self._counter, challenges,
@@ -218,6 +233,7 @@ class RefitSender:
             cls = (WireManifestMismatchError if p.REJECTED in statuses else
                    TransferAuthError if p.UNAUTHENTICATED in statuses else TransportError)
             raise cls(f"round refused before any data: {p.describe(statuses)}")
+        prof["handshake_s"] = time.perf_counter() - t0
         try:
             failure = self._send_buckets(group, wire_manifest, iter(tensors), mac)
         except TransportError as exc:
@@ -226,10 +242,12 @@ class RefitSender:
                 raise MixedWeightsError(f"{exc}; bounded mode: engines may hold a MIX of two "
                                         f"rounds, the next refit must be whole") from None
             raise
+        t0 = time.perf_counter()
         try:
             statuses = p.vote(group, p.SENDER_ABORT if failure else p.OK)
         except RuntimeError as exc:
             raise p.lost(group, "commit vote failed (a receiver died?)", exc) from None
+        prof["commit_s"] = time.perf_counter() - t0
         if p.MIXED in statuses:
             self.mixed = p.describe([s if s == p.MIXED else 0 for s in statuses])
             raise MixedWeightsError(f"round not committed: {p.describe(statuses)}; bounded mode: "
@@ -249,13 +267,14 @@ class RefitSender:
                       tensors: Iterator[tuple[str, torch.Tensor]], mac: bytes) -> str | None:
         """Step 3. Returns None, or why the sender aborted (its source fell short/disagreed)."""
         contents = bucket_contents(wire_manifest)
-        seed = checksum_seed(self._secret, mac)
-        prof = self.profile = {"source_s": 0.0, "pack_s": 0.0, "checksum_s": 0.0, "wait_s": 0.0}
+        sealer = Sealer(self._secret, mac, group.device)
+        prof = self.profile
         clock = time.perf_counter
         buffers: list[torch.Tensor] = []
         pending: deque[tuple[Any, ...]] = deque()
         big: torch.Tensor | None = None
         reason, k = None, 0
+        works: list[Any] | None = None
         try:
             for k, b in enumerate(wire_manifest.buckets):
                 if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
@@ -263,16 +282,14 @@ class RefitSender:
                     _finish(group, pending.popleft())
                     prof["wait_s"] += clock() - t0
                 busy = {id(item[-1]) for item in pending}
-                flags = 0
+                flags, parts = 0, None
                 try:
                     t0 = clock()
                     if b.tensor is None:
                         owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
-                        parts = [self._next(tensors, s, group) for s in contents[k]]
-                        t1 = clock()
-                        payload = pack(owner, b, contents[k], parts)
-                        prof["pack_s"] += clock() - t1
-                        prof["source_s"] += t1 - t0
+                        parts = [self._next(tensors, s, group).contiguous() for s in contents[k]]
+                        payload = owner[:b.nbytes]  # packed piece by piece below
+                        prof["source_s"] += clock() - t0
                     else:
                         slot = contents[k][0]
                         if slot.bucket == k:
@@ -283,12 +300,32 @@ class RefitSender:
                     flags, reason = p.ABORT, str(exc)
                     owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
                     payload = owner[:b.nbytes]
-                t0 = clock()
-                seal = bucket_seal(self._secret, mac, k, flags, checksum(payload, seed) if not flags else (0, 0, 0))
-                prof["checksum_s"] += clock() - t0
-                hdr = p.bucket_header(k, flags, seal, group.device)
+                # a shared bucket is packed piece by piece, each piece just before it is sealed
+                # and posted; a transmit_payload override sees the whole packed bucket first
+                lazy = parts is not None and not flags and _default_hook(self)
+                if parts is not None and not flags and not lazy:
+                    t0 = clock()
+                    pack_range(owner, contents[k], parts, 0, b.nbytes)
+                    prof["pack_s"] += clock() - t0
                 wire = self.transmit_payload(k, payload)
-                pending.append((group.broadcast(hdr), group.broadcast(wire), hdr, wire, owner))
+                works = []  # the payload in pieces, each sealed just before it is posted
+                state = None if flags else sealer.begin(k, payload.numel())
+                for i, (piece, out) in enumerate(zip(pieces(payload), pieces(wire))):
+                    if lazy:
+                        t0 = clock()
+                        pack_range(owner, contents[k], parts, i * PIECE_BYTES, i * PIECE_BYTES + piece.numel())
+                        prof["pack_s"] += clock() - t0
+                    if state is not None:
+                        t0 = clock()
+                        state.update(piece)
+                        prof["seal_s"] += clock() - t0
+                    works.append(group.broadcast(out))
+                t0 = clock()
+                seal = state.seal(flags) if state is not None else sealer.seal(k, flags, None)
+                prof["seal_s"] += clock() - t0
+                hdr = p.bucket_header(k, flags, seal, group.device)
+                works.append(group.broadcast(hdr))
+                pending.append((works, hdr, wire, owner))
                 if flags:
                     break
             t0 = clock()
@@ -298,13 +335,15 @@ class RefitSender:
             return reason
         except RuntimeError as exc:  # c10d: a peer died or timed out
             pending.clear()
+            works = None  # no Work may outlive this block: gloo closes the group with the last one
             error = str(exc)
         raise p.lost(group, f"broadcast of bucket {k}/{len(wire_manifest.buckets)} failed "
                             f"(a receiver died?)", error) from None
 
     def transmit_payload(self, index: int, payload: torch.Tensor) -> torch.Tensor:
-        """The bytes put on the wire for bucket ``index``, after its checksum was taken (a hook:
-        identity here; the fault tests override it to corrupt or cut the stream)."""
+        """The bytes put on the wire for bucket ``index`` (a hook: identity here; the fault tests
+        override it to corrupt or cut the stream). The seal is always computed from ``payload``;
+        a hook must return a new tensor of the same size, not change ``payload``."""
         return payload
 
     @staticmethod
@@ -337,10 +376,15 @@ class RefitSender:
         return errors
 
 
+def _default_hook(sender: RefitSender) -> bool:
+    """Whether ``sender`` keeps the identity :meth:`RefitSender.transmit_payload`."""
+    return type(sender).transmit_payload is RefitSender.transmit_payload
+
+
 def _finish(group: TransferGroup, item: tuple[Any, ...]) -> None:
-    """Wait for a bucket's header and payload broadcasts."""
-    group.wait(item[0])
-    group.wait(item[1])
+    """Wait for a bucket's payload and header broadcasts."""
+    for work in item[0]:
+        group.wait(work)
 
 
 def _free_buffer(buffers: list[torch.Tensor], busy: set[int], size: int,

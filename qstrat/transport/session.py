@@ -19,6 +19,7 @@ flag in every refusal and in the failing round's error.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -69,7 +70,8 @@ class ReceiverSession:
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._received = False
         self._loading = False
-        #: The last round's ``peak_bytes`` (see :func:`~qstrat.transport.receiver.receive_round`).
+        #: The last round's ``peak_bytes`` and seconds by phase (see
+        #: :func:`~qstrat.transport.receiver.receive_round`), plus ``finish_s`` (atomic: the load).
         self.stats: dict[str, float] = {}
 
     def join(self, init_info: Any) -> None:
@@ -167,12 +169,14 @@ class ReceiverSession:
             raise TransportError("qstrat transfer: finish_weight_update without a received round")
         if not staged:
             return
+        t0 = time.perf_counter()
         self.loader.begin_load()
         self._loading = True
         try:
             self.loader.load(staged)
         finally:
             self._end()
+        self.stats["finish_s"] = time.perf_counter() - t0
         self._committed({n for n, _ in staged})
 
     def _committed(self, sent: set[str]) -> None:

@@ -101,9 +101,13 @@ class WireManifest:
             that does not match the content, or an inconsistent layout (see :meth:`check_layout`).
         """
         try:
-            if doc["version"] != VERSION:
-                raise WireManifestMismatchError(f"wire manifest version {doc['version']!r}, this qstrat "
-                                            f"reads version {VERSION}")
+            version = doc["version"]
+        except (KeyError, TypeError) as exc:
+            raise WireManifestMismatchError(f"malformed wire manifest: {exc!r}") from exc
+        if version != VERSION:  # outside the try: QstratError is a ValueError, it would be wrapped
+            raise WireManifestMismatchError(f"wire manifest version {version!r}, this qstrat reads "
+                                            f"version {VERSION}")
+        try:
             slots = tuple(TensorSlot(s["name"], s["dtype"], tuple(int(d) for d in s["shape"]),
                                      int(s["nbytes"]), int(s["bucket"]), int(s["offset"]),
                                      int(s["chunks"])) for s in doc["slots"])
