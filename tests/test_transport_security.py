@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import pickle
-import time
 
 import pytest
 import torch
@@ -121,30 +120,14 @@ def digests(receivers):
     return [r.ctl.call("digests") for r in receivers]
 
 
-def test_keyed_round_delivers_the_bytes_and_the_mac_cost_is_small(receivers, tiny):
+def test_keyed_round_delivers_the_bytes(receivers, tiny):
+    """A round with a secret delivers exactly the plan's bytes to both receivers. (The MAC's cost
+    against a round is a benchmark figure, not a timed test: scripts/bench_transport.py --secret.)"""
     driver, trainer_a, _, _ = tiny
     sender = connect(receivers, SECRET)
-    report = sender.refit(driver, trainer_a)
+    sender.refit(driver, trainer_a)
     want = {name: sha256(t) for name, t in driver.run(trainer_a)}
     assert digests(receivers) == [want, want]
-    # the MAC's cost: one round MAC + one bucket MAC per bucket (NH over the bucket's bytes on
-    # its device, HMAC-SHA256 over the NH outputs), over buckets of the round's sizes
-    from qstrat.transport.auth import RoundContext, round_mac
-
-    ctx = RoundContext(report.wire_manifest.digest, "atomic", 1, (0,) * 6, "127.0.0.1", 1, 3)
-    payloads = [torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8) for b in report.wire_manifest.buckets]
-    times = []  # the fastest of 10 (a shared machine's bursts inflate single timings)
-    for _ in range(10):
-        t0 = time.perf_counter()
-        mac = round_mac(Secret(SECRET), ctx)
-        sealer = Sealer(Secret(SECRET), mac, torch.device("cpu"))
-        for k, payload in enumerate(payloads):
-            sealer.seal(k, 0, payload)
-        times.append(time.perf_counter() - t0)
-    mac_s = min(times)
-    print(f"[timing] MAC + {report.buckets} bucket MACs over {report.bytes} bytes: {mac_s * 1e6:.0f} us "
-          f"per round; round {report.seconds * 1e3:.0f} ms ({mac_s / report.seconds:.2%})")
-    assert mac_s < 0.02 * report.seconds
     sender.close()
 
 
