@@ -14,7 +14,9 @@
 """
 from __future__ import annotations
 
+import copy
 import pickle
+import time
 
 import pytest
 import torch
@@ -315,3 +317,111 @@ def test_a_seal_fed_piece_by_piece_equals_the_whole_buckets(secret):
         early.update(x[100:200])
     with pytest.raises(ValueError, match=r"100 of \d+ bytes fed"):
         early.seal(0)
+
+
+class _Tampering:
+    """One engine's RPC client whose update_weights receives ``tamper(update_info)``."""
+
+    def __init__(self, inner, tamper):
+        self._inner, self._tamper = inner, tamper
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def update_weights(self, info):
+        return self._inner.update_weights(self._tamper(copy.deepcopy(info)))
+
+
+def _slot0(field, value):
+    def tamper(info):
+        info["wire_manifest"]["slots"][0][field] = value
+        return info
+    return tamper
+
+
+def _drop(key):
+    def tamper(info):
+        del info[key]
+        return info
+    return tamper
+
+
+def _set(key, value):
+    def tamper(info):
+        info[key] = value
+        return info
+    return tamper
+
+
+@pytest.mark.parametrize(("tamper", "why"), [
+    (_slot0("dtype", None), "malformed wire manifest: slot 0: name and dtype must be strings"),
+    (_slot0("nbytes", float("inf")), "malformed wire manifest: OverflowError"),
+    (_drop("wire_manifest"), "malformed wire manifest"),
+    (_set("mode", "sideways"), "with a round mode in ('atomic', 'bounded'), got mode 'sideways'"),
+    (lambda info: {**info, "wire_manifest": {**info["wire_manifest"], "alignment": 0}},
+     "malformed wire manifest: alignment 0"),
+], ids=["dtype-none", "nbytes-inf", "no-wire-manifest", "bad-mode", "alignment-0"])
+def test_a_malformed_update_info_is_refused_in_the_vote_not_after_the_timeout(receivers, tiny, tamper, why):
+    """One engine gets a malformed update_info (fields of the wrong type or range, a missing key,
+    an unknown mode): it refuses in the round's accept vote, so the sender and the other engine
+    hear it at once - before, the engine raised before the round's collectives and every other
+    rank waited out the group timeout (20 s here). Nothing is loaded; the group stays usable."""
+    driver, trainer_a, trainer_b, _ = tiny
+    before = digests(receivers)
+    clients = [receivers[0].rpc, _Tampering(receivers[1].rpc, tamper)]
+    sender = RefitSender(clients, "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=64 << 10, secret=SECRET)
+    sender.connect()
+    t0 = time.perf_counter()
+    with pytest.raises(TransportError) as err:
+        sender.refit(driver, trainer_b)
+    assert time.perf_counter() - t0 < 10, "the refusal waited for the group timeout"
+    msg = str(err.value)
+    assert "refused" in msg and why in msg and SECRET not in msg, msg
+    assert digests(receivers) == before
+    sender.clients[1] = receivers[1].rpc  # the same group, an intact update_info: B arrives
+    sender.refit(driver, trainer_b)
+    assert digests(receivers) == [{n: sha256(t) for n, t in driver.run(trainer_b)}] * 2
+    sender.close()
+
+
+@pytest.mark.parametrize(("configured", "address", "port"), [
+    ("127.0.0.1", "127.0.0.1", 29600), ("127.0.0.1:29600", "127.0.0.1", 29600),
+    ("::1", "::1", 29600), ("[::1]", "::1", 1), ("[::1]:29600", "::1", 29600),
+    ("fe80::1", "fe80:0:0:0:0:0:0:1", 5), ("trainer-0:29600", "trainer-0", 29600),
+])
+def test_a_configured_address_accepts_its_own_trainer_ipv6_included(configured, address, port):
+    """IPv6 literals, bare or bracketed, compare as addresses (before: the last ':' was taken
+    as the port separator, so '::1' refused the trainer at ::1)."""
+    from qstrat.transport.auth import check_address
+
+    check_address(configured, address, port)
+
+
+@pytest.mark.parametrize(("configured", "address", "port", "error"), [
+    ("::1", "::2", 29600, "TransferAuthError"), ("[::1]:29600", "::1", 29601, "TransferAuthError"),
+    ("127.0.0.1:29600", "127.0.0.2", 29600, "TransferAuthError"),
+    ("127.0.0.1:", "127.0.0.1", 29600, "ValueError"), ("127.0.0.1:notaport", "127.0.0.1", 1, "ValueError"),
+    ("[::1]x", "::1", 1, "ValueError"), ("127.0.0.1:70000", "127.0.0.1", 70000, "ValueError"),
+])
+def test_another_address_or_a_malformed_setting_is_refused_naming_it(configured, address, port, error):
+    from qstrat.transport.auth import check_address
+
+    with pytest.raises(Exception) as err:
+        check_address(configured, address, port)
+    assert type(err.value).__name__ == error
+    assert configured in str(err.value) and ENV_ADDRESS in str(err.value)
+
+
+def test_a_secret_is_bytes_or_text_and_bad_text_does_not_carry_it():
+    """An int or a list is not a key (Secret(16) was 16 zero bytes); undecodable text from the
+    environment is refused naming the variable, and the exception carries no part of it."""
+    with pytest.raises(TypeError, match="bytes or str expected, got int"):
+        Secret(16)
+    with pytest.raises(TypeError, match="got list"):
+        Secret([1] * 16)
+    bad = "\udcffTOPSECRETTOPSECRET"
+    with pytest.raises(ValueError) as err:
+        Secret(bad)
+    assert ENV_SECRET in str(err.value) and "TOPSECRET" not in repr(err.value.args)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert Secret(bytearray(b"k" * 16)) is not None

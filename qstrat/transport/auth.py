@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import struct
 from collections.abc import Sequence
@@ -61,7 +62,16 @@ class Secret:
     __slots__ = ("_key",)
 
     def __init__(self, key: bytes | str) -> None:
-        raw = key.encode() if isinstance(key, str) else bytes(key)
+        if isinstance(key, str):
+            try:
+                raw = key.encode()
+            except UnicodeEncodeError:  # e.g. undecodable bytes in the environment (surrogates)
+                raise ValueError(f"transfer secret ({ENV_SECRET}): not valid text; use >= 16 random "
+                                 "bytes as hex or base64") from None  # the exception would carry it
+        elif isinstance(key, (bytes, bytearray, memoryview)):
+            raw = bytes(key)
+        else:  # bytes(16) would be 16 zero bytes: a guessable key
+            raise TypeError(f"transfer secret: bytes or str expected, got {type(key).__name__}")
         if len(raw) < 16:
             raise ValueError(f"transfer secret too short ({len(raw)} bytes; use >= 16 random bytes)")
         self._key = raw
@@ -168,6 +178,41 @@ def from_words(values: Sequence[int]) -> bytes:
     return struct.pack("<4q", *values)
 
 
+def _host(host: str) -> str:
+    """A host as compared: IPv6 literals without brackets, in their canonical form."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
+def split_address(configured: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[v6]``, ``[v6]:port`` or a bare IPv6 literal (``::1``,
+    ``fe80::1``) as ``(host, port or None)``.
+
+    Raises: ValueError naming :data:`ENV_ADDRESS` for an empty host or a port that is not an
+        integer in 1-65535.
+    """
+    text = configured.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else None
+        if rest and port is None:
+            host = ""
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:  # a host name, an IPv4 address, or a bare IPv6 literal (two colons or more)
+        host, port = text, None
+    bad = not host or (port is not None and not (port.isdigit() and 1 <= int(port) <= 65535))
+    if bad:
+        raise ValueError(f"{ENV_ADDRESS}={configured!r}: expected host, host:port, [ipv6] or [ipv6]:port "
+                         "(port 1-65535)")
+    return _host(host), None if port is None else int(port)
+
+
 def check_address(configured: str | None, address: str, port: int) -> None:
     """Refuse an init info naming another group address than ``configured`` (``host`` or
     ``host:port``; None: anything is accepted).
@@ -178,8 +223,8 @@ def check_address(configured: str | None, address: str, port: int) -> None:
 
     if not configured:
         return
-    host, _, want_port = configured.rpartition(":") if ":" in configured else (configured, "", "")
-    if address != host or (want_port and int(want_port) != int(port)):
+    host, want_port = split_address(configured)
+    if _host(address) != host or (want_port is not None and want_port != int(port)):
         raise TransferAuthError(f"init_weight_transfer_engine refused: it points the engine at "
                                 f"{address}:{port}, the configured transfer address is {configured} "
                                 f"({ENV_ADDRESS})")

@@ -86,6 +86,9 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             check(wire_manifest)
     except TransportError as exc:
         rejection = exc
+    except Exception as exc:  # refused in the accept vote like any other: raising here would leave
+        # the sender and the other ranks waiting for this rank's collectives until the timeout
+        rejection = WireManifestMismatchError(f"rank {group.rank}: malformed wire manifest: {exc!r}")
     header = torch.empty(p.ROUND_WORDS, dtype=torch.int64, device=group.device)
     try:
         challenges = p.challenges(group)

@@ -114,14 +114,18 @@ class ReceiverSession:
         if self._received:
             raise TransportError("qstrat transfer: one update_weights round per session "
                                  "(call finish_weight_update first)")
-        mode = update_info.get("mode", "atomic")
-        if mode not in MODES:
-            raise TransportError(f"qstrat transfer: round mode {mode!r}; use one of {MODES}")
+        # Malformed update_info is refused in the round's accept vote (check below), not raised
+        # here: the sender and the other ranks are already waiting in the round's collectives.
+        info = update_info if isinstance(update_info, dict) else {}
+        mode = info.get("mode", "atomic")
         self._received = True
         self.stats = {}
         sent: set[str] = set()
 
         def check(wm: WireManifest) -> None:
+            if not isinstance(update_info, dict) or mode not in MODES:
+                raise TransportError(f"qstrat transfer: update_info must be a dict with a round mode in "
+                                     f"{MODES}, got mode {mode!r}")
             sent.update(s.name for s in wm.slots)
             expected = self.expected()
             if expected is not None:
@@ -133,8 +137,8 @@ class ReceiverSession:
                         f"this receiver holds a MIX of two rounds ({self.mixed}): the next refit "
                         f"must be whole, this one sends {len(sent & need)} of the {len(need)} tensors")
 
-        if mode == "atomic":
-            self._staged = receive_round(self.group, update_info["wire_manifest"], check, self.auth,
+        if mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
+            self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth,
                                          staging=self.staging, stats=self.stats)
             return
 
@@ -145,7 +149,7 @@ class ReceiverSession:
             self.loader.load(tensors)
 
         try:
-            receive_round(self.group, update_info["wire_manifest"], check, self.auth, "bounded", on_unit,
+            receive_round(self.group, info.get("wire_manifest"), check, self.auth, "bounded", on_unit,
                           stats=self.stats)
         except MixedWeightsError as exc:
             self._end()

@@ -114,8 +114,11 @@ class WireManifest:
             buckets = tuple(Bucket(int(b["index"]), int(b["stream_offset"]), int(b["nbytes"]),
                                    b["tensor"]) for b in doc["buckets"])
             bucket_bytes, alignment, digest = int(doc["bucket_bytes"]), int(doc["alignment"]), doc["digest"]
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireManifestMismatchError(f"malformed wire manifest: {exc!r}") from exc
+        bad = _malformed(slots, buckets, bucket_bytes, alignment)
+        if bad:  # before anything else reads a field: a wrong type must be this error, not a crash
+            raise WireManifestMismatchError(f"malformed wire manifest: {bad}")
         want = _digest(slots, buckets, bucket_bytes, alignment)
         if digest != want:
             raise WireManifestMismatchError(f"wire manifest digest {digest} does not match its content "
@@ -286,6 +289,25 @@ def _body(slots: Iterable[TensorSlot], buckets: Iterable[Bucket], bucket_bytes: 
     return {"bucket_bytes": bucket_bytes, "alignment": alignment,
             "slots": [{**asdict(s), "shape": list(s.shape)} for s in slots],
             "buckets": [asdict(b) for b in buckets]}
+
+
+def _malformed(slots: tuple[TensorSlot, ...], buckets: tuple[Bucket, ...], bucket_bytes: int,
+               alignment: int) -> str | None:
+    """What makes a received wire manifest's fields unusable (a type or range no
+    :func:`build_wire_manifest` produces), or None."""
+    if alignment < 1 or alignment & (alignment - 1):
+        return f"alignment {alignment} (a power of two >= 1 expected)"
+    if bucket_bytes < 1:
+        return f"bucket_bytes {bucket_bytes}"
+    for k, s in enumerate(slots):
+        if not isinstance(s.name, str) or not isinstance(s.dtype, str):
+            return f"slot {k}: name and dtype must be strings, got {s.name!r}, {s.dtype!r}"
+        if any(d < 0 for d in s.shape) or s.nbytes < 0 or s.chunks < 1:
+            return f"slot {k} ({s.name}): negative size in shape {list(s.shape)} / nbytes {s.nbytes} / chunks {s.chunks}"
+    for b in buckets:
+        if b.tensor is not None and not isinstance(b.tensor, str):
+            return f"bucket {b.index}: tensor must be a name or null, got {b.tensor!r}"
+    return None
 
 
 def _digest(slots: Iterable[TensorSlot], buckets: Iterable[Bucket], bucket_bytes: int,
