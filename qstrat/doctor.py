@@ -213,6 +213,11 @@ def diagnose() -> list[Fact]:
         if root.level == logging.NOTSET:
             root.setLevel(logging.ERROR)
     quiet_torchao_import()
+    # vLLM's import-time Triton notice (a WARNING, shown under VLLM_LOGGING_LEVEL=WARNING or
+    # INFO): the report's triton line says where qstrat's kernels run instead.
+    notice = logging.getLogger(f"{names.LOGGER}.triton_utils.importing")
+    if notice.level == logging.NOTSET:
+        notice.setLevel(logging.ERROR)
     facts: list[Fact] = []
     for part in (environment, vllm_facts, kernel_facts, transfer_facts, quantization_facts, triton_facts):
         try:

@@ -43,6 +43,10 @@ INT_KEYS: Mapping[str, tuple[int, int]] = {
     "linear_conv_kernel_dim": (1, MAX_DIM),
 }
 
+#: Boolean config keys the built-in layouts and checks read (a string "false" is truthy in Python:
+#: read as is, it would tie the head of an untied model).
+BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "mlp_bias")
+
 T = TypeVar("T")
 
 
@@ -70,6 +74,9 @@ def check_model_config(hf_config: Mapping[str, Any], num_layers_key: str = "num_
     config (:func:`language_config`): each present, non-null value an integer (not a bool, not a
     float or string) within its range.
 
+    Also :data:`BOOL_KEYS`: each present, non-null value a bool (in the language config and at
+    the top level).
+
     Raises: ConfigError naming the first bad key, its value and the range
         (``model config: num_attention_heads must be an integer in 1..2147483647, got 0``).
     """
@@ -83,6 +90,11 @@ def check_model_config(hf_config: Mapping[str, Any], num_layers_key: str = "num_
             limit = (f" (qstrat's limit: a larger {key} is no real model)" if isinstance(value, int)
                      and not isinstance(value, bool) and value > hi else "")
             raise ConfigError(f"model config: {key} must be an integer in {lo}..{hi}, got {value!r}{limit}")
+    for config in {id(c): c, id(hf_config): hf_config}.values():  # tie_word_embeddings may sit at the top
+        for key in BOOL_KEYS:
+            value = config.get(key)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"model config: {key} must be true or false (a JSON boolean), got {value!r}")
 
 
 def bounded(items: Iterable[T], what: str, limit: int = MAX_TENSORS) -> Iterator[T]:

@@ -25,6 +25,9 @@ from conftest import model_config
     ("num_hidden_layers", 10**12, "num_hidden_layers must be an integer in 1..4096, got 1000000000000 "
                                   "(qstrat's limit: a larger num_hidden_layers is no real model)"),
     ("num_experts", 10**6, "num_experts must be an integer in 0..65536, got 1000000 (qstrat's limit"),
+    # a string "false" is truthy: read as is, the planner dropped the untied lm_head (adversarial run)
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false (a JSON boolean), got 'false'"),
+    ("attention_bias", 1, "attention_bias must be true or false (a JSON boolean), got 1"),
 ])
 def test_a_bad_shape_key_is_named_before_any_tensor(key, value, message):
     cfg = {**model_config("qwen3-235b-a22b"), key: value}
