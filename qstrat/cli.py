@@ -185,7 +185,11 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
         raise ConfigError(f"{cfg_path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cfg_path}: invalid value, cannot derive the tensor shapes: {exc}") from exc
-    return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
+    try:
+        return driver, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes}
+    except RuntimeError as exc:  # torch: "Storage size calculation overflowed" (each key in range)
+        raise ConfigError(f"{cfg_path}: the config implies a tensor too large to describe ({exc}); "
+                          "check its dimension keys") from exc
 
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:

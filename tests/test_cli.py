@@ -285,9 +285,22 @@ def _case_config_too_many_tensors(tmp, src):
         "counts\n")
 
 
+def _case_config_tensor_too_large(tmp, src):  # every key in range, their product is not
+    return _config_only(tmp, hidden_size=2**31 - 1, head_dim=2**31 - 1, num_attention_heads=2**20), (
+        f"error: {tmp / 'm' / 'config.json'}: the config implies a tensor too large to describe (Storage size "
+        "calculation overflowed with sizes=[2251799812636672, 2147483647]); check its dimension keys\n")
+
+
+def _case_config_string_boolean(tmp, src):  # "false" is truthy: it tied an untied lm_head
+    return _config_only(tmp, tie_word_embeddings="false"), (
+        f"error: {tmp / 'm' / 'config.json'}: model config: tie_word_embeddings must be true or false (a JSON "
+        "boolean), got 'false'\n")
+
+
 @pytest.mark.parametrize("case", [
     _case_config_zero_heads, _case_config_negative_hidden_size, _case_config_text_config_not_a_mapping,
-    _case_config_too_many_layers, _case_config_too_many_tensors,
+    _case_config_too_many_layers, _case_config_too_many_tensors, _case_config_tensor_too_large,
+    _case_config_string_boolean,
     _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
     _case_config_is_a_directory, _case_binary_config, _case_model_is_a_safetensors_file,
     _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,
