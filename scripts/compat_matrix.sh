@@ -95,7 +95,7 @@ wall=$((SECONDS - start))
 echo "== matrix: ${#versions[@]} version(s) in $wall s" >&2
 if [ "$report" -eq 1 ]; then
   python3 scripts/compat_report.py --results "$results" --command "$command" --wall "$wall" \
-      --out docs/compat.md --commit "$(git rev-parse --short HEAD 2>/dev/null || true)" \
+      --out docs/compat.md --commit "$(git rev-parse --short HEAD 2>/dev/null || true)" --jobs "$jobs" \
       --source "${source_versions[@]}" -- "${versions[@]}"
   echo "wrote docs/compat.md" >&2
 fi

