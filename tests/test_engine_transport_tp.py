@@ -23,6 +23,8 @@ pytestmark = [
 ]
 
 TP2 = {"tensor_parallel_size": 2}
+#: Largest |logprob| difference accepted between the refit and the fresh TP=2 engine (see the test).
+TP_LOGPROB_TOLERANCE = 0.05
 TP2_SHAPE = dict(head_dim=128, moe_intermediate_size=256)
 
 
@@ -58,5 +60,14 @@ def test_a_tp2_engine_refit_through_the_backend_equals_a_fresh_tp2_engine(tmp_pa
         fresh_b = fresh.ctl.call("greedy")
     finally:
         fresh.close()
-    assert refit_to_b == fresh_b, "a TP=2 engine refit to B differs from a fresh TP=2 engine on B"
+    # Tokens exactly; logprobs within TP_LOGPROB_TOLERANCE. Two isolated runs of this test were
+    # exact, but one fresh-clone CI run (the whole suite before it) had identical tokens and logprobs
+    # differing by up to 0.016 - the size of the run-to-run differences of multiprocess CPU engines
+    # without a fixed thread binding (qstrat.engine.local.start_engine's ``threads``). The cause in
+    # that run was not established; a wrong or missing tensor moves logprobs by far more (A vs B
+    # below: different tokens).
+    assert [t for t, _ in refit_to_b] == [t for t, _ in fresh_b], "a TP=2 engine refit to B: other tokens"
+    d = max(abs(p - q) for (_, lp), (_, lq) in zip(refit_to_b, fresh_b) for p, q in zip(lp, lq))
+    print(f"[parity] TP=2 refit to B vs fresh TP=2 on B: max |dlogprob| = {d:.3g}")
+    assert d <= TP_LOGPROB_TOLERANCE, f"a TP=2 engine refit to B differs from a fresh one: {d:.3g}"
     assert refit_to_b != on_a
