@@ -283,27 +283,17 @@ def test_bounded_round_fault_at_the_middle_layer_flags_the_engine_and_a_whole_re
     bucket inside layer 2 (of 4) leaves the engine holding layers 0-1 of B and 2-3 of A, flagged;
     a partial refit is refused naming the flag; a whole bounded refit equals a fresh engine on B."""
     from qstrat.errors import MixedWeightsError, WireManifestMismatchError
-    from qstrat.transport import RefitSender
-    from qstrat.transport.buckets import bucket_contents
-    from qstrat.transport.wire_manifest import reload_unit, wire_manifest_for_plan
+    from transport_harness import corrupting_sender, first_bucket_of
+
+    from qstrat.transport.wire_manifest import wire_manifest_for_plan
 
     driver = ckpts["driver"]
     keyed_sender(cluster, None, mode="bounded").refit(driver, ckpts["a"])
     assert cluster["engine"].ctl.call("greedy") == cluster["a_out"], "bounded round differs from atomic"
     plan = driver.plan(ckpts["b"])
     m = wire_manifest_for_plan(plan, BUCKET_BYTES)
-    bad_bucket = next(k for k, slots in enumerate(bucket_contents(m))
-                      if slots and {reload_unit(s.name) for s in slots} == {"model.layers.2"})
-
-    class Corrupting(RefitSender):
-        def transmit_payload(self, index, payload):
-            if index != bad_bucket:
-                return payload
-            bad = payload.clone()
-            bad[0] ^= 1
-            return bad
-
-    bad = keyed_sender(cluster, None, Corrupting, mode="bounded")
+    bad_bucket = first_bucket_of(m, "model.layers.2")
+    bad = keyed_sender(cluster, None, corrupting_sender(bad_bucket), mode="bounded")
     with pytest.raises(MixedWeightsError, match="rank 1 a bucket failed its checksum after loading began"):
         bad.refit(driver, ckpts["b"])
     flag = cluster["engine"].ctl.call("mixed")

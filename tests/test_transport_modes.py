@@ -19,7 +19,8 @@ from qstrat.errors import MixedWeightsError, WireManifestMismatchError
 from qstrat.transport import RefitSender
 from qstrat.transport.wire_manifest import reload_unit, wire_manifest_for_plan
 
-from transport_harness import Receiver, free_port, sha256, tiny_refit_models
+from transport_harness import (corrupting_sender, first_bucket_of, free_port, sha256, standalone_receivers,
+                               tiny_refit_models)
 
 BUCKET = 64 << 10
 
@@ -31,14 +32,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def receivers(tiny):
-    rs = [Receiver("standalone", tiny[3]) for _ in range(2)]
-    try:
-        for r in rs:
-            r.wait_ready()
+    with standalone_receivers(tiny[3]) as rs:
         yield rs
-    finally:
-        for r in rs:
-            r.close()
 
 
 def sender_for(receivers, mode, cls=RefitSender):
@@ -94,20 +89,8 @@ def test_bounded_fault_at_the_middle_layer_flags_a_mix_and_a_whole_refit_repairs
     new = want(driver, trainer_b)
     plan = driver.plan(trainer_b)
     m = wire_manifest_for_plan(plan, BUCKET)
-    from qstrat.transport.buckets import bucket_contents
-
-    bad_bucket = next(k for k, slots in enumerate(bucket_contents(m))  # layer 2's first bucket of its own
-                      if slots and {reload_unit(s.name) for s in slots} == {"model.layers.2"})
-
-    class Corrupting(RefitSender):
-        def transmit_payload(self, index, payload):
-            if index != bad_bucket:
-                return payload
-            bad = payload.clone()
-            bad[0] ^= 1
-            return bad
-
-    bad = sender_for(receivers, "bounded", Corrupting)
+    bad_bucket = first_bucket_of(m, "model.layers.2")  # layer 2's first bucket of its own
+    bad = sender_for(receivers, "bounded", corrupting_sender(bad_bucket))
     with pytest.raises(MixedWeightsError) as err:
         bad.refit(driver, trainer_b)
     msg = str(err.value)

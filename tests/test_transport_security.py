@@ -28,7 +28,7 @@ from qstrat.transport import nh
 from qstrat.transport.seal import Sealer
 from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET, Secret
 
-from transport_harness import Receiver, free_port, sha256, tiny_refit_models
+from transport_harness import free_port, sha256, standalone_receivers, tiny_refit_models
 
 SECRET = "correct horse battery staple 42"
 OTHER = "an entirely different secret!!"
@@ -100,15 +100,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def receivers(tiny):
-    rs = [Receiver("standalone", tiny[3]) for _ in range(2)]
-    try:
-        for r in rs:
-            r.wait_ready()
-            r.ctl.call("setenv", ENV_SECRET, SECRET)
+    with standalone_receivers(tiny[3], env={ENV_SECRET: SECRET}) as rs:
         yield rs
-    finally:
-        for r in rs:
-            r.close()
 
 
 def connect(receivers, secret, **kw):

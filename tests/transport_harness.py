@@ -14,12 +14,14 @@ Every wait is bounded; :meth:`Receivers.close` kills whatever is still alive.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
 import socket
 import traceback
 from multiprocessing.connection import Connection, wait
+from collections.abc import Iterator
 from typing import Any
 
 TIMEOUT_S = 60.0
@@ -319,3 +321,42 @@ class Receiver:
             except (OSError, BrokenPipeError):
                 pass
         self.kill()
+
+
+@contextlib.contextmanager
+def standalone_receivers(model_dir: Any, n: int = 2, env: dict[str, str] | None = None) -> Iterator[list[Receiver]]:
+    """``n`` started standalone receivers on ``model_dir`` (``env`` set in each), closed on exit."""
+    rs = [Receiver("standalone", model_dir) for _ in range(n)]
+    try:
+        for r in rs:
+            r.wait_ready()
+            for name, value in (env or {}).items():
+                r.ctl.call("setenv", name, value)
+        yield rs
+    finally:
+        for r in rs:
+            r.close()
+
+
+def first_bucket_of(wire_manifest: Any, unit: str) -> int:
+    """Index of the first bucket that holds tensors of reload unit ``unit`` only."""
+    from qstrat.transport.buckets import bucket_contents
+    from qstrat.transport.wire_manifest import reload_unit
+
+    return next(k for k, slots in enumerate(bucket_contents(wire_manifest))
+                if slots and {reload_unit(s.name) for s in slots} == {unit})
+
+
+def corrupting_sender(bad_bucket: int) -> type:
+    """A RefitSender class that flips bit 0 of the first byte of bucket ``bad_bucket`` on the wire."""
+    from qstrat.transport import RefitSender
+
+    class Corrupting(RefitSender):
+        def transmit_payload(self, index, payload):
+            if index != bad_bucket:
+                return payload
+            bad = payload.clone()
+            bad[0] ^= 1
+            return bad
+
+    return Corrupting
