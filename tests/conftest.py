@@ -47,6 +47,26 @@ def model_config(name: str) -> dict:
     return json.loads((MODELS / name / "config.json").read_text())
 
 
+def per_expert_view(slabs: dict) -> dict:
+    """The same weights as transformers saves them: each grouped expert slab
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) cut into per-expert
+    views ``experts.{e}.{gate,up,down}_proj.weight``; other tensors as they are."""
+    out = {}
+    for name, t in slabs.items():
+        head, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":
+            i = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{head}.{e}.gate_proj.weight"] = t[e, :i]
+                out[f"{head}.{e}.up_proj.weight"] = t[e, i:]
+        elif leaf == "down_proj" and t.dim() == 3:
+            for e in range(t.shape[0]):
+                out[f"{head}.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_engine_thread():
     """One torch/OpenMP thread while a module's in-process vLLM CPU engines run.

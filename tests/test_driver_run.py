@@ -5,28 +5,11 @@ import json
 
 import pytest
 import torch
+from conftest import per_expert_view
 
 import qstrat
 from qstrat import NonFiniteError, RefitDriver
 from qstrat.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
-
-
-def per_expert_view(state):
-    """What save_pretrained writes: grouped slabs split into per-expert names."""
-    out = {}
-    for name, t in state.items():
-        if name.endswith("experts.gate_up_proj"):
-            base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
-                out[f"{base}{e}.up_proj.weight"] = t[e, half:]
-        elif name.endswith("experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
 
 
 def u8(t):

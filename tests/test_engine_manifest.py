@@ -17,6 +17,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import per_expert_view
 from engine_harness import assert_same, cfg, driver, models, require_block_fp8_engine  # noqa: F401 (fixtures)
 
 pytestmark = [
@@ -62,24 +63,6 @@ def reloads(engine, monkeypatch):
     return calls
 
 
-def per_expert(state):
-    """The trainer's grouped slabs as per-expert tensors (views)."""
-    out = {}
-    for name, t in state.items():
-        base, _, leaf = name.rpartition(".")
-        if leaf == "gate_up_proj":
-            half = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.gate_proj.weight"] = t[e, :half]
-                out[f"{base}.{e}.up_proj.weight"] = t[e, half:]
-        elif leaf == "down_proj" and t.dim() == 3:
-            for e in range(t.shape[0]):
-                out[f"{base}.{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
-
-
 def bf16(*shape):
     return torch.randn(*shape).to(torch.bfloat16)
 
@@ -97,7 +80,7 @@ def _drop_prefix(prefix):
 
 
 def _experts(fn):
-    return lambda s: fn(per_expert(s))
+    return lambda s: fn(per_expert_view(s))
 
 
 def _add_expert(s):
@@ -172,7 +155,7 @@ CASES = [
      _experts(_drop(*(f"{EXPERTS}.5.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")))),
      "block-fp8", {}, "PlanError", rf"{EXPERTS}: the plan sends 42 of its 48 tensors.*Missing: "
                                    rf"{EXPERTS}\.5\.down_proj\.weight"),
-    ("an-expert-given-twice", lambda s: list(per_expert(s).items()) + [(f"{EXPERTS}.3.up_proj.weight",
+    ("an-expert-given-twice", lambda s: list(per_expert_view(s).items()) + [(f"{EXPERTS}.3.up_proj.weight",
                                                                         bf16(128, 256))],
      None, {}, "PlanError", rf"{EXPERTS}\.3\.up_proj\.weight: given twice"),
     ("slab-and-per-expert", lambda s: {**s, f"{EXPERTS}.0.gate_proj.weight": bf16(128, 256)}, None, {},
@@ -234,7 +217,7 @@ def test_valid_refits_after_the_refusals_equal_a_fresh_engine(engine, reloads, m
     qvllm.refit(llm, driver, models[0].state_dict())
     a_out = greedy(llm)
     assert [g.tokens for g in a_out] != [g.tokens for g in fresh], "A and B must differ"
-    qvllm.refit(llm, driver, per_expert(models[1].state_dict()), stream=True)
+    qvllm.refit(llm, driver, per_expert_view(models[1].state_dict()), stream=True)
     assert reloads == ["reload_weights", "reload_weights"]
     assert_same(greedy(llm), fresh, "refit A -> B after the refused refits vs fresh B")
 

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from conftest import per_expert_view
 
 from qstrat import PlanError, RefitDriver
 from qstrat.builtin.layouts import QWEN3, QWEN3_MOE
@@ -36,24 +37,6 @@ QKV0 = "model.layers.0.self_attn.{q_proj,k_proj,v_proj}"
 
 def random_tensors(layout, cfg, grouped: bool) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, dtype=torch.bfloat16) for n, s in model_tensors(layout, cfg, grouped)}
-
-
-def per_expert_view(slabs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same weights as transformers saves them: experts.{e}.{proj}.weight."""
-    out = {}
-    for name, t in slabs.items():
-        head, _, leaf = name.rpartition(".")
-        if leaf == "gate_up_proj":
-            i = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{head}.{e}.gate_proj.weight"] = t[e, :i]
-                out[f"{head}.{e}.up_proj.weight"] = t[e, i:]
-        elif leaf == "down_proj" and t.dim() == 3:
-            for e in range(t.shape[0]):
-                out[f"{head}.{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
 
 
 def outputs(driver, tensors) -> dict[str, torch.Tensor]:
