@@ -95,7 +95,8 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     Returns: the manifest.
     Raises: EngineManifestError (nothing sent) if it cannot be built - a family whose tensors its
         layout cannot derive from the config (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`,
-        e.g. the ``generic`` layout) included - or if vLLM disagrees with it.
+        e.g. the ``generic`` layout) included - if vLLM disagrees with it, or if vLLM released
+        weights a reload must refill (:func:`qstrat.vllm_adapter.model_record.released_errors`).
     """
     from qstrat.registry import get_registry
 
@@ -122,6 +123,9 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
             model = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
+        released = model_record.released_errors(model)
+        if released:
+            raise EngineManifestError("this engine cannot be refit (nothing was sent): " + released[0])
         errors = model_record.cross_check(manifest, model)
         if errors:
             raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "

@@ -84,3 +84,46 @@ def test_refit_equals_fresh_engine(family, preset, tmp_path):
     assert {o.name for _, o in report.plan.wire_order()} <= set(manifest.tensors) | set(manifest.dropped)
     assert [g.tokens for g in refit_a] != [g.tokens for g in fresh_b], "refit to A changed nothing"
     assert refit_b == fresh_b, "refit back to B differs from the fresh engine on B"
+
+
+def test_an_mla_engine_on_vllms_amx_backend_is_refused_before_any_byte(tmp_path):
+    """vLLM's AMX MLA backend (its default for MLA models on AMX CPUs, vLLM 0.29+) releases
+    kv_b_proj.weight after loading, and a layerwise reload then fails after the first tensor was
+    handed over. An engine explicitly started on it: on an AMX CPU every refit is refused before
+    anything is sent, naming the layers and the fix, and the engine serves what it served; on a
+    CPU without AMX vLLM runs its reference MLA backend instead and the refit goes through.
+    (start_engine's default on AMX CPUs, CPU_MLA, is what test_refit_equals_fresh_engine's
+    DeepSeek-V3 cases run.)"""
+    from qstrat import RefitDriver
+    from qstrat import vllm as qvllm
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.errors import EngineManifestError
+    from qstrat.vllm_adapter import has_amx
+    from qstrat.vllm_adapter.resolver import available
+
+    cfg = mf.hf_config("deepseek_v3")
+    hf = {**mf.config_dict(cfg), "torch_dtype": "bfloat16"}
+    hf.pop("dtype", None)
+    driver = RefitDriver("block-fp8", hf_config=hf)
+    model_a, model_b = mf.random_model(cfg, 0), mf.random_model(cfg, 1)
+    write_checkpoint(driver, model_b.state_dict(), tmp_path / "b")
+    mf.vllm_teardown()
+    amx_mla = has_amx() and available("amx_mla_backend")
+    llm = start_engine(tmp_path / "b", attention_backend="AMX_MLA" if available("amx_mla_backend") else None)
+    try:
+        fresh_b = greedy(llm, PROMPTS)
+        if amx_mla:
+            with pytest.raises(EngineManifestError) as err:
+                qvllm.refit(llm, driver, model_a.state_dict())
+            assert greedy(llm, PROMPTS) == fresh_b, "a refused refit changed the engine"
+        else:
+            qvllm.refit(llm, driver, model_a.state_dict())
+            assert [g.tokens for g in greedy(llm, PROMPTS)] != [g.tokens for g in fresh_b]
+    finally:
+        release(llm)
+    if amx_mla:
+        message = str(err.value)
+        assert message.startswith("this engine cannot be refit (nothing was sent): 3 MLA attention layers ("), message
+        assert "model.layers.0.self_attn" in message and "releases kv_b_proj.weight after loading" in message
+        assert "attention_backend='CPU_MLA'" in message

@@ -7,6 +7,7 @@ import vLLM.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 from collections.abc import Iterable
@@ -118,6 +119,8 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
             {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["re:.*mlp\\.gate$"]}``
             (a ``re:`` regex: vLLM < 0.30 does not match shell globs there).
+        On an AMX CPU an MLA model gets vLLM's reference CPU MLA attention backend unless
+            ``kwargs`` choose one (:func:`reloadable_attention`: vLLM's AMX one cannot be refit).
     Returns: the ``vllm.LLM``; free it with :func:`release` before starting the next one.
         vLLM logs at ERROR level unless ``VLLM_LOGGING_LEVEL`` is set (read when vLLM is
         first imported).
@@ -142,6 +145,8 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
 
     args = dict(model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, max_num_seqs=4, dtype=dtype)
+    if "attention_backend" not in kwargs and "attention_config" not in kwargs:
+        args.update(reloadable_attention(model_dir))
     args.update(kwargs)
     # torch.distributed.init_process_group (run by the in-process engine) replaces sys.excepthook
     # with one that prefixes every line of a traceback with "[rank0]: " - once more per engine
@@ -156,6 +161,29 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             return LLM(**args)
     finally:
         sys.excepthook = excepthook
+
+
+def reloadable_attention(model_dir: str | Path) -> dict[str, Any]:
+    """The ``LLM`` arguments that keep an MLA model refittable on this machine: ``{}``, or
+    ``{"attention_backend": CPU_MLA}`` on an AMX CPU whose vLLM has the AMX MLA backend.
+
+    vLLM (0.29+) runs MLA models (``kv_lora_rank`` set: DeepSeek-V2/V3, Kimi...) on AMX CPUs with
+    its AMX MLA backend unless another is asked for (``vllm/platforms/cpu.py``), and that
+    backend releases ``kv_b_proj.weight`` after loading; a layerwise reload then fails copying the
+    new weight into the released one, after the first tensor was handed over. The reference CPU
+    MLA backend keeps the weight. ``model_dir``: a checkpoint directory (its ``config.json``
+    is read); anything else (a hub id) gets ``{}``.
+    """
+    from qstrat.vllm_adapter import has_amx
+    from qstrat.vllm_adapter.resolver import available
+
+    config = Path(model_dir) / "config.json"
+    if not (is_cpu() and has_amx() and available("amx_mla_backend") and config.is_file()):
+        return {}
+    hf = json.loads(config.read_text())
+    if hf.get("kv_lora_rank") is None and (hf.get("text_config") or {}).get("kv_lora_rank") is None:
+        return {}
+    return {"attention_backend": resolve("cpu_mla_backend")}
 
 
 def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int = 8,

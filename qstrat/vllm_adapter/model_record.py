@@ -47,6 +47,9 @@ class EngineModel:
         mapper: the class's ``hf_to_vllm_mapper`` (vLLM's ``WeightsMapper``; None: names are
             vLLM's as they are), by which checkpoint names become vLLM's (Qwen3.5's multimodal
             class: ``model.visual.`` -> ``visual.``; gpt-oss: ``.self_attn.`` -> ``.attn.``).
+        released: vLLM module prefixes of MLA attention layers built on vLLM's AMX MLA backend
+            (``MLAAttention.is_amx_bmm_enabled``, vLLM 0.29+), which releases the layer's
+            ``kv_b_proj.weight`` after loading: a layerwise reload cannot refill it.
     """
 
     layers: Mapping[str, Mapping[str, int]]
@@ -55,6 +58,7 @@ class EngineModel:
     world_size: int
     vocab_padding: Mapping[str, int] = field(default_factory=dict)
     mapper: Any = None
+    released: tuple[str, ...] = ()
 
     def vllm_name(self, module: str) -> str:
         """A checkpoint module name as vLLM names it: ``{module}.weight`` through the mapper's
@@ -80,6 +84,9 @@ def read_engine_model(worker: Any) -> EngineModel:
     model = runner.get_model()
     layers: dict[str, dict[str, int]] = {}
     padding: dict[str, int] = {}
+    mla = resolve("mla_attention_layer")
+    released = tuple(name for name, module in model.named_modules()
+                     if isinstance(module, mla) and getattr(module, "is_amx_bmm_enabled", False))
     for name, module in model.named_modules():
         if module not in info or deferred(module):
             continue
@@ -94,7 +101,19 @@ def read_engine_model(worker: Any) -> EngineModel:
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
     world = int(getattr(parallel, "world_size", 1) or 1)
     return EngineModel(layers, packed, frozenset(skipped), world, padding,
-                       getattr(model, "hf_to_vllm_mapper", None))
+                       getattr(model, "hf_to_vllm_mapper", None), released)
+
+
+def released_errors(model: EngineModel) -> list[str]:
+    """One line per module of ``model`` whose weights vLLM released after loading (see
+    :attr:`EngineModel.released`), saying why a refit cannot refill them and what to change."""
+    if not model.released:
+        return []
+    return [f"{len(model.released)} MLA attention layers ({', '.join(model.released[:3])}"
+            f"{', ...' if len(model.released) > 3 else ''}) run on vLLM's AMX MLA backend, which "
+            "releases kv_b_proj.weight after loading: vLLM's layerwise reload cannot refill it. Start "
+            "the engine with attention_backend='CPU_MLA' (qstrat.engine.local.start_engine does on AMX "
+            "CPUs; vllm serve: --attention-backend CPU_MLA)"]
 
 
 def _deferred_attention_predicate() -> Any:

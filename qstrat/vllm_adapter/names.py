@@ -258,6 +258,19 @@ _ENTRIES = (
           "vLLM's multi-head latent attention layer",
           "the deferred attention modules of a vLLM without is_deferred_attention_layer "
           "(qstrat.vllm_adapter.model_record)"),
+    _name("amx_mla_backend", "enum member",
+          {">=0.25.1,<0.29.0": None,
+           ">=0.29.0,<=0.33.0": "vllm.v1.attention.backends.registry:AttentionBackendEnum.AMX_MLA"},
+          "vLLM's MLA attention backend for AMX CPUs, its default there for MLA models; after "
+          "loading it releases kv_b_proj's weight (MLAAttention.process_weights_after_loading)",
+          "whether an MLA engine on this CPU would release a weight a layerwise reload must refill "
+          "(qstrat.engine.local.start_engine, qstrat.vllm_adapter.model_record)"),
+    _name("cpu_mla_backend", "enum member",
+          {">=0.25.1,<0.28.0": None,
+           ">=0.28.0,<=0.33.0": "vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_MLA"},
+          "vLLM's reference MLA attention backend on CPUs; keeps kv_b_proj's weight",
+          "start_engine's attention_backend for MLA models on AMX CPUs, so that they can be refit "
+          "(qstrat.engine.local.start_engine)"),
     _name("initialize_layerwise_reload", "function", f"{_RELOAD}:initialize_layerwise_reload",
           "starts vLLM's layerwise reload of a model",
           "commit a received round (qstrat.engine.transfer_backend, as vLLM's NCCL backend does)"),
