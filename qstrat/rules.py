@@ -5,7 +5,10 @@ registry: its selectors resolved, its include/exclude patterns compiled. :meth:`
 turns one :class:`~qstrat.layouts.ParsedName` into a :class:`Decision`, in this order:
 
 1. not a weight matrix (1-D, biases, scalars): ``passthrough``;
-2. ``keep_bf16.first`` / ``keep_bf16.last`` decoder layers: ``bf16`` (quantizable kinds only);
+2. ``keep_bf16.first`` / ``keep_bf16.last`` decoder layers: nothing in them is quantized, whatever
+   the rules say: quantizable kinds get ``bf16``; a special kind (a router, a ``sensitive``
+   projection) that a rule would quantize - a ``routers`` selector, an ``allow_special`` rule -
+   is sent unchanged (``passthrough``, rule ``keep_bf16.first``/``.last``), as without the rule;
 3. the rules in order, first match wins (the user's rules, then the preset's);
 4. ``default`` for quantizable kinds no rule matched; ``passthrough`` for everything else
    (routers, embeddings, lm_head, norms, MTP and vision tensors are never quantized unless a
@@ -76,7 +79,8 @@ class CompiledRule:
         self.exclude = [NamePattern(t) for t in rule.exclude]
 
     def matches(self, p: ParsedName) -> bool:
-        """Selectors (any) AND include (any, if given) AND NOT exclude (any)."""
+        """Selectors (any) AND include (any, if given) AND NOT exclude (any); patterns are
+        matched against ``p.checkpoint_name``."""
         # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
         # them (``special=True``): a third-party selector cannot quantize a router by accident.
         special = p.kind in SPECIAL_KINDS
@@ -89,9 +93,11 @@ class CompiledRule:
             chosen = p.kind in OPT_IN_KINDS  # explicit: include patterns may name these
         if not chosen:
             return False
-        if self.include and not any_match(self.include, p.name):
+        # patterns see the CHECKPOINT name (wrappers stripped, the layout's renames applied):
+        # one name form whatever wraps the trainer's model (docs/config.md)
+        if self.include and not any_match(self.include, p.checkpoint_name):
             return False
-        return not (self.exclude and any_match(self.exclude, p.name))
+        return not (self.exclude and any_match(self.exclude, p.checkpoint_name))
 
 
 class RuleSet:
@@ -123,11 +129,15 @@ class RuleSet:
         if not matrix:
             return PASSTHROUGH, {}, "not a weight matrix"
         keep = self.config.keep_bf16
-        if p.kind in QUANTIZABLE_KINDS and kept_bf16(p, num_layers, keep.first, keep.last):
+        kept = kept_bf16(p, num_layers, keep.first, keep.last)
+        if kept:
             which = "first" if p.layer is not None and p.layer < keep.first else "last"
-            return "bf16", {}, f"keep_bf16.{which}"
+            if p.kind in QUANTIZABLE_KINDS:
+                return "bf16", {}, f"keep_bf16.{which}"
         for rule in self.rules:
             if rule.matches(p):
+                if kept:  # a special kind (router...) a rule opted in: the kept layer wins
+                    return PASSTHROUGH, {}, f"keep_bf16.{which}"
                 return rule.rule.serializer, dict(rule.rule.options), rule.label
         if p.kind in QUANTIZABLE_KINDS:
             return self.config.default, {}, "default"
