@@ -244,3 +244,26 @@ def test_get_serializer_errors():
         qstrat.get_serializer("fp7")
     with pytest.raises(ConfigError, match=r"min_scale_byte: Input should be less than or equal to 254"):
         qstrat.get_serializer("mxfp8", min_scale_byte=255)
+
+
+# ---- a plugin preset extending a preset (issue 36, item 3) ------------------------------------
+def test_a_plugin_preset_extending_a_preset_plans_with_the_base_presets_rules(tiny_model, tiny_hf_config):
+    """The old code validated it, then dropped block-fp8's rules: everything BF16, no
+    quantization_config, no error."""
+    reg = registry(strategies=[Strategy("fp8-safe", "", {"preset": "block-fp8", "keep_bf16": {"first": 1}}),
+                               Strategy("fp8-safer", "", {"preset": "fp8-safe", "keep_bf16": {"last": 1}})])
+    for name, keep in (("fp8-safe", (1, 0)), ("fp8-safer", (1, 1))):
+        cfg = qstrat.load_config(name, registry=reg)
+        assert [r.serializer for r in cfg.rules] == ["block_fp8"]
+        assert (cfg.keep_bf16.first, cfg.keep_bf16.last) == keep
+    driver = qstrat.RefitDriver("fp8-safe", hf_config=tiny_hf_config, registry=reg)
+    plan = driver.plan(tiny_model.state_dict())
+    assert plan.vllm_quantization_config()["quant_method"] == "fp8"
+    assert {e.serializer for e in plan.entries if e.layer == 1 and e.kind == "attention"} == {"block_fp8"}
+    assert {e.rule for e in plan.entries if e.layer == 0 and e.kind == "attention"} == {"keep_bf16.first"}
+
+
+def test_presets_extending_each_other_in_a_cycle_name_the_cycle():
+    with pytest.raises(PluginError, match=r"strategy 'loop-a' from Plugin \(in-process\) is invalid: .*"
+                                         r"preset 'loop-b' extends itself: loop-b -> loop-a -> loop-b"):
+        registry(strategies=[Strategy("loop-a", "", {"preset": "loop-b"}), Strategy("loop-b", "", {"preset": "loop-a"})])
