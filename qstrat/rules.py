@@ -42,12 +42,14 @@ _BUILTIN_SELECTOR_IDS = frozenset(id(s) for s in BUILTIN_SELECTORS)
 class Decision:
     """How one tensor is treated: ``serializer`` (name or ``passthrough``), its ``options``, the
     ``rule`` that decided (``rules[0]``, ``keep_bf16.first``, ``default``, ``never quantized:
-    router``...), and the parsed name (``kind``, ``layer``...)."""
+    router``...), the parsed name (``kind``, ``layer``...) and, from a plan
+    (:func:`qstrat.select`), its ``note`` (why a BF16 fallback replaced the rule's format)."""
 
     serializer: str
     options: dict[str, Any]
     rule: str
     parsed: ParsedName
+    note: str = ""
 
 
 def kept_bf16(p: ParsedName, num_layers: int | None, first: int, last: int) -> bool:
