@@ -64,7 +64,7 @@ def test_select_refuses_keep_bf16_last_without_the_depth_as_the_plan_does():
 
 
 # ---- the property: select == the plan, whatever wraps or shards the model ----------------------
-_FAMILIES = ("llama", "qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe", "gpt_oss")
+_FAMILIES = ("llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5_moe", "gpt_oss")
 _PATTERNS = ("model.layers.0.*", "*.block_sparse_moe.*", "re:layers\\.1\\.", "*.q_proj.weight", "*.experts.*",
              "*.mlp.gate.weight", "re:\\.(gate|up)_proj")
 _WRAPPERS = ("", "_orig_mod.", "module.", "module._orig_mod.", "fsdp")
