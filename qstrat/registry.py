@@ -67,7 +67,7 @@ class Registry:
         self.serializers: dict[str, Entry[type[Serializer]]] = self._collect("qstrat_serializers", _check_serializer)
         self.selectors: dict[str, Entry[Selector]] = self._collect("qstrat_selectors", _check_instance(Selector))
         self.strategies: dict[str, Entry[Strategy]] = self._collect("qstrat_strategies", _check_instance(Strategy))
-        self.layouts: dict[str, Entry[ModelLayout]] = self._collect("qstrat_layouts", _check_instance(ModelLayout))
+        self.layouts: dict[str, Entry[ModelLayout]] = self._collect("qstrat_layouts", _check_layout)
         self._check_strategies()
 
     def _register(self, plugin: object) -> None:
@@ -151,6 +151,15 @@ def _check_instance(cls: type) -> Callable[[Any, str], str]:
         return name
 
     return check
+
+
+def _check_layout(obj: Any, where: str) -> str:
+    """A :class:`ModelLayout` whose fields have their annotated types (:mod:`qstrat.layout_checks`)."""
+    from qstrat.layout_checks import check_layout
+
+    name = _check_instance(ModelLayout)(obj, where)
+    check_layout(obj, where)
+    return name
 
 
 def _short(obj: Any, limit: int = 120) -> str:

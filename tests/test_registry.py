@@ -267,3 +267,28 @@ def test_presets_extending_each_other_in_a_cycle_name_the_cycle():
     with pytest.raises(PluginError, match=r"strategy 'loop-a' from Plugin \(in-process\) is invalid: .*"
                                          r"preset 'loop-b' extends itself: loop-b -> loop-a -> loop-b"):
         registry(strategies=[Strategy("loop-a", "", {"preset": "loop-b"}), Strategy("loop-b", "", {"preset": "loop-a"})])
+
+
+# ---- layout fields are type-checked when the registry loads (issue 36, item 4) ----------------
+@pytest.mark.parametrize("fields,message", [
+    ({"fused": (("gate_proj", "up_proj"))},  # the missing comma: one tuple of names
+     r"layout 'mine': fused\[0\]: Input should be a valid tuple \(got \('gate_proj', 'up_proj'\)\); a tuple of "
+     r"groups: did you mean \(\('gate_proj', 'up_proj'\),\)\?"),
+    ({"routers": "router"}, r"layout 'mine': routers: Input should be a valid tuple \(got 'router'\)"),
+    ({"fused": (("q_proj",),)}, r"layout 'mine': fused: each group lists the two or more sibling modules"),
+    ({"mlp_blocks": ("block.mlp",)}, r"layout 'mine': mlp_blocks: module names must be non-empty and hold no dot"),
+    ({"num_layers_key": 32}, r"layout 'mine': num_layers_key: Input should be a valid string"),
+    ({"slabs": {"gate_up_proj": ("gate_proj", "up_proj")}}, r"layout 'mine': slabs\.gate_up_proj: Input should "
+     r"be an instance of SlabSpec"),
+])
+def test_layout_fields_are_type_checked_naming_the_plugin_and_field(fields, message):
+    """The old code registered these: the missing comma made fusion groups of single letters
+    (NVFP4 then gave gate and up different weight_scale_2), a str ``routers`` made ``out`` a router."""
+    with pytest.raises(PluginError, match=r"^Plugin \(in-process\): qstrat_layouts: " + message):
+        registry(layouts=[ModelLayout(name="mine", architectures=("MineForCausalLM",), **fields)])
+
+
+def test_a_well_typed_plugin_layout_and_every_builtin_register():
+    reg = registry(layouts=[ModelLayout(name="mine", fused=(("gate_proj", "up_proj"),), routers=("router",))])
+    assert reg.layouts["mine"].obj.fused == (("gate_proj", "up_proj"),)
+    assert {"llama", "qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "generic"} <= set(reg.layouts)
