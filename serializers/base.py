@@ -282,7 +282,8 @@ class Serializer(ABC):
 
         Args:
             w: [N, K] or [E, N, K], bf16/fp16/fp32, any device, any strides (views of a fused
-                slab are read in place).
+                slab are read in place); a ``torch.nn.Parameter`` or any tensor that requires
+                grad is read detached (no autograd graph, no error).
             name: tensor name used in error messages.
             context: from :meth:`group_context` when ``w`` is a member of a fused group; ``None``
                 quantizes ``w`` as a group of one.
@@ -298,6 +299,9 @@ class Serializer(ABC):
             cannot run.
         """
         specs = self.part_specs(w.shape)
+        w = w.detach()  # a trainer's nn.Parameter: quantizing reads values, never records autograd
+        if context is not None:
+            context = {k: v.detach() if torch.is_tensor(v) else v for k, v in context.items()}
         if w.dtype not in WEIGHT_DTYPES:
             raise UnsupportedShapeError(
                 f"{name}: {self.name} quantizes bfloat16, float16 or float32 weights, got "
@@ -564,7 +568,7 @@ def peak_abs(w: torch.Tensor) -> float:
     reduction, as :func:`all_finite` (``all_finite(w) == (peak_abs(w) < inf)``)."""
     if w.numel() == 0:
         return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(w))
+    lo, hi = (float(v) for v in torch.aminmax(w.detach()))
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return math.inf
     return max(-lo, hi)

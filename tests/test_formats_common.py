@@ -125,3 +125,22 @@ def test_a_refit_refuses_them_before_emitting_the_tensor(values):
         for name, _ in driver.prepare(t, values=values).execute():
             emitted.append(name)
     assert emitted == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "fast"])
+@pytest.mark.parametrize("name", ["block_fp8", "mxfp8", "nvfp4", "bf16"])
+def test_a_trainers_parameter_quantizes_like_its_tensor(name, backend):
+    """The README's one-liner with a trainer's nn.Parameter raised autograd errors on the fast
+    path (``abs(): functions with out=... arguments don't support automatic differentiation``,
+    NVFP4: ``a leaf Variable that requires grad is being used in an in-place operation``)."""
+    ser = qstrat.get_serializer(name, backend=backend)
+    w = torch.randn(2, 128, 128, dtype=torch.bfloat16)
+    param = torch.nn.Parameter(w.clone())
+    got, want = ser.quantize(param), ser.quantize(w)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(as_bytes(got[k]), as_bytes(want[k])) and not got[k].requires_grad, k
+    ctx = ser.group_context([param])
+    if ctx is not None:  # a fused group's context built from parameters
+        ser.quantize(param, context=ctx)
+    assert param.grad is None and torch.equal(param.detach(), w)
