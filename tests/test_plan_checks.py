@@ -130,9 +130,11 @@ def test_per_expert_names_under_a_wrapper_prefix_plan_like_plain_ones(prefix):
 
 
 def test_half_quantized_fused_module_is_a_plan_error():
-    cfg, tensors = small_moe({"moe_intermediate_size": 48})
+    """One expert quantized, the others BF16 (an include pattern). A BF16 fallback of one
+    projection takes the whole experts module instead (test_planner.py, issue 36 item 11)."""
+    cfg, tensors = small_moe()
     with pytest.raises(PlanError, match=r"model\.layers\.\d\.mlp\.experts: some of its tensors are quantized"):
-        RefitDriver({"rules": [{"select": "experts", "serializer": "mxfp8", "on_unsupported": "bf16"}]},
+        RefitDriver({"rules": [{"select": "experts", "include": ["*.experts.0.*"], "serializer": "mxfp8"}]},
                     hf_config=cfg).plan(tensors)
 
 

@@ -125,6 +125,7 @@ class Planner:
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
         entries = order_entries(entries, order, names_sorted=order == "natural")
+        self._whole_module_fallbacks(entries, num_layers, errors)
         errors += checks.check_groups(entries) + checks.check_outputs(entries)
         self._engine_fusions(entries, num_layers, errors)
         num_experts = self.layout.num_experts(self.hf_config)
@@ -191,6 +192,44 @@ class Planner:
         outs = self._outputs(p, specs, shape, None if note else ser)
         return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                            options, outs, fusion_group(self.layout, p), note, p.vllm_module)
+
+    def _whole_module_fallbacks(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
+        """A tensor that fell back to BF16 (``on_unsupported: bf16``: a shape its format cannot
+        represent) takes the rest of the module the engine loads it into with it - a layer's
+        routed experts (one fused-MoE module: Qwen3-MoE ``moe_intermediate_size=80`` under MXFP8,
+        whose ``down_proj`` K=80 is off the 32 block while gate/up are not) or an engine-fused
+        group (q/k/v) - kept BF16 with a ``note`` naming the tensor and the reason, as
+        :meth:`_engine_fusions` does. Where a rule that quantizes the rest has no
+        ``on_unsupported: bf16``, an error names the fallback and that rule instead."""
+        units: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            key = e.engine_module if e.kind == "expert" else e.group
+            if key is not None and len(e.shape) >= 2 and e.serializer != PASSTHROUGH:
+                units.setdefault(key, []).append(i)
+        bf16 = None
+        for unit, indices in units.items():
+            fell = next((entries[i] for i in indices if entries[i].note.startswith("BF16 fallback")), None)
+            if fell is None:
+                continue
+            rest = [i for i in indices if not entries[i].note and self.serializer(entries[i].serializer,
+                                                                                  entries[i].options).quantizes]
+            if not rest:
+                continue
+            strict = sorted({entries[i].rule for i in rest if (r := self.rules.rule_for(entries[i].rule)) is None
+                             or r.on_unsupported != "bf16"})
+            reason = fell.note.removeprefix("BF16 fallback: ")
+            if strict:
+                errors.append(f"{unit}: {fell.name} falls back to BF16 ({reason}), but {', '.join(strict)} "
+                              f"quantizes the rest of the module the engine loads as one ({entries[rest[0]].name}, "
+                              "...); set on_unsupported: bf16 there too to keep the whole module BF16")
+                continue
+            bf16 = bf16 or self.serializer("bf16", {})
+            for i in rest:
+                e = entries[i]
+                p = self.layout.parse(e.name, num_layers)
+                entries[i] = dataclasses.replace(e, serializer="bf16", options={},
+                                                 outputs=self._outputs(p, bf16.part_specs(e.shape), e.shape),
+                                                 note=f"BF16 fallback: {unit}: {fell.name}: {reason}")
 
     def _engine_fusions(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
         """Engine-fused modules the engine cannot load in their format
