@@ -126,7 +126,7 @@ class Planner:
                 errors.append(f"{name}: {exc}")
         entries = order_entries(entries, order, names_sorted=order == "natural")
         self._whole_module_fallbacks(entries, num_layers, errors)
-        errors += checks.check_groups(entries) + checks.check_outputs(entries)
+        errors += checks.check_groups(entries, self.checkpoint_form) + checks.check_outputs(entries)
         self._engine_fusions(entries, num_layers, errors)
         num_experts = self.layout.num_experts(self.hf_config)
         errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
@@ -192,6 +192,16 @@ class Planner:
         outs = self._outputs(p, specs, shape, None if note else ser)
         return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                            options, outs, fusion_group(self.layout, p), note, p.vllm_module)
+
+    def checkpoint_form(self, e: PlanEntry) -> tuple[str, str]:
+        """What of ``e``'s format decides the bytes it emits: its serializer name and options with
+        the defaults filled in, less those that never change a byte (``backend``: every backend
+        gives the reference's bytes; ``chunk_elements``: chunking does not change them), so fused
+        siblings planned with ``{"ue8m0": false}`` and ``{}`` are alike (:func:`checks.check_groups`)."""
+        if e.serializer == PASSTHROUGH:
+            return e.serializer, ""
+        options = self.serializer(e.serializer, e.options).options
+        return e.serializer, repr(sorted(options.model_dump(exclude={"backend", "chunk_elements"}).items()))
 
     def _whole_module_fallbacks(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
         """A tensor that fell back to BF16 (``on_unsupported: bf16``: a shape its format cannot
