@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qstrat.builtin.selectors import BUILTIN_SELECTORS
+from qstrat.errors import PluginError
 from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ParsedName
 from qstrat.patterns import NamePattern, any_match
 
 if TYPE_CHECKING:
     from qstrat.config_schema import RefitConfig, Rule
     from qstrat.registry import Registry
+    from qstrat.selectors import Selector
 
 #: Serializer name of tensors sent unchanged (not a registered format).
 PASSTHROUGH = "passthrough"
@@ -77,8 +79,22 @@ class CompiledRule:
         self.label = f"rules[{index}]"
         self.rule = rule
         self.selectors = [registry.lookup("selectors", s).obj for s in rule.select]
+        self._origins = {id(e.obj): e.origin for e in (registry.lookup("selectors", s) for s in rule.select)}
         self.include = [NamePattern(t) for t in rule.include]
         self.exclude = [NamePattern(t) for t in rule.exclude]
+
+    def _predicate(self, s: Selector, p: ParsedName) -> bool:
+        """``s.predicate(p)``; PluginError naming the selector, its plugin and the tensor when it
+        raises or returns anything but a bool (a tensor's truth value, a None...)."""
+        try:
+            hit = s.predicate(p)
+        except Exception as exc:
+            raise PluginError(f"selector {s.name!r} from {self._origins[id(s)]}: its predicate raised "
+                              f"{type(exc).__name__}: {exc} on {p.name}") from exc
+        if hit is not True and hit is not False:
+            raise PluginError(f"selector {s.name!r} from {self._origins[id(s)]}: its predicate must return a "
+                              f"bool, got {type(hit).__name__} on {p.name}")
+        return hit
 
     def matches(self, p: ParsedName) -> bool:
         """Selectors (any) AND include (any, if given) AND NOT exclude (any); patterns are
@@ -88,7 +104,7 @@ class CompiledRule:
         special = p.kind in SPECIAL_KINDS
         chosen = False
         for s in self.selectors:  # any(), first match wins
-            if (s.special or not special) and s.predicate(p):
+            if (s.special or not special) and self._predicate(s, p):
                 chosen = True
                 break
         if not chosen and self.rule.allow_special and self.include:

@@ -268,10 +268,14 @@ class Serializer(ABC):
                     f"{self.name}: expected a non-empty [N, K] or [E, N, K] weight, got shape {list(shape)}"
                 )
             lead = shape[:-2]
-            cache[shape] = tuple(
-                PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry)
-                for p in self.matrix_parts(*shape[-2:])
-            )
+            declared = self.matrix_parts(*shape[-2:])
+            if not isinstance(declared, (tuple, list)) or not all(isinstance(p, PartSpec) for p in declared):
+                from qstrat.errors import PluginError
+
+                raise PluginError(f"serializer {self.name!r} ({type(self).__module__}.{type(self).__qualname__}): "
+                                  f"matrix_parts({shape[-2]}, {shape[-1]}) must return a tuple of PartSpec, got "
+                                  f"{declared!r:.120}")
+            cache[shape] = tuple(PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry) for p in declared)
         return cache[shape]
 
     def quantize(
@@ -604,12 +608,16 @@ def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> float:
 
 
 def _check_parts(fmt: str, name: str, specs: Sequence[PartSpec], parts: Mapping[str, Any]) -> None:
-    """A serializer must emit exactly what it declared in the plan (a plugin-author error)."""
+    """A serializer must emit exactly what it declared in the plan (a plugin-author error):
+    a mapping suffix -> tensor (``name``: the tensor, or the ``reference()`` chunk)."""
+    from qstrat.errors import PluginError
+
+    if not isinstance(parts, Mapping) or not all(torch.is_tensor(v) for v in parts.values()):
+        raise PluginError(f"serializer {fmt!r} returned {type(parts).__name__} {parts!r:.80} for {name}; it must "
+                          "return a dict suffix -> tensor, the parts part_specs declares")
     declared = {p.suffix: (tuple(p.shape), p.dtype) for p in specs}
     got = {k: (tuple(v.shape), v.dtype) for k, v in parts.items()}
     if declared != got:
-        from qstrat.errors import PluginError
-
         raise PluginError(
             f"serializer {fmt!r} emitted {got} for {name}, but declared {declared} in the plan"
         )

@@ -6,6 +6,8 @@ next to the built-ins (loaded through the entry point, as in production).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -292,3 +294,126 @@ def test_a_well_typed_plugin_layout_and_every_builtin_register():
     reg = registry(layouts=[ModelLayout(name="mine", fused=(("gate_proj", "up_proj"),), routers=("router",))])
     assert reg.layouts["mine"].obj.fused == (("gate_proj", "up_proj"),)
     assert {"llama", "qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "generic"} <= set(reg.layouts)
+
+
+# ---- plugin mistakes name the plugin, never a raw error from deep inside (issue 36, item 8) -----
+def _broken_distribution(tmp_path, module_text: str) -> Path:
+    """A distribution ``qstrat-broken 0.3`` on a path of its own, with entry point ``broken`` in
+    the ``qstrat`` group pointing at a module with ``module_text``."""
+    (tmp_path / "qstrat_broken_plugin.py").write_text(module_text)
+    info = tmp_path / "qstrat_broken-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: qstrat-broken\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[qstrat]\nbroken = qstrat_broken_plugin\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("module_text,detail", [
+    ("import not_installed_anywhere\n", "ModuleNotFoundError: No module named 'not_installed_anywhere'"),
+    ("raise RuntimeError('plugin init failed')\n", "RuntimeError: plugin init failed"),
+])
+def test_a_plugin_that_fails_to_import_names_its_entry_point_and_distribution(tmp_path, monkeypatch, module_text,
+                                                                               detail):
+    monkeypatch.syspath_prepend(str(_broken_distribution(tmp_path, module_text)))
+    with pytest.raises(PluginError) as info:
+        Registry()
+    assert str(info.value) == (f"plugin entry point 'broken' = 'qstrat_broken_plugin' (distribution qstrat-broken "
+                               f"0.3) failed to load: {detail}; fix or uninstall that distribution "
+                               "(pip uninstall qstrat-broken)")
+
+
+def test_qstrat_list_with_a_broken_plugin_is_one_error_line_not_a_traceback(tmp_path):
+    """The old CLI exited 1 with a traceback naming neither the entry point nor the distribution."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    path = _broken_distribution(tmp_path, "import not_installed_anywhere\n")
+    proc = subprocess.run([sys.executable, "-m", "qstrat.cli", "list"], capture_output=True, text=True, timeout=300,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": f"{path}:{root}"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: plugin entry point 'broken' = 'qstrat_broken_plugin' (distribution "
+                                  "qstrat-broken 0.3) failed to load: ModuleNotFoundError")
+
+
+def test_a_hook_that_raises_names_the_plugin_and_hook():
+    class Raiser:
+        @hookimpl
+        def qstrat_selectors(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(PluginError, match=r"^Raiser \(in-process\): hook qstrat_selectors raised RuntimeError: boom$"):
+        Registry(plugins=[Raiser()])
+
+
+def test_an_unhashable_plugin_object_is_named():
+    class Unhashable:
+        def __eq__(self, other):
+            return False
+
+        @hookimpl
+        def qstrat_serializers(self):
+            return []
+
+    with pytest.raises(PluginError, match=r"^plugin Unhashable: a plugin must be hashable"):
+        Registry(plugins=[Unhashable()])
+
+
+@pytest.mark.parametrize("predicate,message", [
+    (5, r"^Plugin \(in-process\): qstrat_selectors: selector 'mine': predicate must be a callable ParsedName -> "
+        r"bool, got 5$"),
+    (lambda p: 1 / 0, r"^selector 'mine' from Plugin \(in-process\): its predicate raised ZeroDivisionError: "
+                      r"division by zero on model\.layers\.0\."),
+    (lambda p: torch.tensor([True, False]), r"^selector 'mine' from Plugin \(in-process\): its predicate must "
+                                            r"return a bool, got Tensor on model\.layers\.0\."),
+])
+def test_a_broken_selector_is_a_plugin_error_naming_it(predicate, message):
+    from plan_cases import small_moe
+
+    cfg, tensors = small_moe()
+    with pytest.raises(PluginError, match=message):
+        reg = registry(selectors=[Selector("mine", "", predicate)])
+        qstrat.RefitDriver({"rules": [{"select": "mine", "serializer": "block_fp8"}]}, hf_config=cfg,
+                           registry=reg).plan(tensors)
+
+
+class PartNames(Good):
+    name = "part_names"
+
+    def matrix_parts(self, n, k):
+        return ("weight",)
+
+
+class NoParts(Good):
+    name = "no_parts"
+
+    def reference(self, x, context):
+        return None
+
+
+class StrConfig(Good):
+    name = "str_config"
+
+    def vllm_quantization_config(self, ignored):
+        return "fp8"
+
+
+@pytest.mark.parametrize("cls,message", [
+    (PartNames, r"^serializer 'part_names' \(test_registry\.PartNames\): matrix_parts\(256, 128\) must return a "
+                r"tuple of PartSpec, got \('weight',\)$"),
+    (NoParts, r"^serializer 'no_parts' returned NoneType None for reference\(\) chunk \[0:4, 0:256\]; it must "
+              r"return a dict suffix -> tensor"),
+    (StrConfig, r"^serializer 'str_config' \(test_registry\.StrConfig\): vllm_quantization_config must return a "
+                r"dict \(the engine's quantization_config\) or None, got str 'fp8'$"),
+])
+def test_a_serializer_returning_the_wrong_type_is_a_plugin_error_naming_it(cls, message):
+    """The old code: AttributeError from base.py ('str' object has no attribute 'suffix',
+    'NoneType' object has no attribute 'items'); a str config was accepted until write_checkpoint."""
+    from plan_cases import small_moe
+
+    cfg, tensors = small_moe()
+    reg = registry(serializers=[cls])
+    driver = qstrat.RefitDriver({"rules": [{"select": "experts", "serializer": cls.name}]}, hf_config=cfg, registry=reg)
+    with pytest.raises(PluginError, match=message):
+        list(driver.run({n: torch.zeros(t.shape, dtype=t.dtype) for n, t in tensors.items()}))

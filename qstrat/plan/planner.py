@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from qstrat.config import RefitConfig
-from qstrat.errors import PlanError, UnsupportedShapeError
+from qstrat.errors import PlanError, PluginError, UnsupportedShapeError
 from qstrat.frozen import fast_builder
 from qstrat.layouts import ModelLayout, ParsedName
 from qstrat.plan import checks, structure
@@ -334,6 +334,10 @@ class Planner:
         configs: dict[str, dict[str, Any]] = {}
         for ser in used.values():
             cfg = ser.vllm_quantization_config(ignored)
+            if cfg is not None and not isinstance(cfg, Mapping):
+                raise PluginError(f"serializer {ser.name!r} ({type(ser).__module__}.{type(ser).__qualname__}): "
+                                  f"vllm_quantization_config must return a dict (the engine's quantization_config) "
+                                  f"or None, got {type(cfg).__name__} {cfg!r:.60}")
             configs.setdefault(repr(cfg), cfg)
         if len(configs) > 1:
             formats = sorted({s.name for s in used.values()})
