@@ -158,6 +158,8 @@ class Planner:
     def entry(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
               num_layers: int | None) -> PlanEntry:
         """The plan entry of one input. Raises PlanError / UnsupportedShapeError naming the cause."""
+        if shape and min(shape) < 0:  # a lazy handle's header, a hand-made spec: never a real tensor
+            raise PlanError(f"shape {list(shape)} has a negative dimension")
         p = self.layout.parse(name, num_layers)  # what decide() does, without a Decision object
         serializer, options, rule = self.rules.choose(p, is_weight_matrix(p, len(shape)), num_layers)
         dname = dtype_name(dtype)
