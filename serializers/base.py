@@ -572,7 +572,7 @@ def peak_abs(w: torch.Tensor) -> float:
     reduction, as :func:`all_finite` (``all_finite(w) == (peak_abs(w) < inf)``)."""
     if w.numel() == 0:
         return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(w.detach()))
+    lo, hi = torch.stack(torch.aminmax(w.detach())).float().tolist()  # one device sync
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return math.inf
     return max(-lo, hi)
