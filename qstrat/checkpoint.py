@@ -540,8 +540,11 @@ def _read_index(path: Path) -> dict[str, str] | None:
     """The ``weight_map`` of a safetensors index file, or None when there is no index."""
     if not path.exists():
         return None
+    from qstrat.config_files import read_text_file
+
+    text = read_text_file(path, "safetensors index")  # a FIFO or /dev/zero: refused before reading
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise QstratError(f"{path}: not a readable index: {exc}") from exc
     except RecursionError:

@@ -132,7 +132,7 @@ def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
         cfg_path = model
     from qstrat.config_files import read_text_file
 
-    text = read_text_file(cfg_path, "JSON file", " (the model's config.json)")
+    text = read_text_file(cfg_path, "JSON file", " (the model's config.json)", text_what="JSON text file")
     try:
         hf = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -116,14 +116,15 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def read_text_file(path: Path, what: str, formats: str = "") -> str:
+def read_text_file(path: Path, what: str, formats: str = "", text_what: str | None = None) -> str:
     """The UTF-8 text of the regular file ``path`` (a leading UTF-8 byte-order mark dropped, for
     every format alike: editors on Windows write one).
 
     A directory, a FIFO, a device or a socket - also behind a symlink (``config.json`` ->
     ``/dev/zero`` would read without bound, a FIFO would block forever) - is refused before
     anything is read. ``what``: what the file should be (``config file``), ``formats``: its
-    formats in the message on a file that is not regular (`` (.yaml, .toml, .json)``).
+    formats in the message on a file that is not regular (`` (.yaml, .toml, .json)``);
+    ``text_what``: the words for a file that is not UTF-8 (default ``text {what}``).
 
     Raises: ConfigError naming ``path``: not a regular file, unreadable (the OS's reason), not
         UTF-8 text.
@@ -140,7 +141,7 @@ def read_text_file(path: Path, what: str, formats: str = "") -> str:
     try:
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a text {what} ({exc.reason} at byte {exc.start})") from exc
+        raise ConfigError(f"{path}: not a {text_what or 'text ' + what} ({exc.reason} at byte {exc.start})") from exc
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
 

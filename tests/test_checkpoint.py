@@ -346,3 +346,16 @@ def test_an_unreadable_shard_gives_the_os_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "open", denied)
     with pytest.raises(QstratError, match=rf"^{tmp_path / 'model.safetensors'}: cannot read: Permission denied$"):
         lazy_checkpoint(tmp_path)
+
+
+def test_an_index_that_is_a_device_is_refused_before_reading(tmp_path):
+    """A model.safetensors.index.json symlinked to /dev/zero read without bound (MemoryError)."""
+    from safetensors.torch import save_file
+
+    from qstrat.checkpoint import lazy_checkpoint
+
+    save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors.index.json").symlink_to("/dev/zero")
+    with pytest.raises(QstratError, match=r"model\.safetensors\.index\.json: is a device, not a safetensors index; "
+                                          r"nothing was read$"):
+        lazy_checkpoint(tmp_path)
