@@ -509,9 +509,25 @@ def lazy_checkpoint(model_dir: str | Path) -> dict[str, LazyTensor]:
 
 
 def _headers(f: Path) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, safetensors dtype name) of every tensor in ``f``, from its header."""
+    """(name, shape, safetensors dtype name) of every tensor in ``f``, from its header.
+
+    Raises: QstratError naming ``f``: not a regular file (a directory named ``*.safetensors``, a
+    FIFO, a device: refused before reading), unreadable (the OS's reason, e.g. "Permission
+    denied", which safetensors' own open reports as a missing file), or not safetensors."""
+    import os
+    import stat
+
     from safetensors import safe_open
 
+    try:
+        mode = os.stat(f).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+            raise QstratError(f"{f}: is {kind}, not a safetensors file; nothing was read")
+        with open(f, "rb"):  # the OS's own reason for a file that cannot be read
+            pass
+    except OSError as exc:
+        raise QstratError(f"{f}: cannot read: {exc.strerror or exc}") from exc
     try:
         with safe_open(str(f), framework="pt") as handle:
             return [(name, tuple(sl.get_shape()), sl.get_dtype())
@@ -524,8 +540,11 @@ def _read_index(path: Path) -> dict[str, str] | None:
     """The ``weight_map`` of a safetensors index file, or None when there is no index."""
     if not path.exists():
         return None
+    from qstrat.config_files import read_text_file
+
+    text = read_text_file(path, "safetensors index")  # a FIFO or /dev/zero: refused before reading
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise QstratError(f"{path}: not a readable index: {exc}") from exc
     except RecursionError:

@@ -130,10 +130,11 @@ def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
                           "and its config.json")
     else:
         cfg_path = model
+    from qstrat.config_files import read_text_file
+
+    text = read_text_file(cfg_path, "JSON file", " (the model's config.json)", text_what="JSON text file")
     try:
-        hf = json.loads(cfg_path.read_text())
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{cfg_path}: not a JSON text file ({exc.reason} at byte {exc.start})") from exc
+        hf = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{cfg_path}: invalid JSON: {exc}") from exc
     except RecursionError:

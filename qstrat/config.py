@@ -44,7 +44,10 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: 
 
     Args:
         source: a mapping, a ``.yaml``/``.yml``/``.toml``/``.json`` path, a preset name, or a
-            RefitConfig (returned as is).
+            RefitConfig (returned as is). A str equal to a registered preset's name is that
+            preset, whatever the current directory holds (``mkdir block-fp8`` does not shadow
+            it); a file of that name is read when given as a ``pathlib.Path`` or written as a
+            path (``./block-fp8``).
         registry: the plugin registry names are checked against (default: the process-wide one).
     Returns: the validated :class:`RefitConfig`.
     Raises: ConfigError (invalid content, naming key paths; unreadable file; a ``source`` of
@@ -57,11 +60,14 @@ def load_config(source: str | Path | Mapping[str, Any] | RefitConfig, registry: 
     if not isinstance(source, (str, os.PathLike)) or not isinstance(os.fspath(source), str) or source == "":
         raise ConfigError(_bad_source(source))
     registry = registry or get_registry()
+    strategies = registry.strategies
+    if isinstance(source, str) and source in strategies:  # a preset name is never a path (docs/config.md)
+        return RefitConfig.from_mapping({"preset": source}, registry=registry)
     path = Path(source)
+    if not path.exists() and str(source) in strategies:  # a pathlib.Path: always a file
+        raise ConfigError(f"config file {str(source)!r} does not exist; {str(source)!r} is a preset name: "
+                          "pass it as a str (qstrat --preset NAME), not as a path")
     if not path.exists():
-        strategies = registry.strategies
-        if str(source) in strategies:
-            return RefitConfig.from_mapping({"preset": str(source)}, registry=registry)
         raise ConfigError(f"config file {str(source)!r} does not exist, nor is it a preset name "
                           f"({close_matches(str(source), strategies)}valid presets: "
                           f"{', '.join(sorted(strategies))})")

@@ -29,7 +29,10 @@ class _Model(BaseModel):
 
 
 class KeepBF16(_Model):
-    """First/last N decoder layers left in BF16 whatever the rules say (MTP layers excluded)."""
+    """First/last N decoder layers left unquantized whatever the rules say (MTP layers excluded):
+    their quantizable matrices are sent as ``bf16``, and a router or other special kind that a
+    rule opts in (``routers`` selector, ``allow_special``) is sent unchanged, as without that rule
+    (:mod:`qstrat.rules`). A kept layer never holds a quantized tensor."""
 
     first: int = Field(0, ge=0, description="number of leading decoder layers kept in BF16")
     last: int = Field(0, ge=0, description="number of trailing decoder layers kept in BF16")
@@ -39,8 +42,9 @@ class Rule(_Model):
     """One rule: which tensors (selectors AND include AND NOT exclude) get which serializer."""
 
     select: list[str] = Field(["linear"], description="selector names; a tensor matches if ANY matches")
-    include: list[str] = Field([], description="globs or 're:' regexes; if set, the HF name must match one")
-    exclude: list[str] = Field([], description="globs or 're:' regexes; the HF name must match none")
+    include: list[str] = Field([], description="globs or 're:' regexes; if set, the checkpoint name "
+                               "(wrappers stripped, the layout's renames applied) must match one")
+    exclude: list[str] = Field([], description="globs or 're:' regexes; the checkpoint name must match none")
     serializer: str = Field(description="registered serializer name")
     options: dict[str, Any] = Field({}, description="serializer options (validated by the serializer)")
     on_unsupported: Literal["error", "bf16"] = Field(
@@ -107,9 +111,11 @@ class PresetConfig(_Model):
     patterns, rule fields); the plugin names it uses (serializers, selectors, layout) are
     checked against the whole registry when the registry loads, so a preset may use any
     plugin's formats. A user's config extends it: user rules first, then the preset's;
-    ``keep_bf16`` keys merged; other keys override.
+    ``keep_bf16`` keys merged; other keys override. A preset may itself extend another
+    (``preset: block-fp8``), merged the same way.
     """
 
+    preset: str | None = None
     rules: list[Rule] = []
     keep_bf16: KeepBF16 | None = None
     default: str | None = None
@@ -168,24 +174,18 @@ class RefitConfig(_Model):
     @classmethod
     def _expand_preset(cls, data: Any, info: ValidationInfo) -> Any:
         """Merge a known preset into the config: its rules after the config's own, its keep_bf16
-        under the config's. Only well-typed parts are merged: a preset that is not a known
-        strategy name, or a ``rules`` / ``keep_bf16`` of the wrong type, is left as given for
-        field validation to report with its key path (``rules: Input should be a valid list``)."""
+        under the config's (:func:`_merge_preset`); a preset that itself names a ``preset`` is
+        expanded first, the same way (a cycle is an error naming it). Only well-typed parts are
+        merged: a preset that is not a known strategy name, or a ``rules`` / ``keep_bf16`` of the
+        wrong type, is left as given for field validation to report with its key path
+        (``rules: Input should be a valid list``)."""
         if not isinstance(data, Mapping):
             return data
         name = data.get("preset")
         strategies = _registry(info).strategies
         if not isinstance(name, str) or name not in strategies:
             return data  # None, a wrong type or an unknown name: reported by _known_preset
-        preset = strategies[name].obj.mapping()
-        merged = {**preset, **data}
-        if "rules" not in data:
-            merged["rules"] = list(preset.get("rules", []))
-        elif isinstance(data["rules"], list):
-            merged["rules"] = list(data["rules"]) + list(preset.get("rules", []))
-        if isinstance(preset.get("keep_bf16"), Mapping) and isinstance(data.get("keep_bf16"), Mapping):
-            merged["keep_bf16"] = {**preset["keep_bf16"], **data["keep_bf16"]}
-        return merged
+        return _merge_preset(_expanded_preset(name, strategies, ()), data)
 
     @field_validator("preset", "default", "layout")
     @classmethod
@@ -210,6 +210,40 @@ class RefitConfig(_Model):
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the expanded config (preset rules included)."""
         return json.loads(self.model_dump_json())
+
+
+def _keep_mapping(value: Any) -> Any:
+    """A ``keep_bf16`` value as the keys it sets: a :class:`KeepBF16` object's set fields (so
+    that ``KeepBF16(first=1)`` merges over a preset exactly as ``{"first": 1}`` does)."""
+    return value.model_dump(exclude_unset=True) if isinstance(value, KeepBF16) else value
+
+
+def _merge_preset(preset: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` over ``preset``: ``data``'s rules first, then the preset's; ``keep_bf16`` keys
+    merged (``data``'s win); every other key of ``data`` overrides the preset's."""
+    merged = {**preset, **data}
+    if "rules" not in data:
+        merged["rules"] = list(preset.get("rules", []))
+    elif isinstance(data["rules"], (list, tuple)):
+        merged["rules"] = list(data["rules"]) + list(preset.get("rules", []))
+    mine, theirs = _keep_mapping(data.get("keep_bf16")), _keep_mapping(preset.get("keep_bf16"))
+    if isinstance(theirs, Mapping) and isinstance(mine, Mapping):
+        merged["keep_bf16"] = {**theirs, **mine}
+    elif "keep_bf16" in data:
+        merged["keep_bf16"] = mine
+    return merged
+
+
+def _expanded_preset(name: str, strategies: Mapping[str, Any], seen: tuple[str, ...]) -> dict[str, Any]:
+    """Preset ``name``'s mapping with the presets it extends (its own ``preset`` key, in turn)
+    merged in by :func:`_merge_preset`. Raises ValueError (reported on ``preset``) for a cycle."""
+    if name in seen:
+        raise ValueError(f"preset {name!r} extends itself: {' -> '.join((*seen, name))}")
+    mapping = strategies[name].obj.mapping()
+    base = mapping.get("preset")
+    if isinstance(base, str) and base in strategies:
+        mapping = _merge_preset(_expanded_preset(base, strategies, (*seen, name)), mapping)
+    return mapping
 
 
 def _registry(info: ValidationInfo) -> Any:

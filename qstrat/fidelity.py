@@ -405,21 +405,19 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
         check: raise FidelityError above the threshold (else only report).
     Returns: a :class:`FidelityReport`.
     Raises: FidelityError (``.report`` holds the report) when ``check`` and a number exceeds its
-        threshold; KeyError for a format without a threshold; RuntimeError if the model's
+        threshold; TypeError / ValueError naming an argument that cannot work
+        (:func:`check_probe_args`), before the engine is asked; KeyError for a format without a
+        threshold; RuntimeError if the model's
         grouped experts hold NVFP4 weights but never call ``_apply_gate`` (the engine's
         intermediate activation quantization could not be matched).
     """
     start = time.perf_counter()
+    check_probe_args(model, sequences, top_k, thresholds, check)
     state = model.state_dict()
     plan = plan if plan is not None else driver.plan(state)
     fmt, limit = threshold_for(plan, thresholds)
-    vocab = text_vocab_size(model)
-    if vocab is None:
-        raise ValueError("probe: the model's config has no vocab_size (nor its text config's): "
-                         "cannot check the probe's token ids")
     if sequences is None:
-        sequences = probe_sequences(vocab)
-    check_sequences(sequences, vocab)
+        sequences = probe_sequences(text_vocab_size(model))
     k, engine = engine_prompt_logprobs(llm, sequences, top_k)
     weights = expected_weights(driver, plan, state)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -448,7 +446,8 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
 class Verify:
     """``qstrat.vllm.refit(llm, driver, tensors, verify=Verify(model))``: run :func:`probe`
     after a successful reload; the report lands on ``RefitReport.fidelity``. Arguments as
-    :func:`probe`'s."""
+    :func:`probe`'s, every one checked when Verify is built (:func:`check_probe_args`) and the
+    plan's formats against ``thresholds`` before the reload (:meth:`check_plan`)."""
 
     model: torch.nn.Module
     sequences: Sequence[Sequence[int]] | None = None
@@ -457,10 +456,51 @@ class Verify:
     check: bool = True
 
     def __post_init__(self) -> None:
-        # Refused when Verify is built, i.e. before a refit reloads anything.
-        if self.sequences is not None:
-            check_sequences(self.sequences, text_vocab_size(self.model))
+        """Every argument is checked when Verify is built, i.e. before a refit reloads anything
+        (:func:`check_probe_args`). Raises TypeError / ValueError naming the argument."""
+        check_probe_args(self.model, self.sequences, self.top_k, self.thresholds, self.check)
+
+    def check_plan(self, plan: RefitPlan) -> None:
+        """Called by ``qstrat.vllm.refit`` before the reload: raise KeyError naming a planned
+        format with no threshold (:func:`threshold_for`), so it fails before the engine changes."""
+        threshold_for(plan, self.thresholds)
 
     def __call__(self, llm: Any, driver: Any) -> FidelityReport:
         return probe(llm, self.model, driver, sequences=self.sequences, top_k=self.top_k,
                      thresholds=self.thresholds, check=self.check)
+
+
+def check_probe_args(model: Any, sequences: Any, top_k: Any, thresholds: Any, check: Any) -> None:
+    """Raise TypeError or ValueError naming the argument of :func:`probe` / :class:`Verify` that
+    cannot work: ``model`` not an ``nn.Module`` with a ``config.vocab_size`` (e.g. a state dict);
+    ``top_k`` not an int >= 1, or below 20 with the default :data:`THRESHOLDS` (calibrated with
+    top-20 logprobs: a smaller ``k`` lowers the measured KL bound - a correct refit's top-1 KL is
+    ~60x below its top-20 one - so the limits would no longer mean what they say; pass
+    ``thresholds`` calibrated for that ``k``); ``thresholds`` not a mapping of format name ->
+    :class:`Threshold`; ``check`` not a bool; ``sequences`` as :func:`check_sequences`."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fidelity: model must be the trainer's transformers model (an nn.Module), got "
+                        f"{type(model).__name__}" + (" (a state dict? pass the model itself)"
+                                                    if isinstance(model, Mapping) else ""))
+    vocab = text_vocab_size(model)
+    if vocab is None:
+        raise ValueError("fidelity: the model's config has no vocab_size (nor its text config's): "
+                         "cannot check the probe's token ids")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise TypeError(f"fidelity: top_k must be an int >= 1 (engine logprobs per position), got {top_k!r}")
+    if thresholds is None and top_k < 20:
+        raise ValueError(f"fidelity: top_k={top_k} with the default thresholds, which are calibrated with "
+                         "top-20 logprobs (a smaller k measures a smaller KL, so a wrong refit could pass): "
+                         "use top_k >= 20 or pass thresholds calibrated for this k")
+    if thresholds is not None:
+        if not isinstance(thresholds, Mapping):
+            raise TypeError(f"fidelity: thresholds must map format names to Threshold(max_dlogprob, mean_kl), "
+                            f"got {type(thresholds).__name__}")
+        for key, value in thresholds.items():
+            if not isinstance(key, str) or not isinstance(value, Threshold):
+                raise TypeError(f"fidelity: thresholds[{key!r}] must be a Threshold(max_dlogprob, mean_kl) "
+                                f"under a format name, got {type(value).__name__} {value!r:.40}")
+    if not isinstance(check, bool):
+        raise TypeError(f"fidelity: check must be a bool, got {check!r}")
+    if sequences is not None:
+        check_sequences(sequences, vocab)

@@ -9,6 +9,8 @@ them from ``(name, shape, dtype)`` triples or from tensors without touching thei
 """
 from __future__ import annotations
 
+import operator
+
 import sys
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
@@ -78,7 +80,18 @@ class TensorSpec:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", torch.Size(tuple(int(s) for s in self.shape)))
+        """Raises PlanError for a ``shape`` that is not a sequence of ints >= 0 (None, an int, a
+        str, a negative or fractional dim) or a ``dtype`` that is not a torch.dtype."""
+        shape = self.shape
+        try:  # ints, numpy or 0-d tensor integers (operator.index); not bools, floats, strs
+            if isinstance(shape, (str, bytes)) or any(isinstance(d, bool) for d in shape):
+                raise TypeError
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            dims = (-1,)
+        if any(d < 0 for d in dims):
+            raise PlanError(f"TensorSpec shape must be a sequence of ints >= 0, got {shape!r:.80}")
+        object.__setattr__(self, "shape", torch.Size(dims))
         if not isinstance(self.dtype, torch.dtype):
             raise PlanError(f"TensorSpec dtype must be a torch.dtype, got {self.dtype!r}")
 
@@ -88,17 +101,22 @@ def tensor_specs(items: NamedTensors | Iterable[tuple[str, Any, torch.dtype]]) -
     mapping or ``(name, tensor)`` pairs (tensors, DTensors - their global shape -, meta tensors,
     lazy handles: only ``.shape`` and ``.dtype`` are read). Nothing is kept of the values.
 
-    Raises: PlanError for a name that is not a str, a name given twice, or a malformed item.
+    Raises: PlanError for a name that is not a str, a name given twice, or a malformed item
+        (naming the tensor: a shape that is not a sequence of ints >= 0, a dtype that is not a
+        torch.dtype).
     """
     def specs() -> Iterable[tuple[str, TensorSpec]]:
         for item in items.items() if isinstance(items, Mapping) else items:
-            if isinstance(item, tuple) and len(item) == 3:
-                yield item[0], TensorSpec(item[1], item[2])
-            elif isinstance(item, tuple) and len(item) == 2:
-                t = item[1]
-                yield item[0], (t if isinstance(t, TensorSpec) else TensorSpec(t.shape, t.dtype))
-            else:
+            if not (isinstance(item, tuple) and len(item) in (2, 3)):
                 raise PlanError(f"expected (name, shape, dtype) or (name, tensor), got {item!r:.80}")
+            try:
+                if len(item) == 3:
+                    yield item[0], TensorSpec(item[1], item[2])
+                else:
+                    t = item[1]
+                    yield item[0], (t if isinstance(t, TensorSpec) else TensorSpec(t.shape, t.dtype))
+            except PlanError as exc:
+                raise PlanError(f"{item[0]}: {exc}") from exc
 
     return as_tensor_dict(specs())  # type: ignore[return-value]
 

@@ -13,7 +13,9 @@ decoder layers are MoE (:meth:`ModelLayout.is_moe_layer`) and why a grouped slab
 :mod:`qstrat.builtin.layouts`; shared code asks the layout, never its name.
 
 Names are parsed in CHECKPOINT form, the names vLLM's loader accepts: wrapper prefixes added by
-DDP (``module.``) or ``torch.compile`` (``_orig_mod.``) are stripped, and a layout's
+DDP (``module.``) or ``torch.compile`` (``_orig_mod.``) are stripped, the module names FSDP1 and
+activation checkpointing insert (``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``) are
+removed wherever they occur, and a layout's
 :attr:`ModelLayout.renames` turn transformers' in-memory names into checkpoint names (Mixtral:
 ``mlp.`` -> ``block_sparse_moe.``). :attr:`ParsedName.checkpoint_name` is what the engine receives;
 :attr:`ParsedName.name` stays the trainer's key.
@@ -36,6 +38,14 @@ SPECIAL_KINDS = frozenset({"embedding", "lm_head", "router", "norm", "sensitive"
 #: Prefixes wrappers add to every state-dict key: DDP/FSDP1 ``module.``, ``torch.compile``
 #: ``_orig_mod.`` (stripped before parsing; the trainer's key is kept for reading values).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: Module names torch's wrappers insert ANYWHERE in a parameter's name, removed wherever they
+#: occur as a dotted component: ``torch.compile`` of a submodule (``OptimizedModule._orig_mod``),
+#: FSDP1 (``torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE``, outside
+#: ``summon_full_params``) and activation checkpointing
+#: (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE``):
+#: ``model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn.q_proj.weight`` is
+#: ``model.layers.0.self_attn.q_proj.weight``. (``module.`` is stripped only as a leading prefix.)
+WRAPPER_MODULES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 @dataclass(frozen=True)
@@ -222,11 +232,15 @@ class ModelLayout(LayoutTensors):
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint name vLLM loads for the trainer's key ``name``: wrapper prefixes
-        (:data:`WRAPPER_PREFIXES`) stripped, then :attr:`renames` applied inside decoder layers.
+        (:data:`WRAPPER_PREFIXES`) stripped and wrapper modules (:data:`WRAPPER_MODULES`) removed
+        wherever they occur, then :attr:`renames` applied inside decoder layers.
         ``_orig_mod.model.layers.0.mlp.gate.weight`` -> ``model.layers.0.block_sparse_moe.gate.weight``
-        (Mixtral)."""
-        if not self.renames and not name.startswith(WRAPPER_PREFIXES):
+        (Mixtral). Include/exclude patterns and every name qstrat emits use this form."""
+        inner = "_orig_mod" in name or "_wrapped_module" in name
+        if not self.renames and not inner and not name.startswith(WRAPPER_PREFIXES):
             return name  # the common case, nothing to strip or rename
+        if inner:
+            name = ".".join(t for t in name.split(".") if t not in WRAPPER_MODULES)
         stripped = True
         while stripped:
             stripped = False

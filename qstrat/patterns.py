@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 
 class NamePattern:
-    """A glob (``*.experts.*``) or, with a ``re:`` prefix, a regex searched in the HF name.
+    """A glob (``*.experts.*``) or, with a ``re:`` prefix, a regex searched in the checkpoint name
+    (:meth:`qstrat.layouts.ModelLayout.checkpoint_name`: the same whatever wraps the model).
 
     Raises: re.error for an invalid regex (reported by config validation with its key path).
     """

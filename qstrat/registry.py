@@ -50,7 +50,10 @@ class Registry:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         if entry_points:
-            self.pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+            try:
+                self.pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+            except Exception as exc:  # a plugin module that does not import: name its entry point
+                raise PluginError(_entry_point_failure(exc)) from exc
         if self.pm.get_plugin("builtin") is None:  # running from a source tree, not installed
             from qstrat import builtin
 
@@ -65,9 +68,9 @@ class Registry:
         origins = {id(p): f"{dist.project_name} {dist.version}" for p, dist in self.pm.list_plugin_distinfo()}
         self._origins = {self.pm.get_name(p): origins.get(id(p), "in-process") for p in self.pm.get_plugins()}
         self.serializers: dict[str, Entry[type[Serializer]]] = self._collect("qstrat_serializers", _check_serializer)
-        self.selectors: dict[str, Entry[Selector]] = self._collect("qstrat_selectors", _check_instance(Selector))
+        self.selectors: dict[str, Entry[Selector]] = self._collect("qstrat_selectors", _check_selector)
         self.strategies: dict[str, Entry[Strategy]] = self._collect("qstrat_strategies", _check_instance(Strategy))
-        self.layouts: dict[str, Entry[ModelLayout]] = self._collect("qstrat_layouts", _check_instance(ModelLayout))
+        self.layouts: dict[str, Entry[ModelLayout]] = self._collect("qstrat_layouts", _check_layout)
         self._check_strategies()
 
     def _register(self, plugin: object) -> None:
@@ -78,6 +81,12 @@ class Registry:
             i += 1
             name = f"{base}#{i}"
         try:
+            hash(plugin)
+        except TypeError as exc:  # pluggy keys its plugins by the object
+            raise PluginError(f"plugin {name}: a plugin must be hashable (a module, a class, or an object "
+                              f"without __hash__ = None; {type(plugin).__name__} defines __eq__ without "
+                              f"__hash__?): {exc}") from exc
+        try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name}: {exc}") from exc
@@ -86,7 +95,10 @@ class Registry:
         found: dict[str, Entry[Any]] = {}
         for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
             origin = f"{impl.plugin_name} ({self._origins.get(impl.plugin_name, 'in-process')})"
-            result = impl.function()
+            try:
+                result = impl.function()
+            except Exception as exc:
+                raise PluginError(f"{origin}: hook {hook} raised {type(exc).__name__}: {exc}") from exc
             if not isinstance(result, (list, tuple)):
                 raise PluginError(f"{origin}: hook {hook} must return a list, got {_short(result)}")
             for obj in result:
@@ -151,6 +163,42 @@ def _check_instance(cls: type) -> Callable[[Any, str], str]:
         return name
 
     return check
+
+
+def _check_selector(obj: Any, where: str) -> str:
+    """A :class:`Selector` whose ``predicate`` is callable and ``special`` a bool."""
+    name = _check_instance(Selector)(obj, where)
+    if not callable(obj.predicate):
+        raise PluginError(f"{where}: selector {name!r}: predicate must be a callable ParsedName -> bool, "
+                          f"got {_short(obj.predicate)}")
+    if not isinstance(obj.special, bool):
+        raise PluginError(f"{where}: selector {name!r}: special must be a bool, got {obj.special!r}")
+    return name
+
+
+def _entry_point_failure(exc: Exception) -> str:
+    """The message for a ``qstrat`` entry point that failed to load: the first one that fails
+    again when loaded alone, with its distribution, else ``exc`` as pluggy raised it."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=hookspecs.PROJECT):
+        try:
+            ep.load()
+        except Exception as again:
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown distribution"
+            return (f"plugin entry point {ep.name!r} = {ep.value!r} (distribution {dist}) failed to load: "
+                    f"{type(again).__name__}: {again}; fix or uninstall that distribution "
+                    f"(pip uninstall {ep.dist.name if ep.dist is not None else '...'})")
+    return f"loading the {hookspecs.PROJECT!r} plugin entry points failed: {type(exc).__name__}: {exc}"
+
+
+def _check_layout(obj: Any, where: str) -> str:
+    """A :class:`ModelLayout` whose fields have their annotated types (:mod:`qstrat.layout_checks`)."""
+    from qstrat.layout_checks import check_layout
+
+    name = _check_instance(ModelLayout)(obj, where)
+    check_layout(obj, where)
+    return name
 
 
 def _short(obj: Any, limit: int = 120) -> str:

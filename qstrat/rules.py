@@ -5,7 +5,10 @@ registry: its selectors resolved, its include/exclude patterns compiled. :meth:`
 turns one :class:`~qstrat.layouts.ParsedName` into a :class:`Decision`, in this order:
 
 1. not a weight matrix (1-D, biases, scalars): ``passthrough``;
-2. ``keep_bf16.first`` / ``keep_bf16.last`` decoder layers: ``bf16`` (quantizable kinds only);
+2. ``keep_bf16.first`` / ``keep_bf16.last`` decoder layers: nothing in them is quantized, whatever
+   the rules say: quantizable kinds get ``bf16``; a special kind (a router, a ``sensitive``
+   projection) that a rule would quantize - a ``routers`` selector, an ``allow_special`` rule -
+   is sent unchanged (``passthrough``, rule ``keep_bf16.first``/``.last``), as without the rule;
 3. the rules in order, first match wins (the user's rules, then the preset's);
 4. ``default`` for quantizable kinds no rule matched; ``passthrough`` for everything else
    (routers, embeddings, lm_head, norms, MTP and vision tensors are never quantized unless a
@@ -19,12 +22,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qstrat.builtin.selectors import BUILTIN_SELECTORS
+from qstrat.errors import PluginError
 from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ParsedName
 from qstrat.patterns import NamePattern, any_match
 
 if TYPE_CHECKING:
     from qstrat.config_schema import RefitConfig, Rule
     from qstrat.registry import Registry
+    from qstrat.selectors import Selector
 
 #: Serializer name of tensors sent unchanged (not a registered format).
 PASSTHROUGH = "passthrough"
@@ -39,12 +44,14 @@ _BUILTIN_SELECTOR_IDS = frozenset(id(s) for s in BUILTIN_SELECTORS)
 class Decision:
     """How one tensor is treated: ``serializer`` (name or ``passthrough``), its ``options``, the
     ``rule`` that decided (``rules[0]``, ``keep_bf16.first``, ``default``, ``never quantized:
-    router``...), and the parsed name (``kind``, ``layer``...)."""
+    router``...), the parsed name (``kind``, ``layer``...) and, from a plan
+    (:func:`qstrat.select`), its ``note`` (why a BF16 fallback replaced the rule's format)."""
 
     serializer: str
     options: dict[str, Any]
     rule: str
     parsed: ParsedName
+    note: str = ""
 
 
 def kept_bf16(p: ParsedName, num_layers: int | None, first: int, last: int) -> bool:
@@ -72,26 +79,43 @@ class CompiledRule:
         self.label = f"rules[{index}]"
         self.rule = rule
         self.selectors = [registry.lookup("selectors", s).obj for s in rule.select]
+        self._origins = {id(e.obj): e.origin for e in (registry.lookup("selectors", s) for s in rule.select)}
         self.include = [NamePattern(t) for t in rule.include]
         self.exclude = [NamePattern(t) for t in rule.exclude]
 
+    def _predicate(self, s: Selector, p: ParsedName) -> bool:
+        """``s.predicate(p)``; PluginError naming the selector, its plugin and the tensor when it
+        raises or returns anything but a bool (a tensor's truth value, a None...)."""
+        try:
+            hit = s.predicate(p)
+        except Exception as exc:
+            raise PluginError(f"selector {s.name!r} from {self._origins[id(s)]}: its predicate raised "
+                              f"{type(exc).__name__}: {exc} on {p.name}") from exc
+        if hit is not True and hit is not False:
+            raise PluginError(f"selector {s.name!r} from {self._origins[id(s)]}: its predicate must return a "
+                              f"bool, got {type(hit).__name__} on {p.name}")
+        return hit
+
     def matches(self, p: ParsedName) -> bool:
-        """Selectors (any) AND include (any, if given) AND NOT exclude (any)."""
+        """Selectors (any) AND include (any, if given) AND NOT exclude (any); patterns are
+        matched against ``p.checkpoint_name``."""
         # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
         # them (``special=True``): a third-party selector cannot quantize a router by accident.
         special = p.kind in SPECIAL_KINDS
         chosen = False
         for s in self.selectors:  # any(), first match wins
-            if (s.special or not special) and s.predicate(p):
+            if (s.special or not special) and self._predicate(s, p):
                 chosen = True
                 break
         if not chosen and self.rule.allow_special and self.include:
             chosen = p.kind in OPT_IN_KINDS  # explicit: include patterns may name these
         if not chosen:
             return False
-        if self.include and not any_match(self.include, p.name):
+        # patterns see the CHECKPOINT name (wrappers stripped, the layout's renames applied):
+        # one name form whatever wraps the trainer's model (docs/config.md)
+        if self.include and not any_match(self.include, p.checkpoint_name):
             return False
-        return not (self.exclude and any_match(self.exclude, p.name))
+        return not (self.exclude and any_match(self.exclude, p.checkpoint_name))
 
 
 class RuleSet:
@@ -123,11 +147,15 @@ class RuleSet:
         if not matrix:
             return PASSTHROUGH, {}, "not a weight matrix"
         keep = self.config.keep_bf16
-        if p.kind in QUANTIZABLE_KINDS and kept_bf16(p, num_layers, keep.first, keep.last):
+        kept = kept_bf16(p, num_layers, keep.first, keep.last)
+        if kept:
             which = "first" if p.layer is not None and p.layer < keep.first else "last"
-            return "bf16", {}, f"keep_bf16.{which}"
+            if p.kind in QUANTIZABLE_KINDS:
+                return "bf16", {}, f"keep_bf16.{which}"
         for rule in self.rules:
             if rule.matches(p):
+                if kept:  # a special kind (router...) a rule opted in: the kept layer wins
+                    return PASSTHROUGH, {}, f"keep_bf16.{which}"
                 return rule.rule.serializer, dict(rule.rule.options), rule.label
         if p.kind in QUANTIZABLE_KINDS:
             return self.config.default, {}, "default"

@@ -1,8 +1,12 @@
 """Trainer-side selection: the per-module decision map a trainer uses to pick its own precision.
 
-``qstrat.select(config, model)`` answers, for every weight of an ``nn.Module`` (or for a list of
-names), what the refit will do with it - so a trainer can, e.g., run FP8 training only where the
-engine will serve FP8, using the same config as the refit.
+``qstrat.select(config, model)`` answers, for every weight of an ``nn.Module`` (or for a mapping
+of names to tensors, or a list of names), what the refit will do with it - so a trainer can,
+e.g., run FP8 training only where the engine will serve FP8, using the same config as the refit.
+
+The answer is READ FROM THE PLAN (:meth:`qstrat.RefitDriver.plan` of the same tensors' names,
+shapes and dtypes), never recomputed: a BF16 fallback (``on_unsupported: bf16``), a fused
+module kept BF16, a refusal (``keep_bf16.last`` without the decoder depth) are the plan's.
 """
 from __future__ import annotations
 
@@ -12,48 +16,76 @@ from typing import Any
 import torch
 
 from qstrat.driver import RefitDriver
-from qstrat.rules import Decision, is_weight_matrix
+from qstrat.inputs import TensorSpec
+from qstrat.layouts import ModelLayout
+from qstrat.plan.data import RefitPlan
+from qstrat.rules import Decision
+
+#: Rows and columns of the stand-in matrix a bare name is planned with (:func:`select` with names):
+#: a multiple of every built-in format's tile (128) and block (16, 32).
+NAME_ONLY_DIM = 256
 
 
-def select(config: Any, module_or_names: torch.nn.Module | Iterable[str],
-           hf_config: Mapping[str, Any] | None = None) -> dict[str, Decision]:
-    """Decision per module.
+def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | Iterable[str],
+           hf_config: Mapping[str, Any] | None = None, plan: RefitPlan | None = None) -> dict[str, Decision]:
+    """Decision per module, as the refit's plan makes it.
 
     Args:
         config: RefitConfig, mapping, config path or preset name.
-        module_or_names: an ``nn.Module`` (its ``named_parameters()`` are read: shapes matter,
-            e.g. 1-D parameters are never quantized) or module/parameter names. A name without
-            a parameter suffix is taken as a module holding a 2-D ``weight``.
+        module_or_names: an ``nn.Module`` (its ``named_parameters()``: names, shapes, dtypes; on
+            any device, ``meta`` included), a mapping name -> tensor or spec (a state dict,
+            :func:`qstrat.inputs.tensor_specs`), or module/parameter names. A bare name is
+            planned as a bfloat16 ``[256, 256]`` weight (``[1, 256 * parts, 256]`` for a
+            grouped slab of ``parts`` projections, ``[256]`` for a bias); a name without a
+            parameter suffix is a module holding such a ``weight``. Shape-dependent decisions
+            (a format's tile, ``on_unsupported: bf16``) need the real shapes: pass the module.
         hf_config: the model's config.json (layout detection, decoder depth for ``keep_bf16``);
             for an ``nn.Module`` its ``.config`` is used when present.
+        plan: the plan to read (a plan made beforehand with the same config:
+            :meth:`~qstrat.RefitDriver.check_plan`); default: plan ``module_or_names`` here.
     Returns:
-        ``{key: Decision}`` where key is the module name for ``.weight`` parameters
-        (``model.layers.0.self_attn.q_proj``) and the parameter name for grouped slabs
-        (``model.layers.0.mlp.experts.gate_up_proj``). ``Decision.serializer`` is a format name
-        or ``"passthrough"``; ``Decision.rule`` says which rule decided.
-    Raises: ConfigError for an invalid config.
+        ``{key: Decision}`` for every weight (``.weight`` parameter or grouped slab) of the plan:
+        key is the module name for ``.weight`` parameters (``model.layers.0.self_attn.q_proj``,
+        as the trainer names it) and the parameter name for grouped slabs
+        (``model.layers.0.mlp.experts.gate_up_proj``). ``Decision.serializer`` is the format
+        the plan emits (``bf16`` after a fallback, ``note`` saying why) or ``"passthrough"``;
+        ``Decision.rule`` says which rule decided.
+    Raises: ConfigError for an invalid config; PlanError where the plan refuses (e.g.
+        ``keep_bf16.last`` without ``hf_config``'s decoder depth: qstrat does not guess it).
     """
     is_module = isinstance(module_or_names, torch.nn.Module)
     if is_module and hf_config is None and hasattr(module_or_names, "config"):
         cfg = module_or_names.config
         hf_config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
     driver = RefitDriver(config, hf_config=hf_config)
-    if is_module:
-        ndims = {n: p.dim() for n, p in module_or_names.named_parameters()}
-    else:  # names: a slab is 3-D, a weight 2-D, a bare module name a module with a 2-D weight
-        ndims = {}
-        for n in module_or_names:
-            p = driver.layout.parse(n)
-            if p.slab:
-                ndims[n] = 3
-            elif p.param in ("weight", "bias"):
-                ndims[n] = 2 if p.param == "weight" else 1
-            else:
-                ndims[f"{n}.weight"] = 2
-    num_layers = driver.num_layers(ndims)
+    if plan is None:
+        plan = driver.plan(_specs(driver.layout, module_or_names))
+    else:
+        driver.check_plan(plan)
     result = {}
-    for name, ndim in ndims.items():
-        p = driver.layout.parse(name, num_layers)
-        if name.endswith(".weight") or p.slab:
-            result[name.removesuffix(".weight")] = driver.rules.decide(p, is_weight_matrix(p, ndim), num_layers)
+    for e in plan.entries:
+        p = driver.layout.parse(e.name, plan.num_layers)
+        if e.name.endswith(".weight") or p.slab:
+            result[e.name.removesuffix(".weight")] = Decision(e.serializer, dict(e.options), e.rule, p, e.note)
     return result
+
+
+def _specs(layout: ModelLayout, source: Any) -> dict[str, Any]:
+    """What :func:`select` plans: name -> anything with ``.shape`` and ``.dtype``."""
+    if isinstance(source, torch.nn.Module):
+        return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in source.named_parameters()}
+    if isinstance(source, Mapping):
+        return dict(source)
+    d = NAME_ONLY_DIM
+    specs = {}
+    for n in source:
+        p = layout.parse(n)
+        if p.slab:
+            specs[n] = TensorSpec(layout.slabs[p.projection].shape(1, d, d), torch.bfloat16)
+        elif p.param == "bias":
+            specs[n] = TensorSpec((d,), torch.bfloat16)
+        elif p.param == "weight":
+            specs[n] = TensorSpec((d, d), torch.bfloat16)
+        else:
+            specs[f"{n}.weight"] = TensorSpec((d, d), torch.bfloat16)
+    return specs

@@ -332,6 +332,8 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     checks = engine_checks(llm, driver, manifest, allow_cpu_bf16_experts)
     prepared = driver.prepare(named_tensors, plan, checks)  # values="first": vLLM's reload has no rollback
     plan = prepared.plan
+    if callable(getattr(verify, "check_plan", None)):
+        verify.check_plan(plan)  # e.g. a format with no fidelity threshold: refused before the reload
     sent = {"tensors": 0, "bytes": 0}
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,6 +17,7 @@ its CPU emulation of vLLM's kernels (``emulation``) and its peers in ``qstrat be
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -130,6 +131,13 @@ class Serializer(ABC):
     #: with ``x`` a bf16 [N, K] weight and ``fn()`` the timed call (None: unavailable here, ``note``
     #: says why). Empty: the format has no peer, and its bench rows say so.
     bench_peers: ClassVar[Mapping[str, str | Callable[..., Any]]] = {}
+    #: With ``nonfinite="error"``, a weight whose largest magnitude exceeds this has its DECODED
+    #: values (:meth:`dequantize` of what was emitted) checked too: a finite input near float32's
+    #: max can decode to inf after a scale or element is rounded up (block FP8 ``ue8m0``, MXFP8
+    #: RCEIL: up to 2x) or cast (BF16 of an fp32 value above bfloat16's max). Below it every
+    #: built-in format decodes finitely (no rounding raises a value 4x), so the check costs
+    #: nothing on real weights. A format whose decode may grow a value more lowers it.
+    decode_check_above: ClassVar[float] = torch.finfo(torch.float32).max / 4
 
     def __init__(self, **options: Any) -> None:
         """Raises: pydantic.ValidationError on unknown or invalid options."""
@@ -260,10 +268,14 @@ class Serializer(ABC):
                     f"{self.name}: expected a non-empty [N, K] or [E, N, K] weight, got shape {list(shape)}"
                 )
             lead = shape[:-2]
-            cache[shape] = tuple(
-                PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry)
-                for p in self.matrix_parts(*shape[-2:])
-            )
+            declared = self.matrix_parts(*shape[-2:])
+            if not isinstance(declared, (tuple, list)) or not all(isinstance(p, PartSpec) for p in declared):
+                from qstrat.errors import PluginError
+
+                raise PluginError(f"serializer {self.name!r} ({type(self).__module__}.{type(self).__qualname__}): "
+                                  f"matrix_parts({shape[-2]}, {shape[-1]}) must return a tuple of PartSpec, got "
+                                  f"{declared!r:.120}")
+            cache[shape] = tuple(PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry) for p in declared)
         return cache[shape]
 
     def quantize(
@@ -274,7 +286,8 @@ class Serializer(ABC):
 
         Args:
             w: [N, K] or [E, N, K], bf16/fp16/fp32, any device, any strides (views of a fused
-                slab are read in place).
+                slab are read in place); a ``torch.nn.Parameter`` or any tensor that requires
+                grad is read detached (no autograd graph, no error).
             name: tensor name used in error messages.
             context: from :meth:`group_context` when ``w`` is a member of a fused group; ``None``
                 quantizes ``w`` as a group of one.
@@ -284,11 +297,15 @@ class Serializer(ABC):
             dict suffix -> tensor, exactly as declared by :meth:`part_specs`, on ``w``'s device.
         Raises:
             UnsupportedShapeError (also for a dtype other than bf16/fp16/fp32),
-            NonFiniteError (``nonfinite="error"``: NaN/inf in ``w`` or in a given ``context``),
+            NonFiniteError (``nonfinite="error"``: NaN/inf in ``w`` or in a given ``context``,
+            or finite values that decode to NaN/inf: :attr:`decode_check_above`),
             BackendUnavailableError (a RuntimeError) when the Triton backend is forced where it
             cannot run.
         """
         specs = self.part_specs(w.shape)
+        w = w.detach()  # a trainer's nn.Parameter: quantizing reads values, never records autograd
+        if context is not None:
+            context = {k: v.detach() if torch.is_tensor(v) else v for k, v in context.items()}
         if w.dtype not in WEIGHT_DTYPES:
             raise UnsupportedShapeError(
                 f"{name}: {self.name} quantizes bfloat16, float16 or float32 weights, got "
@@ -305,8 +322,10 @@ class Serializer(ABC):
         w3 = w if batched else w.unsqueeze(0)
         kernel = self._use_kernel(w3)
         fast = not kernel and self._use_fast()
-        if not values_checked and not fast:  # the fast path checks its block maxima instead
-            self.check_values(w, name)
+        check = not values_checked and self.options.nonfinite == "error"
+        peak = 0.0  # largest |w| (read while checking), for the decoded-values check
+        if check and not fast:  # the fast path checks its block maxima instead
+            peak = check_finite(w, name, self._expert_chunk(w))
         ctx = context
         if ctx is None:
             try:
@@ -319,20 +338,42 @@ class Serializer(ABC):
         if kernel:
             parts = type(self).resolve_kernel()(self, w3, ctx)
         elif fast:
-            check = None if values_checked or self.options.nonfinite != "error" else name
-            parts = self._fast_chunked(w3, ctx, self.part_specs(w3.shape), check, source=w)
+            parts, peak = self._fast_chunked(w3, ctx, self.part_specs(w3.shape), name if check else None,
+                                             source=w)
         else:
             parts = self._reference_chunked(w3, ctx, self.part_specs(w3.shape))
         if not batched:
             parts = {k: v.squeeze(0) for k, v in parts.items()}
         _check_parts(self.name, name, specs, parts)
+        if peak > self.decode_check_above:
+            self.check_decoded(parts, name, peak)
         return parts
 
     def check_values(self, w: torch.Tensor, name: str = "weight") -> None:
         """With ``nonfinite="error"``: raise NonFiniteError naming ``name`` and the first NaN/inf
-        index of ``w`` ([N, K] or [E, N, K]); read in expert chunks, no full-size copy."""
+        index of ``w`` ([N, K] or [E, N, K]); read in expert chunks, no full-size copy. A weight
+        whose largest magnitude exceeds :attr:`decode_check_above` is also quantized (as a group
+        of one) and its decoded values checked (:meth:`check_decoded`)."""
         if self.options.nonfinite == "error":
-            check_finite(w, name, self._expert_chunk(w))
+            peak = check_finite(w, name, self._expert_chunk(w))
+            if peak > self.decode_check_above:
+                self.check_decoded(self.quantize(w, name=name, values_checked=True), name, peak)
+
+    def check_decoded(self, parts: Mapping[str, torch.Tensor], name: str, peak: float) -> None:
+        """Raise NonFiniteError naming ``name``, the first index and ``peak`` (the input's largest
+        magnitude) when :meth:`dequantize` of ``parts`` holds NaN/inf: finite weights the engine
+        would read back as non-finite (a scale rounded up past float32's max, an fp32 value cast
+        to bfloat16 above its max). Reads the decoded copy (float32, the weight's shape)."""
+        decoded = self.dequantize(parts)
+        if all_finite(decoded):
+            return
+        index = ", ".join(str(int(i)) for i in (~torch.isfinite(decoded)).nonzero()[0])
+        raise NonFiniteError(
+            f"{name}: its finite values (largest magnitude {peak:.6g}) decode to a non-finite value in "
+            f"{self.name}{_options_text(self.options)} at index [{index}]: a scale or element rounded up past "
+            "float32's max (bfloat16's for a cast); scale the weight down, or choose options that do not "
+            "round scales up (block_fp8 ue8m0=False, mxfp8 scale_rounding='floor'); set "
+            "nonfinite='propagate' to encode it anyway")
 
     def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
                     scratch: Scratch) -> torch.Tensor:
@@ -450,31 +491,33 @@ class Serializer(ABC):
     ) -> dict[str, torch.Tensor]:
         """Run :meth:`encode_into` over cache-sized chunks, reusing one scratch. ``check``: the
         tensor's name when non-finite values must raise (found from the block maxima);
-        ``source``: the weight as given (``w3`` is it as [E, N, K]), for the index in that error."""
+        ``source``: the weight as given (``w3`` is it as [E, N, K]), for the index in that error.
+        Returns ``(parts, peak)``: ``peak`` the largest block maximum (0.0 without ``check``)."""
         out, views = self._chunk_views(w3, ctx, specs)
         workers = chunk_workers()
         if len(views) == 1 or workers == 1 or w3.device.type != "cpu":
             scratch = Scratch(w3.device)
-            finite = all([self._encode_chunk(v, scratch, check) for v in views])
+            peak = max([self._encode_chunk(v, scratch, check) for v in views])
         else:  # chunks over single-threaded workers, one scratch per worker (chunking.chunk_pool)
             local = threading.local()
 
-            def task(view: tuple) -> bool:
+            def task(view: tuple) -> float:
                 if not hasattr(local, "scratch"):
                     local.scratch = Scratch(w3.device)
                 return self._encode_chunk(view, local.scratch, check)
 
-            finite = all(list(chunk_pool(workers).map(task, views)))
-        if not finite:
+            peak = max(list(chunk_pool(workers).map(task, views)))
+        if peak == math.inf:
             check_finite(source, check, self._expert_chunk(w3))  # names the index
             raise NonFiniteError(f"{check}: its values overflow float32 (non-finite block maxima)")
-        return out
+        return out, peak
 
-    def _encode_chunk(self, view: tuple, scratch: Scratch, check: str | None) -> bool:
-        """:meth:`encode_into` on one chunk view; False if ``check`` and it saw NaN/inf."""
+    def _encode_chunk(self, view: tuple, scratch: Scratch, check: str | None) -> float:
+        """:meth:`encode_into` on one chunk view; with ``check``, its largest block maximum
+        (:func:`peak_abs`: inf if it saw NaN/inf), else 0.0."""
         _, x, sub_ctx, dsts = view
         amax = self.encode_into(x, sub_ctx, dsts, scratch)
-        return check is None or all_finite(amax)
+        return 0.0 if check is None else peak_abs(amax)
 
 
 #: Kernels resolved by :meth:`Serializer.resolve_kernel`, per format class.
@@ -516,8 +559,28 @@ def all_finite(w: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:
-    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3`` (rank 0 to 3).
+def _options_text(options: SerializerOptions) -> str:
+    """`` with {'ue8m0': True}``: the format options set away from their defaults (not the
+    common ``backend``/``nonfinite``/``chunk_elements``: they do not change the bytes), for messages."""
+    changed = options.model_dump(exclude_defaults=True, exclude={"backend", "nonfinite", "chunk_elements"})
+    return f" with {changed}" if changed else ""
+
+
+def peak_abs(w: torch.Tensor) -> float:
+    """The largest magnitude in ``w`` (any float tensor, any strides) as a Python float: 0.0 for
+    an empty tensor, ``math.inf`` if it holds a NaN or an infinity. One ``torch.aminmax``
+    reduction, as :func:`all_finite` (``all_finite(w) == (peak_abs(w) < inf)``)."""
+    if w.numel() == 0:
+        return 0.0
+    lo, hi = torch.stack(torch.aminmax(w.detach())).float().tolist()  # one device sync
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return math.inf
+    return max(-lo, hi)
+
+
+def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> float:
+    """Raise NonFiniteError naming ``name`` and the first NaN/inf index of ``w3`` (rank 0 to 3);
+    return its largest magnitude (:func:`peak_abs`).
 
     Screens the whole tensor with :func:`all_finite`; only a tensor that holds a NaN/inf is read
     again, in chunks of ``expert_chunk`` experts, to name the first bad index.
@@ -525,8 +588,9 @@ def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:
     The index is printed in the tensor's own rank: [E, N, K] ``[e, r, c] (expert, row, col)``
     (also for E = 1), [N, K] ``[r, c] (row, col)``, [K] or [] ``[i]``.
     """
-    if all_finite(w3):
-        return
+    peak = peak_abs(w3)
+    if peak < math.inf:
+        return peak
     rank = min(max(w3.dim(), 1), 3)
     w3 = w3.reshape((1,) * (3 - w3.dim()) + tuple(w3.shape)) if w3.dim() < 3 else w3
     for e0 in range(0, w3.shape[0], expert_chunk):
@@ -544,12 +608,16 @@ def check_finite(w3: torch.Tensor, name: str, expert_chunk: int) -> None:
 
 
 def _check_parts(fmt: str, name: str, specs: Sequence[PartSpec], parts: Mapping[str, Any]) -> None:
-    """A serializer must emit exactly what it declared in the plan (a plugin-author error)."""
+    """A serializer must emit exactly what it declared in the plan (a plugin-author error):
+    a mapping suffix -> tensor (``name``: the tensor, or the ``reference()`` chunk)."""
+    from qstrat.errors import PluginError
+
+    if not isinstance(parts, Mapping) or not all(torch.is_tensor(v) for v in parts.values()):
+        raise PluginError(f"serializer {fmt!r} returned {type(parts).__name__} {parts!r:.80} for {name}; it must "
+                          "return a dict suffix -> tensor, the parts part_specs declares")
     declared = {p.suffix: (tuple(p.shape), p.dtype) for p in specs}
     got = {k: (tuple(v.shape), v.dtype) for k, v in parts.items()}
     if declared != got:
-        from qstrat.errors import PluginError
-
         raise PluginError(
             f"serializer {fmt!r} emitted {got} for {name}, but declared {declared} in the plan"
         )

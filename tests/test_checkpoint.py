@@ -310,3 +310,52 @@ def test_the_model_tensors_manifest_is_built_once_per_driver(tiny_model, tiny_hf
     for i in range(2):
         write_checkpoint(driver, tiny_model.state_dict(), tmp_path / f"out{i}")
     assert built == [1]
+
+
+# ---- shards that are not regular, readable files (issue 36, item 13) ---------------------------
+def test_a_directory_or_fifo_named_like_a_shard_is_refused_naming_it(tmp_path):
+    """The old message: "No such device (os error 19)" with no file name."""
+    from qstrat.checkpoint import lazy_checkpoint
+
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(QstratError, match=rf"^{tmp_path / 'model.safetensors'}: is a directory, not a safetensors "
+                                          r"file; nothing was read$"):
+        lazy_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").rmdir()
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(QstratError, match=r"model\.safetensors: is not a regular file \(a FIFO, device or socket\)"):
+        lazy_checkpoint(tmp_path)
+
+
+def test_an_unreadable_shard_gives_the_os_reason(tmp_path, monkeypatch):
+    """safetensors reports a file it may not open as "No such file or directory" (it exists). The
+    CI runs as root, where permissions do not stop a read, so the OS's refusal is simulated."""
+    import builtins
+
+    from qstrat.checkpoint import lazy_checkpoint
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file).endswith("model.safetensors"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    with pytest.raises(QstratError, match=rf"^{tmp_path / 'model.safetensors'}: cannot read: Permission denied$"):
+        lazy_checkpoint(tmp_path)
+
+
+def test_an_index_that_is_a_device_is_refused_before_reading(tmp_path):
+    """A model.safetensors.index.json symlinked to /dev/zero read without bound (MemoryError)."""
+    from safetensors.torch import save_file
+
+    from qstrat.checkpoint import lazy_checkpoint
+
+    save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors.index.json").symlink_to("/dev/zero")
+    with pytest.raises(QstratError, match=r"model\.safetensors\.index\.json: is a device, not a safetensors index; "
+                                          r"nothing was read$"):
+        lazy_checkpoint(tmp_path)

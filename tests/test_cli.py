@@ -124,6 +124,17 @@ def _case_config_is_a_directory(tmp, src):
         f"{tmp / 'cfgdir'}: is a directory, not a config file"
 
 
+def _case_config_json_is_a_fifo(tmp, src):
+    """A FIFO blocked the old code forever (a /dev/zero symlink read without bound: both refused
+    by qstrat.config_files.read_text_file, tested there)."""
+    import os
+
+    (tmp / "m").mkdir()
+    os.mkfifo(tmp / "m" / "config.json")
+    return ["plan", tmp / "m", "--preset", "block-fp8"], \
+        f"{tmp / 'm' / 'config.json'}: is a FIFO (named pipe), not a JSON file (the model's config.json); nothing was read"
+
+
 def _case_binary_config(tmp, src):
     (tmp / "bin.yaml").write_bytes(b"preset: \xff\xfe\x00binary")
     return ["plan", MODELS / "deepseek-v3", "--config", tmp / "bin.yaml"], \
@@ -302,7 +313,7 @@ def _case_config_string_boolean(tmp, src):  # "false" is truthy: it tied an unti
     _case_config_too_many_layers, _case_config_too_many_tensors, _case_config_tensor_too_large,
     _case_config_string_boolean,
     _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
-    _case_config_is_a_directory, _case_binary_config, _case_model_is_a_safetensors_file,
+    _case_config_is_a_directory, _case_config_json_is_a_fifo, _case_binary_config, _case_model_is_a_safetensors_file,
     _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,
     _case_config_architectures_not_a_list, _case_config_model_type_not_a_string,
     _case_quantize_config_only, _case_unsupported_dtype, _case_no_tensors, _case_out_is_a_file,

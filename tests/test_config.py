@@ -80,3 +80,28 @@ def test_a_source_of_another_type_is_a_config_error_naming_it(source, got):
     with pytest.raises(ConfigError) as info:
         qstrat.RefitDriver(source)
     assert str(info.value) == f"refit config: got {got}; {ACCEPTED}"
+
+
+# ---- a preset name is never shadowed by a path in the current directory (issue 36, item 6) ----
+def test_a_preset_name_is_the_preset_whatever_the_current_directory_holds(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "block-fp8").mkdir()  # a natural -o name; the old code: "is a directory"
+    (tmp_path / "nvfp4-experts").write_text("rules: [{serializer: mxfp8}]\n")  # the old code read it instead
+    assert load_config("block-fp8") == load_config({"preset": "block-fp8"})
+    assert load_config("nvfp4-experts") == load_config({"preset": "nvfp4-experts"})
+    assert qstrat.RefitDriver("block-fp8").config == load_config({"preset": "block-fp8"})
+    # a file of that name is read when given as a path
+    from pathlib import Path
+
+    assert load_config(Path("nvfp4-experts")).rules[0].serializer == "mxfp8"
+    assert load_config("./nvfp4-experts").rules[0].serializer == "mxfp8"
+    with pytest.raises(ConfigError, match=r"config file 'mxfp8' does not exist; 'mxfp8' is a preset name: "
+                                          r"pass it as a str"):
+        load_config(Path("mxfp8"))
+
+
+def test_a_keep_bf16_object_merges_over_the_preset_as_a_mapping_does():
+    """The old code: KeepBF16(first=2) replaced nvfp4-experts' {first: 1, last: 1} (last lost)."""
+    obj = load_config({"preset": "nvfp4-experts", "keep_bf16": qstrat.KeepBF16(first=2)})
+    assert obj == load_config({"preset": "nvfp4-experts", "keep_bf16": {"first": 2}})
+    assert (obj.keep_bf16.first, obj.keep_bf16.last) == (2, 1)

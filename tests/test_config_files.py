@@ -35,7 +35,7 @@ def test_unreadable_config_files_are_config_errors(tmp_path):
     (tmp_path / "dir.yaml").mkdir()
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "dir.yaml")
-    assert str(info.value) == f"{tmp_path / 'dir.yaml'}: is a directory, not a config file (.yaml, .toml, .json)"
+    assert str(info.value) == f"{tmp_path / 'dir.yaml'}: is a directory, not a config file (.yaml, .toml, .json); nothing was read"
     (tmp_path / "bin.toml").write_bytes(b"preset = \xff\xfe")
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "bin.toml")
@@ -108,3 +108,38 @@ def test_a_config_nested_too_deeply_is_a_config_error(tmp_path, name, text):
         load_config(path)
     assert str(info.value) == f"{path}: cannot parse: {TOO_DEEP}; a refit config nests only a few levels"
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+# ---- files that are not regular, BOMs, YAML 1.1 integers (issue 36, items 10 and 13) ----------
+def test_non_regular_files_are_refused_before_reading(tmp_path):
+    """A symlink to /dev/zero read without bound (MemoryError), a FIFO blocked forever."""
+    import os
+
+    zero = tmp_path / "refit.yaml"
+    zero.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match=r"refit\.yaml: is a device, not a config file .*nothing was read"):
+        load_config(zero)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"fifo\.yaml: is a FIFO \(named pipe\), not a config file"):
+        load_config(fifo)
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(ConfigError, match=r"dir\.yaml: is a directory, not a config file"):
+        load_config(tmp_path / "dir.yaml")
+
+
+@pytest.mark.parametrize("suffix,text", [(".json", '{"preset": "block-fp8"}'), (".yaml", "preset: block-fp8\n"),
+                                         (".toml", 'preset = "block-fp8"\n')])
+def test_a_utf8_bom_is_read_in_every_format(tmp_path, suffix, text):
+    path = tmp_path / f"c{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_config(path) == load_config("block-fp8")
+
+
+def test_yaml_integers_follow_yaml_1_2(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: block-fp8\nkeep_bf16: {first: 1:30}\n")  # YAML 1.1: 90
+    with pytest.raises(ConfigError, match=r"keep_bf16\.first: Input should be a valid integer"):
+        load_config(path)
+    path.write_text("preset: block-fp8\nkeep_bf16: {first: 010, last: 0x2}\n")  # YAML 1.1: 8
+    assert (load_config(path).keep_bf16.first, load_config(path).keep_bf16.last) == (10, 2)

@@ -36,3 +36,18 @@ def test_demo_engine_stage_says_why_it_skips_bf16_experts_on_a_cpu(tmp_path):
     assert report.engine_ok is None
     assert report.engine.startswith("skipped: the plan keeps the MoE experts of layers [0, 3] in BF16")
     assert "keep_bf16" in report.engine and "engine: start on A" not in report.stage_seconds
+
+
+def test_a_bad_config_is_refused_before_the_demo_makes_a_folder(tmp_path, monkeypatch):
+    """``qstrat demo --preset nope`` left an empty qstrat-demo-* temporary folder behind."""
+    import tempfile
+
+    import pytest
+
+    from qstrat import ConfigError
+    from qstrat.demo.run import run_demo
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"unknown strategy 'nope'"):
+        run_demo({"preset": "nope"}, engine=False)
+    assert list(tmp_path.iterdir()) == []

@@ -369,3 +369,46 @@ def test_the_vocabulary_of_a_multimodal_config_is_its_text_configs():
     model.config = transformers.Qwen3_5MoeConfig(text_config={"vocab_size": 512})
     with pytest.raises(ValueError, match=r"^probe: sequences\[0\]\[1\] = 600 is not a token id in \[0, 512\)$"):
         Verify(model, sequences=[[1, 600]])
+
+
+@pytest.mark.parametrize("kwargs,error,reason", [
+    ({"model": "state"}, TypeError, r"^fidelity: model must be the trainer's transformers model \(an nn\.Module\), "
+                                    r"got OrderedDict \(a state dict\? pass the model itself\)$"),
+    ({"model": None}, TypeError, r"^fidelity: model must be .*got NoneType$"),
+    ({"thresholds": {"block_fp8": 1e-4}}, TypeError,
+     r"^fidelity: thresholds\['block_fp8'\] must be a Threshold\(max_dlogprob, mean_kl\) under a format name, got float"),
+    ({"thresholds": [1.0]}, TypeError, r"^fidelity: thresholds must map format names to Threshold"),
+    ({"top_k": "20"}, TypeError, r"^fidelity: top_k must be an int >= 1 .*got '20'$"),
+    ({"top_k": 0}, TypeError, r"^fidelity: top_k must be an int >= 1 .*got 0$"),
+    ({"top_k": 5}, ValueError, r"^fidelity: top_k=5 with the default thresholds, which are calibrated with top-20"),
+    ({"check": "yes"}, TypeError, r"^fidelity: check must be a bool, got 'yes'$"),
+])
+def test_verify_refuses_every_bad_argument_when_built(tiny_model, tiny_hf_config, kwargs, error, reason):
+    """The old Verify checked only ``sequences``: these were accepted, the engine RELOADED, then an
+    AttributeError/TypeError from fidelity.py lost the RefitReport (top_k=0 silently weakened the
+    probe). Now Verify is refused when built, and a refit with it never reaches the engine."""
+    from qstrat.fidelity import Verify
+
+    args = {"model": tiny_model, **kwargs}
+    if args["model"] == "state":
+        args["model"] = tiny_model.state_dict()
+    with pytest.raises(error, match=reason):
+        Verify(**args)
+    Verify(tiny_model, top_k=5, thresholds={"block_fp8": __import__("qstrat.fidelity").fidelity.Threshold(1.0, 1e-3)})
+
+
+def test_a_format_without_a_threshold_is_refused_before_the_reload(tiny_model, tiny_hf_config, monkeypatch):
+    from test_vllm_sink import RecordingLLM, manifest_without_cross_check
+
+    import qstrat.vllm as qvllm
+
+    manifest_without_cross_check.__wrapped__(monkeypatch)  # the stand-in engine has no vLLM record
+    from qstrat import RefitDriver
+    from qstrat.fidelity import Threshold, Verify
+
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    llm = RecordingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
+    verify = Verify(tiny_model, thresholds={"mxfp8": Threshold(1.0, 1e-4)})
+    with pytest.raises(KeyError, match=r"no fidelity threshold for format\(s\) \['block_fp8'\]"):
+        qvllm.refit(llm, driver, tiny_model.state_dict(), verify=verify)
+    assert llm.calls == []   # the old code reloaded first, then raised from the probe

@@ -148,3 +148,22 @@ def test_a_spec_in_a_stream_is_named_when_it_arrives():
     plan = driver.plan(_spec_inputs())
     with pytest.raises(NoValuesError, match=SPEC_ERROR):
         list(driver.run(iter(_spec_inputs().items()), plan=plan))
+
+
+# ---- malformed specs name the tensor (issue 36, item 13) ---------------------------------------
+@pytest.mark.parametrize("shape", [None, 5, "ab", (2, -4), (2.5, 4), (True, 4)])
+def test_a_malformed_spec_shape_names_the_tensor(shape):
+    """The old code: TypeError/ValueError from inside (None, 5, "ab"), and a negative dim was
+    accepted, giving negative byte totals for a pass-through tensor."""
+    with pytest.raises(PlanError, match=r"^model\.norm\.weight: TensorSpec shape must be a sequence of ints >= 0, "
+                                        r"got "):
+        tensor_specs([("model.norm.weight", shape, torch.bfloat16)])
+
+
+def test_a_negative_dimension_from_a_lazy_handle_is_a_plan_error():
+    class Handle:  # what a hand-written lazy handle may declare
+        shape = (-4, 256)
+        dtype = torch.bfloat16
+
+    with pytest.raises(PlanError, match=r"model\.norm\.weight: shape \[-4, 256\] has a negative dimension"):
+        RefitDriver("block-fp8").plan({"model.norm.weight": Handle()})

@@ -240,3 +240,15 @@ def test_fidelity_probe_with_a_peft_model_is_refused_before_the_engine_starts(tm
                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     assert cls.__dict__["_init_vllm"] is original
     assert not list(tmp_path.glob("**/*.safetensors"))  # no checkpoint was written
+
+
+@pytest.mark.parametrize("trainer_cls", [None, "GRPOTrainer", 5])
+def test_a_trainer_class_that_is_not_callable_is_refused_before_anything_starts(trainer_cls, monkeypatch):
+    """The old code entered rollouts() (checkpoint, engine) and then raised a bare TypeError
+    ("'NoneType' object is not callable")."""
+    from qstrat.integrations import trl as qtrl
+
+    monkeypatch.setattr(qtrl, "rollouts", lambda *a, **k: pytest.fail("rollouts() must not start"))
+    with pytest.raises(TypeError, match=r"^make_trainer: trainer_cls must be a TRL trainer class \(e\.g\. "
+                                        r"trl\.GRPOTrainer\), got "):
+        qtrl.make_trainer(trainer_cls, "block-fp8")

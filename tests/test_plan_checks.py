@@ -130,9 +130,11 @@ def test_per_expert_names_under_a_wrapper_prefix_plan_like_plain_ones(prefix):
 
 
 def test_half_quantized_fused_module_is_a_plan_error():
-    cfg, tensors = small_moe({"moe_intermediate_size": 48})
+    """One expert quantized, the others BF16 (an include pattern). A BF16 fallback of one
+    projection takes the whole experts module instead (test_planner.py, issue 36 item 11)."""
+    cfg, tensors = small_moe()
     with pytest.raises(PlanError, match=r"model\.layers\.\d\.mlp\.experts: some of its tensors are quantized"):
-        RefitDriver({"rules": [{"select": "experts", "serializer": "mxfp8", "on_unsupported": "bf16"}]},
+        RefitDriver({"rules": [{"select": "experts", "include": ["*.experts.0.*"], "serializer": "mxfp8"}]},
                     hf_config=cfg).plan(tensors)
 
 
@@ -208,3 +210,25 @@ def test_check_groups_and_check_outputs_return_one_line_per_problem():
     assert checks.check_groups(entries(plain, {q: (256, 256), k: (128, 256)})) == []
     assert checks.check_outputs(es) == []
     assert checks.check_outputs(es + es[:1]) == [f"{q} and {q} both emit {q}", f"{q} and {q} both emit {q}_scale_inv"]
+
+
+@pytest.mark.parametrize("options", [{"ue8m0": False}, {"backend": "torch"}, {"chunk_elements": 4096}])
+def test_fused_siblings_whose_options_mean_the_same_bytes_plan_together(options):
+    """q_proj with options that change no byte next to k/v without: the old check compared the
+    options as written and refused them as "planned differently"."""
+    cfg, tensors = small_moe()
+    rules = [{"select": "attention", "include": ["*.q_proj.weight"], "serializer": "block_fp8", "options": options},
+             {"select": "attention", "serializer": "block_fp8"}]
+    plan = RefitDriver({"rules": rules}, hf_config=cfg).plan(tensors)
+    q = next(e for e in plan.entries if e.name == "model.layers.0.self_attn.q_proj.weight")
+    assert (q.serializer, q.options, q.rule) == ("block_fp8", options, "rules[0]")
+
+
+def test_fused_siblings_whose_options_change_the_bytes_are_still_refused():
+    cfg, tensors = small_moe()
+    rules = [{"select": "attention", "include": ["*.q_proj.weight"], "serializer": "block_fp8",
+              "options": {"ue8m0": True}}, {"select": "attention", "serializer": "block_fp8"}]
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight \(block_fp8 \{'ue8m0': True\}, "
+                                        r"rules\[0\]\) and model\.layers\.0\.self_attn\.k_proj\.weight \(block_fp8 \{\}, "
+                                        r"rules\[1\]\) are fused by the engine but planned differently"):
+        RefitDriver({"rules": rules}, hf_config=cfg).plan(tensors)

@@ -147,3 +147,46 @@ def test_non_float_weights_are_plan_errors(dtype):
     with pytest.raises(PlanError, match=rf"q_proj\.weight: is planned as block_fp8 \(rules\[0\]\) and needs a "
                                         rf"bfloat16/float16/float32 tensor, got {str(dtype)[6:]} \("):
         RefitDriver("block-fp8").plan(t)
+
+
+# ---- a fallback takes the whole module the engine loads (issue 36, item 11) -------------------
+def test_an_experts_fallback_keeps_the_whole_experts_module_bf16():
+    """Qwen3-MoE with moe_intermediate_size=80 under MXFP8: down_proj (K=80) cannot be represented,
+    gate/up can. The old plan fell back for down_proj alone and then failed "some of its tensors
+    are quantized and some are not" without naming the fallback."""
+    from plan_cases import small_moe
+
+    cfg, tensors = small_moe({"moe_intermediate_size": 80})
+    rules = [{"select": "experts", "serializer": "mxfp8", "on_unsupported": "bf16"},
+             {"select": "attention", "serializer": "mxfp8"}]
+    plan = RefitDriver({"rules": rules}, hf_config=cfg).plan(tensors)
+    experts = [e for e in plan.entries if e.kind == "expert"]
+    assert experts and {(e.serializer, e.rule) for e in experts} == {("bf16", "rules[0]")}
+    gate = next(e for e in experts if e.name == "model.layers.1.mlp.experts.2.gate_proj.weight")
+    assert gate.note == ("BF16 fallback: model.layers.1.mlp.experts: model.layers.1.mlp.experts.0.down_proj.weight: "
+                         "mxfp8 needs K (in_features, last dim) divisible by 32; got K=80")
+    assert {f"model.layers.{i}.mlp.experts" for i in range(4)} <= set(plan.ignored_layers)
+    assert {e.serializer for e in plan.entries if e.kind == "attention"} == {"mxfp8"}
+
+
+def test_an_experts_fallback_next_to_a_strict_rule_names_both():
+    from plan_cases import small_moe
+
+    cfg, tensors = small_moe({"moe_intermediate_size": 80})
+    rules = [{"select": "experts", "include": ["*.down_proj.weight"], "serializer": "mxfp8", "on_unsupported": "bf16"},
+             {"select": "experts", "serializer": "mxfp8"}]
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.experts: model\.layers\.0\.mlp\.experts\.0\.down_proj"
+                                        r"\.weight falls back to BF16 \(mxfp8 needs K .*got K=80\), but rules\[1\] "
+                                        r"quantizes the rest of the module the engine loads as one"):
+        RefitDriver({"rules": rules}, hf_config=cfg).plan(tensors)
+
+
+def test_a_config_whose_every_match_fell_back_says_so():
+    from plan_cases import small_moe
+
+    cfg, tensors = small_moe({"moe_intermediate_size": 80})
+    with pytest.raises(PlanError, match=r"rules\[0\] \(experts -> mxfp8\) matched 48 tensors, all kept BF16 by "
+                                        r"on_unsupported: bf16 \(model\.layers\.0\.mlp\.experts\.0\."
+                                        r"down_proj\.weight: mxfp8 needs K"):
+        RefitDriver({"rules": [{"select": "experts", "serializer": "mxfp8", "on_unsupported": "bf16"}]},
+                    hf_config=cfg).plan(tensors)

@@ -6,6 +6,8 @@ next to the built-ins (loaded through the entry point, as in production).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -244,3 +246,174 @@ def test_get_serializer_errors():
         qstrat.get_serializer("fp7")
     with pytest.raises(ConfigError, match=r"min_scale_byte: Input should be less than or equal to 254"):
         qstrat.get_serializer("mxfp8", min_scale_byte=255)
+
+
+# ---- a plugin preset extending a preset (issue 36, item 3) ------------------------------------
+def test_a_plugin_preset_extending_a_preset_plans_with_the_base_presets_rules(tiny_model, tiny_hf_config):
+    """The old code validated it, then dropped block-fp8's rules: everything BF16, no
+    quantization_config, no error."""
+    reg = registry(strategies=[Strategy("fp8-safe", "", {"preset": "block-fp8", "keep_bf16": {"first": 1}}),
+                               Strategy("fp8-safer", "", {"preset": "fp8-safe", "keep_bf16": {"last": 1}})])
+    for name, keep in (("fp8-safe", (1, 0)), ("fp8-safer", (1, 1))):
+        cfg = qstrat.load_config(name, registry=reg)
+        assert [r.serializer for r in cfg.rules] == ["block_fp8"]
+        assert (cfg.keep_bf16.first, cfg.keep_bf16.last) == keep
+    driver = qstrat.RefitDriver("fp8-safe", hf_config=tiny_hf_config, registry=reg)
+    plan = driver.plan(tiny_model.state_dict())
+    assert plan.vllm_quantization_config()["quant_method"] == "fp8"
+    assert {e.serializer for e in plan.entries if e.layer == 1 and e.kind == "attention"} == {"block_fp8"}
+    assert {e.rule for e in plan.entries if e.layer == 0 and e.kind == "attention"} == {"keep_bf16.first"}
+
+
+def test_presets_extending_each_other_in_a_cycle_name_the_cycle():
+    with pytest.raises(PluginError, match=r"strategy 'loop-a' from Plugin \(in-process\) is invalid: .*"
+                                         r"preset 'loop-b' extends itself: loop-b -> loop-a -> loop-b"):
+        registry(strategies=[Strategy("loop-a", "", {"preset": "loop-b"}), Strategy("loop-b", "", {"preset": "loop-a"})])
+
+
+# ---- layout fields are type-checked when the registry loads (issue 36, item 4) ----------------
+@pytest.mark.parametrize("fields,message", [
+    ({"fused": (("gate_proj", "up_proj"))},  # the missing comma: one tuple of names
+     r"layout 'mine': fused\[0\]: Input should be a valid tuple \(got \('gate_proj', 'up_proj'\)\); a tuple of "
+     r"groups: did you mean \(\('gate_proj', 'up_proj'\),\)\?"),
+    ({"routers": "router"}, r"layout 'mine': routers: Input should be a valid tuple \(got 'router'\)"),
+    ({"fused": (("q_proj",),)}, r"layout 'mine': fused: each group lists the two or more sibling modules"),
+    ({"mlp_blocks": ("block.mlp",)}, r"layout 'mine': mlp_blocks: module names must be non-empty and hold no dot"),
+    ({"num_layers_key": 32}, r"layout 'mine': num_layers_key: Input should be a valid string"),
+    ({"slabs": {"gate_up_proj": ("gate_proj", "up_proj")}}, r"layout 'mine': slabs\.gate_up_proj: Input should "
+     r"be an instance of SlabSpec"),
+])
+def test_layout_fields_are_type_checked_naming_the_plugin_and_field(fields, message):
+    """The old code registered these: the missing comma made fusion groups of single letters
+    (NVFP4 then gave gate and up different weight_scale_2), a str ``routers`` made ``out`` a router."""
+    with pytest.raises(PluginError, match=r"^Plugin \(in-process\): qstrat_layouts: " + message):
+        registry(layouts=[ModelLayout(name="mine", architectures=("MineForCausalLM",), **fields)])
+
+
+def test_a_well_typed_plugin_layout_and_every_builtin_register():
+    reg = registry(layouts=[ModelLayout(name="mine", fused=(("gate_proj", "up_proj"),), routers=("router",))])
+    assert reg.layouts["mine"].obj.fused == (("gate_proj", "up_proj"),)
+    assert {"llama", "qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "generic"} <= set(reg.layouts)
+
+
+# ---- plugin mistakes name the plugin, never a raw error from deep inside (issue 36, item 8) -----
+def _broken_distribution(tmp_path, module_text: str) -> Path:
+    """A distribution ``qstrat-broken 0.3`` on a path of its own, with entry point ``broken`` in
+    the ``qstrat`` group pointing at a module with ``module_text``."""
+    (tmp_path / "qstrat_broken_plugin.py").write_text(module_text)
+    info = tmp_path / "qstrat_broken-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: qstrat-broken\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[qstrat]\nbroken = qstrat_broken_plugin\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("module_text,detail", [
+    ("import not_installed_anywhere\n", "ModuleNotFoundError: No module named 'not_installed_anywhere'"),
+    ("raise RuntimeError('plugin init failed')\n", "RuntimeError: plugin init failed"),
+])
+def test_a_plugin_that_fails_to_import_names_its_entry_point_and_distribution(tmp_path, monkeypatch, module_text,
+                                                                               detail):
+    monkeypatch.syspath_prepend(str(_broken_distribution(tmp_path, module_text)))
+    with pytest.raises(PluginError) as info:
+        Registry()
+    assert str(info.value) == (f"plugin entry point 'broken' = 'qstrat_broken_plugin' (distribution qstrat-broken "
+                               f"0.3) failed to load: {detail}; fix or uninstall that distribution "
+                               "(pip uninstall qstrat-broken)")
+
+
+def test_qstrat_list_with_a_broken_plugin_is_one_error_line_not_a_traceback(tmp_path):
+    """The old CLI exited 1 with a traceback naming neither the entry point nor the distribution."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    path = _broken_distribution(tmp_path, "import not_installed_anywhere\n")
+    proc = subprocess.run([sys.executable, "-m", "qstrat.cli", "list"], capture_output=True, text=True, timeout=300,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": f"{path}:{root}"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: plugin entry point 'broken' = 'qstrat_broken_plugin' (distribution "
+                                  "qstrat-broken 0.3) failed to load: ModuleNotFoundError")
+
+
+def test_a_hook_that_raises_names_the_plugin_and_hook():
+    class Raiser:
+        @hookimpl
+        def qstrat_selectors(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(PluginError, match=r"^Raiser \(in-process\): hook qstrat_selectors raised RuntimeError: boom$"):
+        Registry(plugins=[Raiser()])
+
+
+def test_an_unhashable_plugin_object_is_named():
+    class Unhashable:
+        def __eq__(self, other):
+            return False
+
+        @hookimpl
+        def qstrat_serializers(self):
+            return []
+
+    with pytest.raises(PluginError, match=r"^plugin Unhashable: a plugin must be hashable"):
+        Registry(plugins=[Unhashable()])
+
+
+@pytest.mark.parametrize("predicate,message", [
+    (5, r"^Plugin \(in-process\): qstrat_selectors: selector 'mine': predicate must be a callable ParsedName -> "
+        r"bool, got 5$"),
+    (lambda p: 1 / 0, r"^selector 'mine' from Plugin \(in-process\): its predicate raised ZeroDivisionError: "
+                      r"division by zero on model\.layers\.0\."),
+    (lambda p: torch.tensor([True, False]), r"^selector 'mine' from Plugin \(in-process\): its predicate must "
+                                            r"return a bool, got Tensor on model\.layers\.0\."),
+])
+def test_a_broken_selector_is_a_plugin_error_naming_it(predicate, message):
+    from plan_cases import small_moe
+
+    cfg, tensors = small_moe()
+    with pytest.raises(PluginError, match=message):
+        reg = registry(selectors=[Selector("mine", "", predicate)])
+        qstrat.RefitDriver({"rules": [{"select": "mine", "serializer": "block_fp8"}]}, hf_config=cfg,
+                           registry=reg).plan(tensors)
+
+
+class PartNames(Good):
+    name = "part_names"
+
+    def matrix_parts(self, n, k):
+        return ("weight",)
+
+
+class NoParts(Good):
+    name = "no_parts"
+
+    def reference(self, x, context):
+        return None
+
+
+class StrConfig(Good):
+    name = "str_config"
+
+    def vllm_quantization_config(self, ignored):
+        return "fp8"
+
+
+@pytest.mark.parametrize("cls,message", [
+    (PartNames, r"^serializer 'part_names' \(test_registry\.PartNames\): matrix_parts\(256, 128\) must return a "
+                r"tuple of PartSpec, got \('weight',\)$"),
+    (NoParts, r"^serializer 'no_parts' returned NoneType None for reference\(\) chunk \[0:4, 0:256\]; it must "
+              r"return a dict suffix -> tensor"),
+    (StrConfig, r"^serializer 'str_config' \(test_registry\.StrConfig\): vllm_quantization_config must return a "
+                r"dict \(the engine's quantization_config\) or None, got str 'fp8'$"),
+])
+def test_a_serializer_returning_the_wrong_type_is_a_plugin_error_naming_it(cls, message):
+    """The old code: AttributeError from base.py ('str' object has no attribute 'suffix',
+    'NoneType' object has no attribute 'items'); a str config was accepted until write_checkpoint."""
+    from plan_cases import small_moe
+
+    cfg, tensors = small_moe()
+    reg = registry(serializers=[cls])
+    driver = qstrat.RefitDriver({"rules": [{"select": "experts", "serializer": cls.name}]}, hf_config=cfg, registry=reg)
+    with pytest.raises(PluginError, match=message):
+        list(driver.run({n: torch.zeros(t.shape, dtype=t.dtype) for n, t in tensors.items()}))

@@ -149,3 +149,65 @@ def test_is_weight_matrix_is_a_2d_weight_or_a_3d_slab():
     slab = QWEN3_MOE.parse("model.layers.0.mlp.experts.gate_up_proj")
     assert [is_weight_matrix(q, 2), is_weight_matrix(q, 1), is_weight_matrix(q, 3)] == [True, False, False]
     assert [is_weight_matrix(bias, 2), is_weight_matrix(slab, 3), is_weight_matrix(slab, 2)] == [False, True, False]
+
+
+# ---- one name form for patterns, whatever wraps the model (issue 36, item 1) ------------------
+def _wrapped(sd: dict, wrap: str) -> dict:
+    """``sd`` as a wrapped model's state dict names it: a prefix (``_orig_mod.``, ``module.``) or,
+    for FSDP1 with activation checkpointing, modules inserted inside every decoder layer."""
+    if wrap == "fsdp":
+        return {_fsdp_name(k): v for k, v in sd.items()}
+    return {wrap + k: v for k, v in sd.items()}
+
+
+def _fsdp_name(name: str) -> str:
+    """FSDP1 + activation checkpointing per decoder layer: ``_fsdp_wrapped_module.`` at the root
+    and ``_fsdp_wrapped_module._checkpoint_wrapped_module.`` after each layer index (what
+    ``named_parameters()`` gives outside ``summon_full_params``)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit():
+        parts[3:3] = ["_fsdp_wrapped_module", "_checkpoint_wrapped_module"]
+    return "_fsdp_wrapped_module." + ".".join(parts)
+
+
+@pytest.mark.parametrize("wrap", ["_orig_mod.", "module.", "module._orig_mod.", "fsdp"])
+@pytest.mark.parametrize("family, pattern", [("llama", "model.layers.0.*"),
+                                             ("mixtral", "*.block_sparse_moe.*")])
+def test_include_patterns_match_the_checkpoint_name_whatever_wraps_the_model(family, pattern, wrap):
+    """A layer-0 include (Llama) and Mixtral's checkpoint block name (transformers 5 calls it
+    ``mlp.`` in the trainer) plan a wrapped model exactly as the bare one: same decisions per
+    checkpoint name, same ignore list (the old code matched the raw key: 8 vs 1 ignored)."""
+    from model_families import config_dict, hf_config, hf_state_dict
+
+    sd, cfg = hf_state_dict(family), config_dict(hf_config(family))
+    config = {"preset": "block-fp8", "rules": [{"select": "linear", "include": [pattern], "serializer": "bf16"}]}
+    bare = RefitDriver(config, hf_config=cfg).plan(sd)
+    wrapped = RefitDriver(config, hf_config=cfg).plan(_wrapped(sd, wrap))
+    assert wrapped.ignored_layers == bare.ignored_layers
+    kept = {o.name for e in bare.entries if e.rule == "rules[0]" for o in e.outputs}
+    assert kept and kept == {o.name for e in wrapped.entries if e.rule == "rules[0]" for o in e.outputs}
+    assert [(o.name, o.dtype) for o in wrapped.outputs()] == [(o.name, o.dtype) for o in bare.outputs()]
+
+
+def test_checkpoint_name_removes_wrapper_modules_anywhere():
+    from qstrat.builtin.layouts import MIXTRAL
+
+    name = "_fsdp_wrapped_module.model.layers.3._orig_mod._checkpoint_wrapped_module.mlp.gate.weight"
+    assert MIXTRAL.checkpoint_name(name) == "model.layers.3.block_sparse_moe.gate.weight"
+    p = MIXTRAL.parse(name)
+    assert (p.kind, p.layer, p.name, p.checkpoint_name) == ("router", 3, name, MIXTRAL.checkpoint_name(name))
+
+
+# ---- keep_bf16 wins over routers / allow_special rules (issue 36, item 5) ---------------------
+@pytest.mark.parametrize("rule", [
+    {"select": ["linear", "routers"], "serializer": "block_fp8"},
+    {"select": "attention", "include": ["*"], "allow_special": True, "serializer": "block_fp8"}])
+def test_keep_bf16_layers_hold_no_quantized_tensor_whatever_the_rules_say(rule):
+    cfg, tensors = small_moe()
+    plan = RefitDriver({"rules": [rule], "keep_bf16": {"first": 1}}, hf_config=cfg).plan(tensors)
+    e = by_name(plan)
+    router = e["model.layers.0.mlp.gate.weight"]
+    assert (router.serializer, router.rule) == (PASSTHROUGH, "keep_bf16.first")  # old code: block_fp8
+    assert "model.layers.0.mlp.gate" in plan.ignored_layers
+    assert not [n for n, x in e.items() if x.layer == 0 and x.serializer == "block_fp8"]
+    assert e["model.layers.1.mlp.gate.weight"].serializer == "block_fp8"  # the rule still applies past it

@@ -121,7 +121,7 @@ def test_refit_reads_each_weight_once_for_nan(tiny_model, driver, monkeypatch):
 
     calls = []
     real = base.check_finite
-    monkeypatch.setattr(base, "check_finite", lambda w3, name, chunk: (calls.append(name), real(w3, name, chunk)))
+    monkeypatch.setattr(base, "check_finite", lambda w3, name, chunk: (calls.append(name), real(w3, name, chunk))[1])
     state = tiny_model.state_dict()
     qstrat.vllm.refit(RecordingLLM(driver.plan(state).vllm_quantization_config()), driver, state)
     quantized = [e.name for e in driver.plan(state).entries if e.serializer != "passthrough"]

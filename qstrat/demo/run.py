@@ -22,6 +22,7 @@ import torch
 
 from qstrat.checkpoint import load_checkpoint, write_checkpoint
 from qstrat.console import quiet_torchao_import
+from qstrat.config import load_config
 from qstrat.driver import RefitDriver
 from qstrat.errors import VerificationError
 from qstrat.plan import PASSTHROUGH, RefitPlan
@@ -63,10 +64,12 @@ def run_demo(config: Any = "block-fp8", out_dir: str | Path | None = None, engin
         engine: run the vLLM engine stage when an engine can run here. Whatever the engine writes
             to stderr goes to ``engine.log`` next to the checkpoints (:func:`qstrat.console.stderr_to`).
         console: rich Console for progress lines (None: silent).
+    Raises: ConfigError for an invalid ``config`` (before any folder is made).
     """
     say = console.print if console is not None else (lambda *a, **k: None)
     quiet_torchao_import()  # transformers imports torchao when it is installed
     report = DemoReport()
+    config = load_config(config)  # a bad config is refused before any folder is made
     out = Path(out_dir or tempfile.mkdtemp(prefix="qstrat-demo-"))
     try:
         _run_stages(report, config, out, engine, say)

@@ -441,8 +441,12 @@ def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path
         trainer_kwargs: the trainer's own arguments (``model``, ``args``, ``processing_class``, ...).
     Returns: the trainer; its sync is ``trainer.vllm_generation.sync_weights``
         (a :class:`QstratWeightSync`: ``.reports``, ``.checkpoint``, ``.plan``).
-    Raises: what :func:`rollouts` and :meth:`QstratRollouts.attach` raise, and what the trainer raises.
+    Raises: TypeError for a ``trainer_cls`` that is not callable (before anything starts); what
+        :func:`rollouts` and :meth:`QstratRollouts.attach` raise, and what the trainer raises.
     """
+    if not callable(trainer_cls):  # refused before rollouts() writes a checkpoint or starts an engine
+        raise TypeError(f"make_trainer: trainer_cls must be a TRL trainer class (e.g. trl.GRPOTrainer), got "
+                        f"{type(trainer_cls).__name__} {trainer_cls!r:.60}")
     with rollouts(strategy, checkpoint_dir=checkpoint_dir, engine_kwargs=engine_kwargs,
                   verify_every=verify_every) as handle:
         trainer = trainer_cls(**trainer_kwargs)

@@ -13,15 +13,20 @@ from qstrat.layouts import SlabSpec
 from qstrat.plan.data import PlanEntry, natural_key
 
 
-def check_groups(entries: Sequence[PlanEntry]) -> list[str]:
-    """Members of one engine-fused group (q/k/v, gate/up) must share serializer and options."""
+def check_groups(entries: Sequence[PlanEntry], checkpoint_form: Callable[[PlanEntry], Any] | None = None) -> list[str]:
+    """Members of one engine-fused group (q/k/v, gate/up) must share serializer and options.
+
+    ``checkpoint_form``: what of an entry's format decides its bytes (the planner's: the format
+    name and its options with defaults filled in, ``backend`` and ``chunk_elements`` left out, so
+    ``{"ue8m0": false}`` equals ``{}``); default: serializer name and options as written."""
+    form = checkpoint_form or (lambda e: (e.serializer, e.options))
     seen: dict[str, PlanEntry] = {}
     errors = []
     for e in entries:
         if not e.group:
             continue
         first = seen.setdefault(e.group, e)
-        if first is not e and (first.serializer != e.serializer or first.options != e.options):
+        if first is not e and form(first) != form(e):
             errors.append(f"{e.name} ({e.serializer} {e.options}, {e.rule}) and {first.name} "
                           f"({first.serializer} {first.options}, {first.rule}) are fused by the engine "
                           "but planned differently")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from qstrat.config import RefitConfig
-from qstrat.errors import PlanError, UnsupportedShapeError
+from qstrat.errors import PlanError, PluginError, UnsupportedShapeError
 from qstrat.frozen import fast_builder
 from qstrat.layouts import ModelLayout, ParsedName
 from qstrat.plan import checks, structure
@@ -125,7 +125,8 @@ class Planner:
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
         entries = order_entries(entries, order, names_sorted=order == "natural")
-        errors += checks.check_groups(entries) + checks.check_outputs(entries)
+        self._whole_module_fallbacks(entries, num_layers, errors)
+        errors += checks.check_groups(entries, self.checkpoint_form) + checks.check_outputs(entries)
         self._engine_fusions(entries, num_layers, errors)
         num_experts = self.layout.num_experts(self.hf_config)
         errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
@@ -157,6 +158,8 @@ class Planner:
     def entry(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
               num_layers: int | None) -> PlanEntry:
         """The plan entry of one input. Raises PlanError / UnsupportedShapeError naming the cause."""
+        if shape and min(shape) < 0:  # a lazy handle's header, a hand-made spec: never a real tensor
+            raise PlanError(f"shape {list(shape)} has a negative dimension")
         p = self.layout.parse(name, num_layers)  # what decide() does, without a Decision object
         serializer, options, rule = self.rules.choose(p, is_weight_matrix(p, len(shape)), num_layers)
         dname = dtype_name(dtype)
@@ -191,6 +194,54 @@ class Planner:
         outs = self._outputs(p, specs, shape, None if note else ser)
         return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                            options, outs, fusion_group(self.layout, p), note, p.vllm_module)
+
+    def checkpoint_form(self, e: PlanEntry) -> tuple[str, str]:
+        """What of ``e``'s format decides the bytes it emits: its serializer name and options with
+        the defaults filled in, less those that never change a byte (``backend``: every backend
+        gives the reference's bytes; ``chunk_elements``: chunking does not change them), so fused
+        siblings planned with ``{"ue8m0": false}`` and ``{}`` are alike (:func:`checks.check_groups`)."""
+        if e.serializer == PASSTHROUGH:
+            return e.serializer, ""
+        options = self.serializer(e.serializer, e.options).options
+        return e.serializer, repr(sorted(options.model_dump(exclude={"backend", "chunk_elements"}).items()))
+
+    def _whole_module_fallbacks(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
+        """A tensor that fell back to BF16 (``on_unsupported: bf16``: a shape its format cannot
+        represent) takes the rest of the module the engine loads it into with it - a layer's
+        routed experts (one fused-MoE module: Qwen3-MoE ``moe_intermediate_size=80`` under MXFP8,
+        whose ``down_proj`` K=80 is off the 32 block while gate/up are not) or an engine-fused
+        group (q/k/v) - kept BF16 with a ``note`` naming the tensor and the reason, as
+        :meth:`_engine_fusions` does. Where a rule that quantizes the rest has no
+        ``on_unsupported: bf16``, an error names the fallback and that rule instead."""
+        units: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            key = e.engine_module if e.kind == "expert" else e.group
+            if key is not None and len(e.shape) >= 2 and e.serializer != PASSTHROUGH:
+                units.setdefault(key, []).append(i)
+        bf16 = None
+        for unit, indices in units.items():
+            fell = next((entries[i] for i in indices if entries[i].note.startswith("BF16 fallback")), None)
+            if fell is None:
+                continue
+            rest = [i for i in indices if not entries[i].note and self.serializer(entries[i].serializer,
+                                                                                  entries[i].options).quantizes]
+            if not rest:
+                continue
+            strict = sorted({entries[i].rule for i in rest if (r := self.rules.rule_for(entries[i].rule)) is None
+                             or r.on_unsupported != "bf16"})
+            reason = fell.note.removeprefix("BF16 fallback: ")
+            if strict:
+                errors.append(f"{unit}: {fell.name} falls back to BF16 ({reason}), but {', '.join(strict)} "
+                              f"quantizes the rest of the module the engine loads as one ({entries[rest[0]].name}, "
+                              "...); set on_unsupported: bf16 there too to keep the whole module BF16")
+                continue
+            bf16 = bf16 or self.serializer("bf16", {})
+            for i in rest:
+                e = entries[i]
+                p = self.layout.parse(e.name, num_layers)
+                entries[i] = dataclasses.replace(e, serializer="bf16", options={},
+                                                 outputs=self._outputs(p, bf16.part_specs(e.shape), e.shape),
+                                                 note=f"BF16 fallback: {unit}: {fell.name}: {reason}")
 
     def _engine_fusions(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
         """Engine-fused modules the engine cannot load in their format
@@ -285,6 +336,10 @@ class Planner:
         configs: dict[str, dict[str, Any]] = {}
         for ser in used.values():
             cfg = ser.vllm_quantization_config(ignored)
+            if cfg is not None and not isinstance(cfg, Mapping):
+                raise PluginError(f"serializer {ser.name!r} ({type(ser).__module__}.{type(ser).__qualname__}): "
+                                  f"vllm_quantization_config must return a dict (the engine's quantization_config) "
+                                  f"or None, got {type(cfg).__name__} {cfg!r:.60}")
             configs.setdefault(repr(cfg), cfg)
         if len(configs) > 1:
             formats = sorted({s.name for s in used.values()})
