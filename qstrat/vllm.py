@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from qstrat.driver import RefitDriver, layout_for
-from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
+from qstrat.errors import (ConfigOnlyUnsupportedError, EngineBuildError, EngineManifestError, EngineStateError,
+                           PlanError)
 from qstrat.inputs import NamedTensors
 from qstrat.engine_ignore import quantizes_lm_head, unquantized_modules
 from qstrat.engine_manifest import EngineManifest, build_manifest, check_plan, plan_format_mismatch
@@ -122,11 +123,76 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
             model = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
-        errors = model_record.cross_check(manifest, model)
-        if errors:
-            raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
-                                "sent):\n  " + "\n  ".join(errors[:25]))
+        _cross_check(manifest, model)
     cache[key] = manifest
+    return manifest
+
+
+_BUILT = "vLLM built modules in another format than the engine's quantization_config says:\n  "
+
+
+def _cross_check(manifest: EngineManifest, model: model_record.EngineModel) -> None:
+    """Raise EngineBuildError for a module vLLM built in another format than ``manifest`` says,
+    EngineManifestError for any other disagreement (:func:`model_record.cross_check`)."""
+    misbuilt = model_record.format_errors(manifest, model)
+    if misbuilt:
+        raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
+    errors = model_record.cross_check(manifest, model)
+    if errors:
+        raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
+                                  "sent):\n  " + "\n  ".join(errors[:25]))
+
+
+def check_engine_built(llm: Any, driver: RefitDriver | None = None) -> EngineManifest | None:
+    """Check, right after an engine starts and before its first rollout, that vLLM built every
+    module in the format its ``quantization_config`` says (:func:`engine_manifest`, cross-checked
+    with vLLM's record of the model).
+
+    Checked for a quantized engine of a layout whose manifest comes from the model config; an
+    unquantized engine (nothing to build in another format) and a layout without a config-only
+    manifest (the ``generic`` layout) are not checked (None). A multiprocess engine's manifest is
+    not cross-checked from here (its RPC carries no reader function); the qstrat weight-transfer
+    backend checks such an engine inside its worker (:func:`check_model_built`).
+
+    Returns: the manifest, or None when not checked.
+    Raises: EngineBuildError naming each module vLLM built in another format, both formats and the
+        fix; EngineManifestError for any other disagreement between the manifest and vLLM's model.
+    """
+    if engine_quantization_config(llm) is None:
+        return None
+    try:
+        return engine_manifest(llm, driver)
+    except EngineManifestError as exc:
+        if isinstance(exc.__cause__, ConfigOnlyUnsupportedError):
+            return None
+        raise
+
+
+def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
+    """:func:`check_engine_built` from inside a vLLM worker: ``vllm_config`` (vLLM's ``VllmConfig``)
+    and ``model`` (the built ``torch.nn.Module``, after ``initialize_model`` recorded it), e.g. at a
+    weight-transfer backend's init. The format check of :func:`check_engine_built`: raises
+    EngineBuildError only (the other disagreements with vLLM's model are each round's to refuse).
+
+    Returns: the manifest, or None when not checked (as :func:`check_engine_built`)."""
+    from qstrat.registry import get_registry
+
+    mc = vllm_config.model_config
+    qc = quantization_config_of(mc.hf_config)
+    if qc is None:
+        return None
+    hf = mc.hf_config.to_dict()
+    registry = get_registry()
+    layout = layout_for(registry, None, hf)
+    try:
+        manifest = build_manifest(hf, qc, layout, registry, mc.dtype, device_type(),
+                                  unbuilt=layout.non_decoder_prefixes if _no_towers(mc) else ())
+    except ConfigOnlyUnsupportedError:
+        return None
+    world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
+    misbuilt = model_record.format_errors(manifest, model_record.read_model(model, world))
+    if misbuilt:
+        raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
     return manifest
 
 
