@@ -217,7 +217,7 @@ def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None
 
 
 def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
-                            registry: Registry | None = None) -> None:
+                            registry: Registry | None = None, llm: Any = None) -> None:
     """Raise PlanError unless the plan emits what the engine's modules expect.
 
     Checks the format (:func:`check_engine_format`) and both directions of the
@@ -230,12 +230,19 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
     Raises: PlanError naming the modules; IgnoreRuleError (an EngineManifestError) for a list
         vLLM itself refuses or that qstrat cannot read unambiguously.
 
+    With ``llm`` (the running engine whose config ``engine_config`` is), also what vLLM BUILT from
+    that config (:func:`check_engine_built`): together, every module is served in the plan's format.
+
     Args:
         plan: the validated refit plan.
         engine_config: the engine's ``quantization_config`` (None: unquantized engine).
         registry: where the plan's formats are looked up (default: the process-wide registry).
+        llm: the running ``vllm.LLM`` (optional); raises EngineBuildError naming a module vLLM
+            built in another format, both formats and the fix.
     """
     check_engine_format(plan, engine_config, registry)
+    if llm is not None:
+        check_engine_built(llm)
     mine = plan.vllm_quantization_config()
     if mine is None or engine_config is None:
         return
@@ -332,7 +339,7 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
           plan: RefitPlan | None = None, manifest: EngineManifest | None = None,
           allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None,
-          verify: Any = None) -> RefitReport:
+          verify: Any = None, read_once: bool = False) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Before the first tensor is sent: :meth:`RefitDriver.prepare` with the engine's checks
@@ -363,13 +370,21 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             ("cannot pickle memoryview objects"), so for such an engine the default is the
             system's temporary folder (``tempfile.gettempdir()``; the engine runs on this host).
             Not with ``stream``.
+        read_once: ``named_tensors`` is an iterator read ONCE, in its order, whose items may be
+            valid only until the next one is drawn (TRL's ``_iter_named_params`` under ZeRO-3 or
+            FSDP, which the caller copies per item): each input is quantized as it arrives and
+            dropped once its fused group is done (:func:`qstrat.stream.execute`), so memory holds
+            the payload (what is sent: quantized parts, BF16 tensors) plus about one layer of
+            inputs, never a copy of every input. Values are checked as they arrive, and the whole
+            payload is built before the reload begins: a bad value is still refused with nothing
+            sent. Needs ``plan`` (the inputs cannot be read twice to plan them); not with ``stream``.
         verify: after the reload, ``verify(llm, driver)`` - e.g.
             ``qstrat.fidelity.Verify(model)``: the fidelity probe (docs/fidelity.md) - and its
             result on ``RefitReport.fidelity``; it raises FidelityError when the engine does not
             serve what was sent (the reload is complete then).
     Returns: a :class:`RefitReport`.
     Raises: ValueError (nothing sent, the engine unchanged) for ``stream`` with ``weights_dir``
-        or with a multiprocess engine; PlanError, BackendUnavailableError or
+        or with a multiprocess engine, ``read_once`` without ``plan`` or with ``stream``; PlanError, BackendUnavailableError or
         NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine must be restarted), and
         for every later refit of that engine; FidelityError from ``verify``.
@@ -379,6 +394,10 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
                         f"got {type(verify).__name__}; nothing was sent")
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
+    if read_once and (plan is None or stream):
+        raise ValueError("refit: read_once needs a plan (the inputs are read once, so they cannot be planned "
+                         "first) and builds the whole payload before the reload (not with stream=True); "
+                         "nothing was sent")
     failed = getattr(llm, _FAILED, None)
     if failed:
         raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
@@ -392,7 +411,10 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             weights_dir = tempfile.gettempdir()
     start = time.perf_counter()
     checks = engine_checks(llm, driver, manifest, allow_cpu_bf16_experts)
-    prepared = driver.prepare(named_tensors, plan, checks)  # values="first": vLLM's reload has no rollback
+    # values="first": vLLM's reload has no rollback (read_once checks them as they arrive, but
+    # the payload is complete - every value checked - before the reload begins)
+    prepared = driver.prepare(named_tensors, plan, checks, values="inline" if read_once else "first",
+                              stream=read_once)
     plan = prepared.plan
     sent = {"tensors": 0, "bytes": 0}
 
