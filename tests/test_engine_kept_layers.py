@@ -119,3 +119,31 @@ def test_an_engine_built_in_another_format_is_refused_and_released(tmp_path, fre
     finally:
         release(llm)
     assert all(math.isfinite(x) for g in out for x in g.logprobs)
+
+
+def test_the_transfer_backend_refuses_a_misbuilt_engine_at_init(tmp_path, fresh_vllm_classes):
+    """The qstrat weight-transfer backend checks the model vLLM built when it is created (in the
+    worker, before any round): the shard-only checkpoint's engine does not start at all, even with
+    start_engine's own check off."""
+    import json
+
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.engine.local import start_engine
+    from qstrat.errors import EngineBuildError
+
+    cfg, driver = _models("qwen3_moe-mlp_only", "mxfp8", "keep_first")
+    plan = write_checkpoint(driver, mf.random_model(cfg, 1).state_dict(), tmp_path / "b")
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    config["quantization_config"] = plan.vllm_quantization_config()  # shards only
+    (tmp_path / "b" / "config.json").write_text(json.dumps(config))
+    mf.vllm_teardown()
+    try:
+        with pytest.raises(EngineBuildError, match=r"model\.layers\.0\.mlp\.gate_up_proj \(checkpoint "
+                                                   r"model\.layers\.0\.mlp\.\{gate_proj,up_proj\}\): the engine's "
+                                                   r"quantization_config says unquantized \(bfloat16\), vLLM built "
+                                                   r"it quantized \(float8_e4m3fn \+ uint8\)"):
+            start_engine(tmp_path / "b", check_built=False, weight_transfer_config={"backend": "qstrat"})
+    finally:
+        from qstrat.vllm_adapter.resolver import resolve
+
+        resolve("cleanup_dist_env_and_memory")()  # the half-started engine's distributed state
