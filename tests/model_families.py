@@ -77,6 +77,7 @@ DENSE_LAYER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe-mlp_only": ("qwen3_moe", {"mlp_only_layers": [0]}),
     "qwen3_moe-sparse_step": ("qwen3_moe", {"decoder_sparse_step": 2}),
     "qwen2_moe-mlp_only": ("qwen2_moe", {"mlp_only_layers": [0]}),
+    "qwen2_moe": ("qwen2_moe", {}),  # every layer MoE; its shared expert is the dense part
     "deepseek_v3": ("deepseek_v3", {}),
     "glm4_moe": ("glm4_moe", {}),
     "mixtral": ("mixtral", {}),
