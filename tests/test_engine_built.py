@@ -2,8 +2,8 @@
 
 The matrix of issue 31, checked without an engine start: for every family layout with a BF16-kept
 dense or partially-dense layer (Qwen3-MoE ``mlp_only_layers`` and ``decoder_sparse_step``, Qwen2-MoE
-with a dense first layer and its shared expert, DeepSeek-V3 and GLM-4 MoE ``first_k_dense_replace``,
-Mixtral with a kept first layer) x each quantized format (block FP8, MXFP8, NVFP4) x {experts only,
+with a dense first layer and plain, its shared expert the dense part, DeepSeek-V3 and GLM-4 MoE
+``first_k_dense_replace``, Mixtral with a kept first layer) x each quantized format (block FP8, MXFP8, NVFP4) x {experts only,
 every linear layer with the first layer kept BF16}, vLLM 0.32's own model class is built as the
 engine builds it (``initialize_model``: the class's packed-modules mapping copied into the
 quantization config before ``__init__``) from the ``quantization_config`` ``write_checkpoint``
@@ -14,9 +14,11 @@ writes, and:
 - :func:`qstrat.vllm_adapter.model_record.format_errors` - the check every engine qstrat starts
   runs right after start - finds no module built in another format than the plan.
 
-On the code before the fix (the ignore list named shards only) the Qwen3-MoE ``mlp_only_layers``
-and ``decoder_sparse_step`` and Qwen2-MoE cases fail in every format and mode (vLLM built their
-dense ``gate_up_proj`` - and Qwen2-MoE's shared expert with experts-only formats - quantized).
+On the code before the fix (the ignore list named shards only) the 12 Qwen3-MoE cases
+(``mlp_only_layers`` and ``decoder_sparse_step``, every format and mode) fail: vLLM built their
+dense ``gate_up_proj`` quantized. The Qwen2-MoE ones pass either way: its class is not a
+``SupportsQuant``, so vLLM hands the quantization config the class's mapping by reference and
+sees the ``gate_up_proj`` its ``__init__`` adds in time.
 The live engines (generation, fidelity probe, refit) run on a subset: tests/test_engine_kept_layers.py.
 """
 from __future__ import annotations
