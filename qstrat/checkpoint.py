@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from qstrat.engine_ignore import with_engine_ignore_list
 from qstrat.engine_manifest import model_tensors_check
 from qstrat.driver import RefitDriver
 from qstrat.inputs import NamedTensors
@@ -296,7 +297,8 @@ def _write_errors(out: Path) -> Iterator[None]:
 
 def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any) -> dict[str, Any]:
     """The config.json a checkpoint of ``plan`` gets: ``hf_config`` with the plan's
-    ``quantization_config`` (removed for a BF16 plan; a ``text_config.quantization_config`` or
+    ``quantization_config``, its ignore list in vLLM's terms (:func:`checkpoint_quantization_config`;
+    removed for a BF16 plan; a ``text_config.quantization_config`` or
     ``compression_config``, which vLLM would read too, removed) and ``architectures`` filled in when it is
     missing or null in a model config (one with ``model_type``), as ``model.config.to_dict()``
     gives it (vLLM picks the model class from it). A mapping without ``model_type`` (no model
@@ -319,7 +321,7 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
     if isinstance(cfg.get("text_config"), Mapping) and "quantization_config" in cfg["text_config"]:
         cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k != "quantization_config"}
     if plan.quantization_config is not None:
-        cfg["quantization_config"] = plan.vllm_quantization_config()
+        cfg["quantization_config"] = checkpoint_quantization_config(plan, layout)
     if not cfg.get("architectures") and cfg.get("model_type"):
         arch = layout.output_architecture(cfg)
         if arch is None:
@@ -335,6 +337,13 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
         except (TypeError, ValueError) as exc:
             raise QstratError(f"the model config's {key!r} cannot be written to config.json: {exc}") from exc
     return cfg
+
+
+def checkpoint_quantization_config(plan: RefitPlan, layout: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` a checkpoint of ``plan`` carries: the plan's, its ignore list
+    written in the terms vLLM matches (:func:`qstrat.engine_ignore.with_engine_ignore_list`: a fused
+    module kept whole under its fused name AND its shards, from ``layout.fused``). None for a BF16 plan."""
+    return with_engine_ignore_list(plan.vllm_quantization_config(), layout.fused)
 
 
 def assign_shards(outputs: list[OutputTensor], shard_bytes: int) -> list[list[OutputTensor]]:

@@ -31,6 +31,16 @@ vLLM's fused names and shards: ``qkv_proj`` = q/k/v, ``gate_up_proj`` = gate/up,
 ``fused_qkv_a_proj`` = DeepSeek's ``q_a_proj`` + ``kv_a_proj_with_mqa`` (:data:`ENGINE_FUSED_NAMES`,
 the ``packed_modules_mapping`` of vLLM's model classes). Names are compared in checkpoint form (a
 model's weights mapper renames entries and prefixes alike).
+
+Which of the two names vLLM consults for a fused module depends on the model class and the vLLM
+version, not on the method: the shard rule applies only when the fused name is in the
+``packed_modules_mapping`` that vLLM copies into the quantization config BEFORE the model is built
+(``configure_quant_config``). vLLM 0.32's Qwen3-MoE adds ``gate_up_proj`` to its mapping inside
+``__init__`` (and only when ``mlp_only_layers`` is set), so its dense MLPs are matched by the
+fused name alone; DeepSeek-V3's class lists ``gate_up_proj`` up front, so its shards count. vLLM
+0.32 also honours a listed fused name before the shards; earlier versions consult only the shards
+where the mapping has the module. :func:`engine_ignore_list` therefore writes BOTH names for every
+fused module kept whole: each reading then finds it, whatever the class and version.
 """
 from __future__ import annotations
 
@@ -58,6 +68,54 @@ class IgnoreRuleError(EngineManifestError):
     an entry whose reading depends on vLLM's per-model data, a method qstrat does not know)."""
 
 
+def engine_ignore_list(entries: Sequence[str], fused: Sequence[Sequence[str]]) -> list[str]:
+    """``entries`` (unfused module prefixes, ``model.layers.0.mlp.gate_proj``) as an engine's ignore
+    list must say them: each entry, plus vLLM's fused name (``model.layers.0.mlp.gate_up_proj``)
+    for every fused group (``fused``: the layout's groups that :data:`ENGINE_FUSED_NAMES` knows) whose
+    members are ALL listed under one parent; in natural order, no duplicates.
+
+    Why both names: see the module docstring (vLLM matches the fused name or the shards depending
+    on the model class and the vLLM version; with both listed every reading keeps the module).
+    A group listed in part gets no fused name (vLLM refuses such a list at start, and the plan
+    refuses it first: a module with quantized and unquantized tensors).
+    """
+    from qstrat.plan.data import natural_key
+
+    listed = set(entries)
+    out = dict.fromkeys(entries)
+    for group in fused:
+        name = ENGINE_FUSED_NAMES.get(tuple(group))
+        if name is None:
+            continue
+        for e in entries:
+            parent, _, proj = e.rpartition(".")
+            if parent and proj == group[0] and all(f"{parent}.{s}" in listed for s in group):
+                out.setdefault(f"{parent}.{name}")
+    return sorted(out, key=natural_key)
+
+
+def with_engine_ignore_list(quantization_config: Mapping[str, Any] | None,
+                            fused: Sequence[Sequence[str]]) -> dict[str, Any] | None:
+    """A copy of ``quantization_config`` whose ignore list (under the key its method reads,
+    :func:`ignore_entries`) is :func:`engine_ignore_list` of it; None stays None.
+
+    Raises: IgnoreRuleError if the list is not a list of strings.
+    """
+    if quantization_config is None:
+        return None
+    cfg = dict(quantization_config)
+    entries = ignore_entries(cfg)
+    if not entries:
+        return cfg
+    written = engine_ignore_list(entries, fused)
+    key = _ignore_key(cfg)
+    if key == "quantization.exclude_modules":
+        cfg["quantization"] = {**cfg["quantization"], "exclude_modules": written}
+    else:
+        cfg[key] = written
+    return cfg
+
+
 def method_of(quantization_config: Mapping[str, Any]) -> str:
     """The config's ``quant_method`` as vLLM names it: lower-cased, ``compressed_tensors`` ->
     ``compressed-tensors``, ``modelopt`` for a producer-only ModelOpt hf_quant_config.json."""
@@ -76,23 +134,28 @@ def ignore_entries(quantization_config: Mapping[str, Any] | None) -> list[str]:
     Raises: IgnoreRuleError if the list is not a list of strings (vLLM refuses it too).
     """
     cfg = quantization_config or {}
-    method = method_of(cfg)
-    nested = cfg.get("quantization")
-    if method == "fp8":
-        key, entries = "ignored_layers", cfg.get("ignored_layers") or cfg.get("modules_to_not_convert")
-        key = key if cfg.get("ignored_layers") else "modules_to_not_convert"
-    elif method in MODELOPT_METHODS and isinstance(nested, Mapping):
-        key, entries = "quantization.exclude_modules", nested.get("exclude_modules")
-    elif method == "mxfp8" and not cfg.get("quant_algo"):
-        key, entries = "ignored_layers", cfg.get("ignored_layers")
-    else:
-        key, entries = "ignore", cfg.get("ignore")
+    key = _ignore_key(cfg)
+    entries = (cfg.get("quantization") or {}).get("exclude_modules") if key == "quantization.exclude_modules" \
+        else cfg.get(key)
     if entries is None:
         return []
     if not isinstance(entries, (list, tuple)) or not all(isinstance(e, str) for e in entries):
         raise IgnoreRuleError(f"quantization_config.{key} must be a list of module names (strings), "
                               f"got {entries!r}")
     return list(entries)
+
+
+def _ignore_key(cfg: Mapping[str, Any]) -> str:
+    """Where the config's method reads its ignore list (module docstring)."""
+    method = method_of(cfg)
+    if method == "fp8":
+        return "ignored_layers" if cfg.get("ignored_layers") or not cfg.get("modules_to_not_convert") \
+            else "modules_to_not_convert"
+    if method in MODELOPT_METHODS and isinstance(cfg.get("quantization"), Mapping):
+        return "quantization.exclude_modules"
+    if method == "mxfp8" and not cfg.get("quant_algo"):
+        return "ignored_layers"
+    return "ignore"
 
 
 def quantizes_lm_head(quantization_config: Mapping[str, Any] | None) -> bool:

@@ -37,6 +37,13 @@ class EngineManifestError(QstratError):
     manifest and vLLM's own record of the model. Nothing was sent."""
 
 
+class EngineBuildError(EngineManifestError):
+    """vLLM built a module in another format than the engine's ``quantization_config`` (the plan)
+    says - e.g. quantized from BF16 weights with no scales, which serves NaN. The message names
+    the module, both formats and the fix. Raised right after an engine starts; the engine qstrat
+    started is released first."""
+
+
 class EngineStateError(QstratError, RuntimeError):
     """A refit failed after the engine began its reload (out of memory, an engine-side fault, an
     error while streaming). vLLM's layerwise reload has no rollback, so the engine's weights are

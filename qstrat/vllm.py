@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from qstrat.driver import RefitDriver, layout_for
-from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, EngineStateError, PlanError
+from qstrat.errors import (ConfigOnlyUnsupportedError, EngineBuildError, EngineManifestError, EngineStateError,
+                           PlanError)
 from qstrat.inputs import NamedTensors
 from qstrat.engine_ignore import quantizes_lm_head, unquantized_modules
 from qstrat.engine_manifest import EngineManifest, build_manifest, check_plan, plan_format_mismatch
@@ -123,14 +124,81 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
             model = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
-        released = model_record.released_errors(model)
-        if released:
-            raise EngineManifestError("this engine cannot be refit (nothing was sent): " + released[0])
-        errors = model_record.cross_check(manifest, model)
-        if errors:
-            raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
-                                "sent):\n  " + "\n  ".join(errors[:25]))
+        _cross_check(manifest, model)
     cache[key] = manifest
+    return manifest
+
+
+_BUILT = "vLLM built modules in another format than the engine's quantization_config says:\n  "
+
+
+def _cross_check(manifest: EngineManifest, model: model_record.EngineModel) -> None:
+    """Raise EngineManifestError for weights vLLM released after loading
+    (:func:`model_record.released_errors`), EngineBuildError for a module vLLM built in another
+    format than ``manifest`` says, EngineManifestError for any other disagreement
+    (:func:`model_record.cross_check`)."""
+    released = model_record.released_errors(model)
+    if released:
+        raise EngineManifestError("this engine cannot be refit (nothing was sent): " + released[0])
+    misbuilt = model_record.format_errors(manifest, model)
+    if misbuilt:
+        raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
+    errors = model_record.cross_check(manifest, model)
+    if errors:
+        raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
+                                  "sent):\n  " + "\n  ".join(errors[:25]))
+
+
+def check_engine_built(llm: Any, driver: RefitDriver | None = None) -> EngineManifest | None:
+    """Check, right after an engine starts and before its first rollout, that vLLM built every
+    module in the format its ``quantization_config`` says (:func:`engine_manifest`, cross-checked
+    with vLLM's record of the model).
+
+    Checked for a quantized engine of a layout whose manifest comes from the model config; an
+    unquantized engine (nothing to build in another format) and a layout without a config-only
+    manifest (the ``generic`` layout) are not checked (None). A multiprocess engine's manifest is
+    not cross-checked from here (its RPC carries no reader function); the qstrat weight-transfer
+    backend checks such an engine inside its worker (:func:`check_model_built`).
+
+    Returns: the manifest, or None when not checked.
+    Raises: EngineBuildError naming each module vLLM built in another format, both formats and the
+        fix; EngineManifestError for any other disagreement between the manifest and vLLM's model.
+    """
+    if engine_quantization_config(llm) is None:
+        return None
+    try:
+        return engine_manifest(llm, driver)
+    except EngineManifestError as exc:
+        if isinstance(exc.__cause__, ConfigOnlyUnsupportedError):
+            return None
+        raise
+
+
+def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
+    """:func:`check_engine_built` from inside a vLLM worker: ``vllm_config`` (vLLM's ``VllmConfig``)
+    and ``model`` (the built ``torch.nn.Module``, after ``initialize_model`` recorded it), e.g. at a
+    weight-transfer backend's init. The format check of :func:`check_engine_built`: raises
+    EngineBuildError only (the other disagreements with vLLM's model are each round's to refuse).
+
+    Returns: the manifest, or None when not checked (as :func:`check_engine_built`)."""
+    from qstrat.registry import get_registry
+
+    mc = vllm_config.model_config
+    qc = quantization_config_of(mc.hf_config)
+    if qc is None:
+        return None
+    hf = mc.hf_config.to_dict()
+    registry = get_registry()
+    layout = layout_for(registry, None, hf)
+    try:
+        manifest = build_manifest(hf, qc, layout, registry, mc.dtype, device_type(),
+                                  unbuilt=layout.non_decoder_prefixes if _no_towers(mc) else ())
+    except ConfigOnlyUnsupportedError:
+        return None
+    world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
+    misbuilt = model_record.format_errors(manifest, model_record.read_model(model, world))
+    if misbuilt:
+        raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
     return manifest
 
 
@@ -155,7 +223,7 @@ def check_engine_format(plan: RefitPlan, engine_config: Mapping[str, Any] | None
 
 
 def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
-                            registry: Registry | None = None) -> None:
+                            registry: Registry | None = None, llm: Any = None) -> None:
     """Raise PlanError unless the plan emits what the engine's modules expect.
 
     Checks the format (:func:`check_engine_format`) and both directions of the
@@ -168,12 +236,19 @@ def check_engine_compatible(plan: RefitPlan, engine_config: Mapping[str, Any] | 
     Raises: PlanError naming the modules; IgnoreRuleError (an EngineManifestError) for a list
         vLLM itself refuses or that qstrat cannot read unambiguously.
 
+    With ``llm`` (the running engine whose config ``engine_config`` is), also what vLLM BUILT from
+    that config (:func:`check_engine_built`): together, every module is served in the plan's format.
+
     Args:
         plan: the validated refit plan.
         engine_config: the engine's ``quantization_config`` (None: unquantized engine).
         registry: where the plan's formats are looked up (default: the process-wide registry).
+        llm: the running ``vllm.LLM`` (optional); raises EngineBuildError naming a module vLLM
+            built in another format, both formats and the fix.
     """
     check_engine_format(plan, engine_config, registry)
+    if llm is not None:
+        check_engine_built(llm)
     mine = plan.vllm_quantization_config()
     if mine is None or engine_config is None:
         return
@@ -270,7 +345,7 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,
           plan: RefitPlan | None = None, manifest: EngineManifest | None = None,
           allow_cpu_bf16_experts: bool = False, weights_dir: str | Path | None = None,
-          verify: Any = None) -> RefitReport:
+          verify: Any = None, read_once: bool = False) -> RefitReport:
     """Quantize trainer tensors and reload them into a running vLLM ``LLM``.
 
     Before the first tensor is sent: :meth:`RefitDriver.prepare` with the engine's checks
@@ -301,13 +376,21 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             ("cannot pickle memoryview objects"), so for such an engine the default is the
             system's temporary folder (``tempfile.gettempdir()``; the engine runs on this host).
             Not with ``stream``.
+        read_once: ``named_tensors`` is an iterator read ONCE, in its order, whose items may be
+            valid only until the next one is drawn (TRL's ``_iter_named_params`` under ZeRO-3 or
+            FSDP, which the caller copies per item): each input is quantized as it arrives and
+            dropped once its fused group is done (:func:`qstrat.stream.execute`), so memory holds
+            the payload (what is sent: quantized parts, BF16 tensors) plus about one layer of
+            inputs, never a copy of every input. Values are checked as they arrive, and the whole
+            payload is built before the reload begins: a bad value is still refused with nothing
+            sent. Needs ``plan`` (the inputs cannot be read twice to plan them); not with ``stream``.
         verify: after the reload, ``verify(llm, driver)`` - e.g.
             ``qstrat.fidelity.Verify(model)``: the fidelity probe (docs/fidelity.md) - and its
             result on ``RefitReport.fidelity``; it raises FidelityError when the engine does not
             serve what was sent (the reload is complete then).
     Returns: a :class:`RefitReport`.
     Raises: ValueError (nothing sent, the engine unchanged) for ``stream`` with ``weights_dir``
-        or with a multiprocess engine; PlanError, BackendUnavailableError or
+        or with a multiprocess engine, ``read_once`` without ``plan`` or with ``stream``; PlanError, BackendUnavailableError or
         NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine must be restarted), and
         for every later refit of that engine; FidelityError from ``verify``.
@@ -317,6 +400,10 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
                         f"got {type(verify).__name__}; nothing was sent")
     if stream and weights_dir is not None:
         raise ValueError("refit: stream=True hands vLLM a generator; weights_dir writes a file: pick one")
+    if read_once and (plan is None or stream):
+        raise ValueError("refit: read_once needs a plan (the inputs are read once, so they cannot be planned "
+                         "first) and builds the whole payload before the reload (not with stream=True); "
+                         "nothing was sent")
     failed = getattr(llm, _FAILED, None)
     if failed:
         raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
@@ -330,7 +417,10 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             weights_dir = tempfile.gettempdir()
     start = time.perf_counter()
     checks = engine_checks(llm, driver, manifest, allow_cpu_bf16_experts)
-    prepared = driver.prepare(named_tensors, plan, checks)  # values="first": vLLM's reload has no rollback
+    # values="first": vLLM's reload has no rollback (read_once checks them as they arrive, but
+    # the payload is complete - every value checked - before the reload begins)
+    prepared = driver.prepare(named_tensors, plan, checks, values="inline" if read_once else "first",
+                              stream=read_once)
     plan = prepared.plan
     if callable(getattr(verify, "check_plan", None)):
         verify.check_plan(plan)  # e.g. a format with no fidelity threshold: refused before the reload

@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", _BASE),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _BASE),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**_BASE, **_MOE}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**_BASE, **_MOE, "shared_expert_intermediate_size": 128}),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**_BASE, **_MOE, **_GDN}),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**_BASE, **_MOE, **_GDN}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
@@ -69,12 +70,32 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def hf_config(family: str) -> Any:
-    """The transformers config object of the family's tiny model."""
+#: Layouts with a BF16-kept dense or partially-dense layer: variant -> (family, config overrides).
+#: DeepSeek-V3 and GLM-4 MoE have one through ``first_k_dense_replace`` already; Mixtral has none
+#: (its kept first layer comes from ``keep_bf16``).
+DENSE_LAYER_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe-mlp_only": ("qwen3_moe", {"mlp_only_layers": [0]}),
+    "qwen3_moe-sparse_step": ("qwen3_moe", {"decoder_sparse_step": 2}),
+    "qwen2_moe-mlp_only": ("qwen2_moe", {"mlp_only_layers": [0]}),
+    "qwen2_moe": ("qwen2_moe", {}),  # every layer MoE; its shared expert is the dense part
+    "deepseek_v3": ("deepseek_v3", {}),
+    "glm4_moe": ("glm4_moe", {}),
+    "mixtral": ("mixtral", {}),
+}
+
+
+def variant_config(variant: str) -> Any:
+    """The transformers config of a :data:`DENSE_LAYER_VARIANTS` entry."""
+    family, overrides = DENSE_LAYER_VARIANTS[variant]
+    return hf_config(family, **overrides)
+
+
+def hf_config(family: str, **overrides: Any) -> Any:
+    """The transformers config object of the family's tiny model (``overrides``: more config keys)."""
     import transformers
 
     cls_name, arch, kwargs = FAMILIES[family]
-    cfg = getattr(transformers, cls_name)(**kwargs)
+    cfg = getattr(transformers, cls_name)(**{**kwargs, **overrides})
     cfg.architectures = [arch]
     return cfg
 
@@ -187,7 +208,9 @@ def vllm_model(cfg: Any, quantization_config: dict[str, Any] | None, tmp: Path) 
     mc = ModelConfig(model=str(d), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128,
                      enforce_eager=True, **kwargs)
     vc = VllmConfig(model_config=mc, load_config=LoadConfig(load_format="dummy"))
-    with set_current_vllm_config(vc):
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    with set_current_vllm_config(vc), pristine_packed_mappings(get_model_architecture(mc)[0]):
         _init_distributed(tmp)
         with set_default_torch_dtype(mc.dtype):
             model = initialize_model(vllm_config=vc)
@@ -205,6 +228,22 @@ def vllm_model(cfg: Any, quantization_config: dict[str, Any] | None, tmp: Path) 
          else loaded.quantized_modules).append(name)
     model._qstrat_vllm_config = vc
     return model, loaded
+
+
+@contextmanager
+def pristine_packed_mappings(model_class: type) -> Iterator[None]:
+    """Build ``model_class`` as a FRESH engine process does: vLLM 0.32's Qwen3-MoE and Qwen2-MoE add
+    ``gate_up_proj`` to their CLASS-level ``packed_modules_mapping`` inside ``__init__`` (after
+    ``SupportsQuant.__new__`` copied it into the quantization config), so in one process every
+    later build sees the mapping the first build lacked. Each class's mapping is put back, as a
+    new dict, on exit (the built model keeps the one it was built with)."""
+    saved = {c: {k: list(v) for k, v in c.__dict__["packed_modules_mapping"].items()}
+             for c in model_class.__mro__ if isinstance(c.__dict__.get("packed_modules_mapping"), dict)}
+    try:
+        yield
+    finally:
+        for c, mapping in saved.items():
+            c.packed_modules_mapping = mapping
 
 
 def _init_distributed(tmp: Path) -> None:

@@ -10,6 +10,7 @@ from conftest import per_expert_view
 import qstrat
 from qstrat import NonFiniteError, RefitDriver
 from qstrat.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
+from qstrat.plan import natural_key
 
 
 def u8(t):
@@ -55,7 +56,10 @@ def test_checkpoint_sink_writes_config_and_plan(tiny_model, tiny_hf_config, tmp_
     driver = RefitDriver({"preset": "block-fp8", "keep_bf16": {"last": 1}}, hf_config=tiny_hf_config)
     plan = write_checkpoint(driver, state, tmp_path / "ckpt", shard_bytes=1 << 20)
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert cfg["quantization_config"] == plan.vllm_quantization_config()
+    # the plan's config, its ignore list also naming the kept layer's fused q/k/v as vLLM calls it
+    mine = plan.vllm_quantization_config()
+    assert cfg["quantization_config"] == {**mine, "ignored_layers": sorted(
+        [*mine["ignored_layers"], "model.layers.3.self_attn.qkv_proj"], key=natural_key)}
     assert "model.layers.3.self_attn.q_proj" in cfg["quantization_config"]["ignored_layers"]
     assert (tmp_path / "ckpt" / "model.safetensors.index.json").exists()  # sharded at 1 MiB
     stored = load_checkpoint(tmp_path / "ckpt")

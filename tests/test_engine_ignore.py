@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 import qstrat
 from qstrat import PlanError, RefitDriver
@@ -179,3 +180,73 @@ def test_sink_refuses_bf16_lm_head_into_a_modelopt_engine_that_quantizes_it(tiny
     with pytest.raises(PlanError, match=r"lm_head\.weight: dtype bfloat16, the engine expects float8_e4m3fn "
                                         r"\(lm_head is served quantized \(mxfp8\)\)"):
         qstrat.vllm.refit(RecordingLLM(cfg), mx, state)
+
+
+# ---- the ignore list qstrat writes: every reading of vLLM keeps what the plan keeps ---------------
+#: The packed-modules mappings vLLM's quantization config may hold when a fused module is built:
+#: none (Qwen3-MoE's gate_up_proj with decoder_sparse_step, or before its __init__ adds it), the
+#: class's q/k/v only (Qwen3-MoE's class attribute), or both.
+MAPPINGS = [{}, {"qkv_proj": PACKED["qkv_proj"]}, PACKED]
+
+
+def _vllm_rule_with(method, entries, packed):
+    if method == "fp8":
+        from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+        return lambda p: is_layer_skipped(p, entries, packed, match_mode="exact")
+    if method == "modelopt":
+        from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config
+        cfg = ModelOptMxFp8Config.from_config({"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": list(entries)})
+        cfg.packed_modules_mapping = packed
+        return cfg.is_layer_excluded
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+    return lambda p: should_ignore_layer(p, entries, packed)
+
+
+@pytest.mark.parametrize("preset,method", [("block-fp8", "fp8"), ("mxfp8", "modelopt")])
+def test_the_written_ignore_list_keeps_fused_modules_under_every_mapping(preset, method):
+    """A Qwen3-MoE whose layer 0 is dense and kept BF16: vLLM's own rule, whatever packed-modules
+    mapping its quantization config holds, keeps layer 0's qkv_proj and gate_up_proj unquantized
+    and quantizes layer 1's (the plan's answer). The shard-only list of the old writer lost
+    gate_up_proj with the mappings vLLM 0.32's Qwen3-MoE really has (none, or q/k/v only)."""
+    from qstrat.checkpoint import output_hf_config
+    from qstrat.demo.tiny_model import TINY_QWEN3_MOE
+    from qstrat.engine_ignore import ignore_entries
+
+    hf = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe",
+          "architectures": ["Qwen3MoeForCausalLM"], "mlp_only_layers": [0]}
+    driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 1}}, hf_config=hf)
+    names = [f"model.layers.{i}.self_attn.{p}.weight" for i in (0, 1) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    plan = driver.plan({n: torch.empty(256, 256, dtype=torch.bfloat16, device="meta") for n in names})
+    entries = ignore_entries(output_hf_config(hf, plan, driver.layout)["quantization_config"])
+    assert {"model.layers.0.mlp.gate_up_proj", "model.layers.0.self_attn.qkv_proj",
+            "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"} <= set(entries)
+    for packed in MAPPINGS:
+        rule = _vllm_rule_with(method, entries, packed)
+        assert rule("model.layers.0.mlp.gate_up_proj") and rule("model.layers.0.self_attn.qkv_proj"), packed
+        assert rule("model.layers.0.mlp.down_proj") and rule("model.layers.0.self_attn.o_proj"), packed
+        assert not rule("model.layers.1.self_attn.qkv_proj") and not rule("model.layers.1.self_attn.o_proj"), packed
+    shards_only = ignore_entries(plan.vllm_quantization_config())
+    assert not _vllm_rule_with(method, shards_only, {})("model.layers.0.mlp.gate_up_proj")
+
+
+@pytest.mark.parametrize("method", ["fp8", "modelopt", "compressed-tensors"])
+def test_engine_ignore_list_adds_fused_names_only_for_whole_groups(method):
+    from qstrat.engine_ignore import engine_ignore_list, with_engine_ignore_list
+
+    entries = ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+               "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.gate_proj",
+               "model.layers.2.mlp.shared_expert.gate_proj", "model.layers.2.mlp.shared_expert.up_proj"]
+    want = ["lm_head", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.gate_proj",
+            "model.layers.2.mlp.shared_expert.gate_proj", "model.layers.2.mlp.shared_expert.gate_up_proj",
+            "model.layers.2.mlp.shared_expert.up_proj"]
+    assert engine_ignore_list(entries, QWEN3_MOE.fused) == want  # gate_proj alone: no fused name
+    cfg = _config(method, entries)
+    written = with_engine_ignore_list(cfg, QWEN3_MOE.fused)
+    assert ignore_entries(written) == want and ignore_entries(cfg) == entries  # the input is not changed
+    assert {k: v for k, v in written.items() if v != want} == {k: v for k, v in cfg.items() if v != entries}
+    nested = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "exclude_modules": entries}}
+    assert with_engine_ignore_list(nested, QWEN3_MOE.fused)["quantization"] == {"quant_algo": "NVFP4",
+                                                                              "exclude_modules": want}
+    assert with_engine_ignore_list(None, QWEN3_MOE.fused) is None

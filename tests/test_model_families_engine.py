@@ -89,8 +89,9 @@ def test_refit_equals_fresh_engine(family, preset, tmp_path):
 def test_an_mla_engine_on_vllms_amx_backend_is_refused_before_any_byte(tmp_path):
     """vLLM's AMX MLA backend (its default for MLA models on AMX CPUs, vLLM 0.29+) releases
     kv_b_proj.weight after loading, and a layerwise reload then fails after the first tensor was
-    handed over. An engine explicitly started on it: on an AMX CPU every refit is refused before
-    anything is sent, naming the layers and the fix, and the engine serves what it served; on a
+    handed over. An engine explicitly started on it: on an AMX CPU start_engine refuses it (and
+    releases it), and started unchecked every refit is refused before anything is sent, naming
+    the layers and the fix, and the engine serves what it served; on a
     CPU without AMX vLLM runs its reference MLA backend instead and the refit goes through.
     (start_engine's default on AMX CPUs, CPU_MLA, is what test_refit_equals_fresh_engine's
     DeepSeek-V3 cases run.)"""
@@ -110,7 +111,12 @@ def test_an_mla_engine_on_vllms_amx_backend_is_refused_before_any_byte(tmp_path)
     write_checkpoint(driver, model_b.state_dict(), tmp_path / "b")
     mf.vllm_teardown()
     amx_mla = has_amx() and available("amx_mla_backend")
-    llm = start_engine(tmp_path / "b", attention_backend="AMX_MLA" if available("amx_mla_backend") else None)
+    backend = "AMX_MLA" if available("amx_mla_backend") else None
+    if amx_mla:  # start_engine's own check refuses it right away, and releases it
+        with pytest.raises(EngineManifestError, match="run on vLLM's AMX MLA backend"):
+            start_engine(tmp_path / "b", attention_backend=backend)
+    # as a user's engine, started without qstrat's check: refused at the refit
+    llm = start_engine(tmp_path / "b", attention_backend=backend, check_built=False)
     try:
         fresh_b = greedy(llm, PROMPTS)
         if amx_mla:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qstrat.checkpoint import load_checkpoint, write_checkpoint
+from qstrat.checkpoint import checkpoint_quantization_config, load_checkpoint, write_checkpoint
 from qstrat.console import quiet_torchao_import
 from qstrat.config import load_config
 from qstrat.driver import RefitDriver
@@ -128,9 +128,10 @@ def verify_checkpoint(driver: RefitDriver, tensors: Mapping[str, torch.Tensor],
     plan = driver.plan(tensors)
     stored = load_checkpoint(directory)
     written_cfg = json.loads((directory / "config.json").read_text()).get("quantization_config")
-    if written_cfg != plan.vllm_quantization_config():
+    want_cfg = checkpoint_quantization_config(plan, driver.layout)
+    if written_cfg != want_cfg:
         raise VerificationError(f"{directory}/config.json: quantization_config {written_cfg} differs "
-                                f"from the plan's {plan.vllm_quantization_config()}")
+                                f"from the plan's {want_cfg}")
     planned = {o.name: (o.shape, o.dtype) for o in plan.outputs()}
     got = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in stored.items()}
     if got != planned:

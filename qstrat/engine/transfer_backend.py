@@ -41,6 +41,7 @@ from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.wire_manifest import expected_from_checkpoint
 from qstrat.vllm_adapter.resolver import available, resolve
+from qstrat.vllm import check_model_built
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
 WeightTransferEngine = resolve("weight_transfer_engine")
@@ -99,6 +100,7 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        check_model_built(vllm_config, model)  # EngineBuildError: a module vLLM built in another format
         staging = os.environ.get(ENV_STAGING, "device")
         if staging not in ("device", "host"):
             raise TransportError(f"{ENV_STAGING}={staging!r}: use 'device' or 'host'")

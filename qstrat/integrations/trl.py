@@ -27,9 +27,11 @@ cannot take), then resets the prefix cache. While the trainer is being construct
 2. runs TRL's own ``_init_vllm`` with the module's ``LLM`` swapped, for that call only, for a
    factory that takes TRL's arguments and replaces ``model`` with that checkpoint (and adds
    ``engine_kwargs``);
-3. checks the engine's ``quantization_config`` against the plan
-   (:func:`qstrat.vllm.check_engine_compatible`) and sets the instance's ``sync_weights`` to a
-   :class:`QstratWeightSync`.
+3. checks the engine against the plan before its first rollout
+   (:func:`qstrat.vllm.check_engine_compatible` with the engine: its ``quantization_config``, and
+   what vLLM built from it - a module built in another format refuses to go on) and sets the
+   instance's ``sync_weights`` to a :class:`QstratWeightSync`. If this (or TRL's
+   ``_init_vllm``) fails, every engine started for it is released before the error propagates.
 
 The class and the module are restored when the construction returns or raises. Every hook is
 checked at start (:func:`check_trl`): a TRL without one raises :class:`TRLHookError` naming the
@@ -146,8 +148,18 @@ def _copied(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.
     """Each pair's tensor copied before the iterator moves on: TRL's ``_iter_named_params``
     yields views that are valid only until the next item (ZeRO-3 re-partitions a gathered
     parameter, FSDP1 leaves ``summon_full_params``, PEFT unmerges its adapters in place after the
-    last item). Costs one transient copy of the model's weights on their device."""
+    last item). Costs one transient copy of the model's weights on their device (the checkpoint
+    the engine starts on is written from it, once)."""
     return [(name, t.detach().clone()) for name, t in pairs]
+
+
+def copied_each(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each pair with its tensor copied (same device, dtype and shape) as it is drawn, before the
+    iterator moves on (see :func:`_copied`), one at a time: fed to ``refit(..., read_once=True)``,
+    a copy lives only until its fused group is quantized, so a sync's extra memory is the payload
+    sent plus about one decoder layer of copies - not a copy of the whole (gathered) model."""
+    for name, t in pairs:
+        yield name, t.detach().clone()
 
 
 class QstratWeightSync:
@@ -189,11 +201,23 @@ class QstratWeightSync:
     def __call__(self) -> Any:
         """Refit the engine from the trainer's current weights.
 
+        TRL's items are copied one at a time as they are drawn and quantized as they arrive
+        (:func:`copied_each`, ``refit(..., plan=self.plan, read_once=True)``): the sync's extra
+        memory is the payload it sends (``report.bytes``) plus about one decoder layer of copies.
+        Whatever happens once the reload began - success, a fidelity probe above its threshold, a
+        reload that failed - the engine's prefix cache is reset (its cached KV came from the old
+        weights) and the sync's metrics are logged (``qstrat/sync/seconds`` always; the refit's
+        and the probe's when they ran) before an error propagates.
+
         Returns: the :class:`qstrat.vllm.RefitReport`.
         Raises: what :func:`qstrat.vllm.refit` raises (PlanError, NonFiniteError: nothing sent;
-            EngineStateError: the engine must be restarted).
+            EngineStateError: the reload failed part-way); FidelityError from the probe (the report,
+            with its ``fidelity``, is in :attr:`reports`).
         """
+        import dataclasses
+
         import qstrat.vllm
+        from qstrat.errors import FidelityError
 
         start = time.perf_counter()
         gen = self.generation
@@ -202,18 +226,56 @@ class QstratWeightSync:
             from qstrat.fidelity import Verify
 
             verify = Verify(gen.model)
-        report = qstrat.vllm.refit(gen.llm, self.driver, _copied(gen._iter_named_params()), verify=verify)
-        gen.llm.reset_prefix_cache()
-        self.reports.append(report)
-        if self.metrics is not None:
-            store = self.metrics["train" if gen.model.training else "eval"]
-            values = (report.seconds, float(report.bytes), float(report.tensors), time.perf_counter() - start)
-            if report.fidelity is not None:
-                f = report.fidelity
-                values += (f.mean_kl, f.max_dlogprob, f.bf16_kl)
-            for key, value in zip(METRICS + FIDELITY_METRICS, values):
-                store[key].append(value)
+        report = None
+        failed = False
+        try:
+            report = qstrat.vllm.refit(gen.llm, self.driver, copied_each(gen._iter_named_params()),
+                                       plan=self.plan, read_once=True)
+            if verify is not None:
+                try:
+                    report = dataclasses.replace(report, fidelity=verify(gen.llm, self.driver))
+                except FidelityError as exc:
+                    report = dataclasses.replace(report, fidelity=exc.report)
+                    raise
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            try:
+                gen.llm.reset_prefix_cache()
+            except Exception:
+                if not failed:  # else the refit's own error, which says more, propagates
+                    raise
+            finally:
+                self._log(report, time.perf_counter() - start)
         return report
+
+    def _log(self, report: Any, seconds: float) -> None:
+        """Record ``report`` (None: no reload ran) and append this sync's metrics."""
+        if report is not None:
+            self.reports.append(report)
+        if self.metrics is None:
+            return
+        store = self.metrics["train" if self.generation.model.training else "eval"]
+        values = {"qstrat/sync/seconds": seconds}
+        if report is not None:
+            values.update(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
+            f = report.fidelity
+            if f is not None:
+                values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl)))
+        for key, value in values.items():
+            store[key].append(value)
+
+
+def _release_started(gen: Any, started: list[Any]) -> None:
+    """Release every engine a failed ``_init_vllm`` started (:func:`qstrat.engine.local.release`:
+    its memory and vLLM's process-wide distributed state), and drop the generation's reference."""
+    from qstrat.engine.local import release
+
+    if getattr(gen, "llm", None) is not None and gen.llm in started:
+        del gen.llm
+    while started:
+        release(started.pop())
 
 
 def _hf_config(model: Any) -> dict[str, Any]:
@@ -332,19 +394,26 @@ class QstratRollouts:
         extra = {"enforce_eager": True} if _cpu_engine() else {}  # qstrat's CPU kernels run eagerly
         extra.update(self.engine_kwargs)
 
+        started: list[Any] = []
+
         def llm(*args: Any, **kwargs: Any) -> Any:
             if args or "model" not in kwargs:
                 raise _hook_error(self.version, "VLLMGeneration._init_vllm no longer calls LLM(model=...)")
-            return real_llm(**{**kwargs, **extra, "model": str(checkpoint)})
+            started.append(real_llm(**{**kwargs, **extra, "model": str(checkpoint)}))
+            return started[-1]
 
         module.LLM = llm
         try:
             init_vllm(gen)
+            if not hasattr(gen, "llm"):
+                raise _hook_error(self.version, "VLLMGeneration._init_vllm did not set .llm")
+            # before the first rollout: the plan's format, and what vLLM built (no NaN-serving engine)
+            check_engine_compatible(plan, engine_quantization_config(gen.llm), llm=gen.llm)
+        except BaseException:
+            _release_started(gen, started)
+            raise
         finally:
             module.LLM = real_llm
-        if not hasattr(gen, "llm"):
-            raise _hook_error(self.version, "VLLMGeneration._init_vllm did not set .llm")
-        check_engine_compatible(plan, engine_quantization_config(gen.llm))
         sync = QstratWeightSync(gen, driver, plan, checkpoint, keep, verify_every=self.verify_every)
         gen.sync_weights = sync
         self.syncs.append(sync)
@@ -402,7 +471,9 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
         ``hf_overrides``), all before the trainer is built; while a trainer is built: ConfigError for ``vllm_mode``
         other than ``colocate`` or ``vllm_enable_sleep_mode``, what ``write_checkpoint`` raises
         (PlanError, NonFiniteError, FileExistsError), PlanError when the started engine's
-        quantization_config does not match the plan.
+        quantization_config does not match the plan, EngineBuildError when vLLM built a module in
+        another format than the plan (:func:`qstrat.vllm.check_engine_built`); an engine started
+        for a trainer whose construction then fails is released.
     """
     version = check_trl()
     import importlib

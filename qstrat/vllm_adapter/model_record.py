@@ -25,9 +25,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qstrat.engine_manifest import EngineManifest, ManifestUnit
+from qstrat.engine_ignore import ENGINE_FUSED_NAMES
+from qstrat.engine_manifest import CASTABLE, EngineManifest, ManifestUnit
 from qstrat.serializers.base import dtype_name
 from qstrat.vllm_adapter.resolver import available, known_versions, resolve
+
+
+#: vLLM's fused module name -> its checkpoint modules, for a fused module the model class's
+#: ``packed_modules_mapping`` does not list (Qwen3-MoE adds ``gate_up_proj`` only for
+#: ``mlp_only_layers``; a ``decoder_sparse_step`` dense layer still has one).
+_FUSED_LEAVES = {fused: group for group, fused in ENGINE_FUSED_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -74,14 +81,24 @@ def read_engine_model(worker: Any) -> EngineModel:
     Raises: VllmNameError (a RuntimeError) naming a missing vLLM name; RuntimeError if the
         worker has no ``model_runner.get_model()``.
     """
-    info = resolve("layerwise_info")
-    skipped = resolve("skip_tensors")
-    deferred = _deferred_attention_predicate()
     runner = getattr(worker, "model_runner", None)
     if runner is None or not hasattr(runner, "get_model"):
         raise RuntimeError("the vLLM worker has no model_runner.get_model() (qstrat's vLLM version table "
                            f"was checked against vllm {known_versions()})")
-    model = runner.get_model()
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    return read_model(runner.get_model(), int(getattr(parallel, "world_size", 1) or 1))
+
+
+def read_model(model: Any, world_size: int = 1) -> EngineModel:
+    """The :class:`EngineModel` of a vLLM model built in this process (``initialize_model`` records
+    it; a worker's ``model_runner.get_model()``, a weight-transfer backend's ``model``).
+
+    Args: world_size: the engine's ranks (``parallel_config.world_size``).
+    Raises: VllmNameError (a RuntimeError) naming a missing vLLM name.
+    """
+    info = resolve("layerwise_info")
+    skipped = resolve("skip_tensors")
+    deferred = _deferred_attention_predicate()
     layers: dict[str, dict[str, int]] = {}
     padding: dict[str, int] = {}
     mla = resolve("mla_attention_layer")
@@ -98,9 +115,7 @@ def read_engine_model(worker: Any) -> EngineModel:
             key = dtype_name(t.dtype)
             numel[key] = numel.get(key, 0) + int(getattr(t, "weight_loader_numel", t.numel()))
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
-    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
-    world = int(getattr(parallel, "world_size", 1) or 1)
-    return EngineModel(layers, packed, frozenset(skipped), world, padding,
+    return EngineModel(layers, packed, frozenset(skipped), world_size, padding,
                        getattr(model, "hf_to_vllm_mapper", None), released)
 
 
@@ -143,7 +158,71 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
     lm_head (the manifest's ``dropped`` tensor: no unit of its own) is vLLM's module sharing
     the embedding's weight, neither unknown nor counted.
     """
-    owner: dict[str, str] = {}  # vLLM module -> manifest unit
+    owner, tied = _owners(manifest, model)
+    errors = [f"vLLM's model has {layer} ({dict(model.layers[layer])}), which the manifest does not "
+              "know: a refit would leave it with its old weights"
+              for layer in model.layers if layer not in owner and layer not in tied]
+    errors += _tied_errors(manifest, model, tied)
+    misbuilt = {u for u, _ in _format_mismatches(manifest, model, owner)}
+    for u in manifest.units.values():
+        mine, theirs = _unit_elements(manifest, model, owner, u)
+        if not theirs:
+            if mine:
+                errors.append(f"{u.name}: no vLLM module takes these tensors")
+        elif u.name not in misbuilt and model.world_size == 1 and not _same_elements(mine, theirs, u.quantized):
+            errors.append(f"{u.name}: the manifest has {mine} elements per dtype, vLLM records {theirs}")
+    return errors
+
+
+def format_errors(manifest: EngineManifest, model: EngineModel) -> list[str]:
+    """Modules vLLM built in another format than the manifest says (empty: none): for each, the
+    vLLM module and the checkpoint modules, the format the engine's ``quantization_config`` says
+    (the dtypes of its checkpoint tensors), the one vLLM built (the dtypes it recorded), and the
+    fix. A format is compared by its dtypes: an unquantized module holds float dtypes only, a
+    quantized one its format's parts (``float8_e4m3fn`` + ``float32`` block FP8,
+    ``float8_e4m3fn`` + ``uint8`` MXFP8...). Compared at any world size (a shard has its
+    module's dtypes)."""
+    owner, _ = _owners(manifest, model)
+    return [msg for _, msg in _format_mismatches(manifest, model, owner)]
+
+
+def _format_mismatches(manifest: EngineManifest, model: EngineModel,
+                       owner: Mapping[str, str]) -> list[tuple[str, str]]:
+    out = []
+    for u in manifest.units.values():
+        mine, theirs = _unit_elements(manifest, model, owner, u)
+        if not mine or not theirs:
+            continue
+        built_quantized = bool(set(theirs) - CASTABLE)
+        if built_quantized == u.quantized and (not u.quantized or set(mine) == set(theirs)):
+            continue
+        modules = sorted(layer for layer, unit in owner.items() if unit == u.name)
+        where = f"{', '.join(modules)} (checkpoint {u.name})" if modules != [u.name] else u.name
+        said = f"quantized ({_dtypes(mine)})" if u.quantized else f"unquantized ({_dtypes(mine)})"
+        built = f"quantized ({_dtypes(theirs)})" if built_quantized else f"unquantized ({_dtypes(theirs)})"
+        if not u.quantized:
+            fix = (f"vLLM did not match the ignore list's entries for it: list vLLM's own name "
+                   f"{' and '.join(repr(m) for m in modules)} in the checkpoint's quantization_config ignore list too "
+                   "(qstrat.checkpoint.write_checkpoint and 'qstrat quantize' write both names), then restart the "
+                   "engine; an engine serving it computes with scales no checkpoint tensor fills (NaN)")
+        elif not built_quantized:
+            fix = ("an entry of the engine's ignore list covers it: remove that entry from the checkpoint's "
+                   "quantization_config, or keep the module BF16 in the strategy (keep_bf16, a bf16 rule) and "
+                   "write the checkpoint again")
+        else:
+            fix = "start the engine on a checkpoint written with the plan's strategy (its quantization_config)"
+        out.append((u.name, f"{where}: the engine's quantization_config says {said}, vLLM built it {built}; "
+                            f"fix: {fix}"))
+    return out
+
+
+def _dtypes(elements: Mapping[str, int]) -> str:
+    return " + ".join(sorted(elements))
+
+
+def _owners(manifest: EngineManifest, model: EngineModel) -> tuple[dict[str, str], set[str]]:
+    """(vLLM module -> the manifest unit it belongs to, vLLM names of tied lm_heads)."""
+    owner: dict[str, str] = {}
     by_members = {frozenset(model.vllm_name(m) for m in _members(u)): u.name for u in manifest.units.values()}
     # A tied lm_head (the manifest drops its tensor) shares the embedding's weight: vLLM still
     # records the module, but a refit loads nothing into it and it serves the new embedding.
@@ -155,30 +234,27 @@ def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:
         parent, _, leaf = layer.rpartition(".")
         members = frozenset(f"{parent}.{m}" if parent else m for m in model.packed.get(leaf, ())) or {layer}
         unit = by_members.get(frozenset(members)) or by_members.get(frozenset({layer}))
+        if unit is None and leaf in _FUSED_LEAVES:  # a fused module outside the class's mapping
+            unit = by_members.get(frozenset(f"{parent}.{m}" for m in _FUSED_LEAVES[leaf]))
         if unit is None:  # a child module of a unit, e.g. experts.routed_experts
             unit = next((u.name for u in manifest.units.values() if "{" not in u.name
                          and layer.startswith(model.vllm_name(u.name) + ".")), None)
         if unit is not None:
             owner[layer] = unit
-    errors = [f"vLLM's model has {layer} ({dict(model.layers[layer])}), which the manifest does not "
-              "know: a refit would leave it with its old weights"
-              for layer in model.layers if layer not in owner and layer not in tied]
-    errors += _tied_errors(manifest, model, tied)
-    for u in manifest.units.values():
-        theirs: dict[str, int] = {}
-        pad = 1
-        for layer, unit in owner.items():
-            if unit == u.name:
-                pad = model.vocab_padding.get(layer, pad)
-                for k, v in model.layers[layer].items():
-                    theirs[k] = theirs.get(k, 0) + v
-        mine = _numel(manifest, u, model.skipped, pad)
-        if not theirs:
-            if mine:
-                errors.append(f"{u.name}: no vLLM module takes these tensors")
-        elif model.world_size == 1 and not _same_elements(mine, theirs, u.quantized):
-            errors.append(f"{u.name}: the manifest has {mine} elements per dtype, vLLM records {theirs}")
-    return errors
+    return owner, tied
+
+
+def _unit_elements(manifest: EngineManifest, model: EngineModel, owner: Mapping[str, str],
+                   u: ManifestUnit) -> tuple[dict[str, int], dict[str, int]]:
+    """(the manifest's, vLLM's recorded) elements per dtype of unit ``u``."""
+    theirs: dict[str, int] = {}
+    pad = 1
+    for layer, unit in owner.items():
+        if unit == u.name:
+            pad = model.vocab_padding.get(layer, pad)
+            for k, v in model.layers[layer].items():
+                theirs[k] = theirs.get(k, 0) + v
+    return _numel(manifest, u, model.skipped, pad), theirs
 
 
 def _tied_errors(manifest: EngineManifest, model: EngineModel, tied: set[str]) -> list[str]:
