@@ -224,7 +224,8 @@ def test_authenticated_rounds_refuse_every_attack_with_the_engine_unchanged(clus
     address are each refused before anything is loaded, the engine's outputs unchanged."""
     from qstrat.errors import TransferAuthError, TransportError
     from qstrat.transport import RefitSender
-    from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET
+    from qstrat.transport.address import ENV_ADDRESS
+    from qstrat.transport.keys import ENV_SECRET
 
     receivers = (cluster["engine"], cluster["other"])
     for r in receivers:

@@ -26,9 +26,10 @@ from qstrat.transport import RefitSender
 from qstrat.transport import checksum as cs
 from qstrat.transport import nh
 from qstrat.transport.seal import Sealer
-from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET, Secret
+from qstrat.transport.address import ENV_ADDRESS
+from qstrat.transport.keys import ENV_SECRET, Secret
 
-from transport_harness import free_port, sha256, standalone_receivers, tiny_refit_models
+from transport_harness import free_port, sha256, standalone_receivers, tiny_refit_models, wrap_group
 
 SECRET = "correct horse battery staple 42"
 OTHER = "an entirely different secret!!"
@@ -129,43 +130,30 @@ def test_keyed_round_delivers_the_bytes(receivers, tiny):
 def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_data(receivers, tiny):
     driver, trainer_a, trainer_b, _ = tiny
     before = digests(receivers)
-    sent = []
-
-    class Watching(RefitSender):
-        def transmit_payload(self, index, payload):
-            sent.append(index)
-            return payload
-
     for secret in (None, OTHER):
-        sender = Watching([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
-                          bucket_bytes=64 << 10, secret=secret)
+        # the engines hold a secret and refuse an init without its tag: these clients sign the
+        # init with the right key, so that only the rounds are left to refuse
+        clients = [_SignedInit(r.rpc, SECRET) for r in receivers]
+        sender = RefitSender(clients, "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=64 << 10, secret=secret)
         sender.connect()
+        tap = wrap_group(sender.group, record=True)
         with pytest.raises(TransferAuthError) as err:
             sender.refit(driver, trainer_b)
         msg = str(err.value)
         assert "rank 1 refused the round's authentication; rank 2 refused" in msg, msg
         assert msg.count("the round's MAC does not verify (this engine holds a transfer secret") == 2, msg
         assert SECRET not in msg and OTHER not in msg
-        assert sent == [] and digests(receivers) == before
+        assert not [k for k, *_ in tap.posted if k == "payload"] and digests(receivers) == before
         sender.close()
 
-    # replay: a keyed sender records its round header and sends it again in the next round
-    class Replaying(RefitSender):
-        recorded = None
-
-        def round_header(self, wire_manifest, ctx, mac):
-            header = super().round_header(wire_manifest, ctx, mac)
-            if Replaying.recorded is None:
-                Replaying.recorded = header.clone()
-                return header
-            return Replaying.recorded
-
-    sender = Replaying([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
-                       bucket_bytes=64 << 10, secret=SECRET)
-    sender.connect()
+    # replay: a keyed round's header, recorded on the wire, sent again in a later round
+    sender = connect(receivers, SECRET)
+    tap = wrap_group(sender.group, record=True)
     sender.refit(driver, trainer_b)  # recorded, accepted
+    recorded = next(t for kind, _, _, t in tap.posted if kind == "round")
     after_b = digests(receivers)
-    with pytest.raises(TransferAuthError, match=r"is not above the last accepted .*: a replayed round"):
+    tap.header_hook = lambda header: recorded
+    with pytest.raises(TransferAuthError, match="the round's MAC does not verify"):
         sender.refit(driver, trainer_b)
     for r in receivers:  # a restarted engine has forgotten the counter: its challenge still refuses
         r.ctl.call("forget_counter")
@@ -173,6 +161,22 @@ def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_da
         sender.refit(driver, trainer_b)
     assert digests(receivers) == after_b
     sender.close()
+
+
+class _SignedInit:
+    """An engine's RPC client whose init_weight_transfer_engine carries a tag made with ``secret``."""
+
+    def __init__(self, inner, secret):
+        self._inner, self._secret = inner, secret
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def init_weight_transfer_engine(self, info):
+        from qstrat.transport.auth import sign_init
+
+        return self._inner.init_weight_transfer_engine(
+            sign_init(Secret(self._secret), {k: v for k, v in info.items() if k != "auth"}))
 
 
 def test_init_info_pointing_at_another_address_is_refused_before_joining(receivers, tiny):
@@ -219,28 +223,25 @@ def test_man_in_the_middle_bit63_forgery_is_refused_with_receivers_unchanged(rec
     before = digests(receivers)
     forged_at = []
 
-    class ManInTheMiddle(RefitSender):
-        def transmit_payload(self, index, payload):
-            if index == 1 and not forged_at:
-                forged_at.append(index)
-                return flip_bit63_of_two_words(payload)
-            return payload
+    def forge(bucket, piece, t):
+        if bucket == 1 and not forged_at:
+            forged_at.append(bucket)
+            return flip_bit63_of_two_words(t)
+        return None
 
-    mitm = ManInTheMiddle([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
-                          bucket_bytes=64 << 10, secret=SECRET)
-    sender.close()
-    mitm.connect()
+    mitm = wrap_group(sender.group, wire=forge)
     with pytest.raises(TransportError) as err:
-        mitm.refit(driver, trainer_b)
+        sender.refit(driver, trainer_b)
     msg = str(err.value)
     assert forged_at == [1]
     assert "rank 1 a bucket failed its checksum; rank 2 a bucket failed its checksum" in msg, msg
     assert msg.count("bucket 1/") >= 2 and "failed its checksum (seal mismatch" in msg, msg
     assert SECRET not in msg
     assert digests(receivers) == before
-    mitm.refit(driver, trainer_b)  # the same group, no forgery: B arrives
+    sender.group.pg = mitm.pg
+    sender.refit(driver, trainer_b)  # the same group, no forgery: B arrives
     assert digests(receivers) == [{n: sha256(t) for n, t in driver.run(trainer_b)}] * 2
-    mitm.close()
+    sender.close()
 
 
 def nh_oracle(payload: bytes, key: bytes) -> list[tuple[int, int]]:
@@ -385,7 +386,7 @@ def test_a_malformed_update_info_is_refused_in_the_vote_not_after_the_timeout(re
 def test_a_configured_address_accepts_its_own_trainer_ipv6_included(configured, address, port):
     """IPv6 literals, bare or bracketed, compare as addresses (before: the last ':' was taken
     as the port separator, so '::1' refused the trainer at ::1)."""
-    from qstrat.transport.auth import check_address
+    from qstrat.transport.address import check_address
 
     check_address(configured, address, port)
 
@@ -397,7 +398,7 @@ def test_a_configured_address_accepts_its_own_trainer_ipv6_included(configured, 
     ("[::1]x", "::1", 1, "ValueError"), ("127.0.0.1:70000", "127.0.0.1", 70000, "ValueError"),
 ])
 def test_another_address_or_a_malformed_setting_is_refused_naming_it(configured, address, port, error):
-    from qstrat.transport.auth import check_address
+    from qstrat.transport.address import check_address
 
     with pytest.raises(Exception) as err:
         check_address(configured, address, port)

@@ -64,14 +64,18 @@ class QstratTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     backend: str = "gloo"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: The sender's tag over the fields above (required by an engine holding a secret).
+    auth: str | None = None
 
 
 @dataclass
 class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`."""
+    """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`, the mode
+    and the transport protocol version the sender speaks."""
 
     wire_manifest: dict[str, Any]
     mode: str = "atomic"
+    protocol: int | None = None
 
 
 def engine_expectations(engine: WeightTransferEngine) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -137,7 +141,8 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         """Check, authenticate, receive, verify; stage (atomic) or load unit by unit (bounded).
         Raises WireManifestMismatchError / TransferAuthError (refused before data),
         TransportError, MixedWeightsError (bounded, after loading began)."""
-        self.session.update({"wire_manifest": update_info.wire_manifest, "mode": update_info.mode})
+        self.session.update({"wire_manifest": update_info.wire_manifest, "mode": update_info.mode,
+                             "protocol": update_info.protocol})
 
     def finish_weight_update(self) -> None:
         """Atomic: commit the staged round through vLLM's layerwise reload; then free the staging.
