@@ -386,16 +386,20 @@ class FaultyGroup:
       None to send it as it is;
     * ``received(bucket, piece, tensor)``: change what arrived, in place (a receiver);
     * ``header(tensor)``: the round header to broadcast instead (rank 0), or None;
-    * ``reduced(step, tensor)``: change an all-reduce's result in place (``step``:
+      ``bucket_header(bucket, tensor)``: likewise for a bucket's header;
+    * ``contribute(step, tensor)``: change this rank's contribution to an all-reduce in place
+      before it is posted, ``reduced(step, tensor)``: change its result in place (``step``:
       ``"challenge"``, ``"accept"``, ``"commit"``);
     * ``posted``: every broadcast/all-reduce posted, as (kind, bucket, piece, clone at post time,
       or after completion for an all-reduce) - what a wiretap records.
     """
 
     def __init__(self, pg: Any, world_size: int, wire: Any = None, received: Any = None,
-                 header: Any = None, reduced: Any = None, record: bool = False) -> None:
+                 header: Any = None, bucket_header: Any = None, contribute: Any = None, reduced: Any = None,
+                 record: bool = False) -> None:
         self.pg, self.world_size = pg, world_size
         self.wire_hook, self.received_hook, self.header_hook, self.reduced_hook = wire, received, header, reduced
+        self.contribute_hook, self.bucket_header_hook = contribute, bucket_header
         self.record = record
         self.posted: list[tuple[str, int, int, Any]] = []
         self.bucket = self.piece = self.votes = 0
@@ -419,6 +423,10 @@ class FaultyGroup:
         elif t.dtype == torch.int64 and t.numel() == protocol.BUCKET_WORDS:
             kind, bucket, piece = "bucket_header", self.bucket, 0
             self.bucket, self.piece = self.bucket + 1, 0
+            if self.bucket_header_hook is not None:
+                new = self.bucket_header_hook(bucket, t)
+                if new is not None:
+                    t = new
         else:
             kind, bucket, piece = "payload", self.bucket, self.piece
             self.piece += 1
@@ -435,14 +443,16 @@ class FaultyGroup:
         return _Work(work, after, keep=t)
 
     def allreduce(self, tensors: list, opts: Any) -> Any:
-        from qstrat.transport.auth import CHALLENGE_WORDS
+        from qstrat.transport import auth
 
         (t,) = tensors
-        if t.numel() == CHALLENGE_WORDS * self.world_size:
+        if t.numel() == getattr(auth, "CHALLENGE_WORDS", 2) * self.world_size:
             step, self.votes = "challenge", 0
         else:
             step = "accept" if self.votes == 0 else "commit"
             self.votes += 1
+        if self.contribute_hook is not None:
+            self.contribute_hook(step, t)
 
         def after() -> None:
             if self.reduced_hook is not None:

@@ -219,7 +219,7 @@ class RefitSender:
             errors = _listed(self._results(futures)) or "no error reported"
             kind = next(k for k in (WireManifestMismatchError, TransferAuthError, MixedWeightsError,
                                     TransportError) if isinstance(exc, k))
-            raise kind(f"{exc}; engines: {errors}") from exc
+            raise kind(f"{exc}; engines: {errors}") from (exc.__cause__ or exc)  # the source's error, if any
         except BaseException as exc:  # e.g. the source's own error, after the ABORT: itself
             exc.add_note(f"qstrat transport, the engines' update_weights: "
                          f"{_listed(self._results(futures)) or 'no error reported'}")
