@@ -33,6 +33,10 @@ def as_plan(wire_manifest: WireManifest) -> Any:
         for s in wire_manifest.slots])
 
 
+def _names_plan(names: set[str]) -> Any:
+    return SimpleNamespace(entries=[SimpleNamespace(name=n, outputs=[SimpleNamespace(name=n)]) for n in names])
+
+
 @dataclass
 class EngineExpectations:
     """An engine's manifest and quantization_config (None: unquantized)."""
@@ -55,7 +59,8 @@ class EngineExpectations:
         except PlanError as exc:
             raise WireManifestMismatchError(str(exc)) from None
 
-    def missing_parts(self, wire_manifest: WireManifest) -> tuple[int, int]:
-        """(parts the round sends, parts the engine has): a whole round sends every part."""
+    def coverage(self, names: set[str]) -> tuple[int, int]:
+        """(parts a round sending ``names`` updates, parts the engine has - decoder layers and
+        top-level modules): a whole round updates every part."""
         parts = set(self.manifest.parts())
-        return len(parts & self.manifest.parts_sent(as_plan(wire_manifest))), len(parts)
+        return len(parts & self.manifest.parts_sent(_names_plan(names))), len(parts)

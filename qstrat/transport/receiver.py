@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.errors import MixedWeightsError, QstratError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport import protocol as p
 from qstrat.transport.auth import PROTOCOL_VERSION, ReceiverAuth, RoundContext, from_words
 from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
@@ -157,6 +157,8 @@ def _check_update(group: TransferGroup, wire_manifest_doc: Any, check: Check | N
             check(wire_manifest)
     except TransportError as exc:
         return exc, None
+    except QstratError as exc:  # e.g. the engine's manifest cannot be built: its reason
+        return WireManifestMismatchError(f"rank {group.rank}: {type(exc).__name__}: {exc}"), None
     except Exception as exc:  # noqa: BLE001 - refused in the accept vote like any other
         return WireManifestMismatchError(f"rank {group.rank}: malformed wire manifest: {exc!r}"), None
     return None, wire_manifest

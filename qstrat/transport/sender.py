@@ -44,6 +44,7 @@ from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as proto
 from qstrat.transport.auth import PROTOCOL_VERSION, RoundContext, next_counter, sign_init
+from qstrat.transport.engine_check import FORMAT_KEY
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.keys import ENV_SECRET, Secret
 from qstrat.transport.outgoing import SourceFailure, send_buckets
@@ -53,6 +54,7 @@ from qstrat.transport.timing import Phases
 from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, WireManifest, wire_manifest_for_plan
 
 logger = logging.getLogger("qstrat.transport")
+_UNNAMED = object()
 
 
 @dataclass(frozen=True, repr=False)
@@ -183,11 +185,16 @@ class RefitSender:
                                                                                self.alignment))
         whole = SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given))
         prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
-        return self.send(prepared.results[check.name], prepared.execute())
+        return self.send(prepared.results[check.name], prepared.execute(),
+                         quantization_config=prepared.plan.vllm_quantization_config())
 
-    def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]
-             ) -> TransferReport:
+    def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
+             quantization_config: Any = _UNNAMED) -> TransferReport:
         """Run one round for ``wire_manifest`` with ``tensors`` yielded in its wire order.
+
+        ``quantization_config``: the plan's ``vllm_quantization_config()`` (None: unquantized),
+        named in ``update_info`` so that an engine checks the round's format before its tensors
+        (:mod:`qstrat.transport.engine_check`); not given: the tensors only.
 
         Raises: WireManifestMismatchError / TransferAuthError / TransportError (another protocol
             version) when an engine refused the round before any data; TransportError for a
@@ -210,6 +217,8 @@ class RefitSender:
                                      "commit_s", "update_s", "finish_s", "cpu_s")
         self._call_all("start_weight_update")
         doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode, "protocol": PROTOCOL_VERSION}
+        if quantization_config is not _UNNAMED:
+            doc[FORMAT_KEY] = quantization_config
         futures = [_call(c.update_weights, doc) for c in self.clients]
         stream_start = time.perf_counter()
         prof["start_s"] = stream_start - start

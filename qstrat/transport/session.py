@@ -29,13 +29,15 @@ import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport.address import ENV_ADDRESS, check_address
-from qstrat.transport.auth import PROTOCOL_VERSION, ReceiverAuth, check_init
+from qstrat.transport.auth import ReceiverAuth, check_init
+from qstrat.transport.engine_check import EngineExpectations
 from qstrat.transport.keys import Secret
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.receiver import MODES, receive_round
 from qstrat.transport.wire_manifest import WireManifest, check_against
 
-Expected = dict[str, tuple[str, tuple[int, ...]]]
+#: What a receiver accepts: name -> (dtype, shape), or an engine's manifest (EngineExpectations).
+Expected = dict[str, tuple[str, tuple[int, ...]]] | EngineExpectations
 
 
 class Loader(Protocol):
@@ -50,7 +52,8 @@ class ReceiverSession:
     """The four weight-sync calls' receiver logic.
 
     Args:
-        expected: returns name -> (dtype, shape) the receiver accepts (None: anything).
+        expected: returns what the receiver accepts: name -> (dtype, shape), an engine's
+            :class:`~qstrat.transport.engine_check.EngineExpectations`, or None (anything).
         loader: a :class:`Loader`.
         secret: the shared secret (Secret, bytes, text), or None to read :data:`ENV_SECRET
             <qstrat.transport.auth.ENV_SECRET>` at each :meth:`join`.
@@ -141,14 +144,16 @@ class ReceiverSession:
                                      f"{MODES}, got mode {mode!r}")
             sent.update(s.name for s in wm.slots)
             expected = self.expected()
-            if expected is not None:
+            if isinstance(expected, EngineExpectations):
+                expected.check(wm, info)
+            elif expected is not None:
                 check_against(wm, expected)
             if self.mixed is not None:
-                need = set(expected) if expected is not None else (self._required or set())
-                if not need <= sent:
+                sends, whole = self._coverage(expected, sent)
+                if sends < whole:
                     raise WireManifestMismatchError(
                         f"this receiver holds a MIX of two rounds ({self.mixed}): the next refit "
-                        f"must be whole, this one sends {len(sent & need)} of the {len(need)} tensors")
+                        f"must be whole, this one sends {sends} of the {whole} {self._unit_word(expected)}")
 
         if mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
             self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth,
@@ -213,10 +218,22 @@ class ReceiverSession:
         except Exception as end_exc:  # noqa: BLE001 - the flag is what matters now
             self.mixed += f" (finalizing the reload failed too: {type(end_exc).__name__}: {end_exc})"
 
-    def _committed(self, sent: set[str]) -> None:
-        expected = self.expected()
+    def _coverage(self, expected: Any, sent: set[str]) -> tuple[int, int]:
+        """(how much of the receiver a round sending ``sent`` updates, the whole)."""
+        if isinstance(expected, EngineExpectations):
+            return expected.coverage(sent)
         need = set(expected) if expected is not None else (self._required or set())
-        if self.mixed is not None and need <= sent:
+        return len(need & sent), len(need)
+
+    @staticmethod
+    def _unit_word(expected: Any) -> str:
+        return "parts" if isinstance(expected, EngineExpectations) else "tensors"
+
+    def _committed(self, sent: set[str]) -> None:
+        if self.mixed is None:
+            return
+        sends, whole = self._coverage(self.expected(), sent)
+        if sends == whole:
             self.mixed, self._required = None, None
 
     def _end(self) -> None:
