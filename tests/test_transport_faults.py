@@ -22,7 +22,6 @@ source that raises. Checked, each against the receivers' actual tensors and flag
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -35,7 +34,8 @@ from qstrat.transport import RefitSender
 from qstrat.transport.keys import ENV_SECRET
 from qstrat.transport.wire_manifest import build_wire_manifest, reload_unit, wire_manifest_for_plan
 
-from transport_harness import free_port, sha256, standalone_receivers, tiny_refit_models, wrap_group
+from transport_harness import (EditingClient, free_port, sha256, standalone_receivers, tiny_refit_models,
+                               wrap_group)
 
 SECRET = "a shared secret for the fault tests"
 BUCKET = 64 << 10
@@ -159,17 +159,6 @@ def test_a_malicious_commit_vote_cannot_make_one_rank_keep_an_unflagged_round(re
     start_from(receivers, tiny, trainer_a)  # a whole round repairs
 
 
-class _Client:
-    """An engine's RPC client whose calls go through ``edit(method, args)`` first."""
-
-    def __init__(self, inner, edit):
-        self._inner, self._edit = inner, edit
-
-    def __getattr__(self, name):
-        method = getattr(self._inner, name)
-        return lambda *args: method(*self._edit(name, copy.deepcopy(args)))
-
-
 def test_a_recorded_round_replayed_with_a_rewritten_challenge_sum_into_restarted_receivers_is_refused(tiny):
     """A peer without the secret records a keyed round on the wire (init infos, every broadcast,
     every all-reduce). The receivers restart (fresh processes: no counter remembered). It then
@@ -193,7 +182,7 @@ def test_a_recorded_round_replayed_with_a_rewritten_challenge_sum_into_restarted
     vote_width = tape[("accept", -1, 0)].numel() // 3  # the sender's slot of a 3-rank vote
     with standalone_receivers(ckpt, env={ENV_SECRET: SECRET}) as rs:
         replay_infos = iter(infos)
-        clients = [_Client(r.rpc, lambda m, a: (next(replay_infos),) if m == "init_weight_transfer_engine" else a)
+        clients = [EditingClient(r.rpc, lambda m, a: (next(replay_infos),) if m == "init_weight_transfer_engine" else a)
                    for r in rs]
         attacker = sender_for(rs, port=port, clients=clients, secret=None)
         for r in rs:
@@ -278,7 +267,7 @@ def test_another_protocol_version_is_refused_in_the_accept_vote(receivers, tiny)
             args[0]["protocol"] = 1
         return args
 
-    clients = [receivers[0].rpc, _Client(receivers[1].rpc, older)]
+    clients = [receivers[0].rpc, EditingClient(receivers[1].rpc, older)]
     sender = sender_for(receivers, clients=clients)
     t0 = time.perf_counter()
     with pytest.raises(TransportError) as err:

@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import copy
 import pickle
 import time
 
@@ -29,7 +28,7 @@ from qstrat.transport.seal import Sealer
 from qstrat.transport.address import ENV_ADDRESS
 from qstrat.transport.keys import ENV_SECRET, Secret
 
-from transport_harness import free_port, sha256, standalone_receivers, tiny_refit_models, wrap_group
+from transport_harness import EditingClient, free_port, sha256, standalone_receivers, tiny_refit_models, wrap_group
 
 SECRET = "correct horse battery staple 42"
 OTHER = "an entirely different secret!!"
@@ -133,7 +132,7 @@ def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_da
     for secret in (None, OTHER):
         # the engines hold a secret and refuse an init without its tag: these clients sign the
         # init with the right key, so that only the rounds are left to refuse
-        clients = [_SignedInit(r.rpc, SECRET) for r in receivers]
+        clients = [EditingClient(r.rpc, _signed_init(SECRET)) for r in receivers]
         sender = RefitSender(clients, "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=64 << 10, secret=secret)
         sender.connect()
         tap = wrap_group(sender.group, record=True)
@@ -163,20 +162,15 @@ def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_da
     sender.close()
 
 
-class _SignedInit:
-    """An engine's RPC client whose init_weight_transfer_engine carries a tag made with ``secret``."""
-
-    def __init__(self, inner, secret):
-        self._inner, self._secret = inner, secret
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def init_weight_transfer_engine(self, info):
+def _signed_init(secret):
+    """An ``EditingClient`` edit: the init info's tag made with ``secret``."""
+    def edit(method, args):
         from qstrat.transport.auth import sign_init
 
-        return self._inner.init_weight_transfer_engine(
-            sign_init(Secret(self._secret), {k: v for k, v in info.items() if k != "auth"}))
+        if method != "init_weight_transfer_engine":
+            return args
+        return (sign_init(Secret(secret), {k: v for k, v in args[0].items() if k != "auth"}),)
+    return edit
 
 
 def test_init_info_pointing_at_another_address_is_refused_before_joining(receivers, tiny):
@@ -281,16 +275,16 @@ def test_bucket_mac_refuses_the_bit63_forgery_and_integrity_seal_does_not():
     forged = flip_bit63_of_two_words(x)
     mac = bytes(range(32))
     keyed, public = Sealer(Secret(SECRET), mac, x.device), Sealer(None, mac, x.device)
-    assert not keyed.ok(4, 0, forged, keyed.seal(4, 0, x))
-    assert public.ok(4, 0, forged, public.seal(4, 0, x))  # accidents only: the reason for the MAC
-    assert keyed.ok(4, 0, x, keyed.seal(4, 0, x))
-    assert not keyed.ok(5, 0, x, keyed.seal(4, 0, x))  # bound to the bucket index
+    assert not keyed.verifies(4, 0, forged, keyed.seal(4, 0, x))
+    assert public.verifies(4, 0, forged, public.seal(4, 0, x))  # accidents only: the reason for the MAC
+    assert keyed.verifies(4, 0, x, keyed.seal(4, 0, x))
+    assert not keyed.verifies(5, 0, x, keyed.seal(4, 0, x))  # bound to the bucket index
     other = Sealer(Secret(SECRET), bytes(32), x.device)  # another round: another NH key
-    assert not torch.equal(other.key, keyed.key) and not keyed.ok(4, 0, x, other.seal(4, 0, x))
+    assert not torch.equal(other.key, keyed.key) and not keyed.verifies(4, 0, x, other.seal(4, 0, x))
     for pos, bit in ((0, 0), (7, 7), (x.numel() - 1, 7), (nh.CHUNK_BYTES + 3, 5)):
         y = x.clone()
         y[pos] ^= 1 << bit
-        assert not keyed.ok(4, 0, y, keyed.seal(4, 0, x)), (pos, bit)
+        assert not keyed.verifies(4, 0, y, keyed.seal(4, 0, x)), (pos, bit)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
@@ -311,19 +305,6 @@ def test_a_seal_fed_piece_by_piece_equals_the_whole_buckets(secret):
         early.update(x[100:200])
     with pytest.raises(ValueError, match=r"100 of \d+ bytes fed"):
         early.seal(0)
-
-
-class _Tampering:
-    """One engine's RPC client whose update_weights receives ``tamper(update_info)``."""
-
-    def __init__(self, inner, tamper):
-        self._inner, self._tamper = inner, tamper
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def update_weights(self, info):
-        return self._inner.update_weights(self._tamper(copy.deepcopy(info)))
 
 
 def _slot0(field, value):
@@ -362,7 +343,8 @@ def test_a_malformed_update_info_is_refused_in_the_vote_not_after_the_timeout(re
     rank waited out the group timeout (20 s here). Nothing is loaded; the group stays usable."""
     driver, trainer_a, trainer_b, _ = tiny
     before = digests(receivers)
-    clients = [receivers[0].rpc, _Tampering(receivers[1].rpc, tamper)]
+    clients = [receivers[0].rpc,
+               EditingClient(receivers[1].rpc, lambda m, args: (tamper(args[0]),) if m == "update_weights" else args)]
     sender = RefitSender(clients, "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=64 << 10, secret=SECRET)
     sender.connect()
     t0 = time.perf_counter()

@@ -407,6 +407,13 @@ class FaultyGroup:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pg, name)
 
+    def shutdown(self) -> None:
+        """Shut the real group down and drop it: gloo closes its connections (what tells the
+        peers) only once the last reference to the group is gone."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            pg.shutdown()
+
     def broadcast(self, tensors: list, opts: Any) -> Any:
         import torch
 
@@ -505,3 +512,17 @@ def receiver_faults(spec: dict) -> dict:
                 t[::width] = 0
         hooks["reduced"] = reduced
     return hooks
+
+
+class EditingClient:
+    """An engine's RPC client whose calls pass through ``edit(method, args)`` (a deep copy of the
+    arguments, returned edited) first: a man in the middle of the weight-sync RPCs."""
+
+    def __init__(self, inner: Any, edit: Any) -> None:
+        self._inner, self._edit = inner, edit
+
+    def __getattr__(self, name: str) -> Any:
+        import copy
+
+        method = getattr(self._inner, name)
+        return lambda *args: method(*self._edit(name, copy.deepcopy(args)))

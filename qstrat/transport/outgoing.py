@@ -145,11 +145,11 @@ def send_buckets(group: TransferGroup, wire_manifest: WireManifest, tensors: Ite
             error, fill = None, None
             try:
                 with prof.timed("source_s"):
-                    payload, owner, fill = source.bucket(k, buffer)
+                    payload, keep_alive, fill = source.bucket(k, buffer)
             except BaseException as exc:  # noqa: BLE001 - any class: ABORT now, reported after
-                error, payload, owner = exc, buffer[:b.nbytes], buffer
+                error, payload, keep_alive = exc, buffer[:b.nbytes], buffer
             works, hdr, error = post_bucket(group, sealer, k, payload, fill, error, prof)
-            pending.append((works, hdr, owner))
+            pending.append((works, hdr, keep_alive))
             if error is not None:
                 failure = SourceFailure(k, error)
                 break

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import MixedWeightsError, QstratError, TransferAuthError, TransportError, WireManifestMismatchError
-from qstrat.transport import protocol as p
+from qstrat.transport import protocol
 from qstrat.transport.auth import PROTOCOL_VERSION, ReceiverAuth, RoundContext, from_words
 from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
 from qstrat.transport.group import TransferGroup
@@ -45,7 +45,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
                   auth: ReceiverAuth | None = None, mode: str = "atomic",
                   on_unit: Callable[[str, Unit], None] | None = None,
                   staging: torch.device | None = None, stats: dict[str, float] | None = None,
-                  protocol: Any = PROTOCOL_VERSION) -> Unit:
+                  protocol_version: Any = PROTOCOL_VERSION) -> Unit:
     """Receive one round from rank 0.
 
     Args:
@@ -68,7 +68,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             ``seal_s`` (checksum or NH + HMAC, and the comparison), ``load_s`` (bounded: handing
             units), ``commit_s`` (commit vote), and ``cpu_s``: this process's CPU seconds over
             the round (all threads, gloo's included).
-        protocol: the transport protocol version the sender's ``update_info`` names.
+        protocol_version: the transport protocol version the sender's ``update_info`` names.
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
         sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit).
     Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
@@ -82,22 +82,22 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
         raise TransportError(f"round mode {mode!r}: use 'atomic', or 'bounded' with on_unit")
     auth = auth or ReceiverAuth(None, "", 0)
     t_start, cpu = time.perf_counter(), time.process_time()
-    rejection, wire_manifest = _check_update(group, wire_manifest_doc, check, protocol)
-    header = torch.empty(p.ROUND_WORDS, dtype=torch.int64, device=group.device)
+    rejection, wire_manifest = _check_update(group, wire_manifest_doc, check, protocol_version)
+    header = torch.empty(protocol.ROUND_WORDS, dtype=torch.int64, device=group.device)
     try:
-        drawn, challenges = p.challenges(group, auth.last_counter)
+        drawn, challenges = protocol.challenges(group, auth.last_counter)
         group.wait(group.broadcast(header))
     except RuntimeError as exc:
-        raise p.lost(group, "no round header from the sender", exc) from None
+        raise protocol.lost(group, "no round header from the sender", exc) from None
     words = [int(v) for v in header.cpu()]
     counter, mac = words[4], from_words(words[9:13])
-    status = p.PROTOCOL if isinstance(rejection, _ProtocolMismatch) else p.REJECTED
-    if rejection is None and words[:2] != [p.ROUND_MAGIC, PROTOCOL_VERSION]:
+    status = protocol.PROTOCOL if isinstance(rejection, _ProtocolMismatch) else protocol.REJECTED
+    if rejection is None and words[:2] != [protocol.ROUND_MAGIC, PROTOCOL_VERSION]:
         rejection, status = _ProtocolMismatch(
             f"rank {group.rank}: the round header is not protocol {PROTOCOL_VERSION}'s (magic/version "
-            f"{words[:2]}): trainer and engine run different qstrat transport versions"), p.PROTOCOL
+            f"{words[:2]}): trainer and engine run different qstrat transport versions"), protocol.PROTOCOL
     if rejection is None:
-        want = p.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes, counter,
+        want = protocol.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes, counter,
                               wire_manifest.digest, mac, torch.device("cpu")).tolist()
         if want != words:
             rejection = WireManifestMismatchError(
@@ -108,24 +108,24 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
                            group.world_size)
         reason = auth.verify(ctx, mac, group.rank, drawn)
         if reason is not None:
-            rejection, status = TransferAuthError(f"rank {group.rank}: round refused: {reason}"), p.UNAUTHENTICATED
-    votes = _vote(group, p.ACCEPT, status if rejection else p.OK, False, auth.secret, mac, "accept vote")
+            rejection, status = TransferAuthError(f"rank {group.rank}: round refused: {reason}"), protocol.UNAUTHENTICATED
+    votes = _vote(group, protocol.ACCEPT, status if rejection else protocol.OK, False, auth.secret, mac, "accept vote")
     if rejection is not None:
         raise rejection
     if votes.failed():
-        raise TransportError(f"rank {group.rank}: round refused before any data: {p.describe(votes.statuses)}")
+        raise TransportError(f"rank {group.rank}: round refused before any data: {protocol.describe(votes.statuses)}")
     auth.last_counter = counter
     stats = stats if stats is not None else {}
     stats["handshake_s"] = time.perf_counter() - t_start
     seal = Sealer(auth.secret, mac, group.device)
     received, failure, handed, units = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
     t0 = time.perf_counter()
-    own = (p.MIXED if handed else failure[0]) if failure else p.OK
-    votes = _vote(group, p.COMMIT, own, bool(handed), auth.secret, mac, "commit vote")
+    own = (protocol.MIXED if handed else failure[0]) if failure else protocol.OK
+    votes = _vote(group, protocol.COMMIT, own, bool(handed), auth.secret, mac, "commit vote")
     stats["commit_s"], stats["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu
-    if p.outcome(votes) == "committed":
+    if protocol.outcome(votes) == "committed":
         return [] if on_unit is not None else unpack(wire_manifest, received)
-    reason = failure[1] if failure else f"rank {group.rank}: round not committed: {p.describe(votes.statuses)}"
+    reason = failure[1] if failure else f"rank {group.rank}: round not committed: {protocol.describe(votes.statuses)}"
     holders = ", ".join(map(str, votes.holders())) or "none"
     if handed:
         exc = MixedWeightsError(
@@ -143,12 +143,12 @@ class _ProtocolMismatch(TransportError):
     """Another transport protocol version (refused in the accept vote with status PROTOCOL)."""
 
 
-def _check_update(group: TransferGroup, wire_manifest_doc: Any, check: Check | None, protocol: Any
+def _check_update(group: TransferGroup, wire_manifest_doc: Any, check: Check | None, version: Any
                   ) -> tuple[Exception | None, WireManifest | None]:
     """The update_info's checks before the handshake: (why the round is refused or None, the
     wire manifest). Never raises: a refusal is voted, so no rank waits for the timeout."""
-    if protocol != PROTOCOL_VERSION:
-        return _ProtocolMismatch(f"rank {group.rank}: update_info names transport protocol {protocol!r}, "
+    if version != PROTOCOL_VERSION:
+        return _ProtocolMismatch(f"rank {group.rank}: update_info names transport protocol {version!r}, "
                                  f"this engine speaks {PROTOCOL_VERSION}: trainer and engine run "
                                  f"different qstrat transport versions"), None
     try:
@@ -220,7 +220,7 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
         wire = wires[k % 2][:dst.numel()] if bounce else dst
         cut = pieces(wire)
         works = [group.broadcast(piece) for piece in cut]  # the payload in pieces, then the header
-        hdr = torch.empty(p.BUCKET_WORDS, dtype=torch.int64, device=group.device)
+        hdr = torch.empty(protocol.BUCKET_WORDS, dtype=torch.int64, device=group.device)
         return dst, wire, cut, hdr, works, group.broadcast(hdr)
 
     def done() -> tuple[list[torch.Tensor], tuple[int, str] | None, list[str], int]:
@@ -239,8 +239,8 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
                     if i == len(w_data) - 1:  # the header follows the payload: flags and seal
                         group.wait(w_hdr)
                         words = [int(v) for v in hdr.cpu()]
-                        if words[2] & p.ABORT:
-                            failure = failure or (p.SENDER_ABORT, f"rank {group.rank}: the sender aborted "
+                        if words[2] & protocol.ABORT:
+                            failure = failure or (protocol.SENDER_ABORT, f"rank {group.rank}: the sender aborted "
                                                                   f"the stream at bucket {k}/{n}")
                             return done()
                         pending = post(k + 1) if k + 1 < n else None  # before sealing the last piece
@@ -256,14 +256,14 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
                     f"rank {group.rank}: {what}: {error} (the transfer group is closed); loading had "
                     f"begun: {len(handed)} of {len(unit_slots)} reload units are new ({_few(handed)}), the "
                     f"rest old - this receiver holds a MIX; the next refit must be whole") from None
-            raise p.lost(group, what, error) from None
+            raise protocol.lost(group, what, error) from None
         w_data = w_hdr = work = None
         if failure is not None:
             continue
-        if words[0] != p.BUCKET_MAGIC or words[1] != k:
-            failure = (p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order (header {words[1]})")
+        if words[0] != protocol.BUCKET_MAGIC or words[1] != k:
+            failure = (protocol.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order (header {words[1]})")
         elif not prof.call("seal_s", state.matches, words[2], from_words(words[3:7])):
-            failure = (p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
+            failure = (protocol.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
                                    f"(seal mismatch; tensors {_names(wire_manifest, k)})")
         if failure is not None:
             continue
@@ -279,7 +279,7 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
             try:
                 prof.call("load_s", on_unit, u, [(s.name, slot_tensor(s, kept[s.bucket])) for s in unit_slots[u]])
             except Exception as exc:  # noqa: BLE001 - the engine's load failed: a mix
-                failure = (p.ERROR, f"rank {group.rank}: loading {u} failed: {type(exc).__name__}: {exc}")
+                failure = (protocol.ERROR, f"rank {group.rank}: loading {u} failed: {type(exc).__name__}: {exc}")
                 break
         for j in [j for j in kept if release.get(j, -1) <= k]:
             del kept[j]
@@ -297,8 +297,8 @@ def _names(wire_manifest: WireManifest, k: int) -> list[str]:
 
 
 def _vote(group: TransferGroup, step: int, status: int, holds_new: bool, secret: Any, mac: bytes,
-          what: str) -> p.Votes:
+          what: str) -> protocol.Votes:
     try:
-        return p.vote(group, step, status, holds_new, secret, mac)
+        return protocol.vote(group, step, status, holds_new, secret, mac)
     except RuntimeError as exc:
-        raise p.lost(group, f"{what} failed (a peer died?)", exc) from None
+        raise protocol.lost(group, f"{what} failed (a peer died?)", exc) from None

@@ -47,7 +47,7 @@ class Sealer:
         state.update(payload)
         return state.seal(flags)
 
-    def ok(self, index: int, flags: int, payload: torch.Tensor, seal: bytes) -> bool:
+    def verifies(self, index: int, flags: int, payload: torch.Tensor, seal: bytes) -> bool:
         """Whether ``seal`` is the seal of ``payload`` (constant-time comparison)."""
         return equal(seal, self.seal(index, flags, payload))
 

@@ -157,7 +157,7 @@ class ReceiverSession:
 
         if mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
             self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth,
-                                         staging=self.staging, stats=self.stats, protocol=protocol)
+                                         staging=self.staging, stats=self.stats, protocol_version=protocol)
             return
 
         def on_unit(unit: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -168,7 +168,7 @@ class ReceiverSession:
 
         try:
             receive_round(self.group, info.get("wire_manifest"), check, self.auth, "bounded", on_unit,
-                          stats=self.stats, protocol=protocol)
+                          stats=self.stats, protocol_version=protocol)
         except MixedWeightsError as exc:
             self.mixed = getattr(exc, "detail", str(exc))
             self._required = self._required or sent
