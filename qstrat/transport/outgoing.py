@@ -136,7 +136,7 @@ def send_buckets(group: TransferGroup, wire_manifest: WireManifest, tensors: Ite
     source = BucketSource(wire_manifest, tensors, group.device)
     buffers = PackBuffers(wire_manifest.bucket_bytes, group.device)
     pending: deque[tuple[list[Any], torch.Tensor, torch.Tensor]] = deque()
-    failure, k = None, 0
+    failure, k, works = None, 0, None
     try:
         for k, b in enumerate(wire_manifest.buckets):
             if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
@@ -158,6 +158,7 @@ def send_buckets(group: TransferGroup, wire_manifest: WireManifest, tensors: Ite
         return failure
     except RuntimeError as exc:  # c10d: a peer died or timed out
         pending.clear()  # no Work may outlive this block: gloo closes the group with the last one
+        works = None
         message = str(exc)
     raise protocol.lost(group, f"broadcast of bucket {k}/{len(wire_manifest.buckets)} failed "
                                f"(a receiver died?)", message) from None
