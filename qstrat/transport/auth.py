@@ -38,8 +38,8 @@ from typing import Any
 from qstrat.transport.keys import Secret, equal, init_tag, round_mac
 
 #: The transport protocol this qstrat speaks (round header word 1 and ``update_info["protocol"]``).
-#: The handshake's first collectives (challenge all-reduce, round header, accept vote) keep
-#: their sizes across versions, so a mismatch is refused in the accept vote.
+#: From version 2 on, the handshake's collectives (challenge all-reduce, round header, accept
+#: vote) keep their sizes, so a later version's mismatch is refused in the accept vote.
 PROTOCOL_VERSION = 2
 #: int64 words each rank writes into the challenge all-reduce: two random words, last counter.
 CHALLENGE_WORDS = 3
