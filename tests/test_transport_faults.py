@@ -226,6 +226,8 @@ def test_a_source_exception_of_any_class_aborts_at_once_and_is_raised_as_itself(
     with pytest.raises(type(error)) as err:
         sender.send(wm, source())
     elapsed = time.perf_counter() - t0
+    print(f"[timing] source raised mid-stream -> the sender raised it, both receivers answered: {elapsed:.2f} s "
+          f"(group timeout {TIMEOUT_S} s; half the round's quantization included)")
     assert err.value is error and elapsed < TIMEOUT_S / 2, elapsed
     notes = "\n".join(getattr(err.value, "__notes__", []))
     assert notes.count("the sender aborted the stream at bucket") == 2, notes
