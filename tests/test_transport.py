@@ -120,19 +120,6 @@ def test_pack_then_unpack_gives_the_same_bytes_as_views_of_the_received_buffers(
 
 # ---- a real round over gloo: this process sends, two processes receive ------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-
-    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
-    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
-    ckpt = tmp_path_factory.mktemp("transport") / "a-fp8"
-    write_checkpoint(driver, model_a.state_dict(), ckpt)
-    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
-
-
-@pytest.fixture(scope="module")
 def standalone(tiny):
     """Two StandaloneReceiver processes (checked against A's checkpoint headers) and a sender
     connected to them; 64 KiB buckets, so the 512 KiB embedding travels in chunks."""

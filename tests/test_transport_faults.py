@@ -34,17 +34,12 @@ from qstrat.transport import RefitSender
 from qstrat.transport.keys import ENV_SECRET
 from qstrat.transport.wire_manifest import build_wire_manifest, reload_unit, wire_manifest_for_plan
 
-from transport_harness import (EditingClient, free_port, sha256, standalone_receivers, tiny_refit_models,
+from transport_harness import (EditingClient, free_port, sha256, standalone_receivers,
                                wrap_group)
 
 SECRET = "a shared secret for the fault tests"
 BUCKET = 64 << 10
 TIMEOUT_S = 20
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_refit_models(tmp_path_factory.mktemp("faults"))
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,9 @@ from qstrat.transport import RefitSender
 from qstrat.transport.wire_manifest import reload_unit, wire_manifest_for_plan
 
 from transport_harness import (first_bucket_of, flip_first_byte, free_port, sha256, standalone_receivers,
-                               tiny_refit_models, wrap_group)
+                               wrap_group)
 
 BUCKET = 64 << 10
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_refit_models(tmp_path_factory.mktemp("modes"))
 
 
 @pytest.fixture(scope="module")

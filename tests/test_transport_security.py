@@ -28,7 +28,7 @@ from qstrat.transport.seal import Sealer
 from qstrat.transport.address import ENV_ADDRESS
 from qstrat.transport.keys import ENV_SECRET, Secret
 
-from transport_harness import EditingClient, free_port, sha256, standalone_receivers, tiny_refit_models, wrap_group
+from transport_harness import EditingClient, free_port, sha256, standalone_receivers, wrap_group
 
 SECRET = "correct horse battery staple 42"
 OTHER = "an entirely different secret!!"
@@ -93,11 +93,6 @@ def test_secret_is_hidden_and_not_picklable():
 
 
 # ---- authenticated rounds over gloo ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_refit_models(tmp_path_factory.mktemp("security"))
-
-
 @pytest.fixture(scope="module")
 def receivers(tiny):
     with standalone_receivers(tiny[3], env={ENV_SECRET: SECRET}) as rs:
