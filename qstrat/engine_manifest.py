@@ -203,6 +203,21 @@ def engine_format(quantization_config: Mapping[str, Any] | None, registry: Regis
     return found[0]
 
 
+def config_format_mismatch(config: Mapping[str, Any] | None, engine_config: Mapping[str, Any] | None,
+                           registry: Registry) -> str | None:
+    """:func:`plan_format_mismatch` for a plan known only by its ``vllm_quantization_config()``
+    (as a transport round names it): the registered format that writes ``config`` (default
+    options) against ``engine_config``; the same reasons in the same words.
+
+    Raises: EngineManifestError if no registered format writes ``config``.
+    """
+    if (config is None) != (engine_config is None):
+        return f"engine quantization_config {engine_config} does not match the plan's {config}"
+    own = engine_format(config, registry) if config is not None else None
+    why = own.engine_config_mismatch(engine_config) if own is not None else None
+    return None if why is None else f"{why} (the engine does not serve the plan's format {own.name})"
+
+
 def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
                          registry: Registry) -> str | None:
     """Why the engine does not serve the plan's format (a refusal reason), or None when it does:
@@ -217,20 +232,16 @@ def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | Non
     Raises: EngineManifestError if no registered format serves the plan's own config.
     """
     mine = plan.vllm_quantization_config()
-    if (mine is None) != (engine_config is None):
-        return f"engine quantization_config {engine_config} does not match the plan's {mine}"
     if mine is None or engine_config is None:
-        return None
+        return config_format_mismatch(mine, engine_config, registry)
     formats: dict[tuple[str, str], Serializer] = {}
     for e in plan.entries:
         entry = registry.serializers.get(e.serializer)
         if entry is not None and entry.obj.quantizes and (e.serializer, repr(e.options)) not in formats:
             formats[(e.serializer, repr(e.options))] = registry.serializer(e.serializer, **e.options)
-    checked = list(formats.values())
-    if not checked:  # e.g. one rank's share of the plan: only unquantized tensors
-        own = engine_format(mine, registry)
-        checked = [own] if own is not None else []
-    for ser in checked:
+    if not formats:  # e.g. one rank's share of the plan: only unquantized tensors
+        return config_format_mismatch(mine, engine_config, registry)
+    for ser in formats.values():
         why = ser.engine_config_mismatch(engine_config)
         if why is not None:
             return f"{why} (the engine does not serve the plan's format {ser.name})"

@@ -46,13 +46,15 @@ class EngineBuildError(EngineManifestError):
 
 class EngineStateError(QstratError, RuntimeError):
     """A refit failed after the engine began its reload (out of memory, an engine-side fault, an
-    error while streaming). vLLM's layerwise reload has no rollback, so the engine's weights are
-    in an unknown state: restart the engine before using it again."""
+    error while streaming). vLLM's layerwise reload has no rollback: the reload is finalized and
+    the engine flagged as holding a mix of two rounds; a partial refit of it is then refused with
+    this error (nothing sent), and a whole refit that loads clears the flag."""
 
 
 class TransportError(QstratError):
-    """A cross-process refit failed on the wire (checksum, truncated stream, lost peer, timeout);
-    the message names the rank and bucket. Nothing was handed to the engine."""
+    """A cross-process refit failed on the wire (checksum, truncated stream, lost peer, timeout,
+    another protocol version); the message names the rank and bucket. Nothing was handed to the
+    engine, unless it is a :class:`MixedWeightsError`."""
 
 
 class WireManifestMismatchError(TransportError):
@@ -69,9 +71,11 @@ class TransferAuthError(TransportError):
 
 
 class MixedWeightsError(TransportError):
-    """A bounded-memory round failed after some reload units were already loaded: the engine holds
-    a mix of the old and the new weights (the message names which units are new). The engine
-    keeps running; qstrat refuses partial refits until a whole refit succeeds."""
+    """A transfer round was not committed everywhere while some rank holds new weights (bounded
+    mode: units loaded before a fault on any rank; atomic mode: a load that raised part-way in
+    ``finish_weight_update``): those ranks hold a mix of the old and the new weights and are
+    flagged (the message names them). The engines keep running; qstrat refuses partial refits of
+    a flagged engine until a whole refit succeeds."""
 
 
 class BackendUnavailableError(QstratError, RuntimeError):

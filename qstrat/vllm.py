@@ -8,7 +8,11 @@ before the first tensor is sent: :meth:`RefitDriver.prepare` with this sink's ch
 (:func:`engine_checks`: the engine's format, its manifest - :mod:`qstrat.engine_manifest`,
 cross-checked with vLLM's own record of the model -, its ignore lists, CPU experts) and every
 value read first. What can still fail once the engine has begun
-(out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`.
+(out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`: the
+reload is finalized (layers that received nothing keep their weights) and the engine is
+FLAGGED as holding a mix; while flagged it refuses a partial refit before anything is sent, and
+a whole refit that loads clears the flag - the rule the transport's receivers follow
+(:mod:`qstrat.transport.session`).
 Importing this module does not import vLLM.
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ from qstrat.registry import Registry, get_registry
 from qstrat.vllm_adapter import model_record
 from qstrat.vllm_adapter.platform_facts import device_type, in_process
 
-#: Attribute set on an engine whose reload failed part-way (its weights are in an unknown state).
+#: Attribute set on an engine whose reload failed part-way (it holds a mix: a whole refit repairs it).
 _FAILED = "_qstrat_refit_failed"
 
 
@@ -109,12 +113,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     cache = llm.__dict__.setdefault("_qstrat_manifests", {})
     if key in cache:
         return cache[key]
-    try:
-        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, device_type(),
-                                  unbuilt=layout.non_decoder_prefixes if _no_towers(mc) else ())
-    except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks
-        raise EngineManifestError(f"no engine manifest for layout {layout.name!r}: {exc} (nothing was "
-                                  "sent; qstrat refits only engines whose tensors it can check)") from exc
+    manifest = model_config_manifest(mc, layout, registry)
     if cross_check and not in_process(llm):
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
@@ -181,25 +180,39 @@ def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
     EngineBuildError only (the other disagreements with vLLM's model are each round's to refuse).
 
     Returns: the manifest, or None when not checked (as :func:`check_engine_built`)."""
-    from qstrat.registry import get_registry
-
     mc = vllm_config.model_config
-    qc = quantization_config_of(mc.hf_config)
-    if qc is None:
+    if quantization_config_of(mc.hf_config) is None:
         return None
-    hf = mc.hf_config.to_dict()
-    registry = get_registry()
-    layout = layout_for(registry, None, hf)
     try:
-        manifest = build_manifest(hf, qc, layout, registry, mc.dtype, device_type(),
-                                  unbuilt=layout.non_decoder_prefixes if _no_towers(mc) else ())
-    except ConfigOnlyUnsupportedError:
-        return None
+        manifest = model_config_manifest(mc)
+    except EngineManifestError as exc:
+        if isinstance(exc.__cause__, ConfigOnlyUnsupportedError):
+            return None
+        raise
     world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
     misbuilt = model_record.format_errors(manifest, model_record.read_model(model, world))
     if misbuilt:
         raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
     return manifest
+
+
+def model_config_manifest(model_config: Any, layout: Any = None, registry: Registry | None = None) -> EngineManifest:
+    """The engine manifest of a vLLM ``ModelConfig`` (its hf_config, quantization_config and
+    dtype; the layout the config selects unless given): what :func:`engine_manifest` builds for
+    an ``LLM`` and what the ``qstrat`` weight-transfer backend checks each round against, in the
+    engine's worker (:mod:`qstrat.engine.transfer_backend`).
+
+    Raises: EngineManifestError if it cannot be built (see :func:`engine_manifest`)."""
+    registry = registry or get_registry()
+    hf = model_config.hf_config.to_dict()
+    layout = layout or layout_for(registry, None, hf)
+    try:
+        return build_manifest(hf, quantization_config_of(model_config.hf_config), layout, registry,
+                              model_config.dtype, device_type(),
+                              unbuilt=layout.non_decoder_prefixes if _no_towers(model_config) else ())
+    except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks
+        raise EngineManifestError(f"no engine manifest for layout {layout.name!r}: {exc} (nothing was "
+                                  "sent; qstrat refits only engines whose tensors it can check)") from exc
 
 
 def _no_towers(model_config: Any) -> bool:
@@ -313,6 +326,7 @@ class _EngineChecks:
         self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
             self.llm, self.driver)
         check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
+        check_whole_while_flagged(self.llm, p.plan, self.manifest)
 
     def ignore_lists(self, p: PreparedRefit) -> None:
         check_engine_compatible(p.plan, self.config, self.driver.registry)
@@ -322,6 +336,20 @@ class _EngineChecks:
             check_cpu_expert_reload(p.plan, self.manifest, self.allow_cpu_bf16_experts)
 
 
+def check_whole_while_flagged(llm: Any, plan: RefitPlan, manifest: EngineManifest) -> None:
+    """Refuse a partial refit of an engine flagged by a reload that failed part-way.
+
+    Raises: EngineStateError naming the flag and how much of the engine the plan covers."""
+    failed = getattr(llm, _FAILED, None)
+    if not failed:
+        return
+    parts, sent = set(manifest.parts()), manifest.parts_sent(plan)
+    if parts - sent:
+        raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}): it holds a MIX of "
+                               f"two rounds; the next refit must be whole, this one sends {len(sent & parts)} of "
+                               f"the {len(parts)} parts (nothing was sent)")
+
+
 def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None = None,
                   allow_cpu_bf16_experts: bool = False) -> tuple[SinkCheck, ...]:
     """The checks a running engine adds to :meth:`RefitDriver.prepare`, in this order:
@@ -329,7 +357,8 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
     1. ``engine format``: the plan's format is the engine's (:func:`check_engine_format`);
     2. ``engine manifest``: the plan against the engine's manifest (``manifest``, default
        :func:`engine_manifest`; :func:`qstrat.engine_manifest.check_plan`: names, shapes,
-       dtypes, every reload unit complete, every layer covered unless the plan was given);
+       dtypes, every reload unit complete, every layer covered unless the plan was given), and
+       a whole plan while the engine is flagged (:func:`check_whole_while_flagged`);
     3. ``ignore lists``: both directions of the ignore list (:func:`check_engine_compatible`);
     4. ``cpu experts``: no unquantized routed experts into a CPU engine
        (:func:`check_cpu_expert_reload`).
@@ -392,8 +421,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     Raises: ValueError (nothing sent, the engine unchanged) for ``stream`` with ``weights_dir``
         or with a multiprocess engine, ``read_once`` without ``plan`` or with ``stream``; PlanError, BackendUnavailableError or
         NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
-        EngineStateError if the reload failed after it began (the engine must be restarted), and
-        for every later refit of that engine; FidelityError from ``verify``.
+        EngineStateError if the reload failed after it began (the engine is flagged as holding a
+        mix), and for every later PARTIAL refit of that engine until a whole one loads
+        (nothing sent); FidelityError from ``verify``.
     """
     if verify is not None and not callable(verify):
         raise TypeError(f"refit: verify must be callable as verify(llm, driver) (e.g. qstrat.fidelity.Verify(model)), "
@@ -404,10 +434,6 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         raise ValueError("refit: read_once needs a plan (the inputs are read once, so they cannot be planned "
                          "first) and builds the whole payload before the reload (not with stream=True); "
                          "nothing was sent")
-    failed = getattr(llm, _FAILED, None)
-    if failed:
-        raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
-                               "are in an unknown state: restart the engine")
     if not in_process(llm):  # vLLM cannot pickle tensors (nor a generator) to a worker process
         if stream:
             raise ValueError("refit: stream=True needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0); "
@@ -450,19 +476,42 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
 def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:
     """Run vLLM's layerwise ``reload_weights`` from ``source`` (an iterator or a folder).
 
-    Raises: EngineStateError for any failure once the engine began reloading (and marks the
-    engine, so that every later refit is refused: vLLM's reload has no rollback).
+    Raises: EngineStateError for any failure once the engine began reloading: vLLM's reload has
+    no rollback, so the reload is finalized and the engine flagged (a later partial refit is
+    refused, a whole one that loads clears the flag).
     """
     try:
         llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        setattr(llm, _FAILED, reason)
+        setattr(llm, _FAILED, reason + _finalize_failed_reload(llm))
         raise EngineStateError(
             f"the refit failed after the engine began reloading ({sent['tensors']} of {total} "
-            f"tensors handed over): {reason}. vLLM's layerwise reload has no rollback, so the "
-            "engine's weights are in an unknown state: restart the engine") from exc
+            f"tensors handed over): {reason}. vLLM's layerwise reload has no rollback: the engine holds a "
+            "MIX of two rounds and accepts only a whole refit now") from exc
     except BaseException as exc:  # KeyboardInterrupt mid-reload: same state, keep the interrupt
         setattr(llm, _FAILED, f"{type(exc).__name__} during reload")
         raise
+    if getattr(llm, _FAILED, None):
+        setattr(llm, _FAILED, None)  # a whole refit loaded (a partial one was refused before)
+
+
+def _finalize_failed_reload(llm: Any) -> str:
+    """Finalize the layerwise reload a failure left open in every worker (layers that received
+    nothing get their weights back; the transport's loader does the same). Returns "" or why it
+    could not (added to the flag)."""
+    try:
+        llm.collective_rpc(_finalize_worker_reload)
+    except Exception as exc:  # noqa: BLE001 - the flag stands either way
+        return f" (finalizing the reload failed too: {type(exc).__name__}: {exc})"
+    return ""
+
+
+def _finalize_worker_reload(worker: Any) -> None:
+    """In a vLLM worker: ``finalize_layerwise_reload`` on its model (a no-op for layers that are
+    not being reloaded)."""
+    from qstrat.vllm_adapter.resolver import resolve
+
+    runner = worker.model_runner
+    resolve("finalize_layerwise_reload")(runner.get_model(), runner.vllm_config.model_config)
 

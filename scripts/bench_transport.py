@@ -46,6 +46,7 @@ import argparse
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ from transport_harness import Receiver, free_port, raw_broadcast  # noqa: E402
 
 from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
-from qstrat.transport.auth import Secret  # noqa: E402
+from qstrat.transport.keys import Secret  # noqa: E402
 from qstrat.transport.seal import Sealer  # noqa: E402
 
 SECRET = "benchmark secret, not a real one"
@@ -98,10 +99,11 @@ def manifest_for(tensors, bucket_bytes):
 
 def raw_round(sender, receivers, sizes, bufs, staged=False) -> tuple[float, float, float]:
     """(wall seconds, sender CPU seconds, receiver 1 CPU seconds) of a raw broadcast."""
-    futures = [sender._pool.submit(r.rpc.call, "raw_broadcast", sizes, staged) for r in receivers]
-    t0, cpu = time.perf_counter(), time.process_time()
-    raw_broadcast(sender.group, sizes, bufs)
-    cpus = [f.result(600) for f in futures]
+    with ThreadPoolExecutor(len(receivers)) as pool:
+        futures = [pool.submit(r.rpc.call, "raw_broadcast", sizes, staged) for r in receivers]
+        t0, cpu = time.perf_counter(), time.process_time()
+        raw_broadcast(sender.group, sizes, bufs)
+        cpus = [f.result(600) for f in futures]
     return time.perf_counter() - t0, time.process_time() - cpu, cpus[0]
 
 

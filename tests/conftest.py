@@ -96,3 +96,12 @@ def seeded_random(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     random.seed(seed)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The transport tests' models, one set per module: (block-FP8 driver, trainer tensors of the
+    tiny model A, of B, A's checkpoint directory) - tests/transport_harness.tiny_refit_models."""
+    from transport_harness import tiny_refit_models
+
+    return tiny_refit_models(tmp_path_factory.mktemp("refit-models"))

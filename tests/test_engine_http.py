@@ -44,8 +44,11 @@ def ckpts(tmp_path_factory):
     return dict(root=root, cfg=cfg, a=model_a.state_dict(), b=model_b.state_dict())
 
 
+SECRET = "the recipe's shared secret, 32 bytes"
+
+
 def server_command(model_dir, port: int) -> list[str]:
-    """docs/transport.md's server command (tiny-model limits added: no tokenizer, short context)."""
+    """docs/transport.md's server command ("A recipe on a CPU"), on ``port``."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--weight-transfer-config", json.dumps({"backend": "qstrat"}),
             "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager",
@@ -57,8 +60,9 @@ def server(ckpts):
     import requests
 
     port = free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1",
-               OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", QSTRAT_TRANSFER_SECRET=SECRET,
+               # the shared CI machine: one thread, no core binding, no compilation
+               TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     log_path = ckpts["root"] / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(server_command(ckpts["root"] / "b-fp8", port), env=env, stdout=log,
@@ -93,6 +97,22 @@ def b_at_start(server):
     return checksums(server)
 
 
+def test_the_recipes_trainer_script_refits_the_fresh_server_and_back(server, b_at_start, ckpts):
+    """FIRST in this module, on the fresh server: examples/trainers/transport_refit.py, run as
+    docs/transport.md says (the secret in its environment), refits the server to A and back to B
+    over the transport and finds every completion equal to the fresh server's."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "trainers" / "transport_refit.py"
+    run = subprocess.run([sys.executable, str(script), "refit", server, "--port", str(free_port())],
+                         env=dict(os.environ, QSTRAT_TRANSFER_SECRET=SECRET), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "fresh server: 3 greedy completions read" and lines[1].startswith("refit to A: TransferReport(")
+    assert lines[-1] == "back on B: every completion equals the fresh server's (tokens and logprobs)", run.stdout
+
+
 @pytest.fixture(scope="module")
 def sender(server, b_at_start):
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
@@ -100,7 +120,7 @@ def sender(server, b_at_start):
     from qstrat.transport import RefitSender
 
     s = RefitSender([HTTPVLLMWeightSyncClient(server, timeout=TIMEOUT_S)], "127.0.0.1", free_port(),
-                    timeout_s=TIMEOUT_S)
+                    timeout_s=TIMEOUT_S, secret=SECRET)
     s.connect()
     yield s
     s.close()
@@ -119,7 +139,9 @@ def test_refused_round_carries_the_engines_reason_to_the_trainer(sender, ckpts):
     assert "rank 1 rejected the wire manifest" in msg
     assert "HTTPError: 500 Server Error" in msg
     (said,) = [part for part in msg.split("; the engine said: ")[1:]]
-    assert "wire manifest does not match the engine" in said and "weight_scale_inv" in said
+    # the format first, in the in-process sink's words (qstrat.vllm.check_engine_format)
+    assert "the round's format does not match the engine: " in said, said
+    assert "(the engine does not serve the plan's format mxfp8)" in said and "weight_scale_inv" not in said, said
 
 
 def checksums(url) -> dict[str, str]:

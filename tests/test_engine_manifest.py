@@ -277,14 +277,18 @@ def test_manifest_matches_vllms_record_of_the_live_model(engine, driver, cfg):
            "{'float8_e4m3fn': 786432, 'float32': 48}" in errors[0]
 
 
-def test_a_fault_mid_reload_raises_engine_state_error_and_blocks_later_refits(engine, models, driver,
-                                                                               monkeypatch):
-    """LAST in this module: it breaks the engine, as a real mid-stream fault does."""
+def test_a_fault_mid_reload_flags_the_engine_and_a_whole_refit_repairs_it(engine, models, driver, monkeypatch):
+    """LAST in this module. A fault while quantizing layer 2 inside a ``stream=True`` reload (the
+    engine has begun): EngineStateError, the reload finalized and the engine flagged; a partial
+    refit is then refused before anything is sent (the transport's rule,
+    tests/test_transport_faults.py); a whole refit to B equals the fresh engine on B and clears
+    the flag."""
     from qstrat import vllm as qvllm
+    from qstrat.engine.local import greedy
     from qstrat.errors import EngineStateError
     from qstrat.serializers.block_fp8 import BlockFP8
 
-    llm, _ = engine
+    llm, fresh = engine
     real = BlockFP8.quantize
 
     def faulty(self, w, *, name="weight", **kw):
@@ -294,8 +298,13 @@ def test_a_fault_mid_reload_raises_engine_state_error_and_blocks_later_refits(en
 
     monkeypatch.setattr(BlockFP8, "quantize", faulty)  # undone after the test (BlockFP8 inherits it)
     with pytest.raises(EngineStateError, match=r"after the engine began reloading \((\d+) of 247 tensors "
-                                               r"handed over\): MemoryError: simulated.*restart the engine"):
-        qvllm.refit(llm, driver, models[1].state_dict(), stream=True)
+                                               r"handed over\): MemoryError: simulated.*accepts only a whole refit"):
+        qvllm.refit(llm, driver, models[0].state_dict(), stream=True)
     monkeypatch.undo()
-    with pytest.raises(EngineStateError, match="an earlier refit of this engine failed part-way"):
-        qvllm.refit(llm, driver, models[1].state_dict())
+    plan = driver.plan(models[1].state_dict())
+    with pytest.raises(EngineStateError, match=r"failed part-way \(MemoryError: simulated.*the next refit must be "
+                                               r"whole, this one sends 1 of the \d+ parts \(nothing was sent\)"):
+        qvllm.refit(llm, driver, models[1].state_dict(), plan=plan.only_layers([2]))
+    qvllm.refit(llm, driver, models[1].state_dict())
+    assert getattr(llm, "_qstrat_refit_failed") is None
+    assert_same(greedy(llm), fresh, "a whole refit after the failed one vs fresh B")

@@ -19,6 +19,7 @@ tests/test_engine_refit.py).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -84,19 +85,20 @@ def make_sender(receivers):
                        bucket_bytes=BUCKET_BYTES)
 
 
-def faulty(cluster, transmit):
-    """A sender on the cluster's group whose ``transmit_payload`` is ``transmit``."""
-    from qstrat.transport import RefitSender as Sender
+@contextlib.contextmanager
+def tapped(cluster, **hooks):
+    """The cluster's sender with its group wrapped in a FaultyGroup (``hooks``: the wire between
+    the sender and the engines); unwrapped afterwards if the group is still open."""
+    from transport_harness import wrap_group
 
-    class Faulty(Sender):
-        def transmit_payload(self, index, payload):
-            return transmit(self, index, payload)
-
-    good = cluster["sender"]
-    bad = Faulty(good.clients, good.master_address, good.master_port, timeout_s=TIMEOUT_S,
-                 bucket_bytes=BUCKET_BYTES)
-    bad.group = good.group
-    return bad
+    sender = cluster["sender"]
+    group = sender.group
+    tap = wrap_group(group, **hooks)
+    try:
+        yield sender
+    finally:
+        if group.pg is tap:  # still open: unwrap
+            group.pg = tap.pg
 
 
 def test_refit_through_backend_equals_fresh_engine_and_receivers_agree(cluster, ckpts, fresh_b):
@@ -125,13 +127,17 @@ def test_manifest_mismatch_is_refused_before_any_data(cluster, ckpts, fresh_b):
     from qstrat.errors import WireManifestMismatchError
 
     sent = []
-    sender = faulty(cluster, lambda self, k, payload: sent.append(k) or payload)
     mxfp8 = RefitDriver("mxfp8", hf_config=ckpts["cfg"])
     t0 = time.perf_counter()
-    with pytest.raises(WireManifestMismatchError) as err:
+    with tapped(cluster, wire=lambda k, piece, t: sent.append(k)) as sender, \
+            pytest.raises(WireManifestMismatchError) as err:
         sender.refit(mxfp8, ckpts["a"])
     msg = str(err.value)
     assert "rank 1 rejected the wire manifest" in msg and "rank 2 rejected the wire manifest" in msg
+    # the engine says the format first, in the in-process sink's words; the standalone receiver
+    # (a checkpoint's headers) lists the tensors
+    assert "engine 0: RuntimeError: WireManifestMismatchError: the round's format does not match the engine: " in msg, msg
+    assert "(the engine does not serve the plan's format mxfp8)" in msg, msg
     assert "wire manifest does not match the engine" in msg and "weight_scale_inv" in msg
     assert sent == [], "a bucket was sent after the wire manifest was refused"
     assert time.perf_counter() - t0 < TIMEOUT_S
@@ -141,15 +147,15 @@ def test_manifest_mismatch_is_refused_before_any_data(cluster, ckpts, fresh_b):
 def test_corrupted_bucket_fails_its_checksum_and_nothing_loads(cluster, ckpts, fresh_b):
     from qstrat.errors import TransportError
 
-    def corrupt(self, k, payload):
-        if k != 3:
-            return payload
-        bad = payload.clone()
+    def corrupt(k, piece, t):
+        if (k, piece) != (3, 0):
+            return None
+        bad = t.clone()
         bad[len(bad) // 2] ^= 0x10
         return bad
 
-    with pytest.raises(TransportError) as err:
-        faulty(cluster, corrupt).refit(ckpts["driver"], ckpts["a"])
+    with tapped(cluster, wire=corrupt) as sender, pytest.raises(TransportError) as err:
+        sender.refit(ckpts["driver"], ckpts["a"])
     msg = str(err.value)
     assert "round not committed: rank 1 a bucket failed its checksum; rank 2 a bucket failed" in msg
     assert "bucket 3/" in msg and "failed its checksum (seal mismatch" in msg  # the receivers' own messages
@@ -161,14 +167,13 @@ def test_truncated_stream_is_an_error_within_the_timeout(cluster, ckpts, fresh_b
     trainer crashes mid-stream): the receivers see the stream end early."""
     from qstrat.errors import TransportError
 
-    def cut(self, k, payload):
+    def cut(k, piece, t):
         if k == 4:
-            raise RuntimeError("simulated trainer crash")
-        return payload
+            raise RuntimeError("simulated trainer crash")  # the broadcast fails, as gloo's does
 
     t0 = time.perf_counter()
-    with pytest.raises(TransportError) as err:
-        faulty(cluster, cut).refit(ckpts["driver"], ckpts["a"])
+    with tapped(cluster, wire=cut) as sender, pytest.raises(TransportError) as err:
+        sender.refit(ckpts["driver"], ckpts["a"])
     elapsed = time.perf_counter() - t0
     msg = str(err.value)
     assert "simulated trainer crash" in msg, msg
@@ -196,7 +201,8 @@ def test_whole_layer_partial_rounds_equal_the_fresh_engine(cluster, ckpts, fresh
     with pytest.raises(PlanError, match="decoder layer 0 is refit partially"):
         sender.refit(driver, ckpts["b"], plan=half_plan)  # the trainer's own check, before any RPC
     # the engine's refusal, for a sender that skips the trainer-side check
-    with pytest.raises(WireManifestMismatchError, match=r"partly sent.*model\.layers\.0"):
+    with pytest.raises(WireManifestMismatchError, match=r"engine 0: .*the refit does not match what the engine accepts "
+                                                        r"\(nothing was sent\):\n  decoder layer 0 is refit partially"):
         sender.send(wire_manifest_for_plan(half_plan, sender.bucket_bytes),
                     iter(driver.execute(half_plan, ckpts["b"])))
     assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
@@ -212,8 +218,9 @@ SECRET = "engine-side secret for the tests"
 def keyed_sender(cluster, secret, cls=None, **kw):
     from qstrat.transport import RefitSender
 
-    sender = (cls or RefitSender)(cluster["sender"].clients, "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
-                                  bucket_bytes=BUCKET_BYTES, secret=secret, **kw)
+    sender = (cls or RefitSender)(cluster["sender"].clients, "127.0.0.1", free_port(),
+                                  timeout_s=kw.pop("timeout_s", TIMEOUT_S), bucket_bytes=BUCKET_BYTES,
+                                  secret=secret, **kw)
     sender.connect()
     return sender
 
@@ -224,7 +231,9 @@ def test_authenticated_rounds_refuse_every_attack_with_the_engine_unchanged(clus
     address are each refused before anything is loaded, the engine's outputs unchanged."""
     from qstrat.errors import TransferAuthError, TransportError
     from qstrat.transport import RefitSender
-    from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET
+    from transport_harness import wrap_group
+    from qstrat.transport.address import ENV_ADDRESS
+    from qstrat.transport.keys import ENV_SECRET
 
     receivers = (cluster["engine"], cluster["other"])
     for r in receivers:
@@ -232,29 +241,22 @@ def test_authenticated_rounds_refuse_every_attack_with_the_engine_unchanged(clus
     try:
         keyed_sender(cluster, SECRET).refit(ckpts["driver"], ckpts["a"])
         assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
-        for secret in (None, "a wrong key of enough length"):
+        for secret in (None, "a wrong key of enough length"):  # the engines refuse to join
             with pytest.raises(TransferAuthError) as err:
-                keyed_sender(cluster, secret).refit(ckpts["driver"], ckpts["b"])
+                keyed_sender(cluster, secret, timeout_s=3)
             msg = str(err.value)
-            assert "rank 1 refused the round's authentication; rank 2 refused" in msg, msg
-            assert "engine 0: RuntimeError: TransferAuthError: rank 1: round refused: the round's MAC " \
-                   "does not verify" in msg, msg
+            assert msg.count("init_weight_transfer_engine refused: no valid authentication tag") == 2, msg
             assert SECRET not in msg
             assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
 
-        class Replaying(RefitSender):
-            recorded = None
-
-            def round_header(self, wire_manifest, ctx, mac):
-                header = super().round_header(wire_manifest, ctx, mac)
-                Replaying.recorded = header.clone() if Replaying.recorded is None else Replaying.recorded
-                return Replaying.recorded
-
-        replaying = keyed_sender(cluster, SECRET, Replaying)
+        replaying = keyed_sender(cluster, SECRET)
+        tap = wrap_group(replaying.group, record=True)
         replaying.refit(ckpts["driver"], ckpts["a"])  # recorded (A again: outputs stay a_out)
-        with pytest.raises(TransferAuthError, match="a replayed round"):
+        recorded = next(t for kind, _, _, t in tap.posted if kind == "round")
+        tap.header_hook = lambda header: recorded
+        with pytest.raises(TransferAuthError, match="the round's MAC does not verify"):
             replaying.refit(ckpts["driver"], ckpts["b"])
-        cluster["engine"].ctl.call("forget_counter")  # as after an engine restart: the challenge refuses
+        cluster["engine"].ctl.call("forget_counter")  # as after an engine restart
         with pytest.raises(TransferAuthError, match="the round's MAC does not verify"):
             replaying.refit(ckpts["driver"], ckpts["b"])
         assert cluster["engine"].ctl.call("greedy") == cluster["a_out"]
@@ -283,7 +285,7 @@ def test_bounded_round_fault_at_the_middle_layer_flags_the_engine_and_a_whole_re
     bucket inside layer 2 (of 4) leaves the engine holding layers 0-1 of B and 2-3 of A, flagged;
     a partial refit is refused naming the flag; a whole bounded refit equals a fresh engine on B."""
     from qstrat.errors import MixedWeightsError, WireManifestMismatchError
-    from transport_harness import corrupting_sender, first_bucket_of
+    from transport_harness import first_bucket_of, flip_first_byte, wrap_group
 
     from qstrat.transport.wire_manifest import wire_manifest_for_plan
 
@@ -293,8 +295,9 @@ def test_bounded_round_fault_at_the_middle_layer_flags_the_engine_and_a_whole_re
     plan = driver.plan(ckpts["b"])
     m = wire_manifest_for_plan(plan, BUCKET_BYTES)
     bad_bucket = first_bucket_of(m, "model.layers.2")
-    bad = keyed_sender(cluster, None, corrupting_sender(bad_bucket), mode="bounded")
-    with pytest.raises(MixedWeightsError, match="rank 1 a bucket failed its checksum after loading began"):
+    bad = keyed_sender(cluster, None, mode="bounded")
+    wrap_group(bad.group, wire=flip_first_byte(bad_bucket))
+    with pytest.raises(MixedWeightsError, match=r"rank 1 failed after loading began \(holds a mix\)"):
         bad.refit(driver, ckpts["b"])
     flag = cluster["engine"].ctl.call("mixed")
     assert flag is not None and "model.layers.1" in flag and "the rest old" in flag, flag
@@ -315,15 +318,14 @@ def test_receiver_killed_mid_way_is_an_error_and_the_engine_is_unchanged(cluster
 
     victim = cluster["other"]
 
-    def kill(self, k, payload):
-        if k == 4:
+    def kill(k, piece, t):
+        if k == 4 and victim.process.is_alive():
             os.kill(victim.process.pid, 9)
             victim.process.join(5)
-        return payload
 
     t0 = time.perf_counter()
-    with pytest.raises(TransportError) as err:  # the engine holds B (previous test); send A
-        faulty(cluster, kill).refit(ckpts["driver"], ckpts["a"])
+    with tapped(cluster, wire=kill) as sender, pytest.raises(TransportError) as err:  # the engine holds B; send A
+        sender.refit(ckpts["driver"], ckpts["a"])
     elapsed = time.perf_counter() - t0
     msg = str(err.value)
     print(f"[timing] killed receiver detected in {elapsed:.2f} s: {msg[:300]}")

@@ -18,7 +18,7 @@ from qstrat.transport import RefitSender, build_wire_manifest, check_against
 from qstrat.transport.buckets import bucket_contents, pack, receive_buffers, unpack
 from qstrat.transport.wire_manifest import WireManifest
 
-from transport_harness import Receiver, crashing_sender, free_port, sha256
+from transport_harness import Receiver, crashing_sender, free_port, sha256, wrap_group
 
 MIXED = [("a.weight", "float8_e4m3fn", (3, 5)), ("a.weight_scale_inv", "float32", (1, 1)),
          ("b.weight", "bfloat16", (7,)), ("big.weight", "bfloat16", (300, 10)),
@@ -120,19 +120,6 @@ def test_pack_then_unpack_gives_the_same_bytes_as_views_of_the_received_buffers(
 
 # ---- a real round over gloo: this process sends, two processes receive ------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-
-    model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
-    driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
-    ckpt = tmp_path_factory.mktemp("transport") / "a-fp8"
-    write_checkpoint(driver, model_a.state_dict(), ckpt)
-    return driver, model_a.state_dict(), model_b.state_dict(), ckpt
-
-
-@pytest.fixture(scope="module")
 def standalone(tiny):
     """Two StandaloneReceiver processes (checked against A's checkpoint headers) and a sender
     connected to them; 64 KiB buckets, so the 512 KiB embedding travels in chunks."""
@@ -226,7 +213,7 @@ def test_buckets_larger_than_a_piece_are_sealed_piece_by_piece_and_a_bad_middle_
     and 1 MiB) and a 25 MiB tensor in 10 MiB chunks arrive byte-exact, without and with a secret
     (checksum and bucket MAC paths); one byte changed in the MIDDLE piece is refused, receivers
     unchanged."""
-    from qstrat.transport.auth import ENV_SECRET
+    from qstrat.transport.keys import ENV_SECRET
     from qstrat.transport.seal import PIECE_BYTES
 
     specs = [("a.weight", "uint8", ((9 << 20) - 4096,)), ("a.scale", "float32", (7,)),
@@ -244,24 +231,23 @@ def test_buckets_larger_than_a_piece_are_sealed_piece_by_piece_and_a_bad_middle_
                 r.ctl.call("setenv", ENV_SECRET, secret if keyed else None)
             first, second = tensors_for(specs, seed=1), tensors_for(specs, seed=2)
 
-            class Corrupting(RefitSender):
-                def transmit_payload(self, index, payload):
-                    if index != 0:
-                        return payload
-                    bad = payload.clone()
-                    bad[PIECE_BYTES + 5] ^= 0x01  # inside the second of three pieces
-                    return bad
+            def corrupt(bucket, piece, t):  # one byte inside the second of bucket 0's three pieces
+                if (bucket, piece) != (0, 1):
+                    return None
+                bad = t.clone()
+                bad[5] ^= 0x01
+                return bad
 
             kw = dict(timeout_s=30, bucket_bytes=10 << 20, secret=secret if keyed else None)
             sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), **kw)
-            sender.connect()  # the plain sender packs shared buckets piece by piece
-            bad = Corrupting(sender.clients, sender.master_address, sender.master_port, **kw)
-            bad.group = sender.group
+            sender.connect()
             sender.send(wm, iter(first))
             want = {n: sha256(t) for n, t in first}
             assert [r.ctl.call("digests") for r in receivers] == [want, want]
+            tap = wrap_group(sender.group, wire=corrupt)
             with pytest.raises(TransportError) as err:
-                bad.send(wm, iter(second))
+                sender.send(wm, iter(second))
+            sender.group.pg = tap.pg
             msg = str(err.value)
             assert msg.count("bucket 0/5 failed its checksum (seal mismatch; tensors ['a.weight', 'a.scale'])") == 2, msg
             assert [r.ctl.call("digests") for r in receivers] == [want, want]

@@ -26,8 +26,10 @@ def test_a_one_rank_group_sums_broadcasts_and_votes(solo):
     b = torch.arange(5, dtype=torch.uint8)
     solo.wait(solo.broadcast(b))
     assert b.tolist() == [0, 1, 2, 3, 4]
-    assert protocol.vote(solo, protocol.OK) == [0]
-    assert protocol.vote(solo, protocol.CHECKSUM) == [protocol.CHECKSUM]
+    mac = bytes(range(32))
+    assert protocol.vote(solo, protocol.ACCEPT, protocol.OK, False, None, mac) == protocol.Votes([0], [False])
+    assert protocol.vote(solo, protocol.COMMIT, protocol.CHECKSUM, True, None, mac) == protocol.Votes(
+        [protocol.CHECKSUM], [True])
 
 
 def test_close_is_idempotent_and_lost_closes_the_group(solo):
@@ -45,6 +47,16 @@ def test_describe_names_each_failing_rank_and_its_reason():
         "rank 1 a bucket failed its checksum; rank 2 rejected the wire manifest")
     assert protocol.describe([protocol.SENDER_ABORT, 0, 99]) == (
         "rank 0 the sender aborted the stream; rank 2 status 99")
+
+
+@pytest.mark.parametrize(("statuses", "holding", "outcome"), [
+    ([0, 0, 0], [False, True, True], "committed"),
+    ([0, 0, protocol.CHECKSUM], [False, False, False], "refused"),
+    ([0, 0, protocol.CHECKSUM], [False, True, False], "mixed"),  # rank 1 loaded, rank 2 refused
+    ([protocol.SENDER_ABORT, protocol.MIXED, 0], [False, True, True], "mixed"),
+])
+def test_one_outcome_for_every_mode_from_the_commit_vote(statuses, holding, outcome):
+    assert protocol.outcome(protocol.Votes(statuses, holding)) == outcome
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -19,15 +19,10 @@ from qstrat.errors import MixedWeightsError, WireManifestMismatchError
 from qstrat.transport import RefitSender
 from qstrat.transport.wire_manifest import reload_unit, wire_manifest_for_plan
 
-from transport_harness import (corrupting_sender, first_bucket_of, free_port, sha256, standalone_receivers,
-                               tiny_refit_models)
+from transport_harness import (first_bucket_of, flip_first_byte, free_port, sha256, standalone_receivers,
+                               wrap_group)
 
 BUCKET = 64 << 10
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_refit_models(tmp_path_factory.mktemp("modes"))
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +31,9 @@ def receivers(tiny):
         yield rs
 
 
-def sender_for(receivers, mode, cls=RefitSender):
-    s = cls([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=BUCKET,
-            mode=mode)
+def sender_for(receivers, mode, **kw):
+    s = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=BUCKET,
+                    mode=mode, **kw)
     s.connect()
     return s
 
@@ -90,12 +85,13 @@ def test_bounded_fault_at_the_middle_layer_flags_a_mix_and_a_whole_refit_repairs
     plan = driver.plan(trainer_b)
     m = wire_manifest_for_plan(plan, BUCKET)
     bad_bucket = first_bucket_of(m, "model.layers.2")  # layer 2's first bucket of its own
-    bad = sender_for(receivers, "bounded", corrupting_sender(bad_bucket))
+    bad = sender_for(receivers, "bounded")
+    wrap_group(bad.group, wire=flip_first_byte(bad_bucket))  # the wire between sender and receivers
     with pytest.raises(MixedWeightsError) as err:
         bad.refit(driver, trainer_b)
     msg = str(err.value)
-    assert "rank 1 a bucket failed its checksum after loading began (engine holds a mix)" in msg, msg
-    assert "rank 2 a bucket failed its checksum after loading began" in msg and "must be whole" in msg
+    assert "rank 1 failed after loading began (holds a mix); rank 2 failed after loading began" in msg, msg
+    assert "ranks 1, 2 hold new weights" in msg and "accepts only a whole refit" in msg, msg
     assert bad.mixed is not None
     # units wholly before the bad bucket are new, the rest (layer 2 included) old
     done = {reload_unit(s.name) for s in m.slots} - {

@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import copy
 import pickle
 import time
 
@@ -26,9 +25,10 @@ from qstrat.transport import RefitSender
 from qstrat.transport import checksum as cs
 from qstrat.transport import nh
 from qstrat.transport.seal import Sealer
-from qstrat.transport.auth import ENV_ADDRESS, ENV_SECRET, Secret
+from qstrat.transport.address import ENV_ADDRESS
+from qstrat.transport.keys import ENV_SECRET, Secret
 
-from transport_harness import free_port, sha256, standalone_receivers, tiny_refit_models
+from transport_harness import EditingClient, free_port, sha256, standalone_receivers, wrap_group
 
 SECRET = "correct horse battery staple 42"
 OTHER = "an entirely different secret!!"
@@ -94,11 +94,6 @@ def test_secret_is_hidden_and_not_picklable():
 
 # ---- authenticated rounds over gloo ----------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_refit_models(tmp_path_factory.mktemp("security"))
-
-
-@pytest.fixture(scope="module")
 def receivers(tiny):
     with standalone_receivers(tiny[3], env={ENV_SECRET: SECRET}) as rs:
         yield rs
@@ -129,43 +124,30 @@ def test_keyed_round_delivers_the_bytes(receivers, tiny):
 def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_data(receivers, tiny):
     driver, trainer_a, trainer_b, _ = tiny
     before = digests(receivers)
-    sent = []
-
-    class Watching(RefitSender):
-        def transmit_payload(self, index, payload):
-            sent.append(index)
-            return payload
-
     for secret in (None, OTHER):
-        sender = Watching([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
-                          bucket_bytes=64 << 10, secret=secret)
+        # the engines hold a secret and refuse an init without its tag: these clients sign the
+        # init with the right key, so that only the rounds are left to refuse
+        clients = [EditingClient(r.rpc, _signed_init(SECRET)) for r in receivers]
+        sender = RefitSender(clients, "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=64 << 10, secret=secret)
         sender.connect()
+        tap = wrap_group(sender.group, record=True)
         with pytest.raises(TransferAuthError) as err:
             sender.refit(driver, trainer_b)
         msg = str(err.value)
         assert "rank 1 refused the round's authentication; rank 2 refused" in msg, msg
         assert msg.count("the round's MAC does not verify (this engine holds a transfer secret") == 2, msg
         assert SECRET not in msg and OTHER not in msg
-        assert sent == [] and digests(receivers) == before
+        assert not [k for k, *_ in tap.posted if k == "payload"] and digests(receivers) == before
         sender.close()
 
-    # replay: a keyed sender records its round header and sends it again in the next round
-    class Replaying(RefitSender):
-        recorded = None
-
-        def round_header(self, wire_manifest, ctx, mac):
-            header = super().round_header(wire_manifest, ctx, mac)
-            if Replaying.recorded is None:
-                Replaying.recorded = header.clone()
-                return header
-            return Replaying.recorded
-
-    sender = Replaying([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
-                       bucket_bytes=64 << 10, secret=SECRET)
-    sender.connect()
+    # replay: a keyed round's header, recorded on the wire, sent again in a later round
+    sender = connect(receivers, SECRET)
+    tap = wrap_group(sender.group, record=True)
     sender.refit(driver, trainer_b)  # recorded, accepted
+    recorded = next(t for kind, _, _, t in tap.posted if kind == "round")
     after_b = digests(receivers)
-    with pytest.raises(TransferAuthError, match=r"is not above the last accepted .*: a replayed round"):
+    tap.header_hook = lambda header: recorded
+    with pytest.raises(TransferAuthError, match="the round's MAC does not verify"):
         sender.refit(driver, trainer_b)
     for r in receivers:  # a restarted engine has forgotten the counter: its challenge still refuses
         r.ctl.call("forget_counter")
@@ -173,6 +155,17 @@ def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_da
         sender.refit(driver, trainer_b)
     assert digests(receivers) == after_b
     sender.close()
+
+
+def _signed_init(secret):
+    """An ``EditingClient`` edit: the init info's tag made with ``secret``."""
+    def edit(method, args):
+        from qstrat.transport.auth import sign_init
+
+        if method != "init_weight_transfer_engine":
+            return args
+        return (sign_init(Secret(secret), {k: v for k, v in args[0].items() if k != "auth"}),)
+    return edit
 
 
 def test_init_info_pointing_at_another_address_is_refused_before_joining(receivers, tiny):
@@ -219,28 +212,25 @@ def test_man_in_the_middle_bit63_forgery_is_refused_with_receivers_unchanged(rec
     before = digests(receivers)
     forged_at = []
 
-    class ManInTheMiddle(RefitSender):
-        def transmit_payload(self, index, payload):
-            if index == 1 and not forged_at:
-                forged_at.append(index)
-                return flip_bit63_of_two_words(payload)
-            return payload
+    def forge(bucket, piece, t):
+        if bucket == 1 and not forged_at:
+            forged_at.append(bucket)
+            return flip_bit63_of_two_words(t)
+        return None
 
-    mitm = ManInTheMiddle([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20,
-                          bucket_bytes=64 << 10, secret=SECRET)
-    sender.close()
-    mitm.connect()
+    mitm = wrap_group(sender.group, wire=forge)
     with pytest.raises(TransportError) as err:
-        mitm.refit(driver, trainer_b)
+        sender.refit(driver, trainer_b)
     msg = str(err.value)
     assert forged_at == [1]
     assert "rank 1 a bucket failed its checksum; rank 2 a bucket failed its checksum" in msg, msg
     assert msg.count("bucket 1/") >= 2 and "failed its checksum (seal mismatch" in msg, msg
     assert SECRET not in msg
     assert digests(receivers) == before
-    mitm.refit(driver, trainer_b)  # the same group, no forgery: B arrives
+    sender.group.pg = mitm.pg
+    sender.refit(driver, trainer_b)  # the same group, no forgery: B arrives
     assert digests(receivers) == [{n: sha256(t) for n, t in driver.run(trainer_b)}] * 2
-    mitm.close()
+    sender.close()
 
 
 def nh_oracle(payload: bytes, key: bytes) -> list[tuple[int, int]]:
@@ -280,16 +270,16 @@ def test_bucket_mac_refuses_the_bit63_forgery_and_integrity_seal_does_not():
     forged = flip_bit63_of_two_words(x)
     mac = bytes(range(32))
     keyed, public = Sealer(Secret(SECRET), mac, x.device), Sealer(None, mac, x.device)
-    assert not keyed.ok(4, 0, forged, keyed.seal(4, 0, x))
-    assert public.ok(4, 0, forged, public.seal(4, 0, x))  # accidents only: the reason for the MAC
-    assert keyed.ok(4, 0, x, keyed.seal(4, 0, x))
-    assert not keyed.ok(5, 0, x, keyed.seal(4, 0, x))  # bound to the bucket index
+    assert not keyed.verifies(4, 0, forged, keyed.seal(4, 0, x))
+    assert public.verifies(4, 0, forged, public.seal(4, 0, x))  # accidents only: the reason for the MAC
+    assert keyed.verifies(4, 0, x, keyed.seal(4, 0, x))
+    assert not keyed.verifies(5, 0, x, keyed.seal(4, 0, x))  # bound to the bucket index
     other = Sealer(Secret(SECRET), bytes(32), x.device)  # another round: another NH key
-    assert not torch.equal(other.key, keyed.key) and not keyed.ok(4, 0, x, other.seal(4, 0, x))
+    assert not torch.equal(other.key, keyed.key) and not keyed.verifies(4, 0, x, other.seal(4, 0, x))
     for pos, bit in ((0, 0), (7, 7), (x.numel() - 1, 7), (nh.CHUNK_BYTES + 3, 5)):
         y = x.clone()
         y[pos] ^= 1 << bit
-        assert not keyed.ok(4, 0, y, keyed.seal(4, 0, x)), (pos, bit)
+        assert not keyed.verifies(4, 0, y, keyed.seal(4, 0, x)), (pos, bit)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
@@ -310,19 +300,6 @@ def test_a_seal_fed_piece_by_piece_equals_the_whole_buckets(secret):
         early.update(x[100:200])
     with pytest.raises(ValueError, match=r"100 of \d+ bytes fed"):
         early.seal(0)
-
-
-class _Tampering:
-    """One engine's RPC client whose update_weights receives ``tamper(update_info)``."""
-
-    def __init__(self, inner, tamper):
-        self._inner, self._tamper = inner, tamper
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def update_weights(self, info):
-        return self._inner.update_weights(self._tamper(copy.deepcopy(info)))
 
 
 def _slot0(field, value):
@@ -361,7 +338,8 @@ def test_a_malformed_update_info_is_refused_in_the_vote_not_after_the_timeout(re
     rank waited out the group timeout (20 s here). Nothing is loaded; the group stays usable."""
     driver, trainer_a, trainer_b, _ = tiny
     before = digests(receivers)
-    clients = [receivers[0].rpc, _Tampering(receivers[1].rpc, tamper)]
+    clients = [receivers[0].rpc,
+               EditingClient(receivers[1].rpc, lambda m, args: (tamper(args[0]),) if m == "update_weights" else args)]
     sender = RefitSender(clients, "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=64 << 10, secret=SECRET)
     sender.connect()
     t0 = time.perf_counter()
@@ -385,7 +363,7 @@ def test_a_malformed_update_info_is_refused_in_the_vote_not_after_the_timeout(re
 def test_a_configured_address_accepts_its_own_trainer_ipv6_included(configured, address, port):
     """IPv6 literals, bare or bracketed, compare as addresses (before: the last ':' was taken
     as the port separator, so '::1' refused the trainer at ::1)."""
-    from qstrat.transport.auth import check_address
+    from qstrat.transport.address import check_address
 
     check_address(configured, address, port)
 
@@ -397,7 +375,7 @@ def test_a_configured_address_accepts_its_own_trainer_ipv6_included(configured, 
     ("[::1]x", "::1", 1, "ValueError"), ("127.0.0.1:70000", "127.0.0.1", 70000, "ValueError"),
 ])
 def test_another_address_or_a_malformed_setting_is_refused_naming_it(configured, address, port, error):
-    from qstrat.transport.auth import check_address
+    from qstrat.transport.address import check_address
 
     with pytest.raises(Exception) as err:
         check_address(configured, address, port)

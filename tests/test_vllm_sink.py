@@ -161,32 +161,49 @@ def test_refit_through_a_file_sends_the_same_payload_and_cleans_up(tiny_model, d
 
 class FailingLLM(RecordingLLM):
     """Consumes the weights like vLLM does, then fails after ``after`` tensors (an engine-side
-    fault or out of memory mid-reload)."""
+    fault or out of memory mid-reload), once; counts the finalize calls that follow a failure."""
 
     def __init__(self, quantization_config, after):
         super().__init__(quantization_config)
-        self.after = after
+        self.after, self.finalized = after, 0
 
-    def collective_rpc(self, method, kwargs):
+    def collective_rpc(self, method, kwargs=None):
+        if callable(method):  # qstrat's finalize of a failed reload, run in every worker
+            self.finalized += 1
+            return
+        if self.after is None:
+            return super().collective_rpc(method, kwargs)
         for i, _ in enumerate(kwargs["weights_iterator"]):
             if i == self.after:
+                self.after = None
                 raise RuntimeError("CUDA out of memory (simulated)")
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_fault_after_the_reload_began_is_an_engine_state_error(tiny_model, driver, stream):
+def test_a_fault_after_the_reload_began_flags_the_engine_until_a_whole_refit(tiny_model, driver, stream):
+    """The same rule as the transport's receivers (tests/test_transport_faults.py, a load raising
+    inside finish): the failed reload is finalized and the engine flagged; a partial refit is
+    then refused before anything is sent; a whole refit loads and clears the flag."""
     from qstrat.errors import EngineStateError
 
     state = tiny_model.state_dict()
     llm = FailingLLM(driver.plan(state).vllm_quantization_config(), after=100)
     with pytest.raises(EngineStateError, match=r"the refit failed after the engine began reloading "
                                                r"\(\d+ of 247 tensors handed over\): RuntimeError: CUDA out "
-                                               r"of memory \(simulated\).*restart the engine"):
+                                               r"of memory \(simulated\).*holds a MIX of two rounds and accepts "
+                                               r"only a whole refit now"):
         qstrat.vllm.refit(llm, driver, state, stream=stream)
-    # Every later refit of that engine is refused before anything is sent.
-    with pytest.raises(EngineStateError, match="an earlier refit of this engine failed part-way"):
-        qstrat.vllm.refit(llm, driver, state)
+    assert llm.finalized == 1 and llm._qstrat_refit_failed == "RuntimeError: CUDA out of memory (simulated)"
+    plan = driver.plan(state)
+    with pytest.raises(EngineStateError, match=r"failed part-way \(RuntimeError: CUDA out of memory \(simulated\)\): "
+                                               r"it holds a MIX of two rounds; the next refit must be whole, this "
+                                               r"one sends 1 of the 7 parts \(nothing was sent\)"):
+        qstrat.vllm.refit(llm, driver, state, plan=plan.only_layers([0]))
     assert llm.calls == []
+    qstrat.vllm.refit(llm, driver, state)  # whole: loads, clears the flag
+    assert len(llm.calls) == 1 and llm._qstrat_refit_failed is None
+    qstrat.vllm.refit(llm, driver, state, plan=plan.only_layers([0]))  # partial refits again
+    assert len(llm.calls) == 2
 
 
 def test_a_quantizer_fault_mid_stream_is_an_engine_state_error(tiny_model, driver, monkeypatch):

@@ -172,6 +172,21 @@ class _StandaloneEndpoint:
     def forget_counter(self):
         self.receiver.session.auth.last_counter = -1
 
+    def inject(self, spec):
+        """Wrap this receiver's open group in a FaultyGroup (:func:`receiver_faults`)."""
+        wrap_group(self.receiver.session.group, **receiver_faults(spec))
+
+    def fail_load(self, after):
+        """The next load copies ``after`` tensors, then raises (out of memory part-way)."""
+        real = self.receiver.load
+
+        def load(tensors):
+            real(list(tensors)[:after])
+            self.receiver.load = real
+            raise RuntimeError("simulated out of memory while loading")
+
+        self.receiver.load = load
+
     setenv = staticmethod(lambda name, value: _setenv(name, value))
 
     def memory(self, reset: bool = False):
@@ -269,16 +284,11 @@ def crashing_sender(conns: list[Connection], port: int, crash_at: int, bucket_by
     from qstrat.driver import RefitDriver
     from qstrat.transport import RefitSender
 
-    class Crashing(RefitSender):
-        def transmit_payload(self, index, payload):
-            if index == crash_at:
-                os._exit(17)
-            return payload
-
     model = build_tiny_qwen3_moe(seed=0)
-    sender = Crashing([PipeClient(c) for c in conns], "127.0.0.1", port, timeout_s=TIMEOUT_S,
-                      bucket_bytes=bucket_bytes)
+    sender = RefitSender([PipeClient(c) for c in conns], "127.0.0.1", port, timeout_s=TIMEOUT_S,
+                         bucket_bytes=bucket_bytes)
     sender.connect()
+    wrap_group(sender.group, wire=lambda bucket, piece, t: os._exit(17) if bucket == crash_at else None)
     sender.refit(RefitDriver("block-fp8", hf_config=hf_config(model)), model.state_dict())
 
 
@@ -347,16 +357,172 @@ def first_bucket_of(wire_manifest: Any, unit: str) -> int:
                 if slots and {reload_unit(s.name) for s in slots} == {unit})
 
 
-def corrupting_sender(bad_bucket: int) -> type:
-    """A RefitSender class that flips bit 0 of the first byte of bucket ``bad_bucket`` on the wire."""
-    from qstrat.transport import RefitSender
 
-    class Corrupting(RefitSender):
-        def transmit_payload(self, index, payload):
-            if index != bad_bucket:
-                return payload
-            bad = payload.clone()
-            bad[0] ^= 1
-            return bad
 
-    return Corrupting
+# ---- faults injected from outside the production path (as c10d's tests wrap a process group) ----
+class _Work:
+    """A c10d Work whose ``wait`` runs ``after()`` once the real one completed; it keeps
+    ``keep`` (a replacement tensor on the wire) alive until then."""
+
+    def __init__(self, work: Any, after: Any = None, keep: Any = None) -> None:
+        self.work, self.after, self.keep = work, after, keep
+
+    def wait(self, *args: Any) -> Any:
+        result = self.work.wait(*args)
+        if self.after is not None:
+            after, self.after = self.after, None
+            after()
+        return result
+
+
+class FaultyGroup:
+    """Wraps one rank's c10d process group (``TransferGroup.pg``); the production code runs
+    unchanged on top of it. It decodes the round's collectives by their shapes - the challenge
+    all-reduce (int64[3 * world]), the votes (int64[6 * world], accept then commit), the round
+    header (int64[13]), a bucket's payload pieces (uint8) and its header (int64[7]) - and lets
+    the test act on them:
+
+    * ``wire(bucket, piece, tensor)``: the bytes to broadcast instead of ``tensor`` (rank 0), or
+      None to send it as it is;
+    * ``received(bucket, piece, tensor)``: change what arrived, in place (a receiver);
+    * ``header(tensor)``: the round header to broadcast instead (rank 0), or None;
+      ``bucket_header(bucket, tensor)``: likewise for a bucket's header;
+    * ``contribute(step, tensor)``: change this rank's contribution to an all-reduce in place
+      before it is posted, ``reduced(step, tensor)``: change its result in place (``step``:
+      ``"challenge"``, ``"accept"``, ``"commit"``);
+    * ``posted``: every broadcast/all-reduce posted, as (kind, bucket, piece, clone at post time,
+      or after completion for an all-reduce) - what a wiretap records.
+    """
+
+    def __init__(self, pg: Any, world_size: int, wire: Any = None, received: Any = None,
+                 header: Any = None, bucket_header: Any = None, contribute: Any = None, reduced: Any = None,
+                 record: bool = False) -> None:
+        self.pg, self.world_size = pg, world_size
+        self.wire_hook, self.received_hook, self.header_hook, self.reduced_hook = wire, received, header, reduced
+        self.contribute_hook, self.bucket_header_hook = contribute, bucket_header
+        self.record = record
+        self.posted: list[tuple[str, int, int, Any]] = []
+        self.bucket = self.piece = self.votes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pg, name)
+
+    def shutdown(self) -> None:
+        """Shut the real group down and drop it: gloo closes its connections (what tells the
+        peers) only once the last reference to the group is gone."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            pg.shutdown()
+
+    def broadcast(self, tensors: list, opts: Any) -> Any:
+        import torch
+
+        from qstrat.transport import protocol
+
+        (t,) = tensors
+        if t.dtype == torch.int64 and t.numel() == protocol.ROUND_WORDS:
+            self.bucket = self.piece = 0
+            kind, bucket, piece = "round", -1, 0
+            if self.header_hook is not None:
+                new = self.header_hook(t)
+                if new is not None:
+                    t = new
+        elif t.dtype == torch.int64 and t.numel() == protocol.BUCKET_WORDS:
+            kind, bucket, piece = "bucket_header", self.bucket, 0
+            self.bucket, self.piece = self.bucket + 1, 0
+            if self.bucket_header_hook is not None:
+                new = self.bucket_header_hook(bucket, t)
+                if new is not None:
+                    t = new
+        else:
+            kind, bucket, piece = "payload", self.bucket, self.piece
+            self.piece += 1
+            if self.wire_hook is not None:
+                new = self.wire_hook(bucket, piece, t)
+                if new is not None:
+                    t = new
+        if self.record:
+            self.posted.append((kind, bucket, piece, t.clone()))
+        work = self.pg.broadcast([t], opts)
+        after = None
+        if kind == "payload" and self.received_hook is not None:
+            after = lambda: self.received_hook(bucket, piece, tensors[0])  # noqa: E731
+        return _Work(work, after, keep=t)
+
+    def allreduce(self, tensors: list, opts: Any) -> Any:
+        from qstrat.transport import auth
+
+        (t,) = tensors
+        if t.numel() == getattr(auth, "CHALLENGE_WORDS", 2) * self.world_size:
+            step, self.votes = "challenge", 0
+        else:
+            step = "accept" if self.votes == 0 else "commit"
+            self.votes += 1
+        if self.contribute_hook is not None:
+            self.contribute_hook(step, t)
+
+        def after() -> None:
+            if self.reduced_hook is not None:
+                self.reduced_hook(step, t)
+            if self.record:
+                self.posted.append((step, -1, 0, t.clone()))
+
+        return _Work(self.pg.allreduce(tensors, opts), after)
+
+
+def wrap_group(group: Any, **hooks: Any) -> FaultyGroup:
+    """Put a :class:`FaultyGroup` with ``hooks`` under ``group`` (a TransferGroup); returns it."""
+    faulty = FaultyGroup(group.pg, group.world_size, **hooks)
+    group.pg = faulty
+    return faulty
+
+
+def flip_first_byte(bucket_index: int):
+    """A ``wire`` hook: bit 0 of the first byte of bucket ``bucket_index``'s first piece flipped."""
+    def wire(bucket, piece, t):
+        if bucket != bucket_index or piece != 0:
+            return None
+        bad = t.clone()
+        bad[0] ^= 1
+        return bad
+    return wire
+
+
+def receiver_faults(spec: dict) -> dict:
+    """A receiver's FaultyGroup hooks from a picklable ``spec`` (sent over the control pipe):
+    ``{"corrupt_bucket": k}`` flips a byte of bucket k as it arrives on this rank only;
+    ``{"challenge": [...]}`` rewrites the challenge all-reduce's result to that vector;
+    ``{"forge_commit": True}`` shows this rank every other rank's commit status as 0 (OK)."""
+    import torch
+
+    hooks: dict = {}
+    if "corrupt_bucket" in spec:
+        def received(bucket, piece, t):
+            if bucket == spec["corrupt_bucket"] and piece == 0 and t.numel():
+                t[0] ^= 1
+        hooks["received"] = received
+    if "challenge" in spec or spec.get("forge_commit"):
+        def reduced(step, t):
+            if step == "challenge" and "challenge" in spec:
+                t.copy_(torch.tensor(spec["challenge"], dtype=t.dtype))
+            if step == "commit" and spec.get("forge_commit"):
+                from qstrat.transport import protocol
+
+                width = getattr(protocol, "VOTE_WORDS", 1)
+                t[::width] = 0
+        hooks["reduced"] = reduced
+    return hooks
+
+
+class EditingClient:
+    """An engine's RPC client whose calls pass through ``edit(method, args)`` (a deep copy of the
+    arguments, returned edited) first: a man in the middle of the weight-sync RPCs."""
+
+    def __init__(self, inner: Any, edit: Any) -> None:
+        self._inner, self._edit = inner, edit
+
+    def __getattr__(self, name: str) -> Any:
+        import copy
+
+        method = getattr(self._inner, name)
+        return lambda *args: method(*self._edit(name, copy.deepcopy(args)))

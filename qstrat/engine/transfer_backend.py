@@ -39,7 +39,7 @@ import torch
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
-from qstrat.transport.wire_manifest import expected_from_checkpoint
+from qstrat.transport.engine_check import FORMAT_KEY, EngineExpectations
 from qstrat.vllm_adapter.resolver import available, resolve
 from qstrat.vllm import check_model_built
 
@@ -48,6 +48,7 @@ WeightTransferEngine = resolve("weight_transfer_engine")
 WeightTransferInitInfo = resolve("weight_transfer_init_info")
 WeightTransferUpdateInfo = resolve("weight_transfer_update_info")
 
+_UNNAMED = "<not named>"  # a JSON-able default: an update_info without the plan's format
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"
 #: Environment variable choosing where an atomic round is staged: ``device`` (default) or
@@ -65,30 +66,38 @@ class QstratTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     backend: str = "gloo"
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: The sender's tag over the fields above (required by an engine holding a secret).
+    auth: str | None = None
 
 
 @dataclass
 class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`."""
+    """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`, the mode
+    and the transport protocol version the sender speaks."""
 
     wire_manifest: dict[str, Any]
     mode: str = "atomic"
+    protocol: int | None = None
+    #: The plan's ``vllm_quantization_config()`` (checked before the tensors); absent: not named.
+    quantization_config: Any = _UNNAMED
 
 
-def engine_expectations(engine: WeightTransferEngine) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype name, shape) the engine must receive in a refit.
-
-    Today: the headers of the checkpoint the engine was started on (``model_config.model``, a
-    local directory) - what it loaded is what a refit must replace. The engine-manifest work
-    re-points this one function.
-    Raises: TransportError if the model is not a local safetensors directory.
+def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
+    """What the engine accepts in a refit: its engine manifest and quantization_config, built
+    from its own model config as :func:`qstrat.vllm.refit` builds them
+    (:func:`qstrat.vllm.model_config_manifest`; the engine may have started from a hub id).
+    Built once per backend.
+    Raises: EngineManifestError if the manifest cannot be built (every round is then refused
+        with that reason in its accept vote).
     """
-    model = engine.model_config.model
-    try:
-        return expected_from_checkpoint(model)
-    except FileNotFoundError as exc:
-        raise TransportError(f"cannot tell which tensors the engine expects: {exc} (the qstrat "
-                             f"backend checks wire manifests against a local checkpoint directory)") from exc
+    cached = engine.__dict__.get("_qstrat_expectations")
+    if cached is None:
+        from qstrat.vllm import model_config_manifest, quantization_config_of
+
+        mc = engine.model_config
+        cached = EngineExpectations(model_config_manifest(mc), quantization_config_of(mc.hf_config))
+        engine.__dict__["_qstrat_expectations"] = cached
+    return cached
 
 
 class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, QstratTransferUpdateInfo]):
@@ -139,7 +148,11 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         """Check, authenticate, receive, verify; stage (atomic) or load unit by unit (bounded).
         Raises WireManifestMismatchError / TransferAuthError (refused before data),
         TransportError, MixedWeightsError (bounded, after loading began)."""
-        self.session.update({"wire_manifest": update_info.wire_manifest, "mode": update_info.mode})
+        info = {"wire_manifest": update_info.wire_manifest, "mode": update_info.mode,
+                "protocol": update_info.protocol}
+        if update_info.quantization_config is not _UNNAMED:
+            info[FORMAT_KEY] = update_info.quantization_config
+        self.session.update(info)
 
     def finish_weight_update(self) -> None:
         """Atomic: commit the staged round through vLLM's layerwise reload; then free the staging.

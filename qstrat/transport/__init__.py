@@ -6,9 +6,15 @@
 - :mod:`.checksum`: the per-bucket integrity checksum, tensor ops on the payload's device.
 - :mod:`.nh`: NH universal hashing (UMAC, RFC 4418) on the payload's device, for the bucket MAC.
 - :mod:`.seal`: the bucket seal both sides compute (MAC with a secret, integrity seal without).
-- :mod:`.auth`: the shared secret, round MAC, bucket seals, replay and address checks.
+- :mod:`.keys`: the shared secret and its key schedule (one HKDF subkey per use), the MACs.
+- :mod:`.auth`: round authentication (what the round MAC binds, a receiver's checks, signed init).
+- :mod:`.address`: the one trainer address an engine may join.
 - :mod:`.group`: the stateless trainer<->engines process group, timeouts on everything.
-- :mod:`.protocol`: the steps of one round (header, accept vote, buckets, commit vote).
+- :mod:`.protocol`: the steps of one round (challenge, header, accept vote, buckets, commit vote)
+  and its outcome (committed, refused, mixed).
+- :mod:`.outgoing`: the sender's bucket stream (source, pack buffers, sealing, ABORT protocol).
+- :mod:`.timing`: wall seconds by phase, for sender and receivers.
+- :mod:`.engine_check`: a round against an engine's manifest (the in-process sink's checks).
 - :mod:`.sender`: :class:`RefitSender`, the trainer side, driven from a ``RefitDriver`` plan.
 - :mod:`.receiver`: :func:`receive_round` (atomic or bounded).
 - :mod:`.session`: a receiver's state across rounds (secret, address, counter, the mix flag).

@@ -14,8 +14,8 @@ the order of summation, so every device and every reduction order gives the same
   ``(h1, h2, n)``.
 
 Why this form: it is two matrix-vector products over a zero-copy int64 view of the payload, the
-fastest exact reduction torch has on CPU (``torch.mv`` on int64: 4-8 GB/s single-threaded here,
-against 1.5 GB/s for ``zlib.crc32``), and a multiply + sum on CUDA (where integer ``mv`` is not
+fastest exact reduction torch has on CPU (``torch.mv`` on int64; figures against ``zlib.crc32``
+in docs/transport.md and ``scripts/bench_transport.py``), and a multiply + sum on CUDA (where integer ``mv`` is not
 implemented: same formula, same value, memory-bound). Detection: every word has an odd weight in
 both forms, so any change confined to one word changes both; for random keys a change whose
 lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``

@@ -17,7 +17,7 @@ chunks of :data:`CHUNK_BYTES` (8192 little-endian uint32 words); each chunk is h
 iterations with the same key (as UMAC's L1 reuses its key for every 1024-byte chunk; lengths
 are equal because ``n`` is fixed by the wire manifest and bound into the MAC). The result,
 int64[chunks, 2] (16 bytes per 32 KiB of payload: 32 KiB for a 64 MiB bucket), is what the
-host then authenticates with HMAC-SHA256 (:func:`qstrat.transport.auth.bucket_mac`). Only that
+host then authenticates with HMAC-SHA256 (:func:`qstrat.transport.keys.bucket_mac`). Only that
 small tensor leaves the payload's device.
 
 Why not UMAC's other layers: its L2/L3 polynomial and inner-product hashes compress NH's output

@@ -1,59 +1,67 @@
 """One transfer round on the group, the steps sender and receivers take in the same order.
 
-0. CHALLENGE (all-reduce, int64[2 * world_size]): each receiver writes two fresh random words in
-   its slots (:func:`qstrat.transport.auth.challenge`); the sender writes zeros.
-1. ROUND HEADER (broadcast, int64[12]): magic, bucket count, payload bytes, round counter, the
-   wire manifest digest (32 bytes as 4 int64), the round MAC (4 int64: HMAC-SHA256 over digest,
-   mode, counter, every challenge and the group address; :mod:`qstrat.transport.auth`). A
-   receiver whose wire manifest (from the ``update_info`` RPC) has another digest, whose MAC does
-   not verify, or whose counter is not above the last it accepted rejects the round.
-2. ACCEPT (all-reduce, int64[world_size]): each rank writes its status in its own slot
-   (receivers: did the wire manifest pass the engine check, did the MAC verify). Any nonzero
-   slot: every rank stops here; no data is sent.
-3. BUCKETS, in wire manifest order: per bucket the payload (broadcasts of the bucket's bytes in
-   pieces of at most ``PIECE_BYTES``, :mod:`qstrat.transport.seal`), then a BUCKET HEADER
-   (broadcast, int64[7]: magic, index, flags, SEAL: with a secret the bucket MAC over the
-   payload's NH hash, without one an integrity HMAC over its device checksum). The header
-   follows the payload so that each piece is sealed as it is produced (sender) and as it
-   arrives (receivers), overlapping the transfer; a receiver posts bucket k+1 once header k
-   told it the stream goes on. ``flags = ABORT``: the sender could not produce the bucket (its
-   source fell short or disagreed with the wire manifest); the payload was still sent (garbage
-   of the right size) and every rank goes to step 4.
-4. COMMIT VOTE (all-reduce, int64[world_size]): each rank's verdict (receivers: every seal
-   matched). Only if every slot is zero may any receiver hand its tensors to the engine
-   (all-or-nothing mode; in bounded mode the units were handed as they verified).
+0. CHALLENGE (all-reduce, int64[3 * world_size]): each receiver writes, in its slot, two fresh
+   random words (:func:`qstrat.transport.auth.challenge`) and the last round counter it
+   accepted; the sender writes zeros and takes its counter above every reported one
+   (:func:`qstrat.transport.auth.next_counter`).
+1. ROUND HEADER (broadcast, int64[13]): magic, protocol version, bucket count, payload bytes,
+   round counter, the wire manifest digest (32 bytes as 4 int64), the round MAC (4 int64:
+   :class:`qstrat.transport.auth.RoundContext`). A receiver refuses another protocol version,
+   another digest than its wire manifest's (from the ``update_info`` RPC), a MAC that does not
+   verify, a challenge vector without the words it drew, or a counter not above its last.
+2. ACCEPT VOTE (all-reduce, int64[6 * world_size]): each rank writes its status, whether it
+   holds new weights (always 0 here) and a 4-word tag (:func:`qstrat.transport.keys.vote_tag`)
+   in its slot; an OK whose tag does not verify counts as :data:`FORGED`. Any nonzero status:
+   every rank stops here; no data is sent.
+3. BUCKETS, in wire manifest order: per bucket the payload (broadcasts of at most
+   ``PIECE_BYTES``, :mod:`qstrat.transport.seal`), then a BUCKET HEADER (broadcast, int64[7]:
+   magic, index, flags, SEAL). The header follows the payload so that each piece is sealed as it
+   is produced (sender) and as it arrives (receivers). ``flags = ABORT``: the sender could not
+   produce the bucket (its source raised, fell short or disagreed with the wire manifest); the
+   payload was still sent (garbage of the right size) and every rank goes to step 4.
+4. COMMIT VOTE (like step 2): each rank's verdict and whether it already holds new weights
+   (bounded mode: a unit was loaded). The round's OUTCOME (:func:`outcome`) follows from it, the
+   same on every rank: COMMITTED (every status 0), REFUSED (a nonzero status, nobody holds
+   anything new), or MIXED (a nonzero status while some rank holds new weights: each such rank
+   flags itself; the sender raises MixedWeightsError naming them).
 
-Every rank finishes the same sequence of collectives even when it has already failed, so
-a refused round leaves the group usable; a lost peer or a timeout raises (the group is then
-closed). Step 4 makes the round all-or-nothing across receivers too.
+Every rank finishes the same sequence of collectives even when it has already failed, so a
+refused round leaves the group usable; a lost peer or a timeout raises (the group is then closed).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from qstrat.errors import TransportError
-from qstrat.transport.auth import challenge, words
+from qstrat.transport.auth import CHALLENGE_WORDS, PROTOCOL_VERSION, challenge, from_words, words
 from qstrat.transport.group import TransferGroup
+from qstrat.transport.keys import Secret, equal, vote_tag
 
 ROUND_MAGIC = 0x5153_5452_4E44  # "QSTRND"
 BUCKET_MAGIC = 0x5153_5442_4B54  # "QSTBKT"
 ABORT = 1
-#: Lengths (int64 words) of the round and bucket headers.
-ROUND_WORDS, BUCKET_WORDS = 12, 7
+#: Lengths (int64 words) of the round and bucket headers, and of one rank's vote slot.
+ROUND_WORDS, BUCKET_WORDS, VOTE_WORDS = 13, 7, 6
+#: The two votes (bound into each vote's tag).
+ACCEPT, COMMIT = 0, 1
 
 #: Status codes a rank writes in its slot of an ACCEPT / COMMIT vote.
-OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR, UNAUTHENTICATED, MIXED = 0, 1, 2, 3, 4, 5, 6
+OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR, UNAUTHENTICATED, MIXED, PROTOCOL, FORGED = range(9)
 REASONS = {REJECTED: "rejected the wire manifest", CHECKSUM: "a bucket failed its checksum",
            SENDER_ABORT: "the sender aborted the stream", ERROR: "failed",
            UNAUTHENTICATED: "refused the round's authentication",
-           MIXED: "a bucket failed its checksum after loading began (engine holds a mix)"}
+           MIXED: "failed after loading began (holds a mix)",
+           PROTOCOL: f"speaks another transport protocol version (this qstrat: {PROTOCOL_VERSION})",
+           FORGED: "cast a vote whose tag does not verify (a rewritten all-reduce?)"}
 
 
 def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, mac: bytes,
-                 device: torch.device) -> torch.Tensor:
-    """The int64[12] round header (see the module docstring, step 1)."""
-    return torch.tensor([ROUND_MAGIC, n_buckets, total_bytes, counter, *words(bytes.fromhex(digest)),
-                         *words(mac)], dtype=torch.int64, device=device)
+                 device: torch.device, protocol: int = PROTOCOL_VERSION) -> torch.Tensor:
+    """The int64[13] round header (see the module docstring, step 1)."""
+    return torch.tensor([ROUND_MAGIC, protocol, n_buckets, total_bytes, counter,
+                         *words(bytes.fromhex(digest)), *words(mac)], dtype=torch.int64, device=device)
 
 
 def bucket_header(index: int, flags: int, seal: bytes, device: torch.device) -> torch.Tensor:
@@ -61,19 +69,61 @@ def bucket_header(index: int, flags: int, seal: bytes, device: torch.device) -> 
     return torch.tensor([BUCKET_MAGIC, index, flags, *words(seal)], dtype=torch.int64, device=device)
 
 
-def challenges(group: TransferGroup) -> tuple[int, ...]:
-    """Step 0: every receiver's fresh challenge words, rank order (the sender's slots are 0)."""
-    slots = torch.zeros(2 * group.world_size, dtype=torch.int64, device=group.device)
+def challenges(group: TransferGroup, last_counter: int = -1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Step 0. Returns (the words this rank drew - empty on the sender -, the whole vector in
+    rank order: :data:`~qstrat.transport.auth.CHALLENGE_WORDS` per rank)."""
+    slots = torch.zeros(CHALLENGE_WORDS * group.world_size, dtype=torch.int64, device=group.device)
+    drawn: tuple[int, ...] = ()
     if group.rank:
-        slots[2 * group.rank:2 * group.rank + 2] = torch.tensor(challenge(), dtype=torch.int64)
-    return tuple(int(v) for v in group.sum(slots).cpu())
+        drawn = challenge()
+        lo = CHALLENGE_WORDS * group.rank
+        slots[lo:lo + CHALLENGE_WORDS] = torch.tensor([*drawn, last_counter], dtype=torch.int64)
+    return drawn, tuple(int(v) for v in group.sum(slots).cpu())
 
 
-def vote(group: TransferGroup, status: int) -> list[int]:
-    """All-reduce every rank's status (steps 2 and 4); returns the status of each rank."""
-    slots = torch.zeros(group.world_size, dtype=torch.int64, device=group.device)
-    slots[group.rank] = status
-    return [int(v) for v in group.sum(slots).cpu()]
+@dataclass(frozen=True)
+class Votes:
+    """The result of a vote: each rank's status (a forged slot reads :data:`FORGED`) and
+    whether it holds new weights."""
+
+    statuses: list[int]
+    holding: list[bool]
+
+    def failed(self) -> bool:
+        """Whether any rank's status is not OK."""
+        return any(self.statuses)
+
+    def holders(self) -> list[int]:
+        """Ranks holding new weights."""
+        return [r for r, h in enumerate(self.holding) if h]
+
+
+def vote(group: TransferGroup, step: int, status: int, holds_new: bool, secret: Secret | None,
+         mac: bytes) -> Votes:
+    """All-reduce every rank's tagged status (steps 2 and 4; ``step`` :data:`ACCEPT` or
+    :data:`COMMIT`) and check every slot's tag under the round MAC ``mac``."""
+    slots = torch.zeros(VOTE_WORDS * group.world_size, dtype=torch.int64, device=group.device)
+    tag = vote_tag(secret, mac, step, group.rank, status, int(holds_new))
+    lo = VOTE_WORDS * group.rank
+    slots[lo:lo + VOTE_WORDS] = torch.tensor([status, int(holds_new), *words(tag)], dtype=torch.int64)
+    got = [int(v) for v in group.sum(slots).cpu()]
+    statuses, holding = [], []
+    for r in range(group.world_size):
+        s, h, *t = got[VOTE_WORDS * r:VOTE_WORDS * (r + 1)]
+        ok = h in (0, 1) and 0 <= s < 2**31 and equal(from_words(t), vote_tag(secret, mac, step, r, s, h))
+        # an OK must verify; a refusal counts as one even untagged (a rank that does not share
+        # the key cannot tag it; a refusal makes nobody load anything)
+        statuses.append(s if ok or s != OK else FORGED)
+        holding.append(h == 1)
+    return Votes(statuses, holding)
+
+
+def outcome(votes: Votes) -> str:
+    """``committed`` (every status 0), ``mixed`` (a nonzero status and a rank holding new
+    weights) or ``refused`` (nobody holds anything new)."""
+    if not votes.failed():
+        return "committed"
+    return "mixed" if any(votes.holding) else "refused"
 
 
 def describe(statuses: list[int]) -> str:

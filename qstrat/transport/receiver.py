@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
-from qstrat.transport import protocol as p
-from qstrat.transport.auth import ReceiverAuth, RoundContext, from_words
+from qstrat.errors import MixedWeightsError, QstratError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport import protocol
+from qstrat.transport.auth import PROTOCOL_VERSION, ReceiverAuth, RoundContext, from_words
 from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.seal import Sealer, pieces
+from qstrat.transport.timing import Phases
 from qstrat.transport.wire_manifest import WireManifest, reload_unit
 
 Check = Callable[[WireManifest], None]
@@ -43,7 +44,8 @@ MODES = ("atomic", "bounded")
 def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check: Check | None = None,
                   auth: ReceiverAuth | None = None, mode: str = "atomic",
                   on_unit: Callable[[str, Unit], None] | None = None,
-                  staging: torch.device | None = None, stats: dict[str, float] | None = None) -> Unit:
+                  staging: torch.device | None = None, stats: dict[str, float] | None = None,
+                  protocol_version: Any = PROTOCOL_VERSION) -> Unit:
     """Receive one round from rank 0.
 
     Args:
@@ -66,40 +68,36 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             ``seal_s`` (checksum or NH + HMAC, and the comparison), ``load_s`` (bounded: handing
             units), ``commit_s`` (commit vote), and ``cpu_s``: this process's CPU seconds over
             the round (all threads, gloo's included).
+        protocol_version: the transport protocol version the sender's ``update_info`` names.
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
         sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit).
     Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
-        TransferAuthError (no/wrong MAC, replay) - both at step 2, before any data; TransportError
+        TransferAuthError (no/wrong MAC, a challenge vector without this receiver's words, replay);
+        TransportError (another protocol version) - all at step 2, before any data; TransportError
         for a failed seal, a sender abort, another rank's refusal, or a lost peer/timeout (the
-        group is then closed); MixedWeightsError when that happens in bounded mode after a unit
-        was handed.
+        group is then closed) when this receiver loaded nothing; MixedWeightsError when the
+        round is not committed everywhere and this receiver (bounded mode) loaded a unit.
     """
     if mode not in MODES or (mode == "bounded") != (on_unit is not None):
         raise TransportError(f"round mode {mode!r}: use 'atomic', or 'bounded' with on_unit")
     auth = auth or ReceiverAuth(None, "", 0)
     t_start, cpu = time.perf_counter(), time.process_time()
-    rejection: Exception | None = None
-    wire_manifest = None
+    rejection, wire_manifest = _check_update(group, wire_manifest_doc, check, protocol_version)
+    header = torch.empty(protocol.ROUND_WORDS, dtype=torch.int64, device=group.device)
     try:
-        wire_manifest = WireManifest.from_dict(wire_manifest_doc)
-        if check is not None:
-            check(wire_manifest)
-    except TransportError as exc:
-        rejection = exc
-    except Exception as exc:  # refused in the accept vote like any other: raising here would leave
-        # the sender and the other ranks waiting for this rank's collectives until the timeout
-        rejection = WireManifestMismatchError(f"rank {group.rank}: malformed wire manifest: {exc!r}")
-    header = torch.empty(p.ROUND_WORDS, dtype=torch.int64, device=group.device)
-    try:
-        challenges = p.challenges(group)
+        drawn, challenges = protocol.challenges(group, auth.last_counter)
         group.wait(group.broadcast(header))
     except RuntimeError as exc:
-        raise p.lost(group, "no round header from the sender", exc) from None
+        raise protocol.lost(group, "no round header from the sender", exc) from None
     words = [int(v) for v in header.cpu()]
-    counter, mac = words[3], from_words(words[8:12])
-    status = p.REJECTED
+    counter, mac = words[4], from_words(words[9:13])
+    status = protocol.PROTOCOL if isinstance(rejection, _ProtocolMismatch) else protocol.REJECTED
+    if rejection is None and words[:2] != [protocol.ROUND_MAGIC, PROTOCOL_VERSION]:
+        rejection, status = _ProtocolMismatch(
+            f"rank {group.rank}: the round header is not protocol {PROTOCOL_VERSION}'s (magic/version "
+            f"{words[:2]}): trainer and engine run different qstrat transport versions"), protocol.PROTOCOL
     if rejection is None:
-        want = p.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes, counter,
+        want = protocol.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes, counter,
                               wire_manifest.digest, mac, torch.device("cpu")).tolist()
         if want != words:
             rejection = WireManifestMismatchError(
@@ -108,28 +106,62 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     if rejection is None:
         ctx = RoundContext(wire_manifest.digest, mode, counter, challenges, auth.address, auth.port,
                            group.world_size)
-        reason = auth.verify(ctx, mac)
+        reason = auth.verify(ctx, mac, group.rank, drawn)
         if reason is not None:
-            rejection, status = TransferAuthError(f"rank {group.rank}: round refused: {reason}"), p.UNAUTHENTICATED
-    statuses = _vote(group, status if rejection else p.OK, "accept vote")
+            rejection, status = TransferAuthError(f"rank {group.rank}: round refused: {reason}"), protocol.UNAUTHENTICATED
+    votes = _vote(group, protocol.ACCEPT, status if rejection else protocol.OK, False, auth.secret, mac, "accept vote")
     if rejection is not None:
         raise rejection
-    if any(statuses):
-        raise TransportError(f"rank {group.rank}: round refused before any data: {p.describe(statuses)}")
+    if votes.failed():
+        raise TransportError(f"rank {group.rank}: round refused before any data: {protocol.describe(votes.statuses)}")
     auth.last_counter = counter
     stats = stats if stats is not None else {}
     stats["handshake_s"] = time.perf_counter() - t_start
     seal = Sealer(auth.secret, mac, group.device)
-    received, failure, handed = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
+    received, failure, handed, units = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
     t0 = time.perf_counter()
-    statuses = _vote(group, failure[0] if failure else p.OK, "commit vote")
+    own = (protocol.MIXED if handed else failure[0]) if failure else protocol.OK
+    votes = _vote(group, protocol.COMMIT, own, bool(handed), auth.secret, mac, "commit vote")
     stats["commit_s"], stats["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu
-    if failure:
-        raise failure[1]
-    if any(statuses):
-        done = " (this receiver loaded the whole round)" if handed else ""
-        raise TransportError(f"rank {group.rank}: round not committed: {p.describe(statuses)}{done}")
-    return [] if on_unit is not None else unpack(wire_manifest, received)
+    if protocol.outcome(votes) == "committed":
+        return [] if on_unit is not None else unpack(wire_manifest, received)
+    reason = failure[1] if failure else f"rank {group.rank}: round not committed: {protocol.describe(votes.statuses)}"
+    holders = ", ".join(map(str, votes.holders())) or "none"
+    if handed:
+        exc = MixedWeightsError(
+            f"{reason}; loading had begun: {len(handed)} of {units} reload units are new "
+            f"({_few(handed)}), the rest old - this receiver holds a MIX (ranks holding new weights: "
+            f"{holders}); the next refit must be whole")
+        exc.detail = (f"{len(handed)} of {units} reload units new ({_few(handed)}), the rest old, "
+                      f"after: {reason}; ranks holding new weights: {holders}")
+        raise exc
+    across = f" (ranks {holders} hold new weights: a MIX across ranks)" if votes.holders() else ""
+    raise TransportError(f"{reason}; nothing loaded{across}")
+
+
+class _ProtocolMismatch(TransportError):
+    """Another transport protocol version (refused in the accept vote with status PROTOCOL)."""
+
+
+def _check_update(group: TransferGroup, wire_manifest_doc: Any, check: Check | None, version: Any
+                  ) -> tuple[Exception | None, WireManifest | None]:
+    """The update_info's checks before the handshake: (why the round is refused or None, the
+    wire manifest). Never raises: a refusal is voted, so no rank waits for the timeout."""
+    if version != PROTOCOL_VERSION:
+        return _ProtocolMismatch(f"rank {group.rank}: update_info names transport protocol {version!r}, "
+                                 f"this engine speaks {PROTOCOL_VERSION}: trainer and engine run "
+                                 f"different qstrat transport versions"), None
+    try:
+        wire_manifest = WireManifest.from_dict(wire_manifest_doc)
+        if check is not None:
+            check(wire_manifest)
+    except TransportError as exc:
+        return exc, None
+    except QstratError as exc:  # e.g. the engine's manifest cannot be built: its reason
+        return WireManifestMismatchError(f"rank {group.rank}: {type(exc).__name__}: {exc}"), None
+    except Exception as exc:  # noqa: BLE001 - refused in the accept vote like any other
+        return WireManifestMismatchError(f"rank {group.rank}: malformed wire manifest: {exc!r}"), None
+    return None, wire_manifest
 
 
 def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[str, list[Any]], dict[int, int]]:
@@ -154,10 +186,11 @@ def _unit_plan(wire_manifest: WireManifest) -> tuple[dict[int, list[str]], dict[
 
 def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Sealer,
                      on_unit: Callable[[str, Unit], None] | None, staging: torch.device | None,
-                     stats: dict[str, float] | None) -> tuple[list[torch.Tensor], tuple[int, Exception] | None, list[str]]:
+                     stats: dict[str, float]) -> tuple[list[torch.Tensor], tuple[int, str] | None, list[str], int]:
     """Step 3: receive every bucket (next one posted while this one is verified); keep
     receiving after a failure so the collectives stay aligned. Returns the staged buffers
-    (atomic), the first failure ``(status, error)`` or None, and the units handed (bounded)."""
+    (atomic), the first failure ``(status, message)`` or None, the units handed (bounded) and
+    the round's unit count."""
     bounce = staging is not None
     staging = staging or group.device
     pin = bounce and staging.type == "cpu" and torch.cuda.is_available()
@@ -166,23 +199,20 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
     kept: dict[int, torch.Tensor] = {}
     wires = ([torch.empty(wire_manifest.bucket_bytes, dtype=torch.uint8, device=group.device)
               for _ in range(2)] if bounce else [])
-    completes, unit_slots, release = _unit_plan(wire_manifest) if on_unit else ({}, {}, {})
+    completes, unit_slots, release = _unit_plan(wire_manifest)
     handed: list[str] = []
-    failure: tuple[int, Exception] | None = None
+    failure: tuple[int, str] | None = None
     live: dict[Any, int] = {}  # allocation -> bytes (a chunked tensor: one allocation)
-    prof = {"alloc_s": 0.0, "wait_s": 0.0, "seal_s": 0.0, "load_s": 0.0}
-    clock = time.perf_counter
+    prof = Phases("alloc_s", "wait_s", "seal_s", "load_s")
     peak = sum(w.numel() for w in wires)
 
     def alloc_key(k: int) -> Any:
         b = wire_manifest.buckets[k]
         return k if b.tensor is None else b.tensor
 
-    def post(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]:
+    def post(k: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, list[Any], Any]:
         nonlocal peak
-        t0 = clock()
-        b, dst = next(source)
-        prof["alloc_s"] += clock() - t0
+        b, dst = prof.call("alloc_s", next, source)
         if alloc_key(k) not in live:
             live[alloc_key(k)] = b.nbytes if b.tensor is None else next(
                 s.nbytes for s in wire_manifest.slots if s.name == b.tensor)
@@ -190,19 +220,13 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
         wire = wires[k % 2][:dst.numel()] if bounce else dst
         cut = pieces(wire)
         works = [group.broadcast(piece) for piece in cut]  # the payload in pieces, then the header
-        hdr = torch.empty(p.BUCKET_WORDS, dtype=torch.int64, device=group.device)
+        hdr = torch.empty(protocol.BUCKET_WORDS, dtype=torch.int64, device=group.device)
         return dst, wire, cut, hdr, works, group.broadcast(hdr)
 
-    def fail(status: int, message: str) -> tuple[int, Exception]:
-        if on_unit is not None and handed:
-            exc = MixedWeightsError(
-                f"{message}; loading had begun: {len(handed)} of {len(unit_slots)} reload units are "
-                f"new ({_few(handed)}), the rest old - this receiver holds a MIX; the next refit "
-                f"must be whole")
-            exc.detail = (f"{len(handed)} of {len(unit_slots)} reload units new ({_few(handed)}), "
-                          f"the rest old, after: {message}")
-            return p.MIXED, exc
-        return status, TransportError(f"{message}; nothing loaded")
+    def done() -> tuple[list[torch.Tensor], tuple[int, str] | None, list[str], int]:
+        stats["peak_bytes"] = peak
+        stats.update(prof)
+        return [kept[k] for k in sorted(kept)], failure, handed, len(unit_slots)
 
     pending = post(0) if n else None
     for k in range(n):
@@ -210,36 +234,37 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
         state = seal.begin(k, wire.numel()) if failure is None else None
         try:
             for i, work in enumerate(w_data):
-                t0 = clock()
-                group.wait(work)
-                if i == len(w_data) - 1:  # the header follows the payload: flags and seal
-                    group.wait(w_hdr)
-                    words = [int(v) for v in hdr.cpu()]
-                    if words[2] & p.ABORT:
-                        return list(kept.values()), failure or fail(
-                            p.SENDER_ABORT, f"rank {group.rank}: the sender aborted the stream at "
-                                            f"bucket {k}/{n}"), handed
-                    pending = post(k + 1) if k + 1 < n else None  # before sealing the last piece
-                prof["wait_s"] += clock() - t0
+                with prof.timed("wait_s"):
+                    group.wait(work)
+                    if i == len(w_data) - 1:  # the header follows the payload: flags and seal
+                        group.wait(w_hdr)
+                        words = [int(v) for v in hdr.cpu()]
+                        if words[2] & protocol.ABORT:
+                            failure = failure or (protocol.SENDER_ABORT, f"rank {group.rank}: the sender aborted "
+                                                                  f"the stream at bucket {k}/{n}")
+                            return done()
+                        pending = post(k + 1) if k + 1 < n else None  # before sealing the last piece
                 if state is not None:  # piece i is sealed while piece i+1 arrives
-                    _timed(prof, "seal_s", state.update, cut[i])
+                    prof.call("seal_s", state.update, cut[i])
         except RuntimeError as exc:  # c10d: the sender (or a peer) died or timed out
             error = str(exc)
             pending = hdr = w_hdr = w_data = work = None
-            if on_unit is not None and handed:
+            what = f"stream truncated at bucket {k}/{n} (sender lost?)"
+            if handed:
                 group.close()
-                raise fail(p.ERROR, f"rank {group.rank}: stream truncated at bucket {k}/{n} (sender "
-                                    f"lost?): {error} (the transfer group is closed)")[1] from None
-            raise p.lost(group, f"stream truncated at bucket {k}/{n} (sender lost?)", error) from None
+                raise MixedWeightsError(
+                    f"rank {group.rank}: {what}: {error} (the transfer group is closed); loading had "
+                    f"begun: {len(handed)} of {len(unit_slots)} reload units are new ({_few(handed)}), the "
+                    f"rest old - this receiver holds a MIX; the next refit must be whole") from None
+            raise protocol.lost(group, what, error) from None
         w_data = w_hdr = work = None
         if failure is not None:
             continue
-        if words[0] != p.BUCKET_MAGIC or words[1] != k:
-            failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order "
-                                       f"(header {words[1]})")
-        elif not _timed(prof, "seal_s", state.matches, words[2], from_words(words[3:7])):
-            failure = fail(p.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
-                                       f"(seal mismatch; tensors {_names(wire_manifest, k)})")
+        if words[0] != protocol.BUCKET_MAGIC or words[1] != k:
+            failure = (protocol.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order (header {words[1]})")
+        elif not prof.call("seal_s", state.matches, words[2], from_words(words[3:7])):
+            failure = (protocol.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
+                                   f"(seal mismatch; tensors {_names(wire_manifest, k)})")
         if failure is not None:
             continue
         if bounce:
@@ -247,30 +272,19 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
             if group.device.type == "cuda":
                 torch.cuda.current_stream(group.device).synchronize()
         kept[k] = dst
+        if on_unit is None:
+            continue
         for u in completes.get(k, []):
+            handed.append(u)  # a load that raises may have changed the unit already
             try:
-                _timed(prof, "load_s", on_unit, u, [(s.name, slot_tensor(s, kept[s.bucket])) for s in unit_slots[u]])
+                prof.call("load_s", on_unit, u, [(s.name, slot_tensor(s, kept[s.bucket])) for s in unit_slots[u]])
             except Exception as exc:  # noqa: BLE001 - the engine's load failed: a mix
-                handed.append(u)
-                failure = fail(p.ERROR, f"rank {group.rank}: loading {u} failed: {type(exc).__name__}: {exc}")
+                failure = (protocol.ERROR, f"rank {group.rank}: loading {u} failed: {type(exc).__name__}: {exc}")
                 break
-            handed.append(u)
-        if on_unit is not None:
-            for j in [j for j in kept if release.get(j, -1) <= k]:
-                del kept[j]
-                live.pop(alloc_key(j), None)
-    if stats is not None:
-        stats["peak_bytes"] = peak
-        stats.update(prof)
-    return [kept[k] for k in sorted(kept)], failure, handed
-
-
-def _timed(prof: dict[str, float], key: str, fn: Callable[..., Any], *args: Any) -> Any:
-    t0 = time.perf_counter()
-    try:
-        return fn(*args)
-    finally:
-        prof[key] += time.perf_counter() - t0
+        for j in [j for j in kept if release.get(j, -1) <= k]:
+            del kept[j]
+            live.pop(alloc_key(j), None)
+    return done()
 
 
 def _few(names: list[str]) -> str:
@@ -282,8 +296,9 @@ def _names(wire_manifest: WireManifest, k: int) -> list[str]:
     return names[:3] + (["..."] if len(names) > 3 else [])
 
 
-def _vote(group: TransferGroup, status: int, what: str) -> list[int]:
+def _vote(group: TransferGroup, step: int, status: int, holds_new: bool, secret: Any, mac: bytes,
+          what: str) -> protocol.Votes:
     try:
-        return p.vote(group, status)
+        return protocol.vote(group, step, status, holds_new, secret, mac)
     except RuntimeError as exc:
-        raise p.lost(group, f"{what} failed (a peer died?)", exc) from None
+        raise protocol.lost(group, f"{what} failed (a peer died?)", exc) from None

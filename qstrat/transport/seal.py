@@ -2,9 +2,9 @@
 
 * With a secret: the bucket MAC, ``HMAC-SHA256`` over the payload's NH outputs (UMAC's universal
   hash on the payload's device, per-round key; :mod:`qstrat.transport.nh`,
-  :func:`qstrat.transport.auth.bucket_mac`): a cryptographic MAC.
+  :func:`qstrat.transport.keys.bucket_mac`): a cryptographic MAC.
 * Without: the integrity seal over the keyed multilinear checksum
-  (:mod:`qstrat.transport.checksum`, :func:`qstrat.transport.auth.bucket_seal`): accident
+  (:mod:`qstrat.transport.checksum`, :func:`qstrat.transport.keys.bucket_seal`): accident
   detection only.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qstrat.transport import nh
-from qstrat.transport.auth import Secret, bucket_mac, bucket_seal, checksum_seed, nh_key, same
+from qstrat.transport.keys import Secret, bucket_mac, bucket_seal, checksum_seed, equal, nh_key
 from qstrat.transport.checksum import Checksum
 
 
@@ -47,9 +47,9 @@ class Sealer:
         state.update(payload)
         return state.seal(flags)
 
-    def ok(self, index: int, flags: int, payload: torch.Tensor, seal: bytes) -> bool:
+    def verifies(self, index: int, flags: int, payload: torch.Tensor, seal: bytes) -> bool:
         """Whether ``seal`` is the seal of ``payload`` (constant-time comparison)."""
-        return same(seal, self.seal(index, flags, payload))
+        return equal(seal, self.seal(index, flags, payload))
 
 
 #: Bytes per broadcast of a bucket's payload (a multiple of both the checksum's rows and NH's
@@ -89,4 +89,4 @@ class SealState:
 
     def matches(self, flags: int, seal: bytes) -> bool:
         """Whether ``seal`` is this bucket's seal with ``flags`` (constant-time comparison)."""
-        return same(seal, self.seal(flags))
+        return equal(seal, self.seal(flags))

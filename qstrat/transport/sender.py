@@ -8,48 +8,53 @@ HTTPVLLMWeightSyncClient`` for a ``vllm serve`` endpoint) whose engines run
 streams the tensors itself on a torch.distributed group (rank 0 = this process).
 
 A round: ``RefitDriver.prepare`` with the wire manifest as this sink's check (nothing sent on
-error) -> ``start_weight_update``
--> ``update_weights({"wire_manifest": ..., "mode": ...})`` on every engine, concurrently with the
-stream (:mod:`qstrat.transport.protocol`; authenticated with the shared secret,
+error) -> ``start_weight_update`` -> ``update_weights({"wire_manifest": ..., "mode": ...,
+"protocol": ...})`` on every engine, concurrently with the stream (:mod:`qstrat.transport.protocol`;
+the buckets: :mod:`qstrat.transport.outgoing`; authenticated with the shared secret,
 :mod:`qstrat.transport.auth`) -> ``finish_weight_update`` (atomic mode: the engines load) only if
 every rank voted to commit.
 
-Double buffering: at most two buckets are in flight; bucket k+1 is packed while bucket k is
-being broadcast. A bucket's payload goes out in pieces of at most ``PIECE_BYTES``
-(:mod:`qstrat.transport.seal`), each packed and sealed just before it is posted, so the packing
-and sealing of piece i+1 overlap the transfer of piece i and the header (with the seal) follows
-the payload. Chunks of
-a tensor larger than a bucket are broadcast from the tensor's own memory (no packing copy).
+Outcomes (the same definition as the receivers', :func:`qstrat.transport.protocol.outcome`): a
+round returns a :class:`TransferReport` only when every engine committed (atomic: and loaded);
+it raises MixedWeightsError, naming the ranks or engines that hold new weights, when some do and
+the round was not committed everywhere; any other failure raises with nothing loaded anywhere.
+Each weight-sync call runs on a daemon thread of its own and is waited for at most ``timeout_s``:
+a hung call neither blocks the next round's calls nor the interpreter's exit.
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from qstrat.errors import (MixedWeightsError, TransferAuthError, TransportError,
-                           WireManifestMismatchError)
 from qstrat.driver import RefitDriver
-from qstrat.errors import PlanError
+from qstrat.engine_manifest import model_tensors_check
+from qstrat.errors import (MixedWeightsError, PlanError, TransferAuthError, TransportError,
+                           WireManifestMismatchError)
 from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
-from qstrat.engine_manifest import model_tensors_check
 from qstrat.prepare import SinkCheck
-from qstrat.transport import protocol as p
-from qstrat.transport.auth import ENV_SECRET, RoundContext, Secret, round_mac
-from qstrat.transport.buckets import bucket_contents, chunk_view, pack_range
+from qstrat.transport import protocol as proto
+from qstrat.transport.auth import PROTOCOL_VERSION, RoundContext, next_counter, sign_init
+from qstrat.transport.engine_check import FORMAT_KEY
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
+from qstrat.transport.keys import ENV_SECRET, Secret
+from qstrat.transport.outgoing import SourceFailure, send_buckets
 from qstrat.transport.rpc_errors import describe as describe_rpc_error
-from qstrat.transport.seal import PIECE_BYTES, Sealer, pieces
-from qstrat.transport.wire_manifest import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, TensorSlot,
-                                            WireManifest, wire_manifest_for_plan)
+from qstrat.transport.seal import Sealer
+from qstrat.transport.timing import Phases
+from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, WireManifest, wire_manifest_for_plan
+
+logger = logging.getLogger("qstrat.transport")
+_UNNAMED = object()
 
 
 @dataclass(frozen=True, repr=False)
@@ -83,7 +88,8 @@ class RefitSender:
         workers_per_client: ranks each engine brings (its TP x PP x DP worker count).
         secret: the secret shared with the engines (bytes or text, >= 16 bytes; default: the
             environment variable ``QSTRAT_TRANSFER_SECRET``; None there too: unauthenticated
-            rounds, which an engine holding a secret refuses). Never logged or sent.
+            rounds, which an engine holding a secret refuses, and one warning per sender on the
+            ``qstrat.transport`` logger). Never logged or sent.
         mode: ``atomic`` (default: engines stage the whole round and load it only when every
             rank verified every bucket) or ``bounded`` (engines load each reload unit as soon as
             its buckets verified: memory ~ two buckets + one layer; a fault mid-round leaves a
@@ -99,8 +105,9 @@ class RefitSender:
             raise TransportError(f"RefitSender mode {mode!r}: use 'atomic' or 'bounded'")
         self.mode = mode
         self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
-        self._counter = 0
-        #: After a failed bounded round: which ranks reported holding a mix (None: no mix known).
+        self._counter = -1
+        self._warned = False
+        #: After a round that left a MIX: which ranks/engines hold new weights (None: no mix known).
         self.mixed: str | None = None
         self.clients = list(clients)
         self.workers = list(workers_per_client or [1] * len(self.clients))
@@ -117,38 +124,38 @@ class RefitSender:
         #: (finish_weight_update: the engines' load), and ``cpu_s``: this process's CPU seconds
         #: over the round (all threads). See docs/performance.md.
         self.profile: dict[str, float] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.clients)),
-                                        thread_name_prefix="qstrat-rpc")
 
     # ---- setup ----------------------------------------------------------------------------
     def init_infos(self) -> list[dict[str, Any]]:
-        """The ``init_weight_transfer_engine`` payload for each client (rank offsets differ)."""
+        """The ``init_weight_transfer_engine`` payload for each client (rank offsets differ;
+        with a secret each carries its ``auth`` tag, :func:`qstrat.transport.auth.sign_init`)."""
         world = 1 + sum(self.workers)
         infos, offset = [], 1
         for n in self.workers:
-            infos.append({"master_address": self.master_address, "master_port": self.master_port,
-                          "rank_offset": offset, "world_size": world, "backend": self.backend,
-                          "timeout_s": self.timeout_s})
+            infos.append(sign_init(self._secret, {
+                "master_address": self.master_address, "master_port": self.master_port,
+                "rank_offset": offset, "world_size": world, "backend": self.backend,
+                "timeout_s": self.timeout_s}))
             offset += n
         return infos
 
     def connect(self) -> None:
         """Open the group with every engine (their ``init_weight_transfer_engine`` runs
-        concurrently with this rank's rendezvous). Raises TransportError on failure/timeout."""
+        concurrently with this rank's rendezvous). Raises TransportError on failure/timeout
+        (TransferAuthError when an engine refused the init)."""
         self.close()
-        futures = [self._pool.submit(c.init_weight_transfer_engine, info)
-                   for c, info in zip(self.clients, self.init_infos())]
+        futures = [_call(c.init_weight_transfer_engine, info) for c, info in zip(self.clients, self.init_infos())]
         try:
             self.group = open_group(self.master_address, self.master_port, 0, 1 + sum(self.workers),
                                     self.backend, self.timeout_s)
         except TransportError as exc:  # say why the engines did not join (e.g. an address refusal)
             errors = self._results(futures)
-            kind = TransferAuthError if any("TransferAuthError" in e for e in errors) else TransportError
-            raise kind(f"{exc}; init_weight_transfer_engine: {errors or 'no error reported'}") from None
+            kind = TransferAuthError if any("TransferAuthError" in e for e in errors.values()) else TransportError
+            raise kind(f"{exc}; init_weight_transfer_engine: {_listed(errors) or 'no error reported'}") from None
         errors = self._results(futures)
         if errors:
             self.close()
-            raise TransportError(f"init_weight_transfer_engine failed: {errors}")
+            raise TransportError(f"init_weight_transfer_engine failed: {_listed(errors)}")
 
     def close(self) -> None:
         """Close the group (engines keep their weights)."""
@@ -170,231 +177,187 @@ class RefitSender:
             tensors, the wire manifest, backends, values): PlanError (also for a refit without
             ``plan`` that leaves out a decoder layer of the driver's ``hf_config``: the engines
             would keep its old weights; and for a plan that does not match the tensors that
-            ``hf_config`` implies: :func:`qstrat.engine_manifest.check_model_tensors`), WireManifestMismatchError (a ``bucket_bytes`` or
-            ``alignment`` the wire manifest cannot use), BackendUnavailableError, NonFiniteError;
-            WireManifestMismatchError if an engine refused the wire manifest (no data sent);
-            TransportError for a failed checksum, an aborted or truncated stream, a lost peer or
-            a timeout - in every case no engine loaded anything.
+            ``hf_config`` implies: :func:`qstrat.engine_manifest.check_model_tensors`),
+            WireManifestMismatchError (a ``bucket_bytes`` or ``alignment`` the wire manifest
+            cannot use), BackendUnavailableError, NonFiniteError; then as :meth:`send`.
         """
         check = SinkCheck("wire manifest", lambda p: wire_manifest_for_plan(p.plan, self.bucket_bytes,
                                                                                self.alignment))
         whole = SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given))
         prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
-        return self.send(prepared.results[check.name], prepared.execute())
+        return self.send(prepared.results[check.name], prepared.execute(),
+                         quantization_config=prepared.plan.vllm_quantization_config())
 
-    def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]
-             ) -> TransferReport:
-        """Run one round for ``wire_manifest`` with ``tensors`` yielded in its wire order."""
+    def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
+             quantization_config: Any = _UNNAMED) -> TransferReport:
+        """Run one round for ``wire_manifest`` with ``tensors`` yielded in its wire order.
+
+        ``quantization_config``: the plan's ``vllm_quantization_config()`` (None: unquantized),
+        named in ``update_info`` so that an engine checks the round's format before its tensors
+        (:mod:`qstrat.transport.engine_check`); not given: the tensors only.
+
+        Raises: WireManifestMismatchError / TransferAuthError / TransportError (another protocol
+            version) when an engine refused the round before any data; TransportError for a
+            failed seal, an aborted or truncated stream, a lost peer or a timeout, with nothing
+            loaded anywhere; MixedWeightsError when some rank holds new weights and the round was
+            not committed everywhere (bounded mode), or an engine's load failed part-way in
+            ``finish_weight_update`` (atomic mode) - :attr:`mixed` says which; an exception the
+            SOURCE raised mid-stream (any class) is raised as itself after every receiver was
+            told (ABORT) and the group was closed (unless the round left a mix: then
+            MixedWeightsError, caused by it).
+        """
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
+        if self._secret is None and not self._warned:
+            self._warned = True
+            logger.warning("qstrat transport: rounds without a secret (QSTRAT_TRANSFER_SECRET): anyone who "
+                           "reaches the engines or the group can refit them; for trusted networks and tests only")
         start, cpu = time.perf_counter(), time.process_time()
-        self.profile = prof = dict.fromkeys(("start_s", "handshake_s", "source_s", "pack_s", "seal_s",
-                                             "wait_s", "commit_s", "update_s", "finish_s", "cpu_s"), 0.0)
+        self.profile = prof = Phases("start_s", "handshake_s", "source_s", "pack_s", "seal_s", "wait_s",
+                                     "commit_s", "update_s", "finish_s", "cpu_s")
         self._call_all("start_weight_update")
-        doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode}
-        futures = [self._pool.submit(c.update_weights, doc) for c in self.clients]
+        doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode, "protocol": PROTOCOL_VERSION}
+        if quantization_config is not _UNNAMED:
+            doc[FORMAT_KEY] = quantization_config
+        futures = [_call(c.update_weights, doc) for c in self.clients]
         stream_start = time.perf_counter()
         prof["start_s"] = stream_start - start
         try:
             self._stream(wire_manifest, tensors)
         except TransportError as exc:
-            errors = self._results(futures)
+            errors = _listed(self._results(futures)) or "no error reported"
             kind = next(k for k in (WireManifestMismatchError, TransferAuthError, MixedWeightsError,
                                     TransportError) if isinstance(exc, k))
-            raise kind(f"{exc}; engines: {errors or 'no error reported'}") from exc
+            raise kind(f"{exc}; engines: {errors}") from (exc.__cause__ or exc)  # the source's error, if any
+        except BaseException as exc:  # e.g. the source's own error, after the ABORT: itself
+            exc.add_note(f"qstrat transport, the engines' update_weights: "
+                         f"{_listed(self._results(futures)) or 'no error reported'}")
+            raise
         t0 = time.perf_counter()
         stream_seconds = t0 - stream_start
         errors = self._results(futures)
         if errors:
-            raise TransportError(f"update_weights failed after the stream: {errors}")
-        t1 = time.perf_counter()
-        self._call_all("finish_weight_update")
-        prof["update_s"], prof["finish_s"] = t1 - t0, time.perf_counter() - t1
+            raise TransportError(f"update_weights failed after the stream: {_listed(errors)}")
+        prof["update_s"] = time.perf_counter() - t0
+        with prof.timed("finish_s"):
+            self._finish_all()
         prof["cpu_s"] = time.process_time() - cpu
         self.mixed = None
         return TransferReport(wire_manifest, wire_manifest.total_bytes, len(wire_manifest.buckets),
                               stream_seconds, time.perf_counter() - start)
 
     def _stream(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Steps 0-4 on this rank, and the round's outcome (see :meth:`send`'s errors)."""
         group = self.group
         assert group is not None
-        self._counter = max(self._counter + 1, time.time_ns())
-        prof, t0 = self.profile, time.perf_counter()
+        prof = self.profile
         try:
-            challenges = p.challenges(group)
-            ctx = RoundContext(wire_manifest.digest, self.mode, self._counter, challenges,
-                               self.master_address, self.master_port, group.world_size)
-            mac = round_mac(self._secret, ctx)
-            group.wait(group.broadcast(self.round_header(wire_manifest, ctx, mac)))
-            statuses = p.vote(group, p.OK)
+            with prof.timed("handshake_s"):
+                _, challenges = proto.challenges(group)
+                self._counter = next_counter(self._counter, challenges)
+                ctx = RoundContext(wire_manifest.digest, self.mode, self._counter, challenges,
+                                   self.master_address, self.master_port, group.world_size)
+                mac = ctx.mac(self._secret)
+                group.wait(group.broadcast(proto.round_header(
+                    len(wire_manifest.buckets), wire_manifest.total_bytes, ctx.counter, wire_manifest.digest,
+                    mac, group.device)))
+                votes = proto.vote(group, proto.ACCEPT, proto.OK, False, self._secret, mac)
         except RuntimeError as exc:
-            raise p.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
-        if any(statuses):
-            cls = (WireManifestMismatchError if p.REJECTED in statuses else
-                   TransferAuthError if p.UNAUTHENTICATED in statuses else TransportError)
-            raise cls(f"round refused before any data: {p.describe(statuses)}")
-        prof["handshake_s"] = time.perf_counter() - t0
+            raise proto.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
+        if votes.failed():
+            st = votes.statuses
+            cls = (WireManifestMismatchError if proto.REJECTED in st else
+                   TransferAuthError if proto.UNAUTHENTICATED in st or proto.FORGED in st else TransportError)
+            raise cls(f"round refused before any data: {proto.describe(st)}")
         try:
-            failure = self._send_buckets(group, wire_manifest, iter(tensors), mac)
+            failure = send_buckets(group, wire_manifest, iter(tensors), Sealer(self._secret, mac, group.device), prof)
         except TransportError as exc:
             if self.mode == "bounded":
                 self.mixed = f"a bounded round was cut off ({exc})"
                 raise MixedWeightsError(f"{exc}; bounded mode: engines may hold a MIX of two "
                                         f"rounds, the next refit must be whole") from None
             raise
-        t0 = time.perf_counter()
         try:
-            statuses = p.vote(group, p.SENDER_ABORT if failure else p.OK)
+            with prof.timed("commit_s"):
+                votes = proto.vote(group, proto.COMMIT, proto.SENDER_ABORT if failure else proto.OK, False,
+                                   self._secret, mac)
         except RuntimeError as exc:
-            raise p.lost(group, "commit vote failed (a receiver died?)", exc) from None
-        prof["commit_s"] = time.perf_counter() - t0
-        if p.MIXED in statuses:
-            self.mixed = p.describe([s if s == p.MIXED else 0 for s in statuses])
-            raise MixedWeightsError(f"round not committed: {p.describe(statuses)}; bounded mode: "
-                                    f"{self.mixed}; the next refit must be whole")
-        loaded = "" if self.mode == "atomic" else " (bounded mode: no unit was loaded)"
-        if failure:
-            raise TransportError(f"sender aborted the stream: {failure}; nothing loaded{loaded}")
-        if any(statuses):
-            raise TransportError(f"round not committed: {p.describe(statuses)}; nothing loaded{loaded}")
+            raise proto.lost(group, "commit vote failed (a receiver died?)", exc) from None
+        self._outcome(votes, failure)
 
-    def round_header(self, wire_manifest: WireManifest, ctx: RoundContext, mac: bytes) -> torch.Tensor:
-        """The round header for ``ctx`` (a hook: the replay tests override it)."""
-        return p.round_header(len(wire_manifest.buckets), wire_manifest.total_bytes, ctx.counter,
-                              wire_manifest.digest, mac, self.group.device)
+    def _outcome(self, votes: proto.Votes, failure: SourceFailure | None) -> None:
+        """Raise unless every rank committed (see :meth:`send`)."""
+        outcome = proto.outcome(votes)
+        if outcome == "committed":
+            return
+        own = failure is not None and not isinstance(failure.error, TransportError)
+        if own:  # the source's fault (OOM, a compile error...): its device state is suspect
+            self.close()
+        described = proto.describe(votes.statuses)
+        if outcome == "mixed":
+            holders = ", ".join(map(str, votes.holders()))
+            self.mixed = f"ranks {holders} hold new weights after: {described}"
+            why = f"the sender aborted the stream ({failure}); " if failure else ""
+            raise MixedWeightsError(f"round not committed: {why}{described}; the engines hold a MIX: ranks "
+                                    f"{holders} hold new weights, the others not (each flagged rank now "
+                                    f"accepts only a whole refit)") from (failure.error if failure else None)
+        if own:
+            raise failure.error
+        if failure is not None:
+            raise TransportError(f"sender aborted the stream: {failure}; nothing loaded")
+        raise TransportError(f"round not committed: {described}; nothing loaded")
 
-    def _send_buckets(self, group: TransferGroup, wire_manifest: WireManifest,
-                      tensors: Iterator[tuple[str, torch.Tensor]], mac: bytes) -> str | None:
-        """Step 3. Returns None, or why the sender aborted (its source fell short/disagreed)."""
-        contents = bucket_contents(wire_manifest)
-        sealer = Sealer(self._secret, mac, group.device)
-        prof = self.profile
-        clock = time.perf_counter
-        buffers: list[torch.Tensor] = []
-        pending: deque[tuple[Any, ...]] = deque()
-        big: torch.Tensor | None = None
-        reason, k = None, 0
-        works: list[Any] | None = None
-        try:
-            for k, b in enumerate(wire_manifest.buckets):
-                if len(pending) == 2:  # double buffering: bucket k-2's buffer is free after this
-                    t0 = clock()
-                    _finish(group, pending.popleft())
-                    prof["wait_s"] += clock() - t0
-                busy = {id(item[-1]) for item in pending}
-                flags, parts = 0, None
-                try:
-                    t0 = clock()
-                    if b.tensor is None:
-                        owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
-                        parts = [self._next(tensors, s, group).contiguous() for s in contents[k]]
-                        payload = owner[:b.nbytes]  # packed piece by piece below
-                        prof["source_s"] += clock() - t0
-                    else:
-                        slot = contents[k][0]
-                        if slot.bucket == k:
-                            big = self._next(tensors, slot, group).contiguous()
-                        payload, owner = chunk_view(big, wire_manifest, slot, b), big
-                        prof["source_s"] += clock() - t0
-                except TransportError as exc:
-                    flags, reason = p.ABORT, str(exc)
-                    owner = _free_buffer(buffers, busy, wire_manifest.bucket_bytes, group.device)
-                    payload = owner[:b.nbytes]
-                # a shared bucket is packed piece by piece, each piece just before it is sealed
-                # and posted; a transmit_payload override sees the whole packed bucket first
-                lazy = parts is not None and not flags and _default_hook(self)
-                if parts is not None and not flags and not lazy:
-                    t0 = clock()
-                    pack_range(owner, contents[k], parts, 0, b.nbytes)
-                    prof["pack_s"] += clock() - t0
-                wire = self.transmit_payload(k, payload)
-                works = []  # the payload in pieces, each sealed just before it is posted
-                state = None if flags else sealer.begin(k, payload.numel())
-                for i, (piece, out) in enumerate(zip(pieces(payload), pieces(wire))):
-                    if lazy:
-                        t0 = clock()
-                        pack_range(owner, contents[k], parts, i * PIECE_BYTES, i * PIECE_BYTES + piece.numel())
-                        prof["pack_s"] += clock() - t0
-                    if state is not None:
-                        t0 = clock()
-                        state.update(piece)
-                        prof["seal_s"] += clock() - t0
-                    works.append(group.broadcast(out))
-                t0 = clock()
-                seal = state.seal(flags) if state is not None else sealer.seal(k, flags, None)
-                prof["seal_s"] += clock() - t0
-                hdr = p.bucket_header(k, flags, seal, group.device)
-                works.append(group.broadcast(hdr))
-                pending.append((works, hdr, wire, owner))
-                if flags:
-                    break
-            t0 = clock()
-            while pending:
-                _finish(group, pending.popleft())
-            prof["wait_s"] += clock() - t0
-            return reason
-        except RuntimeError as exc:  # c10d: a peer died or timed out
-            pending.clear()
-            works = None  # no Work may outlive this block: gloo closes the group with the last one
-            error = str(exc)
-        raise p.lost(group, f"broadcast of bucket {k}/{len(wire_manifest.buckets)} failed "
-                            f"(a receiver died?)", error) from None
-
-    def transmit_payload(self, index: int, payload: torch.Tensor) -> torch.Tensor:
-        """The bytes put on the wire for bucket ``index`` (a hook: identity here; the fault tests
-        override it to corrupt or cut the stream). The seal is always computed from ``payload``;
-        a hook must return a new tensor of the same size, not change ``payload``."""
-        return payload
-
-    @staticmethod
-    def _next(tensors: Iterator[tuple[str, torch.Tensor]], slot: TensorSlot,
-              group: TransferGroup) -> torch.Tensor:
-        try:
-            name, t = next(tensors)
-        except StopIteration:
-            raise TransportError(f"the source ended before {slot.name!r} (truncated)") from None
-        if (name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) != (slot.name, slot.dtype, slot.shape):
-            raise TransportError(f"the source yielded {name!r} {t.dtype} {list(t.shape)} where the "
-                                 f"wire manifest has {slot.name!r} {slot.dtype} {list(slot.shape)}")
-        return t.to(group.device)
+    def _finish_all(self) -> None:
+        """``finish_weight_update`` on every engine. Raises MixedWeightsError when any failed
+        (atomic mode: the round was committed, so every other engine loaded it)."""
+        errors = self._results([_call(c.finish_weight_update) for c in self.clients])
+        if not errors:
+            return
+        offsets = [1 + sum(self.workers[:i]) for i in range(len(self.workers))]
+        ranks = {i: list(range(offsets[i], offsets[i] + self.workers[i])) for i in errors}
+        loaded = [i for i in range(len(self.clients)) if i not in errors]
+        self.mixed = (f"finish_weight_update failed on engine(s) {sorted(errors)} (ranks "
+                      f"{sorted(r for rs in ranks.values() for r in rs)}); engine(s) {loaded} loaded the round")
+        raise MixedWeightsError(f"the round was committed but its load failed: {_listed(errors)}; {self.mixed}: "
+                                f"the engines hold a MIX, each failed engine is flagged and accepts only a "
+                                f"whole refit")
 
     # ---- RPC fan-out ----------------------------------------------------------------------
     def _call_all(self, method: str) -> None:
-        errors = self._results([self._pool.submit(getattr(c, method)) for c in self.clients])
+        errors = self._results([_call(getattr(c, method)) for c in self.clients])
         if errors:
-            raise TransportError(f"{method} failed: {errors}")
+            raise TransportError(f"{method} failed: {_listed(errors)}")
 
-    def _results(self, futures: list[Future]) -> list[str]:
-        """Wait (bounded) for every RPC; the errors as ``"engine i: message"``."""
+    def _results(self, futures: list[Future]) -> dict[int, str]:
+        """Wait (at most ``timeout_s`` in all) for every RPC; engine index -> its error."""
         done, _ = wait_futures(futures, timeout=self.timeout_s)
-        errors = []
+        errors = {}
         for i, f in enumerate(futures):
             if f not in done:
-                errors.append(f"engine {i}: no answer within {self.timeout_s:g} s")
+                errors[i] = f"no answer within {self.timeout_s:g} s"
             elif f.exception() is not None:
-                errors.append(f"engine {i}: {describe_rpc_error(f.exception())}")
+                errors[i] = describe_rpc_error(f.exception())
         return errors
 
 
-def _default_hook(sender: RefitSender) -> bool:
-    """Whether ``sender`` keeps the identity :meth:`RefitSender.transmit_payload`."""
-    return type(sender).transmit_payload is RefitSender.transmit_payload
+def _call(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` on a daemon thread of its own (a hung call holds only that thread)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="qstrat-rpc", daemon=True).start()
+    return future
 
 
-def _finish(group: TransferGroup, item: tuple[Any, ...]) -> None:
-    """Wait for a bucket's payload and header broadcasts."""
-    for work in item[0]:
-        group.wait(work)
-
-
-def _free_buffer(buffers: list[torch.Tensor], busy: set[int], size: int,
-                 device: torch.device) -> torch.Tensor:
-    """A pack buffer not in flight (at most two are ever allocated)."""
-    for buf in buffers:
-        if id(buf) not in busy:
-            return buf
-    buffers.append(torch.empty(size, dtype=torch.uint8, device=device))
-    return buffers[-1]
+def _listed(errors: dict[int, str]) -> str:
+    return "; ".join(f"engine {i}: {e}" for i, e in sorted(errors.items()))
 
 
 def check_every_layer(plan: RefitPlan, driver: RefitDriver, plan_given: bool) -> None:

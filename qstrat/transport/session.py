@@ -9,13 +9,15 @@ Shared by the vLLM backend (:mod:`qstrat.engine.transfer_backend`) and
 * ``end_load()``: after the last (an engine: ``finalize_layerwise_reload``: units that received
   nothing keep their weights).
 
-Fault semantics (enforced here): in ``bounded`` mode loading begins during ``update_weights``;
-a fault after the first unit was loaded finalizes the reload (the units not loaded keep their
-old weights) and flags the receiver :attr:`ReceiverSession.mixed`. While flagged, a round must
-be WHOLE (send every tensor the engine expects): a partial round is refused before any data,
-naming the flag. A whole round that loads completely clears it. The engine keeps running (it
-serves requests with whatever it holds); qstrat never loads a partial round on it and reports the
-flag in every refusal and in the failing round's error.
+Fault semantics (enforced here), the same for every mode: a round is COMMITTED everywhere,
+REFUSED everywhere (nothing loaded anywhere), or MIXED. A receiver that holds anything new from
+a round that was not committed everywhere - bounded mode: it loaded a unit and some rank failed
+(itself or another, :func:`qstrat.transport.protocol.outcome`); atomic mode: its load in
+``finish_weight_update`` raised part-way - finalizes the reload (units not loaded keep their old
+weights) and flags itself :attr:`ReceiverSession.mixed`. While flagged, a round must be WHOLE
+(send every tensor the engine expects): a partial round is refused before any data, naming the
+flag. A whole round that loads completely clears it. The engine keeps running (it serves requests
+with whatever it holds). :func:`qstrat.vllm.refit` applies the same rule to an in-process engine.
 """
 from __future__ import annotations
 
@@ -25,13 +27,17 @@ from typing import Any, Protocol
 
 import torch
 
-from qstrat.errors import MixedWeightsError, TransportError, WireManifestMismatchError
-from qstrat.transport.auth import ENV_ADDRESS, ReceiverAuth, Secret, check_address
+from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport.address import ENV_ADDRESS, check_address
+from qstrat.transport.auth import ReceiverAuth, check_init
+from qstrat.transport.engine_check import EngineExpectations
+from qstrat.transport.keys import Secret
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.receiver import MODES, receive_round
 from qstrat.transport.wire_manifest import WireManifest, check_against
 
-Expected = dict[str, tuple[str, tuple[int, ...]]]
+#: What a receiver accepts: name -> (dtype, shape), or an engine's manifest (EngineExpectations).
+Expected = dict[str, tuple[str, tuple[int, ...]]] | EngineExpectations
 
 
 class Loader(Protocol):
@@ -46,7 +52,8 @@ class ReceiverSession:
     """The four weight-sync calls' receiver logic.
 
     Args:
-        expected: returns name -> (dtype, shape) the receiver accepts (None: anything).
+        expected: returns what the receiver accepts: name -> (dtype, shape), an engine's
+            :class:`~qstrat.transport.engine_check.EngineExpectations`, or None (anything).
         loader: a :class:`Loader`.
         secret: the shared secret (Secret, bytes, text), or None to read :data:`ENV_SECRET
             <qstrat.transport.auth.ENV_SECRET>` at each :meth:`join`.
@@ -75,25 +82,31 @@ class ReceiverSession:
         self.stats: dict[str, float] = {}
 
     def join(self, init_info: Any) -> None:
-        """Join the transfer group (closing a previous one) after checking the address.
+        """Join the transfer group after checking the init info; a previous group is closed only
+        once the new one is joined (a refused or failed init leaves a live group as it is).
 
         Args: init_info: a mapping or object with ``master_address``, ``master_port``,
-            ``rank_offset``, ``world_size`` and optionally ``backend``, ``timeout_s``.
-        Raises: TransferAuthError for an address other than the configured one (nothing joined);
+            ``rank_offset``, ``world_size`` and optionally ``backend``, ``timeout_s`` and ``auth``
+            (the tag :func:`qstrat.transport.auth.sign_init` adds; required with a secret).
+        Raises: TransferAuthError for an address other than the configured one, or (with a
+            secret) an init info without a valid tag - nothing joined, nothing closed;
             TransportError if the rendezvous fails.
         """
-        get = (lambda k, d=None: init_info.get(k, d)) if isinstance(init_info, dict) else (
-            lambda k, d=None: getattr(init_info, k, d))
         import os
 
+        fields = dict(init_info) if isinstance(init_info, dict) else dict(vars(init_info))
         address = self._address if self._address is not None else os.environ.get(ENV_ADDRESS)
-        host, port = str(get("master_address")), int(get("master_port"))
+        host, port = str(fields.get("master_address")), int(fields.get("master_port"))
         check_address(address, host, port)
         secret = self._secret if self._secret is not None else Secret.from_env()
+        refusal = check_init(secret, fields)
+        if refusal is not None:
+            raise TransferAuthError(refusal)
+        group = open_group(host, port, int(fields.get("rank_offset")) + self.rank_in_client,
+                           int(fields.get("world_size")), fields.get("backend") or "gloo",
+                           float(fields.get("timeout_s") or DEFAULT_TIMEOUT_S))
         self.shutdown()
-        self.group = open_group(host, port, int(get("rank_offset")) + self.rank_in_client,
-                                int(get("world_size")), get("backend", "gloo"),
-                                float(get("timeout_s", DEFAULT_TIMEOUT_S)))
+        self.group = group
         last = self.auth.last_counter if self.auth is not None else -1
         self.auth = ReceiverAuth(secret, host, port, last)
 
@@ -102,11 +115,13 @@ class ReceiverSession:
         self._staged, self._received = None, False
 
     def update(self, update_info: dict[str, Any]) -> None:
-        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded"}``.
+        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded",
+        "protocol": PROTOCOL_VERSION}``.
 
         Raises: as :func:`~qstrat.transport.receiver.receive_round`; TransportError for a second
-            round in one session or an unknown mode. Bounded mode: a fault after loading began
-            finalizes the reload, sets :attr:`mixed` and raises MixedWeightsError.
+            round in one session or an unknown mode. Bounded mode: a round that was not committed
+            everywhere after this receiver loaded a unit finalizes the reload, sets :attr:`mixed`
+            and raises MixedWeightsError.
         """
         if self.group is None or self.group.pg is None:
             raise TransportError("qstrat transfer: call init_weight_transfer_engine first "
@@ -118,6 +133,7 @@ class ReceiverSession:
         # here: the sender and the other ranks are already waiting in the round's collectives.
         info = update_info if isinstance(update_info, dict) else {}
         mode = info.get("mode", "atomic")
+        protocol = info.get("protocol")
         self._received = True
         self.stats = {}
         sent: set[str] = set()
@@ -128,18 +144,20 @@ class ReceiverSession:
                                      f"{MODES}, got mode {mode!r}")
             sent.update(s.name for s in wm.slots)
             expected = self.expected()
-            if expected is not None:
+            if isinstance(expected, EngineExpectations):
+                expected.check(wm, info)
+            elif expected is not None:
                 check_against(wm, expected)
             if self.mixed is not None:
-                need = set(expected) if expected is not None else (self._required or set())
-                if not need <= sent:
+                sends, whole = self._coverage(expected, sent)
+                if sends < whole:
                     raise WireManifestMismatchError(
                         f"this receiver holds a MIX of two rounds ({self.mixed}): the next refit "
-                        f"must be whole, this one sends {len(sent & need)} of the {len(need)} tensors")
+                        f"must be whole, this one sends {sends} of the {whole} {self._unit_word(expected)}")
 
         if mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
             self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth,
-                                         staging=self.staging, stats=self.stats)
+                                         staging=self.staging, stats=self.stats, protocol_version=protocol)
             return
 
         def on_unit(unit: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -150,11 +168,11 @@ class ReceiverSession:
 
         try:
             receive_round(self.group, info.get("wire_manifest"), check, self.auth, "bounded", on_unit,
-                          stats=self.stats)
+                          stats=self.stats, protocol_version=protocol)
         except MixedWeightsError as exc:
-            self._end()
             self.mixed = getattr(exc, "detail", str(exc))
             self._required = self._required or sent
+            self._end()
             raise
         except BaseException:
             self._end()
@@ -166,7 +184,8 @@ class ReceiverSession:
     def finish(self) -> None:
         """Atomic mode: load the staged round (begin, load, end); bounded mode: nothing left.
 
-        Raises: TransportError if no round was received in this session.
+        Raises: TransportError if no round was received in this session; MixedWeightsError when
+            the load raised part-way (the reload is finalized, the receiver flagged :attr:`mixed`).
         """
         staged, self._staged = self._staged, None
         if staged is None:
@@ -174,19 +193,47 @@ class ReceiverSession:
         if not staged:
             return
         t0 = time.perf_counter()
-        self.loader.begin_load()
-        self._loading = True
+        sent = {n for n, _ in staged}
         try:
+            self.loader.begin_load()
+            self._loading = True
             self.loader.load(staged)
-        finally:
-            self._end()
+        except BaseException as exc:
+            self._fail_load(exc, sent)
+            if not isinstance(exc, Exception):
+                raise
+            raise MixedWeightsError(f"rank {self.group.rank if self.group else '?'}: the load of a committed "
+                                    f"round failed part-way: {self.mixed}; this receiver holds a MIX, the "
+                                    f"next refit must be whole") from exc
+        self._end()
         self.stats["finish_s"] = time.perf_counter() - t0
-        self._committed({n for n, _ in staged})
+        self._committed(sent)
+
+    def _fail_load(self, exc: BaseException, sent: set[str]) -> None:
+        """Flag this receiver after a load that raised part-way, and finalize the reload."""
+        self.mixed = f"{type(exc).__name__}: {exc}"
+        self._required = self._required or sent
+        try:
+            self._end()
+        except Exception as end_exc:  # noqa: BLE001 - the flag is what matters now
+            self.mixed += f" (finalizing the reload failed too: {type(end_exc).__name__}: {end_exc})"
+
+    def _coverage(self, expected: Any, sent: set[str]) -> tuple[int, int]:
+        """(how much of the receiver a round sending ``sent`` updates, the whole)."""
+        if isinstance(expected, EngineExpectations):
+            return expected.coverage(sent)
+        need = set(expected) if expected is not None else (self._required or set())
+        return len(need & sent), len(need)
+
+    @staticmethod
+    def _unit_word(expected: Any) -> str:
+        return "parts" if isinstance(expected, EngineExpectations) else "tensors"
 
     def _committed(self, sent: set[str]) -> None:
-        expected = self.expected()
-        need = set(expected) if expected is not None else (self._required or set())
-        if self.mixed is not None and need <= sent:
+        if self.mixed is None:
+            return
+        sends, whole = self._coverage(self.expected(), sent)
+        if sends == whole:
             self.mixed, self._required = None, None
 
     def _end(self) -> None:

@@ -1,0 +1,89 @@
+"""Refit a running vLLM server over qstrat's transport, authenticated, and check it against the
+fresh server (docs/transport.md, "A recipe on a CPU"). Runs on a CPU.
+
+1. ``python examples/trainers/transport_refit.py write DIR``: qstrat's block-FP8 checkpoint of
+   the tiny Qwen3-MoE model B into DIR (what the server starts on).
+2. Start the server on DIR with docs/transport.md's command, ``QSTRAT_TRANSFER_SECRET`` set.
+3. ``QSTRAT_TRANSFER_SECRET=... python examples/trainers/transport_refit.py refit http://127.0.0.1:8000``:
+   reads the server's greedy completions (the fresh server on B), refits it to model A (they
+   change), then back to B (they must equal the fresh server's, token for token and logprob for
+   logprob); exits 1 otherwise. Each step prints one line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 7, 7, 7])
+
+
+def tiny_models():
+    """(driver, trainer tensors of A, of B): the tiny model's two seeds."""
+    from qstrat import RefitDriver
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+
+    a, b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
+    return RefitDriver("block-fp8", hf_config=hf_config(b)), a.state_dict(), b.state_dict()
+
+
+def completions(url: str) -> list[tuple[list[str], list[float]]]:
+    """Greedy completions of PROMPTS (token ids in and out: the server runs without a tokenizer)."""
+    import requests
+
+    model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    out = []
+    for prompt in PROMPTS:
+        r = requests.post(f"{url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1,
+            "return_tokens_as_token_ids": True})
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        out.append((lp["tokens"], lp["token_logprobs"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    sub.add_parser("write").add_argument("dir")
+    refit = sub.add_parser("refit")
+    refit.add_argument("url")
+    refit.add_argument("--trainer-address", default="127.0.0.1", help="where the engine reaches this process")
+    refit.add_argument("--port", type=int, default=29600, help="the transfer group's port on this process")
+    args = parser.parse_args(argv)
+    driver, a, b = tiny_models()
+    if args.step == "write":
+        from qstrat.checkpoint import write_checkpoint
+
+        write_checkpoint(driver, b, args.dir)
+        print(f"wrote qstrat's block-FP8 checkpoint of model B to {args.dir}")
+        return 0
+
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from qstrat.transport import RefitSender
+
+    fresh = completions(args.url)
+    print(f"fresh server: {len(fresh)} greedy completions read")
+    # the secret: QSTRAT_TRANSFER_SECRET, as on the server
+    sender = RefitSender([HTTPVLLMWeightSyncClient(args.url, timeout=60)], args.trainer_address, args.port,
+                         timeout_s=60)
+    sender.connect()
+    try:
+        print(f"refit to A: {sender.refit(driver, a)}")
+        if completions(args.url) == fresh:
+            print("FAILED: the server's completions did not change on A")
+            return 1
+        print(f"refit to B: {sender.refit(driver, b)}")
+        back = completions(args.url)
+    finally:
+        sender.close()
+    if back != fresh:
+        print(f"FAILED: after the refit back to B the server answers {back}, the fresh server {fresh}")
+        return 1
+    print("back on B: every completion equals the fresh server's (tokens and logprobs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

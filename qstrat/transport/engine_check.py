@@ -1,0 +1,66 @@
+"""What an engine accepts in a transport round, from the same source as the in-process sink.
+
+:class:`EngineExpectations` holds the engine's manifest (:func:`qstrat.vllm.model_config_manifest`:
+the engine's own model config, quantization_config and dtype - never the checkpoint it started
+from, so an engine started from a hub id refits too) and its ``quantization_config``. A round is
+checked as :func:`qstrat.vllm.refit` checks a plan, in the same words: the FORMAT first
+(:func:`qstrat.engine_manifest.config_format_mismatch`, against the ``quantization_config`` the
+round's ``update_info`` names), then the TENSORS (:func:`qstrat.engine_manifest.check_plan` over
+the wire manifest's slots: names, shapes, dtypes, every reload unit whole; a partial round must
+send whole parts), then, while the receiver is flagged, that the round is whole.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from qstrat.engine_manifest import EngineManifest, check_plan, config_format_mismatch
+from qstrat.errors import PlanError, WireManifestMismatchError
+from qstrat.registry import Registry, get_registry
+from qstrat.transport.wire_manifest import WireManifest
+
+#: The ``update_info`` key naming the round's ``quantization_config`` (the plan's).
+FORMAT_KEY = "quantization_config"
+
+
+def as_plan(wire_manifest: WireManifest) -> Any:
+    """The wire manifest's slots as the entries :func:`~qstrat.engine_manifest.check_plan` reads
+    (one entry per sent tensor)."""
+    return SimpleNamespace(entries=[
+        SimpleNamespace(name=s.name, outputs=[SimpleNamespace(name=s.name, shape=tuple(s.shape), dtype=s.dtype)])
+        for s in wire_manifest.slots])
+
+
+def _names_plan(names: set[str]) -> Any:
+    return SimpleNamespace(entries=[SimpleNamespace(name=n, outputs=[SimpleNamespace(name=n)]) for n in names])
+
+
+@dataclass
+class EngineExpectations:
+    """An engine's manifest and quantization_config (None: unquantized)."""
+
+    manifest: EngineManifest
+    engine_config: Mapping[str, Any] | None
+    registry: Registry | None = None
+
+    def check(self, wire_manifest: WireManifest, update_info: Mapping[str, Any]) -> None:
+        """Raise WireManifestMismatchError, format first then tensors, unless the engine loads
+        this round (a whole round, or whole parts of one)."""
+        if FORMAT_KEY in update_info:
+            why = config_format_mismatch(update_info[FORMAT_KEY], self.engine_config,
+                                         self.registry or get_registry())
+            if why is not None:
+                raise WireManifestMismatchError(f"the round's format does not match the engine: {why}")
+        plan = as_plan(wire_manifest)
+        try:
+            check_plan(plan, self.manifest, self.manifest.parts_sent(plan))
+        except PlanError as exc:
+            raise WireManifestMismatchError(str(exc)) from None
+
+    def coverage(self, names: set[str]) -> tuple[int, int]:
+        """(parts a round sending ``names`` updates, parts the engine has - decoder layers and
+        top-level modules): a whole round updates every part."""
+        parts = set(self.manifest.parts())
+        return len(parts & self.manifest.parts_sent(_names_plan(names))), len(parts)

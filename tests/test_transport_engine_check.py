@@ -1,0 +1,73 @@
+"""A transport round is checked against the ENGINE MANIFEST, the in-process sink's source, and
+refused in the in-process sink's words: format first, then tensors (issue 30, items 6 and 7).
+
+The engine here is a stand-in vLLM ``ModelConfig`` (the tiny model's config, a block-FP8
+quantization_config, bfloat16): what ``qstrat.engine.transfer_backend.engine_expectations``
+reads in a worker. No checkpoint is involved: an engine started from a model id has none.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import qstrat.vllm
+from qstrat.driver import RefitDriver
+from qstrat.errors import PlanError, WireManifestMismatchError
+from qstrat.transport.engine_check import FORMAT_KEY, EngineExpectations
+from qstrat.transport.wire_manifest import wire_manifest_for_plan
+
+
+@pytest.fixture()
+def engine(tiny_model, tiny_hf_config, monkeypatch):
+    """EngineExpectations of a block-FP8 engine of the tiny model, from its model config alone."""
+    from qstrat.demo.tiny_model import TINY_QWEN3_MOE
+
+    monkeypatch.setattr(qstrat.vllm, "device_type", lambda: "cpu")
+    qc = RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tiny_model.state_dict()).vllm_quantization_config()
+    cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    hf = SimpleNamespace(quantization_config=qc, to_dict=lambda: dict(cfg))
+    mc = SimpleNamespace(hf_config=hf, dtype="bfloat16", multimodal_config=None)
+    return EngineExpectations(qstrat.vllm.model_config_manifest(mc), qstrat.vllm.quantization_config_of(hf))
+
+
+def round_of(driver, state, plan=None):
+    plan = plan or driver.plan(state)
+    return wire_manifest_for_plan(plan), {FORMAT_KEY: plan.vllm_quantization_config()}
+
+
+def test_a_whole_round_and_a_round_of_whole_layers_pass(engine, tiny_model, tiny_hf_config):
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    state = tiny_model.state_dict()
+    engine.check(*round_of(driver, state))
+    wm, info = round_of(driver, state, driver.plan(state).only_layers([1, 3]))
+    engine.check(wm, info)
+    assert engine.coverage({s.name for s in wm.slots}) == (2, 7)
+    assert engine.coverage({s.name for s in wire_manifest_for_plan(driver.plan(state)).slots}) == (7, 7)
+
+
+def test_another_format_is_refused_first_in_the_in_process_sinks_words(engine, tiny_model, tiny_hf_config):
+    mxfp8 = RefitDriver("mxfp8", hf_config=tiny_hf_config)
+    state = tiny_model.state_dict()
+    with pytest.raises(PlanError) as in_process:
+        qstrat.vllm.check_engine_format(mxfp8.plan(state), engine.engine_config)
+    with pytest.raises(WireManifestMismatchError) as transport:
+        engine.check(*round_of(mxfp8, state))
+    assert str(transport.value) == f"the round's format does not match the engine: {in_process.value}"
+    assert "weight_scale_inv" not in str(transport.value)  # the format, not a list of tensors
+
+
+def test_a_partly_sent_layer_is_refused_naming_the_tensors_as_the_in_process_sink_does(engine, tiny_model,
+                                                                                        tiny_hf_config):
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    state = tiny_model.state_dict()
+    plan = driver.plan(state)
+    half = plan.subset(lambda e: e in [e for e in plan.entries if e.layer == 0][:3])
+    from qstrat.engine_manifest import check_plan
+
+    with pytest.raises(PlanError) as in_process:
+        check_plan(half, engine.manifest, engine.manifest.parts_sent(half))
+    with pytest.raises(WireManifestMismatchError) as transport:
+        engine.check(*round_of(driver, state, half))
+    assert str(transport.value) == str(in_process.value)
+    assert "the refit does not match what the engine accepts" in str(transport.value)
