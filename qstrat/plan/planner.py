@@ -68,11 +68,6 @@ class Planner:
         self.rules = rules
         self.serializer = serializer
         self.hf_config = hf_config
-        # per-tensor memos (plans repeat a few formats and shapes): format name -> the factory's
-        # instance without options; id(part specs) -> (the specs, kept alive, and their outputs'
-        # (".suffix", shape, dtype name, bytes, suffix))
-        self._plain: dict[str, Serializer] = {}
-        self._cuts: dict[int, tuple[tuple[PartSpec, ...], list[tuple[str, tuple[int, ...], str, int, str]]]] = {}
 
     def num_layers(self, names: Any = ()) -> int | None:
         """Decoder depth from the HF config, else 1 + the largest decoder layer index in ``names``."""
@@ -169,11 +164,7 @@ class Planner:
             outs = (_output_tensor(p.checkpoint_name, shape, dname, tensor_nbytes(shape, dtype)),)
             return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, PASSTHROUGH,
                                {}, outs, None, "", p.vllm_module)
-        ser = self._plain.get(serializer) if not options else None
-        if ser is None:
-            ser = self.serializer(serializer, options)
-            if not options:
-                self._plain[serializer] = ser
+        ser = self.serializer(serializer, options)
         whole = self.layout.whole_slab_reason(p.projection, shape) if p.slab and ser.quantizes else None
         if whole:
             raise PlanError(f"{serializer} ({rule}): {whole}, so qstrat does not quantize them: keep them "
@@ -232,16 +223,10 @@ class Planner:
         """The outputs of one input: whole, a fused slab, or per expert (a slab cut into
         ``experts.{e}.{proj}``; ``ser``: the format, needed to tile each projection of a slab
         on its own when its rows are off the format's row tile, :func:`split_by_projection`)."""
-        if not p.slab:  # the common case (~46k times for DeepSeek-V3): no per-output arithmetic
+        if not p.slab:
             module = p.module
-            cut = self._cuts.get(id(specs))
-            if cut is None:
-                if len(self._cuts) >= 4096:
-                    self._cuts.clear()
-                cut = self._cuts[id(specs)] = (specs, [("." + s.suffix, s.shape, dtype_name(s.dtype), s.nbytes,
-                                                        s.suffix) for s in specs])
-            return tuple([_output_tensor(module + dot_suffix, shp, dname, nbytes, suffix)
-                          for dot_suffix, shp, dname, nbytes, suffix in cut[1]])
+            return tuple([_output_tensor(f"{module}.{s.suffix}", s.shape, dtype_name(s.dtype), s.nbytes, s.suffix)
+                          for s in specs])
 
         def out(name: str, spec: PartSpec, shp: tuple[int, ...], **kw: Any) -> OutputTensor:
             return _output_tensor(name, shp, dtype_name(spec.dtype), tensor_nbytes(shp, spec.dtype),
