@@ -107,12 +107,11 @@ def emulated_linear(kernel: Any, layer: torch.nn.Module, x: torch.Tensor,
     weight float8_e4m3fn [N, K] and tile scales in checkpoint layout): ``x`` [..., K] (bf16/fp32)
     times the dequantized weight, in fp32, plus ``bias`` [N] (any float dtype); returns
     [..., N] in ``x``'s dtype."""
-    params = kernel._get_layer_params(layer)
     block = (kernel.weight_group_shape.row, kernel.weight_group_shape.col)
-    # Fp8LinearMethod's weight_scale_inv, else compressed-tensors' weight_scale (what vLLM
-    # 0.30+'s FP8BlockParams.block_scale returns; 0.27-0.29 lack that property)
-    scale = params.weight_scale_inv if params.weight_scale_inv is not None else params.weight_scale
-    w = dequantize_block_fp8(params.weight, scale, block)
+    # the layer's own parameters, named as in the checkpoint (what reload_weights copies into):
+    # Fp8LinearMethod's weight_scale_inv, else compressed-tensors' weight_scale
+    scale = getattr(layer, "weight_scale_inv", None)
+    w = dequantize_block_fp8(layer.weight, scale if scale is not None else layer.weight_scale, block)
     out = x.reshape(-1, x.shape[-1]).float() @ w.t()
     if bias is not None:
         out = out + bias.float()
