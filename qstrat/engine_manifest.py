@@ -301,8 +301,9 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
             if unbuilt and name.startswith(tuple(unbuilt)):
                 dropped[name] = ManifestTensor(name, tuple(shape), engine_dtype, "")
                 continue
-            owner = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
-            unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, owner) or p.module)
+            # a bias belongs to its weight's fused unit (q/k/v biases load with qkv_proj)
+            weight = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
+            unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, weight) or p.module)
             form = ("fused" if slab_form else "per_expert") if p.kind == "expert" else ""
             matrix = p.kind in quantizable and is_weight_matrix(p, len(shape))
             quantized = fmt is not None and matrix and not ignored[p.vllm_module]

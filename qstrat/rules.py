@@ -75,7 +75,7 @@ class CompiledRule:
         self.include = [NamePattern(t) for t in rule.include]
         self.exclude = [NamePattern(t) for t in rule.exclude]
 
-    def matches(self, p: ParsedName) -> bool:
+    def selects(self, p: ParsedName) -> bool:
         """Selectors (any) AND include (any, if given) AND NOT exclude (any)."""
         # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
         # them (``special=True``): a third-party selector cannot quantize a router by accident.
@@ -127,7 +127,7 @@ class RuleSet:
             which = "first" if p.layer is not None and p.layer < keep.first else "last"
             return "bf16", {}, f"keep_bf16.{which}"
         for rule in self.rules:
-            if rule.matches(p):
+            if rule.selects(p):
                 return rule.rule.serializer, dict(rule.rule.options), rule.label
         if p.kind in QUANTIZABLE_KINDS:
             return self.config.default, {}, "default"
