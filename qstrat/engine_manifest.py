@@ -40,7 +40,8 @@ from qstrat.engine_ignore import ignore_entries, quantizes_lm_head, unquantized_
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
 from qstrat.plan.data import RefitPlan, natural_key
-from qstrat.plan.planner import FLOAT_INPUTS, fusion_group, fused_name
+from qstrat.plan.outputs import fused_name, fusion_group
+from qstrat.plan.planner import FLOAT_INPUTS
 from qstrat.registry import Registry
 from qstrat.rules import is_weight_matrix
 from qstrat.serializers.base import Serializer, dtype_name

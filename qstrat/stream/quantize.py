@@ -16,7 +16,7 @@ import torch
 
 from qstrat.errors import NonFiniteError
 from qstrat.plan.data import PASSTHROUGH, PlanEntry, RefitPlan
-from qstrat.plan.planner import projection_shape, split_by_projection
+from qstrat.plan.outputs import projection_shape, split_by_projection
 from qstrat.serializers.base import Serializer, check_finite
 from qstrat.stream.batches import ExpertBatcher, unalias
 from qstrat.stream.groups import GroupContexts
@@ -79,7 +79,7 @@ class EntryQuantizer:
         k = projection_split(e, ser)
         if not k:
             return ser.quantize(w, name=e.name, context=ctx, values_checked=checked)
-        # a slab whose projections are tiled on their own (planner.split_by_projection)
+        # a slab whose projections are tiled on their own (qstrat.plan.outputs.split_by_projection)
         parts = ser.quantize(w.reshape(projection_shape(tuple(w.shape), k)), name=e.name, context=ctx,
                              values_checked=checked)
         return {n: v.reshape(w.shape[0], k * v.shape[1], *v.shape[2:]) for n, v in parts.items()}
@@ -104,7 +104,7 @@ class EntryQuantizer:
 
 
 def projection_split(e: PlanEntry, ser: Serializer) -> int:
-    """For a grouped slab the plan tiles per projection (:func:`~qstrat.plan.planner.split_by_projection`),
+    """For a grouped slab the plan tiles per projection (:func:`~qstrat.plan.outputs.split_by_projection`),
     the number of projections it stacks; else 0."""
     if e.expert is not None or len(e.shape) != 3 or not e.outputs or e.outputs[0].row_parts < 2:
         return 0
