@@ -30,7 +30,7 @@ from qstrat.config import RefitConfig, load_config
 from qstrat.errors import PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict, materialize
 from qstrat.layouts import ModelLayout, detect_layout
-from qstrat.plan.data import PASSTHROUGH, RefitPlan
+from qstrat.plan.data import PASSTHROUGH, RefitPlan, gc_paused
 from qstrat.plan.planner import Planner
 from qstrat.prepare import PreparedRefit, SinkCheck, ValuesWhen, prepare
 from qstrat.registry import Registry, get_registry
@@ -141,11 +141,12 @@ class RefitDriver:
         Raises: PlanError listing every problem found (not only the first).
         """
         tensors = as_tensor_dict(named_tensors)
-        key = PlanCache.metadata_key(tensors, self.hf_config)
-        plan = self.plan_cache.get(key)
-        if plan is None:
-            plan = self.planner.plan(tensors)
-            self.plan_cache.put(key, plan)
+        with gc_paused():  # the key allocates a tuple per input: no collector passes over the kept plan
+            key = PlanCache.metadata_key(tensors, self.hf_config)
+            plan = self.plan_cache.get(key)
+            if plan is None:
+                plan = self.planner.plan(tensors)
+                self.plan_cache.put(key, plan)
         return plan
 
     # ---- run ------------------------------------------------------------------------------
