@@ -14,7 +14,8 @@ the median wall time of ``reps`` runs after one warm-up (the minimum is kept too
   quantizer's outputs) and into a buffer allocated once (bandwidth alone).
   Ratios: peer time / qstrat time (> 1: qstrat faster) and qstrat time / copy time.
 - ``grouped``: one call on an [E, N, K] slab vs a Python loop of per-expert calls (loop / call).
-- ``plan``: ``RefitDriver.plan`` and the wire order of a config-only model (meta tensors).
+- ``plan``: ``RefitDriver.plan`` of config-only models (meta tensors), cold (a new driver) and
+  warm (the driver's kept plan, what each training step's refit pays), and the wire order.
 - ``driver``: ``RefitDriver.run`` over one MoE decoder layer vs the same serializer calls made
   directly (overhead = run / direct - 1).
 
@@ -54,15 +55,18 @@ SIZES = {
         "grouped": [(8, 128, 256), (2, 256, 512)],
         "driver_experts": 2,
         "driver_dims": (256, 128, 2, 1),
-        "plan_overrides": {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 8,
-                           "num_nextn_predict_layers": 0},
+        "plan_overrides": {"deepseek-v3": {"num_hidden_layers": 2, "first_k_dense_replace": 1,
+                                           "n_routed_experts": 8, "num_nextn_predict_layers": 0},
+                           "qwen3-235b-a22b": {"num_hidden_layers": 2, "num_experts": 8}},
         "reps": 2,
     },
 }
 #: The ``impl`` of the row that stands for the peer column of a format that declares none.
 NO_PEER = "peer"
-#: The model planned by the ``plan`` section (DeepSeek-V3: ~46k tensors per-expert).
-PLAN_MODEL = Path(__file__).resolve().parent.parent / "examples" / "models" / "deepseek-v3"
+#: The models planned by the ``plan`` section (per-expert names: DeepSeek-V3 ~46k tensors,
+#: Qwen3-235B-A22B ~37k).
+PLAN_MODELS = tuple(Path(__file__).resolve().parent.parent / "examples" / "models" / m
+                    for m in ("deepseek-v3", "qwen3-235b-a22b"))
 
 
 @dataclass
@@ -261,8 +265,11 @@ def bench_grouped(shapes: Iterable[tuple[int, int, int]], reps: int,
 
 def bench_plan(model_dir: Path, reps: int, preset: str = "block-fp8",
                overrides: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """``RefitDriver.plan`` (and the wire order) of a config-only model's meta tensors
-    (``overrides``: config.json keys replaced, e.g. fewer layers for a quick run)."""
+    """Planning a config-only model's meta tensors (``overrides``: config.json keys replaced, e.g.
+    fewer layers for a quick run): ``plan (cold)`` - a new driver's first plan (no kept plan);
+    ``plan (warm)`` - the same driver planning the same metadata again, what a refit pays every
+    training step (:class:`qstrat.driver.PlanCache`: the metadata key read and compared);
+    ``wire order`` - the plan's output order."""
     from qstrat.driver import RefitDriver
     from qstrat.skeleton import model_tensors
 
@@ -271,10 +278,11 @@ def bench_plan(model_dir: Path, reps: int, preset: str = "block-fp8",
     tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta")
                for n, s in model_tensors(driver.layout, hf)}
     plan = driver.plan(tensors)
-    t = time_interleaved({"plan": lambda: driver.plan(tensors), "wire order": plan.wire_order}, reps)
+    t = time_interleaved({"plan (cold)": lambda: RefitDriver({"preset": preset}, hf_config=hf).plan(tensors),
+                          "plan (warm)": lambda: driver.plan(tensors), "wire order": plan.wire_order}, reps)
     case = f"{model_dir.name} ({len(tensors)} tensors, {len(plan.outputs())} outputs, {preset})"
     return [_row("plan", case, impl, tt, tensors=len(tensors),
-                 us_per_tensor=round(tt.median_ms * 1e3 / len(tensors), 2)) for impl, tt in t.items()]
+                 us_per_tensor=round(tt.median_ms * 1e3 / len(tensors), 3)) for impl, tt in t.items()]
 
 
 #: Qwen3-30B-A3B widths: hidden, expert intermediate, q heads, kv heads (of 128).
@@ -425,7 +433,8 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
     runs = {
         "formats": lambda: bench_formats(size["formats"], reps),
         "grouped": lambda: bench_grouped(grouped, reps),
-        "plan": lambda: bench_plan(PLAN_MODEL, reps, overrides=size.get("plan_overrides")),
+        "plan": lambda: [row for model in PLAN_MODELS for row in
+                         bench_plan(model, reps, overrides=size.get("plan_overrides", {}).get(model.name))],
         "driver": lambda: bench_driver(min(size["driver_experts"], cap), reps,
                                        dims=size.get("driver_dims", QWEN3_30B_A3B)),
     }
@@ -459,7 +468,7 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         "formats": ("format", "impl", "ms", "ms_min", "speedup_vs_this", "qstrat_over_copy",
                     "bytes_equal_reference"),
         "grouped": ("format", "case", "impl", "ms", "ms_min", "loop_over_grouped"),
-        "plan": ("impl", "ms", "ms_min", "us_per_tensor"),
+        "plan": ("case", "impl", "ms", "ms_min", "us_per_tensor"),
         "driver": ("impl", "ms", "ms_min", "overhead"),
     }
     headers = {"speedup_vs_this": "its ms / qstrat ms", "qstrat_over_copy": "qstrat ms / its ms",

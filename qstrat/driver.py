@@ -4,7 +4,10 @@
 
 1. :meth:`RefitDriver.plan` - parse names (:mod:`qstrat.layouts`), decide (:mod:`qstrat.rules`),
    declare every output and check the whole plan (:mod:`qstrat.plan.planner`); raises
-   :class:`~qstrat.errors.PlanError` before any quantization.
+   :class:`~qstrat.errors.PlanError` before any quantization. A plan is a pure function of the
+   inputs' metadata and the driver's configs, so the driver keeps the last one it made and
+   returns it again for the same metadata (:class:`PlanCache`): a refit every training step
+   plans once.
 2. :meth:`RefitDriver.prepare` - everything that runs before the first byte, in one order
    (:data:`qstrat.prepare.STEPS`: plan, the sink's own checks, backends, values).
 3. :meth:`RefitDriver.execute` - quantize each input once (a grouped expert slab, or a batch of
@@ -18,6 +21,7 @@ stream consumed once; every sink (:mod:`qstrat.vllm`, :mod:`qstrat.checkpoint`,
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -26,7 +30,7 @@ from qstrat.config import RefitConfig, load_config
 from qstrat.errors import PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict, materialize
 from qstrat.layouts import ModelLayout, detect_layout
-from qstrat.plan.data import PASSTHROUGH, RefitPlan
+from qstrat.plan.data import PASSTHROUGH, RefitPlan, gc_paused
 from qstrat.plan.planner import Planner
 from qstrat.prepare import PreparedRefit, SinkCheck, ValuesWhen, prepare
 from qstrat.registry import Registry, get_registry
@@ -34,8 +38,47 @@ from qstrat.rules import Decision, RuleSet
 from qstrat.serializers.base import Serializer
 from qstrat.stream import check_passthrough, cut_output, execute
 
-__all__ = ["Decision", "NamedTensors", "PreparedRefit", "RefitDriver", "SinkCheck", "check_passthrough",
-           "cut_output"]
+__all__ = ["Decision", "NamedTensors", "PlanCache", "PreparedRefit", "RefitDriver", "SinkCheck",
+           "check_passthrough", "cut_output"]
+
+#: ``tensor -> (shape, dtype)``: what a plan reads of each input.
+_SHAPE_DTYPE = attrgetter("shape", "dtype")
+
+
+class PlanCache:
+    """The last plan a driver made, and the metadata it was made from.
+
+    The invalidation rule: the plan is reused exactly when the inputs' metadata key equals the
+    one it was planned from - the names in the producer's order, each input's shape and dtype,
+    and the ``hf_config`` as it reads now (``repr``); the refit config is the driver's, fixed at
+    construction. Anything else (a renamed, added, dropped, reordered, reshaped or recast input,
+    an edited ``hf_config``) re-plans and replaces the entry. A plan that fails is not kept
+    (every call raises its own PlanError). One entry: a trainer refits one model. The key holds
+    each input's ``.shape`` object as given: tensors and qstrat's handles give an immutable
+    ``torch.Size``; a handle whose shape is a list changed in place would go unnoticed.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.plan: RefitPlan | None = None
+
+    @staticmethod
+    def metadata_key(tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> tuple[Any, ...]:
+        """``(names, (shape, dtype) per input, repr(hf_config))``: compared with ``==`` (exact:
+        no hash collisions). Reads ``.shape`` and ``.dtype`` of each value, no data."""
+        return tuple(tensors), tuple(map(_SHAPE_DTYPE, tensors.values())), repr(hf_config)
+
+    def get(self, key: tuple[Any, ...]) -> RefitPlan | None:
+        """The kept plan if ``key`` equals its key, else None."""
+        return self.plan if self.plan is not None and self.key == key else None
+
+    def put(self, key: tuple[Any, ...], plan: RefitPlan) -> None:
+        """Keep ``plan`` (made from ``key``), replacing the previous entry."""
+        self.key, self.plan = key, plan
+
+    def clear(self) -> None:
+        """Drop the kept plan (the next :meth:`RefitDriver.plan` plans)."""
+        self.key = self.plan = None
 
 
 class RefitDriver:
@@ -60,6 +103,7 @@ class RefitDriver:
         self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.hf_config)
         self.rules = RuleSet(self.config, self.registry)
         self.planner = Planner(self.config, self.layout, self.rules, self.serializer, self.hf_config)
+        self.plan_cache = PlanCache()
         self._serializers: dict[tuple[str, Any], Serializer] = {}
 
     # ---- decisions and plan ---------------------------------------------------------------
@@ -91,10 +135,19 @@ class RefitDriver:
         Args:
             named_tensors: mapping or iterable of (HF name, tensor); tensors may be on any
                 device, or ``meta`` (only ``.shape`` and ``.dtype`` are read).
-        Returns: the :class:`RefitPlan` in wire order.
+        Returns: the :class:`RefitPlan` in wire order: the same object as the previous call's
+            when the metadata is the same (:class:`PlanCache` states the rule; read it, do not
+            change it: derive a partial plan with ``subset`` / ``only_layers``).
         Raises: PlanError listing every problem found (not only the first).
         """
-        return self.planner.plan(as_tensor_dict(named_tensors))
+        tensors = as_tensor_dict(named_tensors)
+        with gc_paused():  # the key allocates a tuple per input: no collector passes over the kept plan
+            key = PlanCache.metadata_key(tensors, self.hf_config)
+            plan = self.plan_cache.get(key)
+            if plan is None:
+                plan = self.planner.plan(tensors)
+                self.plan_cache.put(key, plan)
+        return plan
 
     # ---- run ------------------------------------------------------------------------------
     def run(self, named_tensors: NamedTensors, plan: RefitPlan | None = None,

@@ -40,7 +40,8 @@ from qstrat.engine_ignore import ignore_entries, quantizes_lm_head, unquantized_
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
 from qstrat.plan.data import RefitPlan, natural_key
-from qstrat.plan.planner import FLOAT_INPUTS, fusion_group, fused_name
+from qstrat.plan.outputs import fused_name, fusion_group
+from qstrat.plan.planner import FLOAT_INPUTS
 from qstrat.registry import Registry
 from qstrat.rules import is_weight_matrix
 from qstrat.serializers.base import Serializer, dtype_name
@@ -312,8 +313,9 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
             if unbuilt and name.startswith(tuple(unbuilt)):
                 dropped[name] = ManifestTensor(name, tuple(shape), engine_dtype, "")
                 continue
-            owner = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
-            unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, owner) or p.module)
+            # a bias belongs to its weight's fused unit (q/k/v biases load with qkv_proj)
+            weight = layout.parse(f"{p.module}.weight", num_layers) if p.param == "bias" else p
+            unit = p.vllm_module if p.kind == "expert" else (fusion_group(layout, weight) or p.module)
             form = ("fused" if slab_form else "per_expert") if p.kind == "expert" else ""
             matrix = p.kind in quantizable and is_weight_matrix(p, len(shape))
             quantized = fmt is not None and matrix and not ignored[p.vllm_module]

@@ -1,22 +1,20 @@
 """Fast construction of frozen, slotted dataclasses on hot paths (the planner's per-tensor objects).
 
 A ``@dataclass(frozen=True, slots=True)`` instance is built by an ``__init__`` that assigns each
-field through ``object.__setattr__`` (the class's own ``__setattr__`` refuses assignment): about
-1 us for a 13-field :class:`~qstrat.plan.data.PlanEntry` on the 2-core EPYC VM of
-docs/performance.md, against 0.15 us for the same fields on a plain slotted dataclass. Planning
-DeepSeek-V3 builds ~180k such objects (a ParsedName, a PlanEntry and two OutputTensors per
-tensor), which made object construction the largest single cost of a plan.
+field through ``object.__setattr__`` (the class's own ``__setattr__`` refuses assignment), which
+made object construction the largest single cost of a plan (docs/performance.md, "Why the code does it this way").
 
 :func:`fast_builder` returns a class that builds the SAME object faster: a twin class - plain
 slots, the same fields in the same order, the same defaults and ``__post_init__`` - whose
-``__init__`` assigns each field directly, then re-labels the instance as the frozen class (``obj.__class__ = cls``: allowed because both
-classes have the same slots in the same order, so the same memory layout). The result is an
-instance of ``cls`` whose fields are those ``cls(*args)`` would hold: equal, with the same hash,
-and frozen (assigning a field raises ``FrozenInstanceError``). ~0.3 us for 13 fields.
+``__init__`` assigns each field directly, then re-labels the instance as the frozen class
+(``obj.__class__ = cls``: allowed because both classes have the same slots in the same order, so
+the same memory layout). The result is an instance of ``cls`` whose fields are those
+``cls(*args)`` would hold: equal, with the same hash, and frozen (assigning a field raises
+``FrozenInstanceError``).
 
 The twin's ``__init__`` is generated from the fields, as :mod:`dataclasses` generates the
-class's own (a wrapper function around a dataclass twin cost another ~0.15 us per object).
-Keyword arguments, defaults and ``default_factory`` work as in the class's own ``__init__``.
+class's own. Keyword arguments, defaults and ``default_factory`` work as in the class's own
+``__init__``.
 """
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ class CompiledRule:
                               f"bool, got {type(hit).__name__} on {p.name}")
         return hit
 
-    def matches(self, p: ParsedName) -> bool:
+    def selects(self, p: ParsedName) -> bool:
         """Selectors (any) AND include (any, if given) AND NOT exclude (any); patterns are
         matched against ``p.checkpoint_name``."""
         # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
@@ -153,7 +153,7 @@ class RuleSet:
             if p.kind in QUANTIZABLE_KINDS:
                 return "bf16", {}, f"keep_bf16.{which}"
         for rule in self.rules:
-            if rule.matches(p):
+            if rule.selects(p):
                 if kept:  # a special kind (router...) a rule opted in: the kept layer wins
                     return PASSTHROUGH, {}, f"keep_bf16.{which}"
                 return rule.rule.serializer, dict(rule.rule.options), rule.label

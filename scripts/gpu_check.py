@@ -348,14 +348,14 @@ def targets(results: list[dict]) -> list[dict]:
     for fmt in dict.fromkeys(r["format"] for r in results):
         rows = {(tuple(r["shape"]), r["impl"]): r for r in results if r["format"] == fmt and r["ms"]}
         shapes = list(dict.fromkeys(sh for sh, _ in rows))  # the report's order (ties: first)
-        big = max(shapes, key=lambda sh: sh[0] * sh[1] * sh[2])
+        largest = max(shapes, key=lambda sh: sh[0] * sh[1] * sh[2])
         small = min((sh for sh in shapes if sh[0] > 1), key=lambda sh: sh[1] * sh[2], default=None)
-        launch = rows.get((big, "kernel, 1 launch"))
+        launch = rows.get((largest, "kernel, 1 launch"))
         pct = launch["pct_of_copy"] if launch else None
         ratio = None
         if small is not None and (small, "kernel, 1 launch") in rows and (small, "kernel, per-expert loop") in rows:
             ratio = rows[(small, "kernel, per-expert loop")]["ms"] / rows[(small, "kernel, 1 launch")]["ms"]
-        out.append({"format": fmt, "large_slab": list(big), "pct_of_copy": pct,
+        out.append({"format": fmt, "large_slab": list(largest), "pct_of_copy": pct,
                     "pct_target": TARGET_PCT_OF_COPY,
                     "pct_met": None if pct is None else pct >= TARGET_PCT_OF_COPY,
                     "small_slab": None if small is None else list(small),

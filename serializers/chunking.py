@@ -25,11 +25,9 @@ import torch.nn.functional as F
 from qstrat.errors import ConfigError
 
 #: Default chunk size (weight elements), whatever the machine reports about its caches.
-#: Chosen from measurement, not derived from the last-level cache size the OS reports: on a 2-core
-#: AMD EPYC (32 MiB L3) 0.5-1 M elements are fastest for every format and shape of ``qstrat bench``
-#: and 8-10 M are 2-3x slower; on a 2-core Intel Xeon VM whose sysfs reports a 300 MiB L3, the
-#: former rule (L3 / 4 / 8 bytes = 9.8 M elements) ran at a third of the speed of 1 M
-#: (docs/performance.md, "Chunk size"; ``scripts/chunk_sweep.py`` reproduces the sweep).
+#: Chosen from measurement on both CPU kinds, not derived from the last-level cache size the OS
+#: reports (a VM may report its host's): docs/performance.md, "Chunk size";
+#: ``scripts/chunk_sweep.py`` reproduces the sweep.
 DEFAULT_CHUNK_ELEMENTS = 1 << 20
 #: Environment variable overriding :data:`DEFAULT_CHUNK_ELEMENTS` (an integer >= 1).
 CHUNK_ENV = "QSTRAT_CHUNK_ELEMENTS"
@@ -146,9 +144,8 @@ def block_max(a: torch.Tensor) -> torch.Tensor:
 
     Same values as ``a.amax(-1)`` (max is exact in any order; NaN propagates through
     ``max_pool1d`` and ``amax`` alike, tests/test_fast_path.py), but torch's inner-dim reduction
-    is slow for 16-element rows: measured on one EPYC core, 1 M fp32 elements, ``amax(-1)`` over
-    16-blocks 0.9 ms, pairwise ``torch.maximum`` halving 0.42 ms, ``max_pool1d`` over whole rows
-    0.27 ms; over 32-blocks ``amax(-1)`` is fastest (0.15 ms vs 0.27 ms), over 128-blocks 0.07 ms.
+    is slow for 16-element rows, where ``max_pool1d`` over whole rows is fastest; from 32-element
+    blocks on ``amax(-1)`` is (docs/performance.md, "Why the code does it this way").
 
     Args: a: float tensor [..., m, B], contiguous in its last two dims (a chunk of rows cut into
         blocks). Returns: tensor [..., m] of a's dtype.
@@ -171,7 +168,7 @@ def chunk_pool(workers: int) -> ThreadPoolExecutor:
     The fast paths spread chunks over these threads (torch releases the GIL inside ops) instead
     of letting every op fork and join torch's OpenMP team: on 2 cores a quantize call is ~100-600
     small ops, and each fork/join waits for the slowest thread, so one descheduled thread on a
-    busy machine stalls every op (measured: 10-30x slower at load 10). Here a descheduled worker
+    busy machine stalls every op (docs/performance.md, "Why the code does it this way"). Here a descheduled worker
     delays only its chunk, and the other takes the next one.
 
     Each worker initializes torch's per-thread settings, then sets its own intra-op threads to

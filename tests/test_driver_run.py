@@ -179,3 +179,59 @@ def test_meta_tensors_cannot_run(tiny_hf_config):
     t = {"model.layers.0.self_attn.q_proj.weight": torch.empty(128, 256, device="meta")}
     with pytest.raises(qstrat.PlanError, match=r"q_proj\.weight: is a meta tensor"):
         list(RefitDriver("block-fp8", hf_config=tiny_hf_config).run(t))
+
+
+# ---- the plan cache (RefitDriver.plan_cache): one plan per metadata ----------------------------
+def _meta(state):
+    return {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in state.items()}
+
+
+def test_the_same_metadata_gets_the_same_plan_object(tiny_model, tiny_hf_config):
+    state = tiny_model.state_dict()
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan = driver.plan(state)
+    assert driver.plan(state) is plan
+    assert driver.plan(_meta(state)) is plan  # values are not metadata: meta copies plan alike
+    assert driver.plan(list(state.items())) is plan
+    assert driver.prepare(state).plan is plan  # every sink's plan step (vllm.refit, TRL's sync, transport)
+    assert plan.to_json() == RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(state).to_json()
+
+
+def _renamed(state):
+    first = next(iter(state))
+    return {("module." + n if n == first else n): t for n, t in state.items()}
+
+
+@pytest.mark.parametrize("change", ["rename", "drop", "reorder", "reshape", "recast", "hf_config"])
+def test_changed_metadata_plans_again(tiny_model, tiny_hf_config, change):
+    state = _meta(tiny_model.state_dict())
+    driver = RefitDriver({"preset": "block-fp8", "wire_order": "producer"}, hf_config=tiny_hf_config)
+    plan = driver.plan(state)
+    name = "model.layers.1.mlp.experts.down_proj"
+    changed = {
+        "rename": lambda: _renamed(state),
+        "drop": lambda: {n: t for n, t in state.items() if n != "model.norm.weight"},
+        "reorder": lambda: dict(reversed(list(state.items()))),
+        "reshape": lambda: {**state, name: torch.empty(state[name].shape[0], 128, 256, dtype=torch.bfloat16,
+                                                       device="meta")},
+        "recast": lambda: {**state, "model.norm.weight": state["model.norm.weight"].float()},
+        "hf_config": lambda: state,
+    }[change]()
+    if change == "hf_config":
+        driver.hf_config["tie_word_embeddings"] = not driver.hf_config.get("tie_word_embeddings", False)
+    again = driver.plan(changed)
+    assert again is not plan
+    fresh = RefitDriver({"preset": "block-fp8", "wire_order": "producer"}, hf_config=driver.hf_config)
+    assert again.to_json() == fresh.plan(changed).to_json()
+    assert driver.plan(changed) is again
+
+
+def test_a_failed_plan_is_not_kept(tiny_model, tiny_hf_config):
+    state = _meta(tiny_model.state_dict())
+    bad = {**state, "model.norm.weight": torch.empty(64, dtype=torch.int64, device="meta")}
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan = driver.plan(state)
+    for _ in range(2):  # each call raises its own error, the kept plan stays the good one
+        with pytest.raises(qstrat.PlanError, match=r"model\.norm\.weight: .*needs a bfloat16/float16/float32"):
+            driver.plan(bad)
+        assert driver.plan(state) is plan

@@ -130,19 +130,21 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     if resolver.vllm_version() == "0.32.0":
         assert vllms == ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]
     fp8_block = [k.__name__ for k in before["fp8_block"]]
-    fp8_moe = [c.__name__ for c in fp8.backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)]
+    def fp8_moe():  # vLLM's own resolver raises for EMULATION (block FP8's MoE not wrapped, AMX)
+        return [c.__name__ for c in fp8.backend_to_kernel_cls(fp8.Fp8MoeBackend.EMULATION)]
+
     if placement == mode.ONLY:  # a CPU without AMX
         assert fp8_block == [*vllms, "EmulatedCPUFp8BlockScaledMMKernel"], "vLLM's AMX kernels stay first"
-        assert fp8_moe == ["EmulatedCPUExpertsFp8"]
+        assert fp8_moe() == ["EmulatedCPUExpertsFp8"]
         assert fp8._get_priority_backends(None, None, None)[-1] == fp8.Fp8MoeBackend.EMULATION
     elif placement == mode.FIRST:  # QSTRAT_VLLM_EMULATION=force
         assert fp8_block == ["EmulatedCPUFp8BlockScaledMMKernel", *vllms]
-        assert fp8_moe == ["EmulatedCPUExpertsFp8"]
+        assert fp8_moe() == ["EmulatedCPUExpertsFp8"]
         assert fp8._get_priority_backends(None, None, None)[0] == fp8.Fp8MoeBackend.EMULATION
     else:  # a CPU with AMX: vLLM's kernels, qstrat's only for linear layers with a bias
         at = vllms.index(resolve("cpu_fp8_block_linear_kernel").__name__)
         assert fp8_block == [*vllms[:at], "QstratBiasAwareCPUFp8BlockScaledMMKernel", *vllms[at:]]
-        assert fp8_moe != ["EmulatedCPUExpertsFp8"]
+        assert not getattr(fp8.backend_to_kernel_cls, "_qstrat_emulation", False)
         assert not getattr(fp8._get_priority_backends, "_qstrat_emulation", False)
     assert [k.__name__ for k in before["mxfp8"]] == ["QstratEmulationMxfp8LinearKernel"]
     assert [k.__name__ for k in before["nvfp4"]] == ["QstratEmulationNvFp4LinearKernel"]
@@ -274,6 +276,39 @@ def test_bias_kernel_emulates_biased_layers_and_leaves_the_others_to_vllms_amx_k
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16).reshape(2, 3, 300))
     assert kernel.apply_weights(plain, x) == "vllm"
     assert calls == [("vllm process", "plain"), ("vllm apply", "plain")]
+
+
+def test_a_failure_installing_the_second_format_undoes_the_first(emulation, monkeypatch, caplog):
+    """Issue 30: vLLM's register_linear_kernel raising while the MXFP8 emulation installs (after
+    block FP8 installed its kernels) must not escape the plugin - vLLM would then stop every
+    engine, BF16 ones included - nor leave block FP8 installed. Fresh registries stand in for
+    vLLM's (:func:`_fake_block_fp8_hooks`), so vLLM's own are never touched."""
+    import types
+
+    from qstrat.engine.emulation import modular_on_cpu, mxfp8
+
+    block = _fake_block_fp8_hooks()
+    vllms = list(block["linear_kernels"][block["cpu"]])
+
+    def refuse(cls, platform, kernel_type):
+        raise RuntimeError(f"register_linear_kernel refused {kernel_type}")
+
+    mx = {**mxfp8.hooks(), "register_linear_kernel": refuse, "oracle": types.SimpleNamespace(),
+          "to_cls": lambda b: [f"vllm's {b}"]}
+    monkeypatch.setenv("QSTRAT_VLLM_EMULATION", "force")  # block FP8: linear kernel AND MoE oracle
+    monkeypatch.setattr(emulation, "needed_formats", lambda: (("block_fp8", "mxfp8"), "test CPU"))
+    monkeypatch.setattr(emulation, "check", lambda names=None, registry=None: {"block_fp8": block, "mxfp8": mx})
+    monkeypatch.setattr(modular_on_cpu, "hooks", lambda: {})
+    monkeypatch.setattr(emulation, "_status", emulation.Status())
+    with caplog.at_level("ERROR", logger="vllm.plugins.qstrat"):
+        emulation.register()  # must not raise
+    status = emulation.status()
+    assert status.active == ()
+    assert "RuntimeError: register_linear_kernel refused mxfp8" in status.error
+    assert "nothing left installed" in status.error and "NOT registered" in caplog.text
+    assert block["linear_kernels"][block["cpu"]] == vllms  # block FP8's kernel taken back out
+    assert vars(block["oracle"]) == {}  # its MoE priority and resolver wrappers too
+    assert vars(mx["oracle"]) == {}
 
 
 def test_other_vllm_missing_a_name_registers_nothing_and_says_what(emulation, monkeypatch, caplog):

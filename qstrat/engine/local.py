@@ -112,9 +112,8 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless already set. A fixed count makes identical
             greedy calls give identical logprobs (under vLLM's default binding, multiprocess
             engines differed by up to 0.015 between identical calls), and one thread is the
-            fastest for the small models this helper is for on a shared machine (the MXFP8
-            demo: 22.8 s instead of 55.6 s, a warm generate 0.12 s instead of 5.53 s, measured
-            on 2 loaded cores). ``None``: vLLM's defaults (a thread per core, bound by NUMA node).
+            fastest for the small models this helper is for on a shared machine
+            (docs/performance.md, "Why the code does it this way"). ``None``: vLLM's defaults (a thread per core, bound by NUMA node).
         check_built: check the started engine before returning it (:func:`started_checked`: vLLM
             built every module in the format its checkpoint's ``quantization_config`` says; a
             refused engine is released). False: return it unchecked (to inspect a misbuilt engine).

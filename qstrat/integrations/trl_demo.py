@@ -199,22 +199,22 @@ def main(argv: list[str] | None = None) -> int:
             release(trainer.vllm_generation.llm)
             fresh = [fresh_engine_greedy(opts.strategy, cfg, r.weights, work / f"fresh{i}")
                      for i, r in enumerate(probe.records)]
-        ok = True
+        all_equal = True
         for record, want in zip(probe.records, fresh):
-            same = [g.tokens for g in record.engine] == [w.tokens for w in want] and \
+            equal = [g.tokens for g in record.engine] == [w.tokens for w in want] and \
                    [g.logprobs for g in record.engine] == [w.logprobs for w in want]
             d = max((abs(a - b) for g, w in zip(record.engine, want) for a, b in zip(g.logprobs, w.logprobs)),
                     default=0.0)
-            ok &= same
+            all_equal &= equal
             r = record.report
             say(f"after step {record.step}: refit {r.tensors} tensors, {r.bytes / 2**20:.2f} MiB, {r.seconds:.2f} s; "
-                f"engine {'==' if same else '!='} fresh engine on the trainer's weights (max |dlogprob| {d:.3g})")
+                f"engine {'==' if equal else '!='} fresh engine on the trainer's weights (max |dlogprob| {d:.3g})")
         for h in history:
             keys = ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean",
                     "qstrat/refit/seconds")
             say(f"step {h['step']} logs: " + ", ".join(f"{k} {h[k]:.4g}" for k in keys if k in h))
-        say(f"{'OK' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s")
-    return 0 if ok else 1
+        say(f"{'OK' if all_equal else 'FAILED'} in {time.perf_counter() - start:.0f} s")
+    return 0 if all_equal else 1
 
 
 if __name__ == "__main__":

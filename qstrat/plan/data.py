@@ -219,10 +219,9 @@ class RefitPlan:
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (restored after, if it was on).
 
-    Planning allocates ~5 long-lived objects per tensor (230k for DeepSeek-V3) and no cycles;
-    the collector would rescan them again and again (~20-40% of planning and wire-order time).
-    Re-enabled, it would still scan them all once, at the next allocation (~10% of a plan: all
-    are in its youngest generation); so they are moved to the oldest generation first, unscanned
+    Planning allocates ~5 long-lived, acyclic objects per tensor (230k for DeepSeek-V3); the
+    collector would rescan them again and again, and, re-enabled, scan them all once more at the
+    next allocation (docs/performance.md, "Why the code does it this way"). So on exit they are moved to the oldest generation unscanned
     (``gc.freeze()`` then ``gc.unfreeze()``: two list splices), as surviving two young
     collections would have moved them. Other young objects of the process move with them (their
     cycles, if any, are collected at the next full collection instead of a young one). Skipped

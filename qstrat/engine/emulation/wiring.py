@@ -1,4 +1,5 @@
-"""How the emulated kernels are put into vLLM: the two patterns every format uses.
+"""How the emulated kernels are put into vLLM: the two patterns every format uses, and the journal
+that takes an interrupted installation back out.
 
 * :func:`register_cpu_linear_kernel`: a linear kernel class appended to vLLM's CPU candidates
   through the public ``kernels.linear.register_linear_kernel`` (vLLM tries them in order, so
@@ -8,10 +9,14 @@
   experts class instead.
 
 Both mark what they install (attribute :data:`MARK`) so that registering twice changes nothing.
+Every change goes through :func:`set_attr`, :func:`insert` or :func:`register_cpu_linear_kernel`,
+which record how to undo it in the open :func:`installing` journal: an exception half-way through
+installing the formats of a process leaves vLLM as it found it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -19,6 +24,47 @@ from qstrat.engine.emulation.announcing import Announcing
 from qstrat.vllm_adapter.resolver import resolve
 
 MARK = "_qstrat_emulation"
+#: Set on a registered linear kernel class whose installation was undone: it then claims no
+#: platform (vLLM's public registration has no removal).
+WITHDRAWN = "_qstrat_withdrawn"
+
+_journal: list[Callable[[], None]] | None = None
+
+
+@contextlib.contextmanager
+def installing() -> Iterator[None]:
+    """Record every change made through this module while the block runs; if the block raises,
+    undo them, newest first, and re-raise. Not re-entrant (one installation at a time)."""
+    global _journal
+    _journal = []
+    try:
+        yield
+    except BaseException:
+        for undo in reversed(_journal):
+            undo()
+        raise
+    finally:
+        _journal = None
+
+
+def _record(undo: Callable[[], None]) -> None:
+    if _journal is not None:
+        _journal.append(undo)
+
+
+def set_attr(obj: Any, attr: str, value: Any) -> None:
+    """``setattr(obj, attr, value)``, undone by restoring the previous value (or removing the
+    attribute where there was none)."""
+    missing = not hasattr(obj, attr)
+    old = getattr(obj, attr, None)
+    setattr(obj, attr, value)
+    _record(lambda: delattr(obj, attr) if missing else setattr(obj, attr, old))
+
+
+def insert(items: list[Any], at: int, value: Any) -> None:
+    """``items.insert(at, value)``, undone by removing ``value``."""
+    items.insert(at, value)
+    _record(lambda: items.remove(value))
 
 
 def is_wired(obj: object) -> bool:
@@ -37,13 +83,22 @@ def cpu_linear_kernel_hooks(kernel: str) -> dict[str, Any]:
 def register_cpu_linear_kernel(h: dict[str, Any], kernel_type: str) -> type:
     """Register vLLM's own ``h["linear_kernel"]`` for ``h["cpu"]`` as ``kernel_type``
     (``"mxfp8"``, ``"nvfp4"``), as a subclass that announces itself when built
-    (``Qstrat<name>`` in vLLM's "Using ... for ... GEMM" line). Returns the registered class."""
+    (``Qstrat<name>`` in vLLM's "Using ... for ... GEMM" line). Undone (inside
+    :func:`installing`) by withdrawing the class: it then reports itself unsupported.
+    Returns the registered class."""
     base = h["linear_kernel"]
-    cls = type(f"Qstrat{base.__name__}", (Announcing, base),
-               {"__doc__": f"vLLM's {base.__name__}, registered for the CPU platform by qstrat.",
-                MARK: True})
-    h["register_linear_kernel"](cls, h["cpu"], kernel_type)
-    return cls
+
+    def is_supported(cls: type, *args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+        if getattr(cls, WITHDRAWN, False):
+            return False, "qstrat's emulation was not installed in this process"
+        return super(registered, cls).is_supported(*args, **kwargs)
+
+    registered = type(f"Qstrat{base.__name__}", (Announcing, base),
+                      {"__doc__": f"vLLM's {base.__name__}, registered for the CPU platform by qstrat.",
+                       MARK: True, "is_supported": classmethod(is_supported)})
+    h["register_linear_kernel"](registered, h["cpu"], kernel_type)
+    _record(lambda: setattr(registered, WITHDRAWN, True))
+    return registered
 
 
 def route_backend(oracle: ModuleType, attr: str, resolver: Callable[[Any], list], backend: Any,
@@ -57,4 +112,4 @@ def route_backend(oracle: ModuleType, attr: str, resolver: Callable[[Any], list]
         return [experts_cls] if b == backend else resolver(b)
 
     setattr(resolve, MARK, True)
-    setattr(oracle, attr, resolve)
+    set_attr(oracle, attr, resolve)
