@@ -18,7 +18,7 @@ import triton.language as tl
 from qstrat.serializers.block_fp8 import AMAX_FLOOR, BLOCK, BlockFP8
 from qstrat.serializers.fp_bits import E4M3_MAX
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import device_guard, kernel_input
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input
 
 #: Warps per 128 x 128 tile program (16384 fp32 values: 64 per thread at 8 warps). Untuned.
 NUM_WARPS = 8
@@ -62,15 +62,23 @@ def _block_fp8_kernel(
 
 
 def quantize_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to block FP8 in one kernel launch (``BlockFP8.kernel`` names it).
+    """Quantize a grouped slab to block FP8 in one kernel launch (``BlockFP8.kernel`` names it):
+    runs :func:`plan_block_fp8` for ``w3``'s device. Args, returns and errors as there."""
+    return plan_block_fp8(serializer, w3, ctx, device_arch(w3)).run()
+
+
+def plan_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None, arch: int | None = None) -> Launch:
+    """The one launch that quantizes a grouped slab to block FP8 (reads no data: ``w3`` may be a
+    ``meta`` tensor, see :mod:`.static_report`).
 
     Args:
         serializer: the :class:`BlockFP8` instance (reads ``options.ue8m0``).
         w3: [E, N, K] bf16/fp16/fp32 on CUDA (or CPU under ``TRITON_INTERPRET=1``), any strides;
             read in place, never copied.
         ctx: unused (block FP8 has no group state); accepted for the hook signature.
+        arch: compute capability compiled for (:func:`.launch.device_arch`; None: interpreter).
     Returns:
-        ``{"weight": float8_e4m3fn [E, N, K], "weight_scale_inv": float32 [E, ceil(N/128),
+        the :class:`.launch.Launch`, whose outputs are ``{"weight": float8_e4m3fn [E, N, K], "weight_scale_inv": float32 [E, ceil(N/128),
         ceil(K/128)]}``, contiguous, on ``w3``'s device; bytes identical to
         ``BlockFP8.reference`` (vLLM ``per_block_cast_to_fp8`` math, see block_fp8.py).
     Raises:
@@ -83,11 +91,9 @@ def quantize_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None) -> dict
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w3.device)
     s = torch.empty((e, nb, kb), dtype=torch.float32, device=w3.device)
     x, bf16_bits = kernel_input(w3)
-    with device_guard(w3):
-        _block_fp8_kernel[(nb * kb, e)](
-            x, q, s, n, k, nb, kb, *x.stride(),
-            AMAX_MIN=AMAX_FLOOR, FP8_MAX=E4M3_MAX, UE8M0=bool(serializer.options.ue8m0),
-            TILE=BLOCK, BF16_BITS=bf16_bits, num_warps=NUM_WARPS,
-        )
-    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale_inv": s}
+    return Launch(
+        _block_fp8_kernel, (nb * kb, e), (x, q, s, n, k, nb, kb, *x.stride()),
+        dict(AMAX_MIN=AMAX_FLOOR, FP8_MAX=E4M3_MAX, UE8M0=bool(serializer.options.ue8m0),
+             TILE=BLOCK, BF16_BITS=bf16_bits),
+        NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale_inv": s}, w3)
 

@@ -1,8 +1,18 @@
-"""Host-side launch helpers shared by the format kernels."""
+"""Host-side launch description shared by the format kernels.
+
+Every format kernel module builds its one launch per grouped slab as a :class:`Launch` (a plan:
+kernel, grid, arguments, output tensors) in a ``plan_<format>`` function, and its public
+``quantize_<format>`` runs that plan. Planning reads no tensor data, so the same plan can be made
+on ``meta`` tensors for any target GPU architecture and compiled without a GPU
+(:mod:`qstrat.serializers.kernels.static_report`): the code that is measured statically is the
+code the public API launches.
+"""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,3 +40,52 @@ def kernel_input(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if w.dtype == torch.bfloat16:
         return w.view(torch.int16), True
     return w, False
+
+
+def device_arch(t: torch.Tensor) -> int | None:
+    """The compute capability a launch on ``t``'s device compiles for, as ``10 * major + minor``
+    (90: H100/H200, 100: B200), or None for a CPU tensor (Triton's interpreter)."""
+    if t.is_cuda:
+        major, minor = torch.cuda.get_device_capability(t.device)
+        return 10 * major + minor
+    return None
+
+
+def native_casts(arch: int | None, nonfinite: str) -> bool:
+    """Whether a kernel uses the GPU's native conversions (``cvt.rn.satfinite.e4m3x2``).
+
+    True for a compiled launch (``arch`` not None) of finite inputs (``nonfinite="error"``: the
+    serializer refuses NaN/inf before the kernel runs). The interpreter's fp8 cast is wrong
+    (docs/formats.md, "Two encoders, one result"), and NaN/inf inputs (``nonfinite="propagate"``)
+    take the exact integer encoder, whose NaN signs and saturation are the torch reference's.
+    """
+    return arch is not None and nonfinite == "error"
+
+
+@dataclass
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **constexprs, num_warps=num_warps)``.
+
+    Attributes:
+        kernel: the ``@triton.jit`` function.
+        grid: programs per grid axis.
+        args: the runtime arguments (tensors, ints, floats), in the kernel's order.
+        constexprs: the ``tl.constexpr`` arguments by name.
+        num_warps: warps per program.
+        outputs: the tensors the kernel writes, by part name (what the format returns).
+        device_tensor: the tensor whose device the launch runs on.
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: Mapping[str, Any]
+    num_warps: int
+    outputs: dict[str, torch.Tensor]
+    device_tensor: torch.Tensor = field(repr=False)
+
+    def run(self) -> dict[str, torch.Tensor]:
+        """Launch on the device of ``device_tensor``; returns :attr:`outputs`."""
+        with device_guard(self.device_tensor):
+            self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+        return self.outputs

@@ -18,7 +18,7 @@ import triton.language as tl
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.fp_bits import E8M0_BIAS
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import device_guard, kernel_input
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input
 from qstrat.serializers.mxfp8 import BLOCK, MXFP8
 
 #: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 32). Untuned.
@@ -52,7 +52,14 @@ def _mxfp8_kernel(
 
 
 def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to MXFP8 in one kernel launch (``MXFP8.kernel`` names it).
+    """Quantize a grouped slab to MXFP8 in one kernel launch (``MXFP8.kernel`` names it):
+    runs :func:`plan_mxfp8` for ``w3``'s device. Args, returns and errors as there."""
+    return plan_mxfp8(serializer, w3, ctx, device_arch(w3)).run()
+
+
+def plan_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None, arch: int | None = None) -> Launch:
+    """The one launch that quantizes a grouped slab to MXFP8 (reads no data: ``w3`` may be a
+    ``meta`` tensor, see :mod:`.static_report`).
 
     Args:
         serializer: the :class:`MXFP8` instance (reads ``options.scale_rounding`` and
@@ -60,8 +67,9 @@ def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, t
         w3: [E, N, K] bf16/fp16/fp32 on CUDA (or CPU under ``TRITON_INTERPRET=1``), any strides,
             ``K % 32 == 0``; read in place, never copied.
         ctx: unused (MXFP8 has no group state); accepted for the hook signature.
+        arch: compute capability compiled for (:func:`.launch.device_arch`; None: interpreter).
     Returns:
-        ``{"weight": float8_e4m3fn [E, N, K], "weight_scale": uint8 [E, N, K/32]}`` (raw E8M0
+        the :class:`.launch.Launch`, whose outputs are ``{"weight": float8_e4m3fn [E, N, K], "weight_scale": uint8 [E, N, K/32]}`` (raw E8M0
         bytes), contiguous, on ``w3``'s device; bytes identical to ``MXFP8.reference``
         (formulas: mxfp8.py and docs/formats.md: OCP MX spec v1.0 blocks, vLLM's RCEIL scale as in
         ``_mxfp8_e4m3_quantize_torch``).
@@ -78,12 +86,9 @@ def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, t
     s = torch.empty((e, n, k // BLOCK), dtype=torch.uint8, device=w3.device)
     kt = triton.cdiv(k, BLOCK_K)
     x, bf16_bits = kernel_input(w3)
-    with device_guard(w3):
-        _mxfp8_kernel[(triton.cdiv(n, BLOCK_N) * kt, e)](
-            x, q, s, n, k, kt, *x.stride(),
-            RCEIL=opts.scale_rounding == "rceil", MIN_BYTE=int(opts.min_scale_byte),
-            BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, BF16_BITS=bf16_bits,
-            num_warps=NUM_WARPS,
-        )
-    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
+    return Launch(
+        _mxfp8_kernel, (triton.cdiv(n, BLOCK_N) * kt, e), (x, q, s, n, k, kt, *x.stride()),
+        dict(RCEIL=opts.scale_rounding == "rceil", MIN_BYTE=int(opts.min_scale_byte),
+             BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, BF16_BITS=bf16_bits),
+        NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}, w3)
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import device_guard, kernel_input
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input
 from qstrat.serializers.nvfp4 import BLOCK, ENC_MAX, GLOBAL_MAX, NVFP4, RCP_E2M1_MAX
 
 #: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). Untuned.
@@ -80,7 +80,14 @@ def _nvfp4_kernel(
 
 
 def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to NVFP4 in one kernel launch (``NVFP4.kernel`` names it).
+    """Quantize a grouped slab to NVFP4 in one kernel launch (``NVFP4.kernel`` names it):
+    runs :func:`plan_nvfp4` for ``w3``'s device. Args, returns and errors as there."""
+    return plan_nvfp4(serializer, w3, ctx, device_arch(w3)).run()
+
+
+def plan_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None, arch: int | None = None) -> Launch:
+    """The one launch that quantizes a grouped slab to NVFP4 (reads no data: ``w3`` may be a
+    ``meta`` tensor, see :mod:`.static_report`).
 
     Args:
         serializer: the :class:`NVFP4` instance (reads ``options.input_scale``).
@@ -88,8 +95,9 @@ def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, t
             ``K % 16 == 0``; read in place, never copied.
         ctx: ``{"amax": float32 [E]}`` from :meth:`NVFP4.group_context` (the fusion group's
             per-expert max|W|); ``None`` computes it from ``w3`` alone (a group of one).
+        arch: compute capability compiled for (:func:`.launch.device_arch`; None: interpreter).
     Returns:
-        ``{"weight": uint8 [E, N, K/2], "weight_scale": float8_e4m3fn [E, N, K/16],
+        the :class:`.launch.Launch`, whose outputs are ``{"weight": uint8 [E, N, K/2], "weight_scale": float8_e4m3fn [E, N, K/16],
         "weight_scale_2": float32 [E], "input_scale": float32 [E]}``, contiguous, on ``w3``'s
         device; bytes identical to ``NVFP4.reference`` (formulas: nvfp4.py and docs/formats.md,
         after vLLM's ``ref_nvfp4_quant``).
@@ -115,17 +123,14 @@ def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, t
     inp = torch.empty((e,), dtype=torch.float32, device=dev)
     kt = triton.cdiv(k, BLOCK_K)
     x, bf16_bits = kernel_input(w3)
-    with device_guard(w3):
-        _nvfp4_kernel[(triton.cdiv(n, BLOCK_N) * kt, e)](
-            x, amax, q, s, s2, inp, n, k, kt, float(serializer.options.input_scale),
-            *x.stride(), amax.stride(0),
-            GMAX=GLOBAL_MAX, EMAX=ENC_MAX, RCP6=RCP_E2M1_MAX, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            FB=BLOCK, BF16_BITS=bf16_bits, num_warps=NUM_WARPS,
-        )
-    return {
-        "weight": q,
-        "weight_scale": s.view(torch.float8_e4m3fn),
-        "weight_scale_2": s2,
-        "input_scale": inp,
-    }
+    return Launch(
+        _nvfp4_kernel, (triton.cdiv(n, BLOCK_N) * kt, e),
+        (x, amax, q, s, s2, inp, n, k, kt, float(serializer.options.input_scale),
+         *x.stride(), amax.stride(0)),
+        dict(GMAX=GLOBAL_MAX, EMAX=ENC_MAX, RCP6=RCP_E2M1_MAX, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+             FB=BLOCK, BF16_BITS=bf16_bits),
+        NUM_WARPS,
+        {"weight": q, "weight_scale": s.view(torch.float8_e4m3fn), "weight_scale_2": s2,
+         "input_scale": inp},
+        w3)
 
