@@ -18,7 +18,7 @@ import triton.language as tl
 from qstrat.serializers.block_fp8 import AMAX_FLOOR, BLOCK, BlockFP8
 from qstrat.serializers.fp_bits import E4M3_MAX
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
 
 #: Warps per 128 x 128 tile program (16384 fp32 values: 64 per thread at 8 warps). Untuned.
 NUM_WARPS = 8
@@ -30,34 +30,39 @@ def _block_fp8_kernel(
     N, K, NB, KB,
     stride_e, stride_n, stride_k,
     AMAX_MIN: tl.constexpr, FP8_MAX: tl.constexpr, UE8M0: tl.constexpr, TILE: tl.constexpr,
-    BF16_BITS: tl.constexpr,
+    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, WIDE: tl.constexpr,
 ):
-    tile = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1).to(tl.int64)
+    tile, e = fp_encode.program_ids(WIDE)
     tn = tile // KB
     tk = tile % KB
-    rows = tn * TILE + tl.arange(0, TILE).to(tl.int64)
-    cols = tk * TILE + tl.arange(0, TILE).to(tl.int64)
+    rows = tn * TILE + tl.arange(0, TILE).to(tile.dtype)
+    cols = tk * TILE + tl.arange(0, TILE).to(tile.dtype)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     src = x_ptr + e * stride_e + rows[:, None] * stride_n + cols[None, :] * stride_k
     x = fp_encode.load_f32(src, mask, BF16_BITS)
 
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    n_nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
-    amax = fp_encode.nan_if(amax, n_nan > 0)
-    amax = tl.where(amax != amax, amax, tl.maximum(amax, AMAX_MIN))  # torch clamp keeps NaN
+    if not NATIVE:  # NaN can reach this path (nonfinite="propagate"): propagate it as torch does
+        n_nan = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
+        amax = fp_encode.nan_if(amax, n_nan > 0)
+        amax = tl.where(amax != amax, amax, tl.maximum(amax, AMAX_MIN))  # torch clamp keeps NaN
+    else:
+        amax = tl.maximum(amax, AMAX_MIN)
     s = tl.math.div_rn(amax, FP8_MAX)
     if UE8M0:
         s = fp_encode.ceil_pow2(s)
     inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
-    code = fp_encode.e4m3_encode(x * inv)
-    # A NaN scale makes every product NaN; which NaN (sign) x * NaN returns when x is NaN too
-    # depends on the machine's operand order, so the whole tile is pinned to 0x7F: what torch
-    # gives on CPU and GPU (canonical positive NaN).
-    code = tl.where(s != s, 0x7F, code)
     dst = q_ptr + e * N * K + rows[:, None] * K + cols[None, :]
-    tl.store(dst, code.to(tl.uint8), mask=mask)
+    if NATIVE:
+        tl.store(dst, fp_encode.e4m3_native(x * inv), mask=mask)
+    else:
+        code = fp_encode.e4m3_encode(x * inv)
+        # A NaN scale makes every product NaN; which NaN (sign) x * NaN returns when x is NaN too
+        # depends on the machine's operand order, so the whole tile is pinned to 0x7F: what torch
+        # gives on CPU and GPU (canonical positive NaN).
+        code = tl.where(s != s, 0x7F, code)
+        tl.store(dst, code.to(tl.uint8), mask=mask)
     tl.store(s_ptr + e * NB * KB + tile, s)
 
 
@@ -90,10 +95,12 @@ def plan_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None, arch: int |
     nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w3.device)
     s = torch.empty((e, nb, kb), dtype=torch.float32, device=w3.device)
-    x, bf16_bits = kernel_input(w3)
+    native = native_casts(arch, serializer.options.nonfinite)
+    x, bf16_bits = kernel_input(w3, compiled=arch is not None)
     return Launch(
         _block_fp8_kernel, (nb * kb, e), (x, q, s, n, k, nb, kb, *x.stride()),
         dict(AMAX_MIN=AMAX_FLOOR, FP8_MAX=E4M3_MAX, UE8M0=bool(serializer.options.ue8m0),
-             TILE=BLOCK, BF16_BITS=bf16_bits),
+             TILE=BLOCK, BF16_BITS=bf16_bits,
+             NATIVE=native, WIDE=needs_int64(w3, q)),
         NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale_inv": s}, w3)
 

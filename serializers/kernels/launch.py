@@ -30,14 +30,18 @@ def device_guard(t: torch.Tensor) -> Iterator[None]:
         yield
 
 
-def kernel_input(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def kernel_input(w: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, bool]:
     """The tensor a kernel reads for ``w``, and whether it holds raw bf16 bits.
 
-    bf16 is passed as ``w.view(torch.int16)`` (a same-strides view: no copy) and upcast in the
-    kernel by ``bits << 16`` (:func:`.fp_encode.load_f32`); other dtypes are passed as they are.
-    Args: w: tensor of any float dtype and strides. Returns: (tensor, bf16_bits).
+    Under the interpreter (``compiled`` False) bf16 is passed as ``w.view(torch.int16)`` (a
+    same-strides view: no copy) and upcast in the kernel by ``bits << 16``
+    (:func:`.fp_encode.load_f32`), since the interpreter's own bf16 -> fp32 conversion flushes
+    subnormals; a compiled kernel's conversion is exact (a shift, one instruction per element
+    where the bits route costs 1.5) and gets ``w`` itself. Other dtypes are passed as they are.
+    Args: w: tensor of any float dtype and strides; compiled: the launch is compiled for a GPU.
+    Returns: (tensor, bf16_bits).
     """
-    if w.dtype == torch.bfloat16:
+    if w.dtype == torch.bfloat16 and not compiled:
         return w.view(torch.int16), True
     return w, False
 
@@ -64,7 +68,7 @@ def native_casts(arch: int | None, nonfinite: str) -> bool:
 
 @dataclass
 class Launch:
-    """One kernel launch: ``kernel[grid](*args, **constexprs, num_warps=num_warps)``.
+    """One kernel launch: ``kernel[grid](*args, **constexprs, **options())``.
 
     Attributes:
         kernel: the ``@triton.jit`` function.
@@ -84,8 +88,27 @@ class Launch:
     outputs: dict[str, torch.Tensor]
     device_tensor: torch.Tensor = field(repr=False)
 
+    def options(self) -> dict[str, Any]:
+        """Triton launch options: ``num_warps``, and FP fusion off (no multiply-add is contracted
+        into an fma the torch reference does not do; the kernels write their one fma as
+        ``tl.fma``)."""
+        return {"num_warps": self.num_warps, "enable_fp_fusion": False}
+
     def run(self) -> dict[str, torch.Tensor]:
         """Launch on the device of ``device_tensor``; returns :attr:`outputs`."""
         with device_guard(self.device_tensor):
-            self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+            self.kernel[self.grid](*self.args, **self.constexprs, **self.options())
         return self.outputs
+
+
+#: Rows/columns a tile may reach past a tensor's end (masked lanes still form addresses).
+_TILE_MARGIN = 256
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel over ``tensors`` needs 64-bit element offsets: True when any offset it
+    can form, masked tile lanes included (``(size + 256) * |stride|`` summed over dims), reaches
+    2^31. Below that, 32-bit offsets are exact and cost a third of the address instructions.
+    """
+    return any(sum((s + _TILE_MARGIN) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31
+               for t in tensors)

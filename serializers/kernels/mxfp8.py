@@ -18,7 +18,7 @@ import triton.language as tl
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.fp_bits import E8M0_BIAS
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
 from qstrat.serializers.mxfp8 import BLOCK, MXFP8
 
 #: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 32). Untuned.
@@ -34,20 +34,24 @@ def _mxfp8_kernel(
     stride_e, stride_n, stride_k,
     RCEIL: tl.constexpr, MIN_BYTE: tl.constexpr, BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr,
-    BF16_BITS: tl.constexpr,
+    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, WIDE: tl.constexpr,
 ):
-    tile = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1).to(tl.int64)
+    tile, e = fp_encode.program_ids(WIDE)
     x, rows, groups, r3, c3, mask = fp_encode.load_block_tile(  # 32-element blocks along K
         x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k, BLOCK_N, BLOCK_K, MX, BF16_BITS)
 
-    amax = fp_encode.amax_last_axis(x)
-    byte = fp_encode.e8m0_from_amax(amax, RCEIL)
-    byte = tl.where(byte == 255, byte, tl.maximum(byte, MIN_BYTE))
-    inv = fp_encode.exp2_int(BIAS - byte)  # exact 1/s: x * 2^-j == x / 2^j bit for bit
-
-    code = fp_encode.e4m3_encode(x * inv[:, :, None])
-    tl.store(q_ptr + e * N * K + r3 * K + c3, code.to(tl.uint8), mask=mask)
+    dst = q_ptr + e * N * K + r3 * K + c3
+    if NATIVE:  # finite inputs: finite amax, byte in [MIN_BYTE, 254]
+        byte = fp_encode.e8m0_from_finite_amax(tl.max(tl.abs(x), axis=2), RCEIL, MIN_BYTE)
+        inv = fp_encode.exp2_int(BIAS - byte)  # exact 1/s: x * 2^-j == x / 2^j bit for bit
+        tl.store(dst, fp_encode.e4m3_native(x * inv[:, :, None]), mask=mask)
+    else:
+        amax = fp_encode.amax_last_axis(x)
+        byte = fp_encode.e8m0_from_amax(amax, RCEIL)
+        byte = tl.where(byte == 255, byte, tl.maximum(byte, MIN_BYTE))
+        inv = fp_encode.exp2_int(BIAS - byte)
+        code = fp_encode.e4m3_encode(x * inv[:, :, None])
+        tl.store(dst, code.to(tl.uint8), mask=mask)
     fp_encode.store_block_scales(s_ptr, e, N, K // MX, rows, groups, byte)
 
 
@@ -85,10 +89,12 @@ def plan_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None, arch: int | None =
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w3.device)
     s = torch.empty((e, n, k // BLOCK), dtype=torch.uint8, device=w3.device)
     kt = triton.cdiv(k, BLOCK_K)
-    x, bf16_bits = kernel_input(w3)
+    native = native_casts(arch, opts.nonfinite)
+    x, bf16_bits = kernel_input(w3, compiled=arch is not None)
     return Launch(
         _mxfp8_kernel, (triton.cdiv(n, BLOCK_N) * kt, e), (x, q, s, n, k, kt, *x.stride()),
         dict(RCEIL=opts.scale_rounding == "rceil", MIN_BYTE=int(opts.min_scale_byte),
-             BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, BF16_BITS=bf16_bits),
+             BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, BF16_BITS=bf16_bits,
+             NATIVE=native, WIDE=needs_int64(w3, q)),
         NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}, w3)
 

@@ -122,13 +122,26 @@ def nvidia_tool(name: str) -> Path:
     return path
 
 
-def plan(fmt: str, slab: tuple[int, int, int], arch: int):
-    """The :class:`.launch.Launch` the public API makes for a contiguous bf16 ``slab`` with the
-    format's default options, built on ``meta`` tensors (no memory, no data) for ``arch``."""
+#: Launch variants: the default (contiguous slab, default options: the report's rows), a
+#: transposed view (stride along K != 1: the general strided path) and nonfinite="propagate"
+#: (the exact integer-encoder path that NaN/inf inputs take).
+VARIANTS = ("default", "strided", "propagate")
+
+
+def plan(fmt: str, slab: tuple[int, int, int], arch: int, variant: str = "default"):
+    """The :class:`.launch.Launch` the public API makes for a bf16 ``slab`` (``variant``: see
+    :data:`VARIANTS`), built on ``meta`` tensors (no memory, no data) for ``arch``."""
     from qstrat.registry import get_registry
 
-    ser = get_registry().serializer(fmt)
-    w3 = torch.empty(slab, dtype=torch.bfloat16, device="meta")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    opts = {"nonfinite": "propagate"} if variant == "propagate" else {}
+    ser = get_registry().serializer(fmt, **opts)
+    e, n, k = slab
+    if variant == "strided":
+        w3 = torch.empty((e, k, n), dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    else:
+        w3 = torch.empty(slab, dtype=torch.bfloat16, device="meta")
     # The group context's structure from a tiny real slab of E experts, its tensors made meta.
     ctx = ser.group_context([torch.ones((slab[0], 1, 32))])
     if ctx is not None:
@@ -162,7 +175,7 @@ def compile_launch(launch, arch: int):
     fn = launch.kernel
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    kwargs = {**launch.constexprs, "num_warps": launch.num_warps, "debug": False}
+    kwargs = {**launch.constexprs, **launch.options(), "debug": False}
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
@@ -251,13 +264,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def facts(fmt: str, slab: tuple[int, int, int], arch: int) -> KernelFacts:
+def facts(fmt: str, slab: tuple[int, int, int], arch: int, variant: str = "default") -> KernelFacts:
     """Compile the public API's launch of ``fmt`` on a bf16 ``slab`` for ``sm_<arch>`` and read
     its static facts (cached per process; triton also caches compiles on disk).
 
     Raises: StaticReportError (see :func:`compile_launch`), triton's CompilationError.
     """
-    launch = plan(fmt, tuple(slab), arch)
+    launch = plan(fmt, tuple(slab), arch, variant)
     kernel = compile_launch(launch, arch)
     cubin = kernel.asm["cubin"]
     regs, stack, shared = resource_usage(cubin)
