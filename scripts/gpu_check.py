@@ -310,16 +310,7 @@ def check_format(
         except Exception as exc:  # noqa: BLE001  (report, do not fail the check)
             rows.append(_na(cls.name, shape, "vLLM", f"{type(exc).__name__}: {exc}"))
             comps = {}
-        for name, fn2d in comps.items():
-            try:
-                outs = per_expert(fn2d, w3, ctx)
-                ok = agreement(outs, ref)
-                del outs
-                add(name, lambda: per_expert(fn2d, w3, ctx), ok,
-                    "one call per expert" if e > 1 else "", reps=slow)
-            except Exception as exc:  # noqa: BLE001
-                rows.append(_na(cls.name, shape, name, f"{type(exc).__name__}: {exc}"))
-        for name, fn2d in torchao_comparators(cls.name).items():
+        for name, fn2d in {**comps, **torchao_comparators(cls.name)}.items():
             try:
                 outs = per_expert(fn2d, w3, ctx)
                 ok = agreement(outs, ref)

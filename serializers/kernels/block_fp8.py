@@ -6,7 +6,10 @@ One launch quantizes a whole grouped slab ``[E, N, K]``: grid axis 0 walks the
 read in place), upcasts to fp32, and computes exactly the torch reference's ops:
 ``amax = max(max|x|, 1e-4)`` (NaN-propagating), ``s = amax / 448`` and ``1 / s`` as correctly
 rounded divisions (``tl.math.div_rn``; GPU ``/`` is approximate), optional UE8M0 ``s``, then
-``q = e4m3(x * (1 / s))`` via the integer encoder in :mod:`.fp_encode`. Offsets are int64.
+``q = e4m3(x * (1 / s))``: by the GPU's ``cvt.rn.satfinite.e4m3x2`` on a native launch
+(:func:`.launch.native_casts`: compiled, finite weights), else by the integer encoder in
+:mod:`.fp_encode` (interpreter, ``nonfinite="propagate"``; same bytes: docs/formats.md, "Two
+encoders, one result"). Offsets are int32, int64 where :func:`.launch.needs_int64`.
 With ``nonfinite="propagate"`` a tile holding NaN gets a NaN scale and all-0x7F values.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ from qstrat.serializers.fp_bits import E4M3_MAX
 from qstrat.serializers.kernels import fp_encode
 from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
 
-#: Warps per 128 x 128 tile program (16384 fp32 values: 64 per thread at 8 warps). Untuned.
+#: Warps per 128 x 128 tile program (16384 fp32 values: 64 per thread at 8 warps). Chosen by the static report (docs/performance.md), not by timing.
 NUM_WARPS = 8
 
 
@@ -96,7 +99,7 @@ def plan_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None, arch: int |
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w3.device)
     s = torch.empty((e, nb, kb), dtype=torch.float32, device=w3.device)
     native = native_casts(arch, serializer.options.nonfinite)
-    x, bf16_bits = kernel_input(w3, compiled=arch is not None)
+    x, bf16_bits = kernel_input(w3, native)
     return Launch(
         _block_fp8_kernel, (nb * kb, e), (x, q, s, n, k, nb, kb, *x.stride()),
         dict(AMAX_MIN=AMAX_FLOOR, FP8_MAX=E4M3_MAX, UE8M0=bool(serializer.options.ue8m0),

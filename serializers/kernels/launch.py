@@ -30,18 +30,19 @@ def device_guard(t: torch.Tensor) -> Iterator[None]:
         yield
 
 
-def kernel_input(w: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, bool]:
+def kernel_input(w: torch.Tensor, native: bool = False) -> tuple[torch.Tensor, bool]:
     """The tensor a kernel reads for ``w``, and whether it holds raw bf16 bits.
 
-    Under the interpreter (``compiled`` False) bf16 is passed as ``w.view(torch.int16)`` (a
-    same-strides view: no copy) and upcast in the kernel by ``bits << 16``
-    (:func:`.fp_encode.load_f32`), since the interpreter's own bf16 -> fp32 conversion flushes
-    subnormals; a compiled kernel's conversion is exact (a shift, one instruction per element
-    where the bits route costs 1.5) and gets ``w`` itself. Other dtypes are passed as they are.
-    Args: w: tensor of any float dtype and strides; compiled: the launch is compiled for a GPU.
+    bf16 is passed as ``w.view(torch.int16)`` (a same-strides view: no copy) and upcast in the
+    kernel by ``bits << 16`` (:func:`.fp_encode.load_f32`): exact for every value, subnormals and
+    NaN signs included (the interpreter's own conversion flushes subnormals). A native launch
+    (:func:`native_casts`: compiled, finite values) gets ``w`` itself: the GPU's bf16 -> fp32
+    conversion is exact on finite values and costs one instruction per element where the bits
+    route costs 1.5. Other dtypes are passed as they are.
+    Args: w: tensor of any float dtype and strides; native: see :func:`native_casts`.
     Returns: (tensor, bf16_bits).
     """
-    if w.dtype == torch.bfloat16 and not compiled:
+    if w.dtype == torch.bfloat16 and not native:
         return w.view(torch.int16), True
     return w, False
 

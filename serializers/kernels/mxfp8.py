@@ -6,8 +6,10 @@ One launch quantizes a whole grouped slab ``[E, N, K]``: grid axis 0 walks the
 read in place), upcasts to fp32, and per 32-block computes exactly the torch reference's ops:
 NaN-propagating ``amax``, the E8M0 byte from the amax bits (RCEIL or FLOOR,
 :func:`.fp_encode.e8m0_from_amax`), the ``min_scale_byte`` clamp (NaN byte 255 kept), the exact
-``1/s = 2^(127 - byte)`` from bits, and ``q = e4m3(x * (1/s))`` via the integer encoder.
-Offsets are int64. 
+``1/s = 2^(127 - byte)`` from bits, and ``q = e4m3(x * (1/s))``: the GPU's
+``cvt.rn.satfinite.e4m3x2`` on a native launch (:func:`.launch.native_casts`; finite maxima, so
+the byte needs no NaN/inf cases: :func:`.fp_encode.e8m0_from_finite_amax`), else the integer
+encoder. Offsets are int32, int64 where :func:`.launch.needs_int64`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from qstrat.serializers.kernels import fp_encode
 from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
 from qstrat.serializers.mxfp8 import BLOCK, MXFP8
 
-#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 32). Untuned.
+#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 32). Chosen by the static report (docs/performance.md), not by timing.
 BLOCK_N = 32
 BLOCK_K = 128
 NUM_WARPS = 4
@@ -90,7 +92,7 @@ def plan_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None, arch: int | None =
     s = torch.empty((e, n, k // BLOCK), dtype=torch.uint8, device=w3.device)
     kt = triton.cdiv(k, BLOCK_K)
     native = native_casts(arch, opts.nonfinite)
-    x, bf16_bits = kernel_input(w3, compiled=arch is not None)
+    x, bf16_bits = kernel_input(w3, native)
     return Launch(
         _mxfp8_kernel, (triton.cdiv(n, BLOCK_N) * kt, e), (x, q, s, n, k, kt, *x.stride()),
         dict(RCEIL=opts.scale_rounding == "rceil", MIN_BYTE=int(opts.min_scale_byte),

@@ -6,15 +6,21 @@ global amax comes in through the group context (``{"amax": [E]}`` from
 :meth:`NVFP4.group_context`, shared by fused members); every program derives the expert's
 ``enc`` and ``weight_scale_2`` from it with the reference's fp32 ops, so nothing is computed on
 the host and nothing syncs. A program loads ``[BLOCK_N, BLOCK_K/16, 16]`` through the input's
-strides (views read in place, int64 offsets), upcasts to fp32, and per 16-block mirrors
+strides (views read in place; int64 offsets where :func:`.launch.needs_int64`), upcasts to fp32, and per 16-block mirrors
 ``NVFP4.reference`` step by step (see nvfp4.py for the formulas and their vLLM source):
 
 1. ``enc = div_rn(2688, amax)``, capped at 2^116, 1 where amax == 0; ``dec = div_rn(1, enc)``;
-2. ``scale = e4m3(enc * (amax_b * fp32(1/6)))`` (integer encoder: saturates at 448);
-3. ``os = div_rn(1, fp32(scale) * dec)``, 0 where the scale is 0;
+2. ``scale = e4m3(enc * (amax_b * fp32(1/6)))`` (saturates at 448);
+3. ``os = 1 / (fp32(scale) * dec)`` correctly rounded, 0 where the scale is 0;
 4. ``code = e2m1(|x * os|) | 8 * (x < 0)``, packed two per byte, even element in the low nibble.
 
-Divisions are ``tl.math.div_rn`` (correctly rounded; GPU ``/`` is approximate). Programs of tile
+A native launch (:func:`.launch.native_casts`: compiled, finite weights) converts with
+``cvt.rn.satfinite.e4m3x2`` (step 2) and ``cvt.rn.satfinite.e2m1x2`` (step 4, sm_100+; on sm_90
+:func:`.fp_encode.e2m1_from_bits`) the value ``fma(x, os, +0.0)``, with ``os = 2^-149`` for a
+zero scale, which carries the reference's sign rule (docs/formats.md, "Two encoders, one
+result"); the interpreter and ``nonfinite="propagate"`` use the integer encoders.
+
+Divisions are ``tl.math.div_rn`` or ``rcp.rn`` (correctly rounded; GPU ``/`` is approximate). Programs of tile
 0 also write the expert's ``weight_scale_2`` and ``input_scale``.
 """
 from __future__ import annotations
@@ -29,7 +35,7 @@ from qstrat.serializers.kernels import fp_encode
 from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
 from qstrat.serializers.nvfp4 import BLOCK, ENC_MAX, GLOBAL_MAX, NVFP4, RCP_E2M1_MAX
 
-#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). Untuned.
+#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). 64 x 128: the fewest SASS per element at <= 128 registers (static report; docs/performance.md).
 BLOCK_N = 64
 BLOCK_K = 128
 NUM_WARPS = 4
@@ -143,7 +149,7 @@ def plan_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None, arch: int | None =
     inp = torch.empty((e,), dtype=torch.float32, device=dev)
     kt = triton.cdiv(k, BLOCK_K)
     native = native_casts(arch, serializer.options.nonfinite)
-    x, bf16_bits = kernel_input(w3, compiled=arch is not None)
+    x, bf16_bits = kernel_input(w3, native)
     return Launch(
         _nvfp4_kernel, (triton.cdiv(n, BLOCK_N) * kt, e),
         (x, amax, q, s, s2, inp, n, k, kt, float(serializer.options.input_scale),
