@@ -79,6 +79,8 @@ class Launch:
         num_warps: warps per program.
         outputs: the tensors the kernel writes, by part name (what the format returns).
         device_tensor: the tensor whose device the launch runs on.
+        loop_trips: trip count of each loop a program runs, in SASS address order (for the
+            static report's instruction count; the kernels here run one tile per program: none).
     """
 
     kernel: Any
@@ -88,6 +90,7 @@ class Launch:
     num_warps: int
     outputs: dict[str, torch.Tensor]
     device_tensor: torch.Tensor = field(repr=False)
+    loop_trips: tuple[int, ...] = ()
 
     def options(self) -> dict[str, Any]:
         """Triton launch options: ``num_warps``, and FP fusion off (no multiply-add is contracted
