@@ -18,6 +18,11 @@ the median wall time of ``reps`` runs after one warm-up (the minimum is kept too
   warm (the driver's kept plan, what each training step's refit pays), and the wire order.
 - ``driver``: ``RefitDriver.run`` over one MoE decoder layer vs the same serializer calls made
   directly (overhead = run / direct - 1).
+- ``kernels``: not a timing: each format's Triton kernel, as ``quantize(..., backend="triton")``
+  launches it on the bf16 slabs [4, 512, 1024] and [8, 1536, 2048], compiled for sm_90 and
+  sm_100 on this machine (:mod:`qstrat.serializers.kernels.static_report`): registers, spills,
+  warps per SM, SASS instructions per element, native conversions, and the issue-bound
+  ceiling as a fraction of H100/H200/B200 HBM bandwidth.
 
 Speed is printed, never asserted (tests run ``--quick`` and check the structure only).
 """
@@ -406,6 +411,24 @@ def machine_table(m: Mapping[str, Any]) -> Any:
     return table
 
 
+def bench_kernels() -> list[dict[str, Any]]:
+    """The ``kernels`` section: one row per slab x format x arch of
+    :func:`qstrat.serializers.kernels.static_report.report` (``impl`` "compiled", ``case`` the
+    slab), or one row whose ``note`` says why the kernels cannot be compiled here (no triton,
+    no ptxas in its wheel, ``TRITON_INTERPRET=1``, a compile error)."""
+    try:
+        from qstrat.serializers.kernels import static_report
+
+        rows = static_report.report()
+    except Exception as exc:  # reported as a row: the other sections' figures still count
+        return [{"section": "kernels", "impl": "compiled", "note": f"not compiled: {type(exc).__name__}: {exc}"}]
+    out = []
+    for r in rows:
+        case = r.pop("slab")
+        out.append({"section": "kernels", "impl": "compiled", "case": case, **r})
+    return out
+
+
 def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int | None = None,
               max_experts: int | None = None,
               on_section: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -413,7 +436,7 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
 
     Args:
         quick: reduced sizes (:data:`SIZES`).
-        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``.
+        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``, ``kernels``.
         reps: timed rounds (default: 7 full, 2 quick).
         max_experts: cap E of the grouped slabs and of the driver's layer (recorded in the JSON).
         on_section: called with the document after each section (progress output).
@@ -437,6 +460,7 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
                          bench_plan(model, reps, overrides=size.get("plan_overrides", {}).get(model.name))],
         "driver": lambda: bench_driver(min(size["driver_experts"], cap), reps,
                                        dims=size.get("driver_dims", QWEN3_30B_A3B)),
+        "kernels": bench_kernels,
     }
     for name in SECTIONS:
         if name in sections:
@@ -470,15 +494,21 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         "grouped": ("format", "case", "impl", "ms", "ms_min", "loop_over_grouped"),
         "plan": ("case", "impl", "ms", "ms_min", "us_per_tensor"),
         "driver": ("impl", "ms", "ms_min", "overhead"),
+        "kernels": ("case", "format", "arch", "registers", "stack", "warps_per_sm",
+                    "instr_per_element", "native", "ceiling_H100", "ceiling_H200", "ceiling_B200"),
     }
     headers = {"speedup_vs_this": "its ms / qstrat ms", "qstrat_over_copy": "qstrat ms / its ms",
                "bytes_equal_reference": "same bytes", "loop_over_grouped": "loop / grouped",
-               "us_per_tensor": "us / tensor", "ms_min": "min ms"}
+               "us_per_tensor": "us / tensor", "ms_min": "min ms", "case": "case",
+               "stack": "spill B", "warps_per_sm": "warps/SM", "instr_per_element": "SASS/elt",
+               "ceiling_H100": "H100", "ceiling_H200": "H200", "ceiling_B200": "B200"}
     titles = {
         "formats": "formats (its ms / qstrat ms > 1: qstrat faster)",
         "grouped": "grouped slab: one call vs a per-expert loop",
         "plan": "planning a config-only model (meta tensors)",
         "driver": "driver overhead = RefitDriver.run / direct serializer calls - 1",
+        "kernels": "GPU kernels compiled for sm_90/sm_100 (static, no GPU): issue-bound ceiling "
+                   "as a fraction of HBM bandwidth (>= 1: instruction issue is not the limit)",
     }
     m = doc["machine"]
     tables = []
@@ -487,9 +517,10 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         if not rows:
             continue
         cases = sorted({r["case"] for r in rows}) if "case" not in cols else []
-        table = Table(title=f"{titles[section]}{': ' + ', '.join(cases) if cases else ''}\n"
-                            f"{m['cpu']}, {m['torch_threads']} threads, load "
-                            f"{doc['load_before'][0]:.1f}, median of {doc['reps']}")
+        timed = section != "kernels"  # the static section measures no time
+        table = Table(title=f"{titles[section]}{': ' + ', '.join(cases) if cases else ''}"
+                            + (f"\n{m['cpu']}, {m['torch_threads']} threads, load "
+                               f"{doc['load_before'][0]:.1f}, median of {doc['reps']}" if timed else ""))
         for c in cols:
             table.add_column(headers.get(c, c), justify="left" if c in ("format", "case", "impl") else "right")
         for r in rows:

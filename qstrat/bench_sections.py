@@ -6,5 +6,6 @@ command line.
 """
 from __future__ import annotations
 
-#: ``qstrat bench`` sections: format quantizers, grouped slabs, planning, the driver's overhead.
-SECTIONS = ("formats", "grouped", "plan", "driver")
+#: ``qstrat bench`` sections: format quantizers, grouped slabs, planning, the driver's overhead,
+#: and the GPU kernels' static facts (compiled for sm_90/sm_100 here, no GPU needed).
+SECTIONS = ("formats", "grouped", "plan", "driver", "kernels")

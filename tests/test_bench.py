@@ -22,6 +22,13 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
             assert ("formats", fmt, impl) in by, (fmt, impl)
         for impl in ("grouped call", "per-expert loop"):
             assert ("grouped", fmt, impl) in by, (fmt, impl)
+    kernels = [r for r in rows if r["section"] == "kernels"]
+    assert {(r["case"], r["format"], r["arch"]) for r in kernels} == {
+        (c, f, a) for c in ("4x512x1024", "8x1536x2048") for f in ("block_fp8", "mxfp8", "nvfp4")
+        for a in (90, 100)}, [r.get("note") for r in kernels]
+    for r in kernels:  # the static facts of the compiled launches (tests/test_kernels_static.py)
+        assert r["stack"] == 0 and r["instr_per_element"] > 0 and "e4m3" in r["native"], r
+        assert ("ceiling_B200" in r) == (r["arch"] == 100) and ("ceiling_H200" in r) == (r["arch"] == 90)
     assert {("plan", None, "plan (cold)"), ("plan", None, "plan (warm)"), ("plan", None, "wire order"),
             ("driver", None, "RefitDriver.run"), ("driver", None, "direct serializer calls")} <= by
     for r in rows:

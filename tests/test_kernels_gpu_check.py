@@ -65,6 +65,29 @@ def test_gpu_check_smoke_mode_writes_consistent_json(tmp_path):
             for impl in ("kernel, 1 launch", "kernel, per-expert loop"):
                 r = rows[(fmt, shape, impl)]
                 assert (r["bit_exact"], r["mismatched_bytes"]) == (True, 0), (fmt, shape, impl)
+            # the same bytes copied on the device: the kernel's GB/s over the copy's
+            copy = rows[(fmt, shape, "copy, same bytes")]
+            assert copy["bytes"] == want_bytes and copy["gbps"] > 0
+            launch = rows[(fmt, shape, "kernel, 1 launch")]
+            assert launch["pct_of_same_bytes_copy"] == pytest.approx(100 * launch["gbps"] / copy["gbps"])
+    # every test-vector class, kernel vs the CPU reference, byte for byte (all options)
+    vec = report["vectors"]
+    assert {(v["format"], v["mismatched_bytes"]) for v in vec} == {(f, 0) for f in report["formats"]}
+    classes = {v["class"] for v in vec}
+    assert {"all-zero blocks", "-0.0 blocks", "tiny (1e-40..1e-35)", "E2M1 ladder and nibble order",
+            "NaN/inf (nonfinite=propagate)", "ragged 300 x 200"} <= classes
+    assert {(v["format"], str(v["options"])) for v in vec} >= {
+        ("block_fp8", "{'ue8m0': True}"), ("mxfp8", "{'scale_rounding': 'floor'}"), ("nvfp4", "{}")}
+    assert "test vectors, kernel on cpu vs torch reference on CPU" in proc.stdout
+    # the static ceiling of the compiled launch (smoke: sm_90, first shape) beside the row
+    st = report["static"]
+    assert st["arch"] == 90 and "error" not in st, st
+    first = tuple(report["shapes"][0])
+    for fmt in report["formats"]:
+        facts = st["rows"][f"{fmt}|{'x'.join(map(str, first))}"]
+        assert facts["stack"] == 0 and facts["arch"] == 90
+        r = rows[(fmt, first, "kernel, 1 launch")]
+        assert r["static_ceiling"] == min(facts["ceiling_H100"], facts["ceiling_H200"])
     # issue 14's GPU figures, computed from the rows above (smoke mode: values, not speed)
     assert "targets (issue 14)" in proc.stdout
     targets = {t["format"]: t for t in report["targets"]}
@@ -87,3 +110,22 @@ def test_gpu_check_smoke_mode_writes_consistent_json(tmp_path):
         x = torch.tensor([bits - (1 << 32) if bits >= 1 << 31 else bits], dtype=torch.int32).view(torch.float32)
         if x.abs().item() <= 448:
             assert enc == x.to(torch.float8_e4m3fn).view(torch.uint8).item(), hex(bits)
+
+
+@pytest.mark.interpreter
+def test_gpu_check_sh_runs_qstrat_from_the_source_tree(tmp_path):
+    """gpu_check.sh with a stock torch + triton Python: qstrat from this tree through a link farm
+    (forced here with QSTRAT_FROM_SOURCE=1, since the venv has qstrat installed), removed after."""
+    import os
+
+    out = tmp_path / "gc.json"
+    env = dict(os.environ, PYTHON=sys.executable, QSTRAT_FROM_SOURCE="1")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--smoke", "--formats", "mxfp8", "--no-pytest",
+         "--json", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    farm = Path(report["qstrat"])
+    assert farm.name == "qstrat" and farm.parent != ROOT  # imported through the farm ...
+    assert not farm.parent.exists()  # ... which is removed on exit
+    assert report["formats"] == ["mxfp8"] and {v["mismatched_bytes"] for v in report["vectors"]} == {0}

@@ -31,6 +31,16 @@ F32_BITS_QNAN = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
+def program_ids(WIDE: tl.constexpr):
+    """``(program_id(0), program_id(1))``, as int64 when ``WIDE`` (offsets past 2^31: see
+    :func:`.launch.needs_int64`), else int32; every offset a kernel forms from them follows."""
+    if WIDE:
+        return tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    else:
+        return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def f32_bits(x):
     """fp32 tensor -> its int32 bit pattern (a bitcast, no rounding)."""
     return x.to(tl.int32, bitcast=True)
@@ -188,7 +198,8 @@ def load_block_tile(x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k,
 
     The tile is rows ``tn * BLOCK_N ...`` and columns ``tk * BLOCK_K ...`` with ``tn, tk =
     divmod(tile, KT)``; ``K % B == 0`` (checked on the host), so a block is wholly in or out.
-    Offsets are int64 (inputs past 2^31 elements), strides the input's own.
+    Offsets have ``tile``'s and ``e``'s integer type (int64 where :func:`.launch.needs_int64`),
+    strides the input's own.
     Returns: ``(x, rows, groups, r3, c3, mask)``: x float32 [BLOCK_N, BLOCK_K // B, B] (0 where
     masked), the row indices [BLOCK_N], the block indices along K [BLOCK_K // B], their
     broadcast row/column offsets r3 [BLOCK_N, 1, 1] and c3 [1, G, B], and the in-range mask.
@@ -196,9 +207,9 @@ def load_block_tile(x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k,
     G: tl.constexpr = BLOCK_K // B
     tn = tile // KT
     tk = tile % KT
-    rows = tn * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    groups = tk * G + tl.arange(0, G).to(tl.int64)
-    lanes = tl.arange(0, B).to(tl.int64)
+    rows = tn * BLOCK_N + tl.arange(0, BLOCK_N).to(tile.dtype)
+    groups = tk * G + tl.arange(0, G).to(tile.dtype)
+    lanes = tl.arange(0, B).to(tile.dtype)
     r3 = rows[:, None, None]
     c3 = groups[None, :, None] * B + lanes[None, None, :]
     mask = (r3 < N) & (c3 < K)
@@ -222,3 +233,77 @@ def store_block_scales(s_ptr, e, N, KS, rows, groups, val):
     r2 = rows[:, None]
     g2 = groups[None, :]
     tl.store(s_ptr + e * N * KS + r2 * KS + g2, val.to(tl.uint8), mask=(r2 < N) & (g2 < KS))
+
+
+# ---- native conversions: compiled launches of finite inputs only (launch.native_casts) -------
+# Each equals its integer twin above on every input such a launch can give it; the range argument
+# is in docs/formats.md ("Two encoders, one result") and tests/test_native_cast_model.py searches
+# for counterexamples with a torch model of the PTX semantics.
+
+
+@triton.jit
+def e4m3_native(y):
+    """fp32 -> e4m3fn code (uint8) by the GPU's ``cvt.rn.satfinite.e4m3x2.f32`` (two values per
+    instruction; PTX ISA: round to nearest even, saturate to +-448, NaN -> NaN).
+
+    Equals :func:`e4m3_encode` for every finite ``y`` (the saturation of both is to 448 with the
+    sign). Never under the interpreter: its fp8 cast is computed by numpy and is wrong for some
+    inputs. Args: y: float32 tensor. Returns: uint8 tensor of the same shape.
+    """
+    return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def e2m1x2_native(lo, hi):
+    """Two fp32 tensors -> one byte each: E2M1 codes of ``lo`` (low nibble) and ``hi`` (high
+    nibble) by ``cvt.rn.satfinite.e2m1x2.f32`` (sm_100+; PTX ISA: round to nearest even,
+    saturate to +-6; the sign bit is the value's, -0.0 included).
+
+    Four bytes per instruction group (``pack=4``: one 32-bit register). Args: lo, hi: float32
+    tensors of one shape, finite. Returns: uint8 tensor of that shape.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b8 b0, b1, b2, b3;
+        cvt.rn.satfinite.e2m1x2.f32 b0, $5, $1;
+        cvt.rn.satfinite.e2m1x2.f32 b1, $6, $2;
+        cvt.rn.satfinite.e2m1x2.f32 b2, $7, $3;
+        cvt.rn.satfinite.e2m1x2.f32 b3, $8, $4;
+        mov.b32 $0, {b0, b1, b2, b3};
+        }""",
+        constraints="=r,f,f,f,f,f,f,f,f",
+        args=[lo, hi], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def e2m1_from_bits(y):
+    """fp32 -> 4-bit E2M1 code (int32 0..15: magnitude 0..7, sign in bit 3 = ``y``'s sign bit)
+    with round-to-nearest-even and saturation at 6, for GPUs without a native e2m1 conversion
+    (sm_90). Finite ``y`` only.
+
+    ``a = min(|y|, 6)`` lies in binade ``e = max(floor(log2 a), 0)`` in {0, 1, 2}, where the E2M1
+    grid spacing is ``2^(e-1)``. ``M = 2^(e+22) + 6 * 2^(e-1)`` has fp32 ulp ``2^(e-1)``, so the
+    one IEEE add ``a + M`` rounds ``a`` to the grid, ties to even (the code's parity is the grid
+    index's; the offset 6 is even), and ``bits(a + M) = bits(2^(e+22)) + 6 + count`` with
+    ``count`` (0..4) the grid index. The code ``count + 2e`` is the low 3 bits of
+    ``bits + (bits >> 22)`` (``bits >> 22 = 2e + 298``, and 6 + 298 = 304 = 0 mod 8).
+    Twin: ``tests/test_native_cast_model.py::e2m1_sm90_model``. Returns: int32 tensor.
+    """
+    a = tl.minimum(tl.abs(y), 6.0)
+    mb = tl.maximum((f32_bits(a) & 0x7F800000) + ((22 << 23) + 6), (149 << 23) + 6)  # bits of M
+    r = f32_bits(a + mb.to(tl.float32, bitcast=True))
+    return ((r + (r >> 22)) & 7) | ((f32_bits(y) >> 28) & 8)
+
+
+@triton.jit
+def e8m0_from_finite_amax(amax, RCEIL: tl.constexpr, MIN_BYTE: tl.constexpr):
+    """:func:`e8m0_from_amax` clamped below at ``MIN_BYTE``, for finite ``amax >= 0`` only (no
+    NaN/inf branches): ``clamp(biased - 8 + rceil_bit, MIN_BYTE, 254)``, where a zero or
+    subnormal amax (biased 0) clamps to ``MIN_BYTE`` as the general form gives. Twin of
+    ``MXFP8._scale_finite`` (mxfp8.py). Returns: int32 tensor of amax's shape.
+    """
+    bits = f32_bits(amax)
+    byte = (bits >> 23) - 8
+    if RCEIL:
+        byte = byte + (((bits & 0x7FFFFF) + (0x7FFFFF - F32_MANT_1_75)) >> 23)
+    return tl.minimum(tl.maximum(byte, MIN_BYTE), 254)

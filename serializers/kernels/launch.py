@@ -1,8 +1,18 @@
-"""Host-side launch helpers shared by the format kernels."""
+"""Host-side launch description shared by the format kernels.
+
+Every format kernel module builds its one launch per grouped slab as a :class:`Launch` (a plan:
+kernel, grid, arguments, output tensors) in a ``plan_<format>`` function, and its public
+``quantize_<format>`` runs that plan. Planning reads no tensor data, so the same plan can be made
+on ``meta`` tensors for any target GPU architecture and compiled without a GPU
+(:mod:`qstrat.serializers.kernels.static_report`): the code that is measured statically is the
+code the public API launches.
+"""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,13 +30,89 @@ def device_guard(t: torch.Tensor) -> Iterator[None]:
         yield
 
 
-def kernel_input(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def kernel_input(w: torch.Tensor, native: bool = False) -> tuple[torch.Tensor, bool]:
     """The tensor a kernel reads for ``w``, and whether it holds raw bf16 bits.
 
     bf16 is passed as ``w.view(torch.int16)`` (a same-strides view: no copy) and upcast in the
-    kernel by ``bits << 16`` (:func:`.fp_encode.load_f32`); other dtypes are passed as they are.
-    Args: w: tensor of any float dtype and strides. Returns: (tensor, bf16_bits).
+    kernel by ``bits << 16`` (:func:`.fp_encode.load_f32`): exact for every value, subnormals and
+    NaN signs included (the interpreter's own conversion flushes subnormals). A native launch
+    (:func:`native_casts`: compiled, finite values) gets ``w`` itself: the GPU's bf16 -> fp32
+    conversion is exact on finite values and costs one instruction per element where the bits
+    route costs 1.5. Other dtypes are passed as they are.
+    Args: w: tensor of any float dtype and strides; native: see :func:`native_casts`.
+    Returns: (tensor, bf16_bits).
     """
-    if w.dtype == torch.bfloat16:
+    if w.dtype == torch.bfloat16 and not native:
         return w.view(torch.int16), True
     return w, False
+
+
+def device_arch(t: torch.Tensor) -> int | None:
+    """The compute capability a launch on ``t``'s device compiles for, as ``10 * major + minor``
+    (90: H100/H200, 100: B200), or None for a CPU tensor (Triton's interpreter)."""
+    if t.is_cuda:
+        major, minor = torch.cuda.get_device_capability(t.device)
+        return 10 * major + minor
+    return None
+
+
+def native_casts(arch: int | None, nonfinite: str) -> bool:
+    """Whether a kernel uses the GPU's native conversions (``cvt.rn.satfinite.e4m3x2``).
+
+    True for a compiled launch (``arch`` not None) of finite inputs (``nonfinite="error"``: the
+    serializer refuses NaN/inf before the kernel runs). The interpreter's fp8 cast is wrong
+    (docs/formats.md, "Two encoders, one result"), and NaN/inf inputs (``nonfinite="propagate"``)
+    take the exact integer encoder, whose NaN signs and saturation are the torch reference's.
+    """
+    return arch is not None and nonfinite == "error"
+
+
+@dataclass
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, **constexprs, **options())``.
+
+    Attributes:
+        kernel: the ``@triton.jit`` function.
+        grid: programs per grid axis.
+        args: the runtime arguments (tensors, ints, floats), in the kernel's order.
+        constexprs: the ``tl.constexpr`` arguments by name.
+        num_warps: warps per program.
+        outputs: the tensors the kernel writes, by part name (what the format returns).
+        device_tensor: the tensor whose device the launch runs on.
+        loop_trips: trip count of each loop a program runs, in SASS address order (for the
+            static report's instruction count; the kernels here run one tile per program: none).
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: Mapping[str, Any]
+    num_warps: int
+    outputs: dict[str, torch.Tensor]
+    device_tensor: torch.Tensor = field(repr=False)
+    loop_trips: tuple[int, ...] = ()
+
+    def options(self) -> dict[str, Any]:
+        """Triton launch options: ``num_warps``, and FP fusion off (no multiply-add is contracted
+        into an fma the torch reference does not do; the kernels write their one fma as
+        ``tl.fma``)."""
+        return {"num_warps": self.num_warps, "enable_fp_fusion": False}
+
+    def run(self) -> dict[str, torch.Tensor]:
+        """Launch on the device of ``device_tensor``; returns :attr:`outputs`."""
+        with device_guard(self.device_tensor):
+            self.kernel[self.grid](*self.args, **self.constexprs, **self.options())
+        return self.outputs
+
+
+#: Rows/columns a tile may reach past a tensor's end (masked lanes still form addresses).
+_TILE_MARGIN = 256
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel over ``tensors`` needs 64-bit element offsets: True when any offset it
+    can form, masked tile lanes included (``(size + 256) * |stride|`` summed over dims), reaches
+    2^31. Below that, 32-bit offsets are exact and cost a third of the address instructions.
+    """
+    return any(sum((s + _TILE_MARGIN) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31
+               for t in tensors)

@@ -6,15 +6,21 @@ global amax comes in through the group context (``{"amax": [E]}`` from
 :meth:`NVFP4.group_context`, shared by fused members); every program derives the expert's
 ``enc`` and ``weight_scale_2`` from it with the reference's fp32 ops, so nothing is computed on
 the host and nothing syncs. A program loads ``[BLOCK_N, BLOCK_K/16, 16]`` through the input's
-strides (views read in place, int64 offsets), upcasts to fp32, and per 16-block mirrors
+strides (views read in place; int64 offsets where :func:`.launch.needs_int64`), upcasts to fp32, and per 16-block mirrors
 ``NVFP4.reference`` step by step (see nvfp4.py for the formulas and their vLLM source):
 
 1. ``enc = div_rn(2688, amax)``, capped at 2^116, 1 where amax == 0; ``dec = div_rn(1, enc)``;
-2. ``scale = e4m3(enc * (amax_b * fp32(1/6)))`` (integer encoder: saturates at 448);
-3. ``os = div_rn(1, fp32(scale) * dec)``, 0 where the scale is 0;
+2. ``scale = e4m3(enc * (amax_b * fp32(1/6)))`` (saturates at 448);
+3. ``os = 1 / (fp32(scale) * dec)`` correctly rounded, 0 where the scale is 0;
 4. ``code = e2m1(|x * os|) | 8 * (x < 0)``, packed two per byte, even element in the low nibble.
 
-Divisions are ``tl.math.div_rn`` (correctly rounded; GPU ``/`` is approximate). Programs of tile
+A native launch (:func:`.launch.native_casts`: compiled, finite weights) converts with
+``cvt.rn.satfinite.e4m3x2`` (step 2) and ``cvt.rn.satfinite.e2m1x2`` (step 4, sm_100+; on sm_90
+:func:`.fp_encode.e2m1_from_bits`) the value ``fma(x, os, +0.0)``, with ``os = 2^-149`` for a
+zero scale, which carries the reference's sign rule (docs/formats.md, "Two encoders, one
+result"); the interpreter and ``nonfinite="propagate"`` use the integer encoders.
+
+Divisions are ``tl.math.div_rn`` or ``rcp.rn`` (correctly rounded; GPU ``/`` is approximate). Programs of tile
 0 also write the expert's ``weight_scale_2`` and ``input_scale``.
 """
 from __future__ import annotations
@@ -22,14 +28,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import device_guard, kernel_input
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
 from qstrat.serializers.nvfp4 import BLOCK, ENC_MAX, GLOBAL_MAX, NVFP4, RCP_E2M1_MAX
 
-#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). Untuned.
-BLOCK_N = 32
+#: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). 64 x 128: the fewest SASS per element at <= 128 registers (static report; docs/performance.md).
+BLOCK_N = 64
 BLOCK_K = 128
 NUM_WARPS = 4
 
@@ -41,9 +48,9 @@ def _nvfp4_kernel(
     stride_e, stride_n, stride_k, stride_amax,
     GMAX: tl.constexpr, EMAX: tl.constexpr, RCP6: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FB: tl.constexpr, BF16_BITS: tl.constexpr,
+    NATIVE: tl.constexpr, NATIVE_E2M1: tl.constexpr, WIDE: tl.constexpr,
 ):
-    tile = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1).to(tl.int64)
+    tile, e = fp_encode.program_ids(WIDE)
 
     # Step 1: the expert's global encode scale (nvfp4.global_encode_scale) and its reciprocal.
     amax_t = tl.load(amax_ptr + e * stride_amax).to(tl.float32)
@@ -60,27 +67,53 @@ def _nvfp4_kernel(
         x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k, BLOCK_N, BLOCK_K, FB, BF16_BITS)
 
     # Step 2: e4m3 block scale.
-    amax_b = fp_encode.amax_last_axis(x)
-    scale = fp_encode.e4m3_encode(enc * (amax_b * RCP6))
+    amax_b = tl.max(tl.abs(x), axis=2) if NATIVE else fp_encode.amax_last_axis(x)
+    if NATIVE:  # finite: enc * (amax_b * 1/6) <= 2688 * (1 + 2^-22): satfinite == clamp at 448
+        scale = fp_encode.e4m3_native(enc * (amax_b * RCP6))
+        s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        scale = fp_encode.e4m3_encode(enc * (amax_b * RCP6))
+        s = fp_encode.e4m3_decode(scale)
     # Step 3: element multiplier from the DECODED scale.
-    s = fp_encode.e4m3_decode(scale)
     zero = s == 0
     denom = tl.where(zero, 1.0, s * dec)  # no 1/0 on the discarded lanes
-    os = tl.where(zero, 0.0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), denom))
-    # Step 4: E2M1 codes, sign from x itself, two per byte (even element in the low nibble).
-    code = fp_encode.e2m1_magnitude(tl.abs(x * os[:, :, None])) | ((x < 0).to(tl.int32) << 3)
-    lo, hi = tl.split(tl.reshape(code, (BLOCK_N, G, FB // 2, 2)))
-    packed = lo | (hi << 4)
+    if NATIVE:
+        rcp = libdevice.rcp_rn(denom)  # rcp.rn.f32: correctly rounded, = div_rn(1, denom)
+        # Step 4 by the sign of y = fma(x, os, +0.0): RNE(x*os + 0) is x*os rounded, and its sign
+        # is x's sign for every x != -0.0 (a nonzero product keeps its sign even when it rounds
+        # to zero), +0.0 for x = -0.0: exactly the reference's "8 * (x < 0)". A zero scale's
+        # os = 0 becomes 2^-149: |x * 2^-149| < 0.25 rounds to code 0 for every finite x, as 0 does,
+        # and keeps the sign for the same reason (docs/formats.md, "Two encoders, one result").
+        os = tl.where(zero, 1.401298464324817e-45, rcp)
+        y = tl.fma(x, os[:, :, None], 0.0)
+        lo, hi = tl.split(tl.reshape(y, (BLOCK_N, G, FB // 2, 2)))
+        if NATIVE_E2M1:
+            packed = fp_encode.e2m1x2_native(lo, hi)
+        else:
+            packed = fp_encode.e2m1_from_bits(lo) | (fp_encode.e2m1_from_bits(hi) << 4)
+    else:
+        os = tl.where(zero, 0.0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), denom))
+        # Step 4: E2M1 codes, sign from x itself, two per byte (even element in the low nibble).
+        code = fp_encode.e2m1_magnitude(tl.abs(x * os[:, :, None])) | ((x < 0).to(tl.int32) << 3)
+        lo, hi = tl.split(tl.reshape(code, (BLOCK_N, G, FB // 2, 2)))
+        packed = lo | (hi << 4)
 
     KH = K // 2
-    pairs = groups[None, :, None] * (FB // 2) + tl.arange(0, FB // 2).to(tl.int64)[None, None, :]
+    pairs = groups[None, :, None] * (FB // 2) + tl.arange(0, FB // 2).to(tile.dtype)[None, None, :]
     tl.store(q_ptr + e * N * KH + r3 * KH + pairs, packed.to(tl.uint8),
              mask=(r3 < N) & (pairs < KH))
     fp_encode.store_block_scales(s_ptr, e, N, K // FB, rows, groups, scale)
 
 
 def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to NVFP4 in one kernel launch (``NVFP4.kernel`` names it).
+    """Quantize a grouped slab to NVFP4 in one kernel launch (``NVFP4.kernel`` names it):
+    runs :func:`plan_nvfp4` for ``w3``'s device. Args, returns and errors as there."""
+    return plan_nvfp4(serializer, w3, ctx, device_arch(w3)).run()
+
+
+def plan_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None, arch: int | None = None) -> Launch:
+    """The one launch that quantizes a grouped slab to NVFP4 (reads no data: ``w3`` may be a
+    ``meta`` tensor, see :mod:`.static_report`).
 
     Args:
         serializer: the :class:`NVFP4` instance (reads ``options.input_scale``).
@@ -88,8 +121,9 @@ def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, t
             ``K % 16 == 0``; read in place, never copied.
         ctx: ``{"amax": float32 [E]}`` from :meth:`NVFP4.group_context` (the fusion group's
             per-expert max|W|); ``None`` computes it from ``w3`` alone (a group of one).
+        arch: compute capability compiled for (:func:`.launch.device_arch`; None: interpreter).
     Returns:
-        ``{"weight": uint8 [E, N, K/2], "weight_scale": float8_e4m3fn [E, N, K/16],
+        the :class:`.launch.Launch`, whose outputs are ``{"weight": uint8 [E, N, K/2], "weight_scale": float8_e4m3fn [E, N, K/16],
         "weight_scale_2": float32 [E], "input_scale": float32 [E]}``, contiguous, on ``w3``'s
         device; bytes identical to ``NVFP4.reference`` (formulas: nvfp4.py and docs/formats.md,
         after vLLM's ``ref_nvfp4_quant``).
@@ -114,18 +148,17 @@ def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, t
     s2 = torch.empty((e,), dtype=torch.float32, device=dev)
     inp = torch.empty((e,), dtype=torch.float32, device=dev)
     kt = triton.cdiv(k, BLOCK_K)
-    x, bf16_bits = kernel_input(w3)
-    with device_guard(w3):
-        _nvfp4_kernel[(triton.cdiv(n, BLOCK_N) * kt, e)](
-            x, amax, q, s, s2, inp, n, k, kt, float(serializer.options.input_scale),
-            *x.stride(), amax.stride(0),
-            GMAX=GLOBAL_MAX, EMAX=ENC_MAX, RCP6=RCP_E2M1_MAX, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            FB=BLOCK, BF16_BITS=bf16_bits, num_warps=NUM_WARPS,
-        )
-    return {
-        "weight": q,
-        "weight_scale": s.view(torch.float8_e4m3fn),
-        "weight_scale_2": s2,
-        "input_scale": inp,
-    }
+    native = native_casts(arch, serializer.options.nonfinite)
+    x, bf16_bits = kernel_input(w3, native)
+    return Launch(
+        _nvfp4_kernel, (triton.cdiv(n, BLOCK_N) * kt, e),
+        (x, amax, q, s, s2, inp, n, k, kt, float(serializer.options.input_scale),
+         *x.stride(), amax.stride(0)),
+        dict(GMAX=GLOBAL_MAX, EMAX=ENC_MAX, RCP6=RCP_E2M1_MAX, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+             FB=BLOCK, BF16_BITS=bf16_bits, NATIVE=native,
+             NATIVE_E2M1=native and arch >= 100, WIDE=needs_int64(w3, q)),
+        NUM_WARPS,
+        {"weight": q, "weight_scale": s.view(torch.float8_e4m3fn), "weight_scale_2": s2,
+         "input_scale": inp},
+        w3)
 
