@@ -232,7 +232,7 @@ class Planner:
                 e = entries[i]
                 p = self.layout.parse(e.name, num_layers)
                 entries[i] = dataclasses.replace(e, serializer="bf16", options={},
-                                                 outputs=self._outputs(p, bf16.part_specs(e.shape), e.shape),
+                                                 outputs=self.declare.outputs(p, bf16.part_specs(e.shape), e.shape),
                                                  note=f"BF16 fallback: {unit}: {fell.name}: {reason}")
 
     def _engine_fusions(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
