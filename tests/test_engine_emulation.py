@@ -41,13 +41,18 @@ def test_needed_formats_on_this_cpu_and_elsewhere(emulation, monkeypatch):
     monkeypatch.delenv(emulation.OPT_OUT_ENV, raising=False)
     monkeypatch.setattr(platform_facts, "has_amx", lambda: False)
     assert emulation.needed_formats() == (("block_fp8", "mxfp8", "nvfp4"), "CPU without AMX")
+    assert [emulation.kernels_serving(f) for f in ("block_fp8", "mxfp8")] == [
+        "qstrat's emulated block_fp8 kernels", "qstrat's emulated mxfp8 kernels"]
     monkeypatch.setattr(platform_facts, "has_amx", lambda: True)  # vLLM has AMX block-FP8 kernels...
-    assert emulation.needed_formats() == (("block_fp8", "mxfp8", "nvfp4"), (
-        "CPU with AMX (block FP8: vLLM's AMX kernels, except linear layers with a bias, which "
-        "vLLM's fp8_scaled_mm_cpu cannot run)"))  # ...but not for a layer with a bias (gpt-oss)
+    assert emulation.needed_formats() == (("block_fp8", "mxfp8", "nvfp4"), "CPU with AMX")
+    assert emulation.kernels_serving("block_fp8") == (  # ...but not for a layer with a bias (gpt-oss)
+        "vLLM's AMX block_fp8 kernels (linear layers and fused MoE), qstrat's emulated kernel for "
+        "linear layers with a bias, which vLLM's fp8_scaled_mm_cpu cannot run")
+    assert emulation.kernels_serving("nvfp4") == "qstrat's emulated nvfp4 kernels"  # MXFP8/NVFP4: only qstrat's
     monkeypatch.setenv(emulation.OPT_OUT_ENV, "force")
     assert emulation.needed_formats() == (("block_fp8", "mxfp8", "nvfp4"), (
         "CPU with AMX, forced by QSTRAT_VLLM_EMULATION=force (qstrat's kernels first)"))
+    assert emulation.kernels_serving("block_fp8") == "qstrat's emulated block_fp8 kernels"
     monkeypatch.setenv(emulation.OPT_OUT_ENV, " Force ")
     assert emulation.needed_formats()[1].endswith("forced by QSTRAT_VLLM_EMULATION=force (qstrat's kernels first)")
     monkeypatch.setenv(emulation.OPT_OUT_ENV, "0")

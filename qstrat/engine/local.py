@@ -79,7 +79,8 @@ def engine_support(formats: Iterable[str] = ("block_fp8",)) -> tuple[bool, str]:
         emulation.check(tuple(emulated))
     except VllmNameError as exc:
         return False, str(exc)
-    return True, f"{reason}: qstrat's emulated {', '.join(emulated)} kernels (qstrat.engine.emulation)"
+    kernels = "; ".join(emulation.kernels_serving(f) for f in emulated)
+    return True, f"{reason}: {kernels} (qstrat.engine.emulation)"
 
 
 #: start_engine's default CPU thread count (see its ``threads``).

@@ -50,7 +50,7 @@ from qstrat.errors import PluginError
 from qstrat.registry import Registry, get_registry
 
 __all__ = ["OPT_OUT_ENV", "Announcing", "Status", "VllmNameError", "check", "formats", "has_amx",
-           "needed_formats", "register", "status", "announce", "built_kernels"]
+           "needed_formats", "kernels_serving", "register", "status", "announce", "built_kernels"]
 
 #: Environment variable (:mod:`.mode`): ``auto`` (default), ``force``, ``0`` (off).
 OPT_OUT_ENV = mode.ENV
@@ -102,10 +102,19 @@ def needed_formats() -> tuple[tuple[str, ...], str]:
     cpu = "CPU with AMX" if has_amx() else "CPU without AMX"
     if setting == "force":
         return formats(), f"{cpu}, forced by {OPT_OUT_ENV}=force (qstrat's kernels first)"
-    if has_amx():
-        return formats(), (f"{cpu} (block FP8: vLLM's AMX kernels, except linear layers with a bias, "
-                           "which vLLM's fp8_scaled_mm_cpu cannot run)")
     return formats(), cpu
+
+
+def kernels_serving(fmt: str) -> str:
+    """Which kernels serve ``fmt`` (a format of :func:`formats`) in a vLLM CPU engine of this
+    process, in words (:func:`.mode.block_fp8_placement` for block FP8: on an AMX CPU with
+    ``auto``, vLLM's AMX kernels except linear layers with a bias).
+
+    Raises: ValueError for a bad ``QSTRAT_VLLM_EMULATION`` (naming it)."""
+    if fmt == "block_fp8" and mode.block_fp8_placement() == mode.BIASED:
+        return ("vLLM's AMX block_fp8 kernels (linear layers and fused MoE), qstrat's emulated kernel for "
+                "linear layers with a bias, which vLLM's fp8_scaled_mm_cpu cannot run")
+    return f"qstrat's emulated {fmt} kernels"
 
 
 def formats(registry: Registry | None = None) -> tuple[str, ...]:
@@ -189,7 +198,9 @@ def register() -> None:
         logger.error("qstrat CPU emulation NOT registered: %s", _status.error)
         return
     _status = Status(needed, reason)
-    announcing.describe(reason, needed, OPT_OUT_ENV)
+    biased = mode.block_fp8_placement() == mode.BIASED  # AMX: vLLM's kernels serve the rest
+    announcing.describe(reason, tuple(f"{f} (linear layers with a bias only)" if f == "block_fp8" and biased else f
+                                      for f in needed), OPT_OUT_ENV)
 
 
 
