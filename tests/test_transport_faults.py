@@ -277,6 +277,21 @@ def test_another_protocol_version_is_refused_in_the_accept_vote(receivers, tiny)
     sender.close()
 
 
+def test_an_init_refused_over_http_is_a_transfer_auth_error():
+    """Over HTTP (vLLM's server) the engine's exception class does not travel, only its words:
+    an engine's refusal of an unsigned init still reaches the trainer as TransferAuthError."""
+    from qstrat.transport.auth import INIT_REFUSED
+
+    class HttpClient:  # what vLLM's HTTP client raises for the engine's refusal (HTTP 500)
+        def init_weight_transfer_engine(self, info):
+            raise RuntimeError(f"500 Server Error: the engine said: {INIT_REFUSED} (this engine holds a "
+                               "transfer secret; the caller holds none or another key); the live group is kept")
+
+    sender = RefitSender([HttpClient()], "127.0.0.1", free_port(), timeout_s=1)
+    with pytest.raises(TransferAuthError, match="init_weight_transfer_engine refused: no valid authentication tag"):
+        sender.connect()
+
+
 def test_an_init_without_the_secrets_tag_leaves_the_live_group_working(receivers, tiny):
     driver, trainer_a, trainer_b, _ = tiny
     start_from(receivers, tiny, trainer_a)

@@ -113,6 +113,11 @@ def sign_init(secret: Secret | None, init_info: dict[str, Any]) -> dict[str, Any
     return {**init_info, "auth": init_tag(secret, init_message(init_info)).hex()}
 
 
+#: How a receiver's refusal of an unauthenticated init begins: the sender recognises it in an
+#: engine's error text (over HTTP the exception class does not travel) as a TransferAuthError.
+INIT_REFUSED = "init_weight_transfer_engine refused: no valid authentication tag"
+
+
 def check_init(secret: Secret | None, init_info: Mapping[str, Any]) -> str | None:
     """Why an init info must be refused by a receiver holding ``secret`` (None: accept)."""
     if secret is None:
@@ -123,8 +128,8 @@ def check_init(secret: Secret | None, init_info: Mapping[str, Any]) -> str | Non
     except ValueError:
         ok = False
     if not ok:
-        return ("init_weight_transfer_engine refused: no valid authentication tag (this engine holds a "
-                "transfer secret; the caller holds none or another key); the live group is kept")
+        return (f"{INIT_REFUSED} (this engine holds a transfer secret; the caller holds none or another "
+                "key); the live group is kept")
     return None
 
 

@@ -43,7 +43,7 @@ from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
 from qstrat.transport import protocol as proto
-from qstrat.transport.auth import PROTOCOL_VERSION, RoundContext, next_counter, sign_init
+from qstrat.transport.auth import INIT_REFUSED, PROTOCOL_VERSION, RoundContext, next_counter, sign_init
 from qstrat.transport.engine_check import FORMAT_KEY
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.keys import ENV_SECRET, Secret
@@ -150,7 +150,8 @@ class RefitSender:
                                     self.backend, self.timeout_s)
         except TransportError as exc:  # say why the engines did not join (e.g. an address refusal)
             errors = self._results(futures)
-            kind = TransferAuthError if any("TransferAuthError" in e for e in errors.values()) else TransportError
+            refused = any("TransferAuthError" in e or INIT_REFUSED in e for e in errors.values())
+            kind = TransferAuthError if refused else TransportError
             raise kind(f"{exc}; init_weight_transfer_engine: {_listed(errors) or 'no error reported'}") from None
         errors = self._results(futures)
         if errors:
