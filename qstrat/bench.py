@@ -486,6 +486,8 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
     def cell(col: str, v: Any) -> str:
         if col == "overhead" and isinstance(v, float):
             return f"{v:+.1%}"  # the JSON keeps the fraction
+        if col == "arch" and isinstance(v, int):
+            return f"sm_{v}"  # the JSON keeps the compute capability (90, 100)
         return fmt(v)
 
     columns = {

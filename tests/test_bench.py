@@ -54,6 +54,7 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
         assert math.isclose(plan["us_per_tensor"], plan["ms"] * 1e3 / plan["tensors"], rel_tol=0.02)
     text = capsys.readouterr().out
     assert "its ms / qstrat ms" in text and "loop / grouped" in text and "overhead" in text
+    assert "sm_90" in text and "sm_100" in text  # the kernels' arch as docs/performance.md names it
     # the machine facts: the JSON's are what the code in force uses, and the header prints them
     m = doc["machine"]
     setting = chunking.chunk_setting()
