@@ -42,6 +42,9 @@ from qstrat.vllm_adapter.platform_facts import device_type, in_process
 #: Attribute set on an engine whose reload failed part-way (it holds a mix: a whole refit repairs it).
 _FAILED = "_qstrat_refit_failed"
 
+#: Whether this process has warned about the temporary-checkpoint path (:func:`_warn_spool_cost`).
+_SPOOL_WARNED = False
+
 
 @dataclass(frozen=True, repr=False)
 class RefitReport:
@@ -404,7 +407,10 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             tensors in ``collective_rpc`` kwargs from its engine core to a worker process
             ("cannot pickle memoryview objects"), so for such an engine the default is the
             system's temporary folder (``tempfile.gettempdir()``; the engine runs on this host).
-            Not with ``stream``.
+            Every refit then holds the whole payload in this process's memory, writes it there
+            and has the engine read it back: the first one in a process warns (RuntimeWarning
+            naming the bytes, the folder and its free space; the transport,
+            :class:`qstrat.transport.RefitSender`, is the path that scales). Not with ``stream``.
         read_once: ``named_tensors`` is an iterator read ONCE, in its order, whose items may be
             valid only until the next one is drawn (TRL's ``_iter_named_params`` under ZeRO-3 or
             FSDP, which the caller copies per item): each input is quantized as it arrives and
@@ -467,10 +473,32 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
 
         with tempfile.TemporaryDirectory(prefix="qstrat-refit-", dir=weights_dir) as spool:
             save_file(dict(payload()), str(Path(spool) / "model.safetensors"))
+            _warn_spool_cost(sent["bytes"], Path(weights_dir))
             _reload(llm, {"weights_path": spool}, sent, len(plan.outputs()))
     seconds = time.perf_counter() - start
     fidelity = verify(llm, driver) if verify is not None else None
     return RefitReport(plan, sent["tensors"], sent["bytes"], seconds, fidelity)
+
+
+def _warn_spool_cost(nbytes: int, folder: Path) -> None:
+    """Once per process: what :func:`refit` through a file costs (``nbytes`` held in memory,
+    written under ``folder`` and read back, every refit) and where it stops (this host's free
+    memory, ``folder``'s free space), and the path that scales."""
+    global _SPOOL_WARNED
+    if _SPOOL_WARNED:
+        return
+    _SPOOL_WARNED = True
+    import shutil
+
+    free = shutil.disk_usage(folder).free
+    warnings.warn(f"qstrat.vllm.refit: this refit wrote the whole quantized payload, {nbytes:,} bytes, to a "
+                  f"temporary checkpoint under {folder} ({free:,} bytes free there), after holding it in this "
+                  "process's memory, and the engine read it back; every refit through a file does the same, "
+                  "so its size is limited by this host's free memory and that folder's free space (a "
+                  "multiprocess engine cannot receive tensors through the RPC). The path that scales is "
+                  "the transport: qstrat.transport.RefitSender to the engine's 'qstrat' weight-transfer "
+                  "backend, which streams buckets into the workers without a file (docs/transport.md). "
+                  "This warning is shown once per process.", RuntimeWarning, stacklevel=3)
 
 
 def _reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:

@@ -2,7 +2,9 @@
 docs/transport.md gives) through vLLM's ``HTTPVLLMWeightSyncClient`` and qstrat's
 weight-transfer backend: a refused round's REASON reaches the trainer's exception (it used to be
 only "HTTPError: 500 Server Error" there, the reason in the server's log), and a valid round
-then loads.
+then loads, and every weight of the refit engine, routers included, equals the fresh engine's
+(read back by qstrat's own means: :mod:`qstrat.engine.weight_digests`, a worker extension the
+test adds to the server command; vLLM's ``/weight_checker`` is not used).
 
 The server runs in its own process group with vLLM 0.32's weight-transfer routes, which exist
 only with ``VLLM_SERVER_DEV_MODE=1``; it starts on qstrat's block-FP8 checkpoint of model B.
@@ -47,12 +49,17 @@ def ckpts(tmp_path_factory):
 SECRET = "the recipe's shared secret, 32 bytes"
 
 
+DIGESTS = "qstrat.engine.weight_digests.WeightDigests"
+
+
 def server_command(model_dir, port: int) -> list[str]:
-    """docs/transport.md's server command ("A recipe on a CPU"), on ``port``."""
+    """docs/transport.md's server command ("A recipe on a CPU"), on ``port``, with qstrat's
+    weight-digest worker extension (docs/transport.md: "Reading the weights back")."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--weight-transfer-config", json.dumps({"backend": "qstrat"}),
             "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager",
-            "--max-model-len", "256", "--max-num-seqs", "4", "--dtype", "bfloat16"]
+            "--max-model-len", "256", "--max-num-seqs", "4", "--dtype", "bfloat16",
+            "--worker-extension-cls", DIGESTS]
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +100,8 @@ def server(ckpts):
 
 @pytest.fixture(scope="module")
 def b_at_start(server):
-    """The engine's weight checksums before any refit (the fresh engine on B)."""
-    return checksums(server)
+    """The fresh engine's digest of every weight, before any refit (the engine on B)."""
+    return digests(server)
 
 
 def test_the_recipes_trainer_script_refits_the_fresh_server_and_back(server, b_at_start, ckpts):
@@ -144,25 +151,51 @@ def test_refused_round_carries_the_engines_reason_to_the_trainer(sender, ckpts):
     assert "(the engine does not serve the plan's format mxfp8)" in said and "weight_scale_inv" not in said, said
 
 
-def checksums(url) -> dict[str, str]:
-    """The engine's SHA-256 of every weight (vLLM's ``/weight_checker``, dev mode)."""
+def digests(url) -> dict[str, str]:
+    """The engine's SHA-256 of every parameter and buffer (:func:`qstrat.engine.weight_digests.tensor_digests`
+    in the one worker, through vLLM's dev-mode ``/collective_rpc``)."""
     import requests
 
-    out = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=TIMEOUT_S)
+    out = requests.post(f"{url}/collective_rpc", json={"method": "qstrat_weight_digests"}, timeout=TIMEOUT_S)
     out.raise_for_status()
-    return out.json()["checksums"]
+    (worker,) = out.json()["results"]
+    return worker
+
+
+def is_router(name: str) -> bool:
+    return name.endswith(".mlp.gate.weight")
 
 
 def test_valid_rounds_load_and_refit_back_restores_the_start(sender, ckpts, server, b_at_start):
     """After the refused round the engine's weights are B's at start-up; a round to A changes
-    every quantized weight; a round back to B restores every weight bit for bit."""
+    every quantized weight and every router; a plan of B without the routers is refused before
+    sending; a round of B whose routers are not updated (A's sent again) leaves exactly the
+    routers differing from the fresh engine (the check sees a router not updated); a whole round
+    of B restores every weight bit for bit."""
     from qstrat.driver import RefitDriver
+    from qstrat.engine.weight_digests import tensor_digest
+    from qstrat.errors import PlanError
 
     driver = RefitDriver("block-fp8", hf_config=ckpts["cfg"])
-    assert checksums(server) == b_at_start, "the refused round changed the engine"
+    routers = {k for k in b_at_start if is_router(k)}
+    assert len(routers) == ckpts["cfg"]["num_hidden_layers"], sorted(b_at_start)
+    # the routers as the engine computes with them are B's BF16 tensors exactly
+    assert {k: b_at_start[k] for k in routers} == {k: tensor_digest(ckpts["b"][k]) for k in routers}
+    assert digests(server) == b_at_start, "the refused round changed the engine"
     sender.refit(driver, ckpts["a"])
-    on_a = checksums(server)
+    on_a = digests(server)
+    assert on_a.keys() == b_at_start.keys()
     changed = {k for k in on_a if on_a[k] != b_at_start[k]}
+    assert {k: on_a[k] for k in routers} == {k: tensor_digest(ckpts["a"][k]) for k in routers}
     assert any(k.endswith("qkv_proj.weight") for k in changed) and any(k.endswith("weight_scale_inv") for k in changed)
+    # a sender that leaves the routers out is refused before anything is sent ...
+    skip_routers = driver.plan(ckpts["b"]).subset(lambda e: not is_router(e.name))
+    with pytest.raises(PlanError, match="the plan sends nothing for model.layers.0.mlp.gate "):
+        sender.refit(driver, ckpts["b"], plan=skip_routers)
+    # ... so one that does not update them sends their current (A) values: the digests see it
+    sender.refit(driver, {**ckpts["b"], **{k: v for k, v in ckpts["a"].items() if is_router(k)}})
+    now = digests(server)
+    assert {k for k in now if now[k] != b_at_start[k]} == routers, "only the routers must differ"
+    assert all(now[k] == on_a[k] for k in routers)
     sender.refit(driver, ckpts["b"])
-    assert checksums(server) == b_at_start, "refit back to B vs B at start-up"
+    assert digests(server) == b_at_start, "refit back to B vs the fresh engine on B"

@@ -140,6 +140,7 @@ class FileReadingLLM(RecordingLLM):
                            kwargs["is_checkpoint_format"], "weights_iterator" in kwargs))
 
 
+@pytest.mark.filterwarnings("ignore:qstrat.vllm.refit. this refit wrote:RuntimeWarning")  # asserted below
 def test_refit_through_a_file_sends_the_same_payload_and_cleans_up(tiny_model, driver, tmp_path):
     """``weights_dir`` (multiprocess engines): one safetensors file in a fresh folder under it,
     exactly driver.run's tensors, the folder gone afterwards; ``stream`` with it is refused."""
@@ -321,6 +322,7 @@ class MultiprocessLLM(RecordingLLM):
         self.calls.append((method, kwargs["weights_path"], sorted(load_file(f))))
 
 
+@pytest.mark.filterwarnings("ignore:qstrat.vllm.refit. this refit wrote:RuntimeWarning")  # asserted below
 def test_multiprocess_engine_without_weights_dir_gets_a_temporary_folder(tiny_model, driver, monkeypatch):
     """Before: vLLM's "cannot pickle memoryview objects" became an EngineStateError and every later
     refit of the engine was refused. Now qstrat takes a temporary folder itself (removed after);
@@ -339,3 +341,35 @@ def test_multiprocess_engine_without_weights_dir_gets_a_temporary_folder(tiny_mo
     for _, folder, names in llm.calls:
         assert Path(folder).parent == Path(tempfile.gettempdir()) and not Path(folder).exists()
         assert names == sorted(n for n, _ in driver.run(state))
+
+
+def test_refit_through_a_file_warns_once_with_its_cost_and_the_path_that_scales(tiny_model, driver, monkeypatch):
+    """A multiprocess engine is refit through a temporary checkpoint: the first such refit in a
+    process warns with the bytes written, the folder and its free space, and names the transport;
+    the second refit is silent."""
+    import shutil
+    import tempfile
+    import warnings
+
+    monkeypatch.setattr(qstrat.vllm, "in_process", lambda llm: False)
+    monkeypatch.setattr(qstrat.vllm, "_SPOOL_WARNED", False)
+    state = tiny_model.state_dict()
+    llm = MultiprocessLLM(driver.plan(state).vllm_quantization_config())
+    folder = Path(tempfile.gettempdir())
+    with pytest.warns(RuntimeWarning) as caught:
+        report = qstrat.vllm.refit(llm, driver, state)
+    (w,) = [w for w in caught if "temporary checkpoint" in str(w.message)]
+    msg = str(w.message)
+    nbytes = sum(t.numel() * t.element_size() for _, t in driver.run(state))
+    assert report.bytes == nbytes
+    assert msg.startswith(f"qstrat.vllm.refit: this refit wrote the whole quantized payload, {nbytes:,} bytes, "
+                          f"to a temporary checkpoint under {folder} ("), msg
+    free = int(msg.split(f"under {folder} (")[1].split(" bytes free there")[0].replace(",", ""))
+    assert 0 < free <= shutil.disk_usage(folder).total
+    assert "limited by this host's free memory and that folder's free space" in msg
+    assert "The path that scales is the transport: qstrat.transport.RefitSender" in msg and "docs/transport.md" in msg
+    assert w.filename == __file__, "the warning points at the caller of refit"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qstrat.vllm.refit(llm, driver, state)
+    assert len(llm.calls) == 2

@@ -6,6 +6,8 @@
   qstrat format it has no native kernels for (block FP8 without AMX, MXFP8, NVFP4).
 - :mod:`.transfer_backend`: the vLLM weight-transfer backend ``"qstrat"`` (receives
   :mod:`qstrat.transport` rounds; imports vLLM).
+- :mod:`.weight_digests`: a worker extension that reads an engine's weights back as digests
+  (routers packed into vLLM's CPU kernel included).
 
 Every vLLM name they use comes through :mod:`qstrat.vllm_adapter` (its version table).
 """
