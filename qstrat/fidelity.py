@@ -304,11 +304,32 @@ def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
 
     SamplingParams = resolve("sampling_params")
 
-    limit = llm.llm_engine.model_config.max_logprobs
-    k = top_k if limit == -1 else min(top_k, limit)
+    k = served_top_k(llm, top_k)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
     outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     return k, [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
+
+
+def served_top_k(llm: Any, top_k: int) -> int:
+    """The logprobs per position ``llm`` returns when asked for ``top_k``: ``min(top_k, its
+    max_logprobs)`` (-1 there: the vocabulary, so ``top_k``). An engine whose model config does
+    not say (a stand-in) is taken to serve ``top_k``."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    limit = getattr(config, "max_logprobs", -1)
+    return top_k if limit == -1 else min(top_k, limit)
+
+
+def check_served_top_k(llm: Any, top_k: int, thresholds: Mapping[str, Threshold] | None) -> None:
+    """Raise ValueError when the default :data:`THRESHOLDS` (calibrated with top-20 logprobs)
+    would be applied to fewer than 20 logprobs per position because ``llm``'s ``max_logprobs``
+    caps ``top_k`` (:func:`served_top_k`): the probe would measure a smaller KL, so a wrong refit
+    could pass - the same weakening :func:`check_probe_args` refuses for ``top_k < 20``."""
+    k = served_top_k(llm, top_k)
+    if thresholds is None and k < 20:
+        raise ValueError(f"fidelity: the engine's max_logprobs={k} caps top_k={top_k} at {k}, and the default "
+                         "thresholds are calibrated with top-20 logprobs (a smaller k measures a smaller KL, so "
+                         "a wrong refit could pass): start the engine with max_logprobs >= 20 (vllm.LLM(..., "
+                         "max_logprobs=20)) or pass top_k and thresholds calibrated for that k")
 
 
 # ---- the comparison ----------------------------------------------------------------------------
@@ -400,19 +421,22 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
             refit too: the engine must serve every layer of ``model``).
         sequences: token ids, equal lengths (default :func:`probe_sequences` of the model's
             ``config.vocab_size``: 4 x 32).
-        top_k: engine logprobs per position (capped by the engine's ``max_logprobs``).
+        top_k: engine logprobs per position (capped by the engine's ``max_logprobs``; with the
+            default thresholds, a cap below 20 is refused: :func:`check_served_top_k`).
         thresholds: per format (default :data:`THRESHOLDS`).
         check: raise FidelityError above the threshold (else only report).
     Returns: a :class:`FidelityReport`.
     Raises: FidelityError (``.report`` holds the report) when ``check`` and a number exceeds its
         threshold; TypeError / ValueError naming an argument that cannot work
-        (:func:`check_probe_args`), before the engine is asked; KeyError for a format without a
+        (:func:`check_probe_args`), or an engine whose ``max_logprobs`` caps the default
+        thresholds' top-20 (:func:`check_served_top_k`), before the engine is asked; KeyError for a format without a
         threshold; RuntimeError if the model's
         grouped experts hold NVFP4 weights but never call ``_apply_gate`` (the engine's
         intermediate activation quantization could not be matched).
     """
     start = time.perf_counter()
     check_probe_args(model, sequences, top_k, thresholds, check)
+    check_served_top_k(llm, top_k, thresholds)
     state = model.state_dict()
     plan = plan if plan is not None else driver.plan(state)
     fmt, limit = threshold_for(plan, thresholds)
@@ -464,6 +488,12 @@ class Verify:
         """Called by ``qstrat.vllm.refit`` before the reload: raise KeyError naming a planned
         format with no threshold (:func:`threshold_for`), so it fails before the engine changes."""
         threshold_for(plan, self.thresholds)
+
+    def check_engine(self, llm: Any) -> None:
+        """Called by ``qstrat.vllm.refit`` before the reload: raise ValueError when ``llm``'s
+        ``max_logprobs`` caps ``top_k`` below what the thresholds are calibrated for
+        (:func:`check_served_top_k`), so it fails before the engine changes."""
+        check_served_top_k(llm, self.top_k, self.thresholds)
 
     def __call__(self, llm: Any, driver: Any) -> FidelityReport:
         return probe(llm, self.model, driver, sequences=self.sequences, top_k=self.top_k,

@@ -412,3 +412,34 @@ def test_a_format_without_a_threshold_is_refused_before_the_reload(tiny_model, t
     with pytest.raises(KeyError, match=r"no fidelity threshold for format\(s\) \['block_fp8'\]"):
         qvllm.refit(llm, driver, tiny_model.state_dict(), verify=verify)
     assert llm.calls == []   # the old code reloaded first, then raised from the probe
+
+
+def test_an_engine_whose_max_logprobs_caps_the_default_top_20_is_refused_before_the_reload(
+        tiny_model, tiny_hf_config, monkeypatch):
+    """The old code asked the engine for min(top_k, max_logprobs) logprobs: an engine started with
+    max_logprobs=5 was probed at top-5 against limits calibrated at top-20, after the reload - the
+    weakening Verify(top_k=5) is refused for. Now refused before anything is sent."""
+    from types import SimpleNamespace
+
+    from test_vllm_sink import RecordingLLM, manifest_without_cross_check
+
+    import qstrat.vllm as qvllm
+    from qstrat import RefitDriver
+    from qstrat.fidelity import Threshold, Verify, probe, served_top_k
+
+    manifest_without_cross_check.__wrapped__(monkeypatch)
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    llm = RecordingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
+    llm.llm_engine.model_config.max_logprobs = 5
+    reason = r"^fidelity: the engine's max_logprobs=5 caps top_k=20 at 5, and the default thresholds are calibrated"
+    with pytest.raises(ValueError, match=reason):
+        qvllm.refit(llm, driver, tiny_model.state_dict(), verify=Verify(tiny_model))
+    assert llm.calls == []
+    with pytest.raises(ValueError, match=reason):
+        probe(llm, tiny_model, driver)
+    # thresholds calibrated by the user for their k, and engines that serve 20 or all: accepted
+    Verify(tiny_model, top_k=5, thresholds={"block_fp8": Threshold(1.0, 1e-3)}).check_engine(llm)
+    for limit, k in ((20, 20), (-1, 50), (64, 50)):
+        engine = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_logprobs=limit)))
+        Verify(tiny_model, top_k=k).check_engine(engine)
+        assert served_top_k(engine, k) == k
