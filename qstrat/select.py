@@ -40,7 +40,8 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
             parameter suffix is a module holding such a ``weight``. Shape-dependent decisions
             (a format's tile, ``on_unsupported: bf16``) need the real shapes: pass the module.
         hf_config: the model's config.json (layout detection, decoder depth for ``keep_bf16``);
-            for an ``nn.Module`` its ``.config`` is used when present.
+            for an ``nn.Module`` its ``.config`` is used when present, or the wrapped model's
+            under a DDP / FSDP1 / ``torch.compile`` / activation-checkpointing wrapper.
         plan: the plan to read (a plan made beforehand with the same config:
             :meth:`~qstrat.RefitDriver.check_plan`); default: plan ``module_or_names`` here.
     Returns:
@@ -53,10 +54,8 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
     Raises: ConfigError for an invalid config; PlanError where the plan refuses (e.g.
         ``keep_bf16.last`` without ``hf_config``'s decoder depth: qstrat does not guess it).
     """
-    is_module = isinstance(module_or_names, torch.nn.Module)
-    if is_module and hf_config is None and hasattr(module_or_names, "config"):
-        cfg = module_or_names.config
-        hf_config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
+    if isinstance(module_or_names, torch.nn.Module) and hf_config is None:
+        hf_config = _module_config(module_or_names)
     driver = RefitDriver(config, hf_config=hf_config)
     if plan is None:
         plan = driver.plan(_specs(driver.layout, module_or_names))
@@ -68,6 +67,28 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
         if e.name.endswith(".weight") or p.slab:
             result[e.name.removesuffix(".weight")] = Decision(e.serializer, dict(e.options), e.rule, p, e.note)
     return result
+
+
+#: Attributes through which torch's wrappers hold the model they wrap: DDP and FSDP1 ``module``,
+#: ``torch.compile``'s ``_orig_mod``, FSDP1's ``_fsdp_wrapped_module``, activation checkpointing's
+#: ``_checkpoint_wrapped_module`` (the same wrappers whose names :mod:`qstrat.layouts` strips).
+WRAPPED_MODEL_ATTRS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _module_config(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The HF config (``.config.to_dict()``) of ``module`` or of the model a wrapper around it
+    holds (:data:`WRAPPED_MODEL_ATTRS`, through any nesting): a DDP-wrapped model has no
+    ``.config`` of its own, and without it the layout and the decoder depth would not be the
+    plan's (``layout 'generic'``, a Mixtral pattern on ``block_sparse_moe`` matching nothing)."""
+    seen = set()
+    while isinstance(module, torch.nn.Module) and id(module) not in seen:
+        seen.add(id(module))
+        cfg = getattr(module, "config", None)
+        if cfg is not None:
+            return cfg.to_dict() if hasattr(cfg, "to_dict") else None
+        module = next((m for m in (getattr(module, a, None) for a in WRAPPED_MODEL_ATTRS)
+                       if isinstance(m, torch.nn.Module)), None)
+    return None
 
 
 def _specs(layout: ModelLayout, source: Any) -> dict[str, Any]:

@@ -63,6 +63,34 @@ def test_select_refuses_keep_bf16_last_without_the_depth_as_the_plan_does():
     assert {d.serializer for d in decisions.values()} == {"block_fp8"}
 
 
+def test_select_on_a_ddp_wrapped_model_reads_the_wrapped_models_config(tmp_path):
+    """DistributedDataParallel has no ``.config``: the old select planned without it (layout
+    'generic', no Mixtral rename), so the documented ``*.block_sparse_moe.*`` pattern matched
+    nothing and the trainer's view disagreed with the plan (here: a PlanError 'quantizes nothing';
+    with a preset behind the rule, a silent disagreement)."""
+    import torch.distributed as dist
+    import transformers
+
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=128, num_local_experts=2)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    config = {"preset": "mxfp8", "rules": [{"select": "experts", "include": ["*.block_sparse_moe.*"],
+                                            "serializer": "bf16"}]}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        decisions = qstrat.select(config, wrapped)
+    finally:
+        dist.destroy_process_group()
+    plan = qstrat.RefitDriver(config, hf_config=cfg.to_dict()).plan(model.state_dict())
+    by_plan = {e.name.removesuffix(".weight"): e.serializer for e in plan.entries
+               if e.name.endswith(".weight") or "experts." in e.name}
+    assert {k.removeprefix("module."): d.serializer for k, d in decisions.items()} == by_plan
+    assert decisions["module.model.layers.0.mlp.experts.gate_up_proj"].serializer == "bf16"
+    assert decisions["module.model.layers.0.self_attn.q_proj"].serializer == "mxfp8"
+
+
 # ---- the property: select == the plan, whatever wraps or shards the model ----------------------
 _FAMILIES = ("llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5_moe", "gpt_oss")
 _PATTERNS = ("model.layers.0.*", "*.block_sparse_moe.*", "re:layers\\.1\\.", "*.q_proj.weight", "*.experts.*",
