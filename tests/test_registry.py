@@ -298,6 +298,19 @@ def test_a_well_typed_plugin_layout_and_every_builtin_register():
     assert {"llama", "qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "generic"} <= set(reg.layouts)
 
 
+def test_a_plugin_layout_claiming_a_builtin_architecture_is_refused_naming_both():
+    """The old registry took it: detection then picked the plugin's layout (registration order)
+    for every Llama - its routers, fused groups and names - with no word."""
+    with pytest.raises(PluginError, match=r"^qstrat_layouts: architecture 'LlamaForCausalLM' is claimed by layout "
+                                         r"'\w+' from .* and layout '\w+' from .*: detection would pick one"):
+        registry(layouts=[ModelLayout(name="mine", architectures=("LlamaForCausalLM",))])
+    with pytest.raises(PluginError, match=r"model_type 'mixtral' is claimed by layout"):
+        registry(layouts=[ModelLayout(name="mine", model_types=("mixtral",))])
+    reg = registry(layouts=[ModelLayout(name="mine", architectures=("MineForCausalLM",), model_types=("mine",))])
+    assert qstrat.RefitDriver("block-fp8", hf_config={"architectures": ["LlamaForCausalLM"]},
+                              registry=reg).layout.name == "llama"
+
+
 if TYPE_CHECKING:  # a name only type checkers see: annotations below are strings at runtime
     from collections.abc import Callable
 
