@@ -32,7 +32,8 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
 
     Args:
         config: RefitConfig, mapping, config path or preset name.
-        module_or_names: an ``nn.Module`` (its ``named_parameters()``: names, shapes, dtypes; on
+        module_or_names: an ``nn.Module`` (its ``named_parameters(remove_duplicate=False)``:
+            names, shapes, dtypes - a tied ``lm_head`` included, as in its ``state_dict()``; on
             any device, ``meta`` included), a mapping name -> tensor or spec (a state dict,
             :func:`qstrat.inputs.tensor_specs`), or module/parameter names. A bare name is
             planned as a bfloat16 ``[256, 256]`` weight (``[1, 256 * parts, 256]`` for a
@@ -94,7 +95,9 @@ def _module_config(module: torch.nn.Module) -> dict[str, Any] | None:
 def _specs(layout: ModelLayout, source: Any) -> dict[str, Any]:
     """What :func:`select` plans: name -> anything with ``.shape`` and ``.dtype``."""
     if isinstance(source, torch.nn.Module):
-        return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in source.named_parameters()}
+        # every name a parameter has, as state_dict() lists it: a tied lm_head shares the
+        # embedding's Parameter and named_parameters() would drop it (the refit plans it)
+        return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in source.named_parameters(remove_duplicate=False)}
     if isinstance(source, Mapping):
         return dict(source)
     d = NAME_ONLY_DIM

@@ -91,6 +91,25 @@ def test_select_on_a_ddp_wrapped_model_reads_the_wrapped_models_config(tmp_path)
     assert decisions["module.model.layers.0.self_attn.q_proj"].serializer == "mxfp8"
 
 
+def test_select_on_a_tied_model_reports_its_lm_head_as_the_plan_of_its_state_dict_does():
+    """A tied lm_head shares the embedding's Parameter: the old select read named_parameters(),
+    which drops it, so select had no 'lm_head' while the refit's plan (of state_dict(), which
+    holds it) quantizes it under an lm_head rule."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=512, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    for config, want in (({"preset": "block-fp8", "rules": [{"select": "lm_head", "serializer": "block_fp8"}]},
+                          "block_fp8"), ("block-fp8", "passthrough")):
+        decisions = qstrat.select(config, model)
+        plan = qstrat.RefitDriver(config, hf_config=cfg.to_dict()).plan(model.state_dict())
+        assert decisions["lm_head"].serializer == want
+        assert {k: d.serializer for k, d in decisions.items()} == {
+            e.name.removesuffix(".weight"): e.serializer for e in plan.entries}
+
+
 # ---- the property: select == the plan, whatever wraps or shards the model ----------------------
 _FAMILIES = ("llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5_moe", "gpt_oss")
 _PATTERNS = ("model.layers.0.*", "*.block_sparse_moe.*", "re:layers\\.1\\.", "*.q_proj.weight", "*.experts.*",
