@@ -35,9 +35,10 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
         module_or_names: an ``nn.Module`` (its ``named_parameters(remove_duplicate=False)``:
             names, shapes, dtypes - a tied ``lm_head`` included, as in its ``state_dict()``; on
             any device, ``meta`` included), a mapping name -> tensor or spec (a state dict,
-            :func:`qstrat.inputs.tensor_specs`), or module/parameter names. A bare name is
-            planned as a bfloat16 ``[256, 256]`` weight (``[1, 256 * parts, 256]`` for a
-            grouped slab of ``parts`` projections, ``[256]`` for a bias); a name without a
+            :func:`qstrat.inputs.tensor_specs`), or module/parameter names (one name as a str).
+            A bare name is planned as a bfloat16 ``[256, 256]`` weight (``[E, 256 * parts, 256]``
+            for a grouped slab of ``parts`` projections, ``E`` the routed experts ``hf_config``
+            gives, else 1; ``[256]`` for a bias); a name without a
             parameter suffix is a module holding such a ``weight``. Shape-dependent decisions
             (a format's tile, ``on_unsupported: bf16``) need the real shapes: pass the module.
         hf_config: the model's config.json (layout detection, decoder depth for ``keep_bf16``);
@@ -59,7 +60,7 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
         hf_config = _module_config(module_or_names)
     driver = RefitDriver(config, hf_config=hf_config)
     if plan is None:
-        plan = driver.plan(_specs(driver.layout, module_or_names))
+        plan = driver.plan(_specs(driver.layout, module_or_names, driver.hf_config))
     else:
         driver.check_plan(plan)
     result = {}
@@ -92,8 +93,10 @@ def _module_config(module: torch.nn.Module) -> dict[str, Any] | None:
     return None
 
 
-def _specs(layout: ModelLayout, source: Any) -> dict[str, Any]:
-    """What :func:`select` plans: name -> anything with ``.shape`` and ``.dtype``."""
+def _specs(layout: ModelLayout, source: Any, hf_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What :func:`select` plans: name -> anything with ``.shape`` and ``.dtype`` (a grouped slab
+    named bare holds ``hf_config``'s routed expert count, which the plan checks it against; a
+    single str is one name)."""
     if isinstance(source, torch.nn.Module):
         # every name a parameter has, as state_dict() lists it: a tied lm_head shares the
         # embedding's Parameter and named_parameters() would drop it (the refit plans it)
@@ -101,11 +104,12 @@ def _specs(layout: ModelLayout, source: Any) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
     d = NAME_ONLY_DIM
+    experts = layout.num_experts(hf_config) or 1
     specs = {}
-    for n in source:
+    for n in [source] if isinstance(source, str) else source:
         p = layout.parse(n)
         if p.slab:
-            specs[n] = TensorSpec(layout.slabs[p.projection].shape(1, d, d), torch.bfloat16)
+            specs[n] = TensorSpec(layout.slabs[p.projection].shape(experts, d, d), torch.bfloat16)
         elif p.param == "bias":
             specs[n] = TensorSpec((d,), torch.bfloat16)
         elif p.param == "weight":

@@ -29,6 +29,20 @@ def test_select_on_module_and_names(tiny_model):
         "model.layers.0.mlp.experts.gate_up_proj": "block_fp8"}
 
 
+def test_select_on_names_with_the_models_config_and_on_one_name(tiny_model, tiny_hf_config):
+    """The old select planned a bare slab name as one expert, so with the model's config.json
+    (which a keep_bf16.last config needs) every MoE model's names were refused ('slab holds 1
+    experts, the model config says 4'); a single name as a str was planned letter by letter."""
+    config = {"preset": "mxfp8-experts", "keep_bf16": {"last": 1}}
+    by_module = qstrat.select(config, tiny_model, hf_config=tiny_hf_config)
+    names = [n for n, _ in tiny_model.named_parameters()]
+    by_names = qstrat.select(config, names, hf_config=tiny_hf_config)
+    assert {k: d.serializer for k, d in by_names.items()} == {k: d.serializer for k, d in by_module.items()}
+    assert by_names["model.layers.3.mlp.experts.gate_up_proj"].rule == "keep_bf16.last"
+    one = qstrat.select(config, "model.layers.0.mlp.experts.gate_up_proj", hf_config=tiny_hf_config)
+    assert {k: d.serializer for k, d in one.items()} == {"model.layers.0.mlp.experts.gate_up_proj": "mxfp8"}
+
+
 # ---- select is read from the plan (issue 36, item 2) ------------------------------------------
 def test_select_reports_the_plans_bf16_fallbacks():
     """k/v of 64 rows cannot join a block-FP8 q/k/v on vLLM's 128-row tile: the plan keeps the
