@@ -44,8 +44,10 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
         hf_config: the model's config.json (layout detection, decoder depth for ``keep_bf16``);
             for an ``nn.Module`` its ``.config`` is used when present, or the wrapped model's
             under a DDP / FSDP1 / ``torch.compile`` / activation-checkpointing wrapper.
-        plan: the plan to read (a plan made beforehand with the same config:
-            :meth:`~qstrat.RefitDriver.check_plan`); default: plan ``module_or_names`` here.
+        plan: the plan to read (a plan made beforehand with the same config, of these tensors:
+            :meth:`~qstrat.RefitDriver.check_plan` - with a module or mapping, every planned
+            input must be among its tensors with the planned shape and dtype; a partial plan
+            answers for its tensors); default: plan ``module_or_names`` here.
     Returns:
         ``{key: Decision}`` for every weight (``.weight`` parameter or grouped slab) of the plan:
         key is the module name for ``.weight`` parameters (``model.layers.0.self_attn.q_proj``,
@@ -54,15 +56,17 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
         the plan emits (``bf16`` after a fallback, ``note`` saying why) or ``"passthrough"``;
         ``Decision.rule`` says which rule decided.
     Raises: ConfigError for an invalid config; PlanError where the plan refuses (e.g.
-        ``keep_bf16.last`` without ``hf_config``'s decoder depth: qstrat does not guess it).
+        ``keep_bf16.last`` without ``hf_config``'s decoder depth: qstrat does not guess it), or
+        for a given ``plan`` made with another config or of other tensors.
     """
     if isinstance(module_or_names, torch.nn.Module) and hf_config is None:
         hf_config = _module_config(module_or_names)
     driver = RefitDriver(config, hf_config=hf_config)
     if plan is None:
         plan = driver.plan(_specs(driver.layout, module_or_names, driver.hf_config))
-    else:
-        driver.check_plan(plan)
+    else:  # the plan's inputs must be the given tensors' (names, shapes, dtypes), not another model's
+        given = isinstance(module_or_names, (torch.nn.Module, Mapping))
+        driver.check_plan(plan, _specs(driver.layout, module_or_names) if given else None)
     result = {}
     for e in plan.entries:
         p = driver.layout.parse(e.name, plan.num_layers)

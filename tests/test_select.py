@@ -43,6 +43,25 @@ def test_select_on_names_with_the_models_config_and_on_one_name(tiny_model, tiny
     assert {k: d.serializer for k, d in one.items()} == {"model.layers.0.mlp.experts.gate_up_proj": "mxfp8"}
 
 
+def test_select_with_a_plan_of_another_model_is_refused():
+    """The old select checked only the given plan's config: the plan of a hidden-256 model read
+    against a hidden-512 one answered silently with the other model's decisions."""
+    import transformers
+
+    def model(hidden):
+        cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=256, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), cfg.to_dict()
+
+    (small, cfg), (large, _) = model(256), model(512)
+    plan = qstrat.RefitDriver("mxfp8", hf_config=cfg).plan(small.state_dict())
+    assert qstrat.select("mxfp8", small, plan=plan) == qstrat.select("mxfp8", small)
+    with pytest.raises(PlanError, match=r"^the given tensors do not match the given plan:\n  model\.embed_tokens\.weight: "
+                                        r"arrived as bfloat16\[256, 512\], planned as bfloat16\[256, 256\]"):
+        qstrat.select("mxfp8", large, plan=plan)
+
+
 # ---- select is read from the plan (issue 36, item 2) ------------------------------------------
 def test_select_reports_the_plans_bf16_fallbacks():
     """k/v of 64 rows cannot join a block-FP8 q/k/v on vLLM's 128-row tile: the plan keeps the
