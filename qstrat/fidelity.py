@@ -29,6 +29,7 @@ Entry points: :func:`probe` (standalone, after any refit) and :class:`Verify`
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -269,24 +270,63 @@ def expected_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
     return torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
 
 
-def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int | None = None) -> None:
-    """Raise ValueError unless ``sequences`` can be probed: at least one sequence, all of one
-    length >= 2 (the first token has no logprob), every id an int in ``[0, vocab_size)`` (the
-    model's real vocabulary). Checked before the engine sees them: an id past the vocabulary
-    fails inside a vLLM CPU engine and can leave it unusable."""
+def check_sequences(sequences: Any, vocab_size: int | None = None) -> None:
+    """Raise ValueError unless ``sequences`` can be probed (:func:`token_id_lists`)."""
+    token_id_lists(sequences, vocab_size)
+
+
+def token_id_lists(sequences: Any, vocab_size: int | None = None) -> list[list[int]]:
+    """``sequences`` as lists of Python ints, what the engine and the model are given.
+
+    Accepted: a sequence of sequences of integers - Python ints or integer scalars such as
+    ``numpy.int64`` or a 0-d integer tensor (``operator.index``) - or a 2-D integer
+    ``torch.Tensor`` / ``numpy`` array ``[count, length]`` (a tokenizer's ``input_ids``).
+    Raises ValueError unless they can be probed: at least one sequence, all of one length >= 2
+    (the first token has no logprob), every id an integer (not a bool or a float) in
+    ``[0, vocab_size)`` (the model's real vocabulary). Checked before the engine sees them: an
+    id past the vocabulary fails inside a vLLM CPU engine and can leave it unusable."""
+    if hasattr(sequences, "tolist") and hasattr(sequences, "ndim") and hasattr(sequences, "dtype"):
+        if sequences.ndim != 2 or str(sequences.dtype).rpartition(".")[2] not in _INTEGER_DTYPES:
+            raise ValueError(f"probe: sequences as a tensor or array must be 2-D [count, length] of an integer "
+                             f"dtype, got {sequences.dtype} of shape {tuple(sequences.shape)}")
+        sequences = sequences.tolist()
     if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence) or len(sequences) == 0:
+        raise ValueError(f"probe: sequences must be a non-empty list of token id lists, got {sequences!r:.80}")
+    if not all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) or hasattr(s, "tolist") for s in sequences):
         raise ValueError(f"probe: sequences must be a non-empty list of token id lists, got {sequences!r:.80}")
     lengths = {len(s) for s in sequences}
     if len(lengths) != 1:
         raise ValueError(f"probe: sequences must all have the same length, got lengths {sorted(lengths)}")
     if lengths.pop() < 2:
         raise ValueError("probe: each sequence needs at least 2 token ids (the first token has no logprob)")
+    out = []
     for i, seq in enumerate(sequences):
+        row = []
         for j, tok in enumerate(seq):
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size is not None
-                                                                              and tok >= vocab_size):
-                raise ValueError(f"probe: sequences[{i}][{j}] = {tok!r} is not a token id in [0, "
+            value = _integer(tok)
+            if value is None:
+                raise ValueError(f"probe: sequences[{i}][{j}] = {tok!r} is not a token id: not an integer")
+            if value < 0 or (vocab_size is not None and value >= vocab_size):
+                raise ValueError(f"probe: sequences[{i}][{j}] = {value} is not a token id in [0, "
                                  f"{vocab_size if vocab_size is not None else 'vocab_size'})")
+            row.append(value)
+        out.append(row)
+    return out
+
+
+#: Integer dtype names (torch's and numpy's, without the ``torch.`` prefix) of token id tensors.
+_INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer scalar (``operator.index``: int,
+    ``numpy.int64``, a 0-d integer tensor), else None (a bool, a float, anything else)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -436,6 +476,9 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     """
     start = time.perf_counter()
     check_probe_args(model, sequences, top_k, thresholds, check)
+    top_k = operator.index(top_k)
+    if sequences is not None:
+        sequences = token_id_lists(sequences)
     check_served_top_k(llm, top_k, thresholds)
     state = model.state_dict()
     plan = plan if plan is not None else driver.plan(state)
@@ -483,6 +526,9 @@ class Verify:
         """Every argument is checked when Verify is built, i.e. before a refit reloads anything
         (:func:`check_probe_args`). Raises TypeError / ValueError naming the argument."""
         check_probe_args(self.model, self.sequences, self.top_k, self.thresholds, self.check)
+        object.__setattr__(self, "top_k", operator.index(self.top_k))  # what the engine is asked
+        if self.sequences is not None:
+            object.__setattr__(self, "sequences", token_id_lists(self.sequences))
 
     def check_plan(self, plan: RefitPlan) -> None:
         """Called by ``qstrat.vllm.refit`` before the reload: raise KeyError naming a planned
@@ -516,7 +562,7 @@ def check_probe_args(model: Any, sequences: Any, top_k: Any, thresholds: Any, ch
     if vocab is None:
         raise ValueError("fidelity: the model's config has no vocab_size (nor its text config's): "
                          "cannot check the probe's token ids")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    if _integer(top_k) is None or top_k < 1:
         raise TypeError(f"fidelity: top_k must be an int >= 1 (engine logprobs per position), got {top_k!r}")
     if thresholds is None and top_k < 20:
         raise ValueError(f"fidelity: top_k={top_k} with the default thresholds, which are calibrated with "
