@@ -29,6 +29,7 @@ Entry points: :func:`probe` (standalone, after any refit) and :class:`Verify`
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -269,24 +270,63 @@ def expected_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
     return torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
 
 
-def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int | None = None) -> None:
-    """Raise ValueError unless ``sequences`` can be probed: at least one sequence, all of one
-    length >= 2 (the first token has no logprob), every id an int in ``[0, vocab_size)`` (the
-    model's real vocabulary). Checked before the engine sees them: an id past the vocabulary
-    fails inside a vLLM CPU engine and can leave it unusable."""
+def check_sequences(sequences: Any, vocab_size: int | None = None) -> None:
+    """Raise ValueError unless ``sequences`` can be probed (:func:`token_id_lists`)."""
+    token_id_lists(sequences, vocab_size)
+
+
+def token_id_lists(sequences: Any, vocab_size: int | None = None) -> list[list[int]]:
+    """``sequences`` as lists of Python ints, what the engine and the model are given.
+
+    Accepted: a sequence of sequences of integers - Python ints or integer scalars such as
+    ``numpy.int64`` or a 0-d integer tensor (``operator.index``) - or a 2-D integer
+    ``torch.Tensor`` / ``numpy`` array ``[count, length]`` (a tokenizer's ``input_ids``).
+    Raises ValueError unless they can be probed: at least one sequence, all of one length >= 2
+    (the first token has no logprob), every id an integer (not a bool or a float) in
+    ``[0, vocab_size)`` (the model's real vocabulary). Checked before the engine sees them: an
+    id past the vocabulary fails inside a vLLM CPU engine and can leave it unusable."""
+    if hasattr(sequences, "tolist") and hasattr(sequences, "ndim") and hasattr(sequences, "dtype"):
+        if sequences.ndim != 2 or str(sequences.dtype).rpartition(".")[2] not in _INTEGER_DTYPES:
+            raise ValueError(f"probe: sequences as a tensor or array must be 2-D [count, length] of an integer "
+                             f"dtype, got {sequences.dtype} of shape {tuple(sequences.shape)}")
+        sequences = sequences.tolist()
     if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence) or len(sequences) == 0:
+        raise ValueError(f"probe: sequences must be a non-empty list of token id lists, got {sequences!r:.80}")
+    if not all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) or hasattr(s, "tolist") for s in sequences):
         raise ValueError(f"probe: sequences must be a non-empty list of token id lists, got {sequences!r:.80}")
     lengths = {len(s) for s in sequences}
     if len(lengths) != 1:
         raise ValueError(f"probe: sequences must all have the same length, got lengths {sorted(lengths)}")
     if lengths.pop() < 2:
         raise ValueError("probe: each sequence needs at least 2 token ids (the first token has no logprob)")
+    out = []
     for i, seq in enumerate(sequences):
+        row = []
         for j, tok in enumerate(seq):
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size is not None
-                                                                              and tok >= vocab_size):
-                raise ValueError(f"probe: sequences[{i}][{j}] = {tok!r} is not a token id in [0, "
+            value = _integer(tok)
+            if value is None:
+                raise ValueError(f"probe: sequences[{i}][{j}] = {tok!r} is not a token id: not an integer")
+            if value < 0 or (vocab_size is not None and value >= vocab_size):
+                raise ValueError(f"probe: sequences[{i}][{j}] = {value} is not a token id in [0, "
                                  f"{vocab_size if vocab_size is not None else 'vocab_size'})")
+            row.append(value)
+        out.append(row)
+    return out
+
+
+#: Integer dtype names (torch's and numpy's, without the ``torch.`` prefix) of token id tensors.
+_INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer scalar (``operator.index``: int,
+    ``numpy.int64``, a 0-d integer tensor), else None (a bool, a float, anything else)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -304,11 +344,32 @@ def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
 
     SamplingParams = resolve("sampling_params")
 
-    limit = llm.llm_engine.model_config.max_logprobs
-    k = top_k if limit == -1 else min(top_k, limit)
+    k = served_top_k(llm, top_k)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
     outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     return k, [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
+
+
+def served_top_k(llm: Any, top_k: int) -> int:
+    """The logprobs per position ``llm`` returns when asked for ``top_k``: ``min(top_k, its
+    max_logprobs)`` (-1 there: the vocabulary, so ``top_k``). An engine whose model config does
+    not say (a stand-in) is taken to serve ``top_k``."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    limit = getattr(config, "max_logprobs", -1)
+    return top_k if limit == -1 else min(top_k, limit)
+
+
+def check_served_top_k(llm: Any, top_k: int, thresholds: Mapping[str, Threshold] | None) -> None:
+    """Raise ValueError when the default :data:`THRESHOLDS` (calibrated with top-20 logprobs)
+    would be applied to fewer than 20 logprobs per position because ``llm``'s ``max_logprobs``
+    caps ``top_k`` (:func:`served_top_k`): the probe would measure a smaller KL, so a wrong refit
+    could pass - the same weakening :func:`check_probe_args` refuses for ``top_k < 20``."""
+    k = served_top_k(llm, top_k)
+    if thresholds is None and k < 20:
+        raise ValueError(f"fidelity: the engine's max_logprobs={k} caps top_k={top_k} at {k}, and the default "
+                         "thresholds are calibrated with top-20 logprobs (a smaller k measures a smaller KL, so "
+                         "a wrong refit could pass): start the engine with max_logprobs >= 20 (vllm.LLM(..., "
+                         "max_logprobs=20)) or pass top_k and thresholds calibrated for that k")
 
 
 # ---- the comparison ----------------------------------------------------------------------------
@@ -400,19 +461,25 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
             refit too: the engine must serve every layer of ``model``).
         sequences: token ids, equal lengths (default :func:`probe_sequences` of the model's
             ``config.vocab_size``: 4 x 32).
-        top_k: engine logprobs per position (capped by the engine's ``max_logprobs``).
+        top_k: engine logprobs per position (capped by the engine's ``max_logprobs``; with the
+            default thresholds, a cap below 20 is refused: :func:`check_served_top_k`).
         thresholds: per format (default :data:`THRESHOLDS`).
         check: raise FidelityError above the threshold (else only report).
     Returns: a :class:`FidelityReport`.
     Raises: FidelityError (``.report`` holds the report) when ``check`` and a number exceeds its
         threshold; TypeError / ValueError naming an argument that cannot work
-        (:func:`check_probe_args`), before the engine is asked; KeyError for a format without a
+        (:func:`check_probe_args`), or an engine whose ``max_logprobs`` caps the default
+        thresholds' top-20 (:func:`check_served_top_k`), before the engine is asked; KeyError for a format without a
         threshold; RuntimeError if the model's
         grouped experts hold NVFP4 weights but never call ``_apply_gate`` (the engine's
         intermediate activation quantization could not be matched).
     """
     start = time.perf_counter()
     check_probe_args(model, sequences, top_k, thresholds, check)
+    top_k = operator.index(top_k)
+    if sequences is not None:
+        sequences = token_id_lists(sequences)
+    check_served_top_k(llm, top_k, thresholds)
     state = model.state_dict()
     plan = plan if plan is not None else driver.plan(state)
     fmt, limit = threshold_for(plan, thresholds)
@@ -459,11 +526,20 @@ class Verify:
         """Every argument is checked when Verify is built, i.e. before a refit reloads anything
         (:func:`check_probe_args`). Raises TypeError / ValueError naming the argument."""
         check_probe_args(self.model, self.sequences, self.top_k, self.thresholds, self.check)
+        object.__setattr__(self, "top_k", operator.index(self.top_k))  # what the engine is asked
+        if self.sequences is not None:
+            object.__setattr__(self, "sequences", token_id_lists(self.sequences))
 
     def check_plan(self, plan: RefitPlan) -> None:
         """Called by ``qstrat.vllm.refit`` before the reload: raise KeyError naming a planned
         format with no threshold (:func:`threshold_for`), so it fails before the engine changes."""
         threshold_for(plan, self.thresholds)
+
+    def check_engine(self, llm: Any) -> None:
+        """Called by ``qstrat.vllm.refit`` before the reload: raise ValueError when ``llm``'s
+        ``max_logprobs`` caps ``top_k`` below what the thresholds are calibrated for
+        (:func:`check_served_top_k`), so it fails before the engine changes."""
+        check_served_top_k(llm, self.top_k, self.thresholds)
 
     def __call__(self, llm: Any, driver: Any) -> FidelityReport:
         return probe(llm, self.model, driver, sequences=self.sequences, top_k=self.top_k,
@@ -486,7 +562,7 @@ def check_probe_args(model: Any, sequences: Any, top_k: Any, thresholds: Any, ch
     if vocab is None:
         raise ValueError("fidelity: the model's config has no vocab_size (nor its text config's): "
                          "cannot check the probe's token ids")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+    if _integer(top_k) is None or top_k < 1:
         raise TypeError(f"fidelity: top_k must be an int >= 1 (engine logprobs per position), got {top_k!r}")
     if thresholds is None and top_k < 20:
         raise ValueError(f"fidelity: top_k={top_k} with the default thresholds, which are calibrated with "

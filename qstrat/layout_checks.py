@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import types
 import typing
 from typing import Any
 
@@ -34,11 +36,11 @@ def check_layout(layout: Any, where: str) -> None:
     problems = []
     for f in dataclasses.fields(layout):
         value = getattr(layout, f.name)
-        hint = hints.get(f.name)
-        if hint is None:
+        adapter = _adapter(hints[f.name]) if f.name in hints else None
+        if adapter is None:
             continue
         try:
-            _adapter(hint).validate_python(value)
+            adapter.validate_python(value)
         except ValidationError as exc:
             first = exc.errors()[0]
             at = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in first["loc"])
@@ -69,9 +71,30 @@ def _structure(field: str, value: Any) -> list[str]:
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The resolvable field annotations of ``cls`` and its bases, the most derived class's winning.
+
+    Each annotation is resolved on its own, in its class's module: a plugin's subclass that
+    annotates a field with a name imported only for type checkers (``if TYPE_CHECKING:``, under
+    ``from __future__ import annotations``: valid Python) leaves that one field unchecked instead
+    of failing the whole registry with a NameError; ModelLayout's own fields always resolve."""
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        module = sys.modules.get(klass.__module__)
+        globalns = vars(module) if module is not None else {}
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            holder = types.SimpleNamespace(__annotations__={name: annotation})
+            try:
+                hints[name] = typing.get_type_hints(holder, globalns=globalns, localns=dict(vars(klass)))[name]
+            except Exception:  # unresolvable at runtime: a type checker's name, not ours to check
+                hints.pop(name, None)
+    return hints
 
 
 @functools.cache
-def _adapter(hint: Any) -> TypeAdapter:
-    return TypeAdapter(hint, config=ConfigDict(strict=True, arbitrary_types_allowed=True))
+def _adapter(hint: Any) -> TypeAdapter | None:
+    """A strict validator of ``hint``, or None for a type pydantic cannot validate (a plugin
+    subclass's own field of an exotic type: not checked)."""
+    try:
+        return TypeAdapter(hint, config=ConfigDict(strict=True, arbitrary_types_allowed=True))
+    except Exception:
+        return None

@@ -71,6 +71,7 @@ class Registry:
         self.selectors: dict[str, Entry[Selector]] = self._collect("qstrat_selectors", _check_selector)
         self.strategies: dict[str, Entry[Strategy]] = self._collect("qstrat_strategies", _check_instance(Strategy))
         self.layouts: dict[str, Entry[ModelLayout]] = self._collect("qstrat_layouts", _check_layout)
+        self._check_layout_claims()
         self._check_strategies()
 
     def _register(self, plugin: object) -> None:
@@ -109,6 +110,26 @@ class Registry:
                     )
                 found[name] = Entry(name, obj, origin)
         return found
+
+    def _check_layout_claims(self) -> None:
+        """Two layouts claiming one HF ``architectures`` entry or ``model_type``: detection
+        (:func:`qstrat.layouts.detect_layout`) would pick one by registration order, silently -
+        a plugin layout claiming ``LlamaForCausalLM`` would replace the built-in for every Llama.
+        Raise PluginError naming the value, both layouts and their plugins."""
+        claims: dict[tuple[str, str], Entry[ModelLayout]] = {}
+        problems = []
+        for entry in self.layouts.values():
+            layout = entry.obj
+            for what, values in (("architecture", layout.architectures), ("model_type", layout.model_types)):
+                for value in values:
+                    other = claims.setdefault((what, value), entry)
+                    if other is not entry:
+                        problems.append(f"{what} {value!r} is claimed by layout {other.name!r} from {other.origin} "
+                                        f"and layout {entry.name!r} from {entry.origin}")
+        if problems:
+            raise PluginError("qstrat_layouts: " + "; ".join(problems) + ": detection would pick one of them "
+                              "silently; claim each architecture and model_type in one layout (a config picks "
+                              "any layout by name: `layout: NAME`)")
 
     def _check_strategies(self) -> None:
         for entry in self.strategies.values():

@@ -18,11 +18,12 @@ No shapes are checked here (that is the planner's job: :mod:`qstrat.plan.planner
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qstrat.builtin.selectors import BUILTIN_SELECTORS
-from qstrat.errors import PluginError
+from qstrat.errors import PlanError, PluginError
 from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ParsedName
 from qstrat.patterns import NamePattern, any_match
 
@@ -96,9 +97,17 @@ class CompiledRule:
                               f"bool, got {type(hit).__name__} on {p.name}")
         return hit
 
-    def selects(self, p: ParsedName) -> bool:
+    def selects(self, p: ParsedName, expert_names: Sequence[str] = ()) -> bool:
         """Selectors (any) AND include (any, if given) AND NOT exclude (any); patterns are
-        matched against ``p.checkpoint_name``."""
+        matched against ``p.checkpoint_name`` - and, for a grouped slab, against the per-expert
+        checkpoint names it is emitted as (``expert_names``: ``...experts.3.gate_proj.weight``,
+        what vLLM loads and what a per-expert trainer holds), so a pattern decides a slab as it
+        decides the same experts held per expert: a slab matches when its own name or every one
+        of its per-expert names passes the patterns.
+
+        Raises: PlanError naming the rule and a per-expert name on each side when the patterns
+            pass some of a slab's per-expert names and not others (a slab is one engine module:
+            it cannot be split between rules)."""
         # Special kinds (routers, embeddings, lm_head...) count only for selectors that declare
         # them (``special=True``): a third-party selector cannot quantize a router by accident.
         special = p.kind in SPECIAL_KINDS
@@ -113,9 +122,30 @@ class CompiledRule:
             return False
         # patterns see the CHECKPOINT name (wrappers stripped, the layout's renames applied):
         # one name form whatever wraps the trainer's model (docs/config.md)
-        if self.include and not any_match(self.include, p.checkpoint_name):
+        if not self.include and not self.exclude:
+            return True
+        own = p.checkpoint_name
+        if not expert_names:
+            return self._passes(own)
+        included = not self.include or any_match(self.include, own)
+        excluded = bool(self.exclude) and any_match(self.exclude, own)
+        verdicts = {n: not excluded and (included or any_match(self.include, n)) and
+                    not (self.exclude and any_match(self.exclude, n)) for n in expert_names}
+        if all(verdicts.values()):
+            return True
+        if not any(verdicts.values()):
             return False
-        return not (self.exclude and any_match(self.exclude, p.checkpoint_name))
+        yes = next(n for n, v in verdicts.items() if v)
+        no = next(n for n, v in verdicts.items() if not v)
+        raise PlanError(f"{self.label}: its include/exclude patterns match some of this grouped slab's per-expert "
+                        f"names ({yes}) and not others ({no}); the slab is one engine module and takes one "
+                        "rule: write patterns that match all of its experts and projections or none")
+
+    def _passes(self, name: str) -> bool:
+        """Include (any, if given) AND NOT exclude (any) on one checkpoint name."""
+        if self.include and not any_match(self.include, name):
+            return False
+        return not (self.exclude and any_match(self.exclude, name))
 
 
 class RuleSet:
@@ -130,7 +160,8 @@ class RuleSet:
         self.config = config
         self.rules = [CompiledRule(i, r, registry) for i, r in enumerate(config.rules)]
 
-    def decide(self, p: ParsedName, matrix: bool, num_layers: int | None) -> Decision:
+    def decide(self, p: ParsedName, matrix: bool, num_layers: int | None,
+               expert_names: Sequence[str] = ()) -> Decision:
         """The decision for one parsed tensor name.
 
         Args:
@@ -138,10 +169,20 @@ class RuleSet:
             matrix: whether the tensor is a weight matrix (2-D ``weight``) or a grouped slab
                 (3-D); anything else is sent unchanged.
             num_layers: decoder depth, for ``keep_bf16.last``.
+            expert_names: for a grouped slab, the per-expert checkpoint names it is emitted as
+                (:meth:`CompiledRule.matches`; :meth:`patterned` says whether they are read).
+        Raises: PlanError for a slab that patterns would split (:meth:`CompiledRule.matches`).
         """
-        return Decision(*self.choose(p, matrix, num_layers), p)
+        return Decision(*self.choose(p, matrix, num_layers, expert_names), p)
 
-    def choose(self, p: ParsedName, matrix: bool, num_layers: int | None) -> tuple[str, dict[str, Any], str]:
+    @property
+    def patterned(self) -> bool:
+        """Whether any rule has include/exclude patterns (only then are a slab's per-expert
+        names read by :meth:`choose`)."""
+        return any(r.include or r.exclude for r in self.rules)
+
+    def choose(self, p: ParsedName, matrix: bool, num_layers: int | None,
+               expert_names: Sequence[str] = ()) -> tuple[str, dict[str, Any], str]:
         """:meth:`decide`'s ``(serializer, options, rule)``, without the :class:`Decision` (the
         planner's per-tensor path)."""
         if not matrix:
@@ -153,7 +194,7 @@ class RuleSet:
             if p.kind in QUANTIZABLE_KINDS:
                 return "bf16", {}, f"keep_bf16.{which}"
         for rule in self.rules:
-            if rule.selects(p):
+            if rule.selects(p, expert_names):
                 if kept:  # a special kind (router...) a rule opted in: the kept layer wins
                     return PASSTHROUGH, {}, f"keep_bf16.{which}"
                 return rule.rule.serializer, dict(rule.rule.options), rule.label

@@ -422,7 +422,9 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         verify: after the reload, ``verify(llm, driver)`` - e.g.
             ``qstrat.fidelity.Verify(model)``: the fidelity probe (docs/fidelity.md) - and its
             result on ``RefitReport.fidelity``; it raises FidelityError when the engine does not
-            serve what was sent (the reload is complete then).
+            serve what was sent (the reload is complete then). A ``verify`` with ``check_plan(plan)``
+            / ``check_engine(llm)`` methods (``Verify`` has both) is asked first: what they raise
+            is raised before anything is sent.
     Returns: a :class:`RefitReport`.
     Raises: ValueError (nothing sent, the engine unchanged) for ``stream`` with ``weights_dir``
         or with a multiprocess engine, ``read_once`` without ``plan`` or with ``stream``; PlanError, BackendUnavailableError or
@@ -456,6 +458,8 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     plan = prepared.plan
     if callable(getattr(verify, "check_plan", None)):
         verify.check_plan(plan)  # e.g. a format with no fidelity threshold: refused before the reload
+    if callable(getattr(verify, "check_engine", None)):
+        verify.check_engine(llm)  # e.g. an engine whose max_logprobs caps the probe's top_k
     sent = {"tensors": 0, "bytes": 0}
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:

@@ -412,3 +412,60 @@ def test_a_format_without_a_threshold_is_refused_before_the_reload(tiny_model, t
     with pytest.raises(KeyError, match=r"no fidelity threshold for format\(s\) \['block_fp8'\]"):
         qvllm.refit(llm, driver, tiny_model.state_dict(), verify=verify)
     assert llm.calls == []   # the old code reloaded first, then raised from the probe
+
+
+def test_an_engine_whose_max_logprobs_caps_the_default_top_20_is_refused_before_the_reload(
+        tiny_model, tiny_hf_config, monkeypatch):
+    """The old code asked the engine for min(top_k, max_logprobs) logprobs: an engine started with
+    max_logprobs=5 was probed at top-5 against limits calibrated at top-20, after the reload - the
+    weakening Verify(top_k=5) is refused for. Now refused before anything is sent."""
+    from types import SimpleNamespace
+
+    from test_vllm_sink import RecordingLLM, manifest_without_cross_check
+
+    import qstrat.vllm as qvllm
+    from qstrat import RefitDriver
+    from qstrat.fidelity import Threshold, Verify, probe, served_top_k
+
+    manifest_without_cross_check.__wrapped__(monkeypatch)
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    llm = RecordingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
+    llm.llm_engine.model_config.max_logprobs = 5
+    reason = r"^fidelity: the engine's max_logprobs=5 caps top_k=20 at 5, and the default thresholds are calibrated"
+    with pytest.raises(ValueError, match=reason):
+        qvllm.refit(llm, driver, tiny_model.state_dict(), verify=Verify(tiny_model))
+    assert llm.calls == []
+    with pytest.raises(ValueError, match=reason):
+        probe(llm, tiny_model, driver)
+    # thresholds calibrated by the user for their k, and engines that serve 20 or all: accepted
+    Verify(tiny_model, top_k=5, thresholds={"block_fp8": Threshold(1.0, 1e-3)}).check_engine(llm)
+    for limit, k in ((20, 20), (-1, 50), (64, 50)):
+        engine = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_logprobs=limit)))
+        Verify(tiny_model, top_k=k).check_engine(engine)
+        assert served_top_k(engine, k) == k
+
+
+def test_token_ids_as_a_tensor_an_array_or_integer_scalars_are_probed_as_plain_ints(tiny_model):
+    """A tokenizer's input_ids (a 2-D LongTensor), a numpy array and numpy/0-d tensor ids were
+    refused - the last two as 'np.int64(1) is not a token id in [0, 1024)', a false reason - and
+    top_k=np.int64(20) too. They are valid ids: Verify and probe hand the engine plain ints."""
+    import numpy as np
+
+    from qstrat.fidelity import Verify, token_id_lists
+
+    want = [[1, 2, 3], [4, 5, 6]]
+    for given in (torch.tensor(want), np.array(want), [torch.tensor(r) for r in want],
+                  [[np.int64(t) for t in r] for r in want], [[torch.tensor(t) for t in r] for r in want]):
+        assert token_id_lists(given, 1024) == want
+        verify = Verify(tiny_model, sequences=given, top_k=np.int64(20))
+        assert verify.sequences == want and all(type(t) is int for r in verify.sequences for t in r)
+        assert verify.top_k == 20 and type(verify.top_k) is int
+    for bad, reason in ((torch.tensor(want, dtype=torch.float32), r"must be 2-D \[count, length\] of an integer dtype, "
+                                                                 r"got torch\.float32 of shape \(2, 3\)"),
+                        (torch.tensor([1, 2, 3]), r"got torch\.int64 of shape \(3,\)"),
+                        ([[1, True]], r"sequences\[0\]\[1\] = True is not a token id: not an integer"),
+                        ([[np.int64(1), np.int64(1024)]], r"sequences\[0\]\[1\] = 1024 is not a token id in \[0, 1024\)")):
+        with pytest.raises(ValueError, match=reason):
+            token_id_lists(bad, 1024)
+    with pytest.raises(TypeError, match=r"top_k must be an int >= 1 .*got 20\.0$"):
+        Verify(tiny_model, top_k=20.0)

@@ -73,3 +73,22 @@ def test_quantizes_nothing_names_the_rules_and_what_the_layout_sees():
     assert structure.quantizes_nothing(entries(plain, {"model.layers.0.self_attn.q_proj.weight": (128, 128)}),
                                        "qwen3_moe", plain.config, quantizing) == []
     assert structure.quantizes_nothing(es, "qwen3_moe", RefitDriver("bf16").config, quantizing) == []
+
+
+def test_a_peft_wrapped_models_names_are_refused_with_the_merge_not_unplaced_weights_bf16():
+    """The old message told a PeftModel's user to set 'unplaced_weights: bf16', which would send
+    'base_model.model....base_layer.weight' and LoRA matrices that no engine loads."""
+    import peft
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                   num_hidden_layers=1, vocab_size=128)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(PlanError, match=r"layout 'llama' cannot place \d+ weight matrices: base_model\.model\..* - PEFT "
+                                        r"names .*merge the adapters and pass the merged model's state dict"):
+        RefitDriver("mxfp8", hf_config=cfg.to_dict()).plan(model.state_dict())
+    merged = model.merge_and_unload()
+    assert RefitDriver("mxfp8", hf_config=cfg.to_dict()).plan(merged.state_dict()).totals()["mxfp8"]

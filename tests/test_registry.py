@@ -6,7 +6,9 @@ next to the built-ins (loaded through the entry point, as in production).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -294,6 +296,40 @@ def test_a_well_typed_plugin_layout_and_every_builtin_register():
     reg = registry(layouts=[ModelLayout(name="mine", fused=(("gate_proj", "up_proj"),), routers=("router",))])
     assert reg.layouts["mine"].obj.fused == (("gate_proj", "up_proj"),)
     assert {"llama", "qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "generic"} <= set(reg.layouts)
+
+
+def test_a_plugin_layout_claiming_a_builtin_architecture_is_refused_naming_both():
+    """The old registry took it: detection then picked the plugin's layout (registration order)
+    for every Llama - its routers, fused groups and names - with no word."""
+    with pytest.raises(PluginError, match=r"^qstrat_layouts: architecture 'LlamaForCausalLM' is claimed by layout "
+                                         r"'\w+' from .* and layout '\w+' from .*: detection would pick one"):
+        registry(layouts=[ModelLayout(name="mine", architectures=("LlamaForCausalLM",))])
+    with pytest.raises(PluginError, match=r"model_type 'mixtral' is claimed by layout"):
+        registry(layouts=[ModelLayout(name="mine", model_types=("mixtral",))])
+    reg = registry(layouts=[ModelLayout(name="mine", architectures=("MineForCausalLM",), model_types=("mine",))])
+    assert qstrat.RefitDriver("block-fp8", hf_config={"architectures": ["LlamaForCausalLM"]},
+                              registry=reg).layout.name == "llama"
+
+
+if TYPE_CHECKING:  # a name only type checkers see: annotations below are strings at runtime
+    from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class _HookedLayout(ModelLayout):
+    """A plugin's layout subclass annotating its own field with a TYPE_CHECKING-only name (valid
+    Python under ``from __future__ import annotations``)."""
+
+    rename_hook: Callable[[str], str] | None = None
+
+
+def test_a_layout_subclass_with_a_type_checking_only_annotation_registers_and_its_fields_are_still_checked():
+    """The old code resolved all annotations at once (typing.get_type_hints): a raw NameError
+    ('Callable' is not defined) from the registry, naming no plugin, refusing a valid layout."""
+    reg = registry(layouts=[_HookedLayout(name="hooked", rename_hook=str.lower)])
+    assert reg.layouts["hooked"].obj.rename_hook is str.lower
+    with pytest.raises(PluginError, match=r"layout 'hooked': routers: Input should be a valid tuple \(got 'router'\)"):
+        registry(layouts=[_HookedLayout(name="hooked", routers="router")])
 
 
 # ---- plugin mistakes name the plugin, never a raw error from deep inside (issue 36, item 8) -----

@@ -211,3 +211,36 @@ def test_keep_bf16_layers_hold_no_quantized_tensor_whatever_the_rules_say(rule):
     assert "model.layers.0.mlp.gate" in plan.ignored_layers
     assert not [n for n, x in e.items() if x.layer == 0 and x.serializer == "block_fp8"]
     assert e["model.layers.1.mlp.gate.weight"].serializer == "block_fp8"  # the rule still applies past it
+
+
+# ---- a grouped slab is matched by the per-expert names it stands for ---------------------------
+@pytest.mark.parametrize("include", [
+    ["*.layers.1.mlp.experts.*.gate_proj.weight", "*.layers.1.mlp.experts.*.up_proj.weight",
+     "*.layers.1.mlp.experts.*.down_proj.weight"],
+    ["re:layers\\.1\\.mlp\\.experts\\.\\d+\\."],
+    ["*.layers.1.mlp.experts.*"],
+])
+def test_patterns_decide_grouped_slabs_as_the_same_experts_held_per_expert(tiny_model, tiny_hf_config, include):
+    """Patterns written on the per-expert checkpoint names (what vLLM loads) matched nothing on
+    transformers 5's grouped slabs: the old plan quantized layer 1's experts from slabs and kept
+    them BF16 from the same weights held per expert - silently, for one config and one model."""
+    from conftest import per_expert_view
+
+    config = {"preset": "mxfp8-experts", "rules": [{"select": "experts", "include": include, "serializer": "bf16"}]}
+    slabs = tiny_model.state_dict()
+    decided = []
+    for tensors in (slabs, per_expert_view(slabs)):
+        plan = RefitDriver(config, hf_config=tiny_hf_config).plan(tensors)
+        decided.append(sorted({(e.layer, e.serializer, e.rule) for e in plan.entries if e.kind == "expert"}))
+    assert decided[0] == decided[1] == [(0, "mxfp8", "rules[1]"), (1, "bf16", "rules[0]"),
+                                        (2, "mxfp8", "rules[1]"), (3, "mxfp8", "rules[1]")]
+
+
+def test_patterns_that_would_split_a_grouped_slab_are_a_plan_error_naming_the_rule(tiny_model, tiny_hf_config):
+    config = {"preset": "mxfp8-experts", "rules": [{"select": "experts", "include": ["*.experts.3.*"],
+                                                     "serializer": "bf16"}]}
+    with pytest.raises(qstrat.PlanError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: rules\[0\]: its include/"
+                                               r"exclude patterns match some of this grouped slab's per-expert names "
+                                               r"\(model\.layers\.0\.mlp\.experts\.3\.gate_proj\.weight\) and not others "
+                                               r"\(model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight\)"):
+        RefitDriver(config, hf_config=tiny_hf_config).plan(tiny_model.state_dict())

@@ -29,6 +29,39 @@ def test_select_on_module_and_names(tiny_model):
         "model.layers.0.mlp.experts.gate_up_proj": "block_fp8"}
 
 
+def test_select_on_names_with_the_models_config_and_on_one_name(tiny_model, tiny_hf_config):
+    """The old select planned a bare slab name as one expert, so with the model's config.json
+    (which a keep_bf16.last config needs) every MoE model's names were refused ('slab holds 1
+    experts, the model config says 4'); a single name as a str was planned letter by letter."""
+    config = {"preset": "mxfp8-experts", "keep_bf16": {"last": 1}}
+    by_module = qstrat.select(config, tiny_model, hf_config=tiny_hf_config)
+    names = [n for n, _ in tiny_model.named_parameters()]
+    by_names = qstrat.select(config, names, hf_config=tiny_hf_config)
+    assert {k: d.serializer for k, d in by_names.items()} == {k: d.serializer for k, d in by_module.items()}
+    assert by_names["model.layers.3.mlp.experts.gate_up_proj"].rule == "keep_bf16.last"
+    one = qstrat.select(config, "model.layers.0.mlp.experts.gate_up_proj", hf_config=tiny_hf_config)
+    assert {k: d.serializer for k, d in one.items()} == {"model.layers.0.mlp.experts.gate_up_proj": "mxfp8"}
+
+
+def test_select_with_a_plan_of_another_model_is_refused():
+    """The old select checked only the given plan's config: the plan of a hidden-256 model read
+    against a hidden-512 one answered silently with the other model's decisions."""
+    import transformers
+
+    def model(hidden):
+        cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=256, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), cfg.to_dict()
+
+    (small, cfg), (large, _) = model(256), model(512)
+    plan = qstrat.RefitDriver("mxfp8", hf_config=cfg).plan(small.state_dict())
+    assert qstrat.select("mxfp8", small, plan=plan) == qstrat.select("mxfp8", small)
+    with pytest.raises(PlanError, match=r"^the given tensors do not match the given plan:\n  model\.embed_tokens\.weight: "
+                                        r"arrived as bfloat16\[256, 512\], planned as bfloat16\[256, 256\]"):
+        qstrat.select("mxfp8", large, plan=plan)
+
+
 # ---- select is read from the plan (issue 36, item 2) ------------------------------------------
 def test_select_reports_the_plans_bf16_fallbacks():
     """k/v of 64 rows cannot join a block-FP8 q/k/v on vLLM's 128-row tile: the plan keeps the
@@ -61,6 +94,53 @@ def test_select_refuses_keep_bf16_last_without_the_depth_as_the_plan_does():
     decisions = qstrat.select({"preset": "block-fp8", "keep_bf16": {"last": 1}}, names,
                               hf_config={"model_type": "llama", "num_hidden_layers": 4})
     assert {d.serializer for d in decisions.values()} == {"block_fp8"}
+
+
+def test_select_on_a_ddp_wrapped_model_reads_the_wrapped_models_config(tmp_path):
+    """DistributedDataParallel has no ``.config``: the old select planned without it (layout
+    'generic', no Mixtral rename), so the documented ``*.block_sparse_moe.*`` pattern matched
+    nothing and the trainer's view disagreed with the plan (here: a PlanError 'quantizes nothing';
+    with a preset behind the rule, a silent disagreement)."""
+    import torch.distributed as dist
+    import transformers
+
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=128, num_local_experts=2)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg)
+    config = {"preset": "mxfp8", "rules": [{"select": "experts", "include": ["*.block_sparse_moe.*"],
+                                            "serializer": "bf16"}]}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        decisions = qstrat.select(config, wrapped)
+    finally:
+        dist.destroy_process_group()
+    plan = qstrat.RefitDriver(config, hf_config=cfg.to_dict()).plan(model.state_dict())
+    by_plan = {e.name.removesuffix(".weight"): e.serializer for e in plan.entries
+               if e.name.endswith(".weight") or "experts." in e.name}
+    assert {k.removeprefix("module."): d.serializer for k, d in decisions.items()} == by_plan
+    assert decisions["module.model.layers.0.mlp.experts.gate_up_proj"].serializer == "bf16"
+    assert decisions["module.model.layers.0.self_attn.q_proj"].serializer == "mxfp8"
+
+
+def test_select_on_a_tied_model_reports_its_lm_head_as_the_plan_of_its_state_dict_does():
+    """A tied lm_head shares the embedding's Parameter: the old select read named_parameters(),
+    which drops it, so select had no 'lm_head' while the refit's plan (of state_dict(), which
+    holds it) quantizes it under an lm_head rule."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=512, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    for config, want in (({"preset": "block-fp8", "rules": [{"select": "lm_head", "serializer": "block_fp8"}]},
+                          "block_fp8"), ("block-fp8", "passthrough")):
+        decisions = qstrat.select(config, model)
+        plan = qstrat.RefitDriver(config, hf_config=cfg.to_dict()).plan(model.state_dict())
+        assert decisions["lm_head"].serializer == want
+        assert {k: d.serializer for k, d in decisions.items()} == {
+            e.name.removesuffix(".weight"): e.serializer for e in plan.entries}
 
 
 # ---- the property: select == the plan, whatever wraps or shards the model ----------------------

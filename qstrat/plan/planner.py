@@ -157,7 +157,8 @@ class Planner:
         if shape and min(shape) < 0:  # a lazy handle's header, a hand-made spec: never a real tensor
             raise PlanError(f"shape {list(shape)} has a negative dimension")
         p = self.layout.parse(name, num_layers)  # what decide() does, without a Decision object
-        serializer, options, rule = self.rules.choose(p, is_weight_matrix(p, len(shape)), num_layers)
+        per_expert = self._per_expert_names(p, shape) if p.slab and self.rules.patterned else ()
+        serializer, options, rule = self.rules.choose(p, is_weight_matrix(p, len(shape)), num_layers, per_expert)
         dname = dtype_name(dtype)
         if dtype not in FLOAT_INPUTS:
             what = (f"is sent unchanged ({rule})" if serializer == PASSTHROUGH
@@ -186,6 +187,16 @@ class Planner:
         outs = self.declare.outputs(p, specs, shape, None if note else ser)
         return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                            options, outs, fusion_group(self.layout, p), note, p.vllm_module)
+
+    def _per_expert_names(self, p: ParsedName, shape: tuple[int, ...]) -> list[str]:
+        """The per-expert checkpoint names a grouped slab ``[E, rows, K]`` stands for
+        (``model.layers.1.mlp.experts.{e}.{part}.weight``: vLLM's names, a per-expert trainer's),
+        which include/exclude patterns are matched against too (:meth:`qstrat.rules.CompiledRule.matches`);
+        none for a slab that cannot be cut per expert (gpt-oss) or a shape without an expert dim."""
+        spec = self.layout.slabs.get(p.projection)
+        if spec is None or not spec.splittable or len(shape) != 3:
+            return []
+        return [f"{p.engine_module}.{e}.{part}.weight" for e in range(shape[0]) for part in spec.parts]
 
     def checkpoint_form(self, e: PlanEntry) -> tuple[str, str]:
         """What of ``e``'s format decides the bytes it emits: its serializer name and options with

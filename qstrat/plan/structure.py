@@ -14,6 +14,8 @@ Each returns error lines for :class:`~qstrat.plan.planner.Planner` to collect.
 """
 from __future__ import annotations
 
+import re
+
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -53,9 +55,19 @@ def unplaced_matrices(entries: Sequence[PlanEntry], layout: str, config: RefitCo
     names = [e.name for e in entries if e.kind == "other" and len(e.shape) >= 2]
     if not names or config.unplaced_weights == "bf16":
         return []
+    if any(_PEFT_NAME.search(n) for n in names):  # 'unplaced_weights: bf16' would send adapter names
+        return [f"layout {layout!r} cannot place {len(names)} weight matrices: {_listing(names)} - PEFT names "
+                "(a PeftModel's 'base_model.model.' prefix, LoRA 'base_layer'/'lora_A'/'lora_B' tensors), which "
+                "no engine loads: merge the adapters and pass the merged model's state dict "
+                "(peft's merge_and_unload(); docs/integrations.md)"]
     return [f"layout {layout!r} cannot place {len(names)} weight matrices: {_listing(names)} "
             "(choose the right layout with 'layout:', add one for this model, or set "
             "'unplaced_weights: bf16' to send them unchanged and unquantized)"]
+
+
+#: Names only a PEFT-wrapped model holds: its ``base_model.model.`` prefix, LoRA's wrapped
+#: ``base_layer`` and adapter ``lora_A`` / ``lora_B`` (``lora_embedding_A/B``) modules.
+_PEFT_NAME = re.compile(r"^base_model\.model\.|\.(base_layer|lora_A|lora_B|lora_embedding_A|lora_embedding_B)\.")
 
 
 def quantizes_nothing(entries: Sequence[PlanEntry], layout: str, config: RefitConfig,
