@@ -102,27 +102,45 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
 
     registry = driver.registry if driver is not None else get_registry()
     mc = llm.llm_engine.model_config
-    hf = mc.hf_config.to_dict()
-    layout = layout_for(registry, driver.config.layout if driver is not None else None, hf)
+    layout = layout_for(registry, driver.config.layout if driver is not None else None, mc.hf_config.to_dict())
     key = (layout.name, id(registry), cross_check)
     cache = llm.__dict__.setdefault("_qstrat_manifests", {})
     if key in cache:
         return cache[key]
-    try:
-        manifest = build_manifest(hf, engine_quantization_config(llm), layout, registry, mc.dtype, device_type(),
-                                  unbuilt=layout.non_decoder_prefixes if _no_towers(mc) else ())
-    except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks
-        raise EngineManifestError(f"no engine manifest for layout {layout.name!r}: {exc} (nothing was "
-                                  "sent; qstrat refits only engines whose tensors it can check)") from exc
     if cross_check and not in_process(llm):
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
         cross_check = False
+    model = None
     if cross_check:
         try:
             model = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
+    cache[key] = model_manifest(mc, registry, layout.name, model)
+    return cache[key]
+
+
+def model_manifest(model_config: Any, registry: Registry, layout: str | None = None,
+                   model: Any = None) -> EngineManifest:
+    """The :class:`~qstrat.engine_manifest.EngineManifest` of an engine's model, from vLLM's
+    ``ModelConfig`` (its HF config, quantization_config and dtype), with ``layout`` (None: the one
+    the config selects); cross-checked with vLLM's record of ``model`` (the engine's
+    ``nn.Module``, e.g. a worker's ``model_runner.model``) unless ``model`` is None.
+
+    Used by :func:`engine_manifest` (an ``LLM``) and by code running inside a vLLM worker
+    (:mod:`qstrat.vllm_worker`). Raises: EngineManifestError as :func:`engine_manifest`.
+    """
+    hf = model_config.hf_config.to_dict()
+    lay = layout_for(registry, layout, hf)
+    try:
+        manifest = build_manifest(hf, quantization_config_of(model_config.hf_config), lay, registry,
+                                  model_config.dtype, device_type(),
+                                  unbuilt=lay.non_decoder_prefixes if _no_towers(model_config) else ())
+    except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks
+        raise EngineManifestError(f"no engine manifest for layout {lay.name!r}: {exc} (nothing was "
+                                  "sent; qstrat refits only engines whose tensors it can check)") from exc
+    if model is not None:
         released = model_record.released_errors(model)
         if released:
             raise EngineManifestError("this engine cannot be refit (nothing was sent): " + released[0])
@@ -130,7 +148,6 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
         if errors:
             raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
                                 "sent):\n  " + "\n  ".join(errors[:25]))
-    cache[key] = manifest
     return manifest
 
 
@@ -223,20 +240,21 @@ class _EngineChecks:
     """The engine sink's checks (:func:`engine_checks`), sharing the engine's quantization_config
     and manifest between them (each is read once per refit)."""
 
-    def __init__(self, llm: Any, driver: RefitDriver, manifest: EngineManifest | None,
-                 allow_cpu_bf16_experts: bool) -> None:
-        self.llm, self.driver, self.given_manifest = llm, driver, manifest
+    def __init__(self, quantization_config: Any, make_manifest: Any, driver: RefitDriver,
+                 manifest: EngineManifest | None, allow_cpu_bf16_experts: bool) -> None:
+        # quantization_config(), make_manifest(): read when the checks run, not before
+        self.quantization_config, self.make_manifest = quantization_config, make_manifest
+        self.driver, self.given_manifest = driver, manifest
         self.allow_cpu_bf16_experts = allow_cpu_bf16_experts
         self.config: dict[str, Any] | None = None
         self.manifest: EngineManifest | None = None
 
     def engine_format(self, p: PreparedRefit) -> None:
-        self.config = engine_quantization_config(self.llm)
+        self.config = self.quantization_config()
         check_engine_format(p.plan, self.config, self.driver.registry)
 
     def engine_manifest(self, p: PreparedRefit) -> None:
-        self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
-            self.llm, self.driver)
+        self.manifest = self.given_manifest if self.given_manifest is not None else self.make_manifest()
         check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
 
     def ignore_lists(self, p: PreparedRefit) -> None:
@@ -262,7 +280,17 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
     Raises (when run): PlanError; EngineManifestError (the manifest cannot be built or vLLM
     disagrees with it).
     """
-    c = _EngineChecks(llm, driver, manifest, allow_cpu_bf16_experts)
+    return sink_checks(lambda: engine_quantization_config(llm), lambda: engine_manifest(llm, driver), driver,
+                       manifest, allow_cpu_bf16_experts)
+
+
+def sink_checks(quantization_config: Any, make_manifest: Any, driver: RefitDriver,
+                manifest: EngineManifest | None = None, allow_cpu_bf16_experts: bool = False) -> tuple[SinkCheck, ...]:
+    """:func:`engine_checks`' four checks, in order, for any engine: ``quantization_config()``
+    returns its checkpoint quantization_config (None: unquantized), ``make_manifest()`` its
+    :class:`~qstrat.engine_manifest.EngineManifest` (called only when ``manifest`` is None);
+    both are called when the checks run. Used inside vLLM workers (:mod:`qstrat.vllm_worker`)."""
+    c = _EngineChecks(quantization_config, make_manifest, driver, manifest, allow_cpu_bf16_experts)
     return (SinkCheck("engine format", c.engine_format), SinkCheck("engine manifest", c.engine_manifest),
             SinkCheck("ignore lists", c.ignore_lists), SinkCheck("cpu experts", c.cpu_experts))
 
