@@ -111,22 +111,22 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
         cross_check = False
-    model = None
+    record = None
     if cross_check:
         try:
-            model = model_record.engine_model(llm)
+            record = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
-    cache[key] = model_manifest(mc, registry, layout.name, model)
+    cache[key] = model_manifest(mc, registry, layout.name, record)
     return cache[key]
 
 
 def model_manifest(model_config: Any, registry: Registry, layout: str | None = None,
-                   model: Any = None) -> EngineManifest:
+                   record: model_record.EngineModel | None = None) -> EngineManifest:
     """The :class:`~qstrat.engine_manifest.EngineManifest` of an engine's model, from vLLM's
     ``ModelConfig`` (its HF config, quantization_config and dtype), with ``layout`` (None: the one
-    the config selects); cross-checked with vLLM's record of ``model`` (the engine's
-    ``nn.Module``, e.g. a worker's ``model_runner.model``) unless ``model`` is None.
+    the config selects); cross-checked with vLLM's record of the model (``record``:
+    :func:`qstrat.vllm_adapter.model_record.read_engine_model` of a worker) unless ``record`` is None.
 
     Used by :func:`engine_manifest` (an ``LLM``) and by code running inside a vLLM worker
     (:mod:`qstrat.vllm_worker`). Raises: EngineManifestError as :func:`engine_manifest`.
@@ -140,11 +140,11 @@ def model_manifest(model_config: Any, registry: Registry, layout: str | None = N
     except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks
         raise EngineManifestError(f"no engine manifest for layout {lay.name!r}: {exc} (nothing was "
                                   "sent; qstrat refits only engines whose tensors it can check)") from exc
-    if model is not None:
-        released = model_record.released_errors(model)
+    if record is not None:
+        released = model_record.released_errors(record)
         if released:
             raise EngineManifestError("this engine cannot be refit (nothing was sent): " + released[0])
-        errors = model_record.cross_check(manifest, model)
+        errors = model_record.cross_check(manifest, record)
         if errors:
             raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
                                 "sent):\n  " + "\n  ".join(errors[:25]))

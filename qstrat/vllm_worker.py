@@ -21,6 +21,7 @@ from qstrat.driver import RefitDriver
 from qstrat.errors import ConfigError, EngineStateError
 from qstrat.inputs import NamedTensors
 from qstrat.vllm import RefitReport, model_manifest, quantization_config_of, sink_checks
+from qstrat.vllm_adapter.model_record import read_engine_model
 
 #: Attribute set on a worker whose reload failed part-way (its weights are in an unknown state).
 _FAILED = "_qstrat_refit_failed"
@@ -70,7 +71,8 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
     mc = worker.model_runner.vllm_config.model_config
     driver = driver if driver is not None else checkpoint_driver(mc)
     checks = sink_checks(lambda: quantization_config_of(mc.hf_config),
-                         lambda: model_manifest(mc, driver.registry, driver.config.layout, worker.model_runner.model),
+                         lambda: model_manifest(mc, driver.registry, driver.config.layout,
+                                                        read_engine_model(worker)),
                          driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts)
     prepared = driver.prepare(named_tensors, None, checks)  # values first: vLLM's reload has no rollback
     tensors = [(name, t.contiguous()) for name, t in prepared.execute()]

@@ -29,6 +29,90 @@ STOCK_EXTENSION = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExt
 BUCKET_MB = 1
 
 
+def cpu_platform() -> Any:
+    """Call once per process, before verl's code runs. verl's platform for a CPU host, registered in verl's own ``PlatformRegistry`` as ``cpu`` and
+    made current (``set_platform``): verl 0.9.1 ships CUDA, ROCm and NPU platforms only and falls
+    back to CUDA, whose ``torch.cuda.synchronize()`` in its bucket sender and receiver fails on a
+    CPU-only torch. Device ``cpu``, no CUDA IPC (verl then uses its shared-memory path), no-op
+    synchronize/empty_cache. Returns the platform instance."""
+    import types
+
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry, get_platform, set_platform
+
+    module = types.SimpleNamespace(synchronize=lambda *_: None, empty_cache=lambda: None, current_device=lambda: 0,
+                                   device_count=lambda: 1, is_available=lambda: True, set_device=lambda *_: None,
+                                   manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed)
+
+    @PlatformRegistry.register(platform="cpu")
+    class PlatformCPU(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = module
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> int:
+            return 0
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+            return (None, None)
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg: str) -> Any:
+            import contextlib
+
+            return contextlib.nullcontext()
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    set_platform(PlatformCPU())
+    return get_platform()
+
+
 def step_weights(step: int) -> dict[str, torch.Tensor]:
     """The trainer's weights at ``step``: the tiny Qwen3-MoE with seed ``step`` (bfloat16)."""
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe
@@ -52,6 +136,8 @@ def verl_update(llm: Any, weights: dict[str, torch.Tensor], bucket_mb: int = BUC
             asyncio.run(sender.async_send_weights(iter(weights.items())))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(exc)
+            import traceback
+            traceback.print_exc()
 
     thread = threading.Thread(target=send, name="verl-sender")
     thread.start()
@@ -77,6 +163,7 @@ def run(strategy: str, steps: int, work: Path, extension: str = QSTRAT_EXTENSION
     from qstrat.engine.local import release, start_engine
     from qstrat.integrations.trl_demo import fresh_engine_greedy, probe_greedy
 
+    cpu_platform()
     cfg = hf_config(build_tiny_qwen3_moe(seed=0))
     write_checkpoint(RefitDriver(strategy, hf_config=cfg), step_weights(0), work / "rollout", hf_config=cfg)
     llm = start_engine(work / "rollout", logprobs_mode="processed_logprobs", worker_extension_cls=extension)
