@@ -139,15 +139,20 @@ def verl_update(llm: Any, weights: dict[str, torch.Tensor], bucket_mb: int = BUC
             import traceback
             traceback.print_exc()
 
-    thread = threading.Thread(target=send, name="verl-sender")
+    thread = threading.Thread(target=send, name="verl-sender", daemon=True)  # a failed receiver never answers it
     thread.start()
     try:
         llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
     finally:
-        thread.join(timeout=60)
+        thread.join(timeout=30)
     if failure:
         raise failure[0]
     llm.reset_prefix_cache()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def run(strategy: str, steps: int, work: Path, extension: str = QSTRAT_EXTENSION) -> list[dict[str, Any]]:
@@ -175,7 +180,9 @@ def run(strategy: str, steps: int, work: Path, extension: str = QSTRAT_EXTENSION
                 verl_update(llm, step_weights(step))
                 error = None
             except Exception as exc:  # noqa: BLE001 - the stock extension's failure is a result
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                error = _one_line(exc)
+                if exc.__context__ is not None:  # verl's receiver cleanup can mask the cause
+                    error += f" (raised while handling {_one_line(exc.__context__)})"
             seen.append((step, None if error else probe_greedy(llm), error, time.perf_counter() - t0))
             if error:
                 break
