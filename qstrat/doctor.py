@@ -188,15 +188,18 @@ def quantization_facts() -> list[Fact]:
             _probe("quantization", "cache", llc)]
 
 
+#: What ``backend: auto`` does with CPU tensors (serializers/base.py ``check_backend``/``_use_fast``).
+_CPU_PATH = ("backend 'auto' quantizes CPU tensors with the fast torch path (byte-identical to the torch "
+             "reference; a format without one uses the reference)")
+
+
 def triton_facts() -> list[Fact]:
     """Triton's version and where qstrat's Triton kernels can run here."""
     version = _version("triton")
     if version is None or importlib.util.find_spec("triton") is None:
-        return [Fact("triton", "triton", "not installed: qstrat quantizes with its torch reference "
-                                         "(pip install 'qstrat[triton]' on a GPU)")]
+        return [Fact("triton", "triton", f"not installed: {_CPU_PATH} (pip install 'qstrat[triton]' on a GPU)")]
     where = ("GPU: qstrat's Triton kernels run on it" if torch.cuda.is_available() else
-             "no GPU: qstrat quantizes with its torch reference; the kernels run here only under "
-             "TRITON_INTERPRET=1 (the tests do)")
+             f"no GPU: {_CPU_PATH}; the kernels run here only under TRITON_INTERPRET=1 (the tests do)")
     return [Fact("triton", "triton", f"{version}; {where}")]
 
 

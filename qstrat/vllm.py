@@ -110,8 +110,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
 
     registry = driver.registry if driver is not None else get_registry()
     mc = llm.llm_engine.model_config
-    hf = mc.hf_config.to_dict()
-    layout = layout_for(registry, driver.config.layout if driver is not None else None, hf)
+    layout = layout_for(registry, driver.config.layout if driver is not None else None, mc.hf_config.to_dict())
     key = (layout.name, id(registry), cross_check)
     cache = llm.__dict__.setdefault("_qstrat_manifests", {})
     if key in cache:
@@ -121,13 +120,31 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
         cross_check = False
+    record = None
     if cross_check:
         try:
-            model = model_record.engine_model(llm)
+            record = model_record.engine_model(llm)
         except Exception as exc:  # the worker could not read the record: refuse, do not guess
             raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
-        _cross_check(manifest, model)
+        _cross_check(manifest, record)
     cache[key] = manifest
+    return manifest
+
+
+def model_manifest(model_config: Any, registry: Registry, layout: str | None = None,
+                   record: model_record.EngineModel | None = None) -> EngineManifest:
+    """The :class:`~qstrat.engine_manifest.EngineManifest` of an engine's model, from vLLM's
+    ``ModelConfig`` (:func:`model_config_manifest`), with ``layout`` (a layout name; None: the one
+    the config selects); cross-checked with vLLM's record of the model (``record``:
+    :func:`qstrat.vllm_adapter.model_record.read_engine_model` of a worker) unless ``record`` is None.
+
+    Used by code running inside a vLLM worker (:mod:`qstrat.vllm_worker`). Raises:
+    EngineManifestError / EngineBuildError as :func:`engine_manifest`.
+    """
+    lay = layout_for(registry, layout, model_config.hf_config.to_dict())
+    manifest = model_config_manifest(model_config, lay, registry)
+    if record is not None:
+        _cross_check(manifest, record)
     return manifest
 
 
@@ -314,20 +331,21 @@ class _EngineChecks:
     """The engine sink's checks (:func:`engine_checks`), sharing the engine's quantization_config
     and manifest between them (each is read once per refit)."""
 
-    def __init__(self, llm: Any, driver: RefitDriver, manifest: EngineManifest | None,
-                 allow_cpu_bf16_experts: bool) -> None:
-        self.llm, self.driver, self.given_manifest = llm, driver, manifest
+    def __init__(self, quantization_config: Any, make_manifest: Any, driver: RefitDriver,
+                 manifest: EngineManifest | None, allow_cpu_bf16_experts: bool) -> None:
+        # quantization_config(), make_manifest(): read when the checks run, not before
+        self.quantization_config, self.make_manifest = quantization_config, make_manifest
+        self.driver, self.given_manifest = driver, manifest
         self.allow_cpu_bf16_experts = allow_cpu_bf16_experts
         self.config: dict[str, Any] | None = None
         self.manifest: EngineManifest | None = None
 
     def engine_format(self, p: PreparedRefit) -> None:
-        self.config = engine_quantization_config(self.llm)
+        self.config = self.quantization_config()
         check_engine_format(p.plan, self.config, self.driver.registry)
 
     def engine_manifest(self, p: PreparedRefit) -> None:
-        self.manifest = self.given_manifest if self.given_manifest is not None else engine_manifest(
-            self.llm, self.driver)
+        self.manifest = self.given_manifest if self.given_manifest is not None else self.make_manifest()
         check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
         check_whole_while_flagged(self.llm, p.plan, self.manifest)
 
@@ -369,7 +387,17 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
     Raises (when run): PlanError; EngineManifestError (the manifest cannot be built or vLLM
     disagrees with it).
     """
-    c = _EngineChecks(llm, driver, manifest, allow_cpu_bf16_experts)
+    return sink_checks(lambda: engine_quantization_config(llm), lambda: engine_manifest(llm, driver), driver,
+                       manifest, allow_cpu_bf16_experts)
+
+
+def sink_checks(quantization_config: Any, make_manifest: Any, driver: RefitDriver,
+                manifest: EngineManifest | None = None, allow_cpu_bf16_experts: bool = False) -> tuple[SinkCheck, ...]:
+    """:func:`engine_checks`' four checks, in order, for any engine: ``quantization_config()``
+    returns its checkpoint quantization_config (None: unquantized), ``make_manifest()`` its
+    :class:`~qstrat.engine_manifest.EngineManifest` (called only when ``manifest`` is None);
+    both are called when the checks run. Used inside vLLM workers (:mod:`qstrat.vllm_worker`)."""
+    c = _EngineChecks(quantization_config, make_manifest, driver, manifest, allow_cpu_bf16_experts)
     return (SinkCheck("engine format", c.engine_format), SinkCheck("engine manifest", c.engine_manifest),
             SinkCheck("ignore lists", c.ignore_lists), SinkCheck("cpu experts", c.cpu_experts))
 

