@@ -332,9 +332,10 @@ class _EngineChecks:
     and manifest between them (each is read once per refit)."""
 
     def __init__(self, quantization_config: Any, make_manifest: Any, driver: RefitDriver,
-                 manifest: EngineManifest | None, allow_cpu_bf16_experts: bool) -> None:
+                 manifest: EngineManifest | None, allow_cpu_bf16_experts: bool, flagged: Any = None) -> None:
         # quantization_config(), make_manifest(): read when the checks run, not before
         self.quantization_config, self.make_manifest = quantization_config, make_manifest
+        self.flagged = flagged  # what carries a failed reload's flag (the LLM), or None
         self.driver, self.given_manifest = driver, manifest
         self.allow_cpu_bf16_experts = allow_cpu_bf16_experts
         self.config: dict[str, Any] | None = None
@@ -347,7 +348,8 @@ class _EngineChecks:
     def engine_manifest(self, p: PreparedRefit) -> None:
         self.manifest = self.given_manifest if self.given_manifest is not None else self.make_manifest()
         check_plan(p.plan, self.manifest, self.manifest.parts_sent(p.plan) if p.plan_given else None)
-        check_whole_while_flagged(self.llm, p.plan, self.manifest)
+        if self.flagged is not None:
+            check_whole_while_flagged(self.flagged, p.plan, self.manifest)
 
     def ignore_lists(self, p: PreparedRefit) -> None:
         check_engine_compatible(p.plan, self.config, self.driver.registry)
@@ -388,16 +390,19 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
     disagrees with it).
     """
     return sink_checks(lambda: engine_quantization_config(llm), lambda: engine_manifest(llm, driver), driver,
-                       manifest, allow_cpu_bf16_experts)
+                       manifest, allow_cpu_bf16_experts, flagged=llm)
 
 
 def sink_checks(quantization_config: Any, make_manifest: Any, driver: RefitDriver,
-                manifest: EngineManifest | None = None, allow_cpu_bf16_experts: bool = False) -> tuple[SinkCheck, ...]:
+                manifest: EngineManifest | None = None, allow_cpu_bf16_experts: bool = False,
+                flagged: Any = None) -> tuple[SinkCheck, ...]:
     """:func:`engine_checks`' four checks, in order, for any engine: ``quantization_config()``
     returns its checkpoint quantization_config (None: unquantized), ``make_manifest()`` its
     :class:`~qstrat.engine_manifest.EngineManifest` (called only when ``manifest`` is None);
-    both are called when the checks run. Used inside vLLM workers (:mod:`qstrat.vllm_worker`)."""
-    c = _EngineChecks(quantization_config, make_manifest, driver, manifest, allow_cpu_bf16_experts)
+    both are called when the checks run. ``flagged``: the object a failed reload flags (the
+    ``LLM``; :func:`check_whole_while_flagged`), None to skip that check. Used inside vLLM
+    workers (:mod:`qstrat.vllm_worker`)."""
+    c = _EngineChecks(quantization_config, make_manifest, driver, manifest, allow_cpu_bf16_experts, flagged)
     return (SinkCheck("engine format", c.engine_format), SinkCheck("engine manifest", c.engine_manifest),
             SinkCheck("ignore lists", c.ignore_lists), SinkCheck("cpu experts", c.cpu_experts))
 
