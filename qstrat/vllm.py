@@ -120,7 +120,6 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
         # A multiprocess engine's RPC carries only serializable arguments, not the reader
         # function: its manifest comes from its config alone (docs/vllm.md, limits).
         cross_check = False
-    record = None
     if cross_check:
         try:
             record = model_record.engine_model(llm)
@@ -159,9 +158,7 @@ def _cross_check(manifest: EngineManifest, model: model_record.EngineModel) -> N
     released = model_record.released_errors(model)
     if released:
         raise EngineManifestError("this engine cannot be refit (nothing was sent): " + released[0])
-    misbuilt = model_record.format_errors(manifest, model)
-    if misbuilt:
-        raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
+    _check_built(manifest, model)
     errors = model_record.cross_check(manifest, model)
     if errors:
         raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
@@ -210,10 +207,16 @@ def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
             return None
         raise
     world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
-    misbuilt = model_record.format_errors(manifest, model_record.read_model(model, world))
+    _check_built(manifest, model_record.read_model(model, world))
+    return manifest
+
+
+def _check_built(manifest: EngineManifest, model: model_record.EngineModel) -> None:
+    """Raise EngineBuildError naming each module vLLM built in another format than ``manifest``
+    says (:func:`model_record.format_errors`)."""
+    misbuilt = model_record.format_errors(manifest, model)
     if misbuilt:
         raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
-    return manifest
 
 
 def model_config_manifest(model_config: Any, layout: Any = None, registry: Registry | None = None) -> EngineManifest:

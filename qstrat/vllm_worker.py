@@ -20,11 +20,8 @@ from qstrat.checkpoint import PLAN_FILE
 from qstrat.driver import RefitDriver
 from qstrat.errors import ConfigError, EngineStateError
 from qstrat.inputs import NamedTensors
-from qstrat.vllm import RefitReport, model_manifest, quantization_config_of, sink_checks
+from qstrat.vllm import _FAILED, RefitReport, model_manifest, quantization_config_of, sink_checks
 from qstrat.vllm_adapter.model_record import read_engine_model
-
-#: Attribute set on a worker whose reload failed part-way (its weights are in an unknown state).
-_FAILED = "_qstrat_refit_failed"
 
 
 def checkpoint_driver(model_config: Any) -> RefitDriver:
