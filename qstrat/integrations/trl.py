@@ -250,6 +250,15 @@ class QstratWeightSync:
                 self._log(report, time.perf_counter() - start)
         return report
 
+    def _values(self, report: Any) -> dict[str, float]:
+        """The metrics of one reload's ``report`` (:data:`METRICS` but the sync's seconds; a probe's
+        :data:`FIDELITY_METRICS`)."""
+        values = dict(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
+        f = report.fidelity
+        if f is not None:
+            values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl)))
+        return values
+
     def _log(self, report: Any, seconds: float) -> None:
         """Record ``report`` (None: no reload ran) and append this sync's metrics."""
         if report is not None:
@@ -257,12 +266,7 @@ class QstratWeightSync:
         if self.metrics is None:
             return
         store = self.metrics["train" if self.generation.model.training else "eval"]
-        values = {"qstrat/sync/seconds": seconds}
-        if report is not None:
-            values.update(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
-            f = report.fidelity
-            if f is not None:
-                values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl)))
+        values = {"qstrat/sync/seconds": seconds, **(self._values(report) if report is not None else {})}
         for key, value in values.items():
             store[key].append(value)
 
@@ -362,10 +366,16 @@ class QstratRollouts:
         missing = [name for name in _INSTANCE_HOOKS if not hasattr(gen, name)]
         if missing:
             raise _hook_error(self.version, f"VLLMGeneration has no attribute {missing[0]} when it builds its engine")
+        if gen.mode == "server":  # the engine is a vLLM server: qstrat.integrations.trl_server
+            from qstrat.integrations import trl_server
+
+            sync = trl_server.start(self, gen, init_vllm, module)
+            gen.sync_weights = sync
+            self.syncs.append(sync)
+            return
         if gen.mode != "colocate":
-            raise ConfigError(f"vllm_mode: qstrat.integrations.trl runs colocated engines (vllm_mode='colocate'), got "
-                              f"{gen.mode!r}; a vLLM server in another process takes a qstrat refit through "
-                              "qstrat.transport (docs/integrations.md)")
+            raise ConfigError(f"vllm_mode: qstrat.integrations.trl runs TRL's 'colocate' and 'server' modes, got "
+                              f"{gen.mode!r}")
         if gen.enable_sleep_mode:
             raise ConfigError("vllm_enable_sleep_mode: not supported with qstrat.integrations.trl (level-2 sleep "
                               "discards the engine's weights; a qstrat refit into a sleeping engine is untested)")
