@@ -224,8 +224,77 @@ def test_a_trainer_with_another_secret_is_refused(live, monkeypatch):
     from qstrat.integrations.trl_server_demo import free_port
     from qstrat.transport import RefitSender
 
-    sender = RefitSender([HTTPVLLMWeightSyncClient(live["url"])], "127.0.0.1", free_port(), timeout_s=10,
+    sender = RefitSender([HTTPVLLMWeightSyncClient(live["url"])], "127.0.0.1", free_port(), timeout_s=5,
                          secret="another secret, also 32 bytes long")
     with pytest.raises(TransferAuthError):
         sender.connect()
     assert json.dumps(sender.init_infos()).count("another secret") == 0
+
+
+# ---- the sync's paths (no engine: TRL's generation stood in for, the real RefitSender) ---------
+
+class _Client:
+    def __init__(self):
+        self.resets = 0
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+class _Generation:
+    """What QstratServerSync reads of TRL's VLLMGeneration."""
+
+    def __init__(self, model, main=True):
+        from types import SimpleNamespace
+
+        self.model, self.vllm_client, self.drawn = model, _Client(), 0
+        self.accelerator = SimpleNamespace(is_main_process=main)
+
+    def _iter_named_params(self):
+        for name, p in self.model.named_parameters():
+            self.drawn += 1
+            yield name, p.data
+
+
+def _server_sync(model, main=True):
+    from collections import defaultdict
+
+    from qstrat.demo.tiny_model import hf_config
+    from qstrat.driver import RefitDriver
+    from qstrat.integrations.trl_server import QstratServerSync
+    from qstrat.transport import RefitSender
+
+    gen = _Generation(model, main)
+    driver = RefitDriver("block-fp8", hf_config=hf_config(model))
+    sender = RefitSender([], "127.0.0.1", 1, secret="a test secret of 32 bytes length") if main else None
+    sync = QstratServerSync(gen, driver, driver.plan(dict(model.named_parameters())), sender)
+    sync.metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    return gen, sync
+
+
+def test_a_refused_round_still_resets_the_servers_cache_and_logs_the_sync():
+    """A NaN in the trainer's weights: refused before anything is sent (NonFiniteError names the
+    tensor), and TRL's reset_prefix_cache still runs and qstrat/sync/seconds is logged."""
+    import torch
+
+    from qstrat.errors import NonFiniteError
+    from qstrat.integrations.trl_demo import policy
+
+    model = policy()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
+    gen, sync = _server_sync(model)
+    with pytest.raises(NonFiniteError, match="model.layers.1.self_attn.q_proj.weight"):
+        sync()
+    assert gen.vllm_client.resets == 1 and sync.reports == []
+    assert list(sync.metrics["train"]) == ["qstrat/sync/seconds"]
+
+
+def test_other_processes_take_part_in_the_gathers_and_send_nothing():
+    from qstrat.integrations.trl_demo import policy
+
+    model = policy()
+    gen, sync = _server_sync(model, main=False)
+    assert sync() is None
+    assert gen.drawn == len(list(model.named_parameters())) and gen.vllm_client.resets == 0
+    assert sync.reports == [] and not sync.metrics["train"]

@@ -189,9 +189,11 @@ class QstratServerSync(QstratWeightSync):
         """
         start = time.perf_counter()
         gen = self.generation
-        tensors = dict(_copied(gen._iter_named_params()))
-        if self.sender is None:  # another process: it took part in the gathers
+        if self.sender is None:  # another process: it takes part in the gathers only
+            for _ in gen._iter_named_params():
+                pass
             return None
+        tensors = dict(_copied(gen._iter_named_params()))
         report = None
         failed = False
         try:

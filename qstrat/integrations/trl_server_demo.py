@@ -17,33 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from qstrat.engine.http_server import CPU_SERVER_ENV, free_port, serving
+
 #: The demo's shared secret (both sides read ``QSTRAT_TRANSFER_SECRET``).
 SECRET = "qstrat TRL server demo secret, 32 bytes"
-#: Environment of the server on a shared CPU machine: the weight-transfer routes (dev mode), 1 GiB
-#: of KV cache, one OpenMP thread and no core binding (identical greedy logprobs call after call,
-#: as qstrat.engine.local's engines), no compilation.
-SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCHDYNAMO_DISABLE": "1"}
-#: Seconds to wait for the server's /health.
-START_S = 420.0
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trl_serve_args(checkpoint: Path, port: int) -> list[str]:
@@ -53,43 +38,18 @@ def trl_serve_args(checkpoint: Path, port: int) -> list[str]:
 
 
 @contextmanager
-def server(checkpoint: Path, log: Path, secret: str | None = SECRET):
-    """Run ``python -m qstrat.integrations.trl_server`` on ``checkpoint`` until the block exits;
-    yields its base URL. Raises RuntimeError (with the log's tail) when it exits or does not
-    answer /health within :data:`START_S`."""
-    import requests
-
+def server(checkpoint: Path, log: Path, secret: str | None = SECRET) -> Iterator[str]:
+    """Run ``python -m qstrat.integrations.trl_server`` on ``checkpoint`` until the block exits
+    (:func:`qstrat.engine.http_server.serving`, environment :data:`~qstrat.engine.http_server.CPU_SERVER_ENV`
+    and ``QSTRAT_TRANSFER_SECRET=secret``); yields its base URL."""
     port = free_port()
-    env = {**os.environ, **SERVER_ENV}
+    env = {**os.environ, **CPU_SERVER_ENV}
     env.pop("QSTRAT_TRANSFER_SECRET", None)
     if secret is not None:
         env["QSTRAT_TRANSFER_SECRET"] = secret
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "qstrat.integrations.trl_server",
-                                 *trl_serve_args(checkpoint, port)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited (rc {proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start within {START_S:g} s:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
+    command = [sys.executable, "-m", "qstrat.integrations.trl_server", *trl_serve_args(checkpoint, port)]
+    with serving(command, port, log, env) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def server_greedy(client: Any) -> list[Any]:
