@@ -65,10 +65,12 @@ def server_greedy(client: Any) -> list[Any]:
     return out
 
 
-def train(strategy: Any, steps: int, work: Path, url: str) -> tuple[Any, Any]:
+def train(strategy: Any, steps: int, work: Path, url: str, stock: bool = False) -> tuple[Any, Any]:
     """Build and train a server-mode GRPO trainer through ``make_trainer`` for ``steps`` steps,
     then sync once more; the probe holds the server after every sync.
 
+    ``stock``: build TRL's trainer itself, without qstrat (on a CPU TRL raises
+    NotImplementedError while it is built: its weight sync needs CUDA and NCCL).
     Returns: the trainer and its :class:`~qstrat.integrations.trl_demo.ParityProbe`.
     """
     import torch
@@ -79,10 +81,11 @@ def train(strategy: Any, steps: int, work: Path, url: str) -> tuple[Any, Any]:
     from qstrat.integrations.trl_demo import TRAIN_PROMPTS, ParityProbe, grpo_args, policy, tiny_tokenizer, word_reward
 
     with torch._dynamo.config.patch(disable=True):
-        trainer = make_trainer(GRPOTrainer, strategy, model=policy(), processing_class=tiny_tokenizer(),
-                               reward_funcs=word_reward, train_dataset=Dataset.from_dict({"prompt": list(TRAIN_PROMPTS)}),
-                               args=grpo_args(work / "grpo", steps, vllm_mode="server", vllm_server_base_url=url,
-                                              vllm_group_port=free_port(), vllm_server_timeout=60))
+        kwargs = dict(model=policy(), processing_class=tiny_tokenizer(), reward_funcs=word_reward,
+                      train_dataset=Dataset.from_dict({"prompt": list(TRAIN_PROMPTS)}),
+                      args=grpo_args(work / "grpo", steps, vllm_mode="server", vllm_server_base_url=url,
+                                     vllm_group_port=free_port(), vllm_server_timeout=60))
+        trainer = GRPOTrainer(**kwargs) if stock else make_trainer(GRPOTrainer, strategy, **kwargs)
         gen = trainer.vllm_generation
         probe = ParityProbe(trainer, read_engine=lambda: server_greedy(gen.vllm_client))
         trainer.train()
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--strategy", default="block-fp8", help="a qstrat preset or config file (default block-fp8)")
     parser.add_argument("--steps", type=int, default=2, help="GRPO steps (default 2)")
+    parser.add_argument("--stock", action="store_true", help="TRL's own trainer, without qstrat (shows the seam: "
+                        "TRL refuses to sync a CPU trainer)")
     opts = parser.parse_args(argv)
     from qstrat.integrations.trl_demo import _env
 
@@ -146,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         with stderr_to(work / "trainer.log"):
             start_checkpoint(opts.strategy, work / "server-start")
             with server(work / "server-start", work / "server.log") as url:
-                trainer, probe = train(opts.strategy, opts.steps, work, url)
+                try:
+                    trainer, probe = train(opts.strategy, opts.steps, work, url, stock=opts.stock)
+                except NotImplementedError as exc:
+                    if not opts.stock:
+                        raise
+                    say(f"FAILED without qstrat: TRL's trainer cannot sync the server: {exc}")
+                    return 1
                 probe.sync.close()
             results = compare(opts.strategy, probe.records, work)
         ok = True
