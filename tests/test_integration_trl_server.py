@@ -92,6 +92,8 @@ INFO = {"weight_transfer_config": {"backend": "qstrat"}, "model_config": {"quant
      r"\{\"backend\": \"qstrat\"\}: start it with 'python -m qstrat.integrations.trl_server --model CHECKPOINT"),
     ({"weight_transfer_config": None}, "block-fp8", r"^weight_transfer_config: .* runs weight-transfer backend None"),
     ({}, "mxfp8", r"^model_config.quantization: the vLLM server at U serves 'fp8', the strategy's plan is 'modelopt'"),
+    ({"model_config": {"quantization": "modelopt_mxfp8"}}, "block-fp8",
+     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8', the strategy's plan is 'fp8'"),
     ({"model_config": {"quantization": None}}, "block-fp8",
      r"^model_config.quantization: the vLLM server at U serves None, the strategy's plan is 'fp8'; start the server "
      r"on qstrat.integrations.trl_server.write_server_checkpoint"),
@@ -101,6 +103,8 @@ def test_server_that_cannot_take_the_syncs_is_refused(change, strategy, message)
     from qstrat.integrations.trl_server import check_server_info
 
     check_server_info(INFO, _plan(), "U")  # what the live server answers passes
+    # vLLM names a ModelOpt MXFP8 checkpoint's method modelopt_mxfp8 (seen on the live server)
+    check_server_info({**INFO, "model_config": {"quantization": "modelopt_mxfp8"}}, _plan("mxfp8"), "U")
     with pytest.raises(ConfigError, match=message):
         check_server_info({**INFO, **change}, _plan(strategy), "U")
 

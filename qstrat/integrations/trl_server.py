@@ -137,9 +137,10 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
 
     Checked: ``weight_transfer_config.backend`` is ``qstrat`` (``trl vllm-serve`` alone starts
     ``nccl``, whose rounds are BF16 tensors loaded one by one: a quantized engine cannot take
-    them); the server's quantization method (``model_config.quantization``) is the plan's
-    ``quant_method``. Every round then checks the whole format and every tensor engine-side
-    before any data (docs/transport.md).
+    them); the server's quantization method (``model_config.quantization``, as vLLM resolved
+    it) is the plan's ``quant_method``, or a variant vLLM names after it (a ModelOpt checkpoint
+    is served as ``modelopt_mxfp8``, ``modelopt_fp4``, ... by its algorithm). Every round then
+    checks the whole format and every tensor engine-side before any data (docs/transport.md).
 
     Raises: ConfigError naming the setting, what the server runs and the fix.
     """
@@ -152,7 +153,8 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
                           f"{_WTC} '{json.dumps(BACKEND)}' to 'trl vllm-serve'")
     served = (info.get("model_config") or {}).get("quantization")
     wanted = (plan.vllm_quantization_config() or {}).get("quant_method")
-    if served != wanted:
+    if not (isinstance(served, str) and isinstance(wanted, str)
+            and (served == wanted or served.startswith(wanted + "_"))):
         raise ConfigError(f"model_config.quantization: the vLLM server at {url} serves {served!r}, the strategy's "
                           f"plan is {wanted!r}; start the server on qstrat.integrations.trl_server."
                           "write_server_checkpoint of the policy in this strategy")
