@@ -65,12 +65,14 @@ def server_greedy(client: Any) -> list[Any]:
     return out
 
 
-def train(strategy: Any, steps: int, work: Path, url: str, stock: bool = False) -> tuple[Any, Any]:
+def train(strategy: Any, steps: int, work: Path, url: str, stock: bool = False,
+          peft: bool = False) -> tuple[Any, Any]:
     """Build and train a server-mode GRPO trainer through ``make_trainer`` for ``steps`` steps,
     then sync once more; the probe holds the server after every sync.
 
     ``stock``: build TRL's trainer itself, without qstrat (on a CPU TRL raises
-    NotImplementedError while it is built: its weight sync needs CUDA and NCCL).
+    NotImplementedError while it is built: its weight sync needs CUDA and NCCL). ``peft``: train
+    a LoRA adapter (TRL merges it into every sync's weights).
     Returns: the trainer and its :class:`~qstrat.integrations.trl_demo.ParityProbe`.
     """
     import torch
@@ -85,6 +87,10 @@ def train(strategy: Any, steps: int, work: Path, url: str, stock: bool = False) 
                       train_dataset=Dataset.from_dict({"prompt": list(TRAIN_PROMPTS)}),
                       args=grpo_args(work / "grpo", steps, vllm_mode="server", vllm_server_base_url=url,
                                      vllm_group_port=free_port(), vllm_server_timeout=60))
+        if peft:
+            from peft import LoraConfig
+
+            kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
         trainer = GRPOTrainer(**kwargs) if stock else make_trainer(GRPOTrainer, strategy, **kwargs)
         gen = trainer.vllm_generation
         probe = ParityProbe(trainer, read_engine=lambda: server_greedy(gen.vllm_client))
@@ -132,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--strategy", default="block-fp8", help="a qstrat preset or config file (default block-fp8)")
     parser.add_argument("--steps", type=int, default=2, help="GRPO steps (default 2)")
+    parser.add_argument("--peft", action="store_true", help="train a LoRA adapter (merged on every sync)")
     parser.add_argument("--stock", action="store_true", help="TRL's own trainer, without qstrat (shows the seam: "
                         "TRL refuses to sync a CPU trainer)")
     opts = parser.parse_args(argv)
@@ -152,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             start_checkpoint(opts.strategy, work / "server-start")
             with server(work / "server-start", work / "server.log") as url:
                 try:
-                    trainer, probe = train(opts.strategy, opts.steps, work, url, stock=opts.stock)
+                    trainer, probe = train(opts.strategy, opts.steps, work, url, stock=opts.stock,
+                                           peft=opts.peft)
                 except NotImplementedError as exc:
                     if not opts.stock:
                         raise
