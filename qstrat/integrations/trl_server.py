@@ -227,7 +227,8 @@ class QstratServerSync(QstratWeightSync):
 def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSync:
     """Server-mode half of :meth:`qstrat.integrations.trl.QstratRollouts.start`.
 
-    Plans the policy (every process iterates TRL's ``_iter_named_params``), then runs TRL's own
+    Plans the policy from the shapes and dtypes TRL's ``_iter_named_params`` yields (every
+    process iterates: its gathers are collectives), then runs TRL's own
     ``_init_vllm`` with the module's ``VLLMClient`` swapped, for that call only, for TRL's class
     whose ``init_communicator`` checks the server (:func:`check_server_info`) and connects a
     :class:`~qstrat.transport.RefitSender` (master address: vLLM's ``get_ip``, as TRL's;
@@ -252,7 +253,8 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
             raise ConfigError(f"{key}: not with vllm_mode='server' ({why})")
     hf_config = _hf_config(gen.model)
     driver = RefitDriver(handle.strategy, hf_config=hf_config)
-    plan = driver.plan(dict(_copied(gen._iter_named_params())))
+    # planned from shapes and dtypes alone (meta tensors: no copy of the model)
+    plan = driver.plan({name: torch.empty_like(t, device="meta") for name, t in gen._iter_named_params()})
     real_client = module.VLLMClient
     senders: list[Any] = []
 
