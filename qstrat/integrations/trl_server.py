@@ -23,6 +23,7 @@ qstrat:
 """
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import json
 import os
@@ -271,6 +272,7 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
                                  backend="nccl" if dev.type == "cuda" else "gloo",
                                  workers_per_client=[c.get_world_size()])
             sender.connect()
+            atexit.register(sender.close)  # as TRL registers its close_communicator
             senders.append(sender)
 
         c.init_communicator = init_communicator
