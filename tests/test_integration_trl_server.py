@@ -122,20 +122,24 @@ def _server_generation(**attrs):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"engine_kwargs": {"max_model_len": 64}},
-     r"^engine_kwargs: not with vllm_mode='server' \(the engine is the server's: pass vLLM arguments to its command\)"),
-    ({"checkpoint_dir": "x"}, r"^checkpoint_dir: not with vllm_mode='server' \(the server starts on the checkpoint "
+     r"^engine_kwargs: not with TRL VERSION's vllm_mode='server' \(the engine is the server's: pass vLLM arguments to its command\)"),
+    ({"checkpoint_dir": "x"}, r"^checkpoint_dir: not with TRL VERSION's vllm_mode='server' \(the server starts on the checkpoint "
                               r"write_server_checkpoint wrote; the trainer writes none\)"),
-    ({"verify_every": 1}, r"^verify_every: not with vllm_mode='server' \(the fidelity probe runs an engine in the "
+    ({"verify_every": 1}, r"^verify_every: not with TRL VERSION's vllm_mode='server' \(the fidelity probe runs an engine in the "
                           r"trainer's process; the server's is in another"),
 ])
 def test_colocate_only_arguments_are_refused_in_server_mode(kwargs, message):
     """Before: silently ignored (engine_kwargs, checkpoint_dir) or a probe of an engine that is
     not there. Refused before the server is contacted; the class restored."""
+    import re
+
+    import trl
+
     from qstrat.integrations import trl as qtrl
 
     cls, gen = _server_generation()
     original = cls.__dict__["_init_vllm"]
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message.replace("VERSION", re.escape(trl.__version__))):
         with qtrl.rollouts("block-fp8", **kwargs):
             cls._init_vllm(gen)
     assert cls.__dict__["_init_vllm"] is original

@@ -251,7 +251,7 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
                      ("verify_every", "the fidelity probe runs an engine in the trainer's process; the server's "
                                       "is in another (probe a checkpoint with qstrat.fidelity.probe instead)")):
         if getattr(handle, key):
-            raise ConfigError(f"{key}: not with vllm_mode='server' ({why})")
+            raise ConfigError(f"{key}: not with TRL {handle.version}'s vllm_mode='server' ({why})")
     hf_config = _hf_config(gen.model)
     driver = RefitDriver(handle.strategy, hf_config=hf_config)
     # planned from shapes and dtypes alone (meta tensors: no copy of the model)
