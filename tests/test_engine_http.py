@@ -14,10 +14,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -64,38 +62,13 @@ def server_command(model_dir, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(ckpts):
-    import requests
+    from qstrat.engine.http_server import CPU_SERVER_ENV, serving
 
     port = free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", QSTRAT_TRANSFER_SECRET=SECRET,
-               # the shared CI machine: one thread, no core binding, no compilation
-               TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    log_path = ckpts["root"] / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command(ckpts["root"] / "b-fp8", port), env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited (rc {proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not start within {START_S:g} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(2)
+    env = {**os.environ, **CPU_SERVER_ENV, "QSTRAT_TRANSFER_SECRET": SECRET}
+    with serving(server_command(ckpts["root"] / "b-fp8", port), port, ckpts["root"] / "server.log", env,
+                 START_S) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -136,7 +136,7 @@ def _bare_generation(**attrs):
 
 
 @pytest.mark.parametrize("attrs, message", [
-    (dict(mode="server"), "vllm_mode: qstrat.integrations.trl runs colocated engines (vllm_mode='colocate'), got 'server'"),
+    (dict(mode="other"), "vllm_mode: qstrat.integrations.trl runs TRL's 'colocate' and 'server' modes, got 'other'"),
     (dict(enable_sleep_mode=True), "vllm_enable_sleep_mode: not supported"),
 ])
 def test_refused_engine_modes_and_class_restored(attrs, message):

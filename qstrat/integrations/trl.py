@@ -1,4 +1,5 @@
-"""Hugging Face TRL: colocated vLLM rollouts in any qstrat strategy, every weight sync a qstrat refit.
+"""Hugging Face TRL: colocated vLLM rollouts in any qstrat strategy, every weight sync a qstrat refit
+(TRL's server mode, ``vllm_mode="server"``: :mod:`qstrat.integrations.trl_server`).
 
 One call (:func:`make_trainer`) builds a TRL trainer whose vLLM engine starts on a qstrat
 checkpoint of the policy and whose every weight sync is :func:`qstrat.vllm.refit`, fed from
@@ -32,6 +33,11 @@ cannot take), then resets the prefix cache. While the trainer is being construct
    what vLLM built from it - a module built in another format refuses to go on) and sets the
    instance's ``sync_weights`` to a :class:`QstratWeightSync`. If this (or TRL's
    ``_init_vllm``) fails, every engine started for it is released before the error propagates.
+
+In server mode (``vllm_mode="server"``) the engine is a vLLM server started on a qstrat
+checkpoint with the ``qstrat`` weight-transfer backend, and the replaced ``_init_vllm`` hands over
+to :func:`qstrat.integrations.trl_server.start` (TRL's ``VLLMClient`` kept, its weight transfer
+a :class:`~qstrat.transport.RefitSender`; sync: :class:`~qstrat.integrations.trl_server.QstratServerSync`).
 
 The class and the module are restored when the construction returns or raises. Every hook is
 checked at start (:func:`check_trl`): a TRL without one raises :class:`TRLHookError` naming the
@@ -250,6 +256,15 @@ class QstratWeightSync:
                 self._log(report, time.perf_counter() - start)
         return report
 
+    def _values(self, report: Any) -> dict[str, float]:
+        """The metrics of one reload's ``report`` (:data:`METRICS` but the sync's seconds; a probe's
+        :data:`FIDELITY_METRICS`)."""
+        values = dict(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
+        f = report.fidelity
+        if f is not None:
+            values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl)))
+        return values
+
     def _log(self, report: Any, seconds: float) -> None:
         """Record ``report`` (None: no reload ran) and append this sync's metrics."""
         if report is not None:
@@ -257,12 +272,7 @@ class QstratWeightSync:
         if self.metrics is None:
             return
         store = self.metrics["train" if self.generation.model.training else "eval"]
-        values = {"qstrat/sync/seconds": seconds}
-        if report is not None:
-            values.update(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
-            f = report.fidelity
-            if f is not None:
-                values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl)))
+        values = {"qstrat/sync/seconds": seconds, **(self._values(report) if report is not None else {})}
         for key, value in values.items():
             store[key].append(value)
 
@@ -362,10 +372,16 @@ class QstratRollouts:
         missing = [name for name in _INSTANCE_HOOKS if not hasattr(gen, name)]
         if missing:
             raise _hook_error(self.version, f"VLLMGeneration has no attribute {missing[0]} when it builds its engine")
+        if gen.mode == "server":  # the engine is a vLLM server: qstrat.integrations.trl_server
+            from qstrat.integrations import trl_server
+
+            sync = trl_server.start(self, gen, init_vllm, module)
+            gen.sync_weights = sync
+            self.syncs.append(sync)
+            return
         if gen.mode != "colocate":
-            raise ConfigError(f"vllm_mode: qstrat.integrations.trl runs colocated engines (vllm_mode='colocate'), got "
-                              f"{gen.mode!r}; a vLLM server in another process takes a qstrat refit through "
-                              "qstrat.transport (docs/integrations.md)")
+            raise ConfigError(f"vllm_mode: qstrat.integrations.trl runs TRL's 'colocate' and 'server' modes, got "
+                              f"{gen.mode!r}")
         if gen.enable_sleep_mode:
             raise ConfigError("vllm_enable_sleep_mode: not supported with qstrat.integrations.trl (level-2 sleep "
                               "discards the engine's weights; a qstrat refit into a sleeping engine is untested)")
@@ -429,7 +445,7 @@ class QstratRollouts:
         sync = getattr(getattr(trainer, "vllm_generation", None), "sync_weights", None)
         if not isinstance(sync, QstratWeightSync) or sync not in self.syncs:
             raise ConfigError("use_vllm: the trainer has no vLLM engine built under qstrat.integrations.trl "
-                              "(set use_vllm=True, vllm_mode='colocate', and build it inside rollouts())")
+                              "(set use_vllm=True, vllm_mode='colocate' or 'server', and build it inside rollouts())")
         metrics = getattr(trainer, "_metrics", None)
         if not isinstance(metrics, Mapping) or not {"train", "eval"} <= set(metrics):
             raise _hook_error(self.version, f"{type(trainer).__name__} has no _metrics store with 'train' and "
@@ -441,8 +457,10 @@ class QstratRollouts:
 @contextmanager
 def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
              engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0) -> Iterator[QstratRollouts]:
-    """While active, every TRL ``VLLMGeneration`` built (colocated) starts its engine on a qstrat
-    checkpoint in ``strategy`` and syncs through :class:`QstratWeightSync`.
+    """While active, every TRL ``VLLMGeneration`` built starts its engine on a qstrat checkpoint
+    in ``strategy`` and syncs through :class:`QstratWeightSync` (colocated); in server mode it
+    checks the server and syncs it through
+    :class:`~qstrat.integrations.trl_server.QstratServerSync` (:func:`qstrat.integrations.trl_server.start`).
 
     For trainers built by code you do not call yourself; :func:`make_trainer` is this plus
     :meth:`QstratRollouts.attach`. ``VLLMGeneration._init_vllm`` is restored on exit (also when
@@ -469,7 +487,8 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
         that is not a path, an ``engine_kwargs`` that is not a mapping or sets what the checkpoint
         decides (:func:`check_engine_kwargs`: ``model``, ``quantization``, ``quantization_config``,
         ``hf_overrides``), all before the trainer is built; while a trainer is built: ConfigError for ``vllm_mode``
-        other than ``colocate`` or ``vllm_enable_sleep_mode``, what ``write_checkpoint`` raises
+        other than ``colocate`` and ``server``, for ``vllm_enable_sleep_mode`` (colocated), what
+        :func:`qstrat.integrations.trl_server.start` raises (server mode), what ``write_checkpoint`` raises
         (PlanError, NonFiniteError, FileExistsError), PlanError when the started engine's
         quantization_config does not match the plan, EngineBuildError when vLLM built a module in
         another format than the plan (:func:`qstrat.vllm.check_engine_built`); an engine started
@@ -496,7 +515,7 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
 def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path | None = None,
                  engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0,
                  **trainer_kwargs: Any) -> Any:
-    """Build a TRL trainer whose colocated vLLM rollouts run ``strategy``.
+    """Build a TRL trainer whose vLLM rollouts (colocated, or a server) run ``strategy``.
 
     ``trainer_cls(**trainer_kwargs)`` is built inside :func:`rollouts` and attached
     (:meth:`QstratRollouts.attach`): its engine starts on a qstrat checkpoint of the policy,
@@ -507,11 +526,14 @@ def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path
     Args:
         trainer_cls: a TRL trainer that builds a ``VLLMGeneration`` (``GRPOTrainer``,
             ``RLOOTrainer``, the distillation trainers) or a subclass; its ``args`` must say
-            ``use_vllm=True, vllm_mode="colocate"``.
+            ``use_vllm=True`` and ``vllm_mode="colocate"`` or ``"server"`` (a server started on a
+            qstrat checkpoint with the ``qstrat`` backend: :mod:`qstrat.integrations.trl_server`;
+            then ``checkpoint_dir``, ``engine_kwargs`` and ``verify_every`` are refused).
         strategy, checkpoint_dir, engine_kwargs, verify_every: as in :func:`rollouts`.
         trainer_kwargs: the trainer's own arguments (``model``, ``args``, ``processing_class``, ...).
     Returns: the trainer; its sync is ``trainer.vllm_generation.sync_weights``
-        (a :class:`QstratWeightSync`: ``.reports``, ``.checkpoint``, ``.plan``).
+        (a :class:`QstratWeightSync`: ``.reports``, ``.checkpoint``, ``.plan``; server mode: a
+        :class:`~qstrat.integrations.trl_server.QstratServerSync`, ``.sender`` too).
     Raises: TypeError for a ``trainer_cls`` that is not callable (before anything starts); what
         :func:`rollouts` and :meth:`QstratRollouts.attach` raise, and what the trainer raises.
     """

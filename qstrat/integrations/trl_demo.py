@@ -102,6 +102,9 @@ class ParityProbe:
 
     trainer: Any
     records: list[SyncRecord] = field(default_factory=list)
+    #: How the engine's greedy output is read after a sync (default: :func:`probe_greedy` of the
+    #: trainer's colocated engine; server mode: the server's, over HTTP).
+    read_engine: Any = None
 
     def __post_init__(self) -> None:
         gen = self.trainer.vllm_generation
@@ -116,7 +119,7 @@ class ParityProbe:
             model = copy.deepcopy(model).merge_and_unload()
         weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
         report = self.sync()
-        engine = probe_greedy(self.trainer.vllm_generation.llm)
+        engine = self.read_engine() if self.read_engine else probe_greedy(self.trainer.vllm_generation.llm)
         self.records.append(SyncRecord(self.trainer.state.global_step, weights, engine, report))
         return report
 
