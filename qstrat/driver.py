@@ -140,8 +140,15 @@ class RefitDriver:
             change it: derive a partial plan with ``subset`` / ``only_layers``).
         Raises: PlanError listing every problem found (not only the first).
         """
-        tensors = as_tensor_dict(named_tensors)
         with gc_paused():  # the key allocates a tuple per input: no collector passes over the kept plan
+            if isinstance(named_tensors, dict):  # a hit needs no validation: its key equals a validated input's
+                try:
+                    plan = self.plan_cache.get(PlanCache.metadata_key(named_tensors, self.hf_config))
+                except AttributeError:  # a value without .shape or .dtype: as_tensor_dict names it below
+                    plan = None
+                if plan is not None:
+                    return plan
+            tensors = as_tensor_dict(named_tensors)
             key = PlanCache.metadata_key(tensors, self.hf_config)
             plan = self.plan_cache.get(key)
             if plan is None:
