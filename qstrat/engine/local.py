@@ -104,8 +104,9 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             ``float16``).
         dynamo: let vLLM ``torch.compile`` its helpers while the engine starts. Off by default:
             the engine is eager anyway, and vLLM's online quantization then runs its quantizer
-            (``per_block_cast_to_fp8``) uncompiled - same bytes, start-up ~7 s instead of ~35 s
-            on a small CPU. (In-process only: a worker process compiles as vLLM decides.)
+            (``per_block_cast_to_fp8``) uncompiled - same bytes, a shorter start-up
+            (docs/performance.md, "Why the code does it this way"). (In-process only: a worker
+            process compiles as vLLM decides.)
         threads: on a CPU platform, the OpenMP/torch threads the engine computes with (default
             1): an in-process engine gets this process's torch thread count set
             (``torch._C.set_num_threads``: vLLM's CPU worker turns ``torch.set_num_threads``
@@ -219,7 +220,7 @@ def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int =
     """Greedy-decode ``prompts`` (token ids); returns tokens and their logprobs per prompt.
 
     ``dynamo``: as in :func:`start_engine`; off by default because vLLM otherwise compiles
-    helpers at the first generate of an in-process engine (~7-10 s on a small CPU). Engines
+    helpers at the first generate of an in-process engine (seconds on a CPU). Engines
     whose outputs are compared should all run the same way.
     """
     import torch._dynamo

@@ -42,8 +42,8 @@ def _dtype_hint(dtype: torch.dtype) -> str:
     return " (not a floating-point weight: leave buffers such as masks or position ids out of the refit)"
 
 
-#: :class:`PlanEntry` / :class:`OutputTensor` built ~4x faster, same values
-#: (:func:`qstrat.frozen.fast_builder`): one entry and its outputs per input tensor.
+#: :class:`PlanEntry` / :class:`OutputTensor` built through :func:`qstrat.frozen.fast_builder` (same
+#: values; why: docs/performance.md): one entry and its outputs per input tensor.
 _plan_entry = fast_builder(PlanEntry)
 _output_tensor = fast_builder(OutputTensor)
 
