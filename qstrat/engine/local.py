@@ -201,16 +201,19 @@ def reloadable_attention(model_dir: str | Path) -> dict[str, Any]:
     backend releases ``kv_b_proj.weight`` after loading; a layerwise reload then fails copying the
     new weight into the released one, after the first tensor was handed over. The reference CPU
     MLA backend keeps the weight. ``model_dir``: a checkpoint directory (its ``config.json``
-    is read); anything else (a hub id) gets ``{}``.
+    is read; a multimodal config's language model is its ``text_config``:
+    :func:`qstrat.model_config.language_config`); anything else (a hub id) gets ``{}``.
+
+    Raises: ConfigError for a ``text_config`` that is not a mapping.
     """
+    from qstrat.model_config import language_config
     from qstrat.vllm_adapter import has_amx
     from qstrat.vllm_adapter.resolver import available
 
     config = Path(model_dir) / "config.json"
     if not (is_cpu() and has_amx() and available("amx_mla_backend") and config.is_file()):
         return {}
-    hf = json.loads(config.read_text())
-    if hf.get("kv_lora_rank") is None and (hf.get("text_config") or {}).get("kv_lora_rank") is None:
+    if language_config(json.loads(config.read_text())).get("kv_lora_rank") is None:
         return {}
     return {"attention_backend": resolve("cpu_mla_backend")}
 
