@@ -53,9 +53,12 @@ class PlanCache:
     and the ``hf_config`` as it reads now (``repr``); the refit config is the driver's, fixed at
     construction. Anything else (a renamed, added, dropped, reordered, reshaped or recast input,
     an edited ``hf_config``) re-plans and replaces the entry. A plan that fails is not kept
-    (every call raises its own PlanError). One entry: a trainer refits one model. The key holds
-    each input's ``.shape`` object as given: tensors and qstrat's handles give an immutable
-    ``torch.Size``; a handle whose shape is a list changed in place would go unnoticed.
+    (every call raises its own PlanError). A ``dict`` input is looked up before it is validated
+    (its key can equal the kept one only if its names, shapes and torch dtypes are those of an
+    input that was validated; anything else misses and is validated). One entry: a trainer refits
+    one model. The key holds each input's ``.shape`` object as given: tensors and qstrat's
+    handles give an immutable ``torch.Size``; a handle whose shape is a list changed in place
+    would go unnoticed.
     """
 
     def __init__(self) -> None:

@@ -34,8 +34,9 @@ def import_ref(fmt: str, ref: str, what: str = "kernel", need_callable: bool = T
 
 
 def resolve_kernel(cls: type) -> Callable[..., dict[str, torch.Tensor]] | None:
-    """``cls.kernel`` (``cls`` a Serializer class) as a function, or None (no kernel declared, or triton not importable); a
-    ``"module:function"`` reference is imported on first use and cached per class.
+    """``cls.kernel`` (``cls`` a Serializer class) as a function, or None (no kernel declared, or
+    triton not importable); a ``"module:function"`` reference is imported on first use and cached
+    per class.
 
     Raises: PluginError if the reference does not name an importable callable (a broken kernel
     module must not fall back to the reference silently)."""
@@ -69,8 +70,9 @@ def resolve_bench_peers(cls: type) -> dict[str, Callable[..., Any]]:
 
 
 def runs_kernel(ser: Any, device: torch.device | str) -> bool:
-    """Whether ``ser`` (a :class:`~qstrat.serializers.base.Serializer`) quantizing tensors on ``device`` runs its Triton kernel (else a torch
-    path), raising if its ``backend`` option cannot run there. Reads no data.
+    """Whether ``ser`` (a :class:`~qstrat.serializers.base.Serializer`) quantizing tensors on
+    ``device`` runs its Triton kernel (else a torch path), raising if its ``backend`` option cannot
+    run there. Reads no data.
 
     Raises: BackendUnavailableError: ``backend="triton"`` and the format has no kernel, triton
         does not import, or ``device`` is not CUDA without ``TRITON_INTERPRET=1``."""

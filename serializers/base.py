@@ -31,8 +31,9 @@ from qstrat.serializers.finite import all_finite, check_context, check_decoded, 
 from qstrat.serializers.parts import Context, PartSpec, check_parts, declared_parts, dtype_name, tensor_nbytes
 
 # re-exported: formats and qstrat import these names from here
-__all__ = ["Context", "PartSpec", "Serializer", "SerializerOptions", "WEIGHT_DTYPES", "all_finite", "check_finite", "options_text",
-           "check_parts", "config_difference", "dtype_name", "peak_abs", "tensor_nbytes"]
+__all__ = ["Context", "PartSpec", "Serializer", "SerializerOptions", "WEIGHT_DTYPES", "all_finite", "check_finite",
+           "check_parts", "config_difference", "dtype_name", "options_text", "peak_abs", "tensor_nbytes"]
+
 
 class SerializerOptions(BaseModel):
     """Options every serializer accepts. Subclasses add format options (``extra`` keys are errors)."""
