@@ -28,7 +28,8 @@ from qstrat.serializers import backend, torch_paths
 from qstrat.serializers.chunking import Scratch, cache_chunk_elements
 from qstrat.serializers.engine_contract import config_difference, on_defaults, read_difference
 from qstrat.serializers.finite import all_finite, check_context, check_decoded, check_finite, options_text, peak_abs
-from qstrat.serializers.parts import Context, PartSpec, check_parts, declared_parts, dtype_name, tensor_nbytes
+from qstrat.serializers.parts import (WEIGHT_DTYPES, Context, PartSpec, check_parts, check_weight_dtype, declared_parts,
+                                     dtype_name, tensor_nbytes)
 
 # re-exported: formats and qstrat import these names from here
 __all__ = ["Context", "PartSpec", "Serializer", "SerializerOptions", "WEIGHT_DTYPES", "all_finite", "check_finite",
@@ -56,8 +57,6 @@ class SerializerOptions(BaseModel):
     )
 
 
-#: Weight dtypes a serializer reads (fp8, integer and float64 inputs are refused).
-WEIGHT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
 
 class Serializer(ABC):
@@ -246,11 +245,7 @@ class Serializer(ABC):
         w = w.detach()  # a trainer's nn.Parameter: quantizing reads values, never records autograd
         if context is not None:
             context = {k: v.detach() if torch.is_tensor(v) else v for k, v in context.items()}
-        if w.dtype not in WEIGHT_DTYPES:
-            raise UnsupportedShapeError(
-                f"{name}: {self.name} quantizes bfloat16, float16 or float32 weights, got "
-                f"{dtype_name(w.dtype)}" + (" (cast it to float32)" if w.dtype == torch.float64 else "")
-            )
+        check_weight_dtype(self.name, name, w.dtype)
         if context is not None and self.options.nonfinite == "error":
             check_context(context, name)
         batched = w.dim() == 3

@@ -13,6 +13,9 @@ import torch
 #: Per-expert state a serializer shares across the members of a fusion group: name -> tensor [E].
 Context = Mapping[str, torch.Tensor]
 
+#: Weight dtypes a serializer reads (fp8, integer and float64 inputs are refused).
+WEIGHT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
 
 @dataclass(frozen=True)
 class PartSpec:
@@ -91,3 +94,15 @@ def declared_parts(ser: Any, shape: tuple[int, ...]) -> tuple[PartSpec, ...]:
                           f"matrix_parts({shape[-2]}, {shape[-1]}) must return a tuple of PartSpec, got "
                           f"{declared!r:.120}")
     return tuple(PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry) for p in declared)
+
+
+def check_weight_dtype(fmt: str, name: str, dtype: torch.dtype) -> None:
+    """Raise UnsupportedShapeError naming the tensor ``name`` and the format ``fmt`` unless
+    ``dtype`` is one of :data:`WEIGHT_DTYPES` (a float64 weight is told to cast to float32)."""
+    from qstrat.errors import UnsupportedShapeError
+
+    if dtype not in WEIGHT_DTYPES:
+        raise UnsupportedShapeError(
+            f"{name}: {fmt} quantizes bfloat16, float16 or float32 weights, got "
+            f"{dtype_name(dtype)}" + (" (cast it to float32)" if dtype == torch.float64 else "")
+        )
