@@ -188,7 +188,7 @@ def quantization_facts() -> list[Fact]:
             _probe("quantization", "cache", llc)]
 
 
-#: What ``backend: auto`` does with CPU tensors (serializers/base.py ``check_backend``/``_use_fast``).
+#: What ``backend: auto`` does with CPU tensors (serializers/backend.py ``runs_kernel``; the fast path when the format has ``encode_into``).
 _CPU_PATH = ("backend 'auto' quantizes CPU tensors with the fast torch path (byte-identical to the torch "
              "reference; a format without one uses the reference)")
 

@@ -53,9 +53,12 @@ class PlanCache:
     and the ``hf_config`` as it reads now (``repr``); the refit config is the driver's, fixed at
     construction. Anything else (a renamed, added, dropped, reordered, reshaped or recast input,
     an edited ``hf_config``) re-plans and replaces the entry. A plan that fails is not kept
-    (every call raises its own PlanError). One entry: a trainer refits one model. The key holds
-    each input's ``.shape`` object as given: tensors and qstrat's handles give an immutable
-    ``torch.Size``; a handle whose shape is a list changed in place would go unnoticed.
+    (every call raises its own PlanError). A ``dict`` input is looked up before it is validated
+    (its key can equal the kept one only if its names, shapes and torch dtypes are those of an
+    input that was validated; anything else misses and is validated). One entry: a trainer refits
+    one model. The key holds each input's ``.shape`` object as given: tensors and qstrat's
+    handles give an immutable ``torch.Size``; a handle whose shape is a list changed in place
+    would go unnoticed.
     """
 
     def __init__(self) -> None:
@@ -140,8 +143,15 @@ class RefitDriver:
             change it: derive a partial plan with ``subset`` / ``only_layers``).
         Raises: PlanError listing every problem found (not only the first).
         """
-        tensors = as_tensor_dict(named_tensors)
         with gc_paused():  # the key allocates a tuple per input: no collector passes over the kept plan
+            if isinstance(named_tensors, dict):  # a hit needs no validation: its key equals a validated input's
+                try:
+                    plan = self.plan_cache.get(PlanCache.metadata_key(named_tensors, self.hf_config))
+                except AttributeError:  # a value without .shape or .dtype: as_tensor_dict names it below
+                    plan = None
+                if plan is not None:
+                    return plan
+            tensors = as_tensor_dict(named_tensors)
             key = PlanCache.metadata_key(tensors, self.hf_config)
             plan = self.plan_cache.get(key)
             if plan is None:

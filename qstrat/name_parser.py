@@ -76,8 +76,8 @@ class ParsedName:
         return self.engine_module or self.module
 
 
-#: :class:`ParsedName` built ~4x faster, same value (:func:`qstrat.frozen.fast_builder`): the parser's
-#: per-tensor path (one per input tensor of a plan).
+#: :class:`ParsedName` built through :func:`qstrat.frozen.fast_builder` (same value; why:
+#: docs/performance.md): the parser's per-tensor path (one per input tensor of a plan).
 _parsed_name = fast_builder(ParsedName)
 
 #: What :func:`in_layer` decides of a name inside a decoder layer: the :class:`ParsedName` fields

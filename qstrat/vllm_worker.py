@@ -20,7 +20,11 @@ from qstrat.checkpoint import PLAN_FILE
 from qstrat.driver import RefitDriver
 from qstrat.errors import ConfigError, EngineStateError
 from qstrat.inputs import NamedTensors
-from qstrat.vllm import _FAILED, RefitReport, model_manifest, quantization_config_of, sink_checks
+from qstrat.vllm.flag import FAILED, mark_failed
+from qstrat.vllm.manifest import model_manifest
+from qstrat.vllm.quant_config import quantization_config_of
+from qstrat.vllm.sink import RefitReport
+from qstrat.vllm.checks import sink_checks
 from qstrat.vllm_adapter.model_record import read_engine_model
 
 
@@ -60,7 +64,7 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
         BackendUnavailableError, NonFiniteError (nothing handed to vLLM); EngineStateError when
         the reload failed after it began, and for every later refit of this worker.
     """
-    failed = getattr(worker, _FAILED, None)
+    failed = getattr(worker, FAILED, None)
     if failed:
         raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
                                "are in an unknown state: restart the engine")
@@ -68,15 +72,14 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
     mc = worker.model_runner.vllm_config.model_config
     driver = driver if driver is not None else checkpoint_driver(mc)
     checks = sink_checks(lambda: quantization_config_of(mc.hf_config),
-                         lambda: model_manifest(mc, driver.registry, driver.config.layout,
-                                                        read_engine_model(worker)),
+                         lambda: model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)),
                          driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts)
     prepared = driver.prepare(named_tensors, None, checks)  # values first: vLLM's reload has no rollback
     tensors = [(name, t.contiguous()) for name, t in prepared.execute()]
     try:
         worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
     except Exception as exc:
-        setattr(worker, _FAILED, f"{type(exc).__name__}: {exc}")
+        mark_failed(worker, f"{type(exc).__name__}: {exc}")
         raise EngineStateError(f"the refit failed after the engine began reloading: {type(exc).__name__}: {exc}. "
                                "vLLM's layerwise reload has no rollback: restart the engine") from exc
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)

@@ -43,6 +43,7 @@ against a raw broadcast of the same bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -59,6 +60,7 @@ from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
 from qstrat.transport.keys import Secret  # noqa: E402
 from qstrat.transport.seal import Sealer  # noqa: E402
+from qstrat.transport.wire_manifest import reload_unit  # noqa: E402
 
 SECRET = "benchmark secret, not a real one"
 
@@ -173,12 +175,13 @@ def throughput(args, tensors) -> None:
               f"| recv {_phases(recv_stats, RECV_PHASES)}")
 
 
-def memory(args, tensors) -> None:
+def memory(args, tensors) -> list[dict[str, int | str]]:
     mib = args.bucket_mib[0]
     print(f"torch {torch.__version__}, gloo, {args.receivers} receiver(s), bucket {mib:g} MiB, "
           f"{'authenticated' if args.secret else 'no secret'}")
     print(f"{'mode':>8} {'payload MiB':>11} {'RSS before MiB':>14} {'peak above MiB':>14} {'x payload':>9} "
           f"{'round s':>8} {'raw s':>6} {'ratio':>6}")
+    rows = []
     for mode in args.modes:
         sender, receivers = start(args, mode)
         try:
@@ -195,10 +198,16 @@ def memory(args, tensors) -> None:
             print(f"{mode:>8} {wm.total_bytes / 2**20:>11.1f} {max(before) / 2**20:>14.0f} "
                   f"{above / 2**20:>14.0f} {above / wm.total_bytes:>9.2f} {report.seconds:>8.2f} "
                   f"{raw:>6.2f} {raw / report.seconds:>6.2f}", flush=True)
+            units: dict[str, int] = {}
+            for slot in wm.slots:
+                units[reload_unit(slot.name)] = units.get(reload_unit(slot.name), 0) + slot.nbytes
+            rows.append({"mode": mode, "payload_bytes": wm.total_bytes, "bucket_bytes": sender.bucket_bytes,
+                         "largest_unit_bytes": max(units.values()), "peak_above_bytes": above})
             sender.close()
         finally:
             for r in receivers:
                 r.close()
+    return rows
 
 
 def main() -> None:
@@ -211,13 +220,16 @@ def main() -> None:
     ap.add_argument("--secret", action="store_true", help="authenticated rounds (both sides hold a secret)")
     ap.add_argument("--memory", action="store_true", help="receiver peak RSS per mode (see the docstring)")
     ap.add_argument("--modes", nargs="+", default=["atomic", "bounded"])
+    ap.add_argument("--json", help="with --memory: also write the rows (bytes) to this JSON file")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in every process (default 1: on a shared, "
                          "oversubscribed CPU, OpenMP-parallel copies run ~100x slower)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tensors = synthetic(args.layers, args.layer_mib)
-    (memory if args.memory else throughput)(args, tensors)
+    rows = (memory if args.memory else throughput)(args, tensors)
+    if args.json and rows is not None:
+        Path(args.json).write_text(json.dumps({"memory": rows}, indent=1))
 
 
 if __name__ == "__main__":

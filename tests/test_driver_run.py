@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -235,3 +236,20 @@ def test_a_failed_plan_is_not_kept(tiny_model, tiny_hf_config):
         with pytest.raises(qstrat.PlanError, match=r"model\.norm\.weight: .*needs a bfloat16/float16/float32"):
             driver.plan(bad)
         assert driver.plan(state) is plan
+
+
+@pytest.mark.parametrize("bad", ["none", "numpy", "list"])
+def test_a_kept_plan_is_not_served_for_values_that_are_not_tensors(tiny_model, tiny_hf_config, bad):
+    """A dict input is looked up before it is validated (the warm path): a value that is not a
+    tensor - of the same name, even with a ``.shape`` - still gets the input error, never the plan."""
+    import numpy as np
+
+    state = tiny_model.state_dict()
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan = driver.plan(state)
+    name = "model.norm.weight"
+    value = {"none": None, "numpy": np.zeros(tuple(state[name].shape), dtype=np.float32),
+             "list": [0.0] * state[name].shape[0]}[bad]
+    with pytest.raises(qstrat.PlanError, match=rf"^{re.escape(name)}: .*"):
+        driver.plan({**state, name: value})
+    assert driver.plan(state) is plan

@@ -89,3 +89,24 @@ def test_the_build_check_names_a_misbuilt_module_both_formats_and_the_fix(vllm_e
         "in the checkpoint's quantization_config ignore list too (qstrat.checkpoint.write_checkpoint and 'qstrat "
         "quantize' write both names), then restart the engine; an engine serving it computes with scales no "
         "checkpoint tensor fills (NaN)"]
+
+
+@pytest.mark.parametrize("where", ["top", "text_config", "none"])
+def test_reloadable_attention_reads_the_language_models_config(tmp_path, where):
+    """An MLA model (``kv_lora_rank``, also in a multimodal config's ``text_config``) gets vLLM's
+    reference CPU MLA backend where vLLM would pick the AMX one, which releases ``kv_b_proj``."""
+    import json
+
+    from qstrat.engine.local import reloadable_attention
+    from qstrat.vllm_adapter import has_amx
+    from qstrat.vllm_adapter.platform_facts import is_cpu
+    from qstrat.vllm_adapter.resolver import available, resolve
+
+    mla = {"kv_lora_rank": 512}
+    hf = {"top": mla, "text_config": {"text_config": mla}, "none": {"hidden_size": 64}}[where]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    amx_mla = is_cpu() and has_amx() and available("amx_mla_backend")
+    expected = {"attention_backend": resolve("cpu_mla_backend")} if amx_mla and where != "none" else {}
+    assert reloadable_attention(tmp_path) == expected
+    assert reloadable_attention("deepseek-ai/DeepSeek-V3") == {}  # a hub id: no config to read
+    print(f"[amx mla backend here: {amx_mla}]")

@@ -150,10 +150,10 @@ def _fail(monkeypatch, target, name, error):
 #: What makes each check refuse: (object, attribute) replaced by a function raising its error.
 TARGETS = {
     "plan": ((RefitDriver, "plan"), PlanError),
-    "engine format": ((qstrat.vllm, "check_engine_format"), PlanError),
-    "engine manifest": ((qstrat.vllm, "check_plan"), EngineManifestError),
-    "ignore lists": ((qstrat.vllm, "check_engine_compatible"), PlanError),
-    "cpu experts": ((qstrat.vllm, "check_cpu_expert_reload"), PlanError),
+    "engine format": ((qstrat.vllm.checks, "check_engine_format"), PlanError),
+    "engine manifest": ((qstrat.vllm.checks, "check_plan"), EngineManifestError),
+    "ignore lists": ((qstrat.vllm.checks, "check_engine_compatible"), PlanError),
+    "cpu experts": ((qstrat.vllm.checks, "check_cpu_expert_reload"), PlanError),
     "config.json": ((qstrat.checkpoint, "output_hf_config"), QstratError),
     "every layer": ((qstrat.transport.sender, "check_every_layer"), PlanError),
     "model tensors": ((qstrat.engine_manifest, "check_model_tensors"), PlanError),

@@ -23,12 +23,12 @@ def engine(tiny_model, tiny_hf_config, monkeypatch):
     """EngineExpectations of a block-FP8 engine of the tiny model, from its model config alone."""
     from qstrat.demo.tiny_model import TINY_QWEN3_MOE
 
-    monkeypatch.setattr(qstrat.vllm, "device_type", lambda: "cpu")
+    monkeypatch.setattr(qstrat.vllm.manifest, "device_type", lambda: "cpu")
     qc = RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tiny_model.state_dict()).vllm_quantization_config()
     cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
     hf = SimpleNamespace(quantization_config=qc, to_dict=lambda: dict(cfg))
     mc = SimpleNamespace(hf_config=hf, dtype="bfloat16", multimodal_config=None)
-    return EngineExpectations(qstrat.vllm.model_config_manifest(mc), qstrat.vllm.quantization_config_of(hf))
+    return EngineExpectations(qstrat.vllm.model_manifest(mc), qstrat.vllm.quantization_config_of(hf))
 
 
 def round_of(driver, state, plan=None):

@@ -293,7 +293,7 @@ def test_a_seal_fed_piece_by_piece_equals_the_whole_buckets(secret):
     assert [c.numel() for c in cut] == [PIECE_BYTES, PIECE_BYTES, 3 * nh.CHUNK_BYTES + 11]
     for c in cut:
         state.update(c)
-    assert state.seal(0) == sealer.seal(3, 0, x) and state.matches(0, sealer.seal(3, 0, x))
+    assert state.seal(0) == sealer.seal(3, 0, x) and state.verifies(0, sealer.seal(3, 0, x))
     early = sealer.begin(3, x.numel())
     early.update(x[:100])
     with pytest.raises(ValueError, match="pieces before the last must be whole"):

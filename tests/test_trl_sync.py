@@ -134,7 +134,7 @@ def test_an_engine_refused_after_start_is_released(tiny_model, tmp_path, monkeyp
     def refuse(llm, driver=None):
         raise EngineBuildError("vLLM built modules in another format than the engine's quantization_config says")
 
-    monkeypatch.setattr(qstrat.vllm, "check_engine_built", refuse)
+    monkeypatch.setattr(qstrat.vllm.compat, "check_engine_built", refuse)  # the plan-vs-engine check's call
     monkeypatch.setattr(qtrl, "_cpu_engine", lambda: True)
     tokenizer = SimpleNamespace(save_pretrained=lambda d: None)
     tiny_model.config.architectures = ["Qwen3MoeForCausalLM"]

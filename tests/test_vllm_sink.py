@@ -34,8 +34,8 @@ class RecordingLLM:
 @pytest.fixture(autouse=True)
 def manifest_without_cross_check(monkeypatch):
     real = qstrat.vllm.engine_manifest
-    monkeypatch.setattr(qstrat.vllm, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
-    monkeypatch.setattr(qstrat.vllm, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
+    monkeypatch.setattr(qstrat.vllm.manifest, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
+    monkeypatch.setattr(qstrat.vllm.manifest, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
 
 
 @pytest.fixture()
@@ -329,7 +329,7 @@ def test_multiprocess_engine_without_weights_dir_gets_a_temporary_folder(tiny_mo
     stream=True is refused before anything is sent, and the engine keeps refitting."""
     import tempfile
 
-    monkeypatch.setattr(qstrat.vllm, "in_process", lambda llm: False)  # the live case: test_engine_multiprocess.py
+    monkeypatch.setattr(qstrat.vllm.sink, "in_process", lambda llm: False)  # the live case: test_engine_multiprocess.py
     state = tiny_model.state_dict()
     llm = MultiprocessLLM(driver.plan(state).vllm_quantization_config())
     with pytest.raises(ValueError, match=r"^refit: stream=True needs an in-process engine .*drop stream=True"):
@@ -351,8 +351,8 @@ def test_refit_through_a_file_warns_once_with_its_cost_and_the_path_that_scales(
     import tempfile
     import warnings
 
-    monkeypatch.setattr(qstrat.vllm, "in_process", lambda llm: False)
-    monkeypatch.setattr(qstrat.vllm, "_SPOOL_WARNED", False)
+    monkeypatch.setattr(qstrat.vllm.sink, "in_process", lambda llm: False)
+    monkeypatch.setattr(qstrat.vllm.spool, "_WARNED", False)
     state = tiny_model.state_dict()
     llm = MultiprocessLLM(driver.plan(state).vllm_quantization_config())
     folder = Path(tempfile.gettempdir())

@@ -104,8 +104,9 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             ``float16``).
         dynamo: let vLLM ``torch.compile`` its helpers while the engine starts. Off by default:
             the engine is eager anyway, and vLLM's online quantization then runs its quantizer
-            (``per_block_cast_to_fp8``) uncompiled - same bytes, start-up ~7 s instead of ~35 s
-            on a small CPU. (In-process only: a worker process compiles as vLLM decides.)
+            (``per_block_cast_to_fp8``) uncompiled - same bytes, a shorter start-up
+            (docs/performance.md, "Why the code does it this way"). (In-process only: a worker
+            process compiles as vLLM decides.)
         threads: on a CPU platform, the OpenMP/torch threads the engine computes with (default
             1): an in-process engine gets this process's torch thread count set
             (``torch._C.set_num_threads``: vLLM's CPU worker turns ``torch.set_num_threads``
@@ -200,16 +201,19 @@ def reloadable_attention(model_dir: str | Path) -> dict[str, Any]:
     backend releases ``kv_b_proj.weight`` after loading; a layerwise reload then fails copying the
     new weight into the released one, after the first tensor was handed over. The reference CPU
     MLA backend keeps the weight. ``model_dir``: a checkpoint directory (its ``config.json``
-    is read); anything else (a hub id) gets ``{}``.
+    is read; a multimodal config's language model is its ``text_config``:
+    :func:`qstrat.model_config.language_config`); anything else (a hub id) gets ``{}``.
+
+    Raises: ConfigError for a ``text_config`` that is not a mapping.
     """
+    from qstrat.model_config import language_config
     from qstrat.vllm_adapter import has_amx
     from qstrat.vllm_adapter.resolver import available
 
     config = Path(model_dir) / "config.json"
     if not (is_cpu() and has_amx() and available("amx_mla_backend") and config.is_file()):
         return {}
-    hf = json.loads(config.read_text())
-    if hf.get("kv_lora_rank") is None and (hf.get("text_config") or {}).get("kv_lora_rank") is None:
+    if language_config(json.loads(config.read_text())).get("kv_lora_rank") is None:
         return {}
     return {"attention_backend": resolve("cpu_mla_backend")}
 
@@ -219,7 +223,7 @@ def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int =
     """Greedy-decode ``prompts`` (token ids); returns tokens and their logprobs per prompt.
 
     ``dynamo``: as in :func:`start_engine`; off by default because vLLM otherwise compiles
-    helpers at the first generate of an in-process engine (~7-10 s on a small CPU). Engines
+    helpers at the first generate of an in-process engine (seconds on a CPU). Engines
     whose outputs are compared should all run the same way.
     """
     import torch._dynamo

@@ -41,7 +41,7 @@ from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.engine_check import FORMAT_KEY, EngineExpectations
 from qstrat.vllm_adapter.resolver import available, resolve
-from qstrat.vllm import check_model_built
+from qstrat.vllm.manifest import check_model_built
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
 WeightTransferEngine = resolve("weight_transfer_engine")
@@ -85,17 +85,18 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
 def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     """What the engine accepts in a refit: its engine manifest and quantization_config, built
     from its own model config as :func:`qstrat.vllm.refit` builds them
-    (:func:`qstrat.vllm.model_config_manifest`; the engine may have started from a hub id).
+    (:func:`qstrat.vllm.model_manifest`; the engine may have started from a hub id).
     Built once per backend.
     Raises: EngineManifestError if the manifest cannot be built (every round is then refused
         with that reason in its accept vote).
     """
     cached = engine.__dict__.get("_qstrat_expectations")
     if cached is None:
-        from qstrat.vllm import model_config_manifest, quantization_config_of
+        from qstrat.vllm.manifest import model_manifest
+        from qstrat.vllm.quant_config import quantization_config_of
 
         mc = engine.model_config
-        cached = EngineExpectations(model_config_manifest(mc), quantization_config_of(mc.hf_config))
+        cached = EngineExpectations(model_manifest(mc), quantization_config_of(mc.hf_config))
         engine.__dict__["_qstrat_expectations"] = cached
     return cached
 

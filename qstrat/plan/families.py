@@ -6,7 +6,7 @@ repeats ~800 such families, so :class:`Families` plans two members of each the f
 (:meth:`qstrat.plan.planner.Planner.entry`) and builds the others from the first by putting
 their layer prefix (``model.layers.{i}.``) in place of its own in every name the entry holds -
 its own name, output names, fusion group, engine module - and their layer index in ``layer``.
-It is the planner's way to plan DeepSeek-V3's 46k tensors in well under 0.5 s (docs/performance.md).
+It is how the planner meets the cold-planning target for DeepSeek-V3's 46k tensors (docs/performance.md).
 
 When that gives the very entry the full way would (the invariant):
 

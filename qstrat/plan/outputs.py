@@ -21,7 +21,7 @@ from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nby
 
 __all__ = ["OutputDeclaration", "fused_name", "fusion_group", "projection_shape", "split_by_projection"]
 
-#: :class:`OutputTensor` built ~4x faster, same values (:func:`qstrat.frozen.fast_builder`).
+#: :class:`OutputTensor` built through :func:`qstrat.frozen.fast_builder` (same values; why: docs/performance.md).
 _output_tensor = fast_builder(OutputTensor)
 
 

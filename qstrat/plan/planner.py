@@ -10,23 +10,24 @@ Every problem is collected and raised together as one :class:`~qstrat.errors.Pla
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from qstrat.config import RefitConfig
-from qstrat.errors import PlanError, PluginError, UnsupportedShapeError
+from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.frozen import fast_builder
 from qstrat.layouts import ModelLayout
 from qstrat.plan import checks, structure
+from qstrat.plan.engine_config import SerializerFactory, engine_config, format_lookup, quantizes_lookup
+from qstrat.plan.fallbacks import engine_fusions, whole_module_fallbacks
 from qstrat.plan.families import families_for
 from qstrat.plan.outputs import OutputDeclaration, fusion_group
 from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_keys,
                               order_entries)
 from qstrat.rules import Decision, RuleSet, is_weight_matrix
-from qstrat.serializers.base import Serializer, dtype_name, tensor_nbytes
+from qstrat.serializers.base import dtype_name, tensor_nbytes
 
 #: Weight dtypes a serializer accepts (an int, bool or already-quantized input is a plan error).
 FLOAT_INPUTS = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -41,13 +42,11 @@ def _dtype_hint(dtype: torch.dtype) -> str:
     return " (not a floating-point weight: leave buffers such as masks or position ids out of the refit)"
 
 
-#: :class:`PlanEntry` / :class:`OutputTensor` built ~4x faster, same values
-#: (:func:`qstrat.frozen.fast_builder`): one entry and its outputs per input tensor.
+#: :class:`PlanEntry` / :class:`OutputTensor` built through :func:`qstrat.frozen.fast_builder` (same
+#: values; why: docs/performance.md): one entry and its outputs per input tensor.
 _plan_entry = fast_builder(PlanEntry)
 _output_tensor = fast_builder(OutputTensor)
 
-#: ``(format name, options) -> Serializer`` (cached by the driver).
-SerializerFactory = Callable[[str, Mapping[str, Any]], Serializer]
 
 
 class Planner:
@@ -121,9 +120,9 @@ class Planner:
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
         entries = order_entries(entries, order, names_sorted=order == "natural")
-        self._whole_module_fallbacks(entries, num_layers, errors)
+        whole_module_fallbacks(self, entries, num_layers, errors)
         errors += checks.check_groups(entries, self.checkpoint_form) + checks.check_outputs(entries)
-        self._engine_fusions(entries, num_layers, errors)
+        engine_fusions(self, entries, num_layers, errors)
         num_experts = self.layout.num_experts(self.hf_config)
         errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
         errors += checks.check_expert_sets(entries, num_experts, self.layout.slabs)
@@ -132,20 +131,10 @@ class Planner:
                                                   self.layout.num_mtp_layers(self.hf_config))
         errors += structure.quantizes_nothing(entries, self.layout.name, self.config,
                                               lambda s: self.serializer(s, {}).quantizes)
-        format_of = self._format_lookup(entries)
-        quantizes_plain: dict[str, bool] = {}  # format name -> quantizes, for entries without options
-
-        def quantizes(e: PlanEntry) -> bool:
-            if not e.options and e.serializer in quantizes_plain:
-                return quantizes_plain[e.serializer]
-            q = (ser := format_of(e)) is not None and ser.quantizes
-            if not e.options:
-                quantizes_plain[e.serializer] = q
-            return q
-
-        ignored = checks.ignored_layers(entries, errors, quantizes)
+        format_of = format_lookup(self.serializer, entries)
+        ignored = checks.ignored_layers(entries, errors, quantizes_lookup(format_of))
         ignored += checks.tied_lm_head(entries, self.layout, self.hf_config)
-        qconfig = self._engine_config(entries, ignored, errors, format_of)
+        qconfig = engine_config(entries, ignored, errors, format_of)
         if errors:
             raise PlanError("refit plan is invalid:\n  " + "\n  ".join(errors))
         return RefitPlan(entries, self.layout.name, num_layers, ignored, qconfig, self.config.to_dict(),
@@ -207,97 +196,3 @@ class Planner:
             return e.serializer, ""
         options = self.serializer(e.serializer, e.options).options
         return e.serializer, repr(sorted(options.model_dump(exclude={"backend", "chunk_elements"}).items()))
-
-    def _whole_module_fallbacks(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
-        """A tensor that fell back to BF16 (``on_unsupported: bf16``: a shape its format cannot
-        represent) takes the rest of the module the engine loads it into with it - a layer's
-        routed experts (one fused-MoE module: Qwen3-MoE ``moe_intermediate_size=80`` under MXFP8,
-        whose ``down_proj`` K=80 is off the 32 block while gate/up are not) or an engine-fused
-        group (q/k/v) - kept BF16 with a ``note`` naming the tensor and the reason, as
-        :meth:`_engine_fusions` does. Where a rule that quantizes the rest has no
-        ``on_unsupported: bf16``, an error names the fallback and that rule instead."""
-        units: dict[str, list[int]] = {}
-        for i, e in enumerate(entries):
-            key = e.engine_module if e.kind == "expert" else e.group
-            if key is not None and len(e.shape) >= 2 and e.serializer != PASSTHROUGH:
-                units.setdefault(key, []).append(i)
-        bf16 = None
-        for unit, indices in units.items():
-            fell = next((entries[i] for i in indices if entries[i].note.startswith("BF16 fallback")), None)
-            if fell is None:
-                continue
-            rest = [i for i in indices if not entries[i].note and self.serializer(entries[i].serializer,
-                                                                                  entries[i].options).quantizes]
-            if not rest:
-                continue
-            strict = sorted({entries[i].rule for i in rest if (r := self.rules.rule_for(entries[i].rule)) is None
-                             or r.on_unsupported != "bf16"})
-            reason = fell.note.removeprefix("BF16 fallback: ")
-            if strict:
-                errors.append(f"{unit}: {fell.name} falls back to BF16 ({reason}), but {', '.join(strict)} "
-                              f"quantizes the rest of the module the engine loads as one ({entries[rest[0]].name}, "
-                              "...); set on_unsupported: bf16 there too to keep the whole module BF16")
-                continue
-            bf16 = bf16 or self.serializer("bf16", {})
-            for i in rest:
-                e = entries[i]
-                p = self.layout.parse(e.name, num_layers)
-                entries[i] = dataclasses.replace(e, serializer="bf16", options={},
-                                                 outputs=self.declare.outputs(p, bf16.part_specs(e.shape), e.shape),
-                                                 note=f"BF16 fallback: {unit}: {fell.name}: {reason}")
-
-    def _engine_fusions(self, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
-        """Engine-fused modules the engine cannot load in their format
-        (:func:`qstrat.plan.checks.fusion_shape_problems`): kept BF16 in place (a visible
-        ``note``; they join the ignore list) when every rule that decided them says
-        ``on_unsupported: bf16``, else an error naming the module, the reason and the fix."""
-        format_of = self._format_lookup(entries)
-        for indices, problem, module in checks.fusion_shape_problems(entries, self.layout.slabs, format_of):
-            rules = sorted({entries[i].rule for i in indices})
-            fallback = all((r := self.rules.rule_for(label)) is not None and r.on_unsupported == "bf16"
-                           for label in rules)
-            fmt = entries[indices[0]].serializer
-            if not fallback:
-                errors.append(f"{module}: {fmt} ({', '.join(rules)}): {problem}; set on_unsupported: bf16 "
-                              "on the rule to keep it BF16, or choose a format with per-row scales")
-                continue
-            bf16 = self.serializer("bf16", {})
-            for i in indices:
-                e = entries[i]
-                p = self.layout.parse(e.name, num_layers)
-                outs = self.declare.outputs(p, bf16.part_specs(e.shape), e.shape) if len(e.shape) >= 2 else e.outputs
-                entries[i] = dataclasses.replace(e, serializer="bf16", options={}, outputs=outs,
-                                                 note=f"BF16 fallback: {module}: {problem}")
-
-    def _format_lookup(self, entries: list[PlanEntry]) -> Callable[[PlanEntry], Serializer | None]:
-        """``entry -> its Serializer`` (None: passthrough) for ``entries``: looked up once per format
-        planned without options (nearly every entry; the factory gives them one instance), per entry
-        otherwise."""
-        plain = {name: self.serializer(name, {}) for name in {e.serializer for e in entries if not e.options}
-                 if name != PASSTHROUGH}
-
-        def format_of(e: PlanEntry) -> Serializer | None:
-            return self.serializer(e.serializer, e.options) if e.options else plain.get(e.serializer)
-
-        return format_of
-
-    def _engine_config(self, entries: list[PlanEntry], ignored: list[str], errors: list[str],
-                       format_of: Callable[[PlanEntry], Serializer | None]) -> dict[str, Any] | None:
-        """The one quantization_config all quantized formats of the plan agree on (or an error)."""
-        # each distinct format once (nearly every entry has no options: one lookup per format name)
-        plain = {e.serializer: e for e in entries if not e.options}
-        formats = map(format_of, [*plain.values(), *(e for e in entries if e.options)])
-        used = {id(s): s for s in formats if s is not None and s.quantizes}
-        configs: dict[str, dict[str, Any]] = {}
-        for ser in used.values():
-            cfg = ser.vllm_quantization_config(ignored)
-            if cfg is not None and not isinstance(cfg, Mapping):
-                raise PluginError(f"serializer {ser.name!r} ({type(ser).__module__}.{type(ser).__qualname__}): "
-                                  f"vllm_quantization_config must return a dict (the engine's quantization_config) "
-                                  f"or None, got {type(cfg).__name__} {cfg!r:.60}")
-            configs.setdefault(repr(cfg), cfg)
-        if len(configs) > 1:
-            formats = sorted({s.name for s in used.values()})
-            errors.append(f"the plan mixes quantized formats {formats} that one vLLM quantization_config "
-                          "cannot express")
-        return next(iter(configs.values()), None)

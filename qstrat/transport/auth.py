@@ -90,13 +90,13 @@ def next_counter(own_last: int, challenges: Sequence[int]) -> int:
     return counter
 
 
-def words(data: bytes) -> list[int]:
+def int64_words(data: bytes) -> list[int]:
     """32 bytes as 4 little-endian int64 words (for an int64 header)."""
     return list(struct.unpack("<4q", data))
 
 
 def from_words(values: Sequence[int]) -> bytes:
-    """Inverse of :func:`words`."""
+    """Inverse of :func:`int64_words`."""
     return struct.pack("<4q", *values)
 
 

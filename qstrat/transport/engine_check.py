@@ -1,6 +1,6 @@
 """What an engine accepts in a transport round, from the same source as the in-process sink.
 
-:class:`EngineExpectations` holds the engine's manifest (:func:`qstrat.vllm.model_config_manifest`:
+:class:`EngineExpectations` holds the engine's manifest (:func:`qstrat.vllm.model_manifest`:
 the engine's own model config, quantization_config and dtype - never the checkpoint it started
 from, so an engine started from a hub id refits too) and its ``quantization_config``. A round is
 checked as :func:`qstrat.vllm.refit` checks a plan, in the same words: the FORMAT first

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from qstrat.errors import TransportError
-from qstrat.transport.auth import CHALLENGE_WORDS, PROTOCOL_VERSION, challenge, from_words, words
+from qstrat.transport.auth import CHALLENGE_WORDS, PROTOCOL_VERSION, challenge, from_words, int64_words
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.keys import Secret, equal, vote_tag
 
@@ -61,12 +61,13 @@ def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, ma
                  device: torch.device, protocol: int = PROTOCOL_VERSION) -> torch.Tensor:
     """The int64[13] round header (see the module docstring, step 1)."""
     return torch.tensor([ROUND_MAGIC, protocol, n_buckets, total_bytes, counter,
-                         *words(bytes.fromhex(digest)), *words(mac)], dtype=torch.int64, device=device)
+                         *int64_words(bytes.fromhex(digest)), *int64_words(mac)],
+                        dtype=torch.int64, device=device)
 
 
 def bucket_header(index: int, flags: int, seal: bytes, device: torch.device) -> torch.Tensor:
     """The int64[7] bucket header (step 3)."""
-    return torch.tensor([BUCKET_MAGIC, index, flags, *words(seal)], dtype=torch.int64, device=device)
+    return torch.tensor([BUCKET_MAGIC, index, flags, *int64_words(seal)], dtype=torch.int64, device=device)
 
 
 def challenges(group: TransferGroup, last_counter: int = -1) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -105,7 +106,7 @@ def vote(group: TransferGroup, step: int, status: int, holds_new: bool, secret: 
     slots = torch.zeros(VOTE_WORDS * group.world_size, dtype=torch.int64, device=group.device)
     tag = vote_tag(secret, mac, step, group.rank, status, int(holds_new))
     lo = VOTE_WORDS * group.rank
-    slots[lo:lo + VOTE_WORDS] = torch.tensor([status, int(holds_new), *words(tag)], dtype=torch.int64)
+    slots[lo:lo + VOTE_WORDS] = torch.tensor([status, int(holds_new), *int64_words(tag)], dtype=torch.int64)
     got = [int(v) for v in group.sum(slots).cpu()]
     statuses, holding = [], []
     for r in range(group.world_size):

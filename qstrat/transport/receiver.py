@@ -217,11 +217,11 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
             live[alloc_key(k)] = b.nbytes if b.tensor is None else next(
                 s.nbytes for s in wire_manifest.slots if s.name == b.tensor)
             peak = max(peak, sum(live.values()) + sum(w.numel() for w in wires))
-        wire = wires[k % 2][:dst.numel()] if bounce else dst
-        cut = pieces(wire)
+        landing = wires[k % 2][:dst.numel()] if bounce else dst  # where the bucket is received
+        cut = pieces(landing)
         works = [group.broadcast(piece) for piece in cut]  # the payload in pieces, then the header
         hdr = torch.empty(protocol.BUCKET_WORDS, dtype=torch.int64, device=group.device)
-        return dst, wire, cut, hdr, works, group.broadcast(hdr)
+        return dst, landing, cut, hdr, works, group.broadcast(hdr)
 
     def done() -> tuple[list[torch.Tensor], tuple[int, str] | None, list[str], int]:
         stats["peak_bytes"] = peak
@@ -230,8 +230,8 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
 
     pending = post(0) if n else None
     for k in range(n):
-        dst, wire, cut, hdr, w_data, w_hdr = pending
-        state = seal.begin(k, wire.numel()) if failure is None else None
+        dst, landing, cut, hdr, w_data, w_hdr = pending
+        state = seal.begin(k, landing.numel()) if failure is None else None
         try:
             for i, work in enumerate(w_data):
                 with prof.timed("wait_s"):
@@ -262,13 +262,13 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
             continue
         if words[0] != protocol.BUCKET_MAGIC or words[1] != k:
             failure = (protocol.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} arrived out of order (header {words[1]})")
-        elif not prof.call("seal_s", state.matches, words[2], from_words(words[3:7])):
+        elif not prof.call("seal_s", state.verifies, words[2], from_words(words[3:7])):
             failure = (protocol.CHECKSUM, f"rank {group.rank}: bucket {k}/{n} failed its checksum "
                                    f"(seal mismatch; tensors {_names(wire_manifest, k)})")
         if failure is not None:
             continue
         if bounce:
-            dst.copy_(wire, non_blocking=pin)
+            dst.copy_(landing, non_blocking=pin)
             if group.device.type == "cuda":
                 torch.cuda.current_stream(group.device).synchronize()
         kept[k] = dst

@@ -87,6 +87,6 @@ class SealState:
             return bucket_seal(None, s.mac, self.index, flags, self.state.value())
         return bucket_mac(s.secret, s.mac, self.index, flags, self.nbytes, nh.to_bytes(self.state.value()))
 
-    def matches(self, flags: int, seal: bytes) -> bool:
+    def verifies(self, flags: int, seal: bytes) -> bool:
         """Whether ``seal`` is this bucket's seal with ``flags`` (constant-time comparison)."""
         return equal(seal, self.seal(flags))

@@ -155,11 +155,11 @@ class WireManifest:
         names = [s.name for s in self.slots]
         if len(set(names)) != len(names):
             raise WireManifestMismatchError("duplicate tensor names in the wire manifest")
-        owner = {s.bucket + c: s.name for s in self.slots if s.chunks > 1 for c in range(s.chunks)}
+        chunked_tensor_of = {s.bucket + c: s.name for s in self.slots if s.chunks > 1 for c in range(s.chunks)}
         for b in self.buckets:
-            if b.tensor != owner.get(b.index) or (b.tensor is None and b.index not in ends):
+            if b.tensor != chunked_tensor_of.get(b.index) or (b.tensor is None and b.index not in ends):
                 raise WireManifestMismatchError(f"bucket {b.index}: holds {b.tensor!r}, the slots say "
-                                            f"{owner.get(b.index)!r}")
+                                            f"{chunked_tensor_of.get(b.index)!r}")
 
 
 def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],

@@ -1,0 +1,166 @@
+"""The engine manifest of a vLLM engine - what it accepts, built from its own model config
+(:mod:`qstrat.engine_manifest`) - and whether vLLM agrees: cross-checked with vLLM's record of
+the model it built (:mod:`qstrat.vllm_adapter.model_record`), right after start
+(:func:`check_engine_built`, :func:`check_model_built`) and before a refit (:func:`engine_manifest`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from qstrat.driver import RefitDriver, layout_for
+from qstrat.engine_manifest import EngineManifest, build_manifest
+from qstrat.errors import ConfigOnlyUnsupportedError, EngineBuildError, EngineManifestError
+from qstrat.layouts import ModelLayout
+from qstrat.registry import Registry, get_registry
+from qstrat.vllm.quant_config import engine_quantization_config, quantization_config_of
+from qstrat.vllm_adapter import model_record
+from qstrat.vllm_adapter.platform_facts import device_type, in_process
+
+
+def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest:
+    """The :class:`~qstrat.engine_manifest.EngineManifest` of a running ``vllm.LLM``.
+
+    Built from the engine's own model config, quantization_config and dtype (never from the
+    trainer's tensors), with the layout ``driver``'s config names (else the one the engine's
+    config selects) and the driver's registry; then cross-checked with vLLM's record of the
+    model (:func:`qstrat.vllm_adapter.model_record.cross_check`). Cached on the engine per layout.
+
+    Returns: the manifest.
+    Raises: EngineManifestError (nothing sent) if it cannot be built - a family whose tensors its
+        layout cannot derive from the config (:class:`~qstrat.errors.ConfigOnlyUnsupportedError`,
+        e.g. the ``generic`` layout) included - if vLLM disagrees with it, or if vLLM released
+        weights a reload must refill (:func:`qstrat.vllm_adapter.model_record.released_errors`).
+    """
+    registry = driver.registry if driver is not None else get_registry()
+    mc = llm.llm_engine.model_config
+    layout = layout_for(registry, driver.config.layout if driver is not None else None, mc.hf_config.to_dict())
+    key = (layout.name, id(registry), cross_check)
+    cache = llm.__dict__.setdefault("_qstrat_manifests", {})
+    if key in cache:
+        return cache[key]
+    manifest = model_manifest(mc, registry, layout)
+    if cross_check and not in_process(llm):
+        # A multiprocess engine's RPC carries only serializable arguments, not the reader
+        # function: its manifest comes from its config alone (docs/vllm.md, limits).
+        cross_check = False
+    if cross_check:
+        try:
+            record = model_record.engine_model(llm)
+        except Exception as exc:  # the worker could not read the record: refuse, do not guess
+            raise EngineManifestError(f"cannot read vLLM's record of the engine's model: {exc}") from exc
+        _cross_check(manifest, record)
+    cache[key] = manifest
+    return manifest
+
+
+_BUILT = "vLLM built modules in another format than the engine's quantization_config says:\n  "
+
+
+def _cross_check(manifest: EngineManifest, model: model_record.EngineModel) -> None:
+    """Raise EngineManifestError for weights vLLM released after loading
+    (:func:`model_record.released_errors`), EngineBuildError for a module vLLM built in another
+    format than ``manifest`` says, EngineManifestError for any other disagreement
+    (:func:`model_record.cross_check`)."""
+    released = model_record.released_errors(model)
+    if released:
+        raise EngineManifestError("this engine cannot be refit (nothing was sent): " + released[0])
+    _check_built(manifest, model)
+    errors = model_record.cross_check(manifest, model)
+    if errors:
+        raise EngineManifestError("qstrat's engine manifest disagrees with vLLM's model (nothing was "
+                                  "sent):\n  " + "\n  ".join(errors[:25]))
+
+
+def check_engine_built(llm: Any, driver: RefitDriver | None = None) -> EngineManifest | None:
+    """Check, right after an engine starts and before its first rollout, that vLLM built every
+    module in the format its ``quantization_config`` says (:func:`engine_manifest`, cross-checked
+    with vLLM's record of the model).
+
+    Checked for a quantized engine of a layout whose manifest comes from the model config; an
+    unquantized engine (nothing to build in another format) and a layout without a config-only
+    manifest (the ``generic`` layout) are not checked (None). A multiprocess engine's manifest is
+    not cross-checked from here (its RPC carries no reader function); the qstrat weight-transfer
+    backend checks such an engine inside its worker (:func:`check_model_built`).
+
+    Returns: the manifest, or None when not checked.
+    Raises: EngineBuildError naming each module vLLM built in another format, both formats and the
+        fix; EngineManifestError for any other disagreement between the manifest and vLLM's model.
+    """
+    if engine_quantization_config(llm) is None:
+        return None
+    try:
+        return engine_manifest(llm, driver)
+    except EngineManifestError as exc:
+        if isinstance(exc.__cause__, ConfigOnlyUnsupportedError):
+            return None
+        raise
+
+
+def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
+    """:func:`check_engine_built` from inside a vLLM worker: ``vllm_config`` (vLLM's ``VllmConfig``)
+    and ``model`` (the built ``torch.nn.Module``, after ``initialize_model`` recorded it), e.g. at a
+    weight-transfer backend's init. The format check of :func:`check_engine_built`: raises
+    EngineBuildError only (the other disagreements with vLLM's model are each round's to refuse).
+
+    Returns: the manifest, or None when not checked (as :func:`check_engine_built`)."""
+    mc = vllm_config.model_config
+    if quantization_config_of(mc.hf_config) is None:
+        return None
+    try:
+        manifest = model_manifest(mc)
+    except EngineManifestError as exc:
+        if isinstance(exc.__cause__, ConfigOnlyUnsupportedError):
+            return None
+        raise
+    world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
+    _check_built(manifest, model_record.read_model(model, world))
+    return manifest
+
+
+def _check_built(manifest: EngineManifest, model: model_record.EngineModel) -> None:
+    """Raise EngineBuildError naming each module vLLM built in another format than ``manifest``
+    says (:func:`model_record.format_errors`)."""
+    misbuilt = model_record.format_errors(manifest, model)
+    if misbuilt:
+        raise EngineBuildError(_BUILT + "\n  ".join(misbuilt[:25]))
+
+
+def model_manifest(model_config: Any, registry: Registry | None = None, layout: str | ModelLayout | None = None,
+                   record: model_record.EngineModel | None = None) -> EngineManifest:
+    """The :class:`~qstrat.engine_manifest.EngineManifest` of an engine's model, from vLLM's
+    ``ModelConfig`` (its hf_config, quantization_config and dtype): what :func:`engine_manifest`
+    builds for an ``LLM``, what a refit inside a worker (:mod:`qstrat.vllm_worker`) and the
+    ``qstrat`` weight-transfer backend (:mod:`qstrat.engine.transfer_backend`) check against.
+
+    Args:
+        model_config: vLLM's ``ModelConfig`` (``hf_config``, ``dtype``, ``multimodal_config``).
+        registry: where layouts and formats are looked up (default: the process-wide registry).
+        layout: a layout name or object; None: the one the config selects.
+        record: vLLM's record of the built model
+            (:func:`qstrat.vllm_adapter.model_record.read_engine_model` of a worker) to
+            cross-check the manifest with; None: not cross-checked.
+    Raises: EngineManifestError if it cannot be built (see :func:`engine_manifest`) or vLLM's
+        record disagrees; EngineBuildError for a module vLLM built in another format.
+    """
+    registry = registry or get_registry()
+    hf = model_config.hf_config.to_dict()
+    lay = layout if isinstance(layout, ModelLayout) else layout_for(registry, layout, hf)
+    try:
+        manifest = build_manifest(hf, quantization_config_of(model_config.hf_config), lay, registry,
+                                  model_config.dtype, device_type(),
+                                  unbuilt=lay.non_decoder_prefixes if _no_towers(model_config) else ())
+    except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks
+        raise EngineManifestError(f"no engine manifest for layout {lay.name!r}: {exc} (nothing was "
+                                  "sent; qstrat refits only engines whose tensors it can check)") from exc
+    if record is not None:
+        _cross_check(manifest, record)
+    return manifest
+
+
+def _no_towers(model_config: Any) -> bool:
+    """Whether a multimodal engine was started with every modality limited to 0
+    (``limit_mm_per_prompt``): vLLM then builds no vision tower and skips its weights."""
+    mm = getattr(model_config, "multimodal_config", None)
+    if mm is None:
+        return False
+    return all(mm.get_limit_per_prompt(m) == 0 for m in ("image", "video"))
+
