@@ -18,6 +18,7 @@ import torch
 import qstrat.vllm
 from qstrat import RefitDriver
 from qstrat.integrations import trl as qtrl
+from qstrat.integrations import trl_sync
 
 from test_vllm_sink import RecordingLLM, manifest_without_cross_check  # noqa: F401 (autouse fixture)
 
@@ -64,7 +65,7 @@ def test_a_sync_copies_one_item_at_a_time(tiny_model, monkeypatch):
             weakref.finalize(t, lambda n=n: alive.__setitem__("now", alive["now"] - n))
             yield name, t
 
-    monkeypatch.setattr(qtrl, "copied_each", counted)
+    monkeypatch.setattr(trl_sync, "copied_each", counted)  # where QstratWeightSync reads it
     sync, llm, plan = _sync(tiny_model)
     report = sync()
     total = sum(t.numel() * t.element_size() for t in tiny_model.state_dict().values())

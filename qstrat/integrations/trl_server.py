@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from qstrat.errors import ConfigError
-from qstrat.integrations.trl import METRICS, QstratWeightSync, _copied, _hf_config, _hook_error
+from qstrat.integrations.trl_sync import METRICS, QstratWeightSync, _copied, _hf_config, _hook_error
 
 #: The weight-transfer config the server must run (qstrat.engine.transfer_backend).
 BACKEND = {"backend": "qstrat"}
@@ -75,7 +75,7 @@ def serve_command(argv: Sequence[str]) -> list[str]:
     """
     from trl.scripts.vllm_serve import build_command, make_parser
 
-    from qstrat.integrations.trl import _trl_version
+    from qstrat.integrations.trl_sync import _trl_version
 
     script_args, extra = make_parser(prog="python -m qstrat.integrations.trl_server").parse_args_and_config(
         args=list(argv), return_remaining_strings=True)
