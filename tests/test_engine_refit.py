@@ -353,3 +353,20 @@ def test_worker_refit_follows_the_flag_rule_after_a_failed_reload(engine_a, refe
     assert_same(greedy(llm), references["fresh"], "worker refit after a failed one vs fresh B")
     report, exc = in_worker(plan=plan.only_layers([2]), driver=driver)  # partial refits again
     assert exc is None and {o.name.split(".")[2] for o in report.plan.outputs()} == {"2"}
+
+
+@pytest.mark.parametrize("preset", ["block-fp8", "mxfp8"], indirect=True)
+def test_skyrl_weight_source_reloads_equal_to_fresh_b(engine_a, references, models, driver):
+    """:class:`qstrat.integrations.skyrl.QstratWeightSource` over vLLM's ``ModuleSource`` of B
+    (the contract SkyRL's sources implement), reloaded in checkpoint format as SkyRL's FP8 path
+    has vLLM do: the engine equals a fresh engine on B."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from qstrat.engine.local import greedy
+    from qstrat.integrations.skyrl import QstratWeightSource
+
+    llm, a_out = engine_a
+    refit(llm, driver, models[0].state_dict(), "-> A")
+    source = QstratWeightSource(ModuleSource(models[1]), driver)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(source), "is_checkpoint_format": True})
+    assert_same(greedy(llm), references["fresh"], "QstratWeightSource(ModuleSource(B)) reload vs fresh B")
