@@ -198,6 +198,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     plan = driver.plan(tensors)
     if args.json:
         sys.stdout.write(plan.to_json(indent=1) + "\n")
+        _print_cpu_refit_warning(None, driver, plan)
         return 0
     if not args.summary:
         width = max((len(e.name) for e in plan.entries), default=0)
@@ -206,7 +207,22 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
             more = f" (+{len(e.outputs) - 2} more)" if len(e.outputs) > 2 else ""
             console.out(f"{e.name:<{width}}  {e.kind:<13} {e.serializer:<11} {e.rule:<28} {outs}{more}")
     _print_summary(console, plan)
+    _print_cpu_refit_warning(console, driver, plan)
     return 0
+
+
+def _print_cpu_refit_warning(console: Console | None, driver: Any, plan: Any) -> None:
+    """The plan's experts a CPU vLLM engine would refuse to refit (qstrat.cpu_experts), as a
+    warning line; on stderr when ``console`` is None (stdout holds JSON)."""
+    from qstrat.cpu_experts import plan_cpu_refit_warning
+
+    note = plan_cpu_refit_warning(plan, driver.hf_config, driver.registry, driver.layout)
+    if note is None:
+        return
+    if console is None:
+        sys.stderr.write(f"warning: {note}\n")
+    else:
+        console.print(f"warning: {note}", markup=False, soft_wrap=True)
 
 
 def _print_summary(console: Console, plan: Any) -> None:
@@ -282,6 +298,7 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         if tasks and console.is_terminal:
             progress.stop()
     _print_summary(console, plan)
+    _print_cpu_refit_warning(console, driver, plan)
     console.print(f"wrote {args.out}")
     return 0
 

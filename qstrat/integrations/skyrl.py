@@ -1,0 +1,60 @@
+"""SkyRL's weight sync with qstrat's quantization: a ``WeightSource`` that emits qstrat's checkpoint tensors.
+
+SkyRL 0.4.0's trainer workers build one ``WeightSource`` per sync (vLLM's trainer-side contract,
+``vllm.distributed.weight_transfer.base.WeightSource``: ``metadata()`` and iteration, which must
+agree element for element) in ``_build_weight_source(dtype, backend)`` - SkyRL's
+``FsdpWeightSource`` / ``MegatronWeightSource`` - and hand it to vLLM's trainer weight-transfer
+engine; its own FP8 path wraps the dense source in ``SerializedFp8WeightSource(source, config)``.
+:class:`QstratWeightSource` takes that place: the inference engines start on a qstrat checkpoint
+of the same strategy and receive checkpoint format (``is_checkpoint_format=True``, as SkyRL's FP8
+path does). docs/integrations.md has the worker override and what ran where.
+
+Importing this module imports vLLM's weight-transfer base (vLLM >= 0.27 has it), not SkyRL.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from qstrat.driver import RefitDriver
+from qstrat.inputs import tensor_specs
+from qstrat.plan import RefitPlan
+
+
+class QstratWeightSource(WeightSource):
+    """A dense ``WeightSource`` quantized by a :class:`~qstrat.driver.RefitDriver` as it streams.
+
+    Args:
+        source: the trainer's dense source (SkyRL's ``FsdpWeightSource`` /
+            ``MegatronWeightSource``, vLLM's ``ModuleSource``): HF names, BF16 or FP32 tensors,
+            the whole model on every rank (``held_names()`` None).
+        driver: the strategy of the engines' checkpoint (``qstrat quantize``).
+    Attributes: plan: the :class:`~qstrat.plan.RefitPlan`, made once from ``source.metadata()``
+        (shapes and dtypes only: nothing is gathered).
+    Raises: PlanError from the constructor when the source's names, shapes or dtypes cannot be
+        planned (nothing was sent); ValueError when ``source`` holds only part of the model.
+    """
+
+    def __init__(self, source: WeightSource, driver: RefitDriver) -> None:
+        if source.held_names() is not None:
+            raise ValueError(f"QstratWeightSource: {type(source).__name__} holds only part of the model on this "
+                             "rank (held_names() is not None: pipeline/expert-parallel sharded sources); qstrat "
+                             "quantizes whole layers: use a source whose iteration yields every parameter")
+        self.source, self.driver = source, driver
+        self.plan: RefitPlan = driver.plan(tensor_specs((m.name, tuple(m.shape), m.dtype)
+                                                        for m in source.metadata()))
+
+    def metadata(self) -> list[ParamMeta]:
+        """The checkpoint tensors iteration yields, in the same order: name, dtype (FP8 codes
+        ``float8_e4m3fn``, packed FP4 ``uint8``, scales, BF16 passthrough) and shape."""
+        return [ParamMeta(o.name, getattr(torch, o.dtype), tuple(o.shape)) for o in self.plan.outputs()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One pass of ``source``, quantized as it streams (:meth:`RefitDriver.run` with
+        :attr:`plan`: about one layer held at a time), contiguous tensors. Raises what
+        :meth:`RefitDriver.run` raises (NonFiniteError naming a tensor; PlanError when the
+        stream does not match its metadata)."""
+        for name, t in self.driver.run(iter(self.source), plan=self.plan):
+            yield name, t.contiguous()
