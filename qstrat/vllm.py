@@ -33,6 +33,7 @@ from qstrat.errors import (ConfigOnlyUnsupportedError, EngineBuildError, EngineM
 from qstrat.inputs import NamedTensors
 from qstrat.engine_ignore import quantizes_lm_head, unquantized_modules
 from qstrat.engine_manifest import EngineManifest, build_manifest, check_plan, plan_format_mismatch
+from qstrat.online import check_engine_online, engine_online_args, engine_unquantized
 from qstrat.plan import RefitPlan, natural_key
 from qstrat.prepare import PreparedRefit, SinkCheck
 from qstrat.registry import Registry, get_registry
@@ -335,7 +336,9 @@ class _EngineChecks:
     and manifest between them (each is read once per refit)."""
 
     def __init__(self, quantization_config: Any, make_manifest: Any, driver: RefitDriver,
-                 manifest: EngineManifest | None, allow_cpu_bf16_experts: bool, flagged: Any = None) -> None:
+                 manifest: EngineManifest | None, allow_cpu_bf16_experts: bool, flagged: Any = None,
+                 online: Any = None) -> None:
+        self.online = online  # online(): the engine's online-quantization args (qstrat.online), or None
         # quantization_config(), make_manifest(): read when the checks run, not before
         self.quantization_config, self.make_manifest = quantization_config, make_manifest
         self.flagged = flagged  # what carries a failed reload's flag (the LLM), or None
@@ -357,9 +360,12 @@ class _EngineChecks:
     def ignore_lists(self, p: PreparedRefit) -> None:
         check_engine_compatible(p.plan, self.config, self.driver.registry)
 
+    def engine_quantization(self, p: PreparedRefit) -> None:
+        check_engine_online(p.plan, self.online() if self.online is not None else None)
+
     def cpu_experts(self, p: PreparedRefit) -> None:
         if self.manifest is not None:
-            check_cpu_expert_reload(p.plan, self.manifest, self.allow_cpu_bf16_experts)
+            check_cpu_expert_reload(engine_unquantized(p.plan), self.manifest, self.allow_cpu_bf16_experts)
 
 
 def check_whole_while_flagged(llm: Any, plan: RefitPlan, manifest: EngineManifest) -> None:
@@ -393,21 +399,23 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
     disagrees with it).
     """
     return sink_checks(lambda: engine_quantization_config(llm), lambda: engine_manifest(llm, driver), driver,
-                       manifest, allow_cpu_bf16_experts, flagged=llm)
+                       manifest, allow_cpu_bf16_experts, flagged=llm,
+                       online=lambda: engine_online_args(llm.llm_engine.model_config))
 
 
 def sink_checks(quantization_config: Any, make_manifest: Any, driver: RefitDriver,
                 manifest: EngineManifest | None = None, allow_cpu_bf16_experts: bool = False,
-                flagged: Any = None) -> tuple[SinkCheck, ...]:
+                flagged: Any = None, online: Any = None) -> tuple[SinkCheck, ...]:
     """:func:`engine_checks`' four checks, in order, for any engine: ``quantization_config()``
     returns its checkpoint quantization_config (None: unquantized), ``make_manifest()`` its
     :class:`~qstrat.engine_manifest.EngineManifest` (called only when ``manifest`` is None);
     both are called when the checks run. ``flagged``: the object a failed reload flags (the
     ``LLM``; :func:`check_whole_while_flagged`), None to skip that check. Used inside vLLM
     workers (:mod:`qstrat.vllm_worker`)."""
-    c = _EngineChecks(quantization_config, make_manifest, driver, manifest, allow_cpu_bf16_experts, flagged)
+    c = _EngineChecks(quantization_config, make_manifest, driver, manifest, allow_cpu_bf16_experts, flagged, online)
     return (SinkCheck("engine format", c.engine_format), SinkCheck("engine manifest", c.engine_manifest),
-            SinkCheck("ignore lists", c.ignore_lists), SinkCheck("cpu experts", c.cpu_experts))
+            SinkCheck("ignore lists", c.ignore_lists), SinkCheck("engine quantization", c.engine_quantization),
+            SinkCheck("cpu experts", c.cpu_experts))
 
 
 def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bool = False,

@@ -20,6 +20,7 @@ from qstrat.checkpoint import PLAN_FILE
 from qstrat.driver import RefitDriver
 from qstrat.errors import ConfigError, EngineStateError
 from qstrat.inputs import NamedTensors
+from qstrat.online import engine_online_args
 from qstrat.vllm import _FAILED, RefitReport, model_manifest, quantization_config_of, sink_checks
 from qstrat.vllm_adapter.model_record import read_engine_model
 
@@ -70,7 +71,7 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
     checks = sink_checks(lambda: quantization_config_of(mc.hf_config),
                          lambda: model_manifest(mc, driver.registry, driver.config.layout,
                                                         read_engine_model(worker)),
-                         driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts)
+                         driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, online=lambda: engine_online_args(mc))
     prepared = driver.prepare(named_tensors, None, checks)  # values first: vLLM's reload has no rollback
     tensors = [(name, t.contiguous()) for name, t in prepared.execute()]
     try:
