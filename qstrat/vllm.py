@@ -386,6 +386,8 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
                   allow_cpu_bf16_experts: bool = False) -> tuple[SinkCheck, ...]:
     """The checks a running engine adds to :meth:`RefitDriver.prepare`, in this order:
 
+    0. ``engine quantization``: plan and engine agree on who quantizes, and the engine runs the
+       online config a ``quantize_in: engine`` plan was made for (:func:`qstrat.online.check_engine_online`);
     1. ``engine format``: the plan's format is the engine's (:func:`check_engine_format`);
     2. ``engine manifest``: the plan against the engine's manifest (``manifest``, default
        :func:`engine_manifest`; :func:`qstrat.engine_manifest.check_plan`: names, shapes,
@@ -393,7 +395,7 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
        a whole plan while the engine is flagged (:func:`check_whole_while_flagged`);
     3. ``ignore lists``: both directions of the ignore list (:func:`check_engine_compatible`);
     4. ``cpu experts``: no unquantized routed experts into a CPU engine
-       (:func:`check_cpu_expert_reload`).
+       (:func:`check_cpu_expert_reload`; experts the engine quantizes online are quantized).
 
     Raises (when run): PlanError; EngineManifestError (the manifest cannot be built or vLLM
     disagrees with it).
@@ -406,15 +408,15 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
 def sink_checks(quantization_config: Any, make_manifest: Any, driver: RefitDriver,
                 manifest: EngineManifest | None = None, allow_cpu_bf16_experts: bool = False,
                 flagged: Any = None, online: Any = None) -> tuple[SinkCheck, ...]:
-    """:func:`engine_checks`' four checks, in order, for any engine: ``quantization_config()``
+    """:func:`engine_checks`' five checks, in order, for any engine: ``quantization_config()``
     returns its checkpoint quantization_config (None: unquantized), ``make_manifest()`` its
     :class:`~qstrat.engine_manifest.EngineManifest` (called only when ``manifest`` is None);
     both are called when the checks run. ``flagged``: the object a failed reload flags (the
     ``LLM``; :func:`check_whole_while_flagged`), None to skip that check. Used inside vLLM
     workers (:mod:`qstrat.vllm_worker`)."""
     c = _EngineChecks(quantization_config, make_manifest, driver, manifest, allow_cpu_bf16_experts, flagged, online)
-    return (SinkCheck("engine format", c.engine_format), SinkCheck("engine manifest", c.engine_manifest),
-            SinkCheck("ignore lists", c.ignore_lists), SinkCheck("engine quantization", c.engine_quantization),
+    return (SinkCheck("engine quantization", c.engine_quantization), SinkCheck("engine format", c.engine_format),
+            SinkCheck("engine manifest", c.engine_manifest), SinkCheck("ignore lists", c.ignore_lists),
             SinkCheck("cpu experts", c.cpu_experts))
 
 
