@@ -33,6 +33,7 @@ from qstrat.errors import (ConfigOnlyUnsupportedError, EngineBuildError, EngineM
 from qstrat.inputs import NamedTensors
 from qstrat.engine_ignore import quantizes_lm_head, unquantized_modules
 from qstrat.engine_manifest import EngineManifest, build_manifest, check_plan, plan_format_mismatch
+from qstrat.kv_scales import KVScaleGuard
 from qstrat.online import check_engine_online, engine_online_args, engine_unquantized
 from qstrat.plan import RefitPlan, natural_key
 from qstrat.prepare import PreparedRefit, SinkCheck
@@ -477,7 +478,8 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine is flagged as holding a
         mix), and for every later PARTIAL refit of that engine until a whole one loads
-        (nothing sent); FidelityError from ``verify``.
+        (nothing sent); KVScaleError (an EngineStateError) when the reload changed an FP8 KV-cache
+        scale it did not send (:mod:`qstrat.kv_scales`); FidelityError from ``verify``.
     """
     if verify is not None and not callable(verify):
         raise TypeError(f"refit: verify must be callable as verify(llm, driver) (e.g. qstrat.fidelity.Verify(model)), "
@@ -507,10 +509,12 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     if callable(getattr(verify, "check_engine", None)):
         verify.check_engine(llm)  # e.g. an engine whose max_logprobs caps the probe's top_k
     sent = {"tensors": 0, "bytes": 0}
+    kv_scales = KVScaleGuard.start(llm)  # FP8 KV-cache scales: unchanged by the reload unless sent
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in prepared.execute():
             t = t.contiguous()
+            kv_scales.observe(name, t)
             sent["tensors"] += 1
             sent["bytes"] += t.numel() * t.element_size()
             yield name, t
@@ -525,6 +529,7 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             save_file(dict(payload()), str(Path(spool) / "model.safetensors"))
             _warn_spool_cost(sent["bytes"], Path(weights_dir))
             _reload(llm, {"weights_path": spool}, sent, len(plan.outputs()))
+    kv_scales.check(llm)
     seconds = time.perf_counter() - start
     fidelity = verify(llm, driver) if verify is not None else None
     return RefitReport(plan, sent["tensors"], sent["bytes"], seconds, fidelity)
