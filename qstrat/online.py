@@ -305,3 +305,13 @@ def engine_unquantized(plan: RefitPlan) -> RefitPlan:
         return plan
     kept = set(online.get("ignore", ()))
     return plan.subset(lambda e: e.kind not in _MOE_KINDS or e.engine_module in kept)
+
+
+def served_plan(driver: Any, plan: RefitPlan, tensors: Mapping[str, Any]) -> RefitPlan:
+    """The plan whose formats the engine serves: ``plan`` itself, or for a ``quantize_in:
+    engine`` wire plan the strategy's plan of ``tensors`` (the formats the engine quantizes the
+    BF16 wire to; its bytes are qstrat's, tests/test_engine_online.py). What the fidelity probe
+    builds its expectation from, in both modes."""
+    if plan.engine_quantization is None:
+        return plan
+    return driver.planner.strategy_plan(tensors)

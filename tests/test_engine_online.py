@@ -209,3 +209,16 @@ def test_mismatched_refits_are_refused_before_sending(engine, drivers, models, p
     assert sent == []
     monkeypatch.undo()
     assert_same(greedy(llm), fresh_out, "engine after refused refits vs fresh B")
+
+
+def test_fidelity_probe_runs_unchanged_on_the_engine_side(engine, drivers, models):
+    """``verify=Verify(model)``: the expectation is the strategy's formats (what the engine
+    quantized the BF16 wire to), within the same thresholds as a trainer-side refit."""
+    from qstrat import vllm as qvllm
+    from qstrat.fidelity import Verify
+
+    report = qvllm.refit(engine[0], drivers[0], models[1].state_dict(), verify=Verify(models[1]))
+    fid = report.fidelity
+    print(f"[online] {fid}")
+    assert fid.passed and fid.format in ("block_fp8", "mxfp8")
+    assert fid.bf16_kl > fid.mean_kl  # the quantization itself shows against the BF16 trainer
