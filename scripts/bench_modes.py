@@ -8,7 +8,7 @@ For each format (``--formats``: presets vLLM quantizes online on this engine kin
   (``qstrat.online.engine_kwargs``); each refit sends B in BF16 and vLLM quantizes it while it
   reloads (its layerwise reload runs the online method per layer).
 
-Per refit (``qstrat.vllm.refit(..., verify=qstrat.fidelity.Verify(model_b))``, one unmeasured
+Per refit (``qstrat.vllm.refit(..., verify=qstrat.fidelity.Verify(model, check=False))``: reported, not judged, one unmeasured
 warm-up refit, then ``--reps`` refits alternating B and A so each one changes every weight; the
 median is printed):
 
@@ -28,6 +28,12 @@ one (``--size medium``: hidden 1024, 8 layers, 16 experts of 512, ~0.2 B paramet
 start one at a time, in this process, one torch thread (qstrat.engine.local's default).
 
     .venv/bin/python scripts/bench_modes.py [--formats block-fp8 mxfp8] [--reps 5] [--size tiny] [--json out.json]
+
+``--options`` (no engine): what the format options vLLM's online quantizer lacks (MXFP8
+``scale_rounding: floor``, block FP8 ``ue8m0``) would change, against the default bytes (which
+equal vLLM's online ones): share of scales and codes that differ, RMS errors.
+
+    .venv/bin/python scripts/bench_modes.py --options
 """
 from __future__ import annotations
 
@@ -87,7 +93,7 @@ def run_mode(preset: str, mode: str, models: tuple[Any, Any], cfg: Any, reps: in
         qvllm.refit(llm, driver, b.state_dict())  # warm-up (plans, first-call costs)
         for i in range(reps):
             model = (a, b)[i % 2 == 0]  # B, A, B, ...: every refit changes every weight
-            report = qvllm.refit(llm, driver, model.state_dict(), verify=Verify(model))
+            report = qvllm.refit(llm, driver, model.state_dict(), verify=Verify(model, check=False))
             engine_s = reloads[-1]
             rows.append({"wire_bytes": report.bytes, "trainer_s": report.seconds - engine_s, "engine_s": engine_s,
                          "total_s": report.seconds, "kl": report.fidelity.mean_kl, "kl_bf16": report.fidelity.bf16_kl,
@@ -99,14 +105,55 @@ def run_mode(preset: str, mode: str, models: tuple[Any, Any], cfg: Any, reps: in
     return {"preset": preset, "mode": mode, "format": rows[0]["format"], "reps": reps, **med, "rows": rows}
 
 
+def option_differences() -> list[dict[str, Any]]:
+    """What the format options vLLM's online quantizer does not have would change: per option,
+    the share of scales and codes that differ from the default's (= vLLM's online bytes:
+    tests/test_engine_online.py) and both RMS errors, on seeded randn [2048, 2048] bf16 and on the
+    tiny Qwen3-MoE's attention weights (seed 1)."""
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.registry import get_registry
+
+    torch.manual_seed(0)
+    reg = get_registry()
+    tiny = [p for n, p in build_tiny_qwen3_moe(seed=1).state_dict().items() if n.endswith("proj.weight") and p.dim() == 2]
+    inputs = {"randn 2048x2048": [torch.randn(2048, 2048, dtype=torch.bfloat16)], "tiny Qwen3-MoE attention": tiny}
+    out = []
+    for label, mats in inputs.items():
+        for fmt, opts, scale in (("mxfp8", {"scale_rounding": "floor"}, "weight_scale"),
+                                 ("block_fp8", {"ue8m0": True}, "weight_scale_inv")):
+            default, option = reg.serializer(fmt), reg.serializer(fmt, **opts)
+            n = {"scales": 0, "scales_diff": 0, "codes": 0, "codes_diff": 0, "err_default": 0.0, "err_option": 0.0, "el": 0}
+            for w in mats:
+                pd, po = default.quantize(w), option.quantize(w)
+                n["scales"] += pd[scale].numel()
+                n["scales_diff"] += int((pd[scale] != po[scale]).sum())
+                n["codes"] += pd["weight"].numel()
+                n["codes_diff"] += int((pd["weight"].view(torch.uint8) != po["weight"].view(torch.uint8)).sum())
+                n["err_default"] += float(((default.dequantize(pd) - w.float()) ** 2).sum())
+                n["err_option"] += float(((option.dequantize(po) - w.float()) ** 2).sum())
+                n["el"] += w.numel()
+            out.append({"input": label, "format": fmt, "option": opts, "scales_differ": n["scales_diff"] / n["scales"],
+                        "codes_differ": n["codes_diff"] / n["codes"], "rms_default": (n["err_default"] / n["el"]) ** 0.5,
+                        "rms_option": (n["err_option"] / n["el"]) ** 0.5})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["block-fp8", "mxfp8"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--options", action="store_true",
+                        help="print what the options vLLM's online quantizer lacks would change, and stop (no engine)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.options:
+        for r in option_differences():
+            print(f"{r['input']:<26} {r['format']:<10} {str(r['option']):<28} scales differ {r['scales_differ']:7.1%}  "
+                  f"codes differ {r['codes_differ']:7.1%}  RMS error default {r['rms_default']:.3e} option "
+                  f"{r['rms_option']:.3e}")
+        return 0
     from qstrat.bench import machine
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
 
