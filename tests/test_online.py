@@ -213,3 +213,36 @@ def test_vllm_builds_exactly_the_plans_bf16_modules_bf16(family, vllm_env):
     for layer in (0, last):  # keep_bf16: every quantizable module of the kept layers, experts too
         assert not any(m.startswith(f"model.layers.{layer}.") for m in built_q), layer
     assert any(m.endswith("mlp.gate") for m in built_u) == (family != "llama")  # routers BF16
+
+
+def test_engine_side_checkpoint_is_bf16_and_records_the_online_config(tiny_model, tiny_hf_config, tmp_path):
+    """The checkpoint sink runs the same wire plan: BF16 tensors, no quantization_config, and the
+    online config in qstrat_plan.json (what engine_kwargs gives the engine)."""
+    import json
+
+    from safetensors import safe_open
+
+    from qstrat.checkpoint import write_checkpoint
+
+    driver = RefitDriver({"preset": "mxfp8", "quantize_in": "engine"}, hf_config=tiny_hf_config)
+    plan = write_checkpoint(driver, tiny_model.state_dict(), tmp_path / "ck")
+    assert "quantization_config" not in json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert json.loads((tmp_path / "ck" / "qstrat_plan.json").read_text())["engine_quantization"] == \
+        plan.engine_quantization == {"linear": "mxfp8", "moe": "mxfp8", "ignore": ["lm_head", *ROUTERS]}
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+
+
+def test_experts_the_engine_keeps_bf16_stay_under_the_cpu_expert_check(tiny_model, tiny_hf_config):
+    """Routed experts the engine quantizes online are quantized in the engine; experts the plan
+    keeps BF16 (keep_bf16 layers) are not, and stay in what the CPU-engine check sees."""
+    from qstrat.online import engine_unquantized
+
+    plan = engine_plan(tiny_model, tiny_hf_config, preset="block-fp8", keep_bf16={"first": 1, "last": 0})
+    part = engine_unquantized(plan)
+    experts = {e.name for e in part.entries if e.kind == "expert"}
+    assert experts == {e.name for e in plan.entries if e.kind == "expert" and e.layer == 0}
+    assert len(part.entries) == len(plan.entries) - sum(e.kind == "expert" and e.layer != 0 for e in plan.entries)
+    trainer = RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tensor_specs(tiny_model.state_dict()))
+    assert engine_unquantized(trainer) is trainer
