@@ -252,8 +252,13 @@ def engine_side_planner(driver: Any) -> EngineSidePlanner:
 
 def engine_online_args(model_config: Any) -> Any:
     """The online-quantization config a vLLM engine runs (its ``ModelConfig.quantization_config``,
-    vLLM's ``QuantizationConfigArgs``), or None for an engine that quantizes nothing online."""
-    return getattr(model_config, "quantization_config", None)
+    vLLM's ``QuantizationConfigArgs``), or None for an engine that quantizes nothing online (none
+    set, or one that only overrides a checkpoint method's activation key: no ``linear``, ``moe``
+    or ``targets``)."""
+    args = getattr(model_config, "quantization_config", None)
+    if args is None or not any(getattr(args, k, None) is not None for k in (LINEAR, MOE, "targets")):
+        return None
+    return args
 
 
 def check_engine_online(plan: RefitPlan, engine_args: Any) -> None:

@@ -246,3 +246,18 @@ def test_experts_the_engine_keeps_bf16_stay_under_the_cpu_expert_check(tiny_mode
     assert len(part.entries) == len(plan.entries) - sum(e.kind == "expert" and e.layer != 0 for e in plan.entries)
     trainer = RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tensor_specs(tiny_model.state_dict()))
     assert engine_unquantized(trainer) is trainer
+
+
+@needs_vllm
+def test_engine_online_args_are_only_real_online_methods():
+    """vLLM keeps an activation-key override of a checkpoint method in the same field: not online."""
+    from types import SimpleNamespace
+
+    from qstrat.online import engine_online_args
+    from qstrat.vllm_adapter import resolve
+
+    args = resolve("resolve_quantization_config")
+    assert engine_online_args(SimpleNamespace(quantization_config=None)) is None
+    assert engine_online_args(SimpleNamespace(quantization_config=args("fp8", {"ignore": ["lm_head"]}))) is None
+    online = args("online", {"moe": "mxfp8"})
+    assert engine_online_args(SimpleNamespace(quantization_config=online)) is online
