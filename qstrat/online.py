@@ -183,6 +183,7 @@ def _changed_options(ser: Any) -> dict[str, Any]:
 
 
 def _fused_groups(registry: Any, layout: str) -> Any:
+    """The layout's fused groups (``qkv``, ``gate_up``...), ``()`` for an unregistered layout."""
     entry = registry.layouts.get(layout)
     return entry.obj.fused if entry is not None else ()
 
@@ -222,9 +223,11 @@ class EngineSidePlanner:
         self.quantizing, self.wire, self.registry, self.vllm_version = quantizing, wire, registry, vllm_version
 
     def num_layers(self, names: Any = ()) -> int | None:
+        """The strategy planner's :meth:`~qstrat.plan.planner.Planner.num_layers`."""
         return self.quantizing.num_layers(names)
 
     def decide(self, name: str, shape: tuple[int, ...], num_layers: int | None) -> Any:
+        """The strategy's decision for one tensor (the format the ENGINE applies to it)."""
         return self.quantizing.decide(name, shape, num_layers)
 
     def strategy_plan(self, tensors: Mapping[str, Any]) -> RefitPlan:
