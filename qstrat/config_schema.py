@@ -121,6 +121,7 @@ class PresetConfig(_Model):
     default: str | None = None
     expert_emission: Literal["per_expert", "fused"] | None = None
     layout: str | None = None
+    quantize_in: Literal["trainer", "engine"] | None = None
 
     @classmethod
     def define(cls, **fields: Any) -> PresetConfig:
@@ -156,6 +157,10 @@ class RefitConfig(_Model):
             order the trainer yields its tensors); see docs/concepts.md "Wire order".
         expert_batch: per-expert inputs of one layer with the same shape and format quantized
             together, at most this many experts per serializer call (1: one call per expert).
+        quantize_in: where the plan's formats are applied: ``trainer`` (default: qstrat quantizes
+            and sends the formats' tensors) or ``engine`` (qstrat sends BF16 and the engine
+            quantizes it with vLLM's online quantization, whose config and ignore list qstrat
+            writes from the same plan: :mod:`qstrat.online`, docs/modes.md).
     """
 
     preset: str | None = None
@@ -169,6 +174,9 @@ class RefitConfig(_Model):
         "(BF16) and listed in the engine's ignore list")
     wire_order: Literal["natural", "producer"] = "natural"
     expert_batch: int = Field(16, ge=1)
+    quantize_in: Literal["trainer", "engine"] = Field(
+        "trainer", description="trainer: qstrat sends the formats' quantized tensors; engine: qstrat sends "
+        "BF16 and vLLM quantizes it online with the config and ignore list qstrat writes from the plan")
 
     @model_validator(mode="before")
     @classmethod

@@ -106,6 +106,10 @@ class RefitDriver:
         self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.hf_config)
         self.rules = RuleSet(self.config, self.registry)
         self.planner = Planner(self.config, self.layout, self.rules, self.serializer, self.hf_config)
+        if self.config.quantize_in == "engine":  # BF16 wire, the engine quantizes (qstrat.online)
+            from qstrat.online import engine_side_planner
+
+            self.planner = engine_side_planner(self)
         self.plan_cache = PlanCache()
         self._serializers: dict[tuple[str, Any], Serializer] = {}
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import FidelityError
+from qstrat.online import served_plan
 from qstrat.plan import PASSTHROUGH, RefitPlan
 from qstrat.serializers.base import Serializer
 
@@ -482,6 +483,7 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     check_served_top_k(llm, top_k, thresholds)
     state = model.state_dict()
     plan = plan if plan is not None else driver.plan(state)
+    plan = served_plan(driver, plan, state)  # quantize_in: engine - the formats the engine applies
     fmt, limit = threshold_for(plan, thresholds)
     if sequences is None:
         sequences = probe_sequences(text_vocab_size(model))

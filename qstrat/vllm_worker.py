@@ -23,6 +23,7 @@ from qstrat.checkpoint import PLAN_FILE
 from qstrat.driver import RefitDriver
 from qstrat.errors import ConfigError
 from qstrat.inputs import NamedTensors
+from qstrat.online import engine_online_args
 from qstrat.plan import RefitPlan
 from qstrat.vllm.checks import sink_checks
 from qstrat.vllm.manifest import model_manifest
@@ -77,7 +78,8 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
     driver = driver if driver is not None else checkpoint_driver(mc)
     checks = sink_checks(lambda: quantization_config_of(mc.hf_config),
                          lambda: model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)),
-                         driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, flagged=worker)
+                         driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, flagged=worker,
+                         online=lambda: engine_online_args(mc))
     prepared = driver.prepare(named_tensors, plan, checks)  # values first: vLLM's reload has no rollback
     tensors = [(name, t.contiguous()) for name, t in prepared.execute()]
     handed = [0]

@@ -185,7 +185,8 @@ _DIST: dict[str, Any] = {}
 
 
 def vllm_model(cfg: Any, quantization_config: dict[str, Any] | None, tmp: Path) -> tuple[Any, Loaded]:
-    """vLLM's model class for ``cfg`` built on CPU with ``quantization_config`` (None: BF16).
+    """vLLM's model class for ``cfg`` built on CPU with ``quantization_config`` (None: BF16; a
+    config without ``quant_method``: vLLM's online quantization, ``quantization="online"``).
     (Not on meta: some loaders, e.g. Qwen3-Next's, read the values they split.)
 
     Returns: (the model, a :class:`Loaded` with its params and module quant methods filled in).
@@ -202,7 +203,11 @@ def vllm_model(cfg: Any, quantization_config: dict[str, Any] | None, tmp: Path) 
     d = Path(tempfile.mkdtemp(dir=tmp))
     cfg.save_pretrained(d)
     kwargs: dict[str, Any] = {}
-    if quantization_config is not None:
+    if quantization_config is not None and "quant_method" not in quantization_config:  # online (qstrat.online)
+        from vllm.config.quantization import resolve_quantization_config  # as EngineArgs does
+
+        kwargs = dict(quantization="online", quantization_config=resolve_quantization_config("online", quantization_config))
+    elif quantization_config is not None:
         kwargs = dict(quantization=quantization_config["quant_method"],
                       hf_overrides={"quantization_config": quantization_config})
     mc = ModelConfig(model=str(d), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128,

@@ -25,7 +25,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "concepts.md"
 
 #: Every sink's checks, in the order it runs them (the ``ran`` of a refit that passes them all).
 RAN = {
-    "vllm": ["plan", "engine format", "engine manifest", "ignore lists", "cpu experts", "backends", "values"],
+    "vllm": ["plan", "engine quantization", "engine format", "engine manifest", "ignore lists", "cpu experts", "backends", "values"],
     "checkpoint": ["plan", "config.json", "model tensors", "backends"],  # values while quantizing (values="inline")
     "sender": ["plan", "every layer", "model tensors", "wire manifest", "backends", "values"],
     "run": ["plan", "backends"],  # values while quantizing
@@ -150,6 +150,7 @@ def _fail(monkeypatch, target, name, error):
 #: What makes each check refuse: (object, attribute) replaced by a function raising its error.
 TARGETS = {
     "plan": ((RefitDriver, "plan"), PlanError),
+    "engine quantization": ((qstrat.vllm.checks, "check_engine_online"), PlanError),
     "engine format": ((qstrat.vllm.checks, "check_engine_format"), PlanError),
     "engine manifest": ((qstrat.vllm.checks, "check_plan"), EngineManifestError),
     "ignore lists": ((qstrat.vllm.checks, "check_engine_compatible"), PlanError),

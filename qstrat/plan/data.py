@@ -112,6 +112,10 @@ class RefitPlan:
         elsewhere: for a part of a plan (:meth:`subset`), input name -> the rank emitting it
             (None: not emitted by this refit): inputs it may be given (a replicated tensor, the
             whole model's stream) but drops.
+        engine_quantization: for a plan quantized in the engine (``quantize_in: engine``), the
+            ``quantization_config`` of vLLM's online quantization the engine must run (its
+            ``linear`` / ``moe`` methods and ``ignore`` list, :mod:`qstrat.online`); the entries
+            are then all sent unquantized. None: quantized by qstrat (or not at all).
     """
 
     entries: list[PlanEntry]
@@ -123,6 +127,7 @@ class RefitPlan:
     order: str = "natural"
     rank: int | None = None
     elsewhere: dict[str, int | None] = field(default_factory=dict)
+    engine_quantization: dict[str, Any] | None = None
 
     def summary(self) -> str:
         """One line: layout, depth, inputs -> output tensors, per format (inputs -> tensors),
@@ -170,7 +175,7 @@ class RefitPlan:
         elsewhere = {**self.elsewhere, **{e.name: others(e) for e in self.entries if e.name not in names}}
         return RefitPlan(kept, self.layout, self.num_layers, list(self.ignored_layers),
                          self.vllm_quantization_config(), dict(self.config), order=self.order,
-                         rank=rank, elsewhere=elsewhere)
+                         rank=rank, elsewhere=elsewhere, engine_quantization=self.engine_quantization)
 
     def only_layers(self, layers: Iterable[int]) -> RefitPlan:
         """The plan of whole decoder layers ``layers`` (every tensor of each: vLLM's layerwise
@@ -207,6 +212,7 @@ class RefitPlan:
             "config": self.config,
             "quantization_config": self.quantization_config,
             "ignored_layers": self.ignored_layers,
+            "engine_quantization": self.engine_quantization,
             "wire_order": self.order,
             "rank": self.rank,
             "totals": self.totals(),

@@ -14,6 +14,7 @@ import torch
 from qstrat.driver import RefitDriver
 from qstrat.engine_manifest import EngineManifest
 from qstrat.inputs import NamedTensors
+from qstrat.kv_scales import KVScaleGuard
 from qstrat.plan import RefitPlan
 from qstrat.vllm.reload import reload
 from qstrat.vllm.checks import engine_checks
@@ -102,7 +103,8 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         NonFiniteError (nothing sent); EngineManifestError (nothing sent: qstrat cannot tell what the engine accepts);
         EngineStateError if the reload failed after it began (the engine is flagged as holding a
         mix), and for every later PARTIAL refit of that engine until a whole one loads
-        (nothing sent); FidelityError from ``verify``.
+        (nothing sent); KVScaleError (an EngineStateError) when the reload changed an FP8 KV-cache
+        scale it did not send (:mod:`qstrat.kv_scales`); FidelityError from ``verify``.
     """
     if verify is not None and not callable(verify):
         raise TypeError(f"refit: verify must be callable as verify(llm, driver) (e.g. qstrat.fidelity.Verify(model)), "
@@ -132,10 +134,12 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     if callable(getattr(verify, "check_engine", None)):
         verify.check_engine(llm)  # e.g. an engine whose max_logprobs caps the probe's top_k
     sent = {"tensors": 0, "bytes": 0}
+    kv_scales = KVScaleGuard.start(llm)  # FP8 KV-cache scales: unchanged by the reload unless sent
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in prepared.execute():
             t = t.contiguous()
+            kv_scales.observe(name, t)
             sent["tensors"] += 1
             sent["bytes"] += t.numel() * t.element_size()
             yield name, t
@@ -147,6 +151,7 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         with spooled(payload(), weights_dir) as folder:
             warn_cost(sent["bytes"], Path(weights_dir))
             reload(llm, {"weights_path": folder}, sent, len(plan.outputs()))
+    kv_scales.check(llm)
     seconds = time.perf_counter() - start
     fidelity = verify(llm, driver) if verify is not None else None
     return RefitReport(plan, sent["tensors"], sent["bytes"], seconds, fidelity)

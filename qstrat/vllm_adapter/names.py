@@ -243,6 +243,17 @@ _ENTRIES = (
     _name("ref_nvfp4_quant_dequant", "function", f"{_QUANT_UTILS}.nvfp4_emulation_utils:ref_nvfp4_quant_dequant",
           "vLLM's reference NVFP4 fake quantization (quantize, dequantize)",
           "W4A4 activation fake-quantization of the torch NVFP4 experts"),
+    # ---- online quantization (qstrat.online) ----------------------------------------------
+    _name("online_shorthands", "mapping", "vllm.config.quantization:_ONLINE_SHORTHANDS",
+          "vLLM's online-quantization methods (``fp8_per_block``, ``mxfp8``, ...) -> the linear / MoE "
+          "specs each sets",
+          "checked against qstrat.online.ONLINE_SHORTHANDS, the per-release table quantize_in: engine "
+          "plans with (tests/test_online.py)",
+          public=False, alternative="none: vLLM lists its online methods only in this mapping and its docs"),
+    _name("resolve_quantization_config", "function", "vllm.config.quantization:resolve_quantization_config",
+          "resolves ``quantization`` + ``quantization_config`` into the QuantizationConfigArgs an "
+          "engine runs",
+          "compare the plan's online config with the engine's (qstrat.online.check_engine_online)"),
     # ---- layerwise reload ----------------------------------------------------------------
     _name("layerwise_info", "mapping", f"{_RELOAD}.layerwise:LAYERWISE_INFO",
           "vLLM's record of every module's checkpoint-format parameters, kept for layerwise reload",

@@ -1,0 +1,140 @@
+"""FP8 KV-cache scales across refits: read an engine's k/v scales, and refuse a reload that reset them.
+
+An engine serving an FP8 KV cache (``kv_cache_dtype="fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``)
+quantizes every key and value it caches with a per-layer scale: the checkpoint's calibrated
+``self_attn.k_scale`` / ``v_scale`` (vLLM's ``BaseKVCacheMethod.process_weights_after_loading``),
+else 1.0. A reload that does not carry the scales can put 1.0 (or 0) back silently - the
+failure NVIDIA-NeMo/RL#3225 and vLLM RFC #48310 describe - and the cache then saturates or loses
+precision with no error. vLLM 0.32 has no runtime recomputation of these scales (its
+``calculate_kv_scales`` is gone), so a correct refit leaves every layer's scales as they were,
+except those the refit itself sends.
+
+Each vLLM attention layer with an FP8 cache (``Attention``, ``MLAAttention``: a module with
+``kv_cache_dtype`` starting ``fp8`` and ``_k_scale`` / ``_v_scale``) holds each scale twice: the
+tensor its kernels read (``_k_scale``) and a host float (``_k_scale_float``); both are read and
+both must hold.
+
+:class:`KVScaleGuard` is what :func:`qstrat.vllm.refit` runs around every reload: a snapshot
+before (:func:`engine_kv_scales`), the scales the payload itself carries
+(:meth:`KVScaleGuard.observe`), and :func:`check_kv_scales` after; a sleep/wake or any other
+step can be checked the same way with :func:`engine_kv_scales` before and after.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from qstrat.errors import EngineStateError
+
+#: The scale attributes of a vLLM attention layer: the kernels' tensor, then the host float.
+_READ = {"k_scale": ("_k_scale", "_k_scale_float"), "v_scale": ("_v_scale", "_v_scale_float")}
+#: Values a reset leaves (vLLM's default for a missing scale, and an unset one).
+RESET_VALUES = (1.0, 0.0)
+
+
+class KVScaleError(EngineStateError):
+    """An FP8 KV-cache scale changed across a reload (or sleep/wake) that did not send it."""
+
+
+def model_kv_scales(model: torch.nn.Module) -> dict[str, dict[str, float]]:
+    """``{attention layer: {"k_scale", "v_scale", "k_scale_float", "v_scale_float"}}`` of every
+    layer of ``model`` (a vLLM worker's model) that caches keys/values in FP8; ``{}`` when none
+    does. Values are Python floats (the tensors' single element)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, mod in model.named_modules():
+        if not str(getattr(mod, "kv_cache_dtype", "")).startswith("fp8") or not hasattr(mod, "_k_scale"):
+            continue
+        scales: dict[str, float] = {}
+        for key, (tensor, host) in _READ.items():
+            scales[key] = float(getattr(mod, tensor).detach().float().cpu().reshape(-1)[0])
+            scales[f"{key}_float"] = float(getattr(mod, host))
+        out[name] = scales
+    return out
+
+
+def _worker_kv_scales(worker: Any) -> dict[str, dict[str, float]]:
+    """:func:`model_kv_scales` of a vLLM worker's model (run through ``collective_rpc``)."""
+    return model_kv_scales(worker.model_runner.get_model())
+
+
+def engine_kv_scales(llm: Any) -> dict[str, dict[str, float]]:
+    """:func:`model_kv_scales` of a running ``vllm.LLM``'s model (rank 0's: every rank holds
+    the same per-layer scales). ``{}`` for an engine without an FP8 KV cache (its
+    ``vllm_config.cache_config.cache_dtype`` does not start with ``fp8``)."""
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    if not str(getattr(cache, "cache_dtype", "")).startswith("fp8"):
+        return {}
+    return llm.collective_rpc(_worker_kv_scales)[0]
+
+
+def _layer_of(name: str) -> str | None:
+    """The vLLM attention layer a scale belongs to: ``model.layers.3.self_attn.attn.k_scale`` ->
+    ``model.layers.3.self_attn.attn``; a checkpoint's ``model.layers.3.self_attn.k_scale`` -> the
+    same (vLLM's ``maybe_remap_kv_scale_name``); None for another name."""
+    head, _, key = name.rpartition(".")
+    if key not in _READ:
+        return None
+    return head if head.endswith("attn") and not head.endswith("self_attn") else f"{head}.attn"
+
+
+def check_kv_scales(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]],
+                    sent: Mapping[str, float] | None = None, what: str = "the refit") -> None:
+    """Raise unless every FP8 KV-cache scale of ``before`` is unchanged in ``after``, except those
+    ``sent`` replaced (``{"model.layers.3.self_attn.attn.k_scale": 0.02}``: what the reload carried).
+
+    Args:
+        before, after: :func:`engine_kv_scales` of the engine before and after.
+        sent: the scales the reload itself carried (checkpoint names are accepted too).
+        what: the step, for the message (``"the refit"``, ``"sleep/wake"``).
+    Raises: KVScaleError naming every layer and scale that changed, with the value it had and
+        has: ``reset to 1.0`` / ``reset to 0.0`` where it became one of :data:`RESET_VALUES`,
+        ``changed`` otherwise; a layer that lost its FP8 scales.
+    """
+    expected = {layer: dict(scales) for layer, scales in before.items()}
+    for name, value in (sent or {}).items():
+        layer, key = _layer_of(name), name.rpartition(".")[2]
+        if layer in expected:
+            expected[layer][key] = expected[layer][f"{key}_float"] = float(value)
+    problems = []
+    for layer, scales in expected.items():
+        now = after.get(layer)
+        if now is None:
+            problems.append(f"{layer}: its FP8 KV-cache scales are gone")
+            continue
+        for key, want in scales.items():
+            got = now.get(key)
+            if got == want:
+                continue
+            how = f"reset to {got}" if got in RESET_VALUES else "changed"
+            problems.append(f"{layer}.{key} {how} (was {want!r}, now {got!r})")
+    if problems:
+        raise KVScaleError(f"FP8 KV-cache scales changed across {what}, which did not send them - the engine now "
+                           f"quantizes its KV cache with other scales than its checkpoint's: " + "; ".join(problems[:8])
+                           + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+                           + ". Reload the checkpoint's k/v scales (or restart the engine) before serving.")
+
+
+class KVScaleGuard:
+    """Around one reload: :meth:`start` reads the engine's FP8 KV-cache scales, :meth:`observe`
+    records each scale the payload carries, :meth:`check` compares after the reload
+    (:func:`check_kv_scales`). Does nothing for an engine without an FP8 KV cache."""
+
+    def __init__(self, before: dict[str, dict[str, float]]) -> None:
+        self.before = before
+        self.sent: dict[str, float] = {}
+
+    @classmethod
+    def start(cls, llm: Any) -> KVScaleGuard:
+        return cls(engine_kv_scales(llm))
+
+    def observe(self, name: str, tensor: torch.Tensor) -> None:
+        """Record ``name`` if it is a k/v scale (a one-element tensor named ``...k_scale``/``...v_scale``)."""
+        if self.before and name.endswith(("k_scale", "v_scale")) and tensor.numel() == 1:
+            self.sent[name] = float(tensor.detach().float().cpu().reshape(-1)[0])
+
+    def check(self, llm: Any) -> None:
+        """Raise KVScaleError (:func:`check_kv_scales`) if the reload changed a scale it did not send."""
+        if self.before:
+            check_kv_scales(self.before, engine_kv_scales(llm), self.sent)

@@ -1,0 +1,47 @@
+"""qstrat.kv_scales without an engine: which changes of FP8 KV-cache scales are errors, and the
+names a reload may carry them under (the live engine: tests/test_engine_kv_scales.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qstrat.kv_scales import KVScaleError, KVScaleGuard, check_kv_scales
+
+L0, L1 = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
+
+
+def scales(k, v):
+    return {"k_scale": k, "v_scale": v, "k_scale_float": k, "v_scale_float": v}
+
+
+BEFORE = {L0: scales(0.05, 0.07), L1: scales(0.06, 0.08)}
+
+
+def test_unchanged_passes_and_every_change_is_named():
+    check_kv_scales(BEFORE, BEFORE)
+    with pytest.raises(KVScaleError, match=rf"{L1}\.k_scale reset to 1\.0 \(was 0\.06, now 1\.0\)") as err:
+        check_kv_scales(BEFORE, {L0: scales(0.05, 0.07), L1: {**scales(0.06, 0.08), "k_scale": 1.0}})
+    assert L0 not in str(err.value)
+    with pytest.raises(KVScaleError, match=rf"{L0}\.v_scale_float reset to 0\.0"):
+        check_kv_scales(BEFORE, {L0: {**scales(0.05, 0.07), "v_scale_float": 0.0}, L1: scales(0.06, 0.08)})
+    with pytest.raises(KVScaleError, match=rf"{L0}\.k_scale changed \(was 0\.05, now 0\.5\)"):
+        check_kv_scales(BEFORE, {L0: {**scales(0.05, 0.07), "k_scale": 0.5}, L1: scales(0.06, 0.08)})
+    with pytest.raises(KVScaleError, match=rf"{L1}: its FP8 KV-cache scales are gone"):
+        check_kv_scales(BEFORE, {L0: scales(0.05, 0.07)})
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_scale", "model.layers.1.self_attn.attn.k_scale"])
+def test_a_scale_the_reload_sent_is_expected(name):
+    """A refit that sends a layer's k_scale (checkpoint or vLLM name) sets it - even to 1.0."""
+    guard = KVScaleGuard(BEFORE)
+    guard.observe(name, torch.tensor(1.0))
+    guard.observe("model.layers.1.self_attn.o_proj.weight", torch.ones(2, 2))  # not a scale
+    assert guard.sent == {name: 1.0}
+    check_kv_scales(BEFORE, {L0: scales(0.05, 0.07), L1: {**scales(0.06, 0.08), "k_scale": 1.0, "k_scale_float": 1.0}},
+                    guard.sent)
+
+
+def test_an_engine_without_fp8_kv_cache_is_not_checked():
+    guard = KVScaleGuard({})
+    guard.observe("model.layers.1.self_attn.k_scale", torch.tensor(1.0))
+    assert guard.sent == {}
