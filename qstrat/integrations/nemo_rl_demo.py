@@ -60,12 +60,11 @@ def receive_in_worker(worker: Any, weights: dict[str, torch.Tensor], path: str) 
             offset += raw.numel()
         worker._load_weights(views)
     if path == "ipc":
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from qstrat.vllm_adapter.resolver import resolve
 
         runner = worker.model_runner
-        with set_current_vllm_config(runner.vllm_config):
-            process_weights_after_loading(runner.model, runner.vllm_config.model_config, worker.device)
+        with resolve("set_current_vllm_config")(runner.vllm_config):
+            resolve("process_weights_after_loading")(runner.model, runner.vllm_config.model_config, worker.device)
     worker._maybe_process_fp8_kv_cache()
 
 

@@ -9,18 +9,22 @@ engine; its own FP8 path wraps the dense source in ``SerializedFp8WeightSource(s
 of the same strategy and receive checkpoint format (``is_checkpoint_format=True``, as SkyRL's FP8
 path does). docs/integrations.md has the worker override and what ran where.
 
-Importing this module imports vLLM's weight-transfer base (vLLM >= 0.27 has it), not SkyRL.
+Importing this module imports vLLM's weight-transfer base through qstrat's vLLM version table
+(vLLM >= 0.26 has it; an older one raises :class:`~qstrat.vllm_adapter.VllmNameError`), not SkyRL.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import torch
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from qstrat.driver import RefitDriver
 from qstrat.inputs import tensor_specs
 from qstrat.plan import RefitPlan
+from qstrat.vllm_adapter.resolver import resolve
+
+WeightSource = resolve("weight_source")
+ParamMeta = resolve("weight_source_param_meta")
 
 
 class QstratWeightSource(WeightSource):

