@@ -172,6 +172,29 @@ class _StandaloneEndpoint:
     def forget_counter(self):
         self.receiver.session.auth.last_counter = -1
 
+    def delta_base(self):
+        """(round id, name -> SHA-256 of its bytes) of this receiver's delta base, or None."""
+        base = self.receiver.session.base
+        return None if base is None else (base.round_id, {n: sha256(t) for n, t in base.tensors.items()})
+
+    def corrupt_base(self, name):
+        """Flip bit 0 of the first byte of this receiver's delta-base copy of ``name`` (memory
+        corruption under the session: the receiver's weights are untouched)."""
+        self.receiver.session.base.tensors[name][0] ^= 1
+
+    def count_loads(self):
+        """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`)."""
+        real, self.n_loads = self.receiver.load, 0
+
+        def load(tensors):
+            self.n_loads += 1
+            return real(tensors)
+
+        self.receiver.load = load
+
+    def loads(self):
+        return self.n_loads
+
     def inject(self, spec):
         """Wrap this receiver's open group in a FaultyGroup (:func:`receiver_faults`)."""
         wrap_group(self.receiver.session.group, **receiver_faults(spec))

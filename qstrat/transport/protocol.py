@@ -48,13 +48,17 @@ ROUND_WORDS, BUCKET_WORDS, VOTE_WORDS = 13, 7, 6
 ACCEPT, COMMIT = 0, 1
 
 #: Status codes a rank writes in its slot of an ACCEPT / COMMIT vote.
-OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR, UNAUTHENTICATED, MIXED, PROTOCOL, FORGED = range(9)
+OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR, UNAUTHENTICATED, MIXED, PROTOCOL, FORGED, STALE_BASE, DELTA = range(11)
 REASONS = {REJECTED: "rejected the wire manifest", CHECKSUM: "a bucket failed its checksum",
            SENDER_ABORT: "the sender aborted the stream", ERROR: "failed",
            UNAUTHENTICATED: "refused the round's authentication",
            MIXED: "failed after loading began (holds a mix)",
            PROTOCOL: f"speaks another transport protocol version (this qstrat: {PROTOCOL_VERSION})",
-           FORGED: "cast a vote whose tag does not verify (a rewritten all-reduce?)"}
+           FORGED: "cast a vote whose tag does not verify (a rewritten all-reduce?)",
+           STALE_BASE: "does not hold the delta round's base (restarted engine, missed or other-mode round)",
+           DELTA: "did not reconstruct the delta round to the trainer's digests"}
+#: Statuses that refuse only a delta round's encoding: the sender then sends the round whole.
+DELTA_ONLY = (STALE_BASE, DELTA)
 
 
 def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, mac: bytes,
