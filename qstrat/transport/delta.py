@@ -48,6 +48,8 @@ RAW, BITMAP, INDEX, RLE = range(4)
 #: The largest run-length token; a token of this value skips that many words and marks none.
 RLE_ESCAPE = 65535
 _BLOB_HEADER = 32
+#: In-bucket alignment of a delta round's blobs (the wire manifest's minimum).
+BLOB_ALIGNMENT = 16
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DIGEST_DOMAIN = b"qstrat delta digest v1"
 
@@ -273,7 +275,8 @@ def encode_round(target: WireManifest, tensors: list[tuple[str, torch.Tensor]], 
     head = {"base": info["base"], "round": round_id, "target": target.digest, "digests": digests}
     header = torch.frombuffer(bytearray(json.dumps(head, sort_keys=True).encode()), dtype=torch.uint8)
     blobs.insert(0, (HEADER_NAME, header))
-    wm = build_wire_manifest(((n, "uint8", (b.numel(),)) for n, b in blobs), target.bucket_bytes, target.alignment)
+    # blobs are bytes (decoding copies what it views as wider words): the smallest alignment
+    wm = build_wire_manifest(((n, "uint8", (b.numel(),)) for n, b in blobs), target.bucket_bytes, BLOB_ALIGNMENT)
     tensors_new = dict(base.tensors) if base is not None else {}
     tensors_new.update(new)
     return DeltaRound(wm, blobs, info, Base(round_id, tensors_new), counts, time.perf_counter() - t0)

@@ -131,8 +131,8 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     if finalize is not None and failure is None:
         try:
             staged = finalize(unpack(wire_manifest, received))
-        except TransportError as exc:
-            failure = (getattr(exc, "vote_status", protocol.ERROR), f"rank {group.rank}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - voted, so every rank hears it at once
+            failure = (getattr(exc, "vote_status", protocol.ERROR), f"rank {group.rank}: {type(exc).__name__}: {exc}")
     stats["finalize_s"] = time.perf_counter() - t0
     own = (protocol.MIXED if handed else failure[0]) if failure else protocol.OK
     votes = _vote(group, protocol.COMMIT, own, bool(handed), auth.secret, mac, "commit vote")
