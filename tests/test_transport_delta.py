@@ -28,55 +28,64 @@ BUCKET = 64 << 10
 TIMEOUT_S = 20
 
 
-# ---- encodings (in process) -------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.uint8])
-@pytest.mark.parametrize("density", [0.0, 1e-5, 4e-3, 0.05, 0.3, 1.0])
-def test_every_density_decodes_to_the_exact_bytes_with_the_smallest_encoding(dtype, density):
-    g = torch.Generator().manual_seed(7)
-    n = 100_003
-    old = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+# ---- the patch (in process) --------------------------------------------------------------------
+T = delta.TILE
+
+
+def patched(old, density, seed=7):
+    g = torch.Generator().manual_seed(seed)
     new = old.clone()
-    w = delta.words(new, dtype.itemsize)
-    w[torch.rand(n, generator=g) < density] ^= 1
-    enc, blob = delta.encode(new, old, dtype.itemsize)
-    assert torch.equal(delta.decode(blob, old, new.numel(), dtype.itemsize, "t"), new)
-    changed = int((delta.words(new, dtype.itemsize) != delta.words(old, dtype.itemsize)).sum())
-    pos = torch.nonzero(delta.words(new, dtype.itemsize) != delta.words(old, dtype.itemsize)).reshape(-1)
-    sizes = delta.encoded_sizes(n, changed, delta.rle_tokens(pos).numel(), dtype.itemsize)
-    assert blob.numel() == 32 + min(sizes.values()) and sizes[enc] == min(sizes.values())
+    new[torch.rand(old.numel(), generator=g) < density] ^= 1
+    return new
 
 
-@pytest.mark.parametrize("positions", [[0], [65534], [65535], [65536], [131070], [131071, 131072],
-                                       [5, 6, 7, 200_000, 299_999]])
-def test_run_lengths_past_the_escape_decode_exactly(positions):
-    p = torch.tensor(positions)
-    tokens = delta.rle_tokens(p)
-    assert torch.equal(delta.rle_positions(tokens), p)
-    assert int(tokens.max()) <= delta.RLE_ESCAPE
-    old = torch.zeros(300_000, dtype=torch.uint8)
+@pytest.mark.parametrize("density", [0.0, 1e-5, 4e-3, 0.05, 0.2, 0.5, 1.0])
+def test_every_density_decodes_to_the_exact_bytes_each_tile_in_its_smallest_encoding(density):
+    g = torch.Generator().manual_seed(3)
+    old = torch.randint(0, 256, (9 * T,), dtype=torch.uint8, generator=g)
+    new = patched(old, density)
+    patch, tiles = delta.encode_patch(new, old)
+    assert torch.equal(delta.decode_patch(patch, old, new.numel()), new)
+    counts = torch.bincount(torch.nonzero(new != old).reshape(-1) // T, minlength=9)
+    costs = delta.tile_costs(counts)
+    assert patch.numel() == 32 + 5 * 9 + int(costs.min(1).values.sum())
+    want = {k: int((costs.argmin(1) == i).sum()) for i, k in enumerate(delta.KINDS)}
+    assert tiles == {k: c for k, c in want.items() if c}
+
+
+def test_tiles_mixing_every_encoding_and_changes_at_tile_edges_decode_exactly():
+    old = torch.zeros(6 * T, dtype=torch.uint8)
     new = old.clone()
-    new[p] = 9
-    enc, blob = delta.encode(new, old, 1)
-    assert torch.equal(delta.decode(blob, old, 300_000, 1, "t"), new)
+    new[[0, T - 1, T, 2 * T + 5, 3 * T - 1]] = 7          # rle tiles 0, 1, 2
+    new[3 * T:4 * T:3] = 1                                 # 1/3 of tile 3 changed: bitmap
+    new[4 * T:5 * T] = 9                                   # all of tile 4: raw
+    patch, tiles = delta.encode_patch(new, old)             # tile 5 unchanged: rle, 0 bytes
+    assert tiles == {"rle": 4, "bitmap": 1, "raw": 1}
+    assert torch.equal(delta.decode_patch(patch, old, new.numel()), new)
+    full, tiles = delta.encode_patch(new, None)
+    assert tiles == {"raw": 6} and torch.equal(delta.decode_patch(full, None, new.numel()), new)
 
 
-def test_a_blob_that_does_not_fit_or_lacks_its_base_is_refused_naming_the_tensor():
-    old = torch.zeros(4096, dtype=torch.uint8)
+def test_a_patch_that_does_not_fit_or_lacks_its_base_is_refused_with_the_reason():
+    old = torch.zeros(2 * T, dtype=torch.uint8)
     new = old.clone()
-    new[[3, 100]] = 1
-    enc, blob = delta.encode(new, old, 1)
-    assert enc == "rle"
-    with pytest.raises(delta.DeltaError, match=r"blob of layers.0.w: a sparse blob, and this receiver holds no base"):
-        delta.decode(blob, None, 4096, 1, "layers.0.w")
-    with pytest.raises(delta.DeltaError, match=r"blob of w: header .* does not fit a tensor of 4095 bytes"):
-        delta.decode(blob, old, 4095, 1, "w")
-    with pytest.raises(delta.DeltaError, match=r"blob of w: body of \d+ bytes, its header says"):
-        delta.decode(blob[:-1], old, 4096, 1, "w")
-    bad = blob.clone()
-    bad[32:34] = torch.tensor([255, 255], dtype=torch.uint8)  # first token: an escape -> position past the end
-    bad[34:36] = torch.tensor([255, 255], dtype=torch.uint8)
-    with pytest.raises(delta.DeltaError, match=r"blob of w: positions do not fit"):
-        delta.decode(bad, old, 4096, 1, "w")
+    new[[3, T + 100]] = 1
+    patch, tiles = delta.encode_patch(new, old)
+    assert tiles == {"rle": 2}
+    with pytest.raises(delta.DeltaError, match=r"patches tiles, and this receiver holds no base stream"):
+        delta.decode_patch(patch, None, 2 * T)
+    with pytest.raises(delta.DeltaError, match=r"header .* does not fit a stream of 98304 bytes"):
+        delta.decode_patch(patch, torch.zeros(3 * T, dtype=torch.uint8), 3 * T)
+    with pytest.raises(delta.DeltaError, match=r"has \d+ bytes, its tile table says"):
+        delta.decode_patch(patch[:-1], old, 2 * T)
+    bad = patch.clone()
+    bad[32 + 10:32 + 12] = 255  # the first rle token: a run of 65535 -> past its tile
+    with pytest.raises(delta.DeltaError, match=r"run lengths past the end of their tile"):
+        delta.decode_patch(bad, old, 2 * T)
+    bad = patch.clone()
+    bad[32] = 5  # tile 0's kind
+    with pytest.raises(delta.DeltaError, match=r"tile kind or change count out of range"):
+        delta.decode_patch(bad, old, 2 * T)
 
 
 # ---- rounds over the transport ----------------------------------------------------------------
@@ -120,7 +129,7 @@ def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(
     first = sender.refit(driver, trainer)
     assert first.delta.kind == "full" and first.delta.reason.startswith("no base")
     assert held(receivers) == [want(driver, trainer)] * 2
-    base_ids = {r.ctl.call("delta_base")[0] for r in receivers}
+    base_ids = {r.ctl.call("delta_base") for r in receivers}
     assert base_ids == {sender.base.round_id}
     for step in range(2):
         trainer = stepped(trainer, 1e-5, step)
@@ -129,7 +138,7 @@ def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(
         assert d.kind == "delta" and d.reason is None and d.attempts == 1, d
         assert d.wire_bytes == report.bytes < d.full_bytes / 2, d
         assert held(receivers) == [want(driver, trainer)] * 2
-        assert [r.ctl.call("delta_base")[1] for r in receivers] == [want(driver, trainer)] * 2
+        assert [r.ctl.call("delta_base") for r in receivers] == [sender.base.round_id] * 2
     sender.close()
 
 
@@ -177,14 +186,13 @@ def test_a_round_in_another_mode_in_between_drops_the_base(receivers, tiny):
 
 
 def test_a_corrupted_base_is_refused_before_loading_and_the_round_sent_whole(receivers, tiny):
-    """Rank 2's base copy of one tensor has a flipped bit: its reconstruction's digest differs
+    """Rank 2's base has a flipped bit in its first tensor: the rebuilt bucket's digest differs
     from the trainer's, so rank 2 refuses in the commit vote, NOTHING is loaded anywhere (the
     load counters move by one: the whole round that follows), and the engines end exact."""
     driver, trainer_a, _, _ = tiny
     sender = sender_for(receivers)
     sender.refit(driver, trainer_a)
-    name = next(n for n, _ in driver.run(trainer_a) if n.endswith("q_proj.weight"))
-    receivers[1].ctl.call("corrupt_base", name)
+    receivers[1].ctl.call("corrupt_base")
     before = loads(receivers)
     trainer = stepped(trainer_a, 1e-5, 2)
     d = sender.refit(driver, trainer).delta

@@ -173,14 +173,14 @@ class _StandaloneEndpoint:
         self.receiver.session.auth.last_counter = -1
 
     def delta_base(self):
-        """(round id, name -> SHA-256 of its bytes) of this receiver's delta base, or None."""
+        """The round id of this receiver's delta base, or None."""
         base = self.receiver.session.base
-        return None if base is None else (base.round_id, {n: sha256(t) for n, t in base.tensors.items()})
+        return None if base is None else base.round_id
 
-    def corrupt_base(self, name):
-        """Flip bit 0 of the first byte of this receiver's delta-base copy of ``name`` (memory
-        corruption under the session: the receiver's weights are untouched)."""
-        self.receiver.session.base.tensors[name][0] ^= 1
+    def corrupt_base(self):
+        """Flip bit 0 of the first byte of this receiver's delta base (memory corruption under
+        the session: the receiver's weights are untouched)."""
+        self.receiver.session.base.stream[0] ^= 1
 
     def count_loads(self):
         """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`)."""

@@ -82,21 +82,24 @@ class TransferReport:
 
 @dataclass(frozen=True)
 class DeltaReport:
-    """A ``mode="delta"`` round: ``kind`` ``delta`` (some tensor went as a sparse blob) or
-    ``full`` (every tensor raw); ``reason``: why it went full (None: it did not, or every tensor
-    was simply smaller raw), e.g. ``no base ...`` or ``the engines refused the delta: ...`` (a
-    stale base or a digest mismatch: the round was then sent again, whole); ``full_bytes``: the
-    full round's payload (the target wire manifest's); ``wire_bytes``: the payload sent (the
-    delta wire manifest's, headers and padding included); ``encodings``: tensors per encoding;
-    ``encode_s``: wall seconds encoding (and digesting) the round sent; ``base_bytes``: the host
-    memory the sender's base holds after the round; ``attempts``: 2 when a refused delta was
-    followed by the whole round."""
+    """A ``mode="delta"`` round: ``kind`` ``delta`` (some tile went as a patch) or ``full``
+    (every tile raw); ``reason``: why it went full (None: it did not, or every tile was simply
+    smaller raw), e.g. ``no base ...`` or ``the engines refused the delta: ...`` (a stale base or
+    a digest mismatch: the round was then sent again, whole); ``full_bytes``: the full round's
+    payload (the target wire manifest's); ``wire_bytes``: the payload sent (the delta wire
+    manifest's: header, tile table and patch); ``tiles``: tiles per encoding (``rle``,
+    ``bitmap``, ``raw``; :mod:`qstrat.transport.delta`); ``source_s``: wall seconds quantizing
+    the round into its stream; ``encode_s``: wall seconds encoding and digesting the round sent;
+    ``base_bytes``: the host memory the sender's base holds after the round; ``attempts``: 2 when
+    a refused delta was followed by the whole round. The report's ``seconds`` then cover the
+    whole ``refit`` call after the checks (quantization, encoding, the round or rounds)."""
 
     kind: str
     reason: str | None
     full_bytes: int
     wire_bytes: int
-    encodings: dict[str, int]
+    tiles: dict[str, int]
+    source_s: float
     encode_s: float
     base_bytes: int
     attempts: int
@@ -104,7 +107,7 @@ class DeltaReport:
     def __str__(self) -> str:
         why = f" ({self.reason})" if self.reason else ""
         return (f"delta kind={self.kind}{why}, wire {self.wire_bytes} of {self.full_bytes} bytes "
-                f"({100 * self.wire_bytes / max(self.full_bytes, 1):.2f} %), encodings {self.encodings}")
+                f"({100 * self.wire_bytes / max(self.full_bytes, 1):.2f} %), tiles {self.tiles}")
 
 
 class RefitSender:
@@ -225,32 +228,33 @@ class RefitSender:
         prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
         qc = prepared.plan.vllm_quantization_config()
         if self.mode == "delta":
-            return self._refit_delta(prepared.results[check.name], list(prepared.execute()), qc)
+            return self._refit_delta(prepared.results[check.name], prepared.execute(), qc)
         return self.send(prepared.results[check.name], prepared.execute(), quantization_config=qc)
 
-    def _refit_delta(self, target: WireManifest, tensors: list[tuple[str, torch.Tensor]], qc: Any
+    def _refit_delta(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], qc: Any
                      ) -> TransferReport:
         """One ``mode="delta"`` round of ``tensors`` (the target wire manifest's, in order): the
-        delta against :attr:`base`, or the whole round when there is none, when the delta is
-        not smaller, or when the engines refuse the delta (then sent again, whole)."""
+        delta against :attr:`base`, or the whole round when there is none (or it has another
+        layout), or when the engines refuse the delta (then sent again, whole)."""
         base, self.base = self.base, None  # a round that raises leaves no base: the next is whole
-        reason = None if base is not None else "no base (this sender's first round, or its last one failed)"
-        rnd = delta.encode_round(target, tensors, base, self._secret)
-        if rnd.kind == "delta" and rnd.wire_manifest.total_bytes >= target.total_bytes:
-            reason, rnd = "the delta is not smaller than the whole round", delta.encode_round(
-                target, tensors, None, self._secret)
+        t0 = time.perf_counter()
+        stream = delta.stream_of(target, tensors)
+        source_s = time.perf_counter() - t0
+        reason = ("no base (this sender's first round, or its last one failed)" if base is None else
+                  "the base has another layout (wire manifest)" if base.target != target.digest else None)
+        rnd = delta.encode_round(target, stream, base, self._secret)
         attempts = 1
         try:
             report = self._send_round(rnd, qc)
         except delta.DeltaRefused as exc:
             reason, attempts = f"the engines refused the delta: {exc}", 2
-            rnd = delta.encode_round(target, tensors, None, self._secret)
+            rnd = delta.encode_round(target, stream, None, self._secret)
             report = self._send_round(rnd, qc)
         self.base = rnd.new_base
-        info = DeltaReport(rnd.kind, reason, target.total_bytes, rnd.wire_manifest.total_bytes, rnd.encodings,
-                           rnd.encode_s, self.base.nbytes, attempts)
+        info = DeltaReport(rnd.kind, reason, target.total_bytes, rnd.wire_manifest.total_bytes, rnd.tiles,
+                           source_s, rnd.encode_s, self.base.nbytes, attempts)
         return TransferReport(report.wire_manifest, report.bytes, report.buckets, report.stream_seconds,
-                              report.seconds, info)
+                              time.perf_counter() - t0, info)
 
     def _send_round(self, rnd: delta.DeltaRound, qc: Any) -> TransferReport:
         return self._send(rnd.wire_manifest, iter(rnd.blobs), qc, {"delta": rnd.info})

@@ -169,7 +169,7 @@ class ReceiverSession:
                         f"this receiver holds a MIX of two rounds ({self.mixed}): the next refit "
                         f"must be whole, this one sends {sends} of the {whole} {self._unit_word(expected)}")
             if mode == "delta":
-                delta.check_base(info["delta"], self.base)
+                delta.check_base(info["delta"], targets[0], self.base)
 
         if mode == "delta":
             def finalize(blobs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
