@@ -39,7 +39,8 @@ against a raw broadcast of the same bytes.
 
 Delta (``--delta``): the tiny model's float32 master weights take ``--steps`` real Adam steps per
 ``--lr``; per format, two receivers (each its own sender, so the full one's rounds do not reset
-the delta one's base): after the start round and every step, a FULL round (``mode="atomic"``) and
+the delta one's base; ``--width``: hidden and intermediate sizes and heads times this): after
+the start round and every step, a FULL round (``mode="atomic"``) and
 a DELTA round (``mode="delta"``) of the same weights. Printed per step: wire bytes of each (the
 delta's as % of the full's), the sender's encode seconds (diff, encode, digest), the receiver's
 decode seconds (reconstruct and digest, before the commit vote), each ``refit`` call's wall
@@ -47,7 +48,7 @@ seconds (quantization included), and whether both receivers hold exactly ``Refit
 bytes; then peak RSS (``VmHWM``, reset before each round) of the sender process and of each
 receiver above its RSS before the round.
 
-    .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--secret]
+    .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--width 1] [--secret]
     .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
     .venv/bin/python scripts/bench_transport.py --memory --layers 8 --layer-mib 256 --receivers 1 --bucket-mib 64 --modes atomic bounded
 """
@@ -240,8 +241,11 @@ def delta(args) -> None:
     from qstrat.driver import RefitDriver
     from transport_harness import adam_trajectory, sha256
 
-    model = build_tiny_qwen3_moe(seed=1)
-    print(f"torch {torch.__version__}, gloo, tiny Qwen3-MoE, Adam on float32 master weights, "
+    w = args.width
+    model = build_tiny_qwen3_moe(seed=1, hidden_size=256 * w, intermediate_size=512 * w,
+                                 moe_intermediate_size=128 * w, num_attention_heads=4 * w,
+                                 num_key_value_heads=2 * w)
+    print(f"torch {torch.__version__}, gloo, tiny Qwen3-MoE x{w} wide, Adam on float32 master weights, "
           f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB; "
           f"wall = the refit call (quantization included)")
     print(f"{'format':9} {'lr':>6} {'step':>4} {'full B':>8} {'delta B':>8} {'%':>6} {'kind':>5} {'enc s':>6} "
@@ -292,6 +296,7 @@ def main() -> None:
     ap.add_argument("--delta", action="store_true", help="delta vs full rounds over Adam steps (see the docstring)")
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1, help="--delta: the tiny model's widths times this")
     ap.add_argument("--formats", nargs="+", default=list(DELTA_FORMATS), choices=list(DELTA_FORMATS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

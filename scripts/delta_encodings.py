@@ -2,10 +2,12 @@
 
 A [rows, cols] bf16 matrix (std 0.02, seeded) takes one sign-like Adam step of size ``lr``
 (``w + lr * sign(noise)``, computed in float32, rounded to bf16 - the issue's model of an RL step);
-both matrices are quantized with qstrat's own serializers (``RefitDriver(...).run``), and per
-checkpoint tensor the script prints the changed words (a word: one element of the tensor's
-dtype; NVFP4's packed uint8 holds two codes) and the blob size of each encoding (bitmap, index,
-rle; raw = the tensor), as a percentage of the tensor's bytes, and which is smallest.
+both matrices are quantized with qstrat's own serializers (``RefitDriver(...).run``). Per
+checkpoint tensor (its bytes padded to whole 32 KiB tiles, qstrat.transport.delta.TILE) the script
+prints the changed bytes and the patch size with every tile run-length coded (3 bytes per
+change), every tile a bitmap (1/8 byte per byte + 1 per change), an int32 index list (5 bytes per
+change), and per tile the smallest of rle / bitmap / raw (``tiled``: what qstrat sends, with its
+header and tile table), each as a percentage of the tensor's bytes.
 
     .venv/bin/python scripts/delta_encodings.py [--rows 2048 --cols 2048] [--lr 1e-7 1e-6 1e-5]
 """
@@ -16,7 +18,7 @@ import argparse
 import torch
 
 from qstrat.driver import RefitDriver
-from qstrat.transport.delta import density_table
+from qstrat.transport.delta import padded_size, patch_sizes
 
 FORMATS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8",
            "nvfp4": {"rules": [{"select": "linear", "serializer": "nvfp4"}]}}
@@ -34,23 +36,32 @@ def main() -> None:
     step = torch.randn(args.rows, args.cols, generator=g).sign()
     print(f"[{args.rows}, {args.cols}] bf16, std 0.02, w + lr * sign(noise); sizes in % of the tensor's bytes")
     print(f"{'format':10} {'lr':>7} {'tensor':24} {'bytes':>9} {'changed %':>10} {'bitmap %':>9} "
-          f"{'index %':>8} {'rle %':>7}  best")
+          f"{'index %':>8} {'rle %':>7} {'tiled %':>8}")
     for fmt, config in FORMATS.items():
         driver = RefitDriver(config)
         old = dict(driver.run({NAME: w.bfloat16()}))
         for lr in args.lr:
             new = dict(driver.run({NAME: (w + lr * step).bfloat16()}))
-            total = {"full": 0, "best": 0}
+            total = {"bytes": 0, "tiled": 0}
             for name, t in new.items():
-                row = density_table(t, old[name])
+                a, b = (stream(x) for x in (t, old[name]))
+                row = patch_sizes(a, b)
                 nbytes = t.numel() * t.element_size()
-                total["full"] += nbytes
-                total["best"] += min(row[e] for e in ("raw", "bitmap", "index", "rle"))
-                pct = {e: 100 * row[e] / max(nbytes, 1) for e in ("bitmap", "index", "rle")}
-                print(f"{fmt:10} {lr:7.0e} {name.rsplit('.', 1)[-1]:24} {nbytes:9d} {100 * row['density']:10.3f} "
-                      f"{pct['bitmap']:9.2f} {pct['index']:8.2f} {pct['rle']:7.2f}  {row['best']}")
-            print(f"{fmt:10} {lr:7.0e} {'(all: smallest blobs)':24} {total['full']:9d} {'':10} "
-                  f"{'':9} {'':8} {100 * total['best'] / total['full']:7.2f}")
+                total["bytes"] += nbytes
+                total["tiled"] += row["tiled"]
+                pct = {e: 100 * row[e] / max(nbytes, 1) for e in ("changed", "bitmap", "index", "rle", "tiled")}
+                print(f"{fmt:10} {lr:7.0e} {name.rsplit('.', 1)[-1]:24} {nbytes:9d} {pct['changed']:10.3f} "
+                      f"{pct['bitmap']:9.2f} {pct['index']:8.2f} {pct['rle']:7.2f} {pct['tiled']:8.2f}")
+            print(f"{fmt:10} {lr:7.0e} {'(all tensors)':24} {total['bytes']:9d} {'':10} {'':9} {'':8} {'':7} "
+                  f"{100 * total['tiled'] / total['bytes']:8.2f}")
+
+
+def stream(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes padded with zeros to whole tiles."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    out = torch.zeros(padded_size(raw.numel()), dtype=torch.uint8)
+    out[:raw.numel()] = raw
+    return out
 
 
 if __name__ == "__main__":

@@ -122,6 +122,16 @@ def stream_of(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]])
     return out
 
 
+def changed_bytes(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Sorted positions (int64) of the bytes where ``new`` and ``base`` differ (1-D uint8 of the
+    same length, a multiple of 8): compared as int64 words, then only the differing words
+    split into bytes (a nonzero over an eighth of the elements)."""
+    diff = new.view(torch.int64) ^ base.view(torch.int64)
+    words = torch.nonzero(diff).reshape(-1)
+    hit = diff[words].view(torch.uint8).view(-1, 8) != 0
+    return ((words * 8).unsqueeze(1) + torch.arange(8))[hit]
+
+
 def tile_costs(counts: torch.Tensor) -> torch.Tensor:
     """Body bytes of each tile in each encoding, int64 [tiles, 3] in :data:`KINDS` order, for
     ``counts`` (int64 [tiles]) changed bytes per tile: rle ``3 k``, bitmap ``TILE / 8 + k``, raw
@@ -141,10 +151,9 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None) -> tuple[torch.Te
     if base is None:
         kinds = torch.full((tiles,), RAW, dtype=torch.uint8)
         counts = torch.zeros(tiles, dtype=torch.int64)
-        changed = pos = None
+        pos = None
     else:
-        changed = new != base
-        pos = torch.nonzero(changed).reshape(-1)
+        pos = changed_bytes(new, base)
         counts = torch.bincount(pos // TILE, minlength=tiles)
         kinds = tile_costs(counts).argmin(1).to(torch.uint8)  # first minimum: rle, bitmap, raw
     parts = [torch.tensor([PATCH_MAGIC, n, tiles, TILE], dtype=torch.int64).view(torch.uint8), kinds,
@@ -160,7 +169,7 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None) -> tuple[torch.Te
         gaps = (rle - prev - 1).to(torch.int32)
         gaps = torch.where(gaps > 32767, gaps - 65536, gaps).to(torch.int16)  # uint16 bit pattern
         bm_tiles = torch.nonzero(kinds == BITMAP).reshape(-1)
-        bits = changed.view(tiles, TILE)[bm_tiles].view(-1, 8).to(torch.uint8)
+        bits = (grid[bm_tiles] != base.view(tiles, TILE)[bm_tiles]).view(-1, 8).to(torch.uint8)
         packed = (bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
         parts += [gaps.view(torch.uint8), new[rle], packed, new[pos[kind_of == BITMAP]]]
     parts.append(grid[torch.nonzero(kinds == RAW).reshape(-1)].reshape(-1))
@@ -360,7 +369,7 @@ def patch_sizes(new: torch.Tensor, base: torch.Tensor) -> dict[str, int]:
     changed bytes and the patch body's bytes with every tile ``rle``, every tile ``bitmap``,
     as an int32 ``index`` list (5 bytes per change), and with the per-tile smallest (``tiled``,
     what :func:`encode_patch` sends, tile table and header included)."""
-    pos = torch.nonzero(new != base).reshape(-1)
+    pos = changed_bytes(new, base)
     counts = torch.bincount(pos // TILE, minlength=new.numel() // TILE)
     costs = tile_costs(counts)
     k = pos.numel()
