@@ -1,9 +1,9 @@
 """Delta rounds (``RefitSender(mode="delta")``, issue 34), without an engine.
 
-Unit part (in process): every encoding decodes to the exact bytes, at densities from none to
-all, for 1-, 2- and 4-byte words and run lengths past the uint16 escape; the encoding chosen is
-the smallest; a blob that does not fit its tensor, or a sparse blob without a base, is refused
-naming the tensor.
+Unit part (in process): a round's stream patched at densities from none to all decodes to the
+exact bytes, each 32 KiB tile in its smallest encoding (rle, bitmap, raw) with the patch size
+the cost model gives; tiles mixing every encoding and changes at tile edges; a patch that does
+not fit its stream, or one that patches tiles without a base, is refused with the reason.
 
 Transport part: this process is the trainer (rank 0), two spawned StandaloneReceivers are ranks
 1 and 2 over gloo (tests/transport_harness.py), keyed rounds. Faults are injected from OUTSIDE
