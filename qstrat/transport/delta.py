@@ -177,10 +177,9 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None) -> tuple[torch.Te
     return torch.cat(parts), {k: c for k, c in zip(KINDS, used) if c}
 
 
-def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, in_place: bool = False) -> torch.Tensor:
-    """The stream (1-D uint8 [n]) from ``base`` and ``patch`` (:func:`encode_patch`): a new
-    tensor, or with ``in_place`` ``base`` itself, patched (no copy; ``base`` is then changed
-    even when this raises part-way).
+def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The stream (1-D uint8 [n], a new tensor; ``base`` is not changed) from ``base`` and
+    ``patch`` (:func:`encode_patch`).
 
     Raises: DeltaError (status DELTA) for a patch that does not fit a stream of ``n`` bytes
         (header, kinds, counts, length, positions), or one with rle or bitmap tiles when there
@@ -216,7 +215,7 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, in_plac
         cut.append(patch[at:at + s])
         at += s
     tokens, rle_values, bitmaps, bm_values, raw = cut
-    out = (base if in_place else base.clone()) if n_raw < tiles else torch.empty(n, dtype=torch.uint8)
+    out = base.clone() if n_raw < tiles else torch.empty(n, dtype=torch.uint8)
     grid = out.view(tiles, TILE)
     grid[torch.nonzero(kinds == RAW).reshape(-1)] = raw.view(n_raw, TILE)
     if k_rle:
@@ -338,8 +337,9 @@ def decode_round(blobs: list[tuple[str, torch.Tensor]], info: dict[str, Any], ta
                  base: Base | None, secret: Secret | None) -> tuple[list[tuple[str, torch.Tensor]], Base]:
     """Receiver, after every bucket verified and before the commit vote: the target tensors
     (checkpoint dtypes and shapes, in wire order: views of the rebuilt stream) and the new base.
-    The stream is rebuilt IN PLACE in ``base.stream`` (no copy of the checkpoint): the caller
-    must drop ``base`` once this is called (the result's base replaces it after the load).
+    The stream is rebuilt in a COPY of ``base.stream``: ``base`` stays intact whatever happens
+    (the tensors an engine loaded from it last round are never written, even if a loader kept
+    views of them), and stays the base if this round is refused elsewhere.
 
     Raises: DeltaError (status DELTA) for a header that does not name this round (ids, target
         digest, digest count), a patch that does not decode, or a rebuilt bucket whose digest
@@ -357,8 +357,7 @@ def decode_round(blobs: list[tuple[str, torch.Tensor]], info: dict[str, Any], ta
             or head.get("target") != target.digest or len(digests) != len(target.buckets)):
         raise DeltaError("the delta header does not name this round (ids, target digest or digest count)", DELTA)
     n = padded_size(target.total_bytes)
-    stream = decode_patch(patch.cpu(), base.stream if base is not None and head["base"] is not None else None, n,
-                          in_place=True)
+    stream = decode_patch(patch.cpu(), base.stream if base is not None and head["base"] is not None else None, n)
     for k, (got, want) in enumerate(zip(bucket_digests(target, stream, digest_sealer(secret, info["round"])), digests)):
         if not (isinstance(want, str) and len(want) == len(got) and equal(got.encode(), want.encode())):
             names = [s.name for s in target.slots if s.bucket <= k < s.bucket + s.chunks]

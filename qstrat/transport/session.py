@@ -173,11 +173,12 @@ class ReceiverSession:
 
         if mode == "delta":
             def finalize(blobs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-                # the stream is rebuilt in place: until this round's load succeeds there is no
-                # base (a refused or failed round makes the next one whole)
-                base, self.base = self.base, None
-                staged, self._next_base = delta.decode_round(blobs, info["delta"], targets[0], base,
-                                                             self.auth.secret if self.auth else None)
+                try:
+                    staged, self._next_base = delta.decode_round(blobs, info["delta"], targets[0], self.base,
+                                                                 self.auth.secret if self.auth else None)
+                except delta.DeltaError:
+                    self.base = None  # out of step with the trainer: the next round is whole
+                    raise
                 return staged
 
             self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth, "delta",
