@@ -37,6 +37,18 @@ Memory (``--memory``), per mode, fresh receivers: round 1 fills the receivers' t
 receivers' peak RSS above their RSS before round 2, against the payload, and the round's time
 against a raw broadcast of the same bytes.
 
+Delta (``--delta``): the tiny model's float32 master weights take ``--steps`` real Adam steps per
+``--lr``; per format, two receivers (each its own sender, so the full one's rounds do not reset
+the delta one's base; ``--width``: hidden and intermediate sizes and heads times this): after
+the start round and every step, a FULL round (``mode="atomic"``) and
+a DELTA round (``mode="delta"``) of the same weights. Printed per step: wire bytes of each (the
+delta's as % of the full's), the sender's encode seconds (diff, encode, digest), the receiver's
+decode seconds (reconstruct and digest, before the commit vote), each ``refit`` call's wall
+seconds (quantization included), and whether both receivers hold exactly ``RefitDriver.run``'s
+bytes; then peak RSS (``VmHWM``, reset before each round) of the sender process and of each
+receiver above its RSS before the round.
+
+    .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--width 1] [--secret]
     .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
     .venv/bin/python scripts/bench_transport.py --memory --layers 8 --layer-mib 256 --receivers 1 --bucket-mib 64 --modes atomic bounded
 """
@@ -210,6 +222,73 @@ def memory(args, tensors) -> list[dict[str, int | str]]:
     return rows
 
 
+DELTA_FORMATS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8",
+                 "nvfp4": {"rules": [{"select": "linear", "serializer": "nvfp4"}]}}
+
+
+def _own_memory(reset: bool = False) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes (``reset``: the peak set back to the RSS first)."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+
+
+def _timed_round(sender, receiver, driver, state):
+    """One refit: (report, wall s, sender peak above RSS, receiver peak above RSS)."""
+    before = receiver.ctl.call("memory", True)[0]
+    own = _own_memory(True)[0]
+    t0 = time.perf_counter()
+    report = sender.refit(driver, state)
+    wall = time.perf_counter() - t0
+    return report, wall, _own_memory()[1] - own, receiver.ctl.call("memory")[1] - before
+
+
+def delta(args) -> None:
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+    from transport_harness import adam_trajectory, sha256
+
+    w = args.width
+    model = build_tiny_qwen3_moe(seed=1, hidden_size=256 * w, intermediate_size=512 * w,
+                                 moe_intermediate_size=128 * w, num_attention_heads=4 * w,
+                                 num_key_value_heads=2 * w)
+    print(f"torch {torch.__version__}, gloo, tiny Qwen3-MoE x{w} wide, Adam on float32 master weights, "
+          f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB; "
+          f"wall = the refit call (quantization included)")
+    print(f"{'format':9} {'lr':>6} {'step':>4} {'full B':>8} {'delta B':>8} {'%':>6} {'kind':>5} {'enc s':>6} "
+          f"{'dec s':>6} {'full s':>6} {'delta s':>7} {'exact':>5} {'send peak MiB f/d':>17} {'recv peak MiB f/d':>17}")
+    for fmt in args.formats:
+        driver = RefitDriver(DELTA_FORMATS[fmt], hf_config=hf_config(model))
+        for lr in args.lr:
+            (full_s, full_r), (delta_s, delta_r) = (start(args, mode, 1) for mode in ("atomic", "delta"))
+            for s in (full_s, delta_s):
+                s.bucket_bytes = int(args.bucket_mib[0] * 2**20)
+            try:
+                for step, state in enumerate(adam_trajectory(model, lr, args.steps)):
+                    f = _timed_round(full_s, full_r[0], driver, state)
+                    d = _timed_round(delta_s, delta_r[0], driver, state)
+                    want = {n: sha256(t) for n, t in driver.run(state)}
+                    exact = full_r[0].ctl.call("digests") == want == delta_r[0].ctl.call("digests")
+                    info = d[0].delta
+                    dec = delta_r[0].ctl.call("stats").get("finalize_s", 0.0)
+                    print(f"{fmt:9} {lr:6.0e} {step:>4} {info.full_bytes:>8} {info.wire_bytes:>8} "
+                          f"{100 * info.wire_bytes / info.full_bytes:>6.2f} {info.kind:>5} {info.encode_s:>6.3f} "
+                          f"{dec:>6.3f} {f[1]:>6.3f} {d[1]:>7.3f} {str(exact):>5} "
+                          f"{f[2] / 2**20:>8.1f}/{d[2] / 2**20:<8.1f} {f[3] / 2**20:>8.1f}/{d[3] / 2**20:<8.1f}",
+                          flush=True)
+                print(f"{'':9} base held: sender {delta_s.base.nbytes / 2**20:.2f} MiB (host memory), "
+                      f"receiver the same; peak RSS (VmHWM) sender {_own_memory()[1] / 2**20:.0f} MiB, receivers "
+                      f"full {full_r[0].ctl.call('memory')[1] / 2**20:.0f} / delta "
+                      f"{delta_r[0].ctl.call('memory')[1] / 2**20:.0f} MiB", flush=True)
+            finally:
+                for s, rs in ((full_s, full_r), (delta_s, delta_r)):
+                    s.close()
+                    for r in rs:
+                        r.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -224,8 +303,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in every process (default 1: on a shared, "
                          "oversubscribed CPU, OpenMP-parallel copies run ~100x slower)")
+    ap.add_argument("--delta", action="store_true", help="delta vs full rounds over Adam steps (see the docstring)")
+    ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1, help="--delta: the tiny model's widths times this")
+    ap.add_argument("--formats", nargs="+", default=list(DELTA_FORMATS), choices=list(DELTA_FORMATS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.delta:
+        return delta(args)
     tensors = synthetic(args.layers, args.layer_mib)
     rows = (memory if args.memory else throughput)(args, tensors)
     if args.json and rows is not None:

@@ -172,6 +172,29 @@ class _StandaloneEndpoint:
     def forget_counter(self):
         self.receiver.session.auth.last_counter = -1
 
+    def delta_base(self):
+        """The round id of this receiver's delta base, or None."""
+        base = self.receiver.session.base
+        return None if base is None else base.round_id
+
+    def corrupt_base(self):
+        """Flip bit 0 of the first byte of this receiver's delta base (memory corruption under
+        the session: the receiver's weights are untouched)."""
+        self.receiver.session.base.stream[0] ^= 1
+
+    def count_loads(self):
+        """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`)."""
+        real, self.n_loads = self.receiver.load, 0
+
+        def load(tensors):
+            self.n_loads += 1
+            return real(tensors)
+
+        self.receiver.load = load
+
+    def loads(self):
+        return self.n_loads
+
     def inject(self, spec):
         """Wrap this receiver's open group in a FaultyGroup (:func:`receiver_faults`)."""
         wrap_group(self.receiver.session.group, **receiver_faults(spec))
@@ -526,3 +549,29 @@ class EditingClient:
 
         method = getattr(self._inner, name)
         return lambda *args: method(*self._edit(name, copy.deepcopy(args)))
+
+
+def adam_trajectory(model: Any, lr: float, steps: int, seed: int = 0) -> Iterator[dict]:
+    """Real optimizer steps on a copy of ``model`` (a transformers causal LM): float32 master
+    weights, ``torch.optim.Adam(lr)``, next-token loss on seeded random tokens. Yields the bf16
+    state dict (what a trainer refits from) before the first step and after each of ``steps``."""
+    import copy
+
+    import torch
+
+    master = copy.deepcopy(model).float().train()
+    opt = torch.optim.Adam(master.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    vocab = master.config.vocab_size
+
+    def bf16() -> dict:
+        return {n: t.detach().to(torch.bfloat16).clone() for n, t in master.state_dict().items()}
+
+    yield bf16()
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (2, 32), generator=g)
+        loss = master(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        yield bf16()

@@ -80,6 +80,8 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     protocol: int | None = None
     #: The plan's ``vllm_quantization_config()`` (checked before the tensors); absent: not named.
     quantization_config: Any = _UNNAMED
+    #: ``mode="delta"``: the round ids and target wire manifest (:mod:`qstrat.transport.delta`).
+    delta: dict[str, Any] | None = None
 
 
 def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
@@ -153,6 +155,8 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
                 "protocol": update_info.protocol}
         if update_info.quantization_config is not _UNNAMED:
             info[FORMAT_KEY] = update_info.quantization_config
+        if update_info.delta is not None:
+            info["delta"] = update_info.delta
         self.session.update(info)
 
     def finish_weight_update(self) -> None:

@@ -17,7 +17,10 @@
 - :mod:`.engine_check`: a round against an engine's manifest (the in-process sink's checks).
 - :mod:`.sender`: :class:`RefitSender`, the trainer side, driven from a ``RefitDriver`` plan.
 - :mod:`.receiver`: :func:`receive_round` (atomic or bounded).
-- :mod:`.session`: a receiver's state across rounds (secret, address, counter, the mix flag).
+- :mod:`.session`: a receiver's state across rounds (secret, address, counter, the mix flag, the
+  delta base).
+- :mod:`.delta`: delta rounds (the round's stream patched against the last committed one, tile by
+  tile; digests of the rebuilt buckets; round ids).
 - :mod:`.standalone`: :class:`StandaloneReceiver` (no engine).
 
 The engine side is a vLLM weight-transfer backend, :mod:`qstrat.engine.transfer_backend`

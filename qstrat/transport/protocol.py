@@ -12,7 +12,8 @@
 2. ACCEPT VOTE (all-reduce, int64[6 * world_size]): each rank writes its status, whether it
    holds new weights (always 0 here) and a 4-word tag (:func:`qstrat.transport.keys.vote_tag`)
    in its slot; an OK whose tag does not verify counts as :data:`FORGED`. Any nonzero status:
-   every rank stops here; no data is sent.
+   every rank stops here; no data is sent. (A delta round's receiver that does not hold the
+   round's base votes :data:`STALE_BASE`; the sender then sends the round whole.)
 3. BUCKETS, in wire manifest order: per bucket the payload (broadcasts of at most
    ``PIECE_BYTES``, :mod:`qstrat.transport.seal`), then a BUCKET HEADER (broadcast, int64[7]:
    magic, index, flags, SEAL). The header follows the payload so that each piece is sealed as it
@@ -20,7 +21,8 @@
    produce the bucket (its source raised, fell short or disagreed with the wire manifest); the
    payload was still sent (garbage of the right size) and every rank goes to step 4.
 4. COMMIT VOTE (like step 2): each rank's verdict and whether it already holds new weights
-   (bounded mode: a unit was loaded). The round's OUTCOME (:func:`outcome`) follows from it, the
+   (bounded mode: a unit was loaded; delta mode: :data:`DELTA` when a rebuilt tensor's
+   digest differs from the trainer's). The round's OUTCOME (:func:`outcome`) follows from it, the
    same on every rank: COMMITTED (every status 0), REFUSED (a nonzero status, nobody holds
    anything new), or MIXED (a nonzero status while some rank holds new weights: each such rank
    flags itself; the sender raises MixedWeightsError naming them).
@@ -48,13 +50,17 @@ ROUND_WORDS, BUCKET_WORDS, VOTE_WORDS = 13, 7, 6
 ACCEPT, COMMIT = 0, 1
 
 #: Status codes a rank writes in its slot of an ACCEPT / COMMIT vote.
-OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR, UNAUTHENTICATED, MIXED, PROTOCOL, FORGED = range(9)
+OK, REJECTED, CHECKSUM, SENDER_ABORT, ERROR, UNAUTHENTICATED, MIXED, PROTOCOL, FORGED, STALE_BASE, DELTA = range(11)
 REASONS = {REJECTED: "rejected the wire manifest", CHECKSUM: "a bucket failed its checksum",
            SENDER_ABORT: "the sender aborted the stream", ERROR: "failed",
            UNAUTHENTICATED: "refused the round's authentication",
            MIXED: "failed after loading began (holds a mix)",
            PROTOCOL: f"speaks another transport protocol version (this qstrat: {PROTOCOL_VERSION})",
-           FORGED: "cast a vote whose tag does not verify (a rewritten all-reduce?)"}
+           FORGED: "cast a vote whose tag does not verify (a rewritten all-reduce?)",
+           STALE_BASE: "does not hold the delta round's base (restarted engine, missed or other-mode round)",
+           DELTA: "did not reconstruct the delta round to the trainer's digests"}
+#: Statuses that refuse only a delta round's encoding: the sender then sends the round whole.
+DELTA_ONLY = (STALE_BASE, DELTA)
 
 
 def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, mac: bytes,

@@ -42,6 +42,7 @@ from qstrat.errors import (MixedWeightsError, PlanError, TransferAuthError, Tran
 from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
+from qstrat.transport import delta
 from qstrat.transport import protocol as proto
 from qstrat.transport.auth import INIT_REFUSED, PROTOCOL_VERSION, RoundContext, next_counter, sign_init
 from qstrat.transport.engine_check import FORMAT_KEY
@@ -68,12 +69,45 @@ class TransferReport:
     buckets: int
     stream_seconds: float
     seconds: float
+    #: ``mode="delta"``: what the round sent and why (None in the other modes).
+    delta: DeltaReport | None = None
 
     def __repr__(self) -> str:
+        more = f", {self.delta}" if self.delta is not None else ""
         return (f"TransferReport(tensors={len(self.wire_manifest.slots)}, bytes={self.bytes} "
                 f"({self.bytes / 2**20:.2f} MiB), buckets={self.buckets}, "
                 f"stream_seconds={self.stream_seconds:.3f}, seconds={self.seconds:.3f}, "
-                f"wire manifest digest {self.wire_manifest.digest[:12]})")
+                f"wire manifest digest {self.wire_manifest.digest[:12]}{more})")
+
+
+@dataclass(frozen=True)
+class DeltaReport:
+    """A ``mode="delta"`` round: ``kind`` ``delta`` (some tile went as a patch) or ``full``
+    (every tile raw); ``reason``: why it went full (None: it did not, or every tile was simply
+    smaller raw), e.g. ``no base ...`` or ``the engines refused the delta: ...`` (a stale base or
+    a digest mismatch: the round was then sent again, whole); ``full_bytes``: the full round's
+    payload (the target wire manifest's); ``wire_bytes``: the payload sent (the delta wire
+    manifest's: header, tile table and patch); ``tiles``: tiles per encoding (``rle``,
+    ``bitmap``, ``raw``; :mod:`qstrat.transport.delta`); ``source_s``: wall seconds quantizing
+    the round into its stream; ``encode_s``: wall seconds encoding and digesting the round sent;
+    ``base_bytes``: the host memory the sender's base holds after the round; ``attempts``: 2 when
+    a refused delta was followed by the whole round. The report's ``seconds`` then cover the
+    whole ``refit`` call after the checks (quantization, encoding, the round or rounds)."""
+
+    kind: str
+    reason: str | None
+    full_bytes: int
+    wire_bytes: int
+    tiles: dict[str, int]
+    source_s: float
+    encode_s: float
+    base_bytes: int
+    attempts: int
+
+    def __str__(self) -> str:
+        why = f" ({self.reason})" if self.reason else ""
+        return (f"delta kind={self.kind}{why}, wire {self.wire_bytes} of {self.full_bytes} bytes "
+                f"({100 * self.wire_bytes / max(self.full_bytes, 1):.2f} %), tiles {self.tiles}")
 
 
 class RefitSender:
@@ -91,9 +125,13 @@ class RefitSender:
             rounds, which an engine holding a secret refuses, and one warning per sender on the
             ``qstrat.transport`` logger). Never logged or sent.
         mode: ``atomic`` (default: engines stage the whole round and load it only when every
-            rank verified every bucket) or ``bounded`` (engines load each reload unit as soon as
+            rank verified every bucket), ``bounded`` (engines load each reload unit as soon as
             its buckets verified: memory ~ two buckets + one layer; a fault mid-round leaves a
-            MIX, reported as MixedWeightsError, after which engines accept only whole refits).
+            MIX, reported as MixedWeightsError, after which engines accept only whole refits) or
+            ``delta`` (atomic rounds that send, per tensor, only the words that changed since the
+            last round every engine committed: :mod:`qstrat.transport.delta`; a round goes whole
+            when no base is shared or an engine refuses the delta; this sender keeps the last
+            round's quantized bytes in host memory; :meth:`refit` only, not :meth:`send`).
     """
 
     def __init__(self, clients: Sequence[Any], master_address: str, master_port: int,
@@ -101,9 +139,11 @@ class RefitSender:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
                  workers_per_client: Sequence[int] | None = None,
                  secret: Secret | bytes | str | None = None, mode: str = "atomic") -> None:
-        if mode not in ("atomic", "bounded"):
-            raise TransportError(f"RefitSender mode {mode!r}: use 'atomic' or 'bounded'")
+        if mode not in ("atomic", "bounded", "delta"):
+            raise TransportError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded' or 'delta'")
         self.mode = mode
+        #: ``mode="delta"``: the base shared with the engines (None: the next round is whole).
+        self.base: delta.Base | None = None
         self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self._counter = -1
         self._warned = False
@@ -186,8 +226,38 @@ class RefitSender:
                                                                                self.alignment))
         whole = SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given))
         prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
-        return self.send(prepared.results[check.name], prepared.execute(),
-                         quantization_config=prepared.plan.vllm_quantization_config())
+        qc = prepared.plan.vllm_quantization_config()
+        if self.mode == "delta":
+            return self._refit_delta(prepared.results[check.name], prepared.execute(), qc)
+        return self.send(prepared.results[check.name], prepared.execute(), quantization_config=qc)
+
+    def _refit_delta(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], qc: Any
+                     ) -> TransferReport:
+        """One ``mode="delta"`` round of ``tensors`` (the target wire manifest's, in order): the
+        delta against :attr:`base`, or the whole round when there is none (or it has another
+        layout), or when the engines refuse the delta (then sent again, whole)."""
+        base, self.base = self.base, None  # a round that raises leaves no base: the next is whole
+        t0 = time.perf_counter()
+        stream = delta.stream_of(target, tensors)
+        source_s = time.perf_counter() - t0
+        reason = ("no base (this sender's first round, or its last one failed)" if base is None else
+                  "the base has another layout (wire manifest)" if base.target != target.digest else None)
+        rnd = delta.encode_round(target, stream, base, self._secret)
+        attempts = 1
+        try:
+            report = self._send_round(rnd, qc)
+        except delta.DeltaRefused as exc:
+            reason, attempts = f"the engines refused the delta: {exc}", 2
+            rnd = delta.encode_round(target, stream, None, self._secret)
+            report = self._send_round(rnd, qc)
+        self.base = rnd.new_base
+        info = DeltaReport(rnd.kind, reason, target.total_bytes, rnd.wire_manifest.total_bytes, rnd.tiles,
+                           source_s, rnd.encode_s, self.base.nbytes, attempts)
+        return TransferReport(report.wire_manifest, report.bytes, report.buckets, report.stream_seconds,
+                              time.perf_counter() - t0, info)
+
+    def _send_round(self, rnd: delta.DeltaRound, qc: Any) -> TransferReport:
+        return self._send(rnd.wire_manifest, iter(rnd.blobs), qc, {"delta": rnd.info})
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
              quantization_config: Any = _UNNAMED) -> TransferReport:
@@ -207,6 +277,13 @@ class RefitSender:
             told (ABORT) and the group was closed (unless the round left a mix: then
             MixedWeightsError, caused by it).
         """
+        if self.mode == "delta":
+            raise TransportError("RefitSender.send: a delta-mode sender sends through refit() (it encodes "
+                                 "the round against its base)")
+        return self._send(wire_manifest, tensors, quantization_config, {})
+
+    def _send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
+              quantization_config: Any, extra: dict[str, Any]) -> TransferReport:
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
         if self._secret is None and not self._warned:
@@ -217,7 +294,7 @@ class RefitSender:
         self.profile = prof = Phases("start_s", "handshake_s", "source_s", "pack_s", "seal_s", "wait_s",
                                      "commit_s", "update_s", "finish_s", "cpu_s")
         self._call_all("start_weight_update")
-        doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode, "protocol": PROTOCOL_VERSION}
+        doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode, "protocol": PROTOCOL_VERSION, **extra}
         if quantization_config is not _UNNAMED:
             doc[FORMAT_KEY] = quantization_config
         futures = [_call(c.update_weights, doc) for c in self.clients]
@@ -227,8 +304,8 @@ class RefitSender:
             self._stream(wire_manifest, tensors)
         except TransportError as exc:
             errors = _listed(self._results(futures)) or "no error reported"
-            kind = next(k for k in (WireManifestMismatchError, TransferAuthError, MixedWeightsError,
-                                    TransportError) if isinstance(exc, k))
+            kind = next(k for k in (delta.DeltaRefused, WireManifestMismatchError, TransferAuthError,
+                                    MixedWeightsError, TransportError) if isinstance(exc, k))
             raise kind(f"{exc}; engines: {errors}") from (exc.__cause__ or exc)  # the source's error, if any
         except BaseException as exc:  # e.g. the source's own error, after the ABORT: itself
             exc.add_note(f"qstrat transport, the engines' update_weights: "
@@ -267,6 +344,8 @@ class RefitSender:
             raise proto.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
         if votes.failed():
             st = votes.statuses
+            if all(s == proto.OK or s in proto.DELTA_ONLY for s in st):
+                raise delta.DeltaRefused(f"delta refused before any data: {proto.describe(st)}")
             cls = (WireManifestMismatchError if proto.REJECTED in st else
                    TransferAuthError if proto.UNAUTHENTICATED in st or proto.FORGED in st else TransportError)
             raise cls(f"round refused before any data: {proto.describe(st)}")
@@ -304,6 +383,8 @@ class RefitSender:
                                     f"accepts only a whole refit)") from (failure.error if failure else None)
         if own:
             raise failure.error
+        if failure is None and all(s == proto.OK or s in proto.DELTA_ONLY for s in votes.statuses):
+            raise delta.DeltaRefused(f"delta refused, nothing loaded: {described}")
         if failure is not None:
             raise TransportError(f"sender aborted the stream: {failure}; nothing loaded")
         raise TransportError(f"round not committed: {described}; nothing loaded")

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport import delta
 from qstrat.transport.address import ENV_ADDRESS, check_address
 from qstrat.transport.auth import ReceiverAuth, check_init
 from qstrat.transport.engine_check import EngineExpectations
@@ -77,6 +78,11 @@ class ReceiverSession:
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._received = False
         self._loading = False
+        #: The delta base (:mod:`qstrat.transport.delta`): the tensors' bytes as of the last
+        #: delta-mode round this receiver loaded, in host memory; None: no base (any round in
+        #: another mode, or a failed load, drops it).
+        self.base: delta.Base | None = None
+        self._next_base: delta.Base | None = None
         #: The last round's ``peak_bytes`` and seconds by phase (see
         #: :func:`~qstrat.transport.receiver.receive_round`), plus ``finish_s`` (atomic: the load).
         self.stats: dict[str, float] = {}
@@ -112,11 +118,14 @@ class ReceiverSession:
 
     def start(self) -> None:
         """Begin an update session: drop any staged round; the loader is not touched."""
-        self._staged, self._received = None, False
+        self._staged, self._received, self._next_base = None, False, None
 
     def update(self, update_info: dict[str, Any]) -> None:
-        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded",
-        "protocol": PROTOCOL_VERSION}``.
+        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta",
+        "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base", "round", "target"}``,
+        :mod:`qstrat.transport.delta`; the engine checks the TARGET wire manifest, the tensors
+        are reconstructed from :attr:`base` and checked against the trainer's digests before
+        the commit vote, and :meth:`finish` loads them as an atomic round's).
 
         Raises: as :func:`~qstrat.transport.receiver.receive_round`; TransportError for a second
             round in one session or an unknown mode. Bounded mode: a round that was not committed
@@ -138,10 +147,15 @@ class ReceiverSession:
         self.stats = {}
         sent: set[str] = set()
 
+        targets: list[WireManifest] = []
+
         def check(wm: WireManifest) -> None:
             if not isinstance(update_info, dict) or mode not in MODES:
                 raise TransportError(f"qstrat transfer: update_info must be a dict with a round mode in "
                                      f"{MODES}, got mode {mode!r}")
+            if mode == "delta":  # the engine checks the full round's wire manifest, the base after
+                targets.append(delta.target_of(wm, info.get("delta")))
+                wm = targets[0]
             sent.update(s.name for s in wm.slots)
             expected = self.expected()
             if isinstance(expected, EngineExpectations):
@@ -154,7 +168,25 @@ class ReceiverSession:
                     raise WireManifestMismatchError(
                         f"this receiver holds a MIX of two rounds ({self.mixed}): the next refit "
                         f"must be whole, this one sends {sends} of the {whole} {self._unit_word(expected)}")
+            if mode == "delta":
+                delta.check_base(info["delta"], targets[0], self.base)
 
+        if mode == "delta":
+            def finalize(blobs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+                try:
+                    staged, self._next_base = delta.decode_round(blobs, info["delta"], targets[0], self.base,
+                                                                 self.auth.secret if self.auth else None)
+                except delta.DeltaError:
+                    self.base = None  # out of step with the trainer: the next round is whole
+                    raise
+                return staged
+
+            self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth, "delta",
+                                         staging=self.staging, stats=self.stats, protocol_version=protocol,
+                                         finalize=finalize)
+            return
+
+        self.base = None  # another mode changes the weights outside the delta's bookkeeping
         if mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
             self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth,
                                          staging=self.staging, stats=self.stats, protocol_version=protocol)
@@ -188,6 +220,7 @@ class ReceiverSession:
             the load raised part-way (the reload is finalized, the receiver flagged :attr:`mixed`).
         """
         staged, self._staged = self._staged, None
+        next_base, self._next_base = self._next_base, None
         if staged is None:
             raise TransportError("qstrat transfer: finish_weight_update without a received round")
         if not staged:
@@ -199,6 +232,7 @@ class ReceiverSession:
             self._loading = True
             self.loader.load(staged)
         except BaseException as exc:
+            self.base = None
             self._fail_load(exc, sent)
             if not isinstance(exc, Exception):
                 raise
@@ -207,6 +241,7 @@ class ReceiverSession:
                                     f"next refit must be whole") from exc
         self._end()
         self.stats["finish_s"] = time.perf_counter() - t0
+        self.base = next_base
         self._committed(sent)
 
     def _fail_load(self, exc: BaseException, sent: set[str]) -> None:

@@ -1,0 +1,246 @@
+"""Delta rounds (``RefitSender(mode="delta")``, issue 34), without an engine.
+
+Unit part (in process): a round's stream patched at densities from none to all decodes to the
+exact bytes, each 32 KiB tile in its smallest encoding (rle, bitmap, raw) with the patch size
+the cost model gives; tiles mixing every encoding and changes at tile edges; a patch that does
+not fit its stream, or one that patches tiles without a base, is refused with the reason.
+
+Transport part: this process is the trainer (rank 0), two spawned StandaloneReceivers are ranks
+1 and 2 over gloo (tests/transport_harness.py), keyed rounds. Faults are injected from OUTSIDE
+the production path: another sender (a restarted trainer), restarted receiver processes, a
+receiver's base bytes flipped under its session (memory corruption), a wrapped process group
+corrupting a bucket. Checked each time against the receivers' actual tensors (SHA-256 of every
+tensor equal to ``RefitDriver.run``'s output) and the reason the sender reports.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qstrat.errors import TransportError
+from qstrat.transport import RefitSender, delta
+from qstrat.transport.keys import ENV_SECRET
+
+from transport_harness import free_port, sha256, standalone_receivers
+
+SECRET = "a shared secret for the delta tests"
+BUCKET = 64 << 10
+TIMEOUT_S = 20
+
+
+# ---- the patch (in process) --------------------------------------------------------------------
+T = delta.TILE
+
+
+def patched(old, density, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    new = old.clone()
+    new[torch.rand(old.numel(), generator=g) < density] ^= 1
+    return new
+
+
+@pytest.mark.parametrize("density", [0.0, 1e-5, 4e-3, 0.05, 0.2, 0.5, 1.0])
+def test_every_density_decodes_to_the_exact_bytes_each_tile_in_its_smallest_encoding(density):
+    g = torch.Generator().manual_seed(3)
+    old = torch.randint(0, 256, (9 * T,), dtype=torch.uint8, generator=g)
+    new = patched(old, density)
+    patch, tiles = delta.encode_patch(new, old)
+    assert torch.equal(delta.decode_patch(patch, old, new.numel()), new)
+    counts = torch.bincount(torch.nonzero(new != old).reshape(-1) // T, minlength=9)
+    costs = delta.tile_costs(counts)
+    assert patch.numel() == 32 + 5 * 9 + int(costs.min(1).values.sum())
+    want = {k: int((costs.argmin(1) == i).sum()) for i, k in enumerate(delta.KINDS)}
+    assert tiles == {k: c for k, c in want.items() if c}
+
+
+def test_tiles_mixing_every_encoding_and_changes_at_tile_edges_decode_exactly():
+    old = torch.zeros(6 * T, dtype=torch.uint8)
+    new = old.clone()
+    new[[0, T - 1, T, 2 * T + 5, 3 * T - 1]] = 7          # rle tiles 0, 1, 2
+    new[3 * T:4 * T:3] = 1                                 # 1/3 of tile 3 changed: bitmap
+    new[4 * T:5 * T] = 9                                   # all of tile 4: raw
+    patch, tiles = delta.encode_patch(new, old)             # tile 5 unchanged: rle, 0 bytes
+    assert tiles == {"rle": 4, "bitmap": 1, "raw": 1}
+    assert torch.equal(delta.decode_patch(patch, old, new.numel()), new)
+    full, tiles = delta.encode_patch(new, None)
+    assert tiles == {"raw": 6} and torch.equal(delta.decode_patch(full, None, new.numel()), new)
+
+
+def test_a_patch_that_does_not_fit_or_lacks_its_base_is_refused_with_the_reason():
+    old = torch.zeros(2 * T, dtype=torch.uint8)
+    new = old.clone()
+    new[[3, T + 100]] = 1
+    patch, tiles = delta.encode_patch(new, old)
+    assert tiles == {"rle": 2}
+    with pytest.raises(delta.DeltaError, match=r"patches tiles, and this receiver holds no base stream"):
+        delta.decode_patch(patch, None, 2 * T)
+    with pytest.raises(delta.DeltaError, match=r"header .* does not fit a stream of 98304 bytes"):
+        delta.decode_patch(patch, torch.zeros(3 * T, dtype=torch.uint8), 3 * T)
+    with pytest.raises(delta.DeltaError, match=r"has \d+ bytes, its tile table says"):
+        delta.decode_patch(patch[:-1], old, 2 * T)
+    bad = patch.clone()
+    bad[32 + 10:32 + 12] = 255  # the first rle token: a run of 65535 -> past its tile
+    with pytest.raises(delta.DeltaError, match=r"run lengths past the end of their tile"):
+        delta.decode_patch(bad, old, 2 * T)
+    bad = patch.clone()
+    bad[32] = 5  # tile 0's kind
+    with pytest.raises(delta.DeltaError, match=r"tile kind or change count out of range"):
+        delta.decode_patch(bad, old, 2 * T)
+
+
+# ---- rounds over the transport ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def receivers(tiny):
+    with standalone_receivers(tiny[3], env={ENV_SECRET: SECRET}) as rs:
+        for r in rs:
+            r.ctl.call("count_loads")
+        yield rs
+
+
+def sender_for(receivers, mode="delta"):
+    s = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
+                    bucket_bytes=BUCKET, secret=SECRET, mode=mode)
+    s.connect()
+    return s
+
+
+def stepped(trainer, lr, seed):
+    """A sign-like Adam update of size ``lr`` on every floating tensor (the issue's model)."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: (t.float() + lr * torch.randn(t.shape, generator=g).sign()).to(t.dtype)
+            if t.is_floating_point() else t for n, t in trainer.items()}
+
+
+def want(driver, trainer):
+    return {name: sha256(t) for name, t in driver.run(trainer)}
+
+
+def held(receivers):
+    return [r.ctl.call("digests") for r in receivers]
+
+
+def loads(receivers):
+    return [r.ctl.call("loads") for r in receivers]
+
+
+def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(receivers, tiny):
+    driver, _, trainer, _ = tiny
+    sender = sender_for(receivers)
+    first = sender.refit(driver, trainer)
+    assert first.delta.kind == "full" and first.delta.reason.startswith("no base")
+    assert held(receivers) == [want(driver, trainer)] * 2
+    base_ids = {r.ctl.call("delta_base") for r in receivers}
+    assert base_ids == {sender.base.round_id}
+    for step in range(2):
+        trainer = stepped(trainer, 1e-5, step)
+        report = sender.refit(driver, trainer)
+        d = report.delta
+        assert d.kind == "delta" and d.reason is None and d.attempts == 1, d
+        assert d.wire_bytes == report.bytes < d.full_bytes / 2, d
+        assert held(receivers) == [want(driver, trainer)] * 2
+        assert [r.ctl.call("delta_base") for r in receivers] == [sender.base.round_id] * 2
+    sender.close()
+
+
+def test_a_base_from_another_trainer_turns_the_round_whole_with_the_reason(receivers, tiny):
+    """Trainer 1 holds base r1; a restarted trainer 2 refits (whole: no base) -> the engines hold
+    r2. Trainer 1's next delta (against r1) is refused in the accept vote, before any data, and
+    sent again whole; the engines hold exactly its round."""
+    driver, trainer_a, trainer_b, _ = tiny
+    one = sender_for(receivers)
+    one.refit(driver, trainer_a)
+    one.close()
+    two = sender_for(receivers)
+    assert two.refit(driver, trainer_b).delta.reason.startswith("no base")
+    two.close()
+    before = loads(receivers)
+    one.connect()
+    report = one.refit(driver, stepped(trainer_a, 1e-5, 1))
+    d = report.delta
+    assert d.kind == "full" and d.attempts == 2, d
+    assert "the engines refused the delta: delta refused before any data" in d.reason, d.reason
+    assert "rank 1 does not hold the delta round's base" in d.reason and "rank 2 does not hold" in d.reason
+    assert held(receivers) == [want(driver, stepped(trainer_a, 1e-5, 1))] * 2
+    assert [a - b for a, b in zip(loads(receivers), before)] == [1, 1]  # the whole round only
+    one.close()
+
+
+def test_a_round_in_another_mode_in_between_drops_the_base(receivers, tiny):
+    """A partial atomic refit between two delta rounds: the engines' weights moved outside the
+    delta's bookkeeping, so they drop their base and the next delta round goes whole."""
+    driver, trainer_a, trainer_b, _ = tiny
+    sender = sender_for(receivers)
+    sender.refit(driver, trainer_a)
+    sender.close()
+    partial = sender_for(receivers, "atomic")
+    partial.refit(driver, trainer_b, plan=driver.plan(trainer_b).only_layers([0]))
+    partial.close()
+    assert [r.ctl.call("delta_base") for r in receivers] == [None, None]
+    sender.connect()
+    trainer = stepped(trainer_a, 1e-5, 5)
+    d = sender.refit(driver, trainer).delta
+    assert d.kind == "full" and d.attempts == 2, d
+    assert "rank 1 does not hold the delta round's base" in d.reason, d.reason
+    assert held(receivers) == [want(driver, trainer)] * 2
+    sender.close()
+
+
+def test_a_corrupted_base_is_refused_before_loading_and_the_round_sent_whole(receivers, tiny):
+    """Rank 2's base has a flipped bit in its first tensor: the rebuilt bucket's digest differs
+    from the trainer's, so rank 2 refuses in the commit vote, NOTHING is loaded anywhere (the
+    load counters move by one: the whole round that follows), and the engines end exact."""
+    driver, trainer_a, _, _ = tiny
+    sender = sender_for(receivers)
+    sender.refit(driver, trainer_a)
+    receivers[1].ctl.call("corrupt_base")
+    before = loads(receivers)
+    trainer = stepped(trainer_a, 1e-5, 2)
+    d = sender.refit(driver, trainer).delta
+    assert d.kind == "full" and d.attempts == 2, d
+    assert "delta refused, nothing loaded: rank 2 did not reconstruct the delta round to the trainer's digests" \
+        in d.reason, d.reason
+    assert [a - b for a, b in zip(loads(receivers), before)] == [1, 1]
+    assert held(receivers) == [want(driver, trainer)] * 2
+    sender.close()
+
+
+def test_a_corrupted_bucket_in_a_delta_round_loads_nothing_and_the_next_round_is_whole(receivers, tiny):
+    driver, trainer_a, _, _ = tiny
+    sender = sender_for(receivers)
+    sender.refit(driver, trainer_a)
+    receivers[0].ctl.call("inject", {"corrupt_bucket": 0})
+    before = loads(receivers)
+    with pytest.raises(TransportError, match=r"rank 1 a bucket failed its checksum.*nothing loaded"):
+        sender.refit(driver, stepped(trainer_a, 1e-5, 3))
+    assert loads(receivers) == before and held(receivers) == [want(driver, trainer_a)] * 2
+    assert sender.base is None
+    sender.connect()  # a new group (the wrapped one is dropped)
+    d = sender.refit(driver, stepped(trainer_a, 1e-5, 3)).delta
+    assert d.kind == "full" and d.reason.startswith("no base") and d.attempts == 1
+    assert held(receivers) == [want(driver, stepped(trainer_a, 1e-5, 3))] * 2
+    sender.close()
+
+
+def test_restarted_receivers_get_a_whole_round(tiny):
+    driver, trainer_a, _, ckpt = tiny
+    with standalone_receivers(ckpt, n=1, env={ENV_SECRET: SECRET}) as first:
+        sender = sender_for(first)
+        sender.refit(driver, trainer_a)
+        sender.close()
+    with standalone_receivers(ckpt, n=1, env={ENV_SECRET: SECRET}) as restarted:
+        sender.clients = [r.rpc for r in restarted]
+        sender.connect()
+        trainer = stepped(trainer_a, 1e-5, 4)
+        d = sender.refit(driver, trainer).delta
+        assert d.kind == "full" and d.attempts == 2, d
+        assert "rank 1 does not hold the delta round's base" in d.reason, d.reason
+        assert held(restarted) == [want(driver, trainer)]
+        sender.close()
+
+
+def test_a_delta_sender_refuses_send_and_an_unknown_mode_is_named():
+    with pytest.raises(TransportError, match=r"mode 'sparse': use 'atomic', 'bounded' or 'delta'"):
+        RefitSender([], "127.0.0.1", 1, mode="sparse")
+    s = RefitSender([], "127.0.0.1", 1, mode="delta")
+    with pytest.raises(TransportError, match=r"a delta-mode sender sends through refit\(\)"):
+        s.send(None, iter(()))
