@@ -71,3 +71,63 @@ def test_a_partly_sent_layer_is_refused_naming_the_tensors_as_the_in_process_sin
         engine.check(*round_of(driver, state, half))
     assert str(transport.value) == str(in_process.value)
     assert "the refit does not match what the engine accepts" in str(transport.value)
+
+
+@pytest.fixture()
+def online_engine(tiny_model, tiny_hf_config, monkeypatch):
+    """EngineExpectations of an engine on the BF16 checkpoint quantizing online with the config a
+    ``quantize_in: engine`` block-FP8 plan writes (vLLM's own ``QuantizationConfigArgs``)."""
+    from qstrat.demo.tiny_model import TINY_QWEN3_MOE
+    from qstrat.online import engine_online_args
+    from qstrat.vllm_adapter import resolve
+
+    monkeypatch.setattr(qstrat.vllm.manifest, "device_type", lambda: "cpu")
+    plan = RefitDriver({"preset": "block-fp8", "quantize_in": "engine"}, hf_config=tiny_hf_config).plan(
+        tiny_model.state_dict())
+    cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    hf = SimpleNamespace(to_dict=lambda: dict(cfg))  # a BF16 checkpoint: no quantization_config
+    args = resolve("resolve_quantization_config")("online", dict(plan.engine_quantization))
+    mc = SimpleNamespace(hf_config=hf, dtype="bfloat16", multimodal_config=None, quantization_config=args)
+    return EngineExpectations(qstrat.vllm.model_manifest(mc), qstrat.vllm.quantization_config_of(hf),
+                              online=engine_online_args(mc)), plan
+
+
+def online_round(plan):
+    from qstrat.transport.engine_check import ONLINE_KEY
+
+    return wire_manifest_for_plan(plan), {FORMAT_KEY: plan.vllm_quantization_config(),
+                                          ONLINE_KEY: plan.engine_quantization}
+
+
+def test_an_engine_side_round_passes_the_engine_running_its_online_config(online_engine):
+    engine, plan = online_engine
+    assert plan.engine_quantization is not None and plan.vllm_quantization_config() is None  # a BF16 wire
+    engine.check(*online_round(plan))
+
+
+def test_who_quantizes_is_checked_first_in_the_in_process_sinks_words(online_engine, engine, tiny_model,
+                                                                      tiny_hf_config):
+    """The in-process sink's first check (``engine quantization``) over the transport: an
+    engine-side round into an engine that quantizes nothing online would serve BF16 without a
+    word (its format check passes: both are unquantized checkpoints); another online config, or a
+    trainer-side round into an online engine, is refused the same way, before the format."""
+    from qstrat.online import check_engine_online
+
+    online, plan = online_engine
+    state = tiny_model.state_dict()
+    plain_bf16 = EngineExpectations(online.manifest, None, online=None)
+    with pytest.raises(PlanError) as in_process:
+        check_engine_online(plan, None)
+    with pytest.raises(WireManifestMismatchError) as transport:
+        plain_bf16.check(*online_round(plan))
+    assert str(transport.value) == f"the round's quantization does not match the engine: {in_process.value}"
+    assert "quantizes nothing online" in str(transport.value)
+
+    mx = RefitDriver({"preset": "mxfp8", "quantize_in": "engine"}, hf_config=tiny_hf_config).plan(state)
+    with pytest.raises(WireManifestMismatchError, match=r"is not the one the plan was made for"):
+        online.check(*online_round(mx))
+    trainer = RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(state)
+    with pytest.raises(WireManifestMismatchError, match=r"the engine quantizes online .* but the plan is "
+                                                        r"quantize_in: trainer"):
+        online.check(*online_round(trainer))
+    engine.check(*online_round(trainer))  # a trainer-side round into its own engine passes

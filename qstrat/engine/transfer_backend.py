@@ -39,7 +39,7 @@ import torch
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
-from qstrat.transport.engine_check import FORMAT_KEY, EngineExpectations
+from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY, EngineExpectations
 from qstrat.vllm_adapter.resolver import available, resolve
 from qstrat.vllm.manifest import check_model_built
 
@@ -80,6 +80,9 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     protocol: int | None = None
     #: The plan's ``vllm_quantization_config()`` (checked before the tensors); absent: not named.
     quantization_config: Any = _UNNAMED
+    #: The plan's ``engine_quantization`` (the online config of a ``quantize_in: engine`` plan;
+    #: None: the trainer quantized), checked first; absent: not named.
+    engine_quantization: Any = _UNNAMED
     #: ``mode="delta"``: the round ids and target wire manifest (:mod:`qstrat.transport.delta`).
     delta: dict[str, Any] | None = None
 
@@ -94,11 +97,13 @@ def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     """
     cached = engine.__dict__.get("_qstrat_expectations")
     if cached is None:
+        from qstrat.online import engine_online_args
         from qstrat.vllm.manifest import model_manifest
         from qstrat.vllm.quant_config import quantization_config_of
 
         mc = engine.model_config
-        cached = EngineExpectations(model_manifest(mc), quantization_config_of(mc.hf_config))
+        cached = EngineExpectations(model_manifest(mc), quantization_config_of(mc.hf_config),
+                                    online=engine_online_args(mc))
         engine.__dict__["_qstrat_expectations"] = cached
     return cached
 
@@ -155,6 +160,8 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
                 "protocol": update_info.protocol}
         if update_info.quantization_config is not _UNNAMED:
             info[FORMAT_KEY] = update_info.quantization_config
+        if update_info.engine_quantization is not _UNNAMED:
+            info[ONLINE_KEY] = update_info.engine_quantization
         if update_info.delta is not None:
             info["delta"] = update_info.delta
         self.session.update(info)

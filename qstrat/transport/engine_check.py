@@ -5,7 +5,9 @@ the engine's own model config, quantization_config and dtype - never the checkpo
 from, so an engine started from a hub id refits too) and its ``quantization_config``. A round is
 checked as :func:`qstrat.vllm.refit` checks a plan, in the same words: the FORMAT first
 (:func:`qstrat.engine_manifest.config_format_mismatch`, against the ``quantization_config`` the
-round's ``update_info`` names), then the TENSORS (:func:`qstrat.engine_manifest.check_plan` over
+round's ``update_info`` names; before it, who quantizes: the online-quantization config the
+round's plan was made for against the one the engine runs, :func:`qstrat.online.check_engine_online`),
+then the TENSORS (:func:`qstrat.engine_manifest.check_plan` over
 the wire manifest's slots: names, shapes, dtypes, every reload unit whole; a partial round must
 send whole parts), then, while the receiver is flagged, that the round is whole.
 """
@@ -18,11 +20,15 @@ from typing import Any
 
 from qstrat.engine_manifest import EngineManifest, check_plan, config_format_mismatch
 from qstrat.errors import PlanError, WireManifestMismatchError
+from qstrat.online import check_engine_online
 from qstrat.registry import Registry, get_registry
 from qstrat.transport.wire_manifest import WireManifest
 
 #: The ``update_info`` key naming the round's ``quantization_config`` (the plan's).
 FORMAT_KEY = "quantization_config"
+#: The ``update_info`` key naming the online-quantization config the round's plan was made for
+#: (``RefitPlan.engine_quantization``; None: a ``quantize_in: trainer`` plan).
+ONLINE_KEY = "engine_quantization"
 
 
 def as_plan(wire_manifest: WireManifest) -> Any:
@@ -39,15 +45,25 @@ def _names_plan(names: set[str]) -> Any:
 
 @dataclass
 class EngineExpectations:
-    """An engine's manifest and quantization_config (None: unquantized)."""
+    """An engine's manifest, quantization_config (None: unquantized) and online-quantization
+    config (``online``: :func:`qstrat.online.engine_online_args` of its model config; None: it
+    quantizes nothing online)."""
 
     manifest: EngineManifest
     engine_config: Mapping[str, Any] | None
     registry: Registry | None = None
+    online: Any = None
 
     def check(self, wire_manifest: WireManifest, update_info: Mapping[str, Any]) -> None:
-        """Raise WireManifestMismatchError, format first then tensors, unless the engine loads
-        this round (a whole round, or whole parts of one)."""
+        """Raise WireManifestMismatchError - who quantizes, then the format, then the tensors -
+        unless the engine loads this round (a whole round, or whole parts of one). A round that
+        names no online config (:data:`ONLINE_KEY`: sent by :meth:`RefitSender.send` without a
+        plan) is not checked for it."""
+        if ONLINE_KEY in update_info:
+            try:
+                check_engine_online(SimpleNamespace(engine_quantization=update_info[ONLINE_KEY]), self.online)
+            except PlanError as exc:
+                raise WireManifestMismatchError(f"the round's quantization does not match the engine: {exc}") from None
         if FORMAT_KEY in update_info:
             why = config_format_mismatch(update_info[FORMAT_KEY], self.engine_config,
                                          self.registry or get_registry())

@@ -45,7 +45,7 @@ from qstrat.prepare import SinkCheck
 from qstrat.transport import delta
 from qstrat.transport import protocol as proto
 from qstrat.transport.auth import INIT_REFUSED, PROTOCOL_VERSION, RoundContext, next_counter, sign_init
-from qstrat.transport.engine_check import FORMAT_KEY
+from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.keys import ENV_SECRET, Secret
 from qstrat.transport.outgoing import SourceFailure, send_buckets
@@ -227,12 +227,13 @@ class RefitSender:
         whole = SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given))
         prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
         qc = prepared.plan.vllm_quantization_config()
+        online = {ONLINE_KEY: prepared.plan.engine_quantization}  # who quantizes: checked by the engine first
         if self.mode == "delta":
-            return self._refit_delta(prepared.results[check.name], prepared.execute(), qc)
-        return self.send(prepared.results[check.name], prepared.execute(), quantization_config=qc)
+            return self._refit_delta(prepared.results[check.name], prepared.execute(), qc, online)
+        return self._send(prepared.results[check.name], prepared.execute(), qc, online)
 
-    def _refit_delta(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], qc: Any
-                     ) -> TransferReport:
+    def _refit_delta(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], qc: Any,
+                     extra: dict[str, Any]) -> TransferReport:
         """One ``mode="delta"`` round of ``tensors`` (the target wire manifest's, in order): the
         delta against :attr:`base`, or the whole round when there is none (or it has another
         layout), or when the engines refuse the delta (then sent again, whole)."""
@@ -245,19 +246,19 @@ class RefitSender:
         rnd = delta.encode_round(target, stream, base, self._secret)
         attempts = 1
         try:
-            report = self._send_round(rnd, qc)
+            report = self._send_round(rnd, qc, extra)
         except delta.DeltaRefused as exc:
             reason, attempts = f"the engines refused the delta: {exc}", 2
             rnd = delta.encode_round(target, stream, None, self._secret)
-            report = self._send_round(rnd, qc)
+            report = self._send_round(rnd, qc, extra)
         self.base = rnd.new_base
         info = DeltaReport(rnd.kind, reason, target.total_bytes, rnd.wire_manifest.total_bytes, rnd.tiles,
                            source_s, rnd.encode_s, self.base.nbytes, attempts)
         return TransferReport(report.wire_manifest, report.bytes, report.buckets, report.stream_seconds,
                               time.perf_counter() - t0, info)
 
-    def _send_round(self, rnd: delta.DeltaRound, qc: Any) -> TransferReport:
-        return self._send(rnd.wire_manifest, iter(rnd.blobs), qc, {"delta": rnd.info})
+    def _send_round(self, rnd: delta.DeltaRound, qc: Any, extra: dict[str, Any]) -> TransferReport:
+        return self._send(rnd.wire_manifest, iter(rnd.blobs), qc, {**extra, "delta": rnd.info})
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
              quantization_config: Any = _UNNAMED) -> TransferReport:
