@@ -245,8 +245,19 @@ def _print_summary(console: Console, plan: Any) -> None:
         shown = {k: (v if not isinstance(v, list) or len(v) <= 6 else v[:6] + [f"... {len(v)} in all"])
                  for k, v in qc.items()}
         console.print("quantization_config:", json.dumps(shown))
+    elif plan.engine_quantization is not None:
+        console.print("quantization_config: none (a BF16 checkpoint: quantize_in: engine)")
     else:
         console.print("quantization_config: none (unquantized plan)")
+    if plan.engine_quantization is not None:
+        from qstrat.online import engine_kwargs
+
+        online = engine_kwargs(plan)["quantization_config"]
+        ignore = online.get("ignore", [])
+        shown = {**online, "ignore": ignore if len(ignore) <= 6 else ignore[:6] + [f"... {len(ignore)} in all"]}
+        console.print("engine quantizes online: start it with quantization='online', quantization_config="
+                      + json.dumps(shown) + " (all of it: qstrat.online.engine_kwargs(plan), or the checkpoint's "
+                      "qstrat_plan.json 'engine_quantization')", markup=False, soft_wrap=True)
 
 
 def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:

@@ -41,7 +41,8 @@ def plan_cpu_refit_warning(plan: RefitPlan, hf_config: Mapping[str, Any], regist
                            layout: Any) -> str | None:
     """Why a CPU vLLM engine started on the checkpoint ``plan`` writes would refuse its refits
     (:func:`cpu_bf16_experts` against that engine's manifest: the plan's quantization_config,
-    BF16 dtype, platform ``cpu``), or None: none would be refused, or the manifest cannot be
+    BF16 dtype, platform ``cpu``; for a ``quantize_in: engine`` plan, the experts the engine
+    quantizes online do not count: :func:`qstrat.online.engine_unquantized`), or None: none would be refused, or the manifest cannot be
     built for this model (then :func:`qstrat.vllm.refit` says why when it is refit).
 
     Args: hf_config: the model's config.json; layout: the plan's :class:`~qstrat.layouts.ModelLayout`.
@@ -50,7 +51,9 @@ def plan_cpu_refit_warning(plan: RefitPlan, hf_config: Mapping[str, Any], regist
         manifest = build_manifest(hf_config, plan.vllm_quantization_config(), layout, registry, platform="cpu")
     except QstratError:  # a model qstrat cannot build a manifest for: no engine refit to warn about
         return None
-    experts = cpu_bf16_experts(plan, manifest)
+    from qstrat.online import engine_unquantized  # experts the engine quantizes online are quantized
+
+    experts = cpu_bf16_experts(engine_unquantized(plan), manifest)
     if not experts:
         return None
     return (f"this plan keeps routed experts in BF16, and a CPU vLLM engine started on its checkpoint refuses "

@@ -285,22 +285,41 @@ def check_engine_online(plan: RefitPlan, engine_args: Any) -> None:
                         "config (nothing was sent)")
     if engine_args is None:
         raise PlanError(f"the plan is quantize_in: engine but the engine quantizes nothing online: start it on the "
-                        f"BF16 checkpoint with quantization='online', quantization_config={mine} "
+                        f"BF16 checkpoint with quantization='online', quantization_config={_short(mine)} "
                         "(qstrat.online.engine_kwargs(plan)) (nothing was sent)")
     from qstrat.vllm_adapter import resolve
 
     wanted = resolve("resolve_quantization_config")("online", dict(mine))
     if wanted != engine_args:
         raise PlanError(f"the engine's online quantization_config ({_shown(engine_args)}) is not the one the plan "
-                        f"was made for ({mine}): restart the engine with qstrat.online.engine_kwargs(plan), or "
+                        f"was made for ({_short(mine)}): restart the engine with qstrat.online.engine_kwargs(plan), or "
                         "change the refit config (nothing was sent)")
 
 
+def _short(config: Mapping[str, Any]) -> dict[str, Any]:
+    """An online config (the plan's) with its ``ignore`` list cut to 6 names and the count."""
+    ignore = list(config.get("ignore", ()))
+    return {**config, "ignore": ignore[:6] + [f"... {len(ignore)} in all"]} if len(ignore) > 6 else dict(config)
+
+
 def _shown(args: Any) -> str:
-    """vLLM's ``QuantizationConfigArgs`` as the keys a user writes."""
-    dump = getattr(args, "model_dump", None)
-    return str({k: str(v) if v is not None and not isinstance(v, list) else v
-                for k, v in dump().items() if v not in (None, [])}) if dump else repr(args)
+    """vLLM's ``QuantizationConfigArgs`` as the keys a user writes: each of ``linear`` / ``moe`` as
+    the online shorthand of the installed vLLM that resolves to the same spec (vLLM's own repr
+    where none does), ``ignore`` (its first 6 names and the count), ``targets`` when set."""
+    from qstrat.vllm_adapter import resolve
+
+    shorthands = resolve("online_shorthands")
+    out: dict[str, Any] = {}
+    for key in (LINEAR, MOE):
+        spec = getattr(args, key, None)
+        if spec is not None:
+            out[key] = next((name for name, a in shorthands.items() if getattr(a, key, None) == spec), str(spec))
+    ignore = list(getattr(args, "ignore", None) or [])
+    if ignore:
+        out.update(_short({"ignore": ignore}))
+    if getattr(args, "targets", None) is not None:
+        out["targets"] = str(args.targets)
+    return str(out)
 
 
 def engine_unquantized(plan: RefitPlan) -> RefitPlan:

@@ -494,3 +494,24 @@ def test_quantize_warns_that_a_cpu_engine_refuses_the_bf16_experts_refits(tiny_m
         check_cpu_expert_reload(plan, manifest)
     # every expert quantized (no keep_bf16): no warning
     assert "warning:" not in run("plan", tmp_path / "bf16", "--preset", "mxfp8-experts", "--summary").stdout
+
+
+def test_an_engine_side_plan_prints_the_online_config_and_no_false_experts_warning(tiny_model, tmp_path):
+    """``quantize_in: engine``: the engine quantizes the routed experts itself (a CPU engine
+    refits them: tests/test_engine_online.py), so the BF16-experts warning of a trainer-side plan
+    must not appear; what the user needs instead is the online config the engine starts with."""
+    from qstrat import RefitDriver
+    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.online import engine_kwargs
+
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("preset: block-fp8\nquantize_in: engine\n")
+    save_bf16(tiny_model, tmp_path / "bf16")
+    out = run("plan", tmp_path / "bf16", "--config", cfg, "--summary").stdout
+    assert "warning:" not in out
+    assert "quantization_config: none (a BF16 checkpoint: quantize_in: engine)" in out.splitlines()
+    online = engine_kwargs(RefitDriver(str(cfg), hf_config=tiny_model.config.to_dict()).plan(tiny_model.state_dict()))
+    assert online["quantization_config"]["moe"] == "fp8_per_block"
+    line = next(x for x in out.splitlines() if x.startswith("engine quantizes online:"))
+    assert '"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": [' in line
+    assert "qstrat.online.engine_kwargs(plan)" in line

@@ -155,8 +155,12 @@ def test_engine_online_config_must_be_the_plans(tiny_model, tiny_hf_config):
     fewer = {**plan.engine_quantization, "ignore": plan.engine_quantization["ignore"][1:]}
     with pytest.raises(PlanError, match="is not the one the plan was made for"):
         check_engine_online(plan, args("online", fewer))
-    with pytest.raises(PlanError, match="is not the one the plan was made for"):
+    with pytest.raises(PlanError, match="is not the one the plan was made for") as err:
         check_engine_online(plan, args("online", {**plan.engine_quantization, "linear": "mxfp8"}))
+    # both sides in the shorthands a user writes, not vLLM's QuantSpec reprs
+    assert "the engine's online quantization_config ({'linear': 'mxfp8', 'moe': 'fp8_per_block', 'ignore': [" in (
+        str(err.value))
+    assert "QuantSpec" not in str(err.value) and "was made for ({'linear': 'fp8_per_block'" in str(err.value)
 
 
 #: Families whose vLLM class is built with the plan's online config: dense (Llama), MoE with fused
