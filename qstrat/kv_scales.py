@@ -32,6 +32,9 @@ from qstrat.errors import EngineStateError
 _READ = {"k_scale": ("_k_scale", "_k_scale_float"), "v_scale": ("_v_scale", "_v_scale_float")}
 #: Values a reset leaves (vLLM's default for a missing scale, and an unset one).
 RESET_VALUES = (1.0, 0.0)
+#: Attribute on an engine: the FP8 KV-cache scales it must hold (set by a :class:`KVScaleGuard`
+#: check; a failed check keeps the expected scales, so a later refit is compared with them).
+EXPECTED = "_qstrat_kv_scales_expected"
 
 
 class KVScaleError(EngineStateError):
@@ -79,6 +82,18 @@ def _layer_of(name: str) -> str | None:
     return head if head.endswith("attn") and not head.endswith("self_attn") else f"{head}.attn"
 
 
+def expected_scales(before: Mapping[str, Mapping[str, float]],
+                    sent: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """The scales an engine must hold after a reload: ``before`` with the scales ``sent``
+    replaced (names as in :func:`check_kv_scales`)."""
+    expected = {layer: dict(scales) for layer, scales in before.items()}
+    for name, value in (sent or {}).items():
+        layer, key = _layer_of(name), name.rpartition(".")[2]
+        if layer in expected:
+            expected[layer][key] = expected[layer][f"{key}_float"] = float(value)
+    return expected
+
+
 def check_kv_scales(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]],
                     sent: Mapping[str, float] | None = None, what: str = "the refit") -> None:
     """Raise unless every FP8 KV-cache scale of ``before`` is unchanged in ``after``, except those
@@ -92,11 +107,7 @@ def check_kv_scales(before: Mapping[str, Mapping[str, float]], after: Mapping[st
         has: ``reset to 1.0`` / ``reset to 0.0`` where it became one of :data:`RESET_VALUES`,
         ``changed`` otherwise; a layer that lost its FP8 scales.
     """
-    expected = {layer: dict(scales) for layer, scales in before.items()}
-    for name, value in (sent or {}).items():
-        layer, key = _layer_of(name), name.rpartition(".")[2]
-        if layer in expected:
-            expected[layer][key] = expected[layer][f"{key}_float"] = float(value)
+    expected = expected_scales(before, sent)
     problems = []
     for layer, scales in expected.items():
         now = after.get(layer)
@@ -117,9 +128,13 @@ def check_kv_scales(before: Mapping[str, Mapping[str, float]], after: Mapping[st
 
 
 class KVScaleGuard:
-    """Around one reload: :meth:`start` reads the engine's FP8 KV-cache scales, :meth:`observe`
-    records each scale the payload carries, :meth:`check` compares after the reload
-    (:func:`check_kv_scales`). Does nothing for an engine without an FP8 KV cache."""
+    """Around one reload: :meth:`start` takes the scales the engine must hold - those an earlier
+    guard's check expected (:data:`EXPECTED`, kept on the engine), else a snapshot of its FP8
+    KV-cache scales -, :meth:`observe` records each scale the payload carries, :meth:`check`
+    compares after the reload (:func:`check_kv_scales`). A failed check keeps what was expected:
+    the next refit of that engine is refused too until its scales are restored (a refit after a
+    refused one cannot take the reset engine as its reference). Does nothing for an engine
+    without an FP8 KV cache."""
 
     def __init__(self, before: dict[str, dict[str, float]]) -> None:
         self.before = before
@@ -127,7 +142,9 @@ class KVScaleGuard:
 
     @classmethod
     def start(cls, llm: Any) -> KVScaleGuard:
-        return cls(engine_kv_scales(llm))
+        now = engine_kv_scales(llm)
+        expected = getattr(llm, EXPECTED, None)
+        return cls(expected if now and expected is not None else now)
 
     def observe(self, name: str, tensor: torch.Tensor) -> None:
         """Record ``name`` if it is a k/v scale (a one-element tensor named ``...k_scale``/``...v_scale``)."""
@@ -136,5 +153,12 @@ class KVScaleGuard:
 
     def check(self, llm: Any) -> None:
         """Raise KVScaleError (:func:`check_kv_scales`) if the reload changed a scale it did not send."""
-        if self.before:
-            check_kv_scales(self.before, engine_kv_scales(llm), self.sent)
+        if not self.before:
+            return
+        after = engine_kv_scales(llm)
+        try:
+            check_kv_scales(self.before, after, self.sent)
+        except KVScaleError:
+            setattr(llm, EXPECTED, expected_scales(self.before, self.sent))  # what it must hold, kept
+            raise
+        setattr(llm, EXPECTED, after)

@@ -45,3 +45,28 @@ def test_an_engine_without_fp8_kv_cache_is_not_checked():
     guard = KVScaleGuard({})
     guard.observe("model.layers.1.self_attn.k_scale", torch.tensor(1.0))
     assert guard.sent == {}
+
+
+def test_a_refit_after_a_refused_one_is_compared_with_the_scales_the_engine_must_hold():
+    """The second refit of an engine whose scales a first refit reset must not take the reset
+    engine as its reference (found by an attack: it passed silently, the engine serving 1.0)."""
+    from types import SimpleNamespace as NS
+
+    layer = "model.layers.0.self_attn.attn"
+    state = {layer: {"k_scale": 0.05, "k_scale_float": 0.05, "v_scale": 0.07, "v_scale_float": 0.07}}
+    llm = NS(llm_engine=NS(vllm_config=NS(cache_config=NS(cache_dtype="fp8"))),
+             collective_rpc=lambda fn: [{k: dict(v) for k, v in state.items()}])
+
+    def refit(reset: bool) -> None:
+        guard = KVScaleGuard.start(llm)
+        if reset:
+            state[layer].update(k_scale=1.0, k_scale_float=1.0)
+        guard.check(llm)
+
+    refit(reset=False)  # a correct refit passes
+    for _ in range(2):  # the reset one, and the next that leaves the reset in place
+        with pytest.raises(KVScaleError, match=r"model\.layers\.0\.self_attn\.attn\.k_scale reset to 1\.0 "
+                                               r"\(was 0\.05, now 1\.0\)"):
+            refit(reset=True)
+    state[layer].update(k_scale=0.05, k_scale_float=0.05)  # the checkpoint's scales restored
+    refit(reset=False)

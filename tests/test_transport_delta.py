@@ -88,6 +88,39 @@ def test_a_patch_that_does_not_fit_or_lacks_its_base_is_refused_with_the_reason(
         delta.decode_patch(bad, old, 2 * T)
 
 
+def test_a_hostile_delta_wire_manifest_is_refused_before_the_accept_vote_and_its_allocation():
+    """The blobs a delta round declares are bounded by its target (which the engine checks): a
+    patch declared at 4 TiB was accepted and the receiver then allocated it (found by an attack);
+    other buckets than the target's, and a header nested past the JSON parser's recursion limit
+    (it raised RecursionError: voted ERROR, not DELTA), are refused with their reasons."""
+    from qstrat.errors import WireManifestMismatchError
+    from qstrat.transport.protocol import DELTA
+    from qstrat.transport.wire_manifest import build_wire_manifest
+
+    target = build_wire_manifest([("w", "uint8", (3 * T + 5,))], BUCKET, 16)
+    rnd = delta.encode_round(target, delta.stream_of(target, [("w", torch.ones(3 * T + 5, dtype=torch.uint8))]),
+                             None, None)
+    assert delta.target_of(rnd.wire_manifest, rnd.info).digest == target.digest  # the genuine round passes
+    limits = delta.blob_limits(target)
+    assert rnd.blobs[1][1].numel() <= limits[delta.PATCH_NAME] and rnd.blobs[0][1].numel() <= limits[delta.HEADER_NAME]
+
+    def forged(patch_bytes, bucket_bytes=BUCKET):
+        return build_wire_manifest([(delta.HEADER_NAME, "uint8", (rnd.blobs[0][1].numel(),)),
+                                    (delta.PATCH_NAME, "uint8", (patch_bytes,))], bucket_bytes, 16)
+
+    over = limits[delta.PATCH_NAME] + 1  # (a 4 TiB forgery is the same refusal; building one here is slow)
+    with pytest.raises(WireManifestMismatchError, match=rf"qstrat\.delta\.patch of {over} bytes is larger than any "
+                                                        rf"for its target \({over - 1} bytes at most\)"):
+        delta.target_of(forged(over), rnd.info)
+    with pytest.raises(WireManifestMismatchError, match=r"blobs go in the target's buckets \(65536 bytes\), this "
+                                                        r"one in buckets of 1024"):
+        delta.target_of(forged(rnd.blobs[1][1].numel(), 1024), rnd.info)
+    nested = torch.frombuffer(bytearray(b"[" * 100_000 + b"]" * 100_000), dtype=torch.uint8)
+    with pytest.raises(delta.DeltaError, match=r"the delta header is not readable: RecursionError") as err:
+        delta.decode_round([(delta.HEADER_NAME, nested), rnd.blobs[1]], rnd.info, target, None, None)
+    assert err.value.vote_status == DELTA
+
+
 # ---- rounds over the transport ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def receivers(tiny):

@@ -299,8 +299,10 @@ def target_of(wire_manifest: WireManifest, info: Any) -> WireManifest:
     """Receiver, before the accept vote: the round's target wire manifest (what the engine checks)
     from ``update_info["delta"]``, checked against the delta wire manifest.
 
-    Raises: WireManifestMismatchError for a malformed document or a wire manifest that is not
-        the two uint8 blobs.
+    Raises: WireManifestMismatchError for a malformed document, a wire manifest that is not
+        the two uint8 blobs, or blobs larger than any patch of the target could be
+        (:func:`blob_limits`: what the receiver would allocate is bounded by the target, which the
+        engine checks) or in other buckets than the target's.
     """
     if not isinstance(info, dict) or not isinstance(info.get("round"), str):
         raise WireManifestMismatchError("a delta round needs update_info['delta'] with its round ids and target")
@@ -309,7 +311,29 @@ def target_of(wire_manifest: WireManifest, info: Any) -> WireManifest:
             s.dtype != "uint8" or len(s.shape) != 1 for s in wire_manifest.slots):
         raise WireManifestMismatchError(f"a delta round's wire manifest holds the uint8 blobs {HEADER_NAME!r} "
                                         f"and {PATCH_NAME!r}, this one other slots")
+    if wire_manifest.bucket_bytes != target.bucket_bytes:
+        raise WireManifestMismatchError(f"a delta round's blobs go in the target's buckets ({target.bucket_bytes} "
+                                        f"bytes), this one in buckets of {wire_manifest.bucket_bytes}")
+    limits = blob_limits(target)
+    for slot in wire_manifest.slots:
+        if slot.shape[0] > limits[slot.name]:
+            raise WireManifestMismatchError(f"a delta round's {slot.name} of {slot.shape[0]} bytes is larger than "
+                                            f"any for its target ({limits[slot.name]} bytes at most)")
     return target
+
+
+#: A delta header's JSON: bytes besides the bucket digests, and per bucket digest (a hex string).
+_HEADER_FIXED, _HEADER_PER_BUCKET = 1024, 160
+
+
+def blob_limits(target: WireManifest) -> dict[str, int]:
+    """The largest header and patch a delta round of ``target`` can carry, bytes: the header's
+    JSON (ids, the target digest, one digest per target bucket), and a patch whose every tile is
+    in its largest encoding the decoder accepts (rle with every byte changed: 3 bytes per byte)
+    plus its tables (:data:`_HEAD` bytes, 1 kind byte and 4 count bytes per tile)."""
+    n = padded_size(target.total_bytes)
+    return {HEADER_NAME: _HEADER_FIXED + _HEADER_PER_BUCKET * len(target.buckets),
+            PATCH_NAME: _HEAD + 5 * (n // TILE) + 3 * n}
 
 
 def check_base(info: dict[str, Any], target: WireManifest, base: Base | None) -> None:
@@ -350,8 +374,8 @@ def decode_round(blobs: list[tuple[str, torch.Tensor]], info: dict[str, Any], ta
     (_, header), (_, patch) = blobs
     try:
         head = json.loads(bytes(header.cpu().numpy()).decode())
-    except ValueError as exc:
-        raise DeltaError(f"the delta header is not readable: {exc}", DELTA) from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: a hostile, deeply nested document
+        raise DeltaError(f"the delta header is not readable: {type(exc).__name__}: {exc}", DELTA) from None
     digests = head.get("digests") if isinstance(head, dict) else None
     if (not isinstance(digests, list) or head.get("round") != info["round"] or head.get("base") != info.get("base")
             or head.get("target") != target.digest or len(digests) != len(target.buckets)):
