@@ -19,21 +19,17 @@ SendRound = Callable[[WireManifest, Iterator[tuple[str, torch.Tensor]], dict[str
 
 
 class DeltaRounds:
-    """The sender's delta base and the rounds sent against it.
+    """The sender's delta base and the rounds sent against it."""
 
-    Args: secret: the shared secret the bucket digests are keyed with (None: unkeyed digests).
-    """
-
-    def __init__(self, secret: Secret | None) -> None:
-        self.secret = secret
+    def __init__(self) -> None:
         #: The base shared with the engines: the last round every engine committed, in host
         #: memory (None: the next round is whole).
         self.base: delta.Base | None = None
 
-    def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], send: SendRound
-              ) -> TransferReport:
+    def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], secret: Secret | None,
+              send: SendRound) -> TransferReport:
         """One round of ``tensors`` (``target``'s, in its wire order) through ``send``: the delta
-        against :attr:`base`, or the whole round when there is none (or it has another layout),
+        against :attr:`base` (bucket digests keyed with ``secret``; None: unkeyed), or the whole round when there is none (or it has another layout),
         or when the engines refuse the delta (then sent again, whole). A round that raises leaves
         no base. Returns ``send``'s report with a :class:`DeltaReport` and the seconds since
         ``tensors`` began. Raises: as ``send``."""
@@ -43,13 +39,13 @@ class DeltaRounds:
         source_s = time.perf_counter() - t0
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
-        rnd = delta.encode_round(target, stream, base, self.secret)
+        rnd = delta.encode_round(target, stream, base, secret)
         attempts = 1
         try:
             report = send(rnd.wire_manifest, iter(rnd.blobs), {"delta": rnd.info})
         except delta.DeltaRefused as exc:
             reason, attempts = f"the engines refused the delta: {exc}", 2
-            rnd = delta.encode_round(target, stream, None, self.secret)
+            rnd = delta.encode_round(target, stream, None, secret)
             report = send(rnd.wire_manifest, iter(rnd.blobs), {"delta": rnd.info})
         self.base = rnd.new_base
         info = DeltaReport(rnd.kind, reason, target.total_bytes, rnd.wire_manifest.total_bytes, rnd.tiles,

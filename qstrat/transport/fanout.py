@@ -9,7 +9,9 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from qstrat.errors import MixedWeightsError, TransportError
+from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError
+from qstrat.transport.auth import INIT_REFUSED
+from qstrat.transport.group import TransferGroup
 from qstrat.transport.rpc_errors import describe as describe_rpc_error
 
 
@@ -39,6 +41,25 @@ class EngineClients:
         """The group ranks of the engines ``engines`` (indices), ascending."""
         offsets = self.offsets()
         return sorted(r for i in engines for r in range(offsets[i], offsets[i] + self.workers[i]))
+
+    def join(self, infos: Sequence[Any], rendezvous: Callable[[], TransferGroup]) -> TransferGroup:
+        """``init_weight_transfer_engine(infos[i])`` on engine ``i``, concurrently with this rank's
+        ``rendezvous()``; the group once every engine joined. Raises: TransportError (the
+        rendezvous' with the engines' errors added, or an engine's init failure: the group closed),
+        TransferAuthError when an engine refused its init."""
+        futures = [call(c.init_weight_transfer_engine, info) for c, info in zip(self.clients, infos)]
+        try:
+            group = rendezvous()
+        except TransportError as exc:  # say why the engines did not join (e.g. an address refusal)
+            errors = self.results(futures)
+            refused = any("TransferAuthError" in e or INIT_REFUSED in e for e in errors.values())
+            kind = TransferAuthError if refused else TransportError
+            raise kind(f"{exc}; init_weight_transfer_engine: {listed(errors) or 'no error reported'}") from None
+        errors = self.results(futures)
+        if errors:
+            group.close()
+            raise TransportError(f"init_weight_transfer_engine failed: {listed(errors)}")
+        return group
 
     def start(self, method: str, *args: Any) -> list[Future]:
         """``client.<method>(*args)`` on every engine, each on its own daemon thread."""

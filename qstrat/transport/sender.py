@@ -39,10 +39,10 @@ from qstrat.inputs import NamedTensors
 from qstrat.plan import RefitPlan
 from qstrat.prepare import SinkCheck
 from qstrat.transport import delta
-from qstrat.transport.auth import INIT_REFUSED, PROTOCOL_VERSION, sign_init
+from qstrat.transport.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.delta_rounds import DeltaRounds
 from qstrat.transport.engine_check import FORMAT_KEY
-from qstrat.transport.fanout import EngineClients, call, listed
+from qstrat.transport.fanout import EngineClients, listed
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.keys import ENV_SECRET, Secret
 from qstrat.transport.report import DeltaReport, TransferReport
@@ -98,9 +98,9 @@ class RefitSender:
         self.timeout_s, self.bucket_bytes, self.alignment = timeout_s, bucket_bytes, alignment
         self.group: TransferGroup | None = None
         #: Rank 0's round protocol (and the round counter).
-        self.protocol = SenderProtocol(self._secret, mode, master_address, master_port)
+        self.protocol = SenderProtocol()
         #: ``mode="delta"``: the base shared with the engines, and the rounds against it.
-        self.delta_rounds = DeltaRounds(self._secret)
+        self.delta_rounds = DeltaRounds()
         #: The last round's seconds by phase (wall): ``start_s`` (start_weight_update RPCs),
         #: ``handshake_s`` (challenge, round header, accept vote), the bucket loop by activity
         #: (``source_s``: the driver producing tensors; ``pack_s``; ``seal_s``: checksum or NH +
@@ -143,19 +143,8 @@ class RefitSender:
         concurrently with this rank's rendezvous). Raises TransportError on failure/timeout
         (TransferAuthError when an engine refused the init)."""
         self.close()
-        futures = [call(c.init_weight_transfer_engine, info) for c, info in zip(self.clients, self.init_infos())]
-        try:
-            self.group = open_group(self.master_address, self.master_port, 0, 1 + sum(self.workers),
-                                    self.backend, self.timeout_s)
-        except TransportError as exc:  # say why the engines did not join (e.g. an address refusal)
-            errors = self.engines.results(futures)
-            refused = any("TransferAuthError" in e or INIT_REFUSED in e for e in errors.values())
-            kind = TransferAuthError if refused else TransportError
-            raise kind(f"{exc}; init_weight_transfer_engine: {listed(errors) or 'no error reported'}") from None
-        errors = self.engines.results(futures)
-        if errors:
-            self.close()
-            raise TransportError(f"init_weight_transfer_engine failed: {listed(errors)}")
+        self.group = self.engines.join(self.init_infos(), lambda: open_group(
+            self.master_address, self.master_port, 0, 1 + sum(self.workers), self.backend, self.timeout_s))
 
     def close(self) -> None:
         """Close the group (engines keep their weights)."""
@@ -187,8 +176,8 @@ class RefitSender:
         prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
         qc = prepared.plan.vllm_quantization_config()
         if self.mode == "delta":
-            return self.delta_rounds.refit(prepared.results[check.name], prepared.execute(),
-                                    lambda wm, blobs, extra: self._send(wm, blobs, qc, extra))
+            return self.delta_rounds.refit(prepared.results[check.name], prepared.execute(), self._secret,
+                                           lambda wm, blobs, extra: self._send(wm, blobs, qc, extra))
         return self.send(prepared.results[check.name], prepared.execute(), quantization_config=qc)
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
@@ -233,7 +222,8 @@ class RefitSender:
         stream_start = time.perf_counter()
         prof["start_s"] = stream_start - start
         try:
-            self.protocol.run(self.group, wire_manifest, tensors, prof, self.close)
+            self.protocol.run(self.group, wire_manifest, tensors, prof, self.close, self._secret, self.mode,
+                              (self.master_address, self.master_port))
         except TransportError as exc:
             if isinstance(exc, MixedWeightsError):
                 self.mixed = getattr(exc, "detail", str(exc))

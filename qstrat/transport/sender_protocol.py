@@ -24,61 +24,56 @@ from qstrat.transport.wire_manifest import WireManifest
 
 
 class SenderProtocol:
-    """Runs rounds as rank 0 and carries the round counter from one round to the next.
+    """Runs rounds as rank 0 and carries the round counter from one round to the next."""
 
-    Args:
-        secret: the shared secret (None: unauthenticated rounds).
-        mode: the rounds' mode (``atomic``, ``bounded``, ``delta``), bound into each round's MAC.
-        master_address, master_port: the group's address, bound into each round's MAC.
-    """
-
-    def __init__(self, secret: Secret | None, mode: str, master_address: str, master_port: int) -> None:
-        self.secret, self.mode = secret, mode
-        self.master_address, self.master_port = master_address, master_port
+    def __init__(self) -> None:
         #: The last round's counter (each round's is above it and every receiver's challenge).
         self.counter = -1
 
     def run(self, group: TransferGroup, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
-            prof: Phases, close: Callable[[], None]) -> None:
+            prof: Phases, close: Callable[[], None], secret: Secret | None, mode: str,
+            master: tuple[str, int]) -> None:
         """Steps 0-4 on this rank, then the outcome; returns only when every rank committed.
 
         ``tensors``: yielded in ``wire_manifest``'s wire order; ``prof``: gets ``handshake_s``,
         ``commit_s`` and :func:`~qstrat.transport.outgoing.send_buckets`' phases; ``close``: called
-        when the source itself failed (its device state is suspect) before the error is raised.
+        when the source itself failed (its device state is suspect) before the error is raised;
+        ``secret`` (None: unauthenticated), ``mode`` (``atomic``, ``bounded``, ``delta``) and
+        ``master`` (the group's address and port) are bound into the round's MAC.
 
         Raises: as :meth:`RefitSender.send <qstrat.transport.sender.RefitSender.send>` (before its
             engine errors are added); a MixedWeightsError carries ``detail``: which ranks hold
             new weights.
         """
-        mac = self._accept(group, wire_manifest, prof)
+        mac = self._accept(group, wire_manifest, prof, secret, mode, master)
         try:
-            failure = send_buckets(group, wire_manifest, iter(tensors), Sealer(self.secret, mac, group.device), prof)
+            failure = send_buckets(group, wire_manifest, iter(tensors), Sealer(secret, mac, group.device), prof)
         except TransportError as exc:
-            if self.mode == "bounded":
+            if mode == "bounded":
                 raise _mixed(f"{exc}; bounded mode: engines may hold a MIX of two rounds, the next refit "
                              f"must be whole", f"a bounded round was cut off ({exc})") from None
             raise
         try:
             with prof.timed("commit_s"):
                 votes = proto.vote(group, proto.COMMIT, proto.SENDER_ABORT if failure else proto.OK, False,
-                                   self.secret, mac)
+                                   secret, mac)
         except RuntimeError as exc:
             raise proto.lost(group, "commit vote failed (a receiver died?)", exc) from None
         raise_outcome(votes, failure, close)
 
-    def _accept(self, group: TransferGroup, wire_manifest: WireManifest, prof: Phases) -> bytes:
+    def _accept(self, group: TransferGroup, wire_manifest: WireManifest, prof: Phases, secret: Secret | None,
+                mode: str, master: tuple[str, int]) -> bytes:
         """Challenge, round header, accept vote; the round's MAC, or raise the refusal."""
         try:
             with prof.timed("handshake_s"):
                 _, challenges = proto.challenges(group)
                 self.counter = next_counter(self.counter, challenges)
-                ctx = RoundContext(wire_manifest.digest, self.mode, self.counter, challenges,
-                                   self.master_address, self.master_port, group.world_size)
-                mac = ctx.mac(self.secret)
+                ctx = RoundContext(wire_manifest.digest, mode, self.counter, challenges, *master, group.world_size)
+                mac = ctx.mac(secret)
                 group.wait(group.broadcast(proto.round_header(
                     len(wire_manifest.buckets), wire_manifest.total_bytes, ctx.counter, wire_manifest.digest,
                     mac, group.device)))
-                votes = proto.vote(group, proto.ACCEPT, proto.OK, False, self.secret, mac)
+                votes = proto.vote(group, proto.ACCEPT, proto.OK, False, secret, mac)
         except RuntimeError as exc:
             raise proto.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
         if votes.failed():
