@@ -98,6 +98,20 @@ class EngineClients:
         return errors
 
 
+class OfEngines:
+    """A descriptor: an attribute of an object's :class:`EngineClients` (its ``engines``),
+    read and assigned through the object (e.g. ``RefitSender.clients``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.engines, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.engines, self.name, value)
+
+
 def call(fn: Callable[..., Any], *args: Any) -> Future:
     """``fn(*args)`` on a daemon thread of its own (a hung call holds only that thread)."""
     future: Future = Future()

@@ -42,7 +42,7 @@ from qstrat.transport import delta
 from qstrat.transport.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.delta_rounds import DeltaRounds
 from qstrat.transport.engine_check import FORMAT_KEY
-from qstrat.transport.fanout import EngineClients, listed
+from qstrat.transport.fanout import EngineClients, OfEngines, listed
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.keys import ENV_SECRET, Secret
 from qstrat.transport.report import DeltaReport, TransferReport
@@ -80,6 +80,10 @@ class RefitSender:
             round's quantized bytes in host memory; :meth:`refit` only, not :meth:`send`).
     """
 
+    #: The clients, the ranks each engine brings and the RPC/group timeout: :attr:`engines`' (read
+    #: and assigned there, e.g. ``sender.clients = [...]`` after an engine restart).
+    clients, workers, timeout_s = OfEngines(), OfEngines(), OfEngines()
+
     def __init__(self, clients: Sequence[Any], master_address: str, master_port: int,
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
@@ -109,20 +113,6 @@ class RefitSender:
         #: (finish_weight_update: the engines' load), and ``cpu_s``: this process's CPU seconds
         #: over the round (all threads). See docs/performance.md.
         self.profile: dict[str, float] = {}
-
-    @property
-    def clients(self) -> list[Any]:
-        """The weight-sync clients, one per engine (assignable, e.g. after an engine restart)."""
-        return self.engines.clients
-
-    @clients.setter
-    def clients(self, clients: Sequence[Any]) -> None:
-        self.engines.clients = list(clients)
-
-    @property
-    def workers(self) -> list[int]:
-        """Ranks each engine brings (its TP x PP x DP worker count)."""
-        return self.engines.workers
 
     @property
     def base(self) -> delta.Base | None:
