@@ -21,11 +21,7 @@ from test_import_cycles import product_modules
 LIMIT = 120
 
 #: ``module.Class`` -> why it is over :data:`LIMIT` (one job, or what keeps it from being split now).
-KNOWN = {
-    "qstrat.transport.sender.RefitSender": "not split yet: the transport is being extended this round (delta "
-                                           "refit); split its round protocol out with that work (issue 32)",
-    "qstrat.transport.session.ReceiverSession": "not split yet: as RefitSender, same round (issue 32)",
-}
+KNOWN: dict[str, str] = {}
 
 
 def code_lines(source_lines: list[str], node: ast.ClassDef) -> int:

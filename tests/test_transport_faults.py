@@ -318,8 +318,8 @@ def test_a_hung_rpc_neither_blocks_the_next_call_nor_the_interpreters_exit():
 
     sender = RefitSender([Client()], "127.0.0.1", 1, timeout_s=1)
     with pytest.raises(TransportError, match=r"start_weight_update failed: .*engine 0: no answer within 1 s"):
-        sender._call_all("start_weight_update")
-    sender._call_all("start_weight_update")  # answered, though the first call still hangs
+        sender.engines.call_all("start_weight_update")
+    sender.engines.call_all("start_weight_update")  # answered, though the first call still hangs
     hung = [t for t in threading.enumerate() if t.name == "qstrat-rpc"]
     assert hung and all(t.daemon for t in hung)
     release.set()

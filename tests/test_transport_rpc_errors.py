@@ -36,7 +36,7 @@ def test_the_engines_reason_reaches_the_senders_errors():
     sender's error list used to hold only "HTTPError: 500 Server Error: ... for url: ..."."""
     body = json.dumps({"error": {"message": REASON, "type": "InternalServerError", "param": None, "code": 500}})
     sender = RefitSender([], "127.0.0.1", 0, timeout_s=1)
-    assert sender._results([failed(http_error(500, body.encode()))]) == {
+    assert sender.engines.results([failed(http_error(500, body.encode()))]) == {
         0: "HTTPError: 500 Server Error: Internal Server Error for url: "
            f"http://127.0.0.1:8000/update_weights; the engine said: {REASON}"}
 

@@ -23,30 +23,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError
 from qstrat.transport import delta
+from qstrat.transport.acceptance import Expected, RoundCheck
 from qstrat.transport.address import ENV_ADDRESS, check_address
 from qstrat.transport.auth import ReceiverAuth, check_init
-from qstrat.transport.engine_check import EngineExpectations
-from qstrat.transport.keys import Secret
+from qstrat.transport.delta_rebuild import DeltaRebuild
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
-from qstrat.transport.receiver import MODES, receive_round
-from qstrat.transport.wire_manifest import WireManifest, check_against
+from qstrat.transport.keys import Secret
+from qstrat.transport.landing import Landing, Loader
+from qstrat.transport.mix_flag import MixFlag
+from qstrat.transport.receiver import receive_round
 
-#: What a receiver accepts: name -> (dtype, shape), or an engine's manifest (EngineExpectations).
-Expected = dict[str, tuple[str, tuple[int, ...]]] | EngineExpectations
-
-
-class Loader(Protocol):
-    """Where a receiver's tensors go (see the module docstring)."""
-
-    def begin_load(self) -> None: ...
-    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None: ...
-    def end_load(self) -> None: ...
+__all__ = ["Expected", "Loader", "ReceiverSession"]
 
 
 class ReceiverSession:
@@ -73,19 +66,27 @@ class ReceiverSession:
         self.rank_in_client, self.staging = rank_in_client, staging
         self.group: TransferGroup | None = None
         self.auth: ReceiverAuth | None = None
-        self.mixed: str | None = None
-        self._required: set[str] | None = None
+        #: The MIX flag (:attr:`mixed` is its reason).
+        self.flag = MixFlag()
+        self.landing = Landing(loader)
+        #: The delta base and the rebuild of delta rounds from it (:attr:`base`).
+        self.delta = DeltaRebuild()
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._received = False
-        self._loading = False
-        #: The delta base (:mod:`qstrat.transport.delta`): the tensors' bytes as of the last
-        #: delta-mode round this receiver loaded, in host memory; None: no base (any round in
-        #: another mode, or a failed load, drops it).
-        self.base: delta.Base | None = None
-        self._next_base: delta.Base | None = None
         #: The last round's ``peak_bytes`` and seconds by phase (see
         #: :func:`~qstrat.transport.receiver.receive_round`), plus ``finish_s`` (atomic: the load).
         self.stats: dict[str, float] = {}
+
+    @property
+    def mixed(self) -> str | None:
+        """Why this receiver holds a MIX of two rounds (None: it does not)."""
+        return self.flag.reason
+
+    @property
+    def base(self) -> delta.Base | None:
+        """The delta base (:mod:`qstrat.transport.delta`): the tensors' bytes as of the last
+        delta-mode round this receiver loaded, in host memory; None: no base."""
+        return self.delta.base
 
     def join(self, init_info: Any) -> None:
         """Join the transfer group after checking the init info; a previous group is closed only
@@ -118,7 +119,8 @@ class ReceiverSession:
 
     def start(self) -> None:
         """Begin an update session: drop any staged round; the loader is not touched."""
-        self._staged, self._received, self._next_base = None, False, None
+        self._staged, self._received = None, False
+        self.delta.take_next()
 
     def update(self, update_info: dict[str, Any]) -> None:
         """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta",
@@ -128,9 +130,9 @@ class ReceiverSession:
         the commit vote, and :meth:`finish` loads them as an atomic round's).
 
         Raises: as :func:`~qstrat.transport.receiver.receive_round`; TransportError for a second
-            round in one session or an unknown mode. Bounded mode: a round that was not committed
-            everywhere after this receiver loaded a unit finalizes the reload, sets :attr:`mixed`
-            and raises MixedWeightsError.
+            round in one session or an unknown mode (:class:`~qstrat.transport.acceptance.RoundCheck`).
+            Bounded mode: a round that was not committed everywhere after this receiver loaded a
+            unit finalizes the reload, sets :attr:`mixed` and raises MixedWeightsError.
         """
         if self.group is None or self.group.pg is None:
             raise TransportError("qstrat transfer: call init_weight_transfer_engine first "
@@ -138,79 +140,35 @@ class ReceiverSession:
         if self._received:
             raise TransportError("qstrat transfer: one update_weights round per session "
                                  "(call finish_weight_update first)")
-        # Malformed update_info is refused in the round's accept vote (check below), not raised
-        # here: the sender and the other ranks are already waiting in the round's collectives.
-        info = update_info if isinstance(update_info, dict) else {}
-        mode = info.get("mode", "atomic")
-        protocol = info.get("protocol")
+        check = RoundCheck(update_info, self.expected, self.flag, lambda: self.delta.base)
+        doc, protocol = check.info.get("wire_manifest"), check.info.get("protocol")
         self._received = True
         self.stats = {}
-        sent: set[str] = set()
+        if check.mode == "delta":
+            def rebuild(blobs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+                return self.delta.rebuild(blobs, check.info["delta"], check.target,
+                                          self.auth.secret if self.auth else None)
 
-        targets: list[WireManifest] = []
-
-        def check(wm: WireManifest) -> None:
-            if not isinstance(update_info, dict) or mode not in MODES:
-                raise TransportError(f"qstrat transfer: update_info must be a dict with a round mode in "
-                                     f"{MODES}, got mode {mode!r}")
-            if mode == "delta":  # the engine checks the full round's wire manifest, the base after
-                targets.append(delta.target_of(wm, info.get("delta")))
-                wm = targets[0]
-            sent.update(s.name for s in wm.slots)
-            expected = self.expected()
-            if isinstance(expected, EngineExpectations):
-                expected.check(wm, info)
-            elif expected is not None:
-                check_against(wm, expected)
-            if self.mixed is not None:
-                sends, whole = self._coverage(expected, sent)
-                if sends < whole:
-                    raise WireManifestMismatchError(
-                        f"this receiver holds a MIX of two rounds ({self.mixed}): the next refit "
-                        f"must be whole, this one sends {sends} of the {whole} {self._unit_word(expected)}")
-            if mode == "delta":
-                delta.check_base(info["delta"], targets[0], self.base)
-
-        if mode == "delta":
-            def finalize(blobs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-                try:
-                    staged, self._next_base = delta.decode_round(blobs, info["delta"], targets[0], self.base,
-                                                                 self.auth.secret if self.auth else None)
-                except delta.DeltaError:
-                    self.base = None  # out of step with the trainer: the next round is whole
-                    raise
-                return staged
-
-            self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth, "delta",
-                                         staging=self.staging, stats=self.stats, protocol_version=protocol,
-                                         finalize=finalize)
+            self._staged = receive_round(self.group, doc, check, self.auth, "delta", staging=self.staging,
+                                         stats=self.stats, protocol_version=protocol, finalize=rebuild)
             return
-
-        self.base = None  # another mode changes the weights outside the delta's bookkeeping
-        if mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
-            self._staged = receive_round(self.group, info.get("wire_manifest"), check, self.auth,
-                                         staging=self.staging, stats=self.stats, protocol_version=protocol)
+        self.delta.base = None  # another mode changes the weights outside the delta's bookkeeping
+        if check.mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
+            self._staged = receive_round(self.group, doc, check, self.auth, staging=self.staging,
+                                         stats=self.stats, protocol_version=protocol)
             return
-
-        def on_unit(unit: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
-            if not self._loading:
-                self.loader.begin_load()
-                self._loading = True
-            self.loader.load(tensors)
-
         try:
-            receive_round(self.group, info.get("wire_manifest"), check, self.auth, "bounded", on_unit,
+            receive_round(self.group, doc, check, self.auth, "bounded", lambda unit, tensors: self.landing.load(tensors),
                           stats=self.stats, protocol_version=protocol)
         except MixedWeightsError as exc:
-            self.mixed = getattr(exc, "detail", str(exc))
-            self._required = self._required or sent
-            self._end()
+            self.flag.set(getattr(exc, "detail", str(exc)), check.sent)
+            self.landing.end()
             raise
         except BaseException:
-            self._end()
+            self.landing.end()
             raise
-        self._end()
-        self._committed(sent)
+        self.landing.end()
+        self.flag.loaded(self.expected, check.sent)
         self._staged = []
 
     def finish(self) -> None:
@@ -220,7 +178,7 @@ class ReceiverSession:
             the load raised part-way (the reload is finalized, the receiver flagged :attr:`mixed`).
         """
         staged, self._staged = self._staged, None
-        next_base, self._next_base = self._next_base, None
+        next_base = self.delta.take_next()
         if staged is None:
             raise TransportError("qstrat transfer: finish_weight_update without a received round")
         if not staged:
@@ -228,53 +186,27 @@ class ReceiverSession:
         t0 = time.perf_counter()
         sent = {n for n, _ in staged}
         try:
-            self.loader.begin_load()
-            self._loading = True
-            self.loader.load(staged)
+            self.landing.load(staged)
         except BaseException as exc:
-            self.base = None
+            self.delta.base = None
             self._fail_load(exc, sent)
             if not isinstance(exc, Exception):
                 raise
             raise MixedWeightsError(f"rank {self.group.rank if self.group else '?'}: the load of a committed "
                                     f"round failed part-way: {self.mixed}; this receiver holds a MIX, the "
                                     f"next refit must be whole") from exc
-        self._end()
+        self.landing.end()
         self.stats["finish_s"] = time.perf_counter() - t0
-        self.base = next_base
-        self._committed(sent)
+        self.delta.base = next_base
+        self.flag.loaded(self.expected, sent)
 
     def _fail_load(self, exc: BaseException, sent: set[str]) -> None:
         """Flag this receiver after a load that raised part-way, and finalize the reload."""
-        self.mixed = f"{type(exc).__name__}: {exc}"
-        self._required = self._required or sent
+        self.flag.set(f"{type(exc).__name__}: {exc}", sent)
         try:
-            self._end()
+            self.landing.end()
         except Exception as end_exc:  # noqa: BLE001 - the flag is what matters now
-            self.mixed += f" (finalizing the reload failed too: {type(end_exc).__name__}: {end_exc})"
-
-    def _coverage(self, expected: Any, sent: set[str]) -> tuple[int, int]:
-        """(how much of the receiver a round sending ``sent`` updates, the whole)."""
-        if isinstance(expected, EngineExpectations):
-            return expected.coverage(sent)
-        need = set(expected) if expected is not None else (self._required or set())
-        return len(need & sent), len(need)
-
-    @staticmethod
-    def _unit_word(expected: Any) -> str:
-        return "parts" if isinstance(expected, EngineExpectations) else "tensors"
-
-    def _committed(self, sent: set[str]) -> None:
-        if self.mixed is None:
-            return
-        sends, whole = self._coverage(self.expected(), sent)
-        if sends == whole:
-            self.mixed, self._required = None, None
-
-    def _end(self) -> None:
-        if self._loading:
-            self._loading = False
-            self.loader.end_load()
+            self.flag.reason += f" (finalizing the reload failed too: {type(end_exc).__name__}: {end_exc})"
 
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""

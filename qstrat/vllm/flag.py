@@ -3,7 +3,7 @@ so a reload that fails once it began leaves the engine holding a MIX of two roun
 flagged (:func:`mark_failed`); while flagged, a partial refit is refused before anything is sent
 (:func:`check_whole_while_flagged`), and a whole refit that loads clears the flag
 (:func:`clear_after_load`). The transport's receivers follow the same rule
-(:mod:`qstrat.transport.session`)."""
+(:mod:`qstrat.transport.mix_flag`)."""
 from __future__ import annotations
 
 from typing import Any
