@@ -38,30 +38,31 @@ BF16_EXPERTS = {"select": ["experts"], "serializer": "bf16"}
 LAYER_PATTERNS = {"select": ["experts"], "serializer": "bf16", "include": ["*.layers.1?.*", r"re:layers\.5[0-3]\."]}
 
 #: case -> (model config, refit config, grouped slabs, name prefix, tensors, digest). Digests
-#: computed on main at 6bcb682 (before the speed paths); bench's plan section is the first case.
+#: computed on main at 6bcb682 (before the speed paths), recomputed when plans gained `quantize_in` and
+#: `engine_quantization` (every entry and the wire order unchanged); bench's plan section is the first case.
 CASES = {
     "deepseek-v3 block-fp8": ("deepseek-v3", {"preset": "block-fp8"}, False, "", 46183,
-                              "35f23700761eac2c936c46b957ef4672855773f571cf1c37ad1120888671fce4"),
+                              "f595ecf123ad8e9941f561f63b3aa43130f4091c0241ae4015319d9ca08bceb3"),
     "deepseek-v3 nvfp4-experts producer": (
         "deepseek-v3", {"preset": "nvfp4-experts", "wire_order": "producer"}, False, "", 46183,
-        "0430a097a195d1471063382ae8cda26f442e8fe7595913cce7aff9b2b7c7d5ad"),
+        "e7f7c67e0557073f2ed844761d46e377591fb3df3222648a01b10bef06383756"),
     "deepseek-v3 include patterns": ("deepseek-v3", {"preset": "block-fp8", "rules": [LAYER_PATTERNS]}, False, "",
-                                     46183, "68867fa7caedeccd14f8fe178ee95fd56bb08a64ada4fd306c3641ddf46500b7"),
+                                     46183, "fe9e856c22fa90a5e158576bd0d35cf7599ce5e5f33c580a9b9f7527ed0c75a9"),
     "qwen3-235b block-fp8": ("qwen3-235b-a22b", {"preset": "block-fp8"}, False, "", 36945,
-                             "22c74fe2de71e641129a142422f72e961a355326535783d39e8fd0ad12628727"),
+                             "134843391caf3ebe2363ae265b1dd700fd8f4712826006f76c14976a2ba0013d"),
     "qwen3-235b mxfp8-experts keep_bf16": (
         "qwen3-235b-a22b", {"preset": "mxfp8-experts", "keep_bf16": {"first": 1, "last": 2}}, False, "", 36945,
-        "e5938f2bcfe50bf137b64178bce02f1c1aed3457f0990d08b4d49941b9c646a3"),
+        "e5cc72ea70db7383d62cceec4a651a7a7facce04ba790f732b3a3f1c2d43d2e9"),
     "qwen3-235b grouped block-fp8": ("qwen3-235b-a22b", {"preset": "block-fp8"}, True, "", 1037,
-                                     "3d223d6fe41a3b871cee8cf4d969b2c87dcaa6f24756c80171df5b367074ac0b"),
+                                     "6e5f34ed9e06883379483bdca945cef81dd7954acfee92694750abd6d43b4899"),
     "qwen3-235b grouped fused mxfp8": (
         "qwen3-235b-a22b", {"preset": "mxfp8", "expert_emission": "fused"}, True, "", 1037,
-        "77d1ac0bf402b7be8737cbfefe07cc9250778d594c3b9c680c87c57b5330bafc"),
+        "9e4f12a2bd36b98aa489997503a220d2e1fe352febe3bfb83e0ea88d9ee8d731"),
     "qwen3-235b DDP-prefixed nvfp4-experts": (
         "qwen3-235b-a22b", {"preset": "nvfp4-experts"}, False, "module.", 36945,
-        "484d040ac0a4ba5d3734f9f02f310c12ff52dab9af257c2fb7d4ea77ebae4605"),
+        "e19d1948f7e116005d0b53e33e2572e5538b687f69d58905374b708d5fd78846"),
     "gpt-oss-120b block-fp8": (GPT_OSS_120B, {"preset": "block-fp8", "rules": [BF16_EXPERTS]}, True, "", 615,
-                               "eedfd3666133f27417fe47bbbb24bb6e9f5d45bdf7442cc97aaa2d0de0ee3a28"),
+                               "1aab5bc2d6e4857fc38e3e288d81c2e07113b08af8eae5e0691367ee214dea70"),
 }
 
 
