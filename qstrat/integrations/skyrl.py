@@ -42,7 +42,8 @@ class QstratWeightSource(WeightSource):
     """
 
     def __init__(self, source: WeightSource, driver: RefitDriver) -> None:
-        if source.held_names() is not None:
+        held = getattr(source, "held_names", None)  # vLLM < 0.28's WeightSource has none: whole sources only
+        if callable(held) and held() is not None:
             raise ValueError(f"QstratWeightSource: {type(source).__name__} holds only part of the model on this "
                              "rank (held_names() is not None: pipeline/expert-parallel sharded sources); qstrat "
                              "quantizes whole layers: use a source whose iteration yields every parameter")
