@@ -10,17 +10,21 @@ keyed rounds) started on qstrat's checkpoint of the starting weights. Checked:
 * after EVERY step, the tensors vLLM's ``load_weights`` was handed equal, byte for byte
   (SHA-256 of each), qstrat's full quantized output for that step (``RefitDriver.run``): the
   engine loads exactly what a full round would have loaded, through the same path;
-* after the LAST step, the engine's greedy tokens and logprobs equal, exactly, a FRESH engine's
-  started on qstrat's checkpoint of the final weights.
+* after EVERY step, the refit engine's greedy tokens and logprobs equal, exactly, those of a
+  FRESH engine started on qstrat's checkpoint of that step's weights (the start round: the
+  engine's own outputs as started on the starting checkpoint);
+* each step's fresh outputs differ from the previous step's, so the comparison tells a step
+  the engine did not load (or loaded wrong) from one it did.
 
-A fresh engine per step (5 more engine starts per format, ~1 min each here) is not affordable
-in CI: per-step equality is proven on the loaded bytes (vLLM's processing of given bytes is
-the full round's, whose equality to a fresh engine tests/test_engine_transport.py proves), the
-outputs once at the end. Two engine starts per format.
+The refit engine's outputs are recorded after each step; then, in the same engine process
+(vLLM imported once), the refit engine is released and a fresh plain engine (no weight-transfer
+backend) is started on each step's checkpoint in turn (``fresh_greedy`` in
+tests/transport_harness.py). Six engine starts per format.
 """
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
@@ -33,13 +37,20 @@ pytestmark = [
 ]
 
 TIMEOUT_S = 60.0
+STEPS = 5
 SECRET = "the delta engine test's shared secret"
 FORMATS = {"block-fp8": ("block-fp8", 0.10), "mxfp8": ("mxfp8", 0.10),
            "nvfp4": ({"rules": [{"select": "linear", "serializer": "nvfp4"}]}, 0.20)}
 
 
+def max_dlogprob(x, y) -> float:
+    """Largest |logprob difference| between two engines' greedy outputs ([(tokens, logprobs)]
+    per prompt), over the steps both share."""
+    return max((abs(p - q) for (_, a), (_, b) in zip(x, y) for p, q in zip(a, b)), default=0.0)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_five_adam_steps_of_delta_refits_load_the_full_rounds_bytes_and_end_as_a_fresh_engine(fmt, tmp_path):
+def test_five_adam_steps_of_delta_refits_equal_a_fresh_engine_after_every_step(fmt, tmp_path):
     from qstrat.checkpoint import write_checkpoint
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.driver import RefitDriver
@@ -49,34 +60,43 @@ def test_five_adam_steps_of_delta_refits_load_the_full_rounds_bytes_and_end_as_a
     config, bound = FORMATS[fmt]
     model = build_tiny_qwen3_moe(seed=1)
     driver = RefitDriver(config, hf_config=hf_config(model))
-    states = list(adam_trajectory(model, 1e-6, 5))
-    write_checkpoint(driver, states[0], tmp_path / "start")
-    write_checkpoint(driver, states[-1], tmp_path / "final")
-    engine = Receiver("engine", tmp_path / "start", TIMEOUT_S)
+    states = list(adam_trajectory(model, 1e-6, STEPS))
+    ckpts = [tmp_path / f"step{step}" for step in range(len(states))]
+    for state, ckpt in zip(states, ckpts):
+        write_checkpoint(driver, state, ckpt)
+    t0 = time.perf_counter()
+    engine = Receiver("engine", ckpts[0], TIMEOUT_S)
     try:
         engine.wait_ready()
+        print(f"[delta {fmt}] first engine (new process, vLLM import): {time.perf_counter() - t0:.1f} s")
+        fresh = [engine.ctl.call("greedy")]  # started on step 0's checkpoint: fresh on it
         engine.ctl.call("setenv", ENV_SECRET, SECRET)
         sender = RefitSender([engine.rpc], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
                              bucket_bytes=1 << 20, secret=SECRET, mode="delta")
         sender.connect()
-        reports = []
+        reports, refit = [], []
         for step, state in enumerate(states):
             report = sender.refit(driver, state)
             reports.append(report.delta)
             print(f"[delta {fmt}] step {step}: {report}")
             want = {name: sha256(t) for name, t in driver.run(state)}
             assert engine.ctl.call("digests") == want, f"step {step}: the engine was handed other bytes"
-        assert reports[0].kind == "full" and reports[0].reason.startswith("no base")
-        for d in reports[1:]:
-            assert d.kind == "delta" and d.attempts == 1 and d.reason is None, d
-            assert d.wire_bytes <= bound * d.full_bytes, d
-        refit_outputs = engine.ctl.call("greedy")
+            refit.append(engine.ctl.call("greedy"))
         sender.close()
+        for ckpt in ckpts[1:]:
+            t0 = time.perf_counter()
+            fresh.append(engine.ctl.call("fresh_greedy", str(ckpt)))
+            print(f"[delta {fmt}] fresh engine on {ckpt.name} (same process): {time.perf_counter() - t0:.1f} s")
     finally:
         engine.close()
-    fresh = Receiver("engine", tmp_path / "final", TIMEOUT_S)
-    try:
-        fresh.wait_ready()
-        assert fresh.ctl.call("greedy") == refit_outputs
-    finally:
-        fresh.close()
+    assert reports[0].kind == "full" and reports[0].reason.startswith("no base")
+    for d in reports[1:]:
+        assert d.kind == "delta" and d.attempts == 1 and d.reason is None, d
+        assert d.wire_bytes <= bound * d.full_bytes, d
+    for step in range(1, len(states)):
+        print(f"[delta {fmt}] fresh step {step} vs step {step - 1}: "
+              f"max |dlogprob| = {max_dlogprob(fresh[step], fresh[step - 1]):.3g}")
+        assert fresh[step] != fresh[step - 1], f"step {step} left the greedy outputs unchanged"
+    for step, (got, want) in enumerate(zip(refit, fresh)):
+        assert got == want, (f"step {step}: the delta-refit engine differs from a fresh engine on "
+                             f"that step's checkpoint (max |dlogprob| {max_dlogprob(got, want):.3g})")

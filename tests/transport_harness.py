@@ -109,6 +109,18 @@ class _EngineEndpoint:
 
         return [(g.tokens, g.logprobs) for g in greedy(self.llm)]
 
+    def fresh_greedy(self, model_dir: str):
+        """Release this process's engine, start a FRESH plain engine on the checkpoint
+        ``model_dir`` (no weight-transfer backend: what a user would start) and return its greedy
+        outputs; that engine stays this endpoint's (in-process only). vLLM is already imported
+        here, so this costs the engine start alone."""
+        from qstrat.engine.local import release, start_engine
+
+        release(self.llm)
+        self.llm = None
+        self.llm = start_engine(model_dir)
+        return self.greedy()
+
     def digests(self):
         return self.llm.collective_rpc(lambda worker: dict(worker._qstrat_loaded))[0]
 
