@@ -283,8 +283,10 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
 
     def update(done: int, total: int) -> None:
         # write_checkpoint reports (0, total) only once the plan and OUT passed their checks:
-        # output starts then, never above an error. Not a terminal (a log): one line per shard.
+        # output starts then, never above an error, and a warning about the input comes before
+        # anything is written. Not a terminal (a log): one line per shard.
         if done == 0 and not tasks:
+            _print_cpu_refit_warning(console, driver, driver.plan(tensors))
             console.print(f"quantizing on {device}")
         if not console.is_terminal:
             tasks.append(None)
@@ -309,7 +311,6 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         if tasks and console.is_terminal:
             progress.stop()
     _print_summary(console, plan)
-    _print_cpu_refit_warning(console, driver, plan)
     console.print(f"wrote {args.out}")
     return 0
 

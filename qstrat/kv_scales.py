@@ -14,10 +14,14 @@ Each vLLM attention layer with an FP8 cache (``Attention``, ``MLAAttention``: a 
 tensor its kernels read (``_k_scale``) and a host float (``_k_scale_float``); both are read and
 both must hold.
 
-:class:`KVScaleGuard` is what :func:`qstrat.vllm.refit` runs around every reload: a snapshot
-before (:func:`engine_kv_scales`), the scales the payload itself carries
-(:meth:`KVScaleGuard.observe`), and :func:`check_kv_scales` after; a sleep/wake or any other
-step can be checked the same way with :func:`engine_kv_scales` before and after.
+:class:`KVScaleGuard` is what :func:`qstrat.vllm.refit` runs around every reload. Its reference
+is the scales the engine MUST hold: those the previous guard's check on this engine recorded
+(:data:`EXPECTED`: the scales it found after a passing check, or - after a failed one - the
+scales it expected, so a reset engine never becomes the reference), else, on an engine no guard
+checked yet, its scales when the reload starts (:func:`engine_kv_scales`). To that reference the
+guard applies the scales the payload itself carries (:meth:`KVScaleGuard.observe`) and
+compares the engine after the reload (:func:`check_kv_scales`). A sleep/wake or any other step
+can be checked with :func:`engine_kv_scales` before and after and :func:`check_kv_scales`.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ SUBSET=(tests/test_vllm_adapter.py tests/test_vllm_compat.py tests/test_engine_e
         tests/test_engine_refit.py tests/test_engine_manifest.py tests/test_engine_multiprocess.py
         tests/test_engine_transport.py tests/test_odd_shapes_engine.py tests/test_engine_forced_emulation.py
         tests/test_doctor.py tests/test_engine_online.py tests/test_engine_transport_online.py
-        tests/test_engine_kv_scales.py)
+        tests/test_engine_kv_scales.py tests/test_integration_skyrl.py)
 
 report=1
 jobs=1

@@ -7,7 +7,8 @@ SOURCE is the release's wheel (read in place, nothing extracted) or a directory 
 table entry (qstrat/vllm_adapter/names.py) the location the table gives for VERSION is looked up
 in the parsed source: a module file, then each attribute as a top-level def / class / assignment
 / import (followed into the module it re-exports from), a class member (method, class attribute,
-enum member) or a name in the module's lazy-import list. An entry the table records as absent
+enum member), an attribute a class or function sets on an object (``self.x = ...``,
+``layer.x = ...``: an ``attribute`` entry) or a name in the module's lazy-import list. An entry the table records as absent
 for VERSION must NOT be found at the location it has in any other version. Exit status 0 when
 every entry agrees, 1 otherwise (each disagreement printed). scripts/compat_matrix.sh runs it on
 the releases that cannot run here (docs/compat.md).
@@ -62,8 +63,8 @@ class Source:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 if not rest:
                     return f"{module}:{name}"
-                return f"{module}:{name}.{rest[0]}" if isinstance(node, ast.ClassDef) and \
-                    _class_has(node, rest[0]) else None
+                return f"{module}:{name}.{rest[0]}" if len(rest) == 1 and (
+                    isinstance(node, ast.ClassDef) and _class_has(node, rest[0]) or _sets(node, rest[0])) else None
             if not rest and _assigns(node, name):
                 return f"{module}:{name}"
         for node in ast.walk(tree):  # re-exports, also inside try/if
@@ -86,6 +87,16 @@ def _class_has(node: ast.ClassDef, member: str) -> bool:
         if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and sub.name == member:
             return True
         if _assigns(sub, member):
+            return True
+    return False
+
+
+def _sets(node: ast.AST, attr: str) -> bool:
+    """Whether code inside ``node`` assigns ``<object>.attr`` (``self.attr = ...``, ``layer.attr: T = ...``)."""
+    for sub in ast.walk(node):
+        targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+            sub, (ast.AnnAssign, ast.AugAssign)) else []
+        if any(isinstance(t, ast.Attribute) and t.attr == attr for t in targets):
             return True
     return False
 

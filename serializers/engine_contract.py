@@ -122,6 +122,19 @@ def vllm_reading(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"quant_method": "modelopt", "quant_algo": algo, "weight_block_size": None, "group_size": group_size}
 
 
+def served_method(cfg: Mapping[str, Any]) -> str | None:
+    """The quantization method a vLLM engine started on a checkpoint with ``quantization_config``
+    ``cfg`` runs under (its ``ModelConfig.quantization``): the config class vLLM selects - ``fp8``,
+    ``compressed-tensors``, ..., and for ModelOpt the class its algorithm selects
+    (:data:`MODELOPT_ALGOS`: ``modelopt``, ``modelopt_fp4``, ``modelopt_mxfp8``,
+    ``modelopt_mixed``; ``override_quantization_method``). None for a config without a method.
+
+    Raises: EngineConfigRefused where vLLM refuses ``cfg`` (:func:`vllm_reading`)."""
+    read = vllm_reading(cfg)
+    method = read["quant_method"]
+    return MODELOPT_ALGOS[read["quant_algo"]] if method == "modelopt" else method
+
+
 def read_difference(mine: Mapping[str, Any], engine: Mapping[str, Any], fmt: str,
                     keys: Sequence[str] = MATCH_KEYS) -> str | None:
     """:func:`config_difference` of the two configs as vLLM reads them (:func:`vllm_reading`): the

@@ -481,7 +481,11 @@ def test_quantize_warns_that_a_cpu_engine_refuses_the_bf16_experts_refits(tiny_m
                f"refuses their refits (3 experts modules): {reason}. Quantize them (a rule for the experts, or a "
                "smaller keep_bf16) to refit a CPU engine; a GPU engine reloads them")
     out = run("quantize", tmp_path / "bf16", "--config", cfg, "-o", tmp_path / "q").stdout
-    assert warning in out.splitlines() and out.rstrip().endswith(f"wrote {tmp_path / 'q'}")
+    lines = out.splitlines()
+    assert lines.count(warning) == 1 and out.rstrip().endswith(f"wrote {tmp_path / 'q'}")
+    # a warning about the input comes before anything is written (once the checks passed)
+    assert lines.index(warning) < lines.index("quantizing on cpu") < min(
+        i for i, line in enumerate(lines) if line.startswith("quantizing: "))
     assert warning in run("plan", tmp_path / "bf16", "--config", cfg, "--summary").stdout.splitlines()
     assert run("plan", tmp_path / "bf16", "--config", cfg, "--json").stderr == warning + "\n"
     # the engine's refusal, on the same plan and a CPU engine's manifest, gives the same reason

@@ -27,6 +27,7 @@ pytestmark = [
 ]
 
 from qstrat.driver import RefitDriver
+from qstrat.vllm.flag import engine_flag
 
 EXPERTS = "model.layers.1.mlp.experts"
 
@@ -302,9 +303,9 @@ def test_a_fault_mid_reload_flags_the_engine_and_a_whole_refit_repairs_it(engine
         qvllm.refit(llm, driver, models[0].state_dict(), stream=True)
     monkeypatch.undo()
     plan = driver.plan(models[1].state_dict())
-    with pytest.raises(EngineStateError, match=r"failed part-way \(MemoryError: simulated.*the next refit must be "
+    with pytest.raises(EngineStateError, match=r"this engine holds a MIX of two rounds \(MemoryError: simulated.*the next refit must be "
                                                r"whole, this one sends 1 of the \d+ parts \(nothing was sent\)"):
         qvllm.refit(llm, driver, models[1].state_dict(), plan=plan.only_layers([2]))
     qvllm.refit(llm, driver, models[1].state_dict())
-    assert getattr(llm, "_qstrat_refit_failed") is None
+    assert engine_flag(llm).reason is None
     assert_same(greedy(llm), fresh, "a whole refit after the failed one vs fresh B")

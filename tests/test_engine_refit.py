@@ -345,9 +345,8 @@ def test_worker_refit_follows_the_flag_rule_after_a_failed_reload(engine_a, refe
     handed.clear()
     _, exc = in_worker(plan=plan.only_layers([2]), driver=driver)  # the plan's driver
     assert isinstance(exc, EngineStateError) and handed == []
-    assert str(exc).startswith("an earlier refit of this engine failed part-way (RuntimeError: simulated fault "
-                               "mid-reload): it holds a MIX of two rounds; the next refit must be whole, this one "
-                               "sends 1 of the "), exc
+    assert str(exc).startswith("this engine holds a MIX of two rounds (RuntimeError: simulated fault mid-reload): "
+                               "the next refit must be whole, this one sends 1 of the "), exc
     report, exc = in_worker()  # whole: loads and clears the flag
     assert exc is None and report.tensors == len(plan.outputs()) == len(handed)
     assert_same(greedy(llm), references["fresh"], "worker refit after a failed one vs fresh B")

@@ -91,12 +91,29 @@ INFO = {"weight_transfer_config": {"backend": "qstrat"}, "model_config": {"quant
      r"^weight_transfer_config: the vLLM server at U runs weight-transfer backend 'nccl'; qstrat syncs need "
      r"\{\"backend\": \"qstrat\"\}: start it with 'python -m qstrat.integrations.trl_server --model CHECKPOINT"),
     ({"weight_transfer_config": None}, "block-fp8", r"^weight_transfer_config: .* runs weight-transfer backend None"),
-    ({}, "mxfp8", r"^model_config.quantization: the vLLM server at U serves 'fp8', the strategy's plan is 'modelopt'"),
+    ({}, "mxfp8", r"^model_config.quantization: the vLLM server at U serves 'fp8', the strategy's plan is served as "
+     r"'modelopt_mxfp8'"),
     ({"model_config": {"quantization": "modelopt_mxfp8"}}, "block-fp8",
-     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8', the strategy's plan is 'fp8'"),
+     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8', the strategy's plan is "
+     r"served as 'fp8'"),
     ({"model_config": {"quantization": None}}, "block-fp8",
-     r"^model_config.quantization: the vLLM server at U serves None, the strategy's plan is 'fp8'; start the server "
-     r"on qstrat.integrations.trl_server.write_server_checkpoint"),
+     r"^model_config.quantization: the vLLM server at U serves None, the strategy's plan is served as 'fp8'; start "
+     r"the server on qstrat.integrations.trl_server.write_server_checkpoint of the policy in this strategy$"),
+    # an NVFP4 checkpoint is served as modelopt_fp4, not as any other ModelOpt class
+    ({"model_config": {"quantization": "modelopt_mxfp8"}}, "nvfp4-experts",
+     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8', the strategy's plan is served as "
+     r"'modelopt_fp4'"),
+    # an online-quantizing server (vLLM's shorthand fp8_per_block): it quantizes BF16 weights itself
+    ({"model_config": {"quantization": "fp8_per_block"}}, "block-fp8",
+     r"^model_config.quantization: the vLLM server at U quantizes online \('fp8_per_block'\), but the refit config's "
+     r"quantize_in is trainer \(qstrat sends the tensors of a 'fp8' checkpoint, which an online-quantizing server "
+     r"refuses\): start it without --quantization on qstrat.integrations.trl_server.write_server_checkpoint of the "
+     r"policy in this strategy, or set quantize_in: engine in the refit config$"),
+    ({"model_config": {"quantization": "online"}}, "block-fp8", r"^model_config.quantization: .* quantizes online "
+     r"\('online'\), but the refit config's quantize_in is trainer"),
+    ({"model_config": {"quantization": "mxfp8"}}, "mxfp8", r"^model_config.quantization: .* quantizes online "
+     r"\('mxfp8'\), but the refit config's quantize_in is trainer \(qstrat sends the tensors of a 'modelopt_mxfp8' "
+     r"checkpoint"),
 ])
 def test_server_that_cannot_take_the_syncs_is_refused(change, strategy, message):
     """The keys are /server_info's (the engine test checks them on the live server's answer)."""
@@ -107,6 +124,44 @@ def test_server_that_cannot_take_the_syncs_is_refused(change, strategy, message)
     check_server_info({**INFO, "model_config": {"quantization": "modelopt_mxfp8"}}, _plan("mxfp8"), "U")
     with pytest.raises(ConfigError, match=message):
         check_server_info({**INFO, **change}, _plan(strategy), "U")
+
+
+ENGINE_SIDE = {"preset": "block-fp8", "quantize_in": "engine"}
+
+
+def test_an_engine_side_strategy_needs_an_online_quantizing_server():
+    """``quantize_in: engine``: the server starts on the BF16 checkpoint with vLLM's online
+    quantization and quantizes every sync itself; a server on a quantized checkpoint (or on BF16
+    without online quantization) is refused naming quantize_in and both fixes. The exact online
+    config is checked by every round, engine-side (tests/test_engine_transport_online.py)."""
+    from qstrat.integrations.trl_server import check_server_info
+    from qstrat.online import engine_kwargs
+
+    plan = _plan(ENGINE_SIDE)
+    online = json.dumps(engine_kwargs(plan)["quantization_config"])
+    for served in ("online", "fp8_per_block"):
+        check_server_info({**INFO, "model_config": {"quantization": served}}, plan, "U")
+    for served in ("fp8", None):
+        with pytest.raises(ConfigError) as refused:
+            check_server_info({**INFO, "model_config": {"quantization": served}}, plan, "U")
+        assert str(refused.value) == (
+            f"model_config.quantization: the vLLM server at U serves {served!r}, but the refit config sets "
+            "quantize_in: engine (the server quantizes BF16 syncs itself): start it on "
+            "qstrat.integrations.trl_server.write_server_checkpoint's BF16 checkpoint of the policy with "
+            f"--quantization online --quantization-config '{online}', or set quantize_in: trainer in the refit config")
+
+
+def test_an_unquantized_strategy_takes_an_unquantized_server():
+    """A plan that quantizes nothing (preset bf16) syncs BF16 tensors into a server on
+    the BF16 checkpoint: vLLM reports no quantization method, as the plan's checkpoint has none."""
+    from qstrat.integrations.trl_server import check_server_info
+
+    plan = _plan("bf16")
+    assert plan.vllm_quantization_config() is None
+    check_server_info({**INFO, "model_config": {"quantization": None}}, plan, "U")
+    with pytest.raises(ConfigError, match=r"^model_config.quantization: the vLLM server at U serves 'fp8', the "
+                                          r"strategy's plan is served as None"):
+        check_server_info(INFO, plan, "U")
 
 
 def _server_generation(**attrs):

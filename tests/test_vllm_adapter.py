@@ -130,16 +130,16 @@ def test_every_key_the_code_uses_is_in_the_table_and_every_entry_is_used():
 # ---- the table -------------------------------------------------------------------------------
 def test_table_counts_and_fields():
     table = names.TABLE
-    assert len(table) == 63
+    assert len(table) == 66
     private = sorted(k for k, e in table.items() if not e.public)
-    assert private == ["fp8_block_linear_kernels", "fp8_moe_backend_to_kernel_cls", "fp8_moe_priority_backends",
+    assert private == ["cpu_linear", "fp8_block_linear_kernels", "fp8_moe_backend_to_kernel_cls", "fp8_moe_priority_backends",
                        "fused_topk_router", "inproc_client", "is_deferred_attention_layer", "layerwise_info",
                        "mxfp8_moe_backend_to_kernel_cls", "nvfp4_moe_backend_to_kernel_cls", "online_shorthands",
                        "skip_tensors",
                        "topk_sigmoid_dispatcher", "topk_softmax_dispatcher", "weight_transfer_engine_registry"]
     for key, e in table.items():
         assert e.key == key and e.what and e.use, key
-        assert e.kind in ("module", "class", "function", "enum member", "mapping", "set", "object"), key
+        assert e.kind in ("module", "class", "function", "enum member", "mapping", "set", "object", "attribute"), key
         assert e.public or e.alternative, f"{key}: a private name says its public alternative (or why none)"
 
 
@@ -176,6 +176,13 @@ def _is_what_the_entry_says(e: VllmName, obj: object) -> bool:
         return isinstance(obj, enum.Enum) and obj.name == last
     if e.kind == "mapping":
         return isinstance(obj, Mapping)
+    if e.kind == "attribute":  # the name, and the owner's own code sets it on an object
+        owner = importlib.import_module(module)
+        for attr in attrs.split(".")[:-1]:
+            owner = getattr(owner, attr)
+        tree = ast.parse(inspect.getsource(owner))  # a module-level class or function
+        return obj == last and any(isinstance(t, ast.Attribute) and t.attr == last for n in ast.walk(tree)
+                                   for t in (n.targets if isinstance(n, ast.Assign) else [getattr(n, "target", None)]))
     if e.kind == "set":
         return isinstance(obj, (set, frozenset))
     return not (isinstance(obj, types.ModuleType) or inspect.isclass(obj) or inspect.isroutine(obj))

@@ -11,6 +11,7 @@ import torch
 
 import qstrat
 from qstrat import NonFiniteError, PlanError, RefitDriver
+from qstrat.vllm.flag import engine_flag
 
 
 class RecordingLLM:
@@ -194,15 +195,15 @@ def test_a_fault_after_the_reload_began_flags_the_engine_until_a_whole_refit(tin
                                                r"of memory \(simulated\).*holds a MIX of two rounds and accepts "
                                                r"only a whole refit now"):
         qstrat.vllm.refit(llm, driver, state, stream=stream)
-    assert llm.finalized == 1 and llm._qstrat_refit_failed == "RuntimeError: CUDA out of memory (simulated)"
+    assert llm.finalized == 1 and engine_flag(llm).reason == "RuntimeError: CUDA out of memory (simulated)"
     plan = driver.plan(state)
-    with pytest.raises(EngineStateError, match=r"failed part-way \(RuntimeError: CUDA out of memory \(simulated\)\): "
-                                               r"it holds a MIX of two rounds; the next refit must be whole, this "
-                                               r"one sends 1 of the 7 parts \(nothing was sent\)"):
+    with pytest.raises(EngineStateError, match=r"^this engine holds a MIX of two rounds \(RuntimeError: CUDA out of "
+                                               r"memory \(simulated\)\): the next refit must be whole, this "
+                                               r"one sends 1 of the 7 parts \(nothing was sent\)$"):
         qstrat.vllm.refit(llm, driver, state, plan=plan.only_layers([0]))
     assert llm.calls == []
     qstrat.vllm.refit(llm, driver, state)  # whole: loads, clears the flag
-    assert len(llm.calls) == 1 and llm._qstrat_refit_failed is None
+    assert len(llm.calls) == 1 and engine_flag(llm).reason is None
     qstrat.vllm.refit(llm, driver, state, plan=plan.only_layers([0]))  # partial refits again
     assert len(llm.calls) == 2
 
@@ -229,7 +230,7 @@ def test_a_quantizer_fault_mid_stream_is_an_engine_state_error(tiny_model, drive
     llm = FailingLLM(driver.plan(state).vllm_quantization_config(), after=0)
     with pytest.raises(MemoryError):
         qstrat.vllm.refit(llm, driver, state)
-    assert not hasattr(llm, "_qstrat_refit_failed")
+    assert engine_flag(llm).reason is None
 
 
 @pytest.mark.parametrize("stream", [False, True])

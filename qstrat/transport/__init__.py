@@ -22,7 +22,8 @@
 - :mod:`.receiver`: :func:`receive_round` (atomic or bounded).
 - :mod:`.session`: a receiver's state across rounds (secret, address, counter, the mix flag, the
   delta base); its pieces: :mod:`.acceptance` (the accept vote's checks), :mod:`.landing` (the
-  loader's begin/load/end), :mod:`.mix_flag` (the MIX flag rule), :mod:`.delta_rebuild` (the
+  loader's begin/load/end), :mod:`.mix_flag` (a receiver's MIX flag, on
+  :mod:`qstrat.mix_flag`'s rule), :mod:`.delta_rebuild` (the
   receiver's delta base, rebuilding a delta round).
 - :mod:`.delta`: delta rounds (the round's stream patched against the last committed one, tile by
   tile; digests of the rebuilt buckets; round ids).

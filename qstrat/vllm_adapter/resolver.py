@@ -140,7 +140,8 @@ def check_supported_version(what: str = "a vLLM engine") -> str:
 
 def resolve(key: str) -> Any:
     """The installed vLLM's object for table entry ``key`` (a module, class, function, enum
-    member or other object, as the entry's ``kind`` says). Imports vLLM.
+    member or other object, as the entry's ``kind`` says); for an ``attribute`` entry, the
+    attribute's name, once its owner (the class or function that sets it) is found. Imports vLLM.
 
     Raises: VllmNameError naming the key, the installed vLLM version, the versions the table
         knows and what to do, when the table has no location for this version, records the name
@@ -150,9 +151,11 @@ def resolve(key: str) -> Any:
     version = vllm_version()
     spec, where = location(key, version)
     module, _, attrs = where.partition(":")
+    path = attrs.split(".") if attrs else []
+    is_attribute = names.TABLE[key].kind == "attribute"
     try:
         value = importlib.import_module(module)
-        for attr in attrs.split(".") if attrs else ():
+        for attr in path[:-1] if is_attribute else path:
             value = getattr(value, attr)
     except (ImportError, AttributeError) as exc:
         e = names.TABLE[key]
@@ -161,4 +164,4 @@ def resolve(key: str) -> Any:
             f"qstrat needs vLLM's {key} ({e.what}) at {dotted}, missing in vllm {version} ({exc}); "
             f"qstrat's vLLM version table places it there for {spec}, checked against vllm "
             f"{known_versions()}.{_what_to_do(e)}") from exc
-    return value
+    return path[-1] if is_attribute else value
