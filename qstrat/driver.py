@@ -40,6 +40,7 @@ from qstrat.stream import check_passthrough, cut_output, execute
 __all__ = ["Decision", "NamedTensors", "PlanCache", "PreparedRefit", "RefitDriver", "SinkCheck",
            "check_passthrough", "cut_output"]
 
+
 class PlanCache:
     """The last plan a driver made, and the metadata it was made from.
 
@@ -52,7 +53,7 @@ class PlanCache:
     raises its own PlanError). One entry: a trainer refits one model.
 
     Checked in that order, cheapest first: the names (one tuple comparison), the ``hf_config``,
-    then the shapes and dtypes (one pass over the inputs, which a plan step makes anyway), so
+    then the shapes and dtypes (one pass over the inputs against the copy :meth:`put` kept), so
     nothing is allocated per input on a hit. A value without ``.shape`` / ``.dtype`` misses
     (the planner then names it). A dtype is compared by identity with the torch dtype planned
     (``torch.bfloat16`` is one object), a shape by value with the ``torch.Size`` it had.
