@@ -273,7 +273,9 @@ def bench_plan(model_dir: Path, reps: int, preset: str = "block-fp8",
     """Planning a config-only model's meta tensors (``overrides``: config.json keys replaced, e.g.
     fewer layers for a quick run): ``plan (cold)`` - a new driver's first plan (no kept plan);
     ``plan (warm)`` - the same driver planning the same metadata again, what a refit pays every
-    training step (:class:`qstrat.driver.PlanCache`: the metadata key read and compared);
+    training step (:class:`qstrat.driver.PlanCache`: names, ``hf_config``, then each input's
+    shape and dtype compared with the kept plan's), given a new dict whose names are new
+    strings of the same text, as a trainer's ``state_dict()`` builds each step;
     ``wire order`` - the plan's output order."""
     from qstrat.driver import RefitDriver
     from qstrat.skeleton import model_tensors
@@ -283,8 +285,9 @@ def bench_plan(model_dir: Path, reps: int, preset: str = "block-fp8",
     tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta")
                for n, s in model_tensors(driver.layout, hf)}
     plan = driver.plan(tensors)
+    step = {(n + ".")[:-1]: t for n, t in tensors.items()}  # equal names, new str objects
     t = time_interleaved({"plan (cold)": lambda: RefitDriver({"preset": preset}, hf_config=hf).plan(tensors),
-                          "plan (warm)": lambda: driver.plan(tensors), "wire order": plan.wire_order}, reps)
+                          "plan (warm)": lambda: driver.plan(step), "wire order": plan.wire_order}, reps)
     case = f"{model_dir.name} ({len(tensors)} tensors, {len(plan.outputs())} outputs, {preset})"
     return [_row("plan", case, impl, tt, tensors=len(tensors),
                  us_per_tensor=round(tt.median_ms * 1e3 / len(tensors), 3)) for impl, tt in t.items()]

@@ -21,7 +21,6 @@ stream consumed once; every sink (:mod:`qstrat.vllm`, :mod:`qstrat.checkpoint`,
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -41,47 +40,68 @@ from qstrat.stream import check_passthrough, cut_output, execute
 __all__ = ["Decision", "NamedTensors", "PlanCache", "PreparedRefit", "RefitDriver", "SinkCheck",
            "check_passthrough", "cut_output"]
 
-#: ``tensor -> (shape, dtype)``: what a plan reads of each input.
-_SHAPE_DTYPE = attrgetter("shape", "dtype")
-
 
 class PlanCache:
     """The last plan a driver made, and the metadata it was made from.
 
-    The invalidation rule: the plan is reused exactly when the inputs' metadata key equals the
-    one it was planned from - the names in the producer's order, each input's shape and dtype,
-    and the ``hf_config`` as it reads now (``repr``); the refit config is the driver's, fixed at
-    construction. Anything else (a renamed, added, dropped, reordered, reshaped or recast input,
-    an edited ``hf_config``) re-plans and replaces the entry. A plan that fails is not kept
-    (every call raises its own PlanError). A ``dict`` input is looked up before it is validated
-    (its key can equal the kept one only if its names, shapes and torch dtypes are those of an
-    input that was validated; anything else misses and is validated). One entry: a trainer refits
-    one model. The key holds each input's ``.shape`` object as given: tensors and qstrat's
-    handles give an immutable ``torch.Size``; a handle whose shape is a list changed in place
-    would go unnoticed.
+    The invalidation rule (one): the kept plan is reused exactly when the inputs' names, in the
+    producer's order, and the ``hf_config`` as it reads now (``repr``) equal those it was planned
+    from, and each input's ``.shape`` and ``.dtype`` equal those it was planned with. The refit
+    config is the driver's, fixed at construction. Anything else - a renamed, added, dropped or
+    reordered input, a reshaped or recast one, an edited ``hf_config`` - re-plans and replaces
+    the entry; :attr:`miss` says which of these it was. A plan that fails is not kept (every call
+    raises its own PlanError). One entry: a trainer refits one model.
+
+    Checked in that order, cheapest first: the names (one tuple comparison), the ``hf_config``,
+    then the shapes and dtypes (one pass over the inputs against the copy :meth:`put` kept), so
+    nothing is allocated per input on a hit. A value without ``.shape`` / ``.dtype`` misses
+    (the planner then names it). A dtype is compared by identity with the torch dtype planned
+    (``torch.bfloat16`` is one object), a shape by value with the ``torch.Size`` it had.
     """
 
     def __init__(self) -> None:
-        self.key: tuple[Any, ...] | None = None
+        self.names: tuple[str, ...] | None = None
+        self.hf_config: str | None = None
+        #: per input, in the producer's order: ``(shape, dtype)`` as planned
+        self.metadata: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.plan: RefitPlan | None = None
+        #: why the last :meth:`get` missed (``"names"``, ``"hf_config"``, ``"{name}: shape ..."``,
+        #: ``"{name}: dtype ..."``, ``"empty"``), or None after a hit
+        self.miss: str | None = None
 
-    @staticmethod
-    def metadata_key(tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> tuple[Any, ...]:
-        """``(names, (shape, dtype) per input, repr(hf_config))``: compared with ``==`` (exact:
-        no hash collisions). Reads ``.shape`` and ``.dtype`` of each value, no data."""
-        return tuple(tensors), tuple(map(_SHAPE_DTYPE, tensors.values())), repr(hf_config)
+    def get(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> RefitPlan | None:
+        """The kept plan if ``tensors`` (name -> anything with ``.shape`` and ``.dtype``) and
+        ``hf_config`` are what it was planned from (the rule above), else None (:attr:`miss`
+        says why). Reads no data."""
+        self.miss = self._differs(tensors, hf_config)
+        return self.plan if self.miss is None else None
 
-    def get(self, key: tuple[Any, ...]) -> RefitPlan | None:
-        """The kept plan if ``key`` equals its key, else None."""
-        return self.plan if self.plan is not None and self.key == key else None
+    def _differs(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> str | None:
+        if self.plan is None:
+            return "empty"
+        if tuple(tensors) != self.names:
+            return "names"
+        if repr(hf_config) != self.hf_config:
+            return "hf_config"
+        for (shape, dtype), (name, t) in zip(self.metadata, tensors.items()):
+            try:
+                if t.shape != shape:
+                    return f"{name}: shape {list(t.shape)}, planned {list(shape)}"
+                if t.dtype is not dtype:
+                    return f"{name}: dtype {t.dtype}, planned {dtype}"
+            except AttributeError:  # not a tensor: the planner names it
+                return f"{name}: a {type(t).__name__}, not a tensor"
+        return None
 
-    def put(self, key: tuple[Any, ...], plan: RefitPlan) -> None:
-        """Keep ``plan`` (made from ``key``), replacing the previous entry."""
-        self.key, self.plan = key, plan
+    def put(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any], plan: RefitPlan) -> None:
+        """Keep ``plan``, made from ``tensors`` and ``hf_config``, replacing the previous entry."""
+        self.names, self.hf_config, self.plan = tuple(tensors), repr(hf_config), plan
+        self.metadata = [(tuple(t.shape), t.dtype) for t in tensors.values()]
 
     def clear(self) -> None:
         """Drop the kept plan (the next :meth:`RefitDriver.plan` plans)."""
-        self.key = self.plan = None
+        self.names = self.hf_config = self.plan = None
+        self.metadata = []
 
 
 class RefitDriver:
@@ -147,20 +167,16 @@ class RefitDriver:
             change it: derive a partial plan with ``subset`` / ``only_layers``).
         Raises: PlanError listing every problem found (not only the first).
         """
-        with gc_paused():  # the key allocates a tuple per input: no collector passes over the kept plan
-            if isinstance(named_tensors, dict):  # a hit needs no validation: its key equals a validated input's
-                try:
-                    plan = self.plan_cache.get(PlanCache.metadata_key(named_tensors, self.hf_config))
-                except AttributeError:  # a value without .shape or .dtype: as_tensor_dict names it below
-                    plan = None
-                if plan is not None:
-                    return plan
+        if isinstance(named_tensors, dict):  # looked up before validation: a hit equals a validated input
+            plan = self.plan_cache.get(named_tensors, self.hf_config)
+            tensors = named_tensors if plan is not None else as_tensor_dict(named_tensors)
+        else:
             tensors = as_tensor_dict(named_tensors)
-            key = PlanCache.metadata_key(tensors, self.hf_config)
-            plan = self.plan_cache.get(key)
-            if plan is None:
+            plan = self.plan_cache.get(tensors, self.hf_config)
+        if plan is None:
+            with gc_paused():  # the planner's objects and the cache's copy of the metadata
                 plan = self.planner.plan(tensors)
-                self.plan_cache.put(key, plan)
+                self.plan_cache.put(tensors, self.hf_config, plan)
         return plan
 
     # ---- run ------------------------------------------------------------------------------

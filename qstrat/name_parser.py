@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from qstrat.frozen import fast_builder
 
 #: A :class:`qstrat.layouts.ModelLayout` (its naming fields and override points; not imported
 #: here: the layouts module imports this one).
@@ -36,9 +35,10 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 WRAPPER_MODULES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ParsedName:
-    """What an HF tensor name means, structurally.
+    """What an HF tensor name means, structurally (a value: read it, do not assign its fields; a
+    changed one is another parse, ``dataclasses.replace``).
 
     Attributes:
         name: the full HF name.
@@ -68,17 +68,13 @@ class ParsedName:
 
     def __post_init__(self) -> None:
         if not self.checkpoint_name:
-            object.__setattr__(self, "checkpoint_name", self.name)
+            self.checkpoint_name = self.name
 
     @property
     def vllm_module(self) -> str:
         """Module prefix as vLLM's ``ignored_layers`` / ``ignore`` lists name it."""
         return self.engine_module or self.module
 
-
-#: :class:`ParsedName` built through :func:`qstrat.frozen.fast_builder` (same value; why:
-#: docs/performance.md): the parser's per-tensor path (one per input tensor of a plan).
-_parsed_name = fast_builder(ParsedName)
 
 #: What :func:`in_layer` decides of a name inside a decoder layer: the :class:`ParsedName` fields
 #: ``(kind, expert, projection, slab, engine_module)``.
@@ -159,7 +155,7 @@ def parse_canonical(layout: ModelLayout, name: str, num_layers: int | None) -> P
     kind, expert, projection, slab, engine_module = found
     if engine_module is _EXPERTS_CONTAINER:  # the layer's experts module, cut out of this name
         engine_module = module[: module.index("." + layout.experts) + len(layout.experts) + 1]
-    return _parsed_name(name, module, param, kind, layer, expert, projection, slab, engine_module, name)
+    return ParsedName(name, module, param, kind, layer, expert, projection, slab, engine_module, name)
 
 
 def structures(layout: ModelLayout, plain: bool) -> dict[str, Structure] | None:

@@ -203,15 +203,24 @@ def _renamed(state):
     return {("module." + n if n == first else n): t for n, t in state.items()}
 
 
-@pytest.mark.parametrize("change", ["rename", "drop", "reorder", "reshape", "recast", "hf_config"])
-def test_changed_metadata_plans_again(tiny_model, tiny_hf_config, change):
+@pytest.mark.parametrize("change,reason", [
+    ("rename", "names"), ("add", "names"), ("drop", "names"), ("reorder", "names"),
+    ("reshape", "model.layers.1.mlp.experts.down_proj: shape [8, 128, 256], planned [8, 256, 128]"),
+    ("recast", "model.norm.weight: dtype torch.float32, planned torch.bfloat16"),
+    ("hf_config", "hf_config")])
+def test_changed_metadata_plans_again(tiny_model, tiny_hf_config, change, reason):
+    """Every kind of change misses the kept plan (PlanCache's one rule), says which it was, and
+    gets the plan a fresh driver makes; the same input again is then a hit."""
     state = _meta(tiny_model.state_dict())
+    without_norm = {n: t for n, t in state.items() if n != "model.norm.weight"}
     driver = RefitDriver({"preset": "block-fp8", "wire_order": "producer"}, hf_config=tiny_hf_config)
-    plan = driver.plan(state)
+    plan = driver.plan(without_norm if change == "add" else state)
+    assert driver.plan_cache.miss == "empty"
     name = "model.layers.1.mlp.experts.down_proj"
     changed = {
         "rename": lambda: _renamed(state),
-        "drop": lambda: {n: t for n, t in state.items() if n != "model.norm.weight"},
+        "add": lambda: state,
+        "drop": lambda: without_norm,
         "reorder": lambda: dict(reversed(list(state.items()))),
         "reshape": lambda: {**state, name: torch.empty(state[name].shape[0], 128, 256, dtype=torch.bfloat16,
                                                        device="meta")},
@@ -222,9 +231,11 @@ def test_changed_metadata_plans_again(tiny_model, tiny_hf_config, change):
         driver.hf_config["tie_word_embeddings"] = not driver.hf_config.get("tie_word_embeddings", False)
     again = driver.plan(changed)
     assert again is not plan
+    assert driver.plan_cache.miss == reason
     fresh = RefitDriver({"preset": "block-fp8", "wire_order": "producer"}, hf_config=driver.hf_config)
     assert again.to_json() == fresh.plan(changed).to_json()
-    assert driver.plan(changed) is again
+    assert driver.plan(changed) is again and driver.plan_cache.miss is None
+    assert driver.plan(dict(changed)) is again  # a new mapping of the same tensors: a hit
 
 
 def test_a_failed_plan_is_not_kept(tiny_model, tiny_hf_config):

@@ -7,7 +7,6 @@
   digests);
 - the family memo (:mod:`qstrat.plan.families`) against the full way, tensor by tensor, and the
   configs it must refuse (a plugin selector reading the layer, include patterns, renames);
-- :func:`qstrat.frozen.fast_builder` against the frozen dataclasses' own constructors.
 """
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ import torch
 import qstrat
 import qstrat.plan.planner as planner_module
 from qstrat import RefitDriver
-from qstrat.frozen import fast_builder
-from qstrat.layouts import ParsedName
 from qstrat.plan.data import OutputTensor, PlanEntry
 from qstrat.plan.families import Families, families_for
 from qstrat.skeleton import model_tensors
@@ -207,44 +204,3 @@ def test_a_verified_family_derives_its_members():
     fam.learn(entry(2).name, shape, dtype, entry(2))
     assert fam.entry(entry(7).name, shape, dtype) == entry(7)
     assert fam.entry(entry(0).name, shape, dtype) is None  # kept by keep_bf16.first: another family
-
-
-@pytest.mark.parametrize("cls,args", [
-    (PlanEntry, ("a.b.weight", (2, 3), "bfloat16", "expert", 1, 2, "rules[0]", "mxfp8", {"x": 1},
-                 (OutputTensor("a.b.weight", (2, 3), "float8_e4m3fn", 6),), "a.{b,c}", "note", "a")),
-    (OutputTensor, ("a.weight", (4,), "float32", 16, "weight_scale", 3, 1, 2)),
-    (OutputTensor, ("a.weight", (4,), "float32", 16)),  # defaults
-    (ParsedName, ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate", "weight", "router", 0)),
-])
-def test_fast_builder_builds_the_same_frozen_object(cls, args):
-    built = fast_builder(cls)(*args)
-    own = cls(*args)
-    assert type(built) is cls and built == own and repr(built) == repr(own)
-    assert [getattr(built, f.name) for f in dataclasses.fields(cls)] == [getattr(own, f.name)
-                                                                       for f in dataclasses.fields(cls)]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        built.name = "other"
-    if cls is not PlanEntry:  # PlanEntry holds a dict: unhashable, as its own constructor's
-        assert hash(built) == hash(own)
-    assert dataclasses.replace(built, name="z") == dataclasses.replace(own, name="z")
-
-
-def test_fast_builder_keywords_default_factory_and_refusals():
-    @dataclasses.dataclass(frozen=True, slots=True)
-    class Box:
-        a: int
-        items: list = dataclasses.field(default_factory=list)
-        label: str = ""
-
-        def __post_init__(self):
-            if not self.label:
-                object.__setattr__(self, "label", f"box{self.a}")
-
-    build = fast_builder(Box)
-    one, two = build(1), build(a=2, label="two")
-    assert one == Box(1) and one.label == "box1" and one.items == [] and two == Box(2, label="two")
-    assert build(3).items is not build(3).items  # a fresh list each, as default_factory
-    with pytest.raises(TypeError, match="not a @dataclass"):
-        fast_builder(dataclasses.dataclass(slots=True)(type("Plain", (), {"__annotations__": {"a": int}})))
-    with pytest.raises(TypeError, match="not a @dataclass"):
-        fast_builder(dataclasses.dataclass(frozen=True)(type("NoSlots", (), {"__annotations__": {"a": int}})))

@@ -38,9 +38,9 @@ __all__ = ["PASSTHROUGH", "WIRE_ORDERS", "OutputTensor", "PlanEntry", "RefitPlan
 WIRE_ORDERS = ("natural", "producer")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OutputTensor:
-    """One checkpoint tensor the engine receives.
+    """One checkpoint tensor the engine receives (a value: read it, do not assign its fields).
 
     Attributes:
         name: checkpoint name, e.g. ``model.layers.0.mlp.experts.3.gate_proj.weight_scale_inv``.
@@ -59,9 +59,10 @@ class OutputTensor:
     row_parts: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PlanEntry:
-    """The decision for one input tensor.
+    """The decision for one input tensor (a value: read it, do not assign its fields; a plan's
+    entries are shared by every refit its driver reuses it for, :class:`qstrat.driver.PlanCache`).
 
     Attributes:
         name, shape, dtype: the trainer's tensor.

@@ -31,15 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qstrat.frozen import fast_builder
 from qstrat.layouts import WRAPPER_PREFIXES, ModelLayout
 from qstrat.plan.data import OutputTensor, PlanEntry
 
 if TYPE_CHECKING:
     from qstrat.rules import RuleSet
 
-_plan_entry = fast_builder(PlanEntry)
-_output_tensor = fast_builder(OutputTensor)
 
 #: A family's key: (name after the layer prefix, shape, dtype, kept by keep_bf16.first, .last).
 _Key = tuple[str, tuple[int, ...], torch.dtype, bool, bool]
@@ -71,9 +68,9 @@ class _Recipe:
     def derive(self, name: str, prefix: str, layer: int) -> PlanEntry:
         """The entry of member ``name`` (layer prefix ``prefix``, decoder layer ``layer``)."""
         e = self.entry
-        outs = tuple([_output_tensor(prefix + tail, shape, dtype, nbytes, suffix, expert, row_part, row_parts)
+        outs = tuple([OutputTensor(prefix + tail, shape, dtype, nbytes, suffix, expert, row_part, row_parts)
                       for tail, shape, dtype, nbytes, suffix, expert, row_part, row_parts in self.outputs])
-        return _plan_entry(name, e.shape, e.dtype, e.kind, layer, e.expert, e.rule, e.serializer,
+        return PlanEntry(name, e.shape, e.dtype, e.kind, layer, e.expert, e.rule, e.serializer,
                            dict(e.options) if e.options else {}, outs,
                            None if self.group is None else prefix + self.group, e.note,
                            prefix + self.engine_module)

@@ -14,15 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from qstrat.errors import PlanError
-from qstrat.frozen import fast_builder
 from qstrat.layouts import ModelLayout, ParsedName, SlabSpec
 from qstrat.plan.data import OutputTensor
 from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nbytes
 
 __all__ = ["OutputDeclaration", "fused_name", "fusion_group", "projection_shape", "split_by_projection"]
-
-#: :class:`OutputTensor` built through :func:`qstrat.frozen.fast_builder` (same values; why: docs/performance.md).
-_output_tensor = fast_builder(OutputTensor)
 
 
 class OutputDeclaration:
@@ -48,11 +44,11 @@ class OutputDeclaration:
         per-expert split the format's row tile cannot express."""
         if not p.slab:
             module = p.module
-            return tuple([_output_tensor(f"{module}.{s.suffix}", s.shape, dtype_name(s.dtype), s.nbytes, s.suffix)
+            return tuple([OutputTensor(f"{module}.{s.suffix}", s.shape, dtype_name(s.dtype), s.nbytes, s.suffix)
                           for s in specs])
 
         def out(name: str, spec: PartSpec, shp: tuple[int, ...], **kw: Any) -> OutputTensor:
-            return _output_tensor(name, shp, dtype_name(spec.dtype), tensor_nbytes(shp, spec.dtype),
+            return OutputTensor(name, shp, dtype_name(spec.dtype), tensor_nbytes(shp, spec.dtype),
                                   spec.suffix, **kw)
 
         if self.expert_emission == "fused" or not self.slabs[p.projection].splittable:
@@ -79,7 +75,7 @@ class OutputDeclaration:
                 inner = (inner[0] // k,) + inner[1:]
             cut.append((s.suffix, inner, dtype_name(s.dtype), tensor_nbytes(inner, s.dtype)))
         experts = p.engine_module
-        return tuple([_output_tensor(f"{experts}.{e}.{proj}.{suffix}", inner, dname, nbytes, suffix, e, j, k)
+        return tuple([OutputTensor(f"{experts}.{e}.{proj}.{suffix}", inner, dname, nbytes, suffix, e, j, k)
                       for e in range(shape[0]) for j, proj in enumerate(projections)
                       for suffix, inner, dname, nbytes in cut])
 

@@ -17,7 +17,6 @@ import torch
 
 from qstrat.config import RefitConfig
 from qstrat.errors import PlanError, UnsupportedShapeError
-from qstrat.frozen import fast_builder
 from qstrat.layouts import ModelLayout
 from qstrat.plan import checks, structure
 from qstrat.plan.engine_config import SerializerFactory, engine_config, format_lookup, quantizes_lookup
@@ -41,11 +40,6 @@ def _dtype_hint(dtype: torch.dtype) -> str:
         return " (cast it to float32 or bfloat16)"
     return " (not a floating-point weight: leave buffers such as masks or position ids out of the refit)"
 
-
-#: :class:`PlanEntry` / :class:`OutputTensor` built through :func:`qstrat.frozen.fast_builder` (same
-#: values; why: docs/performance.md): one entry and its outputs per input tensor.
-_plan_entry = fast_builder(PlanEntry)
-_output_tensor = fast_builder(OutputTensor)
 
 
 
@@ -155,8 +149,8 @@ class Planner:
             raise PlanError(f"{what} and needs a bfloat16/float16/float32 tensor, got {dname}"
                             f"{_dtype_hint(dtype)}")
         if serializer == PASSTHROUGH:
-            outs = (_output_tensor(p.checkpoint_name, shape, dname, tensor_nbytes(shape, dtype)),)
-            return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, PASSTHROUGH,
+            outs = (OutputTensor(p.checkpoint_name, shape, dname, tensor_nbytes(shape, dtype)),)
+            return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, rule, PASSTHROUGH,
                                {}, outs, None, "", p.vllm_module)
         ser = self.serializer(serializer, options)
         whole = self.layout.whole_slab_reason(p.projection, shape) if p.slab and ser.quantizes else None
@@ -174,7 +168,7 @@ class Planner:
             serializer, options = "bf16", {}
             specs = self.serializer("bf16", {}).part_specs(shape)
         outs = self.declare.outputs(p, specs, shape, None if note else ser)
-        return _plan_entry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
+        return PlanEntry(name, shape, dname, p.kind, p.layer, p.expert, rule, serializer,
                            options, outs, fusion_group(self.layout, p), note, p.vllm_module)
 
     def _per_expert_names(self, p: ParsedName, shape: tuple[int, ...]) -> list[str]:
