@@ -25,8 +25,9 @@ class DeltaRounds:
         #: The base shared with the engines: the last round every engine committed, in host
         #: memory (None: the next round is whole).
         self.base: delta.Base | None = None
-        #: The stream of the base before :attr:`base` (no longer anyone's): the next round's
-        #: stream is written there, not in newly allocated (page-faulted) memory.
+        #: The stream of the base before :attr:`base` (no longer anyone's: a caller that kept
+        #: that older Base sees its stream overwritten): the next round's stream is written
+        #: there, not in newly allocated (page-faulted) memory.
         self._spare: torch.Tensor | None = None
 
     def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], secret: Secret | None,
