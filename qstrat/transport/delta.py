@@ -35,7 +35,6 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +109,8 @@ def fill_stream(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]
             copied to host memory), so a lazy source (quantization) runs interleaved with
             ``on_bucket``.
         out: the buffer to fill (1-D uint8 CPU of :func:`padded_size` bytes; every byte is
-            written, its old contents do not matter); None: a new one.
+            written, gaps and padding included, so its old contents do not matter); None: a
+            new one.
         on_bucket: called as ``on_bucket(stream, k)`` as soon as target bucket ``k``'s bytes
             are final (in bucket order, each once), while they are still in the cache; the
             tail padding past the last bucket is final when this returns.
@@ -324,49 +324,41 @@ def encode_round(target: WireManifest, stream: torch.Tensor, base: Base | None, 
 
 
 def encode_tensors(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]], base: Base | None,
-                   secret: Secret | None, out: torch.Tensor | None = None) -> DeltaRound:
+                   secret: Secret | None) -> DeltaRound:
     """Encode the round of ``tensors`` against ``base`` in ONE pass over its stream: each target
-    bucket is compared with the base and digested as soon as :func:`fill_stream` has written it,
-    on a worker thread, while ``tensors`` (e.g. quantization) produces the next ones on the
-    calling thread, instead of a compare and a digest of the whole stream afterwards. The round
-    (and its new base's stream) is the one :func:`encode_round` makes of :func:`stream_of`
-    ``(target, tensors)``.
+    bucket is compared with the base and digested as soon as :func:`fill_stream` has written it
+    (while it is in the cache), between the tensors ``tensors`` (e.g. quantization) produces,
+    instead of a compare and a digest of the whole stream afterwards. The round (and its new
+    base's stream) is the one :func:`encode_round` makes of :func:`stream_of` ``(target, tensors)``.
 
-    Args: target, base, secret: as :func:`encode_round`; tensors: as :func:`fill_stream`;
-        out: the stream buffer to fill (:func:`fill_stream`; never ``base.stream``).
-    Raises: as :func:`fill_stream` (after the worker finished the buckets given to it);
-        TransportError when ``out`` is ``base``'s stream.
+    Args: target, base, secret: as :func:`encode_round`; tensors: as :func:`fill_stream`.
+    Raises: as :func:`fill_stream`.
     """
     round_id = secrets.token_hex(16)
     if base is not None and base.target != target.digest:
         base = None
-    if out is not None and base is not None and out.data_ptr() == base.stream.data_ptr():
-        raise TransportError("delta: the new stream cannot be written over its base")
-    sealer = digest_sealer(secret, round_id)
+    sealer, digests, found, spent = digest_sealer(secret, round_id), [], [], 0.0
     ends = [0] + [(b.stream_offset + b.nbytes) // 8 * 8 for b in target.buckets]  # whole int64 words
 
-    def scan(stream: torch.Tensor, k: int) -> tuple[str, torch.Tensor | None, float]:
-        """Bucket k's digest and the changed positions from the previous bucket's end to its
-        own (whole words), and the seconds it took (runs on the worker)."""
+    def on_bucket(stream: torch.Tensor, k: int) -> None:
+        """Bucket k's digest, and the changed positions from the previous bucket's end to its
+        own (whole words)."""
+        nonlocal spent
         t = time.perf_counter()
         b = target.buckets[k]
-        digest = sealer.seal(b.index, 0, stream[b.stream_offset:b.stream_offset + b.nbytes]).hex()
-        lo, hi = max(ends[:k + 1]), ends[k + 1]
-        found = changed_bytes(stream[lo:hi], base.stream[lo:hi]) + lo if base is not None and hi > lo else None
-        return digest, found, time.perf_counter() - t
+        digests.append(sealer.seal(b.index, 0, stream[b.stream_offset:b.stream_offset + b.nbytes]).hex())
+        lo, hi = ends[k], ends[k + 1]
+        if base is not None and hi > lo:
+            found.append(changed_bytes(stream[lo:hi], base.stream[lo:hi]) + lo)
+        spent += time.perf_counter() - t
 
-    with ThreadPoolExecutor(1, thread_name_prefix="qstrat-delta") as pool:
-        jobs = []
-        stream = fill_stream(target, tensors, out, lambda st, k: jobs.append(pool.submit(scan, st, k)))
-        done = [j.result() for j in jobs]
+    stream = fill_stream(target, tensors, on_bucket=on_bucket)
     t1 = time.perf_counter()
-    found = [f for _, f, _ in done if f is not None]
-    lo = max(ends)
-    if base is not None and lo < stream.numel():  # the tail padding past the last bucket
-        found.append(changed_bytes(stream[lo:], base.stream[lo:]) + lo)
+    if base is not None and ends[-1] < stream.numel():  # the tail padding past the last bucket
+        found.append(changed_bytes(stream[ends[-1]:], base.stream[ends[-1]:]) + ends[-1])
     changed = None if base is None else torch.cat(found) if found else torch.zeros(0, dtype=torch.int64)
-    # encode_s: the worker's compare and digest seconds, and the patch
-    return _round(target, stream, base, round_id, [d for d, _, _ in done], changed, t1 - sum(s for *_, s in done))
+    # encode_s: the compare and digest seconds, and the patch
+    return _round(target, stream, base, round_id, digests, changed, t1 - spent)
 
 
 def _round(target: WireManifest, stream: torch.Tensor, base: Base | None, round_id: str, digests: list[str],

@@ -25,10 +25,6 @@ class DeltaRounds:
         #: The base shared with the engines: the last round every engine committed, in host
         #: memory (None: the next round is whole).
         self.base: delta.Base | None = None
-        #: The stream of the base before :attr:`base` (no longer anyone's: a caller that kept
-        #: that older Base sees its stream overwritten): the next round's stream is written
-        #: there, not in newly allocated (page-faulted) memory.
-        self._spare: torch.Tensor | None = None
 
     def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], secret: Secret | None,
               send: SendRound) -> TransferReport:
@@ -38,13 +34,10 @@ class DeltaRounds:
         no base. Returns ``send``'s report with a :class:`DeltaReport` and the seconds since
         ``tensors`` began. Raises: as ``send``."""
         base, self.base = self.base, None
-        spare, self._spare = self._spare, None
         t0 = time.perf_counter()
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
-        if spare is not None and spare.numel() != delta.padded_size(target.total_bytes):
-            spare = None
-        rnd = delta.encode_tensors(target, tensors, base, secret, spare)
+        rnd = delta.encode_tensors(target, tensors, base, secret)
         stream, source_s = rnd.new_base.stream, time.perf_counter() - t0 - rnd.encode_s
         attempts = 1
         try:
@@ -54,7 +47,6 @@ class DeltaRounds:
             rnd = delta.encode_round(target, stream, None, secret)
             report = send(rnd.wire_manifest, iter(rnd.blobs), {"delta": rnd.info})
         self.base = rnd.new_base
-        self._spare = base.stream if base is not None else None
         info = DeltaReport(rnd.kind, reason, target.total_bytes, rnd.wire_manifest.total_bytes, rnd.tiles,
                            source_s, rnd.encode_s, self.base.nbytes, attempts)
         return TransferReport(report.wire_manifest, report.bytes, report.buckets, report.stream_seconds,
