@@ -40,13 +40,20 @@ against a raw broadcast of the same bytes.
 Delta (``--delta``): the tiny model's float32 master weights take ``--steps`` real Adam steps per
 ``--lr``; per format, two receivers (each its own sender, so the full one's rounds do not reset
 the delta one's base; ``--width``: hidden and intermediate sizes and heads times this): after
-the start round and every step, a FULL round (``mode="atomic"``) and
-a DELTA round (``mode="delta"``) of the same weights. Printed per step: wire bytes of each (the
-delta's as % of the full's), the sender's encode seconds (diff, encode, digest), the receiver's
-decode seconds (reconstruct and digest, before the commit vote), each ``refit`` call's wall
-seconds (quantization included), and whether both receivers hold exactly ``RefitDriver.run``'s
-bytes; then peak RSS (``VmHWM``, reset before each round) of the sender process and of each
-receiver above its RSS before the round.
+the start round and every step, a FULL round (``mode="atomic"``) and a DELTA round
+(``mode="delta"``) of the same weights, one after the other. Printed per step: wire bytes of
+each (the delta's as % of the full's), the delta sender's encode seconds (``enc s``: compare,
+digest, patch; wall seconds of the thread doing them), the receiver's decode seconds (``dec s``:
+rebuild and digest, before the commit vote), each ``refit`` call's wall seconds (quantization
+included), the CPU seconds of each round (``cpu s``: the sender process over the ``refit`` call
+plus the receiver process over the same time: what the round costs whatever the machine's load),
+whether both receivers hold exactly ``RefitDriver.run``'s bytes, and the memory each round
+needed (``peak MiB``: the process's peak RSS during the round, VmHWM reset at its start, minus
+its RSS at the start: memory the round needed beyond what the process already held; 0 when it
+needed none (Linux updates VmHWM lazily, so such a round can read a fraction of a MiB below its
+start: printed as 0). Then per format and lr, the medians over the delta steps (every step but
+the start round): wall seconds full / delta and their ratio, CPU seconds full / delta, and the
+machine's load average (``os.getloadavg``) before and after.
 
     .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--width 1] [--secret]
     .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -236,13 +244,15 @@ def _own_memory(reset: bool = False) -> tuple[int, int]:
 
 
 def _timed_round(sender, receiver, driver, state):
-    """One refit: (report, wall s, sender peak above RSS, receiver peak above RSS)."""
+    """One refit: (report, wall s, sender peak above RSS, receiver peak above RSS, CPU s of the
+    sender process and the receiver process over it)."""
     before = receiver.ctl.call("memory", True)[0]
-    own = _own_memory(True)[0]
-    t0 = time.perf_counter()
+    own, rcpu = _own_memory(True)[0], receiver.ctl.call("cpu")
+    t0, cpu = time.perf_counter(), time.process_time()
     report = sender.refit(driver, state)
-    wall = time.perf_counter() - t0
-    return report, wall, _own_memory()[1] - own, receiver.ctl.call("memory")[1] - before
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    rcpu = receiver.ctl.call("cpu") - rcpu
+    return report, wall, max(0, _own_memory()[1] - own), max(0, receiver.ctl.call("memory")[1] - before), cpu + rcpu
 
 
 def delta(args) -> None:
@@ -258,13 +268,15 @@ def delta(args) -> None:
           f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB; "
           f"wall = the refit call (quantization included)")
     print(f"{'format':9} {'lr':>6} {'step':>4} {'full B':>8} {'delta B':>8} {'%':>6} {'kind':>5} {'enc s':>6} "
-          f"{'dec s':>6} {'full s':>6} {'delta s':>7} {'exact':>5} {'send peak MiB f/d':>17} {'recv peak MiB f/d':>17}")
+          f"{'dec s':>6} {'full s':>6} {'delta s':>7} {'cpu s f/d':>11} {'exact':>5} {'send peak MiB f/d':>17} "
+          f"{'recv peak MiB f/d':>17}")
     for fmt in args.formats:
         driver = RefitDriver(DELTA_FORMATS[fmt], hf_config=hf_config(model))
         for lr in args.lr:
             (full_s, full_r), (delta_s, delta_r) = (start(args, mode, 1) for mode in ("atomic", "delta"))
             for s in (full_s, delta_s):
                 s.bucket_bytes = int(args.bucket_mib[0] * 2**20)
+            load, rows = os.getloadavg()[0], []
             try:
                 for step, state in enumerate(adam_trajectory(model, lr, args.steps)):
                     f = _timed_round(full_s, full_r[0], driver, state)
@@ -275,9 +287,16 @@ def delta(args) -> None:
                     dec = delta_r[0].ctl.call("stats").get("finalize_s", 0.0)
                     print(f"{fmt:9} {lr:6.0e} {step:>4} {info.full_bytes:>8} {info.wire_bytes:>8} "
                           f"{100 * info.wire_bytes / info.full_bytes:>6.2f} {info.kind:>5} {info.encode_s:>6.3f} "
-                          f"{dec:>6.3f} {f[1]:>6.3f} {d[1]:>7.3f} {str(exact):>5} "
+                          f"{dec:>6.3f} {f[1]:>6.3f} {d[1]:>7.3f} {f[4]:>5.2f}/{d[4]:<5.2f} {str(exact):>5} "
                           f"{f[2] / 2**20:>8.1f}/{d[2] / 2**20:<8.1f} {f[3] / 2**20:>8.1f}/{d[3] / 2**20:<8.1f}",
                           flush=True)
+                    if step:
+                        rows.append((f[1], d[1], f[4], d[4]))
+                if rows:
+                    med = [statistics.median(r[i] for r in rows) for i in range(4)]
+                    print(f"{'':9} median of {len(rows)} delta steps: wall s full {med[0]:.3f} / delta {med[1]:.3f} "
+                          f"(x{med[1] / med[0]:.2f}), CPU s full {med[2]:.3f} / delta {med[3]:.3f} "
+                          f"(x{med[3] / med[2]:.2f}); load average {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
                 print(f"{'':9} base held: sender {delta_s.base.nbytes / 2**20:.2f} MiB (host memory), "
                       f"receiver the same; peak RSS (VmHWM) sender {_own_memory()[1] / 2**20:.0f} MiB, receivers "
                       f"full {full_r[0].ctl.call('memory')[1] / 2**20:.0f} / delta "
@@ -294,7 +313,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--layer-mib", type=float, default=12)
     ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--bucket-mib", type=float, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--bucket-mib", type=float, nargs="+", default=[4, 16, 64],
+                    help="bucket sizes, MiB (throughput: each in turn; --memory and --delta: the first)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--secret", action="store_true", help="authenticated rounds (both sides hold a secret)")
     ap.add_argument("--memory", action="store_true", help="receiver peak RSS per mode (see the docstring)")
@@ -303,11 +323,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in every process (default 1: on a shared, "
                          "oversubscribed CPU, OpenMP-parallel copies run ~100x slower)")
-    ap.add_argument("--delta", action="store_true", help="delta vs full rounds over Adam steps (see the docstring)")
-    ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--width", type=int, default=1, help="--delta: the tiny model's widths times this")
-    ap.add_argument("--formats", nargs="+", default=list(DELTA_FORMATS), choices=list(DELTA_FORMATS))
+    ap.add_argument("--delta", action="store_true",
+                    help="delta vs full rounds of a tiny Qwen3-MoE over real Adam steps, per format and lr: "
+                         "wire bytes, encode/decode s, round wall and CPU s, exactness, memory (see the docstring)")
+    ap.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
+                    help="--delta: Adam learning rates, one trajectory each (default 1e-6 1e-5)")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="--delta: optimizer steps per trajectory, after the start round (whole) (default 4)")
+    ap.add_argument("--width", type=int, default=1,
+                    help="--delta: the tiny model's hidden/intermediate sizes and heads times this (1: ~5 MiB "
+                         "quantized, 4: ~64 MiB)")
+    ap.add_argument("--formats", nargs="+", default=list(DELTA_FORMATS), choices=list(DELTA_FORMATS),
+                    help="--delta: checkpoint formats (default all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.delta:

@@ -121,6 +121,35 @@ def test_a_hostile_delta_wire_manifest_is_refused_before_the_accept_vote_and_its
     assert err.value.vote_status == DELTA
 
 
+def test_the_one_pass_encoder_gives_the_round_of_the_whole_stream_and_every_byte_is_written():
+    """encode_tensors (fill, then compare and digest bucket by bucket) gives the stream, patch and
+    tiles that encode_round makes of stream_of, and a receiver rebuilds the exact tensors from
+    it. The layout has alignment gaps, a tensor chunked over buckets, buckets that end off a
+    word boundary and tail padding; fill_stream into a buffer of stale bytes writes every byte
+    (gaps and padding zero, as in a new stream)."""
+    from qstrat.transport.wire_manifest import build_wire_manifest
+
+    g = torch.Generator().manual_seed(5)
+    shapes = {"a": (1000,), "big": (3 * BUCKET + 7,), "b": (33,), "c": (5, 9)}
+    old = {n: torch.randint(0, 256, s, dtype=torch.uint8, generator=g) for n, s in shapes.items()}
+    new = {n: patched(t.reshape(-1), 0.01, seed=i).reshape(t.shape) for i, (n, t) in enumerate(old.items())}
+    target = build_wire_manifest([(n, "uint8", s) for n, s in shapes.items()], BUCKET, 16)
+    assert any((b.stream_offset + b.nbytes) % 8 for b in target.buckets)  # a bucket ends off a word
+    base = delta.Base("r0", target.digest, delta.stream_of(target, old.items()))
+    rnd = delta.encode_tensors(target, iter(new.items()), base, None)
+    whole = delta.encode_round(target, delta.stream_of(target, new.items()), base, None)
+    assert torch.equal(rnd.new_base.stream, whole.new_base.stream)
+    assert torch.equal(rnd.blobs[1][1], whole.blobs[1][1]) and rnd.tiles == whole.tiles and rnd.kind == "delta"
+    staged, _ = delta.decode_round(rnd.blobs, rnd.info, target, base, None)
+    assert {n: sha256(t) for n, t in staged} == {n: sha256(t) for n, t in new.items()}
+    first = delta.encode_tensors(target, iter(new.items()), None, None)
+    assert first.kind == "full" and torch.equal(first.new_base.stream, whole.new_base.stream)
+    stale = torch.full_like(base.stream, 0xA5)
+    assert delta.fill_stream(target, new.items(), stale) is stale and torch.equal(stale, whole.new_base.stream)
+    with pytest.raises(TransportError, match=r"a stream buffer of \d+ bytes is needed, this one is \(8,\)"):
+        delta.fill_stream(target, new.items(), torch.zeros(8, dtype=torch.uint8))
+
+
 # ---- rounds over the transport ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def receivers(tiny):

@@ -233,6 +233,12 @@ class _StandaloneEndpoint:
         fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
         return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
 
+    def cpu(self):
+        """This process's CPU seconds so far (all threads; benchmark)."""
+        import time
+
+        return time.process_time()
+
     def raw_broadcast(self, sizes, staged=False):
         """Receive plain broadcasts of ``sizes`` bytes from rank 0, two in flight (benchmark);
         ``staged``: each into a new buffer, all kept to the end (what a round's staging does).

@@ -34,7 +34,7 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,16 +97,34 @@ def padded_size(n: int) -> int:
     return -(-n // TILE) * TILE
 
 
-def stream_of(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:
+def fill_stream(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]],
+                out: torch.Tensor | None = None,
+                on_bucket: Callable[[torch.Tensor, int], None] | None = None) -> torch.Tensor:
     """The round's stream: each tensor's bytes at its stream offset (bucket offset + slot offset;
     a chunked tensor's chunks are consecutive), zeros elsewhere, padded to whole tiles.
 
-    Args: target: the full round's wire manifest; tensors: ``(name, tensor)`` in its slot order,
-        consumed one at a time (any device; copied to host memory).
-    Returns: 1-D uint8 CPU tensor of :func:`padded_size` (``target.total_bytes``) bytes.
-    Raises: TransportError when the tensors do not follow the slots (name, byte count).
+    Args:
+        target: the full round's wire manifest.
+        tensors: ``(name, tensor)`` in its slot order, consumed one at a time (any device;
+            copied to host memory), so a lazy source (quantization) runs interleaved with
+            ``on_bucket``.
+        out: the buffer to fill (1-D uint8 CPU of :func:`padded_size` bytes; every byte is
+            written, gaps and padding included, so its old contents do not matter); None: a
+            new one.
+        on_bucket: called as ``on_bucket(stream, k)`` as soon as target bucket ``k``'s bytes
+            are final (in bucket order, each once), while they are still in the cache; the
+            tail padding past the last bucket is final when this returns.
+    Returns: ``out`` (or the new buffer).
+    Raises: TransportError when the tensors do not follow the slots (name, byte count), or
+        ``out`` has another size.
     """
-    out = torch.zeros(padded_size(target.total_bytes), dtype=torch.uint8)
+    n = padded_size(target.total_bytes)
+    if out is None:
+        out = torch.empty(n, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or out.shape != (n,):
+        raise TransportError(f"delta: a stream buffer of {n} bytes is needed, this one is {tuple(out.shape)} "
+                             f"{out.dtype}")
+    buckets, k, end = target.buckets, 0, 0  # k: the next bucket to finish; end: bytes final so far
     it = iter(tensors)
     for slot in target.slots:
         name, t = next(it, (None, None))
@@ -115,11 +133,26 @@ def stream_of(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]])
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         if raw.numel() != slot.nbytes:
             raise TransportError(f"delta: {name} has {raw.numel()} bytes, the wire manifest says {slot.nbytes}")
-        at = target.buckets[slot.bucket].stream_offset + slot.offset
+        at = buckets[slot.bucket].stream_offset + slot.offset
+        out[end:at].zero_()
         out[at:at + slot.nbytes] = raw
+        end = at + slot.nbytes
+        while on_bucket is not None and k < len(buckets) and buckets[k].stream_offset + buckets[k].nbytes <= end:
+            on_bucket(out, k)
+            k += 1
     if next(it, None) is not None:
         raise TransportError("delta: the source yields more tensors than the wire manifest holds")
+    out[end:].zero_()
+    while on_bucket is not None and k < len(buckets):
+        on_bucket(out, k)
+        k += 1
     return out
+
+
+def stream_of(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The round's stream in a new buffer (:func:`fill_stream`): 1-D uint8 CPU tensor of
+    :func:`padded_size` (``target.total_bytes``) bytes."""
+    return fill_stream(target, tensors)
 
 
 def changed_bytes(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -139,11 +172,12 @@ def tile_costs(counts: torch.Tensor) -> torch.Tensor:
     return torch.stack([3 * counts, TILE // 8 + counts, torch.full_like(counts, TILE)], 1)
 
 
-def encode_patch(new: torch.Tensor, base: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, int]]:
+def encode_patch(new: torch.Tensor, base: torch.Tensor | None, changed: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, int]]:
     """The patch taking ``base`` to ``new`` (module docstring).
 
     Args: new, base: 1-D uint8 CPU tensors of the same whole-tile length; ``base`` None: every
-        tile raw.
+        tile raw. changed: :func:`changed_bytes` of the two when already known (None: computed).
     Returns: (the patch, 1-D uint8; tiles per encoding name).
     """
     n = new.numel()
@@ -153,7 +187,7 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None) -> tuple[torch.Te
         counts = torch.zeros(tiles, dtype=torch.int64)
         pos = None
     else:
-        pos = changed_bytes(new, base)
+        pos = changed_bytes(new, base) if changed is None else changed
         counts = torch.bincount(pos // TILE, minlength=tiles)
         kinds = tile_costs(counts).argmin(1).to(torch.uint8)  # first minimum: rle, bitmap, raw
     parts = [torch.tensor([PATCH_MAGIC, n, tiles, TILE], dtype=torch.int64).view(torch.uint8), kinds,
@@ -285,9 +319,55 @@ def encode_round(target: WireManifest, stream: torch.Tensor, base: Base | None, 
     round_id = secrets.token_hex(16)
     if base is not None and base.target != target.digest:
         base = None
-    patch, tiles = encode_patch(stream, base.stream if base is not None else None)
+    return _round(target, stream, base, round_id, bucket_digests(target, stream, digest_sealer(secret, round_id)),
+                  None if base is None else changed_bytes(stream, base.stream), t0)
+
+
+def encode_tensors(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]], base: Base | None,
+                   secret: Secret | None) -> DeltaRound:
+    """Encode the round of ``tensors`` against ``base`` in ONE pass over its stream: each target
+    bucket is compared with the base and digested as soon as :func:`fill_stream` has written it
+    (while it is in the cache), between the tensors ``tensors`` (e.g. quantization) produces,
+    instead of a compare and a digest of the whole stream afterwards. The round (and its new
+    base's stream) is the one :func:`encode_round` makes of :func:`stream_of` ``(target, tensors)``.
+
+    Args: target, base, secret: as :func:`encode_round`; tensors: as :func:`fill_stream`.
+    Raises: as :func:`fill_stream`.
+    """
+    round_id = secrets.token_hex(16)
+    if base is not None and base.target != target.digest:
+        base = None
+    sealer, digests, found, spent = digest_sealer(secret, round_id), [], [], 0.0
+    ends = [0] + [(b.stream_offset + b.nbytes) // 8 * 8 for b in target.buckets]  # whole int64 words
+
+    def on_bucket(stream: torch.Tensor, k: int) -> None:
+        """Bucket k's digest, and the changed positions from the previous bucket's end to its
+        own (whole words)."""
+        nonlocal spent
+        t = time.perf_counter()
+        b = target.buckets[k]
+        digests.append(sealer.seal(b.index, 0, stream[b.stream_offset:b.stream_offset + b.nbytes]).hex())
+        lo, hi = ends[k], ends[k + 1]
+        if base is not None and hi > lo:
+            found.append(changed_bytes(stream[lo:hi], base.stream[lo:hi]) + lo)
+        spent += time.perf_counter() - t
+
+    stream = fill_stream(target, tensors, on_bucket=on_bucket)
+    t1 = time.perf_counter()
+    if base is not None and ends[-1] < stream.numel():  # the tail padding past the last bucket
+        found.append(changed_bytes(stream[ends[-1]:], base.stream[ends[-1]:]) + ends[-1])
+    changed = None if base is None else torch.cat(found) if found else torch.zeros(0, dtype=torch.int64)
+    # encode_s: the compare and digest seconds, and the patch
+    return _round(target, stream, base, round_id, digests, changed, t1 - spent)
+
+
+def _round(target: WireManifest, stream: torch.Tensor, base: Base | None, round_id: str, digests: list[str],
+           changed: torch.Tensor | None, t0: float) -> DeltaRound:
+    """The round from its stream, digests and changed positions against ``base`` (of the
+    target's layout, or None); its ``encode_s`` is the seconds since ``t0``."""
+    patch, tiles = encode_patch(stream, base.stream if base is not None else None, changed)
     head = {"base": base.round_id if base is not None else None, "round": round_id, "target": target.digest,
-            "digests": bucket_digests(target, stream, digest_sealer(secret, round_id))}
+            "digests": digests}
     header = torch.frombuffer(bytearray(json.dumps(head, sort_keys=True).encode()), dtype=torch.uint8)
     blobs = [(HEADER_NAME, header), (PATCH_NAME, patch)]
     wm = build_wire_manifest(((n, "uint8", (b.numel(),)) for n, b in blobs), target.bucket_bytes, BLOB_ALIGNMENT)
@@ -406,5 +486,5 @@ def patch_sizes(new: torch.Tensor, base: torch.Tensor) -> dict[str, int]:
 
 
 __all__ = ["Base", "DeltaError", "DeltaRefused", "DeltaRound", "HEADER_NAME", "KINDS", "PATCH_NAME", "TILE",
-           "check_base", "decode_patch", "decode_round", "encode_patch", "encode_round", "patch_sizes",
-           "stream_of", "target_of"]
+           "check_base", "decode_patch", "decode_round", "encode_patch", "encode_round", "encode_tensors",
+           "fill_stream", "patch_sizes", "stream_of", "target_of"]

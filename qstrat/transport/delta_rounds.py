@@ -35,11 +35,10 @@ class DeltaRounds:
         ``tensors`` began. Raises: as ``send``."""
         base, self.base = self.base, None
         t0 = time.perf_counter()
-        stream = delta.stream_of(target, tensors)
-        source_s = time.perf_counter() - t0
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
-        rnd = delta.encode_round(target, stream, base, secret)
+        rnd = delta.encode_tensors(target, tensors, base, secret)
+        stream, source_s = rnd.new_base.stream, time.perf_counter() - t0 - rnd.encode_s
         attempts = 1
         try:
             report = send(rnd.wire_manifest, iter(rnd.blobs), {"delta": rnd.info})

@@ -37,8 +37,10 @@ class DeltaReport:
     a digest mismatch: the round was then sent again, whole); ``full_bytes``: the full round's
     payload (the target wire manifest's); ``wire_bytes``: the payload sent (the delta wire
     manifest's: header, tile table and patch); ``tiles``: tiles per encoding (``rle``,
-    ``bitmap``, ``raw``; :mod:`qstrat.transport.delta`); ``source_s``: wall seconds quantizing
-    the round into its stream; ``encode_s``: wall seconds encoding and digesting the round sent;
+    ``bitmap``, ``raw``; :mod:`qstrat.transport.delta`); ``encode_s``: wall seconds comparing
+    the round's stream with the base, digesting it and making the patch of the round sent;
+    ``source_s``: the rest of the wall seconds until the round was encoded (quantizing into
+    the stream);
     ``base_bytes``: the host memory the sender's base holds after the round; ``attempts``: 2 when
     a refused delta was followed by the whole round. The report's ``seconds`` then cover the
     whole ``refit`` call after the checks (quantization, encoding, the round or rounds)."""
