@@ -198,7 +198,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     plan = driver.plan(tensors)
     if args.json:
         sys.stdout.write(plan.to_json(indent=1) + "\n")
-        _print_cpu_refit_warning(None, driver, plan)
+        _print_plan_warnings(None, driver, plan)
         return 0
     if not args.summary:
         width = max((len(e.name) for e in plan.entries), default=0)
@@ -207,22 +207,24 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
             more = f" (+{len(e.outputs) - 2} more)" if len(e.outputs) > 2 else ""
             console.out(f"{e.name:<{width}}  {e.kind:<13} {e.serializer:<11} {e.rule:<28} {outs}{more}")
     _print_summary(console, plan)
-    _print_cpu_refit_warning(console, driver, plan)
+    _print_plan_warnings(console, driver, plan)
     return 0
 
 
-def _print_cpu_refit_warning(console: Console | None, driver: Any, plan: Any) -> None:
-    """The plan's experts a CPU vLLM engine would refuse to refit (qstrat.cpu_experts), as a
-    warning line; on stderr when ``console`` is None (stdout holds JSON)."""
+def _print_plan_warnings(console: Console | None, driver: Any, plan: Any) -> None:
+    """Warning lines about a valid plan: rules that decided no tensor (qstrat.plan.structure.
+    idle_rules) and the plan's experts a CPU vLLM engine would refuse to refit
+    (qstrat.cpu_experts); on stderr when ``console`` is None (stdout holds JSON)."""
     from qstrat.cpu_experts import plan_cpu_refit_warning
+    from qstrat.plan.structure import idle_rules
 
-    note = plan_cpu_refit_warning(plan, driver.hf_config, driver.registry, driver.layout)
-    if note is None:
-        return
-    if console is None:
-        sys.stderr.write(f"warning: {note}\n")
-    else:
-        console.print(f"warning: {note}", markup=False, soft_wrap=True)
+    notes = idle_rules(plan.entries, driver.config)
+    cpu = plan_cpu_refit_warning(plan, driver.hf_config, driver.registry, driver.layout)
+    for note in notes + ([cpu] if cpu is not None else []):
+        if console is None:
+            sys.stderr.write(f"warning: {note}\n")
+        else:
+            console.print(f"warning: {note}", markup=False, soft_wrap=True)
 
 
 def _print_summary(console: Console, plan: Any) -> None:
@@ -286,7 +288,7 @@ def _cmd_quantize(args: argparse.Namespace, console: Console) -> int:
         # output starts then, never above an error, and a warning about the input comes before
         # anything is written. Not a terminal (a log): one line per shard.
         if done == 0 and not tasks:
-            _print_cpu_refit_warning(console, driver, driver.plan(tensors))
+            _print_plan_warnings(console, driver, driver.plan(tensors))
             console.print(f"quantizing on {device}")
         if not console.is_terminal:
             tasks.append(None)

@@ -487,7 +487,10 @@ def test_quantize_warns_that_a_cpu_engine_refuses_the_bf16_experts_refits(tiny_m
     assert lines.index(warning) < lines.index("quantizing on cpu") < min(
         i for i, line in enumerate(lines) if line.startswith("quantizing: "))
     assert warning in run("plan", tmp_path / "bf16", "--config", cfg, "--summary").stdout.splitlines()
-    assert run("plan", tmp_path / "bf16", "--config", cfg, "--json").stderr == warning + "\n"
+    stderr = run("plan", tmp_path / "bf16", "--config", cfg, "--json").stderr.splitlines()
+    # config.md's attention rule names layers 10-29: none in a 4-layer model (idle_rules says so)
+    assert len(stderr) == 2 and stderr[0].startswith("warning: rules[0] (attention, shared_experts include")
+    assert stderr[1] == warning
     # the engine's refusal, on the same plan and a CPU engine's manifest, gives the same reason
     driver = RefitDriver(str(cfg), hf_config=tiny_model.config.to_dict())
     plan = driver.plan(tiny_model.state_dict())
@@ -519,3 +522,22 @@ def test_an_engine_side_plan_prints_the_online_config_and_no_false_experts_warni
     line = next(x for x in out.splitlines() if x.startswith("engine quantizes online:"))
     assert '"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": [' in line
     assert "qstrat.online.engine_kwargs(plan)" in line
+
+
+def test_a_rule_that_decides_no_tensor_is_a_warning_naming_it(tiny_model, tmp_path):
+    """A mistyped include pattern (``o_prj`` for ``o_proj``) used to plan silently: attention
+    stayed BF16 and nothing said why. Now the plan warns, naming the rule and its patterns,
+    while the experts rule that does decide tensors stays silent."""
+    from qstrat.demo.tiny_model import save_bf16
+
+    save_bf16(tiny_model, tmp_path / "bf16")
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text("preset: mxfp8-experts\nkeep_bf16: {first: 0, last: 0}\n"
+                   "rules: [{select: [attention], include: ['*.o_prj.weight'], serializer: mxfp8}]\n")
+    out = run("plan", tmp_path / "bf16", "--config", cfg, "--summary").stdout
+    warned = [ln for ln in out.splitlines() if ln.startswith("warning: rules[")]
+    assert len(warned) == 1, out
+    assert warned[0].startswith("warning: rules[0] (attention include ['*.o_prj.weight'] -> mxfp8) decided no "
+                                "tensor of this model")
+    cfg.write_text(cfg.read_text().replace("o_prj", "o_proj"))
+    assert "warning: rules[" not in run("plan", tmp_path / "bf16", "--config", cfg, "--summary").stdout

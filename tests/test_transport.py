@@ -89,10 +89,21 @@ def test_check_against_names_partial_units_extra_and_wrong_tensors():
     with pytest.raises(WireManifestMismatchError) as err:
         check_against(m, expected)
     msg = str(err.value)
-    assert "model.layers.0 (missing ['model.layers.0.q.weight_scale_inv'])" in msg
+    assert "model.layers.0 (missing 1: ['model.layers.0.q.weight_scale_inv'])" in msg
     assert "1 not expected by the engine: ['c.flag']" in msg
     assert "a.weight: sent float8_e4m3fn [3, 5], engine expects float8_e4m3fn [5, 3]" in msg
     assert "e.weight" not in msg  # a module sent not at all keeps its weights: allowed
+
+
+def test_a_partly_sent_unit_says_how_many_names_it_lacks_not_only_the_first_three():
+    specs = [(f"model.layers.0.experts.{e}.{p}", "float32", (1, 1))
+             for e in range(4) for p in ("weight", "weight_scale_inv")]
+    sent = [s for s in specs if not s[0].endswith("weight_scale_inv")]
+    with pytest.raises(WireManifestMismatchError) as err:
+        check_against(build_wire_manifest(sent), {n: (d, s) for n, d, s in specs})
+    msg = str(err.value)
+    assert "model.layers.0 (missing 4: ['model.layers.0.experts.0.weight_scale_inv', " in msg
+    assert "'model.layers.0.experts.2.weight_scale_inv'] (+1 more))" in msg
 
 
 def test_pack_then_unpack_gives_the_same_bytes_as_views_of_the_received_buffers():

@@ -9,8 +9,10 @@ engine would serve BF16 weights, or refuse names half-way through a refit):
 - :func:`quantizes_nothing`: a config asking for a quantized format (a rule or ``default``)
   whose rules matched no tensor of this model (experts-only MXFP8 on a layout that sees no
   experts).
+- :func:`idle_rules`: not an error - warning lines for rules that decided no tensor while
+  others did (a mistyped include pattern, a selector for a kind the model lacks).
 
-Each returns error lines for :class:`~qstrat.plan.planner.Planner` to collect.
+The first three return error lines for :class:`~qstrat.plan.planner.Planner` to collect.
 """
 from __future__ import annotations
 
@@ -96,6 +98,32 @@ def quantizes_nothing(entries: Sequence[PlanEntry], layout: str, config: RefitCo
                f"({fell[0].name}: {fell[0].note.removeprefix('BF16 fallback: ')})")
     return [f"the config quantizes nothing in this model: {'; '.join(asked)} {why}; "
             f"layout {layout!r} sees {seen}"]
+
+
+def idle_rules(entries: Sequence[PlanEntry], config: RefitConfig) -> list[str]:
+    """Warning lines, one per rule of ``config`` that decided no entry of the plan.
+
+    A rule decides an entry when it is the first rule that selects it and nothing before the
+    rules (``keep_bf16``, a never-quantized kind) decided it (``entry.rule == "rules[i]"``).
+    A rule deciding nothing is legal (a config shared by several models), so this warns; a
+    config whose quantizing rules all decide nothing is the :func:`quantizes_nothing` error.
+
+    Args:
+        entries: the plan's entries; config: the expanded config the plan was made with.
+    Returns: ``rules[i] (select, include, exclude -> serializer) decided no tensor of this
+        model: ...`` per idle rule, in rule order (empty when every rule decided something).
+    """
+    used = {e.rule for e in entries}
+    lines = []
+    for i, r in enumerate(config.rules):
+        if f"rules[{i}]" in used:
+            continue
+        what = ", ".join(r.select) + "".join(f" {k} {v}" for k, v in (("include", r.include), ("exclude", r.exclude))
+                                             if v)
+        lines.append(f"rules[{i}] ({what} -> {r.serializer}) decided no tensor of this model: its selectors "
+                     "or patterns match none here, or an earlier rule, keep_bf16 or a never-quantized kind "
+                     "decided each match (`qstrat plan` lists which rule decided each tensor)")
+    return lines
 
 
 def _listing(names: Sequence[str]) -> str:

@@ -246,7 +246,7 @@ def check_against(wire_manifest: WireManifest, expected: Mapping[str, tuple[str,
     units: dict[str, list[str]] = {}
     for name in expected:
         units.setdefault(reload_unit(name), []).append(name)
-    partial = [f"{unit} (missing {sorted(set(names) - set(sent))[:3]})"
+    partial = [_missing_of(unit, sorted(set(names) - set(sent)))
                for unit, names in sorted(units.items())
                if set(names) & set(sent) and not set(names) <= set(sent)]
     extra = sorted(set(sent) - set(expected))
@@ -262,6 +262,12 @@ def check_against(wire_manifest: WireManifest, expected: Mapping[str, tuple[str,
             problems.append(f"{len(items)} {label}: {items[:5]}{more}")
     if problems:
         raise WireManifestMismatchError("wire manifest does not match the engine: " + "; ".join(problems))
+
+
+def _missing_of(unit: str, missing: list[str]) -> str:
+    """``unit (missing N: [first 3] (+M more))``: how many names the unit lacks, and the first."""
+    more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+    return f"{unit} (missing {len(missing)}: {missing[:3]}{more})"
 
 
 def reload_unit(name: str) -> str:
