@@ -128,6 +128,9 @@ def _read_hf_config(model: Path) -> tuple[Path, dict[str, Any]]:
     elif model.suffix == ".safetensors":
         raise ConfigError(f"{model} is a safetensors file; pass the model directory holding it "
                           "and its config.json")
+    elif model.suffix in (".yaml", ".yml", ".toml"):  # the refit config given where MODEL goes
+        raise ConfigError(f"{model}: MODEL is the model's directory (or its config.json); a refit config "
+                          "goes after --config (qstrat plan MODEL --config FILE)")
     else:
         cfg_path = model
     from qstrat.config_files import read_text_file

@@ -146,6 +146,12 @@ def _case_model_is_a_safetensors_file(tmp, src):
         f"{src / 'model.safetensors'} is a safetensors file; pass the model directory"
 
 
+def _case_model_is_the_refit_config(tmp, src):
+    (tmp / "refit.yaml").write_text("preset: block-fp8\n")
+    return ["plan", tmp / "refit.yaml", "--preset", "block-fp8"], \
+        f"{tmp / 'refit.yaml'}: MODEL is the model's directory (or its config.json); a refit config goes after --config"
+
+
 def _case_invalid_config_json(tmp, src):
     (tmp / "m").mkdir()
     (tmp / "m" / "config.json").write_text("{bad")
@@ -314,6 +320,7 @@ def _case_config_string_boolean(tmp, src):  # "false" is truthy: it tied an unti
     _case_config_string_boolean,
     _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
     _case_config_is_a_directory, _case_config_json_is_a_fifo, _case_binary_config, _case_model_is_a_safetensors_file,
+    _case_model_is_the_refit_config,
     _case_invalid_config_json, _case_truncated_safetensors, _case_config_only_missing_key,
     _case_config_architectures_not_a_list, _case_config_model_type_not_a_string,
     _case_quantize_config_only, _case_unsupported_dtype, _case_no_tensors, _case_out_is_a_file,
