@@ -51,9 +51,9 @@ class PlanCache:
     config is the driver's, fixed at construction. Anything else - a renamed, added, dropped or
     reordered input, a reshaped or recast one, an edited ``hf_config`` - re-plans and replaces
     the entry; :attr:`miss` says which of these it was. A plan that fails is not kept (every call
-    raises its own PlanError). One entry: a trainer refits one model. What is computed from the
-    plan alone (a sink's checks of it, its wire manifest, its wire order) is kept with it
-    (:meth:`keep`) and goes with it.
+    raises its own PlanError), nor one a sink's check refused. One entry: a trainer refits one
+    model. What is computed from the plan alone (a sink's checks of it, its wire manifest, the
+    execution's tables) is kept with it (:meth:`keep`) and goes with it.
 
     Where the shapes and dtypes are compared: up front, by :meth:`get` (every in-process sink),
     or - for a sink that is all-or-none until the last input was read (a transport round before
@@ -97,14 +97,19 @@ class PlanCache:
         """``make()``, computed once per kept plan: a value that depends on ``plan`` and ``key``
         alone (e.g. a sink's check of the plan, its wire manifest for one bucket size). Kept only
         while ``plan`` is the kept plan (dropped with it); for another plan (one given by the
-        caller, a partial one) it is computed each call. Raises: what ``make`` raises (not kept)."""
+        caller, a partial one) it is computed each call. Raises: what ``make`` raises - and then
+        the kept plan is dropped (:meth:`clear`): a plan a sink refused is not kept, so a refit
+        that reuses a plan only ever reuses one whose checks passed."""
         if plan is not self.plan:
             return make()
-        try:
+        if key in self._kept:
             return self._kept[key]
-        except KeyError:
+        try:
             value = self._kept[key] = make()
-            return value
+        except BaseException:
+            self.clear()
+            raise
+        return value
 
     def _differs(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any], inputs: bool) -> str | None:
         if self.plan is None:

@@ -190,7 +190,12 @@ class RefitSender:
             driver.plan_cache.clear()
             self.delta_rounds.base = base  # a delta round is encoded whole before it is sent: nothing went
             logger.info("qstrat transport: the kept plan does not fit the inputs (%s): planning again", exc)
-            report = self._round(driver.prepare(named_tensors, None, checks))
+            try:
+                report = self._round(driver.prepare(named_tensors, None, checks))
+            except BaseException as again:
+                again.add_note(f"qstrat transport: first attempt (the kept plan): {exc}; that round was aborted, "
+                               "nothing loaded")
+                raise
             return replace(report, replanned=f"{exc} (the round reusing the kept plan was aborted, nothing "
                                              f"loaded; planned again and sent)")
 
