@@ -17,6 +17,8 @@ and mix flags after each round:
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -38,11 +40,20 @@ def receivers(tiny):
         yield rs
 
 
-def sender_for(receivers, mode="atomic"):
+@contextlib.contextmanager
+def started(receivers, tiny, mode="atomic"):
+    """A connected sender whose first (cold) refit sent trainer A, with the driver's plan kept."""
+    driver, trainer_a = tiny[0], tiny[1]
+    driver.plan_cache.clear()
     s = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=BUCKET,
                     secret=SECRET, mode=mode)
     s.connect()
-    return s
+    try:
+        s.refit(driver, trainer_a)
+        assert state(receivers) == [(want(driver, trainer_a), None)] * 2
+        yield s
+    finally:
+        s.close()
 
 
 def want(driver, trainer):
@@ -69,10 +80,7 @@ def recast(trainer, other):
 @pytest.mark.parametrize("mode", ["atomic", "delta"])
 def test_a_warm_refit_reuses_the_plan_and_a_recast_input_is_replanned_and_sent_once(receivers, tiny, mode):
     driver, trainer_a, trainer_b, _ = tiny
-    driver.plan_cache.clear()
-    sender = sender_for(receivers, mode)
-    try:
-        sender.refit(driver, trainer_a)
+    with started(receivers, tiny, mode) as sender:
         planned = driver.plan_cache.planned
         report = sender.refit(driver, step(trainer_b))  # warm: the kept plan, its checks and wire manifest
         assert driver.plan_cache.planned == planned and report.replanned is None
@@ -89,18 +97,12 @@ def test_a_warm_refit_reuses_the_plan_and_a_recast_input_is_replanned_and_sent_o
         assert want(driver, changed) != want(driver, trainer_b)  # the round changed the receivers' bytes
         if mode == "delta":  # the aborted attempt sent nothing: the base stayed shared, the retry was a delta
             assert base is not None and report.delta.kind == "delta" and report.delta.reason is None, report.delta
-    finally:
-        sender.close()
 
 
 def test_a_reshaped_or_renamed_input_is_refused_and_the_receivers_keep_their_weights(receivers, tiny):
     driver, trainer_a, trainer_b, _ = tiny
-    driver.plan_cache.clear()
-    sender = sender_for(receivers)
-    try:
-        sender.refit(driver, trainer_a)
+    with started(receivers, tiny) as sender:
         before = state(receivers)
-        assert before == [(want(driver, trainer_a), None)] * 2
 
         reshaped = step(trainer_b, **{RESHAPED: trainer_b[RESHAPED].reshape(256, 128)})
         with pytest.raises(PlanError, match=rf"{RESHAPED}.*\[256, 128\]") as err:
@@ -117,20 +119,13 @@ def test_a_reshaped_or_renamed_input_is_refused_and_the_receivers_keep_their_wei
 
         report = sender.refit(driver, step(trainer_b))  # the same sender and group go on
         assert state(receivers) == [(want(driver, trainer_b), None)] * 2, report
-    finally:
-        sender.close()
 
 
 def test_a_nan_on_a_warm_round_is_raised_while_streaming_and_nothing_is_loaded(receivers, tiny):
     driver, trainer_a, trainer_b, _ = tiny
-    driver.plan_cache.clear()
-    sender = sender_for(receivers)
-    try:
-        sender.refit(driver, trainer_a)
+    with started(receivers, tiny) as sender:
         bad = trainer_b[RECAST].clone()
         bad[3, 5] = float("nan")
         with pytest.raises(NonFiniteError, match=rf"^{RECAST}: non-finite value nan"):
             sender.refit(driver, step(trainer_b, **{RECAST: bad}))
         assert state(receivers) == [(want(driver, trainer_a), None)] * 2
-    finally:
-        sender.close()
