@@ -307,13 +307,13 @@ def transport_warm_refit(driver: Any) -> Callable[[Mapping[str, torch.Tensor]], 
     the stream started. ``tensors``: meta tensors, so the stream stops where it would read the
     first value (a PlanError: a meta tensor has none), before any quantization."""
     from qstrat.errors import PlanError
-    from qstrat.transport.sender import RefitSender
-
-    sender = RefitSender([], "127.0.0.1", 0)
+    from qstrat.transport.sender import round_info, sender_checks
+    from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
 
     def before_first_byte(tensors: Mapping[str, torch.Tensor]) -> None:
-        prepared = driver.prepare(tensors, None, sender.checks(driver), all_or_none=True)
-        sender.round_info(prepared)
+        checks = sender_checks(driver, DEFAULT_BUCKET_BYTES, DEFAULT_ALIGNMENT)
+        prepared = driver.prepare(tensors, None, checks, all_or_none=True)
+        round_info(prepared, "atomic")
         try:
             next(prepared.execute())
         except PlanError as exc:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,7 +51,8 @@ from qstrat.transport.sender_protocol import SenderProtocol
 from qstrat.transport.timing import Phases
 from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, WireManifest, wire_manifest_for_plan
 
-__all__ = ["DeltaReport", "RefitSender", "TransferReport", "check_every_layer"]
+__all__ = ["DeltaReport", "RefitSender", "TransferReport", "check_every_layer", "round_info", "sender_checks",
+           "update_info"]
 
 logger = logging.getLogger("qstrat.transport")
 _UNNAMED = object()
@@ -179,7 +180,7 @@ class RefitSender:
         """
         if plan is None and not isinstance(named_tensors, dict):
             named_tensors = as_tensor_dict(named_tensors)  # kept for a second attempt
-        checks = self.checks(driver)
+        checks = sender_checks(driver, self.bucket_bytes, self.alignment)
         prepared = driver.prepare(named_tensors, plan, checks, all_or_none=self.mode != "bounded")
         if not prepared.checked_in_stream:
             return self._round(prepared)
@@ -199,24 +200,11 @@ class RefitSender:
             return replace(report, replanned=f"{exc} (the round reusing the kept plan was aborted, nothing "
                                              f"loaded; planned again and sent)")
 
-    def checks(self, driver: RefitDriver) -> tuple[SinkCheck, ...]:
-        """This sink's checks for :meth:`RefitDriver.prepare` (:func:`sender_checks`)."""
-        return sender_checks(driver, self.bucket_bytes, self.alignment)
-
-    def round_info(self, prepared: PreparedRefit) -> dict[str, Any]:
-        """The ``update_info`` of a prepared whole round (not a delta one): the wire manifest's
-        document - kept with the driver's kept plan, the same object each warm round (weight-sync
-        clients serialize it and must not change it) -, the mode, the protocol version, the
-        plan's ``quantization_config`` and who quantizes."""
-        plan, wm = prepared.plan, prepared.results[WIRE_MANIFEST]
-        doc = prepared.driver.plan_cache.keep(plan, (WIRE_MANIFEST, "doc", wm.digest), wm.to_dict)
-        return update_info(wm, self.mode, plan.vllm_quantization_config(), {ONLINE_KEY: plan.engine_quantization}, doc)
-
     def _round(self, prepared: PreparedRefit) -> TransferReport:
         """Send one prepared round (through the delta base in ``delta`` mode)."""
         wm = prepared.results[WIRE_MANIFEST]
         if self.mode != "delta":
-            return self._send(wm, prepared.execute(), self.round_info(prepared))
+            return self._send(wm, prepared.execute(), round_info(prepared, self.mode))
         qc = prepared.plan.vllm_quantization_config()
         online = {ONLINE_KEY: prepared.plan.engine_quantization}  # who quantizes: checked by the engine first
         return self.delta_rounds.refit(wm, prepared.execute(), self._secret, lambda wm, blobs, extra: self._send(
@@ -246,7 +234,7 @@ class RefitSender:
         return self._send(wire_manifest, tensors, update_info(wire_manifest, self.mode, quantization_config, {}))
 
     def _send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
-              update_info: dict[str, Any]) -> TransferReport:
+              info: dict[str, Any]) -> TransferReport:
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
         if self._secret is None and not self._warned:
@@ -257,7 +245,7 @@ class RefitSender:
         self.profile = prof = Phases("start_s", "handshake_s", "source_s", "pack_s", "seal_s", "wait_s",
                                      "commit_s", "update_s", "finish_s", "cpu_s")
         self.engines.call_all("start_weight_update")
-        futures = self.engines.start("update_weights", update_info)
+        futures = self.engines.start("update_weights", info)
         stream_start = time.perf_counter()
         prof["start_s"] = stream_start - start
         try:
@@ -301,6 +289,16 @@ def sender_checks(driver: RefitDriver, bucket_bytes: int, alignment: int) -> tup
             SinkCheck(model.name, model.run, plan_only=True),
             SinkCheck(WIRE_MANIFEST, lambda p: wire_manifest_for_plan(p.plan, bucket_bytes, alignment),
                       plan_only=True, key=(bucket_bytes, alignment)))
+
+
+def round_info(prepared: PreparedRefit, mode: str) -> dict[str, Any]:
+    """The ``update_info`` of a prepared whole round (not a delta one) in ``mode``: the wire
+    manifest's document - kept with the driver's kept plan, the same object each warm round
+    (weight-sync clients serialize it and must not change it) -, the mode, the protocol version,
+    the plan's ``quantization_config`` and who quantizes."""
+    plan, wm = prepared.plan, prepared.results[WIRE_MANIFEST]
+    doc = prepared.driver.plan_cache.keep(plan, (WIRE_MANIFEST, "doc", wm.digest), wm.to_dict)
+    return update_info(wm, mode, plan.vllm_quantization_config(), {ONLINE_KEY: plan.engine_quantization}, doc)
 
 
 def update_info(wire_manifest: WireManifest, mode: str, quantization_config: Any, extra: dict[str, Any],
