@@ -276,6 +276,10 @@ def bench_plan(model_dir: Path, reps: int, preset: str = "block-fp8",
     training step (:class:`qstrat.driver.PlanCache`: names, ``hf_config``, then each input's
     shape and dtype compared with the kept plan's), given a new dict whose names are new
     strings of the same text, as a trainer's ``state_dict()`` builds each step;
+    ``warm refit (transport, before first byte)`` - everything ``RefitSender.refit`` (atomic
+    mode) runs on such a dict before it quantizes the first tensor: the kept plan's lookup, its
+    sink checks and wire manifest (kept with the plan), the ``update_info`` document, and the
+    execution up to the first input's read (:func:`transport_warm_refit`);
     ``wire order`` - the plan's output order."""
     from qstrat.driver import RefitDriver
     from qstrat.skeleton import model_tensors
@@ -286,11 +290,36 @@ def bench_plan(model_dir: Path, reps: int, preset: str = "block-fp8",
                for n, s in model_tensors(driver.layout, hf)}
     plan = driver.plan(tensors)
     step = {(n + ".")[:-1]: t for n, t in tensors.items()}  # equal names, new str objects
+    refit = transport_warm_refit(driver)
     t = time_interleaved({"plan (cold)": lambda: RefitDriver({"preset": preset}, hf_config=hf).plan(tensors),
-                          "plan (warm)": lambda: driver.plan(step), "wire order": plan.wire_order}, reps)
+                          "plan (warm)": lambda: driver.plan(step),
+                          "warm refit (transport, before first byte)": lambda: refit(step),
+                          "wire order": plan.wire_order}, reps)
     case = f"{model_dir.name} ({len(tensors)} tensors, {len(plan.outputs())} outputs, {preset})"
     return [_row("plan", case, impl, tt, tensors=len(tensors),
                  us_per_tensor=round(tt.median_ms * 1e3 / len(tensors), 3)) for impl, tt in t.items()]
+
+
+def transport_warm_refit(driver: Any) -> Callable[[Mapping[str, torch.Tensor]], None]:
+    """What an atomic ``RefitSender.refit(driver, tensors)`` runs before its first RPC, and its
+    execution up to the first input's read, without engines: ``driver.prepare`` with the
+    sender's checks (``all_or_none``), the ``update_info`` document of the wire manifest, and
+    the stream started. ``tensors``: meta tensors, so the stream stops where it would read the
+    first value (a PlanError: a meta tensor has none), before any quantization."""
+    from qstrat.errors import PlanError
+    from qstrat.transport.sender import round_info, sender_checks
+    from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
+
+    def before_first_byte(tensors: Mapping[str, torch.Tensor]) -> None:
+        checks = sender_checks(driver, DEFAULT_BUCKET_BYTES, DEFAULT_ALIGNMENT)
+        prepared = driver.prepare(tensors, None, checks, all_or_none=True)
+        round_info(prepared, "atomic")
+        try:
+            next(prepared.execute())
+        except PlanError as exc:
+            if "meta tensor" not in str(exc):
+                raise
+    return before_first_byte
 
 
 #: Qwen3-30B-A3B widths: hidden, expert intermediate, q heads, kv heads (of 128).

@@ -20,7 +20,7 @@ stream consumed once; every sink (:mod:`qstrat.vllm`, :mod:`qstrat.checkpoint`,
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,13 +36,14 @@ from qstrat.registry import Registry, get_registry
 from qstrat.rules import Decision, RuleSet
 from qstrat.serializers.base import Serializer
 from qstrat.stream import check_passthrough, cut_output, execute
+from qstrat.stream.index import PlanIndex
 
 __all__ = ["Decision", "NamedTensors", "PlanCache", "PreparedRefit", "RefitDriver", "SinkCheck",
            "check_passthrough", "cut_output"]
 
 
 class PlanCache:
-    """The last plan a driver made, and the metadata it was made from.
+    """The last plan a driver made, the metadata it was made from, and what depends on it alone.
 
     The invalidation rule (one): the kept plan is reused exactly when the inputs' names, in the
     producer's order, and the ``hf_config`` as it reads now (``repr``) equal those it was planned
@@ -50,7 +51,18 @@ class PlanCache:
     config is the driver's, fixed at construction. Anything else - a renamed, added, dropped or
     reordered input, a reshaped or recast one, an edited ``hf_config`` - re-plans and replaces
     the entry; :attr:`miss` says which of these it was. A plan that fails is not kept (every call
-    raises its own PlanError). One entry: a trainer refits one model.
+    raises its own PlanError), nor one a sink's check refused. One entry: a trainer refits one
+    model. What is computed from the plan alone (a sink's checks of it, its wire manifest, the
+    execution's tables) is kept with it (:meth:`keep`) and goes with it.
+
+    Where the shapes and dtypes are compared: up front, by :meth:`get` (every in-process sink),
+    or - for a sink that is all-or-none until the last input was read (a transport round before
+    its commit vote, :meth:`qstrat.transport.RefitSender.refit`) - where the stream reads each
+    input (:meth:`get` with ``inputs=False`` matches names and ``hf_config`` only, and the plan is
+    executed over the inputs as a stream, which refuses an input whose shape or dtype differs from
+    its entry with :class:`~qstrat.errors.InputMismatchError`); that sink then discards the round,
+    drops the entry (:meth:`clear`) and plans again. The rule is the same; only the place of the
+    last comparison moves.
 
     Checked in that order, cheapest first: the names (one tuple comparison), the ``hf_config``,
     then the shapes and dtypes (one pass over the inputs against the copy :meth:`put` kept), so
@@ -68,21 +80,46 @@ class PlanCache:
         #: why the last :meth:`get` missed (``"names"``, ``"hf_config"``, ``"{name}: shape ..."``,
         #: ``"{name}: dtype ..."``, ``"empty"``), or None after a hit
         self.miss: str | None = None
+        #: how many plans were kept (:meth:`put`): the planner's runs for this driver
+        self.planned = 0
+        self._kept: dict[Any, Any] = {}
 
-    def get(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> RefitPlan | None:
+    def get(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any], inputs: bool = True
+            ) -> RefitPlan | None:
         """The kept plan if ``tensors`` (name -> anything with ``.shape`` and ``.dtype``) and
         ``hf_config`` are what it was planned from (the rule above), else None (:attr:`miss`
-        says why). Reads no data."""
-        self.miss = self._differs(tensors, hf_config)
+        says why). Reads no data. ``inputs=False``: the names and ``hf_config`` only - the
+        caller compares each input with its plan entry where it reads it (see above)."""
+        self.miss = self._differs(tensors, hf_config, inputs)
         return self.plan if self.miss is None else None
 
-    def _differs(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any]) -> str | None:
+    def keep(self, plan: RefitPlan, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per kept plan: a value that depends on ``plan`` and ``key``
+        alone (e.g. a sink's check of the plan, its wire manifest for one bucket size). Kept only
+        while ``plan`` is the kept plan (dropped with it); for another plan (one given by the
+        caller, a partial one) it is computed each call. Raises: what ``make`` raises - and then
+        the kept plan is dropped (:meth:`clear`): a plan a sink refused is not kept, so a refit
+        that reuses a plan only ever reuses one whose checks passed."""
+        if plan is not self.plan:
+            return make()
+        if key in self._kept:
+            return self._kept[key]
+        try:
+            value = self._kept[key] = make()
+        except BaseException:
+            self.clear()
+            raise
+        return value
+
+    def _differs(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any], inputs: bool) -> str | None:
         if self.plan is None:
             return "empty"
         if tuple(tensors) != self.names:
             return "names"
         if repr(hf_config) != self.hf_config:
             return "hf_config"
+        if not inputs:
+            return None
         for (shape, dtype), (name, t) in zip(self.metadata, tensors.items()):
             try:
                 if t.shape != shape:
@@ -97,11 +134,14 @@ class PlanCache:
         """Keep ``plan``, made from ``tensors`` and ``hf_config``, replacing the previous entry."""
         self.names, self.hf_config, self.plan = tuple(tensors), repr(hf_config), plan
         self.metadata = [(tuple(t.shape), t.dtype) for t in tensors.values()]
+        self._kept = {}
+        self.planned += 1
 
     def clear(self) -> None:
-        """Drop the kept plan (the next :meth:`RefitDriver.plan` plans)."""
+        """Drop the kept plan and what was kept with it (the next :meth:`RefitDriver.plan` plans)."""
         self.names = self.hf_config = self.plan = None
         self.metadata = []
+        self._kept = {}
 
 
 class RefitDriver:
@@ -179,6 +219,15 @@ class RefitDriver:
                 self.plan_cache.put(tensors, self.hf_config, plan)
         return plan
 
+    def kept_plan(self, tensors: Mapping[str, Any]) -> RefitPlan | None:
+        """The kept plan if ``tensors``' names (in order) and the ``hf_config`` are those it was
+        planned from, else None; shapes and dtypes are NOT compared here (:class:`PlanCache`,
+        ``inputs=False``): for a caller that executes the plan over ``tensors`` as a stream,
+        which compares each input with its entry as it reads it, and discards everything it
+        received on :class:`~qstrat.errors.InputMismatchError` (``prepare(..., all_or_none=True)``).
+        Reads no data, plans nothing."""
+        return self.plan_cache.get(tensors, self.hf_config, inputs=False)
+
     # ---- run ------------------------------------------------------------------------------
     def run(self, named_tensors: NamedTensors, plan: RefitPlan | None = None,
             ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -201,7 +250,7 @@ class RefitDriver:
 
     def prepare(self, named_tensors: NamedTensors, plan: RefitPlan | None = None,
                 checks: Sequence[SinkCheck] = (), values: ValuesWhen = "first",
-                stream: bool = False) -> PreparedRefit:
+                stream: bool = False, all_or_none: bool = False) -> PreparedRefit:
         """Run every check before the first byte (:data:`qstrat.prepare.STEPS`, in order: plan,
         the sink's ``checks``, backends, values) and return what to execute.
 
@@ -215,11 +264,16 @@ class RefitDriver:
                 cannot take anything back); ``"inline"`` - while quantizing.
             stream: with ``plan``, keep an iterator as an iterator (consumed once by
                 ``execute``; devices and values are then checked as each tensor arrives).
+            all_or_none: the sink discards everything it received when execution raises (a
+                transport round before its commit vote): the kept plan is then matched by names
+                and ``hf_config`` only (:meth:`kept_plan`) and each input is checked where the
+                stream reads it (:func:`qstrat.prepare.prepare`).
         Returns: a :class:`~qstrat.prepare.PreparedRefit` (``.plan``, ``.execute()``).
         Raises: PlanError; the sink's errors; BackendUnavailableError; NonFiniteError - the
-            first step that fails, before anything is emitted.
+            first step that fails, before anything is emitted (``all_or_none`` with the kept
+            plan: an input's shape, dtype, device or values while executing).
         """
-        return prepare(self, named_tensors, plan, checks, values, stream)
+        return prepare(self, named_tensors, plan, checks, values, stream, all_or_none)
 
     def check_plan(self, plan: RefitPlan, tensors: Any = None) -> None:
         """Raise PlanError unless ``plan`` was made with this driver's config (a plan given to
@@ -278,8 +332,9 @@ class RefitDriver:
         Each input is quantized once, when its first output is due, and its parts are dropped
         after its last output: that bounds live parts to about one decoder layer.
         """
+        index = self.plan_cache.keep(plan, "plan index", lambda: PlanIndex.of(plan))
         yield from execute(self, plan, tensors, values_checked, expert_batch or self.config.expert_batch,
-                           consumer_stream)
+                           consumer_stream, index)
 
 
 def hf_config_dict(hf_config: Any) -> dict[str, Any]:

@@ -93,6 +93,13 @@ class NoValuesError(PlanError, TypeError):
     was given where its values are needed (quantizing, sending, writing); the message names it."""
 
 
+class InputMismatchError(PlanError):
+    """An input read from a stream differs from its plan entry in shape or dtype (or is not a
+    tensor): the message names the input, what arrived and what was planned. Raised where the
+    stream reads it; a transport round that reused its kept plan (:class:`qstrat.driver.PlanCache`)
+    then aborts with nothing loaded and is planned and sent again."""
+
+
 class ConfigOnlyUnsupportedError(PlanError):
     """qstrat cannot derive this model's tensors from its config.json alone (a structure its
     layout does not generate - the default generator's hybrid linear attention and vision towers,

@@ -12,6 +12,12 @@ other and makes every check of every sink fail in turn.
 Order: everything that reads only metadata (names, shapes, dtypes, devices, the sink's own
 description of what it accepts) comes first; the values pass, which reads every byte of every
 input, comes last, so a refusal on metadata costs no read pass.
+
+A sink that is all-or-none until the last input was read (``all_or_none=True``: a transport
+round before its commit vote) reuses the driver's kept plan when the inputs' names and the
+``hf_config`` match it (:class:`qstrat.driver.PlanCache`), and then checks each input's shape,
+dtype, device and values where the stream reads it, not up front: the per-input passes over
+every tensor are what a warm refit would otherwise pay before its first byte.
 """
 from __future__ import annotations
 
@@ -36,7 +42,12 @@ ValuesWhen = Literal["first", "inline"]
 class Driver(Protocol):
     """What preparation needs of the driver (:class:`qstrat.RefitDriver` is the one)."""
 
+    #: the driver's :class:`qstrat.driver.PlanCache` (its kept plan, and what is kept with it)
+    plan_cache: Any
+
     def plan(self, named_tensors: NamedTensors) -> RefitPlan: ...
+
+    def kept_plan(self, tensors: Mapping[str, Any]) -> RefitPlan | None: ...
 
     def check_plan(self, plan: RefitPlan, tensors: Any = None) -> None: ...
 
@@ -56,10 +67,19 @@ class SinkCheck:
     ``run(prepared)`` reads ``prepared.plan`` (and ``prepared.plan_given``, ``prepared.tensors``)
     and raises the sink's error naming what is wrong; it must not emit or send anything. What it
     returns (e.g. the wire manifest it built) is kept in ``prepared.results[name]``.
+
+    ``plan_only``: what ``run`` returns or raises depends on ``prepared.plan`` and
+    ``prepared.plan_given`` alone (and on the driver's fixed config, layout and ``hf_config``):
+    its result is then kept with the driver's kept plan (:meth:`qstrat.driver.PlanCache.keep`,
+    under ``(name, plan_given, *key)``) and not computed again while that plan is reused; a
+    check that raises is run again each time.
     """
 
     name: str
     run: Callable[[PreparedRefit], Any]
+    plan_only: bool = False
+    #: more of what the result depends on, with ``plan_only`` (e.g. a bucket size)
+    key: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -76,6 +96,10 @@ class PreparedRefit:
         ran: the names of the steps and sink checks that ran, in order (``sink`` is replaced by
             the sink's check names; a step deferred to the stream is absent).
         results: what each sink check returned, by its name.
+        checked_in_stream: the plan is the driver's kept plan, matched by names and
+            ``hf_config`` only (``all_or_none``); ``tensors`` is then a stream over the given
+            mapping, and each input's shape and dtype is compared with its entry as it is read
+            (:class:`~qstrat.errors.InputMismatchError`), its device and values as it is quantized.
     """
 
     driver: Driver
@@ -85,6 +109,7 @@ class PreparedRefit:
     values_checked: bool = False
     ran: list[str] = field(default_factory=list)
     results: dict[str, Any] = field(default_factory=dict)
+    checked_in_stream: bool = False
 
     @property
     def streamed(self) -> bool:
@@ -114,6 +139,7 @@ class _Preparation:
     checks: Sequence[SinkCheck]
     values: ValuesWhen
     stream: bool
+    all_or_none: bool = False
     prepared: PreparedRefit | None = None
 
 
@@ -129,6 +155,12 @@ class Step:
 
 def _plan(s: _Preparation) -> None:
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]
+    if s.plan is None and s.all_or_none and isinstance(s.named_tensors, dict):
+        kept = s.driver.kept_plan(s.named_tensors)
+        if kept is not None:  # shapes, dtypes, devices, values: as the stream reads each input
+            s.prepared = PreparedRefit(s.driver, kept, iter(s.named_tensors.items()), plan_given=False,
+                                       ran=["plan"], checked_in_stream=True)
+            return
     if s.plan is None:
         tensors = as_tensor_dict(s.named_tensors)
         plan = s.driver.plan(tensors)
@@ -146,7 +178,11 @@ def _plan(s: _Preparation) -> None:
 def _sink(s: _Preparation) -> None:
     p = _prepared(s)
     for check in s.checks:
-        p.results[check.name] = check.run(p)
+        if check.plan_only:
+            p.results[check.name] = p.driver.plan_cache.keep(p.plan, (check.name, p.plan_given, *check.key),
+                                                             lambda: check.run(p))
+        else:
+            p.results[check.name] = check.run(p)
         p.ran.append(check.name)
 
 
@@ -187,7 +223,7 @@ STEPS: tuple[Step, ...] = (
 
 def prepare(driver: Driver, named_tensors: NamedTensors, plan: RefitPlan | None = None,
             checks: Sequence[SinkCheck] = (), values: ValuesWhen = "first",
-            stream: bool = False) -> PreparedRefit:
+            stream: bool = False, all_or_none: bool = False) -> PreparedRefit:
     """Run :data:`STEPS` (what :meth:`qstrat.RefitDriver.prepare` does).
 
     Args:
@@ -201,10 +237,16 @@ def prepare(driver: Driver, named_tensors: NamedTensors, plan: RefitPlan | None 
             devices and values are then checked as each tensor arrives). Otherwise the inputs
             are collected into a mapping first (without a plan they always are: planning reads
             every input's metadata).
+        all_or_none: the sink discards everything it received if execution raises (a transport
+            round before its commit vote). Without ``plan``, given a dict whose names (in order)
+            and the driver's ``hf_config`` match the driver's kept plan, that plan is used and
+            the inputs are executed as a stream over the dict: each one's shape and dtype is then
+            checked as it is read (InputMismatchError), its device and values as it is quantized,
+            instead of the up-front passes (``PreparedRefit.checked_in_stream``).
     Returns: the :class:`PreparedRefit`.
     Raises: the error of the first step that fails (see :data:`STEPS`); nothing was emitted.
     """
-    state = _Preparation(driver, named_tensors, plan, tuple(checks), values, stream)
+    state = _Preparation(driver, named_tensors, plan, tuple(checks), values, stream, all_or_none)
     for step in STEPS:
         step.run(state)
     return _prepared(state)

@@ -264,3 +264,52 @@ def test_a_kept_plan_is_not_served_for_values_that_are_not_tensors(tiny_model, t
     with pytest.raises(qstrat.PlanError, match=rf"^{re.escape(name)}: .*"):
         driver.plan({**state, name: value})
     assert driver.plan(state) is plan
+
+
+def test_what_the_plan_alone_gives_is_kept_with_it_and_dropped_with_it(tiny_model, tiny_hf_config):
+    """PlanCache.keep: computed once while the plan is kept; for another plan each call; gone with
+    a miss; a refused value (a sink's check raising) drops the kept plan itself."""
+    state = _meta(tiny_model.state_dict())
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan, made = driver.plan(state), []
+    keep = driver.plan_cache.keep
+    assert keep(plan, "k", lambda: made.append(1) or len(made)) == keep(plan, "k", lambda: made.append(1)) == 1
+    partial = plan.only_layers([0])
+    assert [keep(partial, "k", lambda: made.append(1) or len(made)) for _ in range(2)] == [2, 3]
+    recast = {**state, "model.norm.weight": state["model.norm.weight"].float()}
+    again = driver.plan(recast)
+    assert keep(again, "k", lambda: "new") == "new" and driver.plan_cache.planned == 2
+
+    def refuse():
+        raise qstrat.PlanError("refused by the sink")
+    with pytest.raises(qstrat.PlanError, match="refused by the sink"):
+        keep(again, "check", refuse)
+    assert driver.plan_cache.plan is None
+    assert driver.plan(recast) is not again and driver.plan_cache.miss == "empty" and driver.plan_cache.planned == 3
+
+
+def test_an_all_or_none_sink_gets_the_kept_plan_by_names_and_the_stream_checks_each_input(tiny_model,
+                                                                                        tiny_hf_config):
+    """prepare(all_or_none=True): the kept plan matched by names and hf_config only; a recast input
+    is refused where the stream reads it (InputMismatchError naming it, arrived vs planned), after
+    the outputs before it; a sink that is not all-or-none gets a new plan up front."""
+    from qstrat.errors import InputMismatchError
+
+    state = tiny_model.state_dict()
+    driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
+    plan = driver.plan(state)
+    assert driver.plan_cache.planned == 1
+    name = "model.layers.1.self_attn.o_proj.weight"
+    recast = {**state, name: state[name].float()}
+    p = driver.prepare(recast, all_or_none=True)
+    assert p.plan is plan and p.checked_in_stream and p.streamed and p.ran == ["plan"] and not p.plan_given
+    emitted = []
+    with pytest.raises(InputMismatchError, match=rf"^{re.escape(name)}: arrived as float32\[256, 256\], "
+                                                 r"planned as bfloat16\[256, 256\]$"):
+        for n, _ in p.execute():
+            emitted.append(n)
+    assert emitted and name not in emitted and driver.plan_cache.planned == 1
+    same = driver.prepare(dict(state), all_or_none=True)  # nothing changed: the whole stream passes
+    assert same.plan is plan and [n for n, _ in same.execute()] == [n for n, _ in driver.run(state)]
+    up_front = driver.prepare(recast)
+    assert up_front.plan is not plan and not up_front.checked_in_stream and driver.plan_cache.planned == 2

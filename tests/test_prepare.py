@@ -30,6 +30,9 @@ RAN = {
     "sender": ["plan", "every layer", "model tensors", "wire manifest", "backends", "values"],
     "run": ["plan", "backends"],  # values while quantizing
 }
+#: A warm atomic RefitSender.refit (the driver's kept plan, matched by names and hf_config): the
+#: plan's own checks (kept with it); shapes, dtypes, backends and values as the stream reads each input.
+WARM_SENDER = ["plan", "every layer", "model tensors", "wire manifest"]
 #: The doc's bullet for each sink's own checks.
 DOC_SINK = {"vllm": "`qstrat.vllm.refit`", "checkpoint": "`write_checkpoint`", "sender": "`RefitSender.refit`",
             "run": "`RefitDriver.run`"}
@@ -131,13 +134,16 @@ def test_every_sink_runs_its_checks_in_the_documented_order(tiny_model, driver, 
     qstrat.vllm.refit(RecordingLLM(driver.plan(state).vllm_quantization_config()), driver, state)
     qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
     next(driver.run(state))
-    sender, calls = _sender()
-    with pytest.raises(AssertionError, match="a collective after a refused check"):
-        sender.refit(driver, state)  # every check passed: the round starts (and the stand-in stops it)
-    assert sorted(calls) == ["collective", "start_weight_update", "update_weights"]
-    assert calls[0] == "start_weight_update"
-    assert [p.ran for p in prepared] == [RAN["vllm"], RAN["checkpoint"], RAN["run"], RAN["sender"]]
-    assert [p.values_checked for p in prepared] == [True, False, False, True]
+    for _ in ("cold", "warm"):
+        driver.plan_cache.clear() if _ == "cold" else None
+        sender, calls = _sender()
+        with pytest.raises(AssertionError, match="a collective after a refused check"):
+            sender.refit(driver, state)  # every check passed: the round starts (and the stand-in stops it)
+        assert sorted(calls) == ["collective", "start_weight_update", "update_weights"]
+        assert calls[0] == "start_weight_update"
+    assert [p.ran for p in prepared] == [RAN["vllm"], RAN["checkpoint"], RAN["run"], RAN["sender"], WARM_SENDER]
+    assert [p.values_checked for p in prepared] == [True, False, False, True, False]
+    assert [p.checked_in_stream for p in prepared] == [False] * 4 + [True]
 
 
 def _fail(monkeypatch, target, name, error):
@@ -169,6 +175,7 @@ def test_each_check_refuses_before_the_first_byte(tiny_model, driver, tmp_path, 
                                                   sink, check):
     state = tiny_model.state_dict()
     engine_config = driver.plan(state).vllm_quantization_config()  # the stand-in engine's
+    driver.plan_cache.clear()  # a cold refit: a warm sender checks shapes, backends, values in the stream
     target, error = TARGETS[check]
     _fail(monkeypatch, target, check, error)
     reached: list = []
@@ -216,6 +223,7 @@ def test_the_sender_refuses_a_nan_and_an_unusable_bucket_size_before_sending(tin
     bad[2, 3, 4] = float("nan")
     state["model.layers.1.mlp.experts.down_proj"] = bad
     sender, calls = _sender()
+    driver.plan_cache.clear()  # cold: up front (a warm atomic round finds it in the stream: test_transport_warm.py)
     with pytest.raises(NonFiniteError, match=r"model\.layers\.1\.mlp\.experts\.down_proj"):
         sender.refit(driver, state)
     assert calls == []

@@ -15,6 +15,8 @@ The pieces, one module each:
   NaN/inf checks (:class:`~qstrat.stream.quantize.EntryQuantizer`);
 - :mod:`qstrat.stream.batches`: which per-expert inputs are quantized together, and their
   stacked ``[B, N, K]`` tensor (:class:`~qstrat.stream.batches.ExpertBatcher`);
+- :mod:`qstrat.stream.index`: the plan's lookup tables (wire order, entries by name, batches,
+  groups; :class:`~qstrat.stream.index.PlanIndex`), kept by a driver with its kept plan;
 - :mod:`qstrat.stream.groups`: the shared state of engine-fused groups (NVFP4's global scale,
   :class:`~qstrat.stream.groups.GroupContexts`);
 - here: wire-order emission (live parts, dropped after their last output) and the CUDA stream
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from qstrat.plan.data import OutputTensor, RefitPlan
+from qstrat.stream.index import PlanIndex
 from qstrat.stream.inputs import InputWindow, check_inputs, input_mismatch
 from qstrat.stream.quantize import EntryQuantizer, SerializerSource, check_passthrough
 
@@ -44,7 +47,7 @@ __all__ = ["SerializerSource", "check_inputs", "check_passthrough", "cut_output"
 
 def execute(driver: SerializerSource, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]],
             values_checked: bool, expert_batch: int,
-            consumer_stream: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+            consumer_stream: Any = None, index: PlanIndex | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(checkpoint_name, tensor)`` for every output of ``plan`` in its wire order.
 
     Args:
@@ -57,17 +60,19 @@ def execute(driver: SerializerSource, plan: RefitPlan, inputs: Mapping[str, Any]
         expert_batch: most experts per serializer call (the driver passes its config's
             ``expert_batch`` unless told otherwise).
         consumer_stream: CUDA stream the consumer reads outputs on (see module docstring).
+        index: ``plan``'s :class:`~qstrat.stream.index.PlanIndex` (None: built here; the driver
+            passes the one kept with its kept plan).
     Yields: tensors on the input's device; per-expert outputs of a slab or batch are views of
         the quantized batch (call ``.contiguous()`` before serializing bytes).
     Raises: PlanError naming the tensor for a streamed input that is not in the plan, arrives
         twice, differs from the plan in shape or dtype, or never arrives; NonFiniteError. With
         a stream these surface when the tensor arrives, after earlier outputs were yielded.
     """
-    window = InputWindow(plan, inputs)
+    window = InputWindow(plan, inputs, index)
     quantizer = EntryQuantizer(driver, plan, window, values_checked, expert_batch)
     try:
         live: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # entry -> (its parts, outputs left)
-        for i, o in plan.wire_order():
+        for i, o in window.index.wire_order:
             if i not in live:
                 for j, parts in quantizer.quantize(i).items():
                     live[j] = (parts, len(plan.entries[j].outputs))

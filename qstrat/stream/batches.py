@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from qstrat.plan.data import PASSTHROUGH, PlanEntry, RefitPlan
+from qstrat.plan.data import RefitPlan
+from qstrat.stream.index import batch_key
 from qstrat.stream.inputs import InputWindow
 
-__all__ = ["ExpertBatcher", "unalias"]
+__all__ = ["ExpertBatcher", "batch_key", "unalias"]
 
 
 class ExpertBatcher:
@@ -30,12 +31,8 @@ class ExpertBatcher:
 
     def __init__(self, plan: RefitPlan, inputs: InputWindow, expert_batch: int) -> None:
         self.plan, self.inputs, self.expert_batch = plan, inputs, max(1, expert_batch)
-        self.index = {e.name: i for i, e in enumerate(plan.entries)}
-        self.by_key: dict[tuple[Any, ...], dict[int, int]] = {}  # batch key -> expert -> entry index
-        for i, e in enumerate(plan.entries):
-            key = batch_key(e)
-            if key is not None:
-                self.by_key.setdefault(key, {})[e.expert] = i
+        self.index = inputs.index.position
+        self.by_key = inputs.index.batches  # batch key -> expert -> entry index (read only)
         self.scratch: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def batch(self, i: int, done: set[int]) -> list[int]:
@@ -85,15 +82,6 @@ class ExpertBatcher:
     def close(self) -> None:
         """Release the scratch."""
         self.scratch.clear()
-
-
-def batch_key(e: PlanEntry) -> tuple[Any, ...] | None:
-    """What per-expert entries of one batch share (experts module, projection, shape, dtype,
-    format and options), or None for an entry that is never batched."""
-    if e.serializer == PASSTHROUGH or e.kind != "expert" or e.expert is None:
-        return None
-    proj = e.name.rsplit(f".{e.expert}.", 1)[-1]  # e.g. gate_proj.weight
-    return (e.engine_module, proj, tuple(e.shape), e.dtype, e.serializer, repr(sorted(e.options.items())))
 
 
 def as_strided_batch(ws: list[torch.Tensor]) -> torch.Tensor | None:

@@ -30,10 +30,7 @@ class GroupContexts:
 
     def __init__(self, plan: RefitPlan, inputs: InputWindow, values_checked: bool) -> None:
         self.plan, self.inputs, self.values_checked = plan, inputs, values_checked
-        self.members: dict[str, list[int]] = {}  # group -> entry indices
-        for i, e in enumerate(plan.entries):
-            if e.group:
-                self.members.setdefault(e.group, []).append(i)
+        self.members = inputs.index.groups  # group -> entry indices (read only)
         self.contexts: dict[str, Any] = {}  # group -> context, while members remain
         self.stepped: set[str] = set()      # groups whose format has a group step
         self.checked: set[str] = set()      # inputs whose NaN/inf check ran with their group

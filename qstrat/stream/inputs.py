@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import PlanError
+from qstrat.errors import InputMismatchError, PlanError
 from qstrat.inputs import check_new_name, materialize
 from qstrat.plan.data import PlanEntry, RefitPlan
 from qstrat.serializers.base import dtype_name
+from qstrat.stream.index import PlanIndex
 
 __all__ = ["InputWindow", "check_inputs", "input_mismatch"]
 
@@ -28,11 +29,15 @@ class InputWindow:
     Args:
         plan: the plan being executed (its entries and :attr:`~qstrat.plan.data.RefitPlan.elsewhere`).
         inputs: name -> tensor (or lazy handle), or the iterator.
+        index: ``plan``'s :class:`~qstrat.stream.index.PlanIndex` (None: built here); the
+            other parts of an execution read it here (:attr:`index`).
     """
 
-    def __init__(self, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+    def __init__(self, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                 index: PlanIndex | None = None) -> None:
         self.plan = plan
-        self.entries = {e.name: e for e in plan.entries}
+        self.index = index if index is not None else PlanIndex.of(plan)
+        self.entries = self.index.entries
         self.mapping = inputs if isinstance(inputs, Mapping) else None
         self.stream = None if self.mapping is not None else iter(inputs)
         self.buffered: dict[str, Any] = {}   # arrived, not yet read
@@ -66,8 +71,8 @@ class InputWindow:
     def pull(self) -> str | None:
         """Read one pair from the stream and buffer it; its name, or None at the end.
 
-        Raises: PlanError for a name given twice, not in the plan, or whose shape or dtype
-            differs from its entry.
+        Raises: PlanError for a name given twice or not in the plan; InputMismatchError (a
+            PlanError) for one whose shape or dtype differs from its entry.
         """
         assert self.stream is not None
         item = next(self.stream, None)
@@ -84,7 +89,7 @@ class InputWindow:
                             "the producer yields)")
         problem = input_mismatch(e, t)
         if problem:
-            raise PlanError(problem)
+            raise InputMismatchError(problem)
         self.buffered[name] = t
         return name
 

@@ -20,9 +20,14 @@ class TransferReport:
     seconds: float
     #: ``mode="delta"``: what the round sent and why (None in the other modes).
     delta: DeltaReport | None = None
+    #: Why the round went twice: the driver's kept plan did not fit an input (its reason), that
+    #: round was aborted with nothing loaded, and the inputs were planned again and sent (None:
+    #: one attempt). :meth:`~qstrat.transport.RefitSender.refit`.
+    replanned: str | None = None
 
     def __repr__(self) -> str:
-        more = f", {self.delta}" if self.delta is not None else ""
+        more = (f", {self.delta}" if self.delta is not None else "") + \
+            (f", replanned: {self.replanned}" if self.replanned else "")
         return (f"TransferReport(tensors={len(self.wire_manifest.slots)}, bytes={self.bytes} "
                 f"({self.bytes / 2**20:.2f} MiB), buckets={self.buckets}, "
                 f"stream_seconds={self.stream_seconds:.3f}, seconds={self.seconds:.3f}, "

@@ -27,17 +27,18 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from qstrat.driver import RefitDriver
 from qstrat.engine_manifest import model_tensors_check
-from qstrat.errors import (MixedWeightsError, PlanError, TransferAuthError, TransportError,
+from qstrat.errors import (InputMismatchError, MixedWeightsError, PlanError, TransferAuthError, TransportError,
                            WireManifestMismatchError)
-from qstrat.inputs import NamedTensors
+from qstrat.inputs import NamedTensors, as_tensor_dict
 from qstrat.plan import RefitPlan
-from qstrat.prepare import SinkCheck
+from qstrat.prepare import PreparedRefit, SinkCheck
 from qstrat.transport import delta
 from qstrat.transport.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.delta_rounds import DeltaRounds
@@ -50,10 +51,13 @@ from qstrat.transport.sender_protocol import SenderProtocol
 from qstrat.transport.timing import Phases
 from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, WireManifest, wire_manifest_for_plan
 
-__all__ = ["DeltaReport", "RefitSender", "TransferReport", "check_every_layer"]
+__all__ = ["DeltaReport", "RefitSender", "TransferReport", "check_every_layer", "round_info", "sender_checks",
+           "update_info"]
 
 logger = logging.getLogger("qstrat.transport")
 _UNNAMED = object()
+#: The name of the wire-manifest check (its result: the round's wire manifest).
+WIRE_MANIFEST = "wire manifest"
 
 
 class RefitSender:
@@ -152,24 +156,59 @@ class RefitSender:
             plan: a plan made beforehand, e.g. ``driver.plan(specs).only_layers(changed)`` to
                 refit only the layers that changed (whole layers: engines refuse a partly sent
                 layer; the others keep their weights).
+
+        A warm refit (the rule, :class:`qstrat.driver.PlanCache`): without ``plan``, the driver's
+        kept plan is reused when the inputs' names, in order, and its ``hf_config`` are those it
+        was planned from; the checks that read the plan alone (every layer, model tensors, the
+        wire manifest) are kept with it. In ``atomic`` and ``delta`` mode - all or none until the
+        commit vote - each input's shape and dtype is then compared with its plan entry where the
+        stream reads it (its device and values as it is quantized): on a mismatch
+        (:class:`~qstrat.errors.InputMismatchError`) the round is aborted with nothing loaded
+        anywhere, the kept plan is dropped and the inputs are planned and sent again, once, with
+        every check up front; the report's ``replanned`` gives the reason. In ``bounded`` mode
+        (engines load as buckets arrive) every check runs up front, as for in-process sinks.
+
         Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, every layer, model
             tensors, the wire manifest, backends, values): PlanError (also for a refit without
             ``plan`` that leaves out a decoder layer of the driver's ``hf_config``: the engines
             would keep its old weights; and for a plan that does not match the tensors that
             ``hf_config`` implies: :func:`qstrat.engine_manifest.check_model_tensors`),
             WireManifestMismatchError (a ``bucket_bytes`` or ``alignment`` the wire manifest
-            cannot use), BackendUnavailableError, NonFiniteError; then as :meth:`send`.
+            cannot use), BackendUnavailableError, NonFiniteError; then as :meth:`send` (a
+            warm round's BackendUnavailableError / NonFiniteError: raised by the source
+            mid-stream, nothing loaded).
         """
-        check = SinkCheck("wire manifest", lambda p: wire_manifest_for_plan(p.plan, self.bucket_bytes,
-                                                                               self.alignment))
-        whole = SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given))
-        prepared = driver.prepare(named_tensors, plan, (whole, model_tensors_check(driver), check))
+        if plan is None and not isinstance(named_tensors, dict):
+            named_tensors = as_tensor_dict(named_tensors)  # kept for a second attempt
+        checks = sender_checks(driver, self.bucket_bytes, self.alignment)
+        prepared = driver.prepare(named_tensors, plan, checks, all_or_none=self.mode != "bounded")
+        if not prepared.checked_in_stream:
+            return self._round(prepared)
+        base = self.delta_rounds.base
+        try:
+            return self._round(prepared)
+        except InputMismatchError as exc:  # aborted before the commit vote: the engines hold what they held
+            driver.plan_cache.clear()
+            self.delta_rounds.base = base  # a delta round is encoded whole before it is sent: nothing went
+            logger.info("qstrat transport: the kept plan does not fit the inputs (%s): planning again", exc)
+            try:
+                report = self._round(driver.prepare(named_tensors, None, checks))
+            except BaseException as again:
+                again.add_note(f"qstrat transport: first attempt (the kept plan): {exc}; that round was aborted, "
+                               "nothing loaded")
+                raise
+            return replace(report, replanned=f"{exc} (the round reusing the kept plan was aborted, nothing "
+                                             f"loaded; planned again and sent)")
+
+    def _round(self, prepared: PreparedRefit) -> TransferReport:
+        """Send one prepared round (through the delta base in ``delta`` mode)."""
+        wm = prepared.results[WIRE_MANIFEST]
+        if self.mode != "delta":
+            return self._send(wm, prepared.execute(), round_info(prepared, self.mode))
         qc = prepared.plan.vllm_quantization_config()
         online = {ONLINE_KEY: prepared.plan.engine_quantization}  # who quantizes: checked by the engine first
-        if self.mode == "delta":
-            return self.delta_rounds.refit(prepared.results[check.name], prepared.execute(), self._secret,
-                                           lambda wm, blobs, extra: self._send(wm, blobs, qc, {**online, **extra}))
-        return self._send(prepared.results[check.name], prepared.execute(), qc, online)
+        return self.delta_rounds.refit(wm, prepared.execute(), self._secret, lambda wm, blobs, extra: self._send(
+            wm, blobs, update_info(wm, self.mode, qc, {**online, **extra})))
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
              quantization_config: Any = _UNNAMED) -> TransferReport:
@@ -192,10 +231,10 @@ class RefitSender:
         if self.mode == "delta":
             raise TransportError("RefitSender.send: a delta-mode sender sends through refit() (it encodes "
                                  "the round against its base)")
-        return self._send(wire_manifest, tensors, quantization_config, {})
+        return self._send(wire_manifest, tensors, update_info(wire_manifest, self.mode, quantization_config, {}))
 
     def _send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
-              quantization_config: Any, extra: dict[str, Any]) -> TransferReport:
+              info: dict[str, Any]) -> TransferReport:
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
         if self._secret is None and not self._warned:
@@ -206,10 +245,7 @@ class RefitSender:
         self.profile = prof = Phases("start_s", "handshake_s", "source_s", "pack_s", "seal_s", "wait_s",
                                      "commit_s", "update_s", "finish_s", "cpu_s")
         self.engines.call_all("start_weight_update")
-        doc = {"wire_manifest": wire_manifest.to_dict(), "mode": self.mode, "protocol": PROTOCOL_VERSION, **extra}
-        if quantization_config is not _UNNAMED:
-            doc[FORMAT_KEY] = quantization_config
-        futures = self.engines.start("update_weights", doc)
+        futures = self.engines.start("update_weights", info)
         stream_start = time.perf_counter()
         prof["start_s"] = stream_start - start
         try:
@@ -242,6 +278,38 @@ class RefitSender:
         self.mixed = None
         return TransferReport(wire_manifest, wire_manifest.total_bytes, len(wire_manifest.buckets),
                               stream_seconds, time.perf_counter() - start)
+
+
+def sender_checks(driver: RefitDriver, bucket_bytes: int, alignment: int) -> tuple[SinkCheck, ...]:
+    """:meth:`RefitSender.refit`'s checks: every layer, model tensors, the wire manifest (its
+    result: the round's :class:`WireManifest`, laid out with ``bucket_bytes`` and ``alignment``).
+    Each reads the plan alone (``plan_only``: kept with the driver's kept plan)."""
+    model = model_tensors_check(driver)
+    return (SinkCheck("every layer", lambda p: check_every_layer(p.plan, driver, p.plan_given), plan_only=True),
+            SinkCheck(model.name, model.run, plan_only=True),
+            SinkCheck(WIRE_MANIFEST, lambda p: wire_manifest_for_plan(p.plan, bucket_bytes, alignment),
+                      plan_only=True, key=(bucket_bytes, alignment)))
+
+
+def round_info(prepared: PreparedRefit, mode: str) -> dict[str, Any]:
+    """The ``update_info`` of a prepared whole round (not a delta one) in ``mode``: the wire
+    manifest's document - kept with the driver's kept plan, the same object each warm round
+    (weight-sync clients serialize it and must not change it) -, the mode, the protocol version,
+    the plan's ``quantization_config`` and who quantizes."""
+    plan, wm = prepared.plan, prepared.results[WIRE_MANIFEST]
+    doc = prepared.driver.plan_cache.keep(plan, (WIRE_MANIFEST, "doc", wm.digest), wm.to_dict)
+    return update_info(wm, mode, plan.vllm_quantization_config(), {ONLINE_KEY: plan.engine_quantization}, doc)
+
+
+def update_info(wire_manifest: WireManifest, mode: str, quantization_config: Any, extra: dict[str, Any],
+                manifest_doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A round's ``update_info``: the wire manifest's document (``manifest_doc``, else built),
+    the mode, the protocol version, ``extra``, and the ``quantization_config`` when named."""
+    doc = {"wire_manifest": manifest_doc if manifest_doc is not None else wire_manifest.to_dict(),
+           "mode": mode, "protocol": PROTOCOL_VERSION, **extra}
+    if quantization_config is not _UNNAMED:
+        doc[FORMAT_KEY] = quantization_config
+    return doc
 
 
 def check_every_layer(plan: RefitPlan, driver: RefitDriver, plan_given: bool) -> None:

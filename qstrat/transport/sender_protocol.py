@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.errors import (InputMismatchError, MixedWeightsError, TransferAuthError, TransportError,
+                           WireManifestMismatchError)
 from qstrat.transport import delta
 from qstrat.transport import protocol as proto
 from qstrat.transport.auth import RoundContext, next_counter
@@ -88,14 +89,16 @@ class SenderProtocol:
 
 def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Callable[[], None]) -> None:
     """Raise unless every rank committed (:func:`qstrat.transport.protocol.outcome`): the source's
-    own error (after ``close()``) when it failed and nothing is mixed, DeltaRefused when only the
-    delta was refused, MixedWeightsError (with ``detail``) when some rank holds new weights,
-    TransportError otherwise."""
+    own error (after ``close()``, unless it is an InputMismatchError: an input's metadata refused
+    before it was read, no device work failed, and the sender may send again on the same group)
+    when it failed and nothing is mixed, DeltaRefused when only the delta was refused,
+    MixedWeightsError (with ``detail``) when some rank holds new weights, TransportError
+    otherwise."""
     outcome = proto.outcome(votes)
     if outcome == "committed":
         return
     own = failure is not None and not isinstance(failure.error, TransportError)
-    if own:  # the source's fault (OOM, a compile error...): its device state is suspect
+    if own and not isinstance(failure.error, InputMismatchError):  # OOM, a compile error...: device state suspect
         close()
     described = proto.describe(votes.statuses)
     if outcome == "mixed":
