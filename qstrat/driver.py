@@ -122,7 +122,7 @@ class PlanCache:
             return None
         for (shape, dtype), (name, t) in zip(self.metadata, tensors.items()):
             try:
-                if t.shape != shape:
+                if t.shape != shape and tuple(t.shape) != shape:  # a handle's list shape equals by value
                     return f"{name}: shape {list(t.shape)}, planned {list(shape)}"
                 if t.dtype is not dtype:
                     return f"{name}: dtype {t.dtype}, planned {dtype}"
@@ -163,15 +163,20 @@ class RefitDriver:
         self.registry = registry or get_registry()
         self.config: RefitConfig = load_config(config, registry=self.registry)
         self.hf_config = hf_config_dict(hf_config)
-        self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.hf_config)
         self.rules = RuleSet(self.config, self.registry)
+        self._serializers: dict[tuple[str, Any], Serializer] = {}
+        self._read_hf_config()
+        self.plan_cache = PlanCache()
+
+    def _read_hf_config(self) -> None:
+        """Choose the layout and build the planner from ``self.hf_config`` as it reads now (at
+        construction, and again when a plan finds it edited: a re-plan is a fresh driver's)."""
+        self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.hf_config)
         self.planner = Planner(self.config, self.layout, self.rules, self.serializer, self.hf_config)
         if self.config.quantize_in == "engine":  # BF16 wire, the engine quantizes (qstrat.online)
             from qstrat.online import engine_side_planner
 
             self.planner = engine_side_planner(self)
-        self.plan_cache = PlanCache()
-        self._serializers: dict[tuple[str, Any], Serializer] = {}
 
     # ---- decisions and plan ---------------------------------------------------------------
     def serializer(self, name: str, options: Mapping[str, Any]) -> Serializer:
@@ -214,6 +219,8 @@ class RefitDriver:
             tensors = as_tensor_dict(named_tensors)
             plan = self.plan_cache.get(tensors, self.hf_config)
         if plan is None:
+            if self.plan_cache.miss == "hf_config":  # edited in place: the layout may be another
+                self._read_hf_config()
             with gc_paused():  # the planner's objects and the cache's copy of the metadata
                 plan = self.planner.plan(tensors)
                 self.plan_cache.put(tensors, self.hf_config, plan)

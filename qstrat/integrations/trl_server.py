@@ -162,7 +162,14 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
                           f"{backend!r}; qstrat syncs need {json.dumps(BACKEND)}: start it with "
                           "'python -m qstrat.integrations.trl_server --model CHECKPOINT ...' or add "
                           f"{_WTC} '{json.dumps(BACKEND)}' to 'trl vllm-serve'")
-    served = (info.get("model_config") or {}).get("quantization")
+    model_config = info.get("model_config") or {}
+    if not isinstance(model_config, Mapping):
+        raise ConfigError(f"model_config: the vLLM server at {url} reports a {type(model_config).__name__}, not "
+                          "vLLM's model config (a mapping): is it a vLLM server?")
+    served = model_config.get("quantization")
+    if served is not None and not isinstance(served, str):
+        raise ConfigError(f"model_config.quantization: the vLLM server at {url} serves {served!r}, not a method "
+                          "name (vLLM reports a string or null): is it a vLLM server?")
     online = _is_online(served)
     if plan.engine_quantization is not None:
         if not online:

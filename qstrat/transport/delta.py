@@ -115,7 +115,7 @@ def fill_stream(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]
             are final (in bucket order, each once), while they are still in the cache; the
             tail padding past the last bucket is final when this returns.
     Returns: ``out`` (or the new buffer).
-    Raises: TransportError when the tensors do not follow the slots (name, byte count), or
+    Raises: TransportError when the tensors do not follow the slots (name, dtype, shape), or
         ``out`` has another size.
     """
     n = padded_size(target.total_bytes)
@@ -128,11 +128,11 @@ def fill_stream(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]
     it = iter(tensors)
     for slot in target.slots:
         name, t = next(it, (None, None))
-        if name != slot.name:
-            raise TransportError(f"delta: the source yields {name!r} where the wire manifest has {slot.name!r}")
+        try:
+            slot.check(name, t)
+        except TransportError as exc:
+            raise TransportError(f"delta: {exc}") from None
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        if raw.numel() != slot.nbytes:
-            raise TransportError(f"delta: {name} has {raw.numel()} bytes, the wire manifest says {slot.nbytes}")
         at = buckets[slot.bucket].stream_offset + slot.offset
         out[end:at].zero_()
         out[at:at + slot.nbytes] = raw

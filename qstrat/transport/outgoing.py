@@ -95,9 +95,7 @@ class BucketSource:
             name, t = next(self.tensors)
         except StopIteration:
             raise TransportError(f"the source ended before {slot.name!r} (truncated)") from None
-        if (name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) != (slot.name, slot.dtype, slot.shape):
-            raise TransportError(f"the source yielded {name!r} {t.dtype} {list(t.shape)} where the "
-                                 f"wire manifest has {slot.name!r} {slot.dtype} {list(slot.shape)}")
+        slot.check(name, t)
         return t.to(self.device)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import WireManifestMismatchError
+from qstrat.errors import TransportError, WireManifestMismatchError
 
 #: Wire manifest format version (part of the digest).
 VERSION = 1
@@ -56,6 +56,16 @@ class TensorSlot:
     bucket: int
     offset: int
     chunks: int = 1
+
+    def check(self, name: str | None, tensor: Any) -> None:
+        """Raise TransportError unless ``(name, tensor)`` is this slot's tensor: the same name,
+        torch dtype and shape (the byte count alone is not enough: a float16 tensor in a
+        bfloat16 slot, or a transposed one, has the right size and the wrong values)."""
+        got = (name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)) if tensor is not None else None
+        if got != (self.name, self.dtype, tuple(self.shape)):
+            seen = f"{name!r} {tensor.dtype} {list(tensor.shape)}" if tensor is not None else "nothing"
+            raise TransportError(f"the source yielded {seen} where the wire manifest has {self.name!r} "
+                                 f"{self.dtype} {list(self.shape)}")
 
 
 @dataclass(frozen=True)
