@@ -62,6 +62,7 @@ machine's load average (``os.getloadavg``) before and after.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -75,6 +76,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from transport_harness import Receiver, free_port, raw_broadcast  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shaped_link import LOOPBACK, UNSHAPED, check_can_shape, rate_bits, shaped_link  # noqa: E402
 
 from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
@@ -136,7 +140,7 @@ def start(args, mode="atomic", receivers=None):
         r.wait_ready()
         if args.secret:
             r.ctl.call("setenv", "QSTRAT_TRANSFER_SECRET", SECRET)
-    sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=600, mode=mode,
+    sender = RefitSender([r.rpc for r in receivers], args.address, free_port(), timeout_s=600, mode=mode,
                          secret=SECRET if args.secret else None)
     sender.connect()
     return sender, receivers
@@ -255,7 +259,31 @@ def _timed_round(sender, receiver, driver, state):
     return report, wall, max(0, _own_memory()[1] - own), max(0, receiver.ctl.call("memory")[1] - before), cpu + rcpu
 
 
-def delta(args) -> None:
+def link_rate(args, sender, receivers, mib: float = 32) -> float:
+    """Bits per second of a raw gloo broadcast of ``mib`` MiB (in bucket-size pieces) from
+    ``sender`` to ``receivers`` over the benchmark's link (printed)."""
+    bucket = int(args.bucket_mib[0] * 2**20)
+    sizes = [bucket] * max(1, int(mib * 2**20) // bucket)
+    bufs = [torch.zeros(bucket, dtype=torch.uint8) for _ in range(2)]
+    raw_round(sender, receivers, sizes[:1], bufs)  # connections warm
+    seconds = raw_round(sender, receivers, sizes, bufs)[0]
+    bps = sum(sizes) * 8 / seconds
+    print(f"{'':9} link {args.link_name}: raw gloo broadcast of {sum(sizes) / 2**20:.0f} MiB at "
+          f"{bps / 1e9:.2f} Gbit/s ({sum(sizes) / seconds / 1e9:.3f} GB/s)", flush=True)
+    return bps
+
+
+def break_even_bps(row: dict) -> float | None:
+    """Link rate (bit/s) at which a delta round's wall time equals a full round's, estimated from
+    one measured row: the delta's extra non-wire seconds are its wall-time excess plus the wire
+    seconds it saved at the measured link rate, assuming the wire does not overlap the work;
+    None when the delta round needs no extra work (it pays at any rate)."""
+    saved_bits = (row["full_bytes"] - row["delta_bytes"]) * 8
+    extra = row["delta_s"] - row["full_s"] + saved_bits / (row["link_gbps"] * 1e9)
+    return saved_bits / extra if extra > 0 else None
+
+
+def delta(args, summary: list[dict]) -> None:
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.driver import RefitDriver
     from transport_harness import adam_trajectory, sha256
@@ -278,6 +306,7 @@ def delta(args) -> None:
                 s.bucket_bytes = int(args.bucket_mib[0] * 2**20)
             load, rows = os.getloadavg()[0], []
             try:
+                link_bps = link_rate(args, full_s, full_r)
                 for step, state in enumerate(adam_trajectory(model, lr, args.steps)):
                     f = _timed_round(full_s, full_r[0], driver, state)
                     d = _timed_round(delta_s, delta_r[0], driver, state)
@@ -291,12 +320,17 @@ def delta(args) -> None:
                           f"{f[2] / 2**20:>8.1f}/{d[2] / 2**20:<8.1f} {f[3] / 2**20:>8.1f}/{d[3] / 2**20:<8.1f}",
                           flush=True)
                     if step:
-                        rows.append((f[1], d[1], f[4], d[4]))
+                        rows.append((f[1], d[1], f[4], d[4], info.full_bytes, info.wire_bytes))
                 if rows:
-                    med = [statistics.median(r[i] for r in rows) for i in range(4)]
+                    med = [statistics.median(r[i] for r in rows) for i in range(6)]
+                    after = os.getloadavg()[0]
                     print(f"{'':9} median of {len(rows)} delta steps: wall s full {med[0]:.3f} / delta {med[1]:.3f} "
                           f"(x{med[1] / med[0]:.2f}), CPU s full {med[2]:.3f} / delta {med[3]:.3f} "
-                          f"(x{med[3] / med[2]:.2f}); load average {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+                          f"(x{med[3] / med[2]:.2f}); load average {load:.1f} -> {after:.1f}", flush=True)
+                    summary.append({"link": args.link_name, "link_gbps": link_bps / 1e9, "format": fmt, "lr": lr,
+                                    "width": w, "full_bytes": med[4], "delta_bytes": med[5], "full_s": med[0],
+                                    "delta_s": med[1], "full_cpu_s": med[2], "delta_cpu_s": med[3],
+                                    "load": (load, after)})
                 print(f"{'':9} base held: sender {delta_s.base.nbytes / 2**20:.2f} MiB (host memory), "
                       f"receiver the same; peak RSS (VmHWM) sender {_own_memory()[1] / 2**20:.0f} MiB, receivers "
                       f"full {full_r[0].ctl.call('memory')[1] / 2**20:.0f} / delta "
@@ -335,14 +369,48 @@ def main() -> None:
                          "quantized, 4: ~64 MiB)")
     ap.add_argument("--formats", nargs="+", default=list(DELTA_FORMATS), choices=list(DELTA_FORMATS),
                     help="--delta: checkpoint formats (default all)")
+    ap.add_argument("--link", nargs="+", default=[LOOPBACK], metavar="RATE",
+                    help="run every measurement over each of these links in turn: a tc rate (1gbit, 10gbit, "
+                         f"500mbit: a veth pair into a network namespace, both directions shaped by tc tbf; "
+                         f"needs root, ip and tc), {UNSHAPED!r} (the veth pair, not shaped) or {LOOPBACK!r} "
+                         "(127.0.0.1, no namespace; the default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.delta:
-        return delta(args)
-    tensors = synthetic(args.layers, args.layer_mib)
-    rows = (memory if args.memory else throughput)(args, tensors)
-    if args.json and rows is not None:
-        Path(args.json).write_text(json.dumps({"memory": rows}, indent=1))
+    for link in args.link:  # refuse a bad rate or a missing privilege before measuring anything
+        if link != LOOPBACK:
+            check_can_shape()
+            if link != UNSHAPED:
+                rate_bits(link)
+    tensors = None if args.delta else synthetic(args.layers, args.layer_mib)
+    summary: list[dict] = []
+    for link in args.link:
+        args.link_name = link
+        with contextlib.nullcontext("127.0.0.1") if link == LOOPBACK else shaped_link(link) as address:
+            args.address = address
+            print(f"\n== link: {link} (sender {address}) ==", flush=True)
+            if args.delta:
+                delta(args, summary)
+                continue
+            rows = (memory if args.memory else throughput)(args, tensors)
+            if args.json and rows is not None:
+                Path(args.json).write_text(json.dumps({"memory": rows}, indent=1))
+    if summary:
+        print_summary(summary)
+    if summary and args.json:
+        Path(args.json).write_text(json.dumps({"delta": summary}, indent=1))
+
+
+def print_summary(summary: list[dict]) -> None:
+    """The delta runs' medians, one row per link, format, width and lr (break-even: break_even_bps)."""
+    print(f"\n{'link':>9} {'Gbit/s':>6} {'format':9} {'width':>5} {'lr':>6} {'full MiB':>8} {'delta %':>7} "
+          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'break-even Gbit/s':>17} {'load':>9}")
+    for r in summary:
+        be = break_even_bps(r)
+        print(f"{r['link']:>9} {r['link_gbps']:>6.2f} {r['format']:9} {r['width']:>5} {r['lr']:>6.0e} "
+              f"{r['full_bytes'] / 2**20:>8.2f} {100 * r['delta_bytes'] / r['full_bytes']:>7.2f} "
+              f"{r['full_s']:>6.3f} {r['delta_s']:>7.3f} {r['delta_s'] / r['full_s']:>10.2f} "
+              f"{r['full_cpu_s']:>5.2f}/{r['delta_cpu_s']:<5.2f} "
+              f"{'any' if be is None else f'{be / 1e9:.2f}':>17} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}", flush=True)
 
 
 if __name__ == "__main__":
