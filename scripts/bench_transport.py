@@ -55,8 +55,20 @@ start: printed as 0). Then per format and lr, the medians over the delta steps (
 the start round): wall seconds full / delta and their ratio, CPU seconds full / delta, and the
 machine's load average (``os.getloadavg``) before and after.
 
+Links (``--link``): every measurement above runs over each link in turn: ``loopback`` (the
+default: 127.0.0.1), or a real network link on this machine (root, iproute2; scripts/shaped_link.py):
+a veth pair into a network namespace, the receivers spawned inside it, both directions shaped by
+the kernel's token bucket filter to a tc rate (``1gbit``, ``10gbit``), or ``unshaped``; gloo's
+connections cross it (a kernel TCP path at that rate). Each delta run first prints the link's
+measured rate (a raw gloo broadcast of 32 MiB, bucket-size pieces). At the end, a summary row per
+link, format, width and lr: the medians and delta / full wall; then, per format, width and lr run
+on several links, the break-even link rate: where delta / full wall crosses 1, interpolated in
+log(rate) between the two measured links around it (``>X``: delta faster on every link measured,
+``<X``: on none; ``noisy``: no crossing from faster to slower).
+
     .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--width 1] [--secret]
     .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
+    sudo .venv/bin/python scripts/bench_transport.py --delta --lr 1e-6 --link 1gbit 10gbit loopback [--json out.json]
     .venv/bin/python scripts/bench_transport.py --memory --layers 8 --layer-mib 256 --receivers 1 --bucket-mib 64 --modes atomic bounded
 """
 from __future__ import annotations
@@ -273,14 +285,20 @@ def link_rate(args, sender, receivers, mib: float = 32) -> float:
     return bps
 
 
-def break_even_bps(row: dict) -> float | None:
-    """Link rate (bit/s) at which a delta round's wall time equals a full round's, estimated from
-    one measured row: the delta's extra non-wire seconds are its wall-time excess plus the wire
-    seconds it saved at the measured link rate, assuming the wire does not overlap the work;
-    None when the delta round needs no extra work (it pays at any rate)."""
-    saved_bits = (row["full_bytes"] - row["delta_bytes"]) * 8
-    extra = row["delta_s"] - row["full_s"] + saved_bits / (row["link_gbps"] * 1e9)
-    return saved_bits / extra if extra > 0 else None
+def break_even(rows: list[dict]) -> str:
+    """Where delta / full wall crosses 1 over ``rows`` (one format, width and lr, on several
+    links): the link rate, interpolated in log(rate) between the two measured links around the
+    first crossing from below (delta faster on the slower link), or the measured range's bound."""
+    import math
+
+    pts = sorted((r["link_gbps"], r["delta_s"] / r["full_s"]) for r in rows)
+    for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
+        if q0 < 1 <= q1:
+            x = math.log(r0) + (1 - q0) / (q1 - q0) * (math.log(r1) - math.log(r0))
+            return f"~{math.exp(x):.1f}"
+    if all(q < 1 for _, q in pts):
+        return f">{pts[-1][0]:.1f}"
+    return f"<{pts[0][0]:.1f}" if all(q >= 1 for _, q in pts) else "noisy"
 
 
 def delta(args, summary: list[dict]) -> None:
@@ -353,7 +371,7 @@ def main() -> None:
     ap.add_argument("--secret", action="store_true", help="authenticated rounds (both sides hold a secret)")
     ap.add_argument("--memory", action="store_true", help="receiver peak RSS per mode (see the docstring)")
     ap.add_argument("--modes", nargs="+", default=["atomic", "bounded"])
-    ap.add_argument("--json", help="with --memory: also write the rows (bytes) to this JSON file")
+    ap.add_argument("--json", help="with --memory or --delta: also write the rows (bytes, seconds) to this JSON file")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in every process (default 1: on a shared, "
                          "oversubscribed CPU, OpenMP-parallel copies run ~100x slower)")
@@ -383,6 +401,7 @@ def main() -> None:
                 rate_bits(link)
     tensors = None if args.delta else synthetic(args.layers, args.layer_mib)
     summary: list[dict] = []
+    memory_rows: list[dict] = []
     for link in args.link:
         args.link_name = link
         with contextlib.nullcontext("127.0.0.1") if link == LOOPBACK else shaped_link(link) as address:
@@ -391,26 +410,31 @@ def main() -> None:
             if args.delta:
                 delta(args, summary)
                 continue
-            rows = (memory if args.memory else throughput)(args, tensors)
-            if args.json and rows is not None:
-                Path(args.json).write_text(json.dumps({"memory": rows}, indent=1))
+            for row in (memory if args.memory else throughput)(args, tensors) or []:
+                memory_rows.append({**row, "link": link})
     if summary:
         print_summary(summary)
-    if summary and args.json:
-        Path(args.json).write_text(json.dumps({"delta": summary}, indent=1))
+    if args.json and (summary or memory_rows):
+        Path(args.json).write_text(json.dumps({"delta": summary} if summary else {"memory": memory_rows}, indent=1))
 
 
 def print_summary(summary: list[dict]) -> None:
-    """The delta runs' medians, one row per link, format, width and lr (break-even: break_even_bps)."""
+    """The delta runs' medians, one row per link, format, width and lr; then per format, width and
+    lr over the links, the break-even link rate (:func:`break_even`)."""
     print(f"\n{'link':>9} {'Gbit/s':>6} {'format':9} {'width':>5} {'lr':>6} {'full MiB':>8} {'delta %':>7} "
-          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'break-even Gbit/s':>17} {'load':>9}")
+          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'load':>9}")
     for r in summary:
-        be = break_even_bps(r)
         print(f"{r['link']:>9} {r['link_gbps']:>6.2f} {r['format']:9} {r['width']:>5} {r['lr']:>6.0e} "
               f"{r['full_bytes'] / 2**20:>8.2f} {100 * r['delta_bytes'] / r['full_bytes']:>7.2f} "
               f"{r['full_s']:>6.3f} {r['delta_s']:>7.3f} {r['delta_s'] / r['full_s']:>10.2f} "
-              f"{r['full_cpu_s']:>5.2f}/{r['delta_cpu_s']:<5.2f} "
-              f"{'any' if be is None else f'{be / 1e9:.2f}':>17} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}", flush=True)
+              f"{r['full_cpu_s']:>5.2f}/{r['delta_cpu_s']:<5.2f} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}", flush=True)
+    groups: dict[tuple, list[dict]] = {}
+    for r in summary:
+        groups.setdefault((r["format"], r["width"], r["lr"]), []).append(r)
+    if any(len(rows) > 1 for rows in groups.values()):
+        print("\nbreak-even link rate (Gbit/s measured; delta faster below it):")
+        for (fmt, width, lr), rows in groups.items():
+            print(f"  {fmt:9} width {width} lr {lr:.0e}: {break_even(rows)}")
 
 
 if __name__ == "__main__":
