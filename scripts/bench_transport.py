@@ -268,7 +268,8 @@ def _timed_round(sender, receiver, driver, state):
     report = sender.refit(driver, state)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
     rcpu = receiver.ctl.call("cpu") - rcpu
-    return report, wall, max(0, _own_memory()[1] - own), max(0, receiver.ctl.call("memory")[1] - before), cpu + rcpu
+    return (report, wall, max(0, _own_memory()[1] - own), max(0, receiver.ctl.call("memory")[1] - before),
+            cpu + rcpu, dict(sender.profile), receiver.ctl.call("stats"))
 
 
 def link_rate(args, sender, receivers, mib: float = 32) -> float:
@@ -338,13 +339,17 @@ def delta(args, summary: list[dict]) -> None:
                           f"{f[2] / 2**20:>8.1f}/{d[2] / 2**20:<8.1f} {f[3] / 2**20:>8.1f}/{d[3] / 2**20:<8.1f}",
                           flush=True)
                     if step:
-                        rows.append((f[1], d[1], f[4], d[4], info.full_bytes, info.wire_bytes))
+                        rows.append((f[1], d[1], f[4], d[4], info.full_bytes, info.wire_bytes, f[5:], d[5:]))
                 if rows:
                     med = [statistics.median(r[i] for r in rows) for i in range(6)]
                     after = os.getloadavg()[0]
                     print(f"{'':9} median of {len(rows)} delta steps: wall s full {med[0]:.3f} / delta {med[1]:.3f} "
                           f"(x{med[1] / med[0]:.2f}), CPU s full {med[2]:.3f} / delta {med[3]:.3f} "
                           f"(x{med[3] / med[2]:.2f}); load average {load:.1f} -> {after:.1f}", flush=True)
+                    for kind, i, k in (("full", 0, 6), ("delta", 1, 7)):
+                        mid = sorted(rows, key=lambda r: r[i])[len(rows) // 2]
+                        print(f"{'':9} median {kind} round ({mid[i]:.3f} s) by phase: send "
+                              f"{_phases(mid[k][0], SEND_PHASES)} | recv {_phases(mid[k][1], RECV_PHASES)}", flush=True)
                     summary.append({"link": args.link_name, "link_gbps": link_bps / 1e9, "format": fmt, "lr": lr,
                                     "width": w, "full_bytes": med[4], "delta_bytes": med[5], "full_s": med[0],
                                     "delta_s": med[1], "full_cpu_s": med[2], "delta_cpu_s": med[3],
