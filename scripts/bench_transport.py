@@ -53,7 +53,9 @@ its RSS at the start: memory the round needed beyond what the process already he
 needed none (Linux updates VmHWM lazily, so such a round can read a fraction of a MiB below its
 start: printed as 0). Then per format and lr, the medians over the delta steps (every step but
 the start round): wall seconds full / delta and their ratio, CPU seconds full / delta, and the
-machine's load average (``os.getloadavg``) before and after.
+machine's load average (``os.getloadavg``) before and after; then the phase profile (as above) of
+the median full and the median delta round (a delta round's ``send`` phases start once the whole
+round is quantized and encoded: its wall minus their sum is that work).
 
 Links (``--link``): every measurement above runs over each link in turn: ``loopback`` (the
 default: 127.0.0.1), or a real network link on this machine (root, iproute2; scripts/shaped_link.py):
