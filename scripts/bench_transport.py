@@ -53,15 +53,30 @@ its RSS at the start: memory the round needed beyond what the process already he
 needed none (Linux updates VmHWM lazily, so such a round can read a fraction of a MiB below its
 start: printed as 0). Then per format and lr, the medians over the delta steps (every step but
 the start round): wall seconds full / delta and their ratio, CPU seconds full / delta, and the
-machine's load average (``os.getloadavg``) before and after.
+machine's load average (``os.getloadavg``) before and after; then the phase profile (as above) of
+the median full and the median delta round (a delta round's ``send`` phases start once the whole
+round is quantized and encoded: its wall minus their sum is that work).
+
+Links (``--link``): every measurement above runs over each link in turn: ``loopback`` (the
+default: 127.0.0.1), or a real network link on this machine (root, iproute2; scripts/shaped_link.py):
+a veth pair into a network namespace, the receivers spawned inside it, both directions shaped by
+the kernel's token bucket filter to a tc rate (``1gbit``, ``10gbit``), or ``unshaped``; gloo's
+connections cross it (a kernel TCP path at that rate). Each delta run first prints the link's
+measured rate (a raw gloo broadcast of 32 MiB, bucket-size pieces). At the end, a summary row per
+link, format, width and lr: the medians and delta / full wall; then, per format, width and lr run
+on several links, the break-even link rate: where delta / full wall crosses 1, interpolated in
+log(rate) between the two measured links around it (``>X``: delta faster on every link measured,
+``<X``: on none; ``noisy``: no crossing from faster to slower).
 
     .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--width 1] [--secret]
     .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
+    sudo .venv/bin/python scripts/bench_transport.py --delta --lr 1e-6 --link 1gbit 10gbit loopback [--json out.json]
     .venv/bin/python scripts/bench_transport.py --memory --layers 8 --layer-mib 256 --receivers 1 --bucket-mib 64 --modes atomic bounded
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -75,6 +90,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from transport_harness import Receiver, free_port, raw_broadcast  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shaped_link import LOOPBACK, UNSHAPED, check_can_shape, rate_bits, shaped_link  # noqa: E402
 
 from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
@@ -136,7 +154,7 @@ def start(args, mode="atomic", receivers=None):
         r.wait_ready()
         if args.secret:
             r.ctl.call("setenv", "QSTRAT_TRANSFER_SECRET", SECRET)
-    sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=600, mode=mode,
+    sender = RefitSender([r.rpc for r in receivers], args.address, free_port(), timeout_s=600, mode=mode,
                          secret=SECRET if args.secret else None)
     sender.connect()
     return sender, receivers
@@ -252,10 +270,41 @@ def _timed_round(sender, receiver, driver, state):
     report = sender.refit(driver, state)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
     rcpu = receiver.ctl.call("cpu") - rcpu
-    return report, wall, max(0, _own_memory()[1] - own), max(0, receiver.ctl.call("memory")[1] - before), cpu + rcpu
+    return (report, wall, max(0, _own_memory()[1] - own), max(0, receiver.ctl.call("memory")[1] - before),
+            cpu + rcpu, dict(sender.profile), receiver.ctl.call("stats"))
 
 
-def delta(args) -> None:
+def link_rate(args, sender, receivers, mib: float = 32) -> float:
+    """Bits per second of a raw gloo broadcast of ``mib`` MiB (in bucket-size pieces) from
+    ``sender`` to ``receivers`` over the benchmark's link (printed)."""
+    bucket = int(args.bucket_mib[0] * 2**20)
+    sizes = [bucket] * max(1, int(mib * 2**20) // bucket)
+    bufs = [torch.zeros(bucket, dtype=torch.uint8) for _ in range(2)]
+    raw_round(sender, receivers, sizes[:1], bufs)  # connections warm
+    seconds = raw_round(sender, receivers, sizes, bufs)[0]
+    bps = sum(sizes) * 8 / seconds
+    print(f"{'':9} link {args.link_name}: raw gloo broadcast of {sum(sizes) / 2**20:.0f} MiB at "
+          f"{bps / 1e9:.2f} Gbit/s ({sum(sizes) / seconds / 1e9:.3f} GB/s)", flush=True)
+    return bps
+
+
+def break_even(rows: list[dict]) -> str:
+    """Where delta / full wall crosses 1 over ``rows`` (one format, width and lr, on several
+    links): the link rate, interpolated in log(rate) between the two measured links around the
+    first crossing from below (delta faster on the slower link), or the measured range's bound."""
+    import math
+
+    pts = sorted((r["link_gbps"], r["delta_s"] / r["full_s"]) for r in rows)
+    for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
+        if q0 < 1 <= q1:
+            x = math.log(r0) + (1 - q0) / (q1 - q0) * (math.log(r1) - math.log(r0))
+            return f"~{math.exp(x):.1f}"
+    if all(q < 1 for _, q in pts):
+        return f">{pts[-1][0]:.1f}"
+    return f"<{pts[0][0]:.1f}" if all(q >= 1 for _, q in pts) else "noisy"
+
+
+def delta(args, summary: list[dict]) -> None:
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.driver import RefitDriver
     from transport_harness import adam_trajectory, sha256
@@ -278,6 +327,7 @@ def delta(args) -> None:
                 s.bucket_bytes = int(args.bucket_mib[0] * 2**20)
             load, rows = os.getloadavg()[0], []
             try:
+                link_bps = link_rate(args, full_s, full_r)
                 for step, state in enumerate(adam_trajectory(model, lr, args.steps)):
                     f = _timed_round(full_s, full_r[0], driver, state)
                     d = _timed_round(delta_s, delta_r[0], driver, state)
@@ -291,12 +341,21 @@ def delta(args) -> None:
                           f"{f[2] / 2**20:>8.1f}/{d[2] / 2**20:<8.1f} {f[3] / 2**20:>8.1f}/{d[3] / 2**20:<8.1f}",
                           flush=True)
                     if step:
-                        rows.append((f[1], d[1], f[4], d[4]))
+                        rows.append((f[1], d[1], f[4], d[4], info.full_bytes, info.wire_bytes, f[5:], d[5:]))
                 if rows:
-                    med = [statistics.median(r[i] for r in rows) for i in range(4)]
+                    med = [statistics.median(r[i] for r in rows) for i in range(6)]
+                    after = os.getloadavg()[0]
                     print(f"{'':9} median of {len(rows)} delta steps: wall s full {med[0]:.3f} / delta {med[1]:.3f} "
                           f"(x{med[1] / med[0]:.2f}), CPU s full {med[2]:.3f} / delta {med[3]:.3f} "
-                          f"(x{med[3] / med[2]:.2f}); load average {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+                          f"(x{med[3] / med[2]:.2f}); load average {load:.1f} -> {after:.1f}", flush=True)
+                    for kind, i, k in (("full", 0, 6), ("delta", 1, 7)):
+                        mid = sorted(rows, key=lambda r: r[i])[len(rows) // 2]
+                        print(f"{'':9} median {kind} round ({mid[i]:.3f} s) by phase: send "
+                              f"{_phases(mid[k][0], SEND_PHASES)} | recv {_phases(mid[k][1], RECV_PHASES)}", flush=True)
+                    summary.append({"link": args.link_name, "link_gbps": link_bps / 1e9, "format": fmt, "lr": lr,
+                                    "width": w, "full_bytes": med[4], "delta_bytes": med[5], "full_s": med[0],
+                                    "delta_s": med[1], "full_cpu_s": med[2], "delta_cpu_s": med[3],
+                                    "load": (load, after)})
                 print(f"{'':9} base held: sender {delta_s.base.nbytes / 2**20:.2f} MiB (host memory), "
                       f"receiver the same; peak RSS (VmHWM) sender {_own_memory()[1] / 2**20:.0f} MiB, receivers "
                       f"full {full_r[0].ctl.call('memory')[1] / 2**20:.0f} / delta "
@@ -319,7 +378,7 @@ def main() -> None:
     ap.add_argument("--secret", action="store_true", help="authenticated rounds (both sides hold a secret)")
     ap.add_argument("--memory", action="store_true", help="receiver peak RSS per mode (see the docstring)")
     ap.add_argument("--modes", nargs="+", default=["atomic", "bounded"])
-    ap.add_argument("--json", help="with --memory: also write the rows (bytes) to this JSON file")
+    ap.add_argument("--json", help="with --memory or --delta: also write the rows (bytes, seconds) to this JSON file")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads in every process (default 1: on a shared, "
                          "oversubscribed CPU, OpenMP-parallel copies run ~100x slower)")
@@ -335,14 +394,54 @@ def main() -> None:
                          "quantized, 4: ~64 MiB)")
     ap.add_argument("--formats", nargs="+", default=list(DELTA_FORMATS), choices=list(DELTA_FORMATS),
                     help="--delta: checkpoint formats (default all)")
+    ap.add_argument("--link", nargs="+", default=[LOOPBACK], metavar="RATE",
+                    help="run every measurement over each of these links in turn: a tc rate (1gbit, 10gbit, "
+                         f"500mbit: a veth pair into a network namespace, both directions shaped by tc tbf; "
+                         f"needs root, ip and tc), {UNSHAPED!r} (the veth pair, not shaped) or {LOOPBACK!r} "
+                         "(127.0.0.1, no namespace; the default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.delta:
-        return delta(args)
-    tensors = synthetic(args.layers, args.layer_mib)
-    rows = (memory if args.memory else throughput)(args, tensors)
-    if args.json and rows is not None:
-        Path(args.json).write_text(json.dumps({"memory": rows}, indent=1))
+    for link in args.link:  # refuse a bad rate or a missing privilege before measuring anything
+        if link != LOOPBACK:
+            check_can_shape()
+            if link != UNSHAPED:
+                rate_bits(link)
+    tensors = None if args.delta else synthetic(args.layers, args.layer_mib)
+    summary: list[dict] = []
+    memory_rows: list[dict] = []
+    for link in args.link:
+        args.link_name = link
+        with contextlib.nullcontext("127.0.0.1") if link == LOOPBACK else shaped_link(link) as address:
+            args.address = address
+            print(f"\n== link: {link} (sender {address}) ==", flush=True)
+            if args.delta:
+                delta(args, summary)
+                continue
+            for row in (memory if args.memory else throughput)(args, tensors) or []:
+                memory_rows.append({**row, "link": link})
+    if summary:
+        print_summary(summary)
+    if args.json and (summary or memory_rows):
+        Path(args.json).write_text(json.dumps({"delta": summary} if summary else {"memory": memory_rows}, indent=1))
+
+
+def print_summary(summary: list[dict]) -> None:
+    """The delta runs' medians, one row per link, format, width and lr; then per format, width and
+    lr over the links, the break-even link rate (:func:`break_even`)."""
+    print(f"\n{'link':>9} {'Gbit/s':>6} {'format':9} {'width':>5} {'lr':>6} {'full MiB':>8} {'delta %':>7} "
+          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'load':>9}")
+    for r in summary:
+        print(f"{r['link']:>9} {r['link_gbps']:>6.2f} {r['format']:9} {r['width']:>5} {r['lr']:>6.0e} "
+              f"{r['full_bytes'] / 2**20:>8.2f} {100 * r['delta_bytes'] / r['full_bytes']:>7.2f} "
+              f"{r['full_s']:>6.3f} {r['delta_s']:>7.3f} {r['delta_s'] / r['full_s']:>10.2f} "
+              f"{r['full_cpu_s']:>5.2f}/{r['delta_cpu_s']:<5.2f} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}", flush=True)
+    groups: dict[tuple, list[dict]] = {}
+    for r in summary:
+        groups.setdefault((r["format"], r["width"], r["lr"]), []).append(r)
+    if any(len(rows) > 1 for rows in groups.values()):
+        print("\nbreak-even link rate (Gbit/s measured; delta faster below it):")
+        for (fmt, width, lr), rows in groups.items():
+            print(f"  {fmt:9} width {width} lr {lr:.0e}: {break_even(rows)}")
 
 
 if __name__ == "__main__":
