@@ -129,3 +129,8 @@ def test_a_nan_on_a_warm_round_is_raised_while_streaming_and_nothing_is_loaded(r
         with pytest.raises(NonFiniteError, match=rf"^{RECAST}: non-finite value nan"):
             sender.refit(driver, step(trainer_b, **{RECAST: bad}))
         assert state(receivers) == [(want(driver, trainer_a), None)] * 2
+        # a bad value is the trainer's data, not a failed device: as a cold refit refusing it up
+        # front, the warm round leaves the group open and the next step's refit goes on it
+        assert sender.group is not None
+        sender.refit(driver, step(trainer_b))
+        assert state(receivers) == [(want(driver, trainer_b), None)] * 2

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from qstrat.errors import (InputMismatchError, MixedWeightsError, TransferAuthError, TransportError,
+from qstrat.errors import (InputMismatchError, MixedWeightsError, NonFiniteError, TransferAuthError, TransportError,
                            WireManifestMismatchError)
 from qstrat.transport import delta
 from qstrat.transport import protocol as proto
@@ -89,8 +89,9 @@ class SenderProtocol:
 
 def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Callable[[], None]) -> None:
     """Raise unless every rank committed (:func:`qstrat.transport.protocol.outcome`): the source's
-    own error (after ``close()``, unless it is an InputMismatchError: an input's metadata refused
-    before it was read, no device work failed, and the sender may send again on the same group)
+    own error (after ``close()``, unless it is the trainer's data refused - an InputMismatchError
+    (an input's metadata, before it was read) or a NonFiniteError (a value): no device work
+    failed, and the sender may send again on the same group)
     when it failed and nothing is mixed, DeltaRefused when only the delta was refused,
     MixedWeightsError (with ``detail``) when some rank holds new weights, TransportError
     otherwise."""
@@ -98,7 +99,8 @@ def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Call
     if outcome == "committed":
         return
     own = failure is not None and not isinstance(failure.error, TransportError)
-    if own and not isinstance(failure.error, InputMismatchError):  # OOM, a compile error...: device state suspect
+    data = isinstance(failure.error, (InputMismatchError, NonFiniteError)) if own else False
+    if own and not data:  # OOM, a compile error...: device state suspect
         close()
     described = proto.describe(votes.statuses)
     if outcome == "mixed":
