@@ -106,6 +106,28 @@ def test_a_partly_sent_unit_says_how_many_names_it_lacks_not_only_the_first_thre
     assert "'model.layers.0.experts.2.weight_scale_inv'] (+1 more))" in msg
 
 
+def test_a_received_wire_manifest_is_rebuilt_once_per_document_and_an_edit_is_refused():
+    """A warm refit sends the same wire manifest every round: a receiver rebuilds it (parse, SHA-256,
+    layout checks) once and takes the kept one for an EQUAL document. Any edit - with the digest
+    left or changed, or made in place to the very document the kept one came from - is rebuilt
+    and refused as from_dict refuses it."""
+    import copy
+
+    specs = MIXED + [("model.layers.0.q.weight", "bfloat16", (2, 2))]
+    doc = build_wire_manifest(specs).to_dict()
+    first = WireManifest.received(doc)
+    assert WireManifest.received(copy.deepcopy(doc)) is first  # the same round's document again: kept
+    assert first == WireManifest.from_dict(doc)
+    doc["slots"][0]["shape"] = [9, 9]  # edited in place, the digest left
+    with pytest.raises(WireManifestMismatchError, match="does not match its content"):
+        WireManifest.received(doc)
+    doc["digest"] = "0" * 64
+    with pytest.raises(WireManifestMismatchError, match="does not match its content"):
+        WireManifest.received(doc)
+    other = build_wire_manifest(specs, bucket_bytes=64).to_dict()
+    assert WireManifest.received(other).digest == other["digest"] != first.digest
+
+
 def test_pack_then_unpack_gives_the_same_bytes_as_views_of_the_received_buffers():
     m = build_wire_manifest(MIXED, bucket_bytes=1024)
     data = dict(tensors_for(MIXED))

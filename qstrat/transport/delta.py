@@ -386,7 +386,7 @@ def target_of(wire_manifest: WireManifest, info: Any) -> WireManifest:
     """
     if not isinstance(info, dict) or not isinstance(info.get("round"), str):
         raise WireManifestMismatchError("a delta round needs update_info['delta'] with its round ids and target")
-    target = WireManifest.from_dict(info.get("target"))
+    target = WireManifest.received(info.get("target"))
     if [s.name for s in wire_manifest.slots] != [HEADER_NAME, PATCH_NAME] or any(
             s.dtype != "uint8" or len(s.shape) != 1 for s in wire_manifest.slots):
         raise WireManifestMismatchError(f"a delta round's wire manifest holds the uint8 blobs {HEADER_NAME!r} "

@@ -166,7 +166,7 @@ def _check_update(group: TransferGroup, wire_manifest_doc: Any, check: Check | N
                                  f"this engine speaks {PROTOCOL_VERSION}: trainer and engine run "
                                  f"different qstrat transport versions"), None
     try:
-        wire_manifest = WireManifest.from_dict(wire_manifest_doc)
+        wire_manifest = WireManifest.received(wire_manifest_doc)
         if check is not None:
             check(wire_manifest)
     except TransportError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,6 +36,11 @@ VERSION = 1
 DEFAULT_BUCKET_BYTES = 64 << 20
 #: Default in-bucket alignment (bytes): a cache line, a multiple of every dtype's element size.
 DEFAULT_ALIGNMENT = 64
+#: The wire manifests this process last rebuilt from received documents, with a private copy of
+#: each document, by digest (:meth:`WireManifest.received`): a delta round's blobs and its target
+#: make two per round.
+_RECEIVED: dict[str, tuple[WireManifest, Any]] = {}
+_RECEIVED_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,30 @@ class WireManifest:
         wire_manifest = cls(slots, buckets, bucket_bytes, alignment, digest)
         wire_manifest.check_layout()
         return wire_manifest
+
+    @classmethod
+    def received(cls, doc: Any) -> WireManifest:
+        """:meth:`from_dict` of a receiver's ``update_info`` document, or the wire manifest this
+        process rebuilt from an EQUAL document recently (the last 4, by digest): a warm refit sends
+        the same document every round, and rebuilding and digesting DeepSeek-V3's 90k slots costs
+        about as much as a plan, each round, on every engine; comparing it with a kept private copy
+        is a C-level dict comparison. A document that differs in anything is rebuilt (and refused
+        as :meth:`from_dict` refuses it), so the result is always :meth:`from_dict`'s.
+
+        Raises: as :meth:`from_dict` for anything it rebuilds.
+        """
+        digest = doc.get("digest") if isinstance(doc, Mapping) else None
+        kept = _RECEIVED.get(digest) if isinstance(digest, str) else None
+        if kept is not None and doc == kept[1]:
+            return kept[0]
+        built = cls.from_dict(doc)
+        try:
+            _RECEIVED[built.digest] = (built, pickle.loads(pickle.dumps(doc)))  # a copy no caller can edit
+        except (pickle.PicklingError, TypeError, AttributeError):  # a mapping pickle cannot copy: not kept
+            return built
+        while len(_RECEIVED) > _RECEIVED_KEPT:  # the oldest first (dicts keep insertion order)
+            del _RECEIVED[next(iter(_RECEIVED))]
+        return built
 
     def check_layout(self) -> None:
         """Raise WireManifestMismatchError unless the layout is one :func:`build_wire_manifest` makes:
