@@ -305,8 +305,8 @@ class DeltaRound:
         return "full" if set(self.tiles) <= {"raw"} else "delta"
 
 
-def encode_round(target: WireManifest, stream: torch.Tensor, base: Base | None, secret: Secret | None
-                 ) -> DeltaRound:
+def encode_round(target: WireManifest, stream: torch.Tensor, base: Base | None, secret: Secret | None,
+                 target_doc: dict[str, Any] | None = None) -> DeltaRound:
     """Encode the round whose stream (:func:`stream_of`) is ``stream`` against ``base``.
 
     Args:
@@ -314,24 +314,26 @@ def encode_round(target: WireManifest, stream: torch.Tensor, base: Base | None, 
         stream: the round's stream, 1-D uint8 of :func:`padded_size` bytes.
         base: the base both sides hold (None, or a base of another layout: every tile raw).
         secret: keys the digests (None: the keyed checksum, accidents only).
+        target_doc: ``target.to_dict()`` when the caller keeps it (a warm sender sends the same
+            target every round: DeepSeek-V3's is 90k slots); None: built here.
     """
     t0 = time.perf_counter()
     round_id = secrets.token_hex(16)
     if base is not None and base.target != target.digest:
         base = None
     return _round(target, stream, base, round_id, bucket_digests(target, stream, digest_sealer(secret, round_id)),
-                  None if base is None else changed_bytes(stream, base.stream), t0)
+                  None if base is None else changed_bytes(stream, base.stream), t0, target_doc)
 
 
 def encode_tensors(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]], base: Base | None,
-                   secret: Secret | None) -> DeltaRound:
+                   secret: Secret | None, target_doc: dict[str, Any] | None = None) -> DeltaRound:
     """Encode the round of ``tensors`` against ``base`` in ONE pass over its stream: each target
     bucket is compared with the base and digested as soon as :func:`fill_stream` has written it
     (while it is in the cache), between the tensors ``tensors`` (e.g. quantization) produces,
     instead of a compare and a digest of the whole stream afterwards. The round (and its new
     base's stream) is the one :func:`encode_round` makes of :func:`stream_of` ``(target, tensors)``.
 
-    Args: target, base, secret: as :func:`encode_round`; tensors: as :func:`fill_stream`.
+    Args: target, base, secret, target_doc: as :func:`encode_round`; tensors: as :func:`fill_stream`.
     Raises: as :func:`fill_stream`.
     """
     round_id = secrets.token_hex(16)
@@ -358,11 +360,11 @@ def encode_tensors(target: WireManifest, tensors: Iterable[tuple[str, torch.Tens
         found.append(changed_bytes(stream[ends[-1]:], base.stream[ends[-1]:]) + ends[-1])
     changed = None if base is None else torch.cat(found) if found else torch.zeros(0, dtype=torch.int64)
     # encode_s: the compare and digest seconds, and the patch
-    return _round(target, stream, base, round_id, digests, changed, t1 - spent)
+    return _round(target, stream, base, round_id, digests, changed, t1 - spent, target_doc)
 
 
 def _round(target: WireManifest, stream: torch.Tensor, base: Base | None, round_id: str, digests: list[str],
-           changed: torch.Tensor | None, t0: float) -> DeltaRound:
+           changed: torch.Tensor | None, t0: float, target_doc: dict[str, Any] | None) -> DeltaRound:
     """The round from its stream, digests and changed positions against ``base`` (of the
     target's layout, or None); its ``encode_s`` is the seconds since ``t0``."""
     patch, tiles = encode_patch(stream, base.stream if base is not None else None, changed)
@@ -371,7 +373,8 @@ def _round(target: WireManifest, stream: torch.Tensor, base: Base | None, round_
     header = torch.frombuffer(bytearray(json.dumps(head, sort_keys=True).encode()), dtype=torch.uint8)
     blobs = [(HEADER_NAME, header), (PATCH_NAME, patch)]
     wm = build_wire_manifest(((n, "uint8", (b.numel(),)) for n, b in blobs), target.bucket_bytes, BLOB_ALIGNMENT)
-    info = {"base": head["base"], "round": round_id, "target": target.to_dict()}
+    info = {"base": head["base"], "round": round_id,
+            "target": target_doc if target_doc is not None else target.to_dict()}
     return DeltaRound(wm, blobs, info, Base(round_id, target.digest, stream), tiles, time.perf_counter() - t0)
 
 

@@ -27,24 +27,25 @@ class DeltaRounds:
         self.base: delta.Base | None = None
 
     def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], secret: Secret | None,
-              send: SendRound) -> TransferReport:
+              send: SendRound, target_doc: dict[str, Any] | None = None) -> TransferReport:
         """One round of ``tensors`` (``target``'s, in its wire order) through ``send``: the delta
         against :attr:`base` (bucket digests keyed with ``secret``; None: unkeyed), or the whole round when there is none (or it has another layout),
         or when the engines refuse the delta (then sent again, whole). A round that raises leaves
-        no base. Returns ``send``'s report with a :class:`DeltaReport` and the seconds since
+        no base. ``target_doc``: ``target.to_dict()`` when the caller keeps it (None: built per
+        round). Returns ``send``'s report with a :class:`DeltaReport` and the seconds since
         ``tensors`` began. Raises: as ``send``."""
         base, self.base = self.base, None
         t0 = time.perf_counter()
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
-        rnd = delta.encode_tensors(target, tensors, base, secret)
+        rnd = delta.encode_tensors(target, tensors, base, secret, target_doc)
         stream, source_s = rnd.new_base.stream, time.perf_counter() - t0 - rnd.encode_s
         attempts = 1
         try:
             report = send(rnd.wire_manifest, iter(rnd.blobs), {"delta": rnd.info})
         except delta.DeltaRefused as exc:
             reason, attempts = f"the engines refused the delta: {exc}", 2
-            rnd = delta.encode_round(target, stream, None, secret)
+            rnd = delta.encode_round(target, stream, None, secret, target_doc)
             report = send(rnd.wire_manifest, iter(rnd.blobs), {"delta": rnd.info})
         self.base = rnd.new_base
         info = DeltaReport(rnd.kind, reason, target.total_bytes, rnd.wire_manifest.total_bytes, rnd.tiles,

@@ -208,7 +208,7 @@ class RefitSender:
         qc = prepared.plan.vllm_quantization_config()
         online = {ONLINE_KEY: prepared.plan.engine_quantization}  # who quantizes: checked by the engine first
         return self.delta_rounds.refit(wm, prepared.execute(), self._secret, lambda wm, blobs, extra: self._send(
-            wm, blobs, update_info(wm, self.mode, qc, {**online, **extra})))
+            wm, blobs, update_info(wm, self.mode, qc, {**online, **extra})), manifest_doc(prepared))
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
              quantization_config: Any = _UNNAMED) -> TransferReport:
@@ -293,12 +293,19 @@ def sender_checks(driver: RefitDriver, bucket_bytes: int, alignment: int) -> tup
 
 def round_info(prepared: PreparedRefit, mode: str) -> dict[str, Any]:
     """The ``update_info`` of a prepared whole round (not a delta one) in ``mode``: the wire
-    manifest's document - kept with the driver's kept plan, the same object each warm round
-    (weight-sync clients serialize it and must not change it) -, the mode, the protocol version,
-    the plan's ``quantization_config`` and who quantizes."""
+    manifest's document (:func:`manifest_doc`), the mode, the protocol version, the plan's
+    ``quantization_config`` and who quantizes."""
     plan, wm = prepared.plan, prepared.results[WIRE_MANIFEST]
-    doc = prepared.driver.plan_cache.keep(plan, (WIRE_MANIFEST, "doc", wm.digest), wm.to_dict)
-    return update_info(wm, mode, plan.vllm_quantization_config(), {ONLINE_KEY: plan.engine_quantization}, doc)
+    return update_info(wm, mode, plan.vllm_quantization_config(), {ONLINE_KEY: plan.engine_quantization},
+                       manifest_doc(prepared))
+
+
+def manifest_doc(prepared: PreparedRefit) -> dict[str, Any]:
+    """The round's wire manifest's document (``to_dict``), kept with the driver's kept plan: the
+    same object each warm round, whole (``update_info["wire_manifest"]``) or delta (its target);
+    weight-sync clients serialize it and must not change it."""
+    wm = prepared.results[WIRE_MANIFEST]
+    return prepared.driver.plan_cache.keep(prepared.plan, (WIRE_MANIFEST, "doc", wm.digest), wm.to_dict)
 
 
 def update_info(wire_manifest: WireManifest, mode: str, quantization_config: Any, extra: dict[str, Any],
