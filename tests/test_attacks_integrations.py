@@ -3,6 +3,7 @@ test failed on f44ce35 - a /server_info that is not a mapping crashed with Attri
 from __future__ import annotations
 
 import pytest
+import torch
 
 from qstrat.errors import ConfigError
 
@@ -24,3 +25,34 @@ def test_trl_server_check_refuses_a_server_info_that_is_not_a_mapping_as_a_confi
     with pytest.raises(ConfigError, match=rf"^server_info: the vLLM server at http://s:8000 answered "
                                           rf"/server_info with a {kind} "):
         check_server_info(info, _Fp8Plan(), "http://s:8000")
+
+
+# ---- SkyRL: a NaN deep in the stream ---------------------------------------------------------------
+def test_skyrl_source_refuses_a_nan_in_the_last_layer_before_the_first_tensor():
+    """QstratWeightSource checked values as it streamed: a NaN in the last layer was raised after
+    every earlier tensor had been yielded to vLLM's layerwise reload (no rollback, no flag on the
+    trainer side). It is raised before the first tensor now, naming the tensor."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from qstrat import NonFiniteError, RefitDriver
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.integrations.skyrl import QstratWeightSource
+
+    model = build_tiny_qwen3_moe(seed=1)
+    last = max(int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("model.layers."))
+    name = f"model.layers.{last}.self_attn.o_proj.weight"
+    with torch.no_grad():
+        dict(model.named_parameters())[name][1, 2] = float("nan")
+    source = QstratWeightSource(ModuleSource(model), RefitDriver("block-fp8", hf_config=hf_config(model)))
+    yielded = []
+    with pytest.raises(NonFiniteError, match=rf"{name}"):
+        for item in source:
+            yielded.append(item[0])
+    assert yielded == []
+    inline = QstratWeightSource(ModuleSource(model), RefitDriver("block-fp8", hf_config=hf_config(model)),
+                                values="inline")
+    got = []
+    with pytest.raises(NonFiniteError, match=rf"{name}"):
+        for item in inline:
+            got.append(item[0])
+    assert len(got) > 10  # what the stream did before: the earlier layers were handed over
