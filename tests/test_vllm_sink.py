@@ -208,6 +208,19 @@ def test_a_fault_after_the_reload_began_flags_the_engine_until_a_whole_refit(tin
     assert len(llm.calls) == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("after", [0, 59, 246])
+def test_a_failed_reload_reports_how_many_tensors_vllm_really_drew(tiny_model, driver, stream, after):
+    """The count is what vLLM's reload drew before it failed (``after`` + 1: the tensor it failed
+    on was handed over); the whole list was reported ("247 of 247") when the payload was built
+    first (stream=False)."""
+    from qstrat.errors import EngineStateError
+
+    llm = FailingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config(), after=after)
+    with pytest.raises(EngineStateError, match=rf"began reloading \({after + 1} of 247 tensors handed over\): "):
+        qstrat.vllm.refit(llm, driver, tiny_model.state_dict(), stream=stream)
+
+
 def test_a_quantizer_fault_mid_stream_is_an_engine_state_error(tiny_model, driver, monkeypatch):
     """With stream=True quantization runs inside the engine's reload: a fault there (here a
     serializer raising on layer 2) leaves the engine half-reloaded."""
@@ -374,3 +387,22 @@ def test_refit_through_a_file_warns_once_with_its_cost_and_the_path_that_scales(
         warnings.simplefilter("error")
         qstrat.vllm.refit(llm, driver, state)
     assert len(llm.calls) == 2
+
+
+class FailingFileLLM(MultiprocessLLM):
+    """A multiprocess engine whose reload from a file fails (vLLM reads the file itself)."""
+
+    def collective_rpc(self, method, kwargs=None):
+        if callable(method):
+            return
+        raise RuntimeError("disk read error (simulated)")
+
+
+def test_a_failed_reload_from_a_file_does_not_claim_a_count(tiny_model, driver, tmp_path):
+    from qstrat.errors import EngineStateError
+
+    llm = FailingFileLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
+    with pytest.raises(EngineStateError, match=r"began reloading \(all 247 tensors written to a file for the engine "
+                                               r"to read; how many it loaded before failing is not known\): "
+                                               r"RuntimeError: disk read error"):
+        qstrat.vllm.refit(llm, driver, tiny_model.state_dict(), weights_dir=tmp_path)
