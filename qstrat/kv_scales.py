@@ -28,12 +28,14 @@ can be checked with :func:`engine_kv_scales` before and after and :func:`check_k
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from qstrat.errors import EngineStateError
+from qstrat.errors import ConfigError, EngineStateError
+from qstrat.vllm_adapter.platform_facts import in_process
 from qstrat.vllm_adapter.resolver import resolve
 
 #: The scales of an attention layer, by qstrat's key (also the checkpoint's last name component).
@@ -83,14 +85,61 @@ def _worker_kv_scales(worker: Any) -> dict[str, dict[str, float]]:
     return model_kv_scales(worker.model_runner.get_model())
 
 
+class KVScaleReader:
+    """vLLM worker extension (``worker_extension_cls="qstrat.kv_scales.KVScaleReader"``, alone or
+    as a base of another extension): adds :meth:`qstrat_kv_scales` to the worker, callable by
+    name through ``collective_rpc``, which is how :func:`engine_kv_scales` reads a MULTIPROCESS
+    engine's scales (vLLM's engine core cannot send a Python function to a worker process:
+    "Object of type <class 'function'> is not serializable")."""
+
+    model_runner: Any  # the vLLM worker's
+
+    def qstrat_kv_scales(self) -> dict[str, dict[str, float]]:
+        """:func:`model_kv_scales` of this worker's model."""
+        return model_kv_scales(self.model_runner.get_model())
+
+
+#: :class:`KVScaleReader`'s qualified name, as ``worker_extension_cls`` takes it.
+READER = f"{KVScaleReader.__module__}.{KVScaleReader.__qualname__}"
+
+
 def engine_kv_scales(llm: Any) -> dict[str, dict[str, float]]:
     """:func:`model_kv_scales` of a running ``vllm.LLM``'s model (rank 0's: every rank holds
     the same per-layer scales). ``{}`` for an engine without an FP8 KV cache (its
-    ``vllm_config.cache_config.cache_dtype`` does not start with ``fp8``)."""
-    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    ``vllm_config.cache_config.cache_dtype`` does not start with ``fp8``). An in-process engine
+    runs the reader in its worker as a function; a multiprocess one by name, through its worker
+    extension (:class:`KVScaleReader`).
+
+    Raises: ConfigError, before anything is sent, for a multiprocess engine with an FP8 KV cache
+        whose ``worker_extension_cls`` has no ``qstrat_kv_scales`` (naming the fix)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    cache = getattr(config, "cache_config", None)
     if not str(getattr(cache, "cache_dtype", "")).startswith("fp8"):
         return {}
-    return llm.collective_rpc(_worker_kv_scales)[0]
+    if in_process(llm):
+        return llm.collective_rpc(_worker_kv_scales)[0]
+    extension = getattr(getattr(config, "parallel_config", None), "worker_extension_cls", None)
+    if not hasattr(_extension_class(extension), "qstrat_kv_scales"):
+        raise ConfigError(
+            f"kv_cache_dtype: this multiprocess engine caches keys and values in {cache.cache_dtype}, and qstrat "
+            "checks its per-layer k/v scales across every reload by reading them in the worker, which vLLM's "
+            "collective_rpc cannot send a function to (a worker process); its worker_extension_cls "
+            f"({extension or 'none'!r}) has no qstrat_kv_scales. Start the engine with "
+            f"worker_extension_cls={READER!r} (or an extension subclassing it), or in-process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0); nothing was sent")
+    return llm.collective_rpc("qstrat_kv_scales")[0]
+
+
+def _extension_class(extension: Any) -> Any:
+    """The class an engine's ``worker_extension_cls`` names (vLLM takes a qualified name or a
+    class; ``""``/None: none), imported here; None when it cannot be imported."""
+    if not extension or not isinstance(extension, str):
+        return extension or None
+    module, _, name = extension.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
 
 
 def _layer_of(name: str) -> str | None:

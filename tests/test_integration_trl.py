@@ -252,3 +252,30 @@ def test_a_trainer_class_that_is_not_callable_is_refused_before_anything_starts(
     with pytest.raises(TypeError, match=r"^make_trainer: trainer_cls must be a TRL trainer class \(e\.g\. "
                                         r"trl\.GRPOTrainer\), got "):
         qtrl.make_trainer(trainer_cls, "block-fp8")
+
+
+def test_a_quantize_in_engine_strategy_is_refused_when_the_colocated_trainer_is_built(tmp_path, monkeypatch):
+    """Before: the colocated engine started on the strategy's BF16 checkpoint without online
+    quantization, and the first sync raised a PlanError whose fix (quantization='online')
+    engine_kwargs forbids. Now a real GRPOTrainer (vllm_mode='colocate') is refused while it is
+    built, before a checkpoint is written or an engine started, naming the setting and the fix."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from qstrat.errors import ConfigError
+    from qstrat.integrations import trl as qtrl
+    from qstrat.integrations.trl_demo import grpo_args, policy, tiny_tokenizer, word_reward
+
+    cls = _vllm_generation().VLLMGeneration
+    original = cls.__dict__["_init_vllm"]
+    monkeypatch.setattr(_vllm_generation(), "LLM", lambda **kw: pytest.fail("no engine may start"), raising=False)
+    strategy = {"preset": "block-fp8", "quantize_in": "engine"}
+    with pytest.raises(ConfigError, match=r"^quantize_in: engine - TRL's colocated engine starts on qstrat's "
+                                          r"checkpoint .*needs quantization='online', which engine_kwargs cannot "
+                                          r"set\. Use quantize_in: trainer with vllm_mode='colocate', or "
+                                          r"vllm_mode='server' .*nothing was written, no engine started$"):
+        qtrl.make_trainer(GRPOTrainer, strategy, model=policy(), processing_class=tiny_tokenizer(),
+                          reward_funcs=word_reward, train_dataset=Dataset.from_dict({"prompt": ["w5 w6"]}),
+                          args=grpo_args(tmp_path, 1), checkpoint_dir=tmp_path / "ckpt")
+    assert cls.__dict__["_init_vllm"] is original
+    assert not list(tmp_path.glob("**/*.safetensors"))

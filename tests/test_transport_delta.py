@@ -306,3 +306,42 @@ def test_a_delta_sender_refuses_send_and_an_unknown_mode_is_named():
     s = RefitSender([], "127.0.0.1", 1, mode="delta")
     with pytest.raises(TransportError, match=r"a delta-mode sender sends through refit\(\)"):
         s.send(None, iter(()))
+
+
+def _nan_in_last_layer(trainer):
+    name = max((n for n in trainer if n.endswith("self_attn.o_proj.weight")), key=lambda n: int(n.split(".")[2]))
+    bad = dict(trainer)
+    bad[name] = trainer[name].clone()
+    bad[name][0, 0] = float("nan")
+    return bad, name
+
+
+def test_a_warm_round_refused_before_any_data_keeps_the_base_and_the_next_round_is_a_delta(receivers, tiny):
+    """A warm round that no engine took - a NaN the stream finds while encoding (nothing sent),
+    a round of another plan refused in the accept vote (before any data) - dropped the sender's
+    base although every engine still held it: the next round went whole, "no base" (issue 42).
+    Now the base stays: the next round is a delta of the engines' base, its bytes a delta's."""
+    from qstrat import NonFiniteError, RefitDriver
+    from qstrat.errors import WireManifestMismatchError
+
+    driver, trainer_a, _, _ = tiny
+    sender = sender_for(receivers)
+    sender.refit(driver, trainer_a)
+    base_id = sender.base.round_id
+    trainer = stepped(trainer_a, 1e-5, 8)
+    bad, name = _nan_in_last_layer(trainer)
+    before = loads(receivers)
+    with pytest.raises(NonFiniteError, match=name.replace(".", r"\.")):
+        sender.refit(driver, bad)
+    assert sender.base is not None and sender.base.round_id == base_id
+    other = RefitDriver("mxfp8-experts", hf_config=driver.hf_config)
+    with pytest.raises(WireManifestMismatchError):
+        sender.refit(other, trainer)
+    assert sender.base is not None and sender.base.round_id == base_id
+    assert loads(receivers) == before and held(receivers) == [want(driver, trainer_a)] * 2
+    report = sender.refit(driver, trainer)
+    d = report.delta
+    assert d.kind == "delta" and d.reason is None and d.attempts == 1, d
+    assert d.wire_bytes == report.bytes < d.full_bytes / 2, d
+    assert held(receivers) == [want(driver, trainer)] * 2
+    sender.close()

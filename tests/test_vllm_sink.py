@@ -208,6 +208,19 @@ def test_a_fault_after_the_reload_began_flags_the_engine_until_a_whole_refit(tin
     assert len(llm.calls) == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("after", [0, 59, 246])
+def test_a_failed_reload_reports_how_many_tensors_vllm_really_drew(tiny_model, driver, stream, after):
+    """The count is what vLLM's reload drew before it failed (``after`` + 1: the tensor it failed
+    on was handed over); the whole list was reported ("247 of 247") when the payload was built
+    first (stream=False)."""
+    from qstrat.errors import EngineStateError
+
+    llm = FailingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config(), after=after)
+    with pytest.raises(EngineStateError, match=rf"began reloading \({after + 1} of 247 tensors handed over\): "):
+        qstrat.vllm.refit(llm, driver, tiny_model.state_dict(), stream=stream)
+
+
 def test_a_quantizer_fault_mid_stream_is_an_engine_state_error(tiny_model, driver, monkeypatch):
     """With stream=True quantization runs inside the engine's reload: a fault there (here a
     serializer raising on layer 2) leaves the engine half-reloaded."""
@@ -374,3 +387,89 @@ def test_refit_through_a_file_warns_once_with_its_cost_and_the_path_that_scales(
         warnings.simplefilter("error")
         qstrat.vllm.refit(llm, driver, state)
     assert len(llm.calls) == 2
+
+
+class FailingFileLLM(MultiprocessLLM):
+    """A multiprocess engine whose reload from a file fails (vLLM reads the file itself)."""
+
+    def collective_rpc(self, method, kwargs=None):
+        if callable(method):
+            return
+        raise RuntimeError("disk read error (simulated)")
+
+
+def test_a_failed_reload_from_a_file_does_not_claim_a_count(tiny_model, driver, tmp_path):
+    from qstrat.errors import EngineStateError
+
+    llm = FailingFileLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
+    with pytest.raises(EngineStateError, match=r"began reloading \(all 247 tensors written to a file for the engine "
+                                               r"to read; how many it loaded before failing is not known\): "
+                                               r"RuntimeError: disk read error"):
+        qstrat.vllm.refit(llm, driver, tiny_model.state_dict(), weights_dir=tmp_path)
+
+
+class FP8KVMultiprocessLLM(MultiprocessLLM):
+    """A multiprocess engine with an FP8 KV cache: each RPC is first encoded as vLLM 0.32's engine
+    core client encodes it (``vllm.v1.serial_utils.MsgpackEncoder``, which refuses a Python
+    function: "Object of type <class 'function'> is not serializable"), then run BY NAME on a
+    worker built from ``worker_extension_cls`` (vLLM mixes the extension into its worker), whose
+    model has two attention layers holding FP8 KV-cache scales under vLLM's attribute names."""
+
+    def __init__(self, quantization_config, extension):
+        from vllm.v1.serial_utils import MsgpackEncoder
+
+        from qstrat.vllm_adapter.resolver import resolve
+
+        super().__init__(quantization_config)
+        self.encoder = MsgpackEncoder()
+        self.llm_engine.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"),
+                                                      parallel_config=SimpleNamespace(worker_extension_cls=extension))
+        model = torch.nn.Module()
+        for i, (k, v) in enumerate(((0.05, 0.07), (0.06, 0.08))):
+            attn = torch.nn.Module()
+            setattr(attn, resolve("attention_kv_cache_dtype"), "fp8")
+            for key, x in (("k", k), ("v", v)):
+                setattr(attn, resolve(f"attention_{key}_scale"), torch.tensor([x]))
+                setattr(attn, resolve(f"attention_{key}_scale_float"), float(torch.tensor(x)))
+            model.add_module(f"attn{i}", attn)
+        import importlib
+
+        module, _, name = extension.rpartition(".")
+        worker_cls = type("Worker", (getattr(importlib.import_module(module), name),) if extension else (), {})
+        self.worker = worker_cls()
+        self.worker.model_runner = SimpleNamespace(get_model=lambda: model)
+
+    def collective_rpc(self, method, kwargs=None):
+        self.encoder.encode((0, 1, "collective_rpc", (method, None, (), kwargs)))
+        if method == "reload_weights":
+            return super().collective_rpc(method, kwargs)
+        return [getattr(self.worker, method)()]
+
+
+@pytest.mark.filterwarnings("ignore:qstrat.vllm.refit. this refit wrote:RuntimeWarning")
+def test_a_multiprocess_fp8_kv_engine_is_refit_through_the_reader_or_refused_naming_it(tiny_model, driver,
+                                                                                      monkeypatch):
+    """Every refit of a multiprocess engine with an FP8 KV cache failed in vLLM's RPC encoder
+    ("Object of type <class 'function'> is not serializable": the scale check sent a function).
+    With qstrat's reader extension the scales are read by name and the refit loads; without it
+    the refit is refused before anything is sent, naming the fix. (Live: test_engine_kv_multiprocess.py.)"""
+    import qstrat.kv_scales
+
+    for module in (qstrat.vllm.sink, qstrat.kv_scales):
+        monkeypatch.setattr(module, "in_process", lambda llm: False, raising=False)
+    state = tiny_model.state_dict()
+    qc = driver.plan(state).vllm_quantization_config()
+    plain = FP8KVMultiprocessLLM(qc, "")
+    with pytest.raises(qstrat.ConfigError, match=r"^kv_cache_dtype: this multiprocess engine caches keys and values "
+                                                 r"in fp8, .*its worker_extension_cls \('none'\) has no "
+                                                 r"qstrat_kv_scales\. Start the engine with worker_extension_cls="
+                                                 r"'qstrat\.kv_scales\.KVScaleReader' .*nothing was sent$"):
+        qstrat.vllm.refit(plain, driver, state)
+    assert plain.calls == []
+    llm = FP8KVMultiprocessLLM(qc, "qstrat.kv_scales.KVScaleReader")
+    qstrat.vllm.refit(llm, driver, state)
+    assert [c[0] for c in llm.calls] == ["reload_weights"]
+    f32 = {x: float(torch.tensor(x)) for x in (0.05, 0.06, 0.07, 0.08)}
+    assert qstrat.kv_scales.engine_kv_scales(llm) == {
+        f"attn{i}": {"k_scale": f32[k], "k_scale_float": f32[k], "v_scale": f32[v], "v_scale_float": f32[v]}
+        for i, (k, v) in enumerate(((0.05, 0.07), (0.06, 0.08)))}

@@ -30,16 +30,36 @@ class QstratWorkerExtension(VllmInternalWorkerExtension):
     """NeMo-RL's vLLM worker extension whose weight loading is qstrat's refit.
 
     Everything but ``_load_weights`` is NeMo-RL's (ZMQ/IPC and collective receivers, refit info,
-    FP8 KV-cache scales). What NeMo-RL's stock ``_load_weights`` also does and this one does not:
+    FP8 KV-cache scales); its two receivers only drop an interrupted step's buckets first. What NeMo-RL's stock ``_load_weights`` also does and this one does not:
     Gemma3 vision-tower renames and loading MTP draft weights into a speculative drafter.
     """
 
     #: every :class:`~qstrat.vllm.RefitReport`, one per step (set on first use)
     qstrat_reports: list[Any]
 
+    def update_weights_from_collective(self, *args: Any, **kwargs: Any) -> Any:
+        """NeMo-RL's collective receiver (one call per step), after dropping what an interrupted
+        step left (:meth:`_qstrat_new_step`)."""
+        self._qstrat_new_step()
+        return super().update_weights_from_collective(*args, **kwargs)
+
+    def update_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> Any:
+        """NeMo-RL's IPC/ZMQ receiver (one call per step), after :meth:`_qstrat_new_step`."""
+        self._qstrat_new_step()
+        return super().update_weights_via_ipc_zmq(*args, **kwargs)
+
+    def _qstrat_new_step(self) -> None:
+        """A step begins: drop the buckets an interrupted step left (its receiver raised or
+        returned before the last bucket), so they never complete a later step's set - a later
+        step whose buckets come in another order would otherwise load a mix of two steps."""
+        self.__dict__.pop("_qstrat_pending", None)
+
     def _load_weights(self, weights: list[tuple[str, Any]]) -> None:
         """Receive one bucket of ``(name, tensor)`` (NeMo-RL's unpacked views, BF16); refit the
         engine once the step's last tensor has arrived.
+
+        A bucket naming a tensor already received starts a new step (the earlier step's buckets
+        are dropped); NeMo-RL's receivers start each step with none (:meth:`_qstrat_new_step`).
 
         Raises: ConfigError if ``prepare_refit_info`` was not called (nothing received);
             PlanError for a name it did not announce (the step's tensors are dropped); what
@@ -57,6 +77,9 @@ class QstratWorkerExtension(VllmInternalWorkerExtension):
             pending.clear()
             raise PlanError(f"qstrat.integrations.nemo_rl: NeMo-RL sent {unknown[:3]} not in prepare_refit_info's "
                             f"{len(info)} tensors; this step's tensors were dropped, nothing was reloaded")
+        again = [name for name, _ in weights if name in pending]
+        if again:  # a step began without NeMo-RL's receivers (a direct _load_weights): the rest is stale
+            pending.clear()
         pending.update((name, t.clone()) for name, t in weights)  # views into NeMo-RL's reused buffer
         if len(pending) < len(info):
             return

@@ -21,6 +21,8 @@ import torch
 from qstrat.driver import RefitDriver
 from qstrat.inputs import tensor_specs
 from qstrat.plan import RefitPlan
+from qstrat.plan.data import PASSTHROUGH
+from qstrat.stream import check_passthrough
 from qstrat.vllm_adapter.resolver import resolve
 
 WeightSource = resolve("weight_source")
@@ -35,19 +37,26 @@ class QstratWeightSource(WeightSource):
             ``MegatronWeightSource``, vLLM's ``ModuleSource``): HF names, BF16 or FP32 tensors,
             the whole model on every rank (``held_names()`` None).
         driver: the strategy of the engines' checkpoint (``qstrat quantize``).
+        values: ``"first"`` (default) - every pass reads ``source`` once for NaN/inf before the
+            first tensor is yielded (:meth:`check_values`), then again to quantize: vLLM's
+            layerwise reload has no rollback, so a bad value found mid-stream would leave the
+            engines holding a mix of two syncs (nothing on the trainer side can flag them).
+            Costs a second gather of the source per sync. ``"inline"``: checked as it streams.
     Attributes: plan: the :class:`~qstrat.plan.RefitPlan`, made once from ``source.metadata()``
         (shapes and dtypes only: nothing is gathered).
     Raises: PlanError from the constructor when the source's names, shapes or dtypes cannot be
         planned (nothing was sent); ValueError when ``source`` holds only part of the model.
     """
 
-    def __init__(self, source: WeightSource, driver: RefitDriver) -> None:
+    def __init__(self, source: WeightSource, driver: RefitDriver, values: str = "first") -> None:
+        if values not in ("first", "inline"):
+            raise ValueError(f"QstratWeightSource: values must be 'first' or 'inline', got {values!r}")
         held = getattr(source, "held_names", None)  # vLLM < 0.29's WeightSource has none: whole sources only
         if callable(held) and held() is not None:
             raise ValueError(f"QstratWeightSource: {type(source).__name__} holds only part of the model on this "
                              "rank (held_names() is not None: pipeline/expert-parallel sharded sources); qstrat "
                              "quantizes whole layers: use a source whose iteration yields every parameter")
-        self.source, self.driver = source, driver
+        self.source, self.driver, self.values = source, driver, values
         self.plan: RefitPlan = driver.plan(tensor_specs((m.name, tuple(m.shape), m.dtype)
                                                         for m in source.metadata()))
 
@@ -58,8 +67,25 @@ class QstratWeightSource(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """One pass of ``source``, quantized as it streams (:meth:`RefitDriver.run` with
-        :attr:`plan`: about one layer held at a time), contiguous tensors. Raises what
-        :meth:`RefitDriver.run` raises (NonFiniteError naming a tensor; PlanError when the
-        stream does not match its metadata)."""
+        :attr:`plan`: about one layer held at a time), contiguous tensors, after
+        :meth:`check_values` (``values="first"``). Raises what :meth:`RefitDriver.run` raises
+        (NonFiniteError naming a tensor - before the first tensor with ``values="first"``;
+        PlanError when the stream does not match its metadata)."""
+        if self.values == "first":
+            self.check_values()
         for name, t in self.driver.run(iter(self.source), plan=self.plan):
             yield name, t.contiguous()
+
+    def check_values(self) -> None:
+        """One pass of ``source`` (one tensor held at a time): raise NonFiniteError naming the
+        first input holding NaN/inf where its format refuses them (passthrough tensors and
+        formats with ``nonfinite="error"``, as :meth:`RefitDriver.check_values`); yields nothing."""
+        entries = {e.name: e for e in self.plan.entries}
+        for name, t in self.source:
+            e = entries.get(name)
+            if e is None:
+                continue  # not planned: RefitDriver.run's pass refuses it with its PlanError
+            if e.serializer == PASSTHROUGH:
+                check_passthrough(t, name)
+            else:
+                self.driver.serializer(e.serializer, e.options).check_values(t, name)

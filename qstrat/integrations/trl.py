@@ -170,6 +170,13 @@ class QstratRollouts:
                               "merged copy with qstrat.fidelity.probe instead")
         hf_config = _hf_config(gen.model)
         driver = RefitDriver(self.strategy, hf_config=hf_config)
+        if driver.config.quantize_in == "engine":
+            raise ConfigError(
+                "quantize_in: engine - TRL's colocated engine starts on qstrat's checkpoint in the strategy's "
+                "format and every sync sends that format; an engine that quantizes BF16 syncs itself needs "
+                "quantization='online', which engine_kwargs cannot set. Use quantize_in: trainer with "
+                "vllm_mode='colocate', or vllm_mode='server' (qstrat.integrations.trl_server, whose server "
+                "is started online); nothing was written, no engine started")
         keep = None
         if self.checkpoint_dir is None:
             keep = tempfile.TemporaryDirectory(prefix="qstrat-trl-")
@@ -266,7 +273,8 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
         that is not a path, an ``engine_kwargs`` that is not a mapping or sets what the checkpoint
         decides (:func:`check_engine_kwargs`: ``model``, ``quantization``, ``quantization_config``,
         ``hf_overrides``), all before the trainer is built; while a trainer is built: ConfigError for ``vllm_mode``
-        other than ``colocate`` and ``server``, for ``vllm_enable_sleep_mode`` (colocated), what
+        other than ``colocate`` and ``server``, for ``vllm_enable_sleep_mode`` and for a
+        ``quantize_in: engine`` strategy (colocated: refused before anything is written), what
         :func:`qstrat.integrations.trl_server.start` raises (server mode), what ``write_checkpoint`` raises
         (PlanError, NonFiniteError, FileExistsError), PlanError when the started engine's
         quantization_config does not match the plan, EngineBuildError when vLLM built a module in

@@ -150,11 +150,15 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
     quantizes the BF16 rounds itself. Every round then checks the whole format, the online
     config and every tensor engine-side before any data (docs/transport.md).
 
-    Raises: ConfigError naming the setting, what the server runs and the fix.
+    Raises: ConfigError naming the setting, what the server runs and the fix (``server_info``
+        for a document that is not a mapping: None, a list, a string).
     """
     from qstrat.online import engine_kwargs
     from qstrat.serializers.engine_contract import served_method
 
+    if not isinstance(info, Mapping):
+        raise ConfigError(f"server_info: the vLLM server at {url} answered /server_info with a "
+                          f"{type(info).__name__} ({info!r:.80}), not vLLM's config (a mapping): is it a vLLM server?")
     wtc = info.get("weight_transfer_config") or {}
     backend = wtc.get("backend") if isinstance(wtc, Mapping) else None
     if backend != BACKEND["backend"]:

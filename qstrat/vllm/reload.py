@@ -3,19 +3,29 @@
 worker and the engine flagged (:mod:`qstrat.vllm.flag`)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from qstrat.errors import EngineStateError
 from qstrat.vllm.flag import clear_after_load, mark_failed
 
 
-def reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:
+def reload(llm: Any, source: dict[str, Any], progress: Callable[[], str]) -> None:
     """Run vLLM's layerwise ``reload_weights`` from ``source`` (an iterator or a folder) in every
-    worker of ``llm``, under :func:`flagged_reload`'s rule."""
+    worker of ``llm``, under :func:`flagged_reload`'s rule (``progress``: its text of how much
+    was handed over)."""
     flagged_reload(llm, lambda: llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True}),
-                   lambda: llm.collective_rpc(_finalize_worker_reload),
-                   lambda: f" ({sent['tensors']} of {total} tensors handed over)")
+                   lambda: llm.collective_rpc(_finalize_worker_reload), progress)
+
+
+def handed_over(tensors: list[tuple[str, Any]], count: dict[str, int], key: str = "handed"
+                ) -> Iterator[tuple[str, Any]]:
+    """Yield ``tensors`` (a complete payload) one by one, counting in ``count[key]`` how many the
+    consumer (vLLM's reload) has drawn: what a failed reload really received, not what was built."""
+    count[key] = 0
+    for item in tensors:
+        count[key] += 1
+        yield item
 
 
 def flagged_reload(engine: Any, reload: Callable[[], Any], finalize: Callable[[], Any],

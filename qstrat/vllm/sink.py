@@ -16,7 +16,7 @@ from qstrat.engine_manifest import EngineManifest
 from qstrat.inputs import NamedTensors
 from qstrat.kv_scales import KVScaleGuard
 from qstrat.plan import RefitPlan
-from qstrat.vllm.reload import reload
+from qstrat.vllm.reload import handed_over, reload
 from qstrat.vllm.checks import engine_checks
 from qstrat.vllm.spool import spooled, warn_cost
 from qstrat.vllm_adapter.platform_facts import in_process
@@ -133,7 +133,7 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         verify.check_plan(plan)  # e.g. a format with no fidelity threshold: refused before the reload
     if callable(getattr(verify, "check_engine", None)):
         verify.check_engine(llm)  # e.g. an engine whose max_logprobs caps the probe's top_k
-    sent = {"tensors": 0, "bytes": 0}
+    sent = {"tensors": 0, "bytes": 0, "handed": 0}
     kv_scales = KVScaleGuard.start(llm)  # FP8 KV-cache scales: unchanged by the reload unless sent
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:
@@ -141,16 +141,22 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
             t = t.contiguous()
             kv_scales.observe(name, t)
             sent["tensors"] += 1
+            sent["handed"] = sent["tensors"]  # a stream is handed over as it is made
             sent["bytes"] += t.numel() * t.element_size()
             yield name, t
 
+    total = len(plan.outputs())
     if weights_dir is None:
-        weights = payload() if stream else list(payload())  # a list is complete before the engine starts
-        reload(llm, {"weights_iterator": weights}, sent, len(plan.outputs()))
+        # a list is complete (every value checked) before the engine starts; vLLM then draws it
+        # one tensor at a time, and what it drew is what was handed over
+        weights = payload() if stream else handed_over(list(payload()), sent)
+        reload(llm, {"weights_iterator": weights}, lambda: f" ({sent['handed']} of {total} tensors handed over)")
     else:
         with spooled(payload(), weights_dir) as folder:
             warn_cost(sent["bytes"], Path(weights_dir))
-            reload(llm, {"weights_path": folder}, sent, len(plan.outputs()))
+            reload(llm, {"weights_path": folder},
+                   lambda: f" (all {total} tensors written to a file for the engine to read; how many it "
+                           "loaded before failing is not known)")
     kv_scales.check(llm)
     seconds = time.perf_counter() - start
     fidelity = verify(llm, driver) if verify is not None else None
