@@ -532,8 +532,8 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         "driver": ("impl", "ms", "ms_min", "overhead"),
         "kernels": ("case", "format", "arch", "registers", "stack", "warps_per_sm",
                     "instr_per_element", "native", "ceiling_H100", "ceiling_H200", "ceiling_B200"),
-        "cluster": ("case", "engine", "payload_gb", "engine_rank_gb", "sender_max_gb", "busiest", "busiest_gb",
-                    "mesh_s", "broadcast_pipelined_s", "broadcast_flat_s"),
+        "cluster": ("case", "trainer", "engine", "payload_gb", "engine_rank_gb", "sender_max_gb", "busiest",
+                    "busiest_gb", "mesh_s", "broadcast_pipelined_s", "broadcast_tree_s", "broadcast_flat_s"),
     }
     headers = {"speedup_vs_this": "its ms / qstrat ms", "qstrat_over_copy": "qstrat ms / its ms",
                "bytes_equal_reference": "same bytes", "loop_over_grouped": "loop / grouped",
@@ -542,6 +542,7 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
                "ceiling_H100": "H100", "ceiling_H200": "H200", "ceiling_B200": "B200",
                "payload_gb": "payload GB", "engine_rank_gb": "per engine rank GB", "sender_max_gb": "per sender GB",
                "busiest_gb": "busiest GB", "mesh_s": "mesh s", "broadcast_pipelined_s": "broadcast s (pipelined)",
+               "broadcast_tree_s": "broadcast s (tree, gloo)",
                "broadcast_flat_s": "broadcast s (flat)"}
     titles = {
         "formats": "formats (its ms / qstrat ms > 1: qstrat faster)",
@@ -550,7 +551,7 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         "driver": "driver overhead = RefitDriver.run / direct serializer calls - 1",
         "kernels": "GPU kernels compiled for sm_90/sm_100 (static, no GPU): issue-bound ceiling "
                    "as a fraction of HBM bandwidth (>= 1: instruction issue is not the limit)",
-        "cluster": "refit at cluster scale, projected from the plan (no measurement): trainer ep8xfsdp8, "
+        "cluster": "refit at cluster scale, projected from the plan (no measurement): "
                    "400 Gbit/s per GPU at 100 % efficiency (qstrat plan --link-efficiency; docs/transport.md)",
     }
     m = doc["machine"]

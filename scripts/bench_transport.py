@@ -414,11 +414,13 @@ def mesh_section(args) -> None:
                 b = broadcast_refit(links, r, args.layers, args.layer_mib, args.bucket_mib[0], args.reps)
                 for what in ("refit_s", "raw_s"):
                     med = statistics.median(b[what])
-                    flat, piped = b["payload"] * r * 8 / (med * bps), b["payload"] * 8 / (med * bps)
+                    eff = {k: b["payload"] * c * 8 / (med * bps) for k, c in (("tree", r.bit_length()), ("flat", r),
+                                                                               ("pipelined", 1))}
                     print(f"  broadcast {'RefitSender round' if what == 'refit_s' else 'raw gloo broadcast'} R={r}: "
-                          f"{b['payload'] / 2**20:.1f} MiB in {med:.3f} s: efficiency {flat:.2f} if flat "
-                          f"(sender link carries R copies), {piped:.2f} if pipelined [load {os.getloadavg()[0]:.1f}]",
-                          flush=True)
+                          f"{b['payload'] / 2**20:.1f} MiB in {med:.3f} s: efficiency {eff['tree']:.2f} as a binomial "
+                          f"tree (the sender's link carries ceil(log2(R+1)) = {r.bit_length()} copies), "
+                          f"{eff['flat']:.2f} if flat (R copies), {eff['pipelined']:.2f} if pipelined (1) "
+                          f"[load {os.getloadavg()[0]:.1f}]", flush=True)
             for s, r in configs:
                 got = run_mesh(s, r, links, pair, args.reps)
                 print(f"  mesh round S={s} R={r}: " + ("not measured: the run_mesh hook is not plugged in (the mesh "
@@ -434,9 +436,9 @@ def project(efficiency: float) -> None:
 
     print(f"\nprojected (routing model, not measured): 400 Gbit/s per GPU x measured p2p efficiency {efficiency:.2f}")
     for row in bench_cluster(PLAN_MODELS[0].parent):
-        print(f"  {row['model']:16} {row['trainer']} -> {row['engine']:22} busiest {row['busiest_gb']:7.1f} GB: "
+        print(f"  {row['model']:16} {row['trainer']:10} -> {row['engine']:22} busiest {row['busiest_gb']:7.1f} GB: "
               f"mesh {row['mesh_s'] / efficiency:6.2f} s; broadcast pipelined {row['broadcast_pipelined_s'] / efficiency:6.1f} s, "
-              f"flat {row['broadcast_flat_s'] / efficiency:7.0f} s")
+              f"tree (gloo) {row['broadcast_tree_s'] / efficiency:6.1f} s, flat {row['broadcast_flat_s'] / efficiency:7.0f} s")
 
 
 def main() -> None:

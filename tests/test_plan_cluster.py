@@ -91,8 +91,11 @@ def test_senders_carry_every_replica_and_expert_groups_keep_their_experts():
     experts_per_group = 3 * (E // 4) * L * 3 * I * H * 2   # two experts per group, three replicas
     assert all(s >= experts_per_group for s in r.sent)
     assert sum(s - experts_per_group for s in r.sent) == 3 * (r.payload - E * L * 3 * I * H * 2)
-    assert r.broadcast_bytes(pipelined=True) == r.payload
-    assert r.broadcast_bytes(pipelined=False) == 3 * r.payload
+    assert r.broadcast_bytes("pipelined") == r.payload
+    assert r.broadcast_bytes("tree") == 2 * r.payload   # ceil(log2(3 receivers + the sender))
+    assert r.broadcast_bytes("flat") == 3 * r.payload
+    with pytest.raises(ValueError, match="broadcast kind 'ring'"):
+        r.broadcast_bytes("ring")
     which, busiest = r.busiest()
     assert busiest == r.payload > max(r.sent) and which == "engine tp rank 0 (in)"  # 4 senders, 3 receivers
     assert r.seconds(8e9) == pytest.approx(busiest / 1e9)

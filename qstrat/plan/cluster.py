@@ -16,10 +16,11 @@ achieves (measured by scripts/bench_transport.py ``--mesh-links``).
 
 Today's round, for comparison: trainer rank 0 holds the whole payload ``P`` (after an FSDP
 ``full_tensor()`` / expert gather, not counted here) and ``torch.distributed.broadcast``s every
-bucket to all ``R`` engine ranks. Its busiest link is the sender's: it carries ``P * R`` when the
-broadcast is flat (the root sends each receiver its copy), ``P`` when it is pipelined through the
-receivers (NCCL's ring / chain: every link carries ``P`` once, the bound of any single-sender
-scheme).
+bucket to all ``R`` engine ranks. Its busiest link is the sender's, carrying ``P`` times the
+copies it sends: ``R`` when the broadcast is flat (the root sends each receiver its copy),
+``ceil(log2(R + 1))`` for a binomial tree over the ``R + 1`` ranks (gloo's broadcast: measured,
+docs/transport.md), ``1`` when it is pipelined through the receivers (NCCL's ring / chain: every
+link carries ``P`` once, the bound of any single-sender scheme).
 """
 from __future__ import annotations
 
@@ -64,9 +65,14 @@ class ClusterRound:
         """Link-bound round time: the busiest link's bytes at ``rate_bps * efficiency`` bits/s."""
         return self.busiest()[1] * 8 / (rate_bps * efficiency)
 
-    def broadcast_bytes(self, pipelined: bool) -> int:
-        """Bytes on today's busiest link (the single sender's): ``P * R`` flat, ``P`` pipelined."""
-        return self.payload * (1 if pipelined else self.engine.world)
+    def broadcast_bytes(self, kind: str) -> int:
+        """Bytes on today's busiest link (the single sender's) for a broadcast ``kind``:
+        ``pipelined`` ``P``, ``tree`` ``P * ceil(log2(R + 1))``, ``flat`` ``P * R`` (module docstring).
+        Raises: ValueError for another kind."""
+        copies = {"pipelined": 1, "tree": self.engine.world.bit_length(), "flat": self.engine.world}
+        if kind not in copies:
+            raise ValueError(f"broadcast kind {kind!r}: expected one of {', '.join(copies)}")
+        return self.payload * copies[kind]
 
 
 def route(plan: RefitPlan, trainer: TrainerLayout, engine: EngineLayout,

@@ -27,8 +27,8 @@ FIELD = (
 def cluster_row(model: str, plan: RefitPlan, hf_config: Mapping[str, Any] | None, trainer: TrainerLayout,
                 engine: EngineLayout, rate_bps: float, efficiency: float = 1.0) -> dict[str, Any]:
     """One model's figures (bytes in GB = 1e9, seconds at ``rate_bps * efficiency``): the mesh
-    round's busiest link and time, against today's broadcast flat and pipelined
-    (:class:`qstrat.plan.cluster.ClusterRound`)."""
+    round's busiest link and time, against today's broadcast pipelined, as a binomial tree (gloo)
+    and flat (:meth:`qstrat.plan.cluster.ClusterRound.broadcast_bytes`)."""
     r = route(plan, trainer, engine, hf_config)
     which, busiest = r.busiest()
     bps = rate_bps * efficiency
@@ -38,8 +38,7 @@ def cluster_row(model: str, plan: RefitPlan, hf_config: Mapping[str, Any] | None
             "engine_rank_share": max(r.received) / r.payload, "sender_max_gb": max(r.sent) / 1e9,
             "sender_mean_gb": sum(r.sent) / len(r.sent) / 1e9, "busiest": which, "busiest_gb": busiest / 1e9,
             "link_gbit": rate_bps / 1e9, "efficiency": efficiency, "mesh_s": mesh_s,
-            "broadcast_pipelined_s": r.broadcast_bytes(True) * 8 / bps,
-            "broadcast_flat_s": r.broadcast_bytes(False) * 8 / bps}
+            **{f"broadcast_{kind}_s": r.broadcast_bytes(kind) * 8 / bps for kind in ("pipelined", "tree", "flat")}}
 
 
 def cluster_table(rows: Sequence[Mapping[str, Any]]) -> Any:
@@ -51,7 +50,7 @@ def cluster_table(rows: Sequence[Mapping[str, Any]]) -> Any:
                         f"x efficiency {first['efficiency']:g}; mesh = every trainer rank sends what it owns to "
                         "the engine ranks that load it; broadcast = today's one sender to every engine rank")
     cols = ("model", "trainer", "engine", "payload GB", "per engine rank GB", "per sender GB max/mean",
-            "busiest link", "mesh s", "broadcast s pipelined / flat", "speedup vs pipelined")
+            "busiest link", "mesh s", "broadcast s pipelined / tree (gloo) / flat", "speedup vs tree / pipelined")
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "trainer", "engine", "busiest link") else "right")
     for r in rows:
@@ -59,8 +58,8 @@ def cluster_table(rows: Sequence[Mapping[str, Any]]) -> Any:
                       f"{r['engine_rank_gb']:,.2f} ({r['engine_rank_share']:.1%})",
                       f"{r['sender_max_gb']:,.1f} / {r['sender_mean_gb']:,.1f}",
                       f"{r['busiest']}: {r['busiest_gb']:,.1f} GB", f"{r['mesh_s']:.2f}",
-                      f"{r['broadcast_pipelined_s']:,.1f} / {r['broadcast_flat_s']:,.0f}",
-                      f"{r['broadcast_pipelined_s'] / r['mesh_s']:.1f}x")
+                      f"{r['broadcast_pipelined_s']:,.1f} / {r['broadcast_tree_s']:,.1f} / {r['broadcast_flat_s']:,.0f}",
+                      f"{r['broadcast_tree_s'] / r['mesh_s']:.1f}x / {r['broadcast_pipelined_s'] / r['mesh_s']:.1f}x")
     return table
 
 
@@ -78,7 +77,7 @@ def field_table() -> Any:
 
 #: ``qstrat bench --only cluster``: the example configs (examples/models), the issue's layouts.
 CLUSTER_MODELS = ("qwen3-235b-a22b", "deepseek-v3", "kimi-k2-sized")
-CLUSTER_LAYOUTS = (("ep8xfsdp8", "tp8xdp16"), ("ep8xfsdp8", "tp8xdp16xep"))
+CLUSTER_LAYOUTS = (("ep8xfsdp8", "tp8xdp16"), ("ep8xfsdp8", "tp8xdp16xep"), ("ep8xfsdp32", "tp8xdp16"))
 #: Quick runs: the same layouts on 2-layer, 8-expert configs (seconds, not a figure).
 QUICK_OVERRIDES = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 8,
                    "num_nextn_predict_layers": 0, "num_experts": 8}
