@@ -42,6 +42,7 @@ import torch
 
 from qstrat.bench_sections import SECTIONS
 from qstrat.registry import Registry, get_registry
+from qstrat.plan.cluster_report import bench_cluster, field_table
 
 # vLLM logs INFO/WARNING lines at import (e.g. "Triton is installed, but doesn't include CPU
 # backend") that would bury the tables; set VLLM_LOGGING_LEVEL yourself to see them.
@@ -468,7 +469,7 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
 
     Args:
         quick: reduced sizes (:data:`SIZES`).
-        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``, ``kernels``.
+        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``, ``kernels``, ``cluster``.
         reps: timed rounds (default: 7 full, 2 quick).
         max_experts: cap E of the grouped slabs and of the driver's layer (recorded in the JSON).
         on_section: called with the document after each section (progress output).
@@ -493,6 +494,7 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
         "driver": lambda: bench_driver(min(size["driver_experts"], cap), reps,
                                        dims=size.get("driver_dims", QWEN3_30B_A3B)),
         "kernels": bench_kernels,
+        "cluster": lambda: bench_cluster(PLAN_MODELS[0].parent, quick=quick),
     }
     for name in SECTIONS:
         if name in sections:
@@ -530,12 +532,18 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         "driver": ("impl", "ms", "ms_min", "overhead"),
         "kernels": ("case", "format", "arch", "registers", "stack", "warps_per_sm",
                     "instr_per_element", "native", "ceiling_H100", "ceiling_H200", "ceiling_B200"),
+        "cluster": ("case", "trainer", "engine", "payload_gb", "engine_rank_gb", "sender_max_gb", "busiest",
+                    "busiest_gb", "mesh_s", "broadcast_pipelined_s", "broadcast_tree_s", "broadcast_flat_s"),
     }
     headers = {"speedup_vs_this": "its ms / qstrat ms", "qstrat_over_copy": "qstrat ms / its ms",
                "bytes_equal_reference": "same bytes", "loop_over_grouped": "loop / grouped",
                "us_per_tensor": "us / tensor", "ms_min": "min ms", "case": "case",
                "stack": "spill B", "warps_per_sm": "warps/SM", "instr_per_element": "SASS/elt",
-               "ceiling_H100": "H100", "ceiling_H200": "H200", "ceiling_B200": "B200"}
+               "ceiling_H100": "H100", "ceiling_H200": "H200", "ceiling_B200": "B200",
+               "payload_gb": "payload GB", "engine_rank_gb": "per engine rank GB", "sender_max_gb": "per sender GB",
+               "busiest_gb": "busiest GB", "mesh_s": "mesh s", "broadcast_pipelined_s": "broadcast s (pipelined)",
+               "broadcast_tree_s": "broadcast s (tree, gloo)",
+               "broadcast_flat_s": "broadcast s (flat)"}
     titles = {
         "formats": "formats (its ms / qstrat ms > 1: qstrat faster)",
         "grouped": "grouped slab: one call vs a per-expert loop",
@@ -543,6 +551,8 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         "driver": "driver overhead = RefitDriver.run / direct serializer calls - 1",
         "kernels": "GPU kernels compiled for sm_90/sm_100 (static, no GPU): issue-bound ceiling "
                    "as a fraction of HBM bandwidth (>= 1: instruction issue is not the limit)",
+        "cluster": "refit at cluster scale, projected from the plan (no measurement): "
+                   "400 Gbit/s per GPU at 100 % efficiency (qstrat plan --link-efficiency; docs/transport.md)",
     }
     m = doc["machine"]
     tables = []
@@ -551,7 +561,7 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         if not rows:
             continue
         cases = sorted({r["case"] for r in rows}) if "case" not in cols else []
-        timed = section != "kernels"  # the static section measures no time
+        timed = section not in ("kernels", "cluster")  # the static sections measure no time
         table = Table(title=f"{titles[section]}{': ' + ', '.join(cases) if cases else ''}"
                             + (f"\n{m['cpu']}, {m['torch_threads']} threads, load "
                                f"{doc['load_before'][0]:.1f}, median of {doc['reps']}" if timed else ""))
@@ -560,6 +570,8 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         for r in rows:
             table.add_row(*(cell(c, r.get(c)) for c in cols))
         tables.append(table)
+        if section == "cluster":
+            tables.append(field_table())
     by_impl: dict[str, dict[str, list[str]]] = {}  # impl -> note -> formats it describes
     for r in doc["rows"]:
         if r.get("note"):

@@ -66,6 +66,22 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--grouped", action="store_true",
                       help="config-only model: plan grouped expert slabs (trainer view) instead of "
                            "per-expert names (an error for a directory with *.safetensors)")
+    cluster = plan.add_argument_group(
+        "cluster model", "bytes per link and the link-bound round time of a refit where every trainer rank "
+        "sends what it owns to the engine ranks that load it, against today's single-sender broadcast "
+        "(docs/transport.md, 'Refit at cluster scale'); prints the totals, not every tensor")
+    cluster.add_argument("--trainer-layout", metavar="LAYOUT",
+                         help="trainer ranks as epNxfsdpN (e.g. ep8xfsdp8: 64 ranks)")
+    cluster.add_argument("--engine-layout", metavar="LAYOUT",
+                         help="engine ranks as tpNxdpN[xep] (e.g. tp8xdp16: 16 TP8 engines; xep: vLLM's "
+                              "expert parallelism inside each)")
+    cluster.add_argument("--link", default="400gbit", metavar="RATE",
+                         help="per-GPU link rate in bits/s (default 400gbit; units kbit, mbit, gbit, tbit)")
+    cluster.add_argument("--link-efficiency", type=float, default=1.0, metavar="F",
+                         help="fraction of the rate a point-to-point stream achieves (default 1.0; "
+                              "scripts/bench_transport.py --mesh-links measures it)")
+    cluster.add_argument("--expert-placement", default="linear", choices=("linear", "round_robin"),
+                         help="vLLM's expert placement under xep (default linear)")
     plan.set_defaults(func=_cmd_plan)
 
     quant = _subcommand(sub, "quantize", "quantize a safetensors checkpoint into OUT")
@@ -197,8 +213,17 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
 
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    cluster = _cluster_layouts(args)
     driver, tensors = _load_model(args.model, _config_source(args), args.grouped)
     plan = driver.plan(tensors)
+    if cluster is not None:
+        from qstrat.plan.cluster_report import cluster_row, cluster_table, field_table
+
+        _print_summary(console, plan)
+        row = cluster_row(args.model.name, plan, driver.hf_config, *cluster)
+        console.print(cluster_table([row]))
+        console.print(field_table())
+        return 0
     if args.json:
         sys.stdout.write(plan.to_json(indent=1) + "\n")
         _print_plan_warnings(None, driver, plan)
@@ -212,6 +237,29 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     _print_summary(console, plan)
     _print_plan_warnings(console, driver, plan)
     return 0
+
+
+def _cluster_layouts(args: argparse.Namespace) -> tuple[Any, ...] | None:
+    """``(trainer, engine, rate_bps, efficiency)`` of ``qstrat plan``'s cluster options, or None.
+
+    Raises: ConfigError naming the option (one layout without the other, with --json, a bad
+        token, rate or efficiency)."""
+    if args.trainer_layout is None and args.engine_layout is None:
+        return None
+    if args.trainer_layout is None or args.engine_layout is None:
+        missing = "--trainer-layout" if args.trainer_layout is None else "--engine-layout"
+        raise ConfigError(f"the cluster model needs both layouts: {missing} is missing "
+                          "(e.g. --trainer-layout ep8xfsdp8 --engine-layout tp8xdp16)")
+    if args.json:
+        raise ConfigError("--json prints the plan; the cluster model (--trainer-layout/--engine-layout) "
+                          "prints a table: drop one of them")
+    if not 0 < args.link_efficiency <= 1:
+        raise ConfigError(f"--link-efficiency {args.link_efficiency}: expected a fraction in (0, 1]")
+    from qstrat.plan.cluster_layout import parse_engine_layout, parse_link_rate, parse_trainer_layout
+
+    return (parse_trainer_layout(args.trainer_layout),
+            parse_engine_layout(args.engine_layout, args.expert_placement),
+            parse_link_rate(args.link), args.link_efficiency)
 
 
 def _print_plan_warnings(console: Console | None, driver: Any, plan: Any) -> None:

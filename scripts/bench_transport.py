@@ -57,6 +57,12 @@ machine's load average (``os.getloadavg``) before and after; then the phase prof
 the median full and the median delta round (a delta round's ``send`` phases start once the whole
 round is quantized and encoded: its wall minus their sum is that work).
 
+Per-process links (``--mesh-links RATE...``): every process in its own network namespace behind
+its own link shaped to RATE in and out (scripts/mesh_links.py); the per-link efficiency of raw gloo
+point-to-point (S senders x R receivers, all pairs at once) and of today's broadcast refit on the
+same links, the hook for the mesh round (:func:`run_mesh`), and the routing model's projected
+round times at that efficiency (:func:`mesh_section`).
+
 Links (``--link``): every measurement above runs over each link in turn: ``loopback`` (the
 default: 127.0.0.1), or a real network link on this machine (root, iproute2; scripts/shaped_link.py):
 a veth pair into a network namespace, the receivers spawned inside it, both directions shaped by
@@ -71,6 +77,7 @@ log(rate) between the two measured links around it (``>X``: delta faster on ever
     .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--width 1] [--secret]
     .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
     sudo .venv/bin/python scripts/bench_transport.py --delta --lr 1e-6 --link 1gbit 10gbit loopback [--json out.json]
+    sudo .venv/bin/python scripts/bench_transport.py --mesh-links 500mbit 1gbit [--senders 1 2 4] [--mesh-receivers 2 4] [--pair-mib 8] [--layers 2]
     .venv/bin/python scripts/bench_transport.py --memory --layers 8 --layer-mib 256 --receivers 1 --bucket-mib 64 --modes atomic bounded
 """
 from __future__ import annotations
@@ -367,6 +374,73 @@ def delta(args, summary: list[dict]) -> None:
                         r.close()
 
 
+def run_mesh(senders: int, receivers: int, links: list, pair_bytes: int, reps: int) -> list[float] | None:
+    """HOOK: the mesh round (issue 41: every trainer rank sends what it owns, point to point, to
+    the engine ranks that load it), ``senders`` sender processes in ``links[:senders]`` and
+    ``receivers`` receivers in the next ``receivers`` links (scripts/mesh_links.py), each pair
+    moving ``pair_bytes`` of checkpoint tensors; returns the round's wall seconds per rep.
+    Returns None until the mesh transport is plugged in here: nothing is measured or invented."""
+    return None
+
+
+def mesh_section(args) -> None:
+    """``--mesh-links RATE...``: every process behind its own shaped link (scripts/mesh_links.py);
+    per rate: (i) raw gloo point-to-point, S senders x R receivers all pairs at once, efficiency =
+    busiest link's bytes (``max(S, R) * pair bytes``) * 8 / (seconds * rate); (ii) today's
+    ``RefitSender`` round and a raw gloo broadcast of its buckets into R receivers, efficiency
+    against the flat model (the sender's link carries the payload once per receiver) and the
+    pipelined one (once); (iii) the mesh round through :func:`run_mesh`, where plugged in. Then
+    the routing model's round time for the example configs at 400 Gbit/s per GPU, at the measured
+    point-to-point efficiency (the lowest over the configurations at the last rate). The machine's
+    load average is printed beside every figure."""
+    from mesh_links import broadcast_refit, mesh_links, p2p_round
+
+    configs = [(s, r) for s in args.senders for r in args.mesh_receivers]
+    pair = int(args.pair_mib * 2**20)
+    n = max(max(s + r for s, r in configs), 1 + max(args.mesh_receivers))
+    effs: list[float] = []
+    for rate in args.mesh_links:
+        bps = rate_bits(rate)
+        with mesh_links(n, rate) as links:
+            print(f"\n== per-process links: {n} namespaces, each {rate} in and out ==", flush=True)
+            effs = []
+            for (s, r), secs in p2p_round(links, configs, pair, args.reps).items():
+                med = statistics.median(secs)
+                effs.append(max(s, r) * pair * 8 / (med * bps))
+                print(f"  p2p gloo S={s} R={r}: {pair / 2**20:g} MiB per pair, busiest link {max(s, r) * pair / 2**20:g} "
+                      f"MiB in {med:.3f} s (median of {len(secs)}): efficiency {effs[-1]:.2f} of {rate} "
+                      f"[load {os.getloadavg()[0]:.1f}]", flush=True)
+            for r in args.mesh_receivers:
+                b = broadcast_refit(links, r, args.layers, args.layer_mib, args.bucket_mib[0], args.reps)
+                for what in ("refit_s", "raw_s"):
+                    med = statistics.median(b[what])
+                    eff = {k: b["payload"] * c * 8 / (med * bps) for k, c in (("tree", r.bit_length()), ("flat", r),
+                                                                               ("pipelined", 1))}
+                    print(f"  broadcast {'RefitSender round' if what == 'refit_s' else 'raw gloo broadcast'} R={r}: "
+                          f"{b['payload'] / 2**20:.1f} MiB in {med:.3f} s: efficiency {eff['tree']:.2f} as a binomial "
+                          f"tree (the sender's link carries ceil(log2(R+1)) = {r.bit_length()} copies), "
+                          f"{eff['flat']:.2f} if flat (R copies), {eff['pipelined']:.2f} if pipelined (1) "
+                          f"[load {os.getloadavg()[0]:.1f}]", flush=True)
+            for s, r in configs:
+                got = run_mesh(s, r, links, pair, args.reps)
+                print(f"  mesh round S={s} R={r}: " + ("not measured: the run_mesh hook is not plugged in (the mesh "
+                      "transport is another branch's)" if got is None else f"{statistics.median(got):.3f} s"))
+    if effs:
+        project(min(effs))
+
+
+def project(efficiency: float) -> None:
+    """The routing model's figures at 400 Gbit/s per GPU x ``efficiency`` (measured)."""
+    from qstrat.bench import PLAN_MODELS
+    from qstrat.plan.cluster_report import bench_cluster
+
+    print(f"\nprojected (routing model, not measured): 400 Gbit/s per GPU x measured p2p efficiency {efficiency:.2f}")
+    for row in bench_cluster(PLAN_MODELS[0].parent):
+        print(f"  {row['model']:16} {row['trainer']:10} -> {row['engine']:22} busiest {row['busiest_gb']:7.1f} GB: "
+              f"mesh {row['mesh_s'] / efficiency:6.2f} s; broadcast pipelined {row['broadcast_pipelined_s'] / efficiency:6.1f} s, "
+              f"tree (gloo) {row['broadcast_tree_s'] / efficiency:6.1f} s, flat {row['broadcast_flat_s'] / efficiency:7.0f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -399,8 +473,21 @@ def main() -> None:
                          f"500mbit: a veth pair into a network namespace, both directions shaped by tc tbf; "
                          f"needs root, ip and tc), {UNSHAPED!r} (the veth pair, not shaped) or {LOOPBACK!r} "
                          "(127.0.0.1, no namespace; the default)")
+    ap.add_argument("--mesh-links", nargs="+", metavar="RATE",
+                    help="every process behind its own link shaped to each RATE in turn (root): raw gloo "
+                         "point-to-point and today's broadcast refit, efficiency per link, then the routing "
+                         "model's projection (see mesh_section)")
+    ap.add_argument("--senders", type=int, nargs="+", default=[1, 2, 4], help="--mesh-links: sender counts S")
+    ap.add_argument("--mesh-receivers", type=int, nargs="+", default=[2, 4], help="--mesh-links: receiver counts R")
+    ap.add_argument("--pair-mib", type=float, default=8, help="--mesh-links: MiB each (sender, receiver) pair moves")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.mesh_links:
+        check_can_shape()
+        for rate in args.mesh_links:
+            rate_bits(rate)
+        mesh_section(args)
+        return
     for link in args.link:  # refuse a bad rate or a missing privilege before measuring anything
         if link != LOOPBACK:
             check_can_shape()

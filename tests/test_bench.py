@@ -52,6 +52,14 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
     for plan in plans:
         assert plan["tensors"] > 20
         assert math.isclose(plan["us_per_tensor"], plan["ms"] * 1e3 / plan["tensors"], rel_tol=0.02)
+    cluster = [r for r in rows if r["section"] == "cluster"]  # projected: arithmetic on the plan
+    assert [(r["case"], r["trainer"], r["engine"]) for r in cluster] == [
+        (m, t, e) for m in ("qwen3-235b-a22b", "deepseek-v3", "kimi-k2-sized")
+        for t, e in (("ep8xfsdp8", "tp8xdp16"), ("ep8xfsdp8", "tp8xdp16xep (linear)"), ("ep8xfsdp32", "tp8xdp16"))]
+    for r in cluster:
+        assert math.isclose(r["mesh_s"], r["busiest_gb"] * 8 / 400, rel_tol=1e-9)
+        assert math.isclose(r["broadcast_flat_s"], r["broadcast_pipelined_s"] * 128, rel_tol=1e-9)
+        assert math.isclose(r["broadcast_tree_s"], r["broadcast_pipelined_s"] * 8, rel_tol=1e-9)  # ceil(log2 129)
     text = capsys.readouterr().out
     assert "its ms / qstrat ms" in text and "loop / grouped" in text and "overhead" in text
     assert "sm_90" in text and "sm_100" in text  # the kernels' arch as docs/performance.md names it
