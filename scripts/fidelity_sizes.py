@@ -30,7 +30,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_modes import SIZES  # noqa: E402  (the tiny and 229 M models)
+from bench_modes import SIZES, start_mode_engine  # noqa: E402  (the tiny and 229 M models)
 from engine_harness import corrupted  # noqa: E402  (the tests' corruption injector)
 
 SIZES = {**SIZES, "large": dict(hidden_size=1536, num_hidden_layers=12, num_experts=16, moe_intermediate_size=768,
@@ -63,15 +63,12 @@ def from_previous(previous, layer):
 
 
 def run_config(size, preset, mode, refits, seeds, root):
-    from qstrat import tensor_specs
     from qstrat import vllm as qvllm
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config, save_bf16
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
+    from qstrat.engine.local import release
     from qstrat.errors import FidelityError
     from qstrat.fidelity import Verify, probe
-    from qstrat.online import engine_kwargs
 
     shape = SIZES[size]
     model = build_tiny_qwen3_moe(seed=0, **shape)
@@ -81,13 +78,7 @@ def run_config(size, preset, mode, refits, seeds, root):
     driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 0, "last": 0}, "quantize_in": mode},
                          hf_config=hf_config(model))
     t0 = time.perf_counter()
-    if mode == "trainer":
-        path = root / f"{size}-{preset}-{mode}"
-        write_checkpoint(driver, model.state_dict(), path)
-        llm = start_engine(path)
-    else:
-        path = save_bf16(model, root / f"{size}-{preset}-{mode}-bf16")
-        llm = start_engine(path, **engine_kwargs(driver.plan(tensor_specs(model.state_dict()))))
+    llm = start_mode_engine(driver, model, mode, root / f"{size}-{preset}-{mode}")
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)  # the engine's first-generation warm-up
     base = dict(size=size, format=preset, mode=mode, engine_start_s=time.perf_counter() - t0)
     verify = Verify(model)

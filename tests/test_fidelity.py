@@ -265,31 +265,24 @@ def test_correct_refits_pass_within_limits_derived_from_the_measured_floor(quant
         assert f"; fidelity {key}: mean KL" in repr(report)
 
 
-@pytest.mark.engine
-@pytest.mark.usefixtures("one_engine_thread")
-@needs_vllm
-def test_gate_and_up_swapped_in_every_expert_is_caught(quantized, models):
-    llm, driver, key = quantized
+def _swap_gate_up(items):
+    return [(n.replace(".gate_proj.", ".@.").replace(".up_proj.", ".gate_proj.").replace(".@.", ".up_proj.")
+             if ".mlp.experts." in n else n, t) for n, t in items]
 
-    def swap(items):
-        return [(n.replace(".gate_proj.", ".@.").replace(".up_proj.", ".gate_proj.").replace(".@.", ".up_proj.")
-                 if ".mlp.experts." in n else n, t) for n, t in items]
 
-    r = expect_caught(llm, driver, models, swap, f"{key}: gate/up swapped")
-    assert r.mean_kl > 2 * r.threshold.mean_kl
+def _zero_layer_1_experts(items):
+    return [(n, torch.zeros_like(t) if ".layers.1.mlp.experts." in n and n.endswith(".weight") else t)
+            for n, t in items]
 
 
 @pytest.mark.engine
 @pytest.mark.usefixtures("one_engine_thread")
 @needs_vllm
-def test_one_layers_experts_zeroed_is_caught(quantized, models):
+@pytest.mark.parametrize("what,transform", [("gate/up swapped in every expert", _swap_gate_up),
+                                            ("layer 1's experts zeroed", _zero_layer_1_experts)])
+def test_expert_corruptions_are_caught(quantized, models, what, transform):
     llm, driver, key = quantized
-
-    def zeroed(items):
-        return [(n, torch.zeros_like(t) if ".layers.1.mlp.experts." in n and n.endswith(".weight") else t)
-                for n, t in items]
-
-    r = expect_caught(llm, driver, models, zeroed, f"{key}: layer 1's experts zeroed")
+    r = expect_caught(llm, driver, models, transform, f"{key}: {what}")
     assert r.mean_kl > 2 * r.threshold.mean_kl
 
 
@@ -521,3 +514,75 @@ def test_token_ids_as_a_tensor_an_array_or_integer_scalars_are_probed_as_plain_i
             token_id_lists(bad, 1024)
     with pytest.raises(TypeError, match=r"top_k must be an int >= 1 .*got 20\.0$"):
         Verify(tiny_model, top_k=20.0)
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("one_engine_thread")
+@needs_vllm
+def test_a_correct_gpt_oss_engine_passes_and_its_corruptions_are_caught(tmp_path):
+    """gpt-oss (block FP8 attention, BF16 experts: qstrat keeps its interleaved slabs): its fresh
+    engine measured mean KL 4.0e-4, 4x the old constant limit - a false alarm on a correct engine.
+    Its own measured floor (the transformers model, bf16 vs fp32 activations: 4.0e-4 on this
+    seed's weights) gives the limit; the fresh engine and a correct refit pass it, and the three
+    corruptions (layer 1 of 2 from the previous step, gate and up swapped in every expert - the
+    interleaved columns -, layer 1's experts zeroed) exceed it. One engine."""
+    import model_families as mf
+
+    from qstrat import RefitDriver
+    from qstrat.checkpoint import write_checkpoint
+    from qstrat.engine.local import release, start_engine
+    from qstrat.fidelity import Verify, probe
+    from qstrat.fidelity_limits import derived_limit
+
+    cfg = mf.hf_config("gpt_oss")
+    hf = {**mf.config_dict(cfg), "torch_dtype": "bfloat16"}
+    hf.pop("dtype", None)
+    driver = RefitDriver({"preset": "block-fp8", "rules": [{"select": ["experts"], "serializer": "bf16"}]}, hf_config=hf)
+    model_a, model_b = mf.random_model(cfg, 0), mf.random_model(cfg, 1)
+    write_checkpoint(driver, model_b.state_dict(), tmp_path / "b")
+    mf.vllm_teardown()
+    previous = dict(driver.run(model_a.state_dict()))
+
+    def stale(items):
+        return [(n, previous[n] if n.startswith("model.layers.1.") else t) for n, t in items]
+
+    def swap(items):  # gate is column 2j of gate_up_proj, up 2j+1 (transformers' GptOssExperts)
+        return [(n, t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if ".mlp.experts.gate_up_proj" in n else t)
+                for n, t in items]
+
+    def zeroed(items):
+        return [(n, torch.zeros_like(t) if n in ("model.layers.1.mlp.experts.gate_up_proj",
+                                                 "model.layers.1.mlp.experts.down_proj") else t) for n, t in items]
+
+    verify = Verify(model_b)
+    llm = start_engine(tmp_path / "b")
+    try:
+        import torch._dynamo
+
+        with torch._dynamo.config.patch(disable=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # allow_cpu_bf16_experts says it sends them
+            fresh = verify(llm, driver)
+            assert fresh.passed and fresh.threshold == derived_limit(fresh.floor) and fresh.floor.mean_kl > 1e-4
+            correct = refit(llm, driver, model_b, allow_cpu_bf16_experts=True).fidelity
+            assert correct.passed
+            caught = {}
+            for what, transform in (("stale layer", stale), ("gate/up swapped", swap), ("experts zeroed", zeroed)):
+                with corrupted(llm, transform):
+                    qvllm_refit(llm, driver, model_b)
+                r = probe(llm, model_b, driver, check=False, floors=verify.floors)
+                caught[what] = r
+                qvllm_refit(llm, driver, model_b)
+    finally:
+        release(llm)
+    print(f"[fidelity] gpt-oss fresh: {fresh}; correct refit: mean KL {correct.mean_kl:.3g}; " + "; ".join(
+        f"{w}: {r.mean_kl:.3g} ({r.ratio:.1f}x)" for w, r in caught.items()))
+    assert fresh.mean_kl > 1e-4  # the old constant limit's false alarm, now within the derived limit
+    for what, r in caught.items():
+        assert r.threshold == fresh.threshold and not r.passed and r.ratio > 1.5, what
+
+
+def qvllm_refit(llm, driver, model):
+    """A refit without the probe (gpt-oss: its BF16 experts sent whole)."""
+    from qstrat import vllm as qvllm
+
+    return qvllm.refit(llm, driver, model.state_dict(), allow_cpu_bf16_experts=True)
