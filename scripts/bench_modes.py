@@ -68,25 +68,32 @@ def timed_reloads(llm: Any) -> list[float]:
     return seconds
 
 
-def run_mode(preset: str, mode: str, models: tuple[Any, Any], cfg: Any, reps: int, root: Path) -> dict[str, Any]:
+def start_mode_engine(driver: Any, model: Any, mode: str, path: Path) -> Any:
+    """An in-process engine on ``model``'s weights for ``driver``'s quantization mode: ``trainer``
+    - qstrat's checkpoint at ``path``; ``engine`` - the BF16 checkpoint at ``path``-bf16 with the
+    plan's online quantization config (the engine quantizes)."""
     from qstrat import tensor_specs
-    from qstrat import vllm as qvllm
     from qstrat.checkpoint import write_checkpoint
     from qstrat.demo.tiny_model import save_bf16
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
-    from qstrat.fidelity import Verify
+    from qstrat.engine.local import start_engine
     from qstrat.online import engine_kwargs
+
+    if mode == "trainer":
+        write_checkpoint(driver, model.state_dict(), path)
+        return start_engine(path)
+    bf16 = save_bf16(model, path.with_name(path.name + "-bf16"))
+    return start_engine(bf16, **engine_kwargs(driver.plan(tensor_specs(model.state_dict()))))
+
+
+def run_mode(preset: str, mode: str, models: tuple[Any, Any], cfg: Any, reps: int, root: Path) -> dict[str, Any]:
+    from qstrat import vllm as qvllm
+    from qstrat.driver import RefitDriver
+    from qstrat.engine.local import release
+    from qstrat.fidelity import Verify
 
     a, b = models
     driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 0, "last": 0}, "quantize_in": mode}, hf_config=cfg)
-    if mode == "trainer":
-        path = root / f"{preset}-a"
-        write_checkpoint(driver, a.state_dict(), path)
-        llm = start_engine(path)
-    else:
-        path = save_bf16(a, root / f"{preset}-a-bf16")
-        llm = start_engine(path, **engine_kwargs(driver.plan(tensor_specs(a.state_dict()))))
+    llm = start_mode_engine(driver, a, mode, root / preset)
     reloads = timed_reloads(llm)
     rows = []
     try:

@@ -1,5 +1,5 @@
 """Measure the fidelity probe (qstrat.fidelity) on live vLLM CPU engines: the figures behind
-docs/fidelity.md's thresholds, corruptions and cost.
+docs/fidelity.md's corruptions on the tiny model and their cost (limits per model size: scripts/fidelity_sizes.py).
 
 Per format (block-fp8, mxfp8, nvfp4-experts, nvfp4 on every linear layer): an engine on qstrat's
 checkpoint of the tiny Qwen3-MoE (seed 0) is refit correctly to seeds 1..N (each probed), then

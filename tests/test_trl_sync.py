@@ -86,11 +86,12 @@ def test_a_sync_copies_one_item_at_a_time(tiny_model, monkeypatch):
 def test_a_failed_probe_still_resets_the_cache_and_logs(tiny_model, monkeypatch):
     from qstrat.errors import FidelityError
 
-    probe_report = SimpleNamespace(mean_kl=9.0, max_dlogprob=7.0, bf16_kl=0.5)
+    probe_report = SimpleNamespace(mean_kl=9.0, max_dlogprob=7.0, bf16_kl=0.5,
+                                   threshold=SimpleNamespace(mean_kl=1e-3), ratio=9e3)
 
     class FailingVerify:
         def __init__(self, model):
-            pass
+            self.model = model
 
         def __call__(self, llm, driver):
             raise FidelityError("fidelity block_fp8: max |dlogprob| 7 above its limit 1", probe_report)
@@ -105,6 +106,7 @@ def test_a_failed_probe_still_resets_the_cache_and_logs(tiny_model, monkeypatch)
     store = sync.metrics["train" if tiny_model.training else "eval"]
     assert store["qstrat/refit/bytes"] == [float(report.bytes)]
     assert store["qstrat/fidelity/max_dlogprob"] == [7.0] and len(store["qstrat/sync/seconds"]) == 1
+    assert store["qstrat/fidelity/limit"] == [1e-3] and store["qstrat/fidelity/ratio"] == [9e3]
 
 
 def test_a_refused_refit_logs_the_sync_and_sends_nothing(tiny_model, monkeypatch):

@@ -33,7 +33,10 @@ METRICS = ("qstrat/refit/seconds", "qstrat/refit/bytes", "qstrat/refit/tensors",
 #: What a sync with the fidelity probe (``verify_every``) logs besides :data:`METRICS` (nats,
 #: :class:`qstrat.fidelity.FidelityReport`): engine vs the trainer's model on the same quantized
 #: weights, and the rollout mismatch KL(trainer BF16 || engine) (NeMo-RL's ``gen_kl_error``).
-FIDELITY_METRICS = ("qstrat/fidelity/mean_kl", "qstrat/fidelity/max_dlogprob", "qstrat/fidelity/bf16_kl")
+#: ``limit`` is the mean-KL limit the verdict used (derived from the floor the probe measured on the
+#: model, docs/fidelity.md) and ``ratio`` = mean_kl / limit (above 1: FidelityError).
+FIDELITY_METRICS = ("qstrat/fidelity/mean_kl", "qstrat/fidelity/max_dlogprob", "qstrat/fidelity/bf16_kl",
+                    "qstrat/fidelity/limit", "qstrat/fidelity/ratio")
 
 
 class TRLHookError(QstratError, RuntimeError):
@@ -142,8 +145,9 @@ class QstratWeightSync:
             and merging, the copy, the refit, the cache reset) under ``"train"`` or ``"eval"``;
             a probed sync also :data:`FIDELITY_METRICS`.
         verify_every: run the fidelity probe (:class:`qstrat.fidelity.Verify` on the trainer's
-            model) on the first sync and every ``verify_every``-th after it; 0: never. A probe
-            above its format's threshold raises :class:`~qstrat.errors.FidelityError`.
+            model) on the first sync and every ``verify_every``-th after it; 0: never. One
+            Verify serves every sync, so the arithmetic floor behind its limits is measured on
+            the first probe only. A probe above its limit raises :class:`~qstrat.errors.FidelityError`.
     """
 
     def __init__(self, generation: Any, driver: Any, plan: Any, checkpoint: Path, keep: Any = None,
@@ -156,6 +160,7 @@ class QstratWeightSync:
         self.reports: list[Any] = []
         self.metrics: Mapping[str, Any] | None = None
         self._keep = keep  # the temporary directory holding ``checkpoint`` (removed with this object)
+        self._verify: Any = None  # one qstrat.fidelity.Verify for every probed sync (its floor kept)
 
     def __call__(self) -> Any:
         """Refit the engine from the trainer's current weights.
@@ -184,7 +189,9 @@ class QstratWeightSync:
         if self.verify_every and len(self.reports) % self.verify_every == 0:
             from qstrat.fidelity import Verify
 
-            verify = Verify(gen.model)
+            if self._verify is None or self._verify.model is not gen.model:
+                self._verify = Verify(gen.model)
+            verify = self._verify
         report = None
         failed = False
         try:
@@ -215,7 +222,7 @@ class QstratWeightSync:
         values = dict(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
         f = report.fidelity
         if f is not None:
-            values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl)))
+            values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl, f.threshold.mean_kl, f.ratio)))
         return values
 
     def _log(self, report: Any, seconds: float) -> None:

@@ -1,0 +1,148 @@
+"""The fidelity probe's derived limits across model sizes: false alarms on correct refits and the
+corruptions caught (the figures behind docs/fidelity.md, "Limits per model size").
+
+Per size (scripts/bench_modes.py's ``tiny`` / ``medium`` Qwen3-MoE, or ``large``), per format and
+quantization mode: one engine started on seed 0's weights (trainer mode: qstrat's checkpoint;
+engine mode: the BF16 checkpoint, the engine quantizes), ONE trainer model and ONE
+``Verify(model)`` with default arguments, as a trainer holds them; ``--refits`` correct refits, the
+model's weights cycling through seeds 1..``--seeds`` (each step changes every weight), each probed
+(the floor measured on the first probe only). Then three corrupted refits, the previous step being
+the last correct one: one decoder layer (layer 1) left from the previous step, gate and up swapped
+in every expert, layer 1's experts zeroed; each probed with ``check=False`` and its ratio to the
+limit printed.
+
+Run: ``nice .venv/bin/python scripts/fidelity_sizes.py --size tiny [--configs block-fp8:trainer,...]
+[--refits 10] [--seeds 10]``. One in-process engine at a time, one torch thread. Prints one JSON
+line per probe and a summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_modes import SIZES, start_mode_engine  # noqa: E402  (the tiny and 229 M models)
+from engine_harness import corrupted  # noqa: E402  (the tests' corruption injector)
+
+SIZES = {**SIZES, "large": dict(hidden_size=1536, num_hidden_layers=12, num_experts=16, moe_intermediate_size=768,
+                                intermediate_size=3072, num_attention_heads=12, num_key_value_heads=4, head_dim=128)}
+CONFIGS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8", "nvfp4-experts": "nvfp4-experts"}
+DEFAULT = ("block-fp8:trainer", "block-fp8:engine", "mxfp8:trainer", "mxfp8:engine", "nvfp4-experts:trainer")
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def swap_gate_up(items):
+    return [(n.replace(".gate_proj.", ".@.").replace(".up_proj.", ".gate_proj.").replace(".@.", ".up_proj.")
+             if ".mlp.experts." in n else n, t) for n, t in items]
+
+
+def zero_experts(layer):
+    def t(items):
+        return [(n, torch.zeros_like(v) if f".layers.{layer}.mlp.experts." in n and n.endswith(".weight") else v)
+                for n, v in items]
+    return t
+
+
+def from_previous(previous, layer):
+    def t(items):
+        return [(n, previous[n] if n.startswith(f"model.layers.{layer}.") else v) for n, v in items]
+    return t
+
+
+def run_config(size, preset, mode, refits, seeds, root):
+    from qstrat import vllm as qvllm
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.driver import RefitDriver
+    from qstrat.engine.local import release
+    from qstrat.errors import FidelityError
+    from qstrat.fidelity import Verify, probe
+
+    shape = SIZES[size]
+    model = build_tiny_qwen3_moe(seed=0, **shape)
+    states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    for s in range(1, seeds + 1):
+        states[s] = build_tiny_qwen3_moe(seed=s, **shape).state_dict()
+    driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 0, "last": 0}, "quantize_in": mode},
+                         hf_config=hf_config(model))
+    t0 = time.perf_counter()
+    llm = start_mode_engine(driver, model, mode, root / f"{size}-{preset}-{mode}")
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)  # the engine's first-generation warm-up
+    base = dict(size=size, format=preset, mode=mode, engine_start_s=time.perf_counter() - t0)
+    verify = Verify(model)
+    rows, alarms = [], 0
+    try:
+        for i in range(refits):
+            model.load_state_dict(states[i % seeds + 1])
+            try:
+                report = qvllm.refit(llm, driver, model.state_dict(), verify=verify)
+                f = report.fidelity
+            except FidelityError as exc:
+                alarms += 1
+                f, report = exc.report, None
+            rows.append(emit(**base, case=f"correct refit {i + 1} (seed {i % seeds + 1})", mean_kl=f.mean_kl,
+                             limit=f.threshold.mean_kl, ratio=f.ratio, max_dlogprob=f.max_dlogprob,
+                             dlogprob_limit=f.threshold.max_dlogprob, passed=f.passed, floor=f.floor.mean_kl,
+                             floor_s=f.floor.seconds, probe_s=f.seconds,
+                             refit_s=report.seconds if report else None, bf16_kl=f.bf16_kl))
+        current = i % seeds + 1
+        previous = dict(driver.run(states[(i - 1) % seeds + 1]))  # what the engine held one step earlier
+        n_layers = shape.get("num_hidden_layers", 4)
+        for label, transform in ((f"layer 1 of {n_layers} left from the previous step", from_previous(previous, 1)),
+                                 ("gate and up swapped in every expert", swap_gate_up),
+                                 ("layer 1's experts zeroed", zero_experts(1))):
+            with corrupted(llm, transform):
+                qvllm.refit(llm, driver, model.state_dict())
+            f = probe(llm, model, driver, check=False, floors=verify.floors)
+            rows.append(emit(**base, case=label, mean_kl=f.mean_kl, limit=f.threshold.mean_kl, ratio=f.ratio,
+                             max_dlogprob=f.max_dlogprob, passed=f.passed, probe_s=f.seconds, seed=current))
+            qvllm.refit(llm, driver, model.state_dict())
+    finally:
+        release(llm)
+    return rows, alarms
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--configs", default=",".join(DEFAULT), help="format:mode,... (mode: trainer or engine)")
+    ap.add_argument("--refits", type=int, default=10)
+    ap.add_argument("--seeds", type=int, default=10, help="distinct weight sets the refits cycle through")
+    args = ap.parse_args()
+    import torch._dynamo
+
+    torch.set_num_threads(1)
+    summary = []
+    with tempfile.TemporaryDirectory(prefix="qstrat-fidelity-sizes-") as tmp, torch._dynamo.config.patch(disable=True):
+        for config in args.configs.split(","):
+            preset, mode = config.split(":")
+            rows, alarms = run_config(args.size, CONFIGS[preset], mode, args.refits, args.seeds, Path(tmp))
+            summary.append((config, rows, alarms))
+    print(f"\nsize {args.size} | config | false alarms | floor | limit | correct mean KL max (ratio) | "
+          "probe s (median) | caught: ratio to the limit", file=sys.stderr)
+    for config, rows, alarms in summary:
+        ok = [r for r in rows if r["case"].startswith("correct")]
+        bad = [r for r in rows if not r["case"].startswith("correct")]
+        probe_s = sorted(r["probe_s"] for r in ok)[len(ok) // 2]
+        worst = max(ok, key=lambda r: r["ratio"])
+        print(f"{args.size} | {config} | {alarms}/{len(ok)} | {ok[0]['floor']:.3g} | {ok[0]['limit']:.3g} | "
+              f"{worst['mean_kl']:.3g} ({worst['ratio']:.2f}x) | {probe_s:.2f} | "
+              + "; ".join(f"{r['case']}: {r['mean_kl']:.3g} ({r['ratio']:.1f}x{'' if not r['passed'] else ', MISSED'})"
+                          for r in bad), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
