@@ -56,6 +56,11 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
                 return send(self, tensor, dst, tag)
 
             TransferGroup.send = flipped
+        if fault.get("whole_shares"):  # a sender that routes whole tensors, TP ignored (a lying routing)
+            import qstrat.transport.routing as routing
+
+            real = routing.share_of
+            routing.share_of = lambda n, d, shape, layout: real(n, d, shape, ReceiverLayout(experts=layout.experts))
         driver, state, held, plans, plan = model_and_plans(fmt, senders)
         outputs = mesh_outputs(plan, ExpertParallel(senders, 8).owner)
         if rank < senders:

@@ -88,6 +88,11 @@ def test_routing_gives_every_part_once_and_each_output_one_owner(single):
         MeshRoutes([("a.weight", "bfloat16", (2, 2), 2)], 2, LAYOUTS, 1 << 16, 64)
     assert share_of("model.layers.0.mlp.experts.2.up_proj.weight", "bfloat16", (4, 4), LAYOUTS[2]) is None
     assert pair_mac(None, bytes(32), 0, 2) != pair_mac(None, bytes(32), 1, 2)
+    o_proj = share_of("model.layers.0.self_attn.o_proj.weight", "bfloat16", (4, 6), LAYOUTS[1])
+    whole = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
+    assert (o_proj.dim, o_proj.start, o_proj.stop, o_proj.sent) == (1, 3, 6, (4, 3))
+    full = o_proj.embed(o_proj.cut(whole).contiguous())  # what vLLM's row-parallel loader narrows
+    assert torch.equal(full.narrow(1, 3, 3), whole[:, 3:]) and not full[:, :3].any()
 
 
 def _refused_everywhere(res: dict, match: str) -> None:
@@ -120,3 +125,10 @@ def test_a_sender_without_the_secret_is_refused_before_any_data():
     res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[2].to_dict()], {1: {"no_secret": True}})
     _refused_everywhere(res, "refused before any data")
     assert "TransferAuthError" in res[0][1] or "TransferAuthError" in res[1][1], res
+
+
+def test_a_sender_routing_another_share_than_the_receiver_loads_is_refused_before_any_data():
+    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[0].to_dict()], {1: {"whole_shares": True}})
+    assert res[2][0] == "err" and "trainer rank 1 would send another share" in res[2][1], res[2]
+    assert "WireManifestMismatchError" in res[0][1] and "refused before any data" in res[0][1], res[0]
+    _refused_everywhere(res, "refused before any data")

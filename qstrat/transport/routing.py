@@ -97,6 +97,16 @@ class ShareSlice:
         """The part of ``t`` (the whole output) this rank receives (a view)."""
         return t if self.dim is None else t.narrow(self.dim, self.start, self.stop - self.start)
 
+    def embed(self, part: torch.Tensor) -> torch.Tensor:
+        """What a loader that narrows by TP rank itself expects: a tensor of the whole
+        :attr:`shape` holding ``part`` where :meth:`cut` takes it (zeros elsewhere, never read
+        by that loader); ``part`` itself when this share is the whole tensor."""
+        if self.dim is None:
+            return part
+        full = torch.zeros(self.shape, dtype=part.dtype, device=part.device)
+        self.cut(full).copy_(part)
+        return full
+
 
 def expert_of(name: str) -> int | None:
     """The routed expert index in a per-expert checkpoint name (None: not a routed expert)."""
