@@ -9,7 +9,7 @@ import traceback
 from typing import Any
 
 SECRET = b"mesh-test-secret-0123456789abcdef"
-TIMEOUT_S = 20.0
+TIMEOUT_S = 90.0
 
 
 def model_and_plans(fmt: str, senders: int) -> tuple[Any, dict, list, list, Any]:
@@ -45,7 +45,6 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
         from qstrat.transport.routing import MeshRoutes, ReceiverLayout, mesh_outputs
 
         secret = None if fault.get("no_secret") else SECRET
-        group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)
         if fault.get("flip_to") is not None:  # one byte of the first bucket to that rank, after sealing
             send = TransferGroup.send
 
@@ -63,6 +62,7 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
             routing.share_of = lambda n, d, shape, layout: real(n, d, shape, ReceiverLayout(experts=layout.experts))
         driver, state, held, plans, plan = model_and_plans(fmt, senders)
         outputs = mesh_outputs(plan, ExpertParallel(senders, 8).owner)
+        group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)  # once every rank is ready
         if rank < senders:
             from qstrat.transport.mesh_sender import MeshSender
 
@@ -95,7 +95,7 @@ def _faulty(stream: Any, fault: dict) -> Any:
 
 
 def run_mesh(port: int, fmt: str, senders: int, layouts: list[dict], faults: dict[int, dict] | None = None,
-             timeout_s: float = 240.0) -> dict[int, tuple[str, Any]]:
+             timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
     """Run one mesh round over ``senders + len(layouts)`` processes; rank -> (status, value).
     A rank that died without reporting reads ``("dead", exitcode)``."""
     ctx = mp.get_context("spawn")

@@ -127,7 +127,6 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     stats = stats if stats is not None else {}
     layouts = mesh.collective(g, "layout exchange failed", mesh.exchange_layouts, g, senders, layout)
     routes, rejection = _own_routes(g, doc, senders, layouts, layout, expected)
-    status = proto.REJECTED if rejection else proto.OK
     drawn, ch = mesh.collective(g, "challenge failed", mesh.challenges, g, senders, auth.last_counter)
     header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
     mesh.wait(g, g.broadcast(header), "no round header from rank 0")
@@ -142,7 +141,7 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         reason = auth.verify(RoundContext(digest, mesh.MODE, counter, ch, auth.address, auth.port, g.world_size),
                              mac, g.rank, drawn)
         if reason is not None:
-            rejection, status = TransferAuthError(f"rank {g.rank}: mesh round refused: {reason}"), proto.UNAUTHENTICATED
+            rejection = TransferAuthError(f"rank {g.rank}: mesh round refused: {reason}")
     if rejection is None:
         for s, h in enumerate(heads):
             if h.tolist() != mesh.pair_header(routes.pair_manifest(s, me), g.device).tolist():
@@ -150,8 +149,9 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
                     f"rank {g.rank}: trainer rank {s} would send another share than this rank loads "
                     f"(pair wire manifest {routes.pair_manifest(s, me).digest[:12]}...)")
                 break
-    votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT,
-                            status if rejection else proto.OK, False, auth.secret, mac)
+    status = (proto.OK if rejection is None else proto.UNAUTHENTICATED if isinstance(rejection, TransferAuthError)
+              else proto.REJECTED)
+    votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, auth.secret, mac)
     if rejection is not None:
         raise rejection
     if votes.failed():

@@ -9,11 +9,11 @@ today's :func:`~qstrat.transport.sender_protocol.raise_outcome`).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -82,10 +82,14 @@ class PairOut:
         mesh.wait(self.group, w_data, f"send to rank {self.dst} failed (an engine rank died?)")
         mesh.wait(self.group, w_hdr, f"send to rank {self.dst} failed (an engine rank died?)")
 
-    def finish(self) -> None:
-        """Wait for every send. Raises TransportError when the source left buckets unsent."""
+    def drain(self) -> None:
+        """Wait for every send posted. Raises TransportError when a send failed (group closed)."""
         while self.works:
             self._wait_oldest()
+
+    def finish(self) -> None:
+        """Wait for every send. Raises TransportError when the source left buckets unsent."""
+        self.drain()
         if self.k < len(self.wm.buckets):
             raise TransportError(f"the source ended before bucket {self.k}/{len(self.wm.buckets)} of the pair "
                                  f"to rank {self.dst} (truncated)")
@@ -121,8 +125,6 @@ class MeshSender:
         if not 0 <= group.rank < senders < group.world_size:
             raise TransportError(f"mesh sender: rank {group.rank} is not one of {senders} senders in a group "
                                  f"of {group.world_size}")
-        import os
-
         self.group, self.senders, self.address, self.port = group, senders, address, port
         self.secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self.bucket_bytes, self.alignment = bucket_bytes, alignment
@@ -219,6 +221,5 @@ class MeshSender:
             for out in outs.values():
                 out.abort()
             for out in outs.values():
-                while out.works:
-                    out._wait_oldest()
+                out.drain()
             return SourceFailure(done, exc)
