@@ -28,6 +28,11 @@
 - :mod:`.delta`: delta rounds (the round's stream patched against the last committed one, tile by
   tile; digests of the rebuilt buckets; round ids).
 - :mod:`.standalone`: :class:`StandaloneReceiver` (no engine).
+- Mesh rounds (every trainer rank straight to the engine ranks that load its share):
+  :mod:`.routing` (owners and shares), :mod:`.mesh` (the steps), :mod:`.mesh_sender`
+  (:class:`~qstrat.transport.mesh_sender.MeshSender`), :mod:`.mesh_receiver`
+  (:func:`~qstrat.transport.mesh_receiver.receive_mesh_round`,
+  :class:`~qstrat.transport.mesh_receiver.MeshReceiver`).
 
 The engine side is a vLLM weight-transfer backend, :mod:`qstrat.engine.transfer_backend`
 (``LLM(weight_transfer_config={"backend": "qstrat"})``). See docs/transport.md.

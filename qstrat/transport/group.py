@@ -43,6 +43,14 @@ class TransferGroup:
         opts.timeout = self._timedelta()
         return self.pg.broadcast([tensor], opts)
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start a point-to-point send of contiguous ``tensor`` to rank ``dst``; returns the Work."""
+        return self.pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """Start a point-to-point receive into contiguous ``tensor`` from rank ``src``; returns the Work."""
+        return self.pg.recv([tensor], src, tag)
+
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) ``tensor`` in place and wait for it."""
         opts = dist.AllreduceOptions()

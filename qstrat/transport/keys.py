@@ -14,7 +14,9 @@ never keys anything directly. Each use gets its own subkey, derived with HKDF-SH
 * ``nh``: the round's NH key (:func:`nh_key`), new every round (it is keyed by the round MAC);
 * ``seal``: the integrity seal of rounds without a secret (:func:`bucket_seal`) and its checksum
   seed (:func:`checksum_seed`);
-* ``init``: the tag on an ``init_weight_transfer_engine`` request (:func:`init_tag`).
+* ``init``: the tag on an ``init_weight_transfer_engine`` request (:func:`init_tag`);
+* ``pair``: a mesh round's per-pair MAC (:func:`pair_mac`), which then stands for the round MAC
+  in that (sender, receiver) pair's seals: each pair gets its own NH key and bucket MAC.
 
 Without a secret every subkey is derived from the empty key: every value above can then be
 computed by anyone (integrity against accidents only, for trusted networks and tests).
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 ENV_SECRET = "QSTRAT_TRANSFER_SECRET"
 
 _SALT = b"qstrat-transport-kdf-v2"
-_USES = ("round", "vote", "bucket", "nh", "seal", "init")
+_USES = ("round", "vote", "bucket", "nh", "seal", "init", "pair")
 
 
 class Secret:
@@ -122,6 +124,13 @@ def vote_tag(secret: Secret | None, mac: bytes, step: int, rank: int, status: in
 def init_tag(secret: Secret | None, message: bytes) -> bytes:
     """The tag on an ``init_weight_transfer_engine`` request's canonical bytes (32 bytes)."""
     return _mac(secret, "init", message)
+
+
+def pair_mac(secret: Secret | None, mac: bytes, sender: int, receiver: int) -> bytes:
+    """The MAC of the (``sender``, ``receiver``) group-rank pair of the mesh round whose MAC is
+    ``mac``: HMAC-SHA256 under the ``pair`` subkey over the round MAC and both ranks (32 bytes).
+    A bucket sealed for one pair does not verify on another."""
+    return _mac(secret, "pair", mac + struct.pack("<qq", sender, receiver))
 
 
 def checksum_seed(secret: Secret | None, mac: bytes) -> int:

@@ -1,0 +1,113 @@
+"""The steps of a mesh round that every rank takes: S trainer ranks (group ranks ``0..S-1``) send
+straight to R engine ranks (``S..S+R-1``), every (sender, receiver) pair at once, point to point.
+
+0. LAYOUTS (all-reduce, int64[:data:`LAYOUT_WORDS` * world]): each engine rank writes its
+   :class:`~qstrat.transport.routing.ReceiverLayout` (JSON) in its slot: every rank then computes
+   the same :class:`~qstrat.transport.routing.MeshRoutes`.
+1. CHALLENGE (all-reduce, as :func:`qstrat.transport.protocol.challenges`; only engine ranks draw).
+2. ROUND HEADER (broadcast from rank 0, :func:`qstrat.transport.protocol.round_header`): the
+   routes' digest (outputs, owners, layouts, bucket size) and the round MAC over
+   :class:`~qstrat.transport.auth.RoundContext`. Every other rank, senders included, checks both
+   against its own routes and secret.
+3. PAIR HEADERS (point to point, each sender to each engine rank, int64[7]: magic, bucket count,
+   payload bytes, the pair's wire manifest digest): an engine rank compares each with the pair
+   wire manifest it computed ITSELF from its own layout, so it takes exactly its share.
+4. ACCEPT VOTE (:func:`qstrat.transport.protocol.vote` over every rank): any refusal stops every
+   rank; no data moves.
+5. BUCKETS, every pair at once: each pair's own bucket stream (its wire manifest's buckets: payload
+   with tag ``2k+1``, then :func:`~qstrat.transport.protocol.bucket_header` with tag ``2k+2``),
+   sealed under the pair's own MAC (:func:`qstrat.transport.keys.pair_mac`); ABORT as today.
+6. COMMIT VOTE over every rank; the outcome is :func:`qstrat.transport.protocol.outcome`'s.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from qstrat.errors import TransportError
+from qstrat.transport import protocol
+from qstrat.transport.auth import CHALLENGE_WORDS, challenge, from_words, int64_words
+from qstrat.transport.group import TransferGroup
+from qstrat.transport.keys import Secret, pair_mac
+from qstrat.transport.routing import ReceiverLayout
+from qstrat.transport.seal import Sealer
+from qstrat.transport.wire_manifest import WireManifest
+
+#: int64 words of one rank's layout slot (8 KiB of JSON: a rank's expert list included).
+LAYOUT_WORDS = 1024
+PAIR_MAGIC = 0x5153_5041_4952  # "QSPAIR"
+PAIR_WORDS = 7
+#: The mode a mesh round binds into its MAC (atomic: engines load only after the commit vote).
+MODE = "mesh-atomic"
+
+
+def exchange_layouts(group: TransferGroup, senders: int, layout: ReceiverLayout | None) -> list[ReceiverLayout]:
+    """Step 0 (collective): every engine rank's layout, in rank order. ``layout``: this rank's
+    (None on a sender). Raises: TransportError for a missing or malformed slot (on every rank)."""
+    slots = torch.zeros(LAYOUT_WORDS * group.world_size, dtype=torch.int64)
+    if layout is not None:
+        raw = json.dumps(layout.to_dict(), separators=(",", ":")).encode()
+        if len(raw) > 8 * LAYOUT_WORDS - 8:
+            raise TransportError(f"rank {group.rank}: layout too large ({len(raw)} bytes)")
+        raw = raw + b" " * (-len(raw) % 8)
+        lo = LAYOUT_WORDS * group.rank
+        slots[lo:lo + len(raw) // 8] = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    got = group.sum(slots.to(group.device)).cpu()
+    out = []
+    for r in range(senders, group.world_size):
+        raw = got[LAYOUT_WORDS * r:LAYOUT_WORDS * (r + 1)].numpy().tobytes().rstrip(b"\0")
+        try:
+            out.append(ReceiverLayout.from_dict(json.loads(raw)))
+        except (ValueError, TransportError) as exc:
+            raise TransportError(f"rank {r} published no usable receiver layout: {exc}") from None
+    return out
+
+
+def challenges(group: TransferGroup, senders: int, last_counter: int = -1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Step 1: (the words this rank drew - empty on a sender -, the whole vector)."""
+    slots = torch.zeros(CHALLENGE_WORDS * group.world_size, dtype=torch.int64, device=group.device)
+    drawn: tuple[int, ...] = ()
+    if group.rank >= senders:
+        drawn = challenge()
+        lo = CHALLENGE_WORDS * group.rank
+        slots[lo:lo + CHALLENGE_WORDS] = torch.tensor([*drawn, last_counter], dtype=torch.int64)
+    return drawn, tuple(int(v) for v in group.sum(slots).cpu())
+
+
+def pair_header(wm: WireManifest, device: torch.device) -> torch.Tensor:
+    """Step 3's int64[7] header of one pair's wire manifest."""
+    return torch.tensor([PAIR_MAGIC, len(wm.buckets), wm.total_bytes, *int64_words(bytes.fromhex(wm.digest))],
+                        dtype=torch.int64, device=device)
+
+
+def pair_sealer(secret: Secret | None, mac: bytes, sender: int, receiver: int, device: torch.device) -> Sealer:
+    """The seals of one pair (group ranks ``sender`` -> ``receiver``): today's
+    :class:`~qstrat.transport.seal.Sealer` keyed by the pair's MAC."""
+    return Sealer(secret, pair_mac(secret, mac, sender, receiver), device)
+
+
+def header_fields(words: list[int]) -> tuple[int, bytes, str]:
+    """(counter, round MAC, digest hex) of a received round header."""
+    return words[4], from_words(words[9:13]), from_words(words[5:9]).hex()
+
+
+def wait(group: TransferGroup, work: Any, what: str) -> None:
+    """Wait for one Work; a c10d failure closes the group and raises TransportError."""
+    try:
+        group.wait(work)
+        return
+    except RuntimeError as exc:
+        error = str(exc)
+    del work
+    raise protocol.lost(group, what, error) from None
+
+
+def collective(group: TransferGroup, what: str, fn: Any, *args: Any) -> Any:
+    """Run one collective step; a c10d failure closes the group and raises TransportError."""
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        error = str(exc)
+    raise protocol.lost(group, what, error) from None

@@ -1,0 +1,225 @@
+"""A trainer rank's side of a mesh round (:mod:`qstrat.transport.mesh`): every trainer rank calls
+:meth:`MeshSender.send` with the tensors it owns, and streams each engine rank's share of them
+straight to that rank, every pair at once.
+
+Pieces: :class:`PairOut` (one engine rank's bucket stream from this rank: today's
+:class:`~qstrat.transport.outgoing.BucketSource` over the pair's wire manifest, sealed with the
+pair's keys, sent point to point) and :class:`MeshSender` (the round's steps and outcome, with
+today's :func:`~qstrat.transport.sender_protocol.raise_outcome`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from qstrat.errors import TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport import mesh
+from qstrat.transport import protocol as proto
+from qstrat.transport.auth import RoundContext, next_counter
+from qstrat.transport.group import TransferGroup
+from qstrat.transport.keys import ENV_SECRET, Secret
+from qstrat.transport.outgoing import BucketSource, SourceFailure
+from qstrat.transport.routing import MeshRoutes
+from qstrat.transport.seal import Sealer
+from qstrat.transport.sender_protocol import raise_outcome
+from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, WireManifest
+
+#: Buckets of one pair in flight before the oldest is waited for.
+IN_FLIGHT = 2
+
+
+class PairOut:
+    """This rank's bucket stream to engine rank ``dst`` (group rank) over the pair's wire manifest:
+    :meth:`push` each of its tensors (the part the pair carries) in wire order; a bucket is
+    packed, sealed and sent as soon as its tensors are in."""
+
+    def __init__(self, group: TransferGroup, dst: int, wm: WireManifest, sealer: Sealer) -> None:
+        self.group, self.dst, self.wm, self.sealer = group, dst, wm, sealer
+        self.queue: deque[tuple[str, torch.Tensor]] = deque()
+        # pulled only once the bucket's tensors are queued (:meth:`push`)
+        self.source = BucketSource(wm, iter(self.queue.popleft, None), group.device)
+        self.k, self.works, self.sent = 0, deque(), 0
+
+    def _needs(self, k: int) -> int:
+        slots = self.source.contents[k]
+        return len(slots) if self.wm.buckets[k].tensor is None else int(slots[0].bucket == k)
+
+    def push(self, name: str, t: torch.Tensor) -> None:
+        """Queue the pair's part of one tensor; send every bucket that is now complete."""
+        self.queue.append((name, t))
+        while self.k < len(self.wm.buckets) and len(self.queue) >= self._needs(self.k):
+            b = self.wm.buckets[self.k]
+            buffer = torch.empty(b.nbytes if b.tensor is None else 0, dtype=torch.uint8, device=self.group.device)
+            payload, keep, fill = self.source.bucket(self.k, buffer)
+            if fill is not None:
+                fill(0, b.nbytes)
+            self._post(payload, keep, 0, self.sealer.seal(self.k, 0, payload))
+
+    def abort(self) -> None:
+        """Tell the engine rank at once (its next bucket: garbage with ABORT), end the stream."""
+        if self.k < len(self.wm.buckets):
+            junk = torch.zeros(self.wm.buckets[self.k].nbytes, dtype=torch.uint8, device=self.group.device)
+            self._post(junk, junk, proto.ABORT, self.sealer.seal(self.k, proto.ABORT, None))
+        self.k = len(self.wm.buckets)
+
+    def _post(self, payload: torch.Tensor, keep: torch.Tensor, flags: int, seal: bytes) -> None:
+        hdr = proto.bucket_header(self.k, flags, seal, self.group.device)
+        tag = 2 * self.k + 1
+        self.works.append((self.group.send(payload, self.dst, tag), self.group.send(hdr, self.dst, tag + 1),
+                           keep, hdr))
+        self.sent += payload.numel()
+        self.k += 1
+        while len(self.works) > IN_FLIGHT:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        w_data, w_hdr, _, _ = self.works.popleft()
+        mesh.wait(self.group, w_data, f"send to rank {self.dst} failed (an engine rank died?)")
+        mesh.wait(self.group, w_hdr, f"send to rank {self.dst} failed (an engine rank died?)")
+
+    def drain(self) -> None:
+        """Wait for every send posted. Raises TransportError when a send failed (group closed)."""
+        while self.works:
+            self._wait_oldest()
+
+    def finish(self) -> None:
+        """Wait for every send. Raises TransportError when the source left buckets unsent."""
+        self.drain()
+        if self.k < len(self.wm.buckets):
+            raise TransportError(f"the source ended before bucket {self.k}/{len(self.wm.buckets)} of the pair "
+                                 f"to rank {self.dst} (truncated)")
+
+
+@dataclass(frozen=True)
+class MeshReport:
+    """One committed mesh round on a trainer rank: payload bytes it sent to each engine rank
+    (group rank -> bytes), and wall seconds (round, and the bucket stream alone)."""
+
+    sent: dict[int, int]
+    seconds: float
+    stream_seconds: float
+
+
+class MeshSender:
+    """Trainer rank ``group.rank`` (< ``senders``) of a mesh round; every trainer rank holds one
+    and calls :meth:`send` for each round with the same outputs (FSDP-style: every rank calls it).
+
+    Args:
+        group: the open transfer group (:func:`qstrat.transport.group.open_group`): trainer ranks
+            ``0..senders-1``, engine ranks after them.
+        senders: how many trainer ranks send.
+        secret: the shared secret (default: :data:`~qstrat.transport.keys.ENV_SECRET`; None:
+            unauthenticated rounds).
+        address, port: the group's address, bound into the round MAC (the engines' view of it).
+        bucket_bytes, alignment: each pair's bucket layout (bytes).
+    """
+
+    def __init__(self, group: TransferGroup, senders: int, secret: Secret | bytes | str | None = None,
+                 address: str = "", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 alignment: int = DEFAULT_ALIGNMENT) -> None:
+        if not 0 <= group.rank < senders < group.world_size:
+            raise TransportError(f"mesh sender: rank {group.rank} is not one of {senders} senders in a group "
+                                 f"of {group.world_size}")
+        self.group, self.senders, self.address, self.port = group, senders, address, port
+        self.secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
+        self.bucket_bytes, self.alignment = bucket_bytes, alignment
+        self.counter = -1
+        #: The last round's routes (bytes per engine rank: ``routes.bytes_per_receiver()``).
+        self.routes: MeshRoutes | None = None
+
+    def send(self, outputs: Iterable[tuple[str, str, tuple[int, ...], int]],
+             tensors: Iterator[tuple[str, torch.Tensor]]) -> MeshReport:
+        """Run one mesh round.
+
+        Args:
+            outputs: the WHOLE model's outputs in wire order with their owners, the same on every
+                rank (:func:`qstrat.transport.routing.mesh_outputs`).
+            tensors: THIS rank's outputs (owner == this rank) in wire order, whole, e.g.
+                ``driver.run(iter(held), plan=split_plan(plan, ep.owner, S)[rank])``.
+        Returns: a :class:`MeshReport`, only when every rank committed.
+        Raises: WireManifestMismatchError / TransferAuthError / TransportError when a rank refused
+            before any data (another routes digest, a MAC that does not verify, a pair header
+            another than the engine rank's own share); the source's own error after every pair was
+            told (ABORT) and nothing loaded; TransportError for a failed seal, another rank's
+            abort or a lost peer (the group is then closed).
+        """
+        t0, g = time.perf_counter(), self.group
+        layouts = mesh.collective(g, "layout exchange failed", mesh.exchange_layouts, g, self.senders, None)
+        routes = self.routes = MeshRoutes(outputs, self.senders, layouts, self.bucket_bytes, self.alignment)
+        mac = self._accept(routes)
+        outs = {r: PairOut(g, self.senders + r, routes.pair_manifest(g.rank, r),
+                           mesh.pair_sealer(self.secret, mac, g.rank, self.senders + r, g.device))
+                for r in range(len(layouts))}
+        t1 = time.perf_counter()
+        failure = self._stream(routes, outs, tensors)
+        votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT,
+                                proto.SENDER_ABORT if failure else proto.OK, False, self.secret, mac)
+        raise_outcome(votes, failure, lambda: None)
+        return MeshReport({self.senders + r: o.sent for r, o in outs.items()}, time.perf_counter() - t0,
+                          time.perf_counter() - t1)
+
+    def _accept(self, routes: MeshRoutes) -> bytes:
+        """Steps 1-4: challenge, round header, pair headers, accept vote; the round MAC."""
+        g = self.group
+        _, ch = mesh.collective(g, "challenge failed", mesh.challenges, g, self.senders)
+        header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
+        status = proto.OK
+        if g.rank == 0:
+            self.counter = next_counter(self.counter, ch)
+            mac = RoundContext(routes.digest, mesh.MODE, self.counter, ch, self.address, self.port,
+                               g.world_size).mac(self.secret)
+            header = proto.round_header(len(routes.outputs), sum(routes.bytes_per_receiver()), self.counter,
+                                        routes.digest, mac, g.device)
+        mesh.wait(g, g.broadcast(header), "no round header from rank 0")
+        counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])
+        if digest != routes.digest:
+            status = proto.REJECTED
+        elif mac != RoundContext(digest, mesh.MODE, counter, ch, self.address, self.port, g.world_size).mac(self.secret):
+            status = proto.UNAUTHENTICATED
+        self.counter = counter
+        works = [g.send(mesh.pair_header(routes.pair_manifest(g.rank, r), g.device), self.senders + r, 0)
+                 for r in range(len(routes.layouts))]
+        for w in works:
+            mesh.wait(g, w, "pair header not delivered (an engine rank died?)")
+        votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, self.secret, mac)
+        if votes.failed():
+            st = votes.statuses
+            cls = (WireManifestMismatchError if proto.REJECTED in st else
+                   TransferAuthError if proto.UNAUTHENTICATED in st or proto.FORGED in st else TransportError)
+            raise cls(f"mesh round refused before any data: {proto.describe(st)}")
+        return mac
+
+    def _stream(self, routes: MeshRoutes, outs: dict[int, PairOut],
+                tensors: Iterator[tuple[str, torch.Tensor]]) -> SourceFailure | None:
+        """Step 5: each tensor's part to each engine rank that loads it; the source's own error
+        (any class) aborts every pair and is returned."""
+        shares = {r: {s.name: s for s in routes.pair(self.group.rank, r)} for r in outs}
+        mine = [n for n, _, _, o in routes.outputs if o == self.group.rank]
+        done = 0
+        try:
+            for name, t in tensors:
+                if done >= len(mine) or name != mine[done]:
+                    want = mine[done] if done < len(mine) else "nothing more"
+                    raise TransportError(f"rank {self.group.rank}: the source yielded {name!r} where its wire "
+                                         f"order has {want!r}")
+                done += 1
+                for r, out in outs.items():
+                    part = shares[r].get(name)
+                    if part is not None:
+                        out.push(name, part.cut(t))
+            for out in outs.values():
+                out.finish()
+            return None
+        except BaseException as exc:  # noqa: BLE001 - any class: every pair hears ABORT, raised after the vote
+            if isinstance(exc, TransportError) and self.group.pg is None:
+                raise  # the group is lost: no vote can follow
+            for out in outs.values():
+                out.abort()
+            for out in outs.values():
+                out.drain()
+            return SourceFailure(done, exc)

@@ -1,0 +1,126 @@
+"""Mesh-round processes for tests/test_transport_mesh.py: S trainer ranks (each holding its half of
+the experts, expert-parallel) and R engine-less receivers (qstrat.transport.MeshReceiver), one
+spawned process per rank on a gloo group over loopback. Faults are injected per rank by name."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from typing import Any
+
+SECRET = b"mesh-test-secret-0123456789abcdef"
+TIMEOUT_S = 90.0
+
+
+def model_and_plans(fmt: str, senders: int) -> tuple[Any, dict, list, list, Any]:
+    """(driver, whole state (per-expert names), each rank's held tensors (global names), each
+    rank's plan, the whole plan) for the tiny Qwen3-MoE, experts split over ``senders`` ranks."""
+    from qstrat import RefitDriver, tensor_specs
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.sharding import ExpertParallel, split_plan
+
+    model = build_tiny_qwen3_moe(seed=1)
+    state = model.state_dict()
+    driver = RefitDriver(fmt, hf_config=hf_config(model))
+    ep = ExpertParallel(size=senders, num_experts=8)
+    held = []
+    for r in range(senders):
+        local = {n: (t[ep.experts(r).start:ep.experts(r).stop] if ".experts." in n else t) for n, t in state.items()}
+        held.append(dict(ep.global_tensors(r, local, driver.layout)))
+    specs = {}
+    for h in held:
+        specs.update(tensor_specs(h.items()))
+    plan = driver.plan(specs)
+    return driver, state, held, split_plan(plan, ep.owner, senders), plan
+
+
+def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts: list[dict],
+              fault: dict, queue: Any) -> None:
+    """One rank: a sender (rank < senders) or a MeshReceiver; puts (rank, "ok"/"err", value)."""
+    try:
+        import torch
+
+        from qstrat.sharding import ExpertParallel
+        from qstrat.transport.group import TransferGroup, open_group
+        from qstrat.transport.routing import MeshRoutes, ReceiverLayout, mesh_outputs
+
+        secret = None if fault.get("no_secret") else SECRET
+        if fault.get("flip_to") is not None:  # one byte of the first bucket to that rank, after sealing
+            send = TransferGroup.send
+
+            def flipped(self: Any, tensor: Any, dst: int, tag: int) -> Any:
+                if dst == fault["flip_to"] and tag == 1:
+                    tensor = tensor.clone()
+                    tensor[len(tensor) // 2] ^= 1
+                return send(self, tensor, dst, tag)
+
+            TransferGroup.send = flipped
+        if fault.get("whole_shares"):  # a sender that routes whole tensors, TP ignored (a lying routing)
+            import qstrat.transport.routing as routing
+
+            real = routing.share_of
+            routing.share_of = lambda n, d, shape, layout: real(n, d, shape, ReceiverLayout(experts=layout.experts))
+        driver, state, held, plans, plan = model_and_plans(fmt, senders)
+        outputs = mesh_outputs(plan, ExpertParallel(senders, 8).owner)
+        group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)  # once every rank is ready
+        if rank < senders:
+            from qstrat.transport.mesh_sender import MeshSender
+
+            sender = MeshSender(group, senders, secret, "127.0.0.1", port, bucket_bytes=1 << 16)
+            stream = driver.run(iter(held[rank].items()), plan=plans[rank])
+            report = sender.send(outputs, _faulty(stream, fault))
+            queue.put((rank, "ok", report.sent))
+        else:
+            from qstrat.transport.mesh_receiver import MeshReceiver
+
+            layout = ReceiverLayout.from_dict(layouts[rank - senders])
+            doc = MeshRoutes(outputs, senders, [], 1 << 16, 64).to_dict()
+            recv = MeshReceiver(group, senders, layout, secret=secret, address="127.0.0.1", port=port)
+            recv.round(doc)
+            got = {n: t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() + repr(
+                (str(t.dtype), tuple(t.shape))).encode() for n, t in recv.tensors.items()}
+            queue.put((rank, "ok", (got, dict(recv.stats))))
+        group.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
+
+
+def _faulty(stream: Any, fault: dict) -> Any:
+    for i, item in enumerate(stream):
+        if i == fault.get("raise_at"):
+            raise KeyError("trainer-side failure mid-round")
+        if i == fault.get("kill_at"):
+            os._exit(17)
+        yield item
+
+
+def run_mesh(port: int, fmt: str, senders: int, layouts: list[dict], faults: dict[int, dict] | None = None,
+             timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
+    """Run one mesh round over ``senders + len(layouts)`` processes; rank -> (status, value).
+    A rank that died without reporting reads ``("dead", exitcode)``."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    world = senders + len(layouts)
+    procs = [ctx.Process(target=rank_main, args=(r, world, senders, port, fmt, layouts,
+                                                 (faults or {}).get(r, {}), queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    import queue as q
+    import time
+
+    end = time.monotonic() + timeout_s
+    while len(results) < world and time.monotonic() < end:
+        try:
+            rank, status, value = queue.get(timeout=1.0)
+            results[rank] = (status, value)
+        except q.Empty:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    for r, p in enumerate(procs):
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+        results.setdefault(r, ("dead", p.exitcode))
+    return results
