@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.kernels import fp_encode
@@ -53,7 +52,7 @@ def _nvfp4_kernel(
     tile, e = fp_encode.program_ids(WIDE)
 
     # Step 1: the expert's global encode scale (nvfp4.global_encode_scale) and its reciprocal.
-    amax_t = tl.load(amax_ptr + e * stride_amax).to(tl.float32)
+    amax_t = tl.load(amax_ptr + e * stride_amax)  # float32 (the host converts)
     enc = tl.math.div_rn(tl.full([], GMAX, tl.float32), tl.where(amax_t == 0, 1.0, amax_t))
     enc = tl.where(enc > EMAX, EMAX, enc)  # torch clamp(max=): NaN stays NaN
     enc = tl.where(amax_t == 0, 1.0, enc)
@@ -70,7 +69,7 @@ def _nvfp4_kernel(
     amax_b = tl.max(tl.abs(x), axis=2) if NATIVE else fp_encode.amax_last_axis(x)
     if NATIVE:  # finite: enc * (amax_b * 1/6) <= 2688 * (1 + 2^-22): satfinite == clamp at 448
         scale = fp_encode.e4m3_native(enc * (amax_b * RCP6))
-        s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = fp_encode.e4m3_native_value(scale)
     else:
         scale = fp_encode.e4m3_encode(enc * (amax_b * RCP6))
         s = fp_encode.e4m3_decode(scale)
@@ -78,7 +77,7 @@ def _nvfp4_kernel(
     zero = s == 0
     denom = tl.where(zero, 1.0, s * dec)  # no 1/0 on the discarded lanes
     if NATIVE:
-        rcp = libdevice.rcp_rn(denom)  # rcp.rn.f32: correctly rounded, = div_rn(1, denom)
+        rcp = fp_encode.rcp_native(denom)  # rcp.rn.f32: correctly rounded, = div_rn(1, denom)
         # Step 4 by the sign of y = fma(x, os, +0.0): RNE(x*os + 0) is x*os rounded, and its sign
         # is x's sign for every x != -0.0 (a nonzero product keeps its sign even when it rounds
         # to zero), +0.0 for x = -0.0: exactly the reference's "8 * (x < 0)". A zero scale's
