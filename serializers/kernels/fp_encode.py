@@ -32,11 +32,19 @@ F32_BITS_QNAN = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
-def program_ids(WIDE: tl.constexpr):
-    """``(program_id(0), program_id(1))``, as int64 when ``WIDE`` (offsets past 2^31: see
-    :func:`.launch.needs_int64`), else int32; every offset a kernel forms from them follows."""
+def program_ids(WIDE: tl.constexpr, E64: tl.constexpr):
+    """``(tile, e) = (program_id(0), program_id(1))``: both int64 when ``WIDE`` (offsets within
+    ONE expert reach 2^31: :func:`.launch.needs_int64`); ``e`` alone int64 when ``E64`` (the slab
+    reaches 2^31, each expert does not: :func:`.launch.slab_needs_int64`); else both int32.
+
+    Every kernel adds the expert's offset (``e * stride_e``, ``e * N * K``: one scalar per
+    program) to its base pointer before the per-element offsets, which follow ``tile``'s type:
+    a slab of more than 2^31 elements whose experts are each below it (DeepSeek-V3's 256 x 4096 x
+    7168) keeps the 32-bit per-element arithmetic (docs/performance.md, "64-bit offsets")."""
     if WIDE:
         return tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    elif E64:
+        return tl.program_id(0), tl.program_id(1).to(tl.int64)
     else:
         return tl.program_id(0), tl.program_id(1)
 
@@ -200,8 +208,9 @@ def load_block_tile(x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k,
 
     The tile is rows ``tn * BLOCK_N ...`` and columns ``tk * BLOCK_K ...`` with ``tn, tk =
     divmod(tile, KT)``; ``K % B == 0`` (checked on the host), so a block is wholly in or out.
-    Offsets have ``tile``'s and ``e``'s integer type (int64 where :func:`.launch.needs_int64`),
-    strides the input's own.
+    ``e``'s offset joins the base pointer first (int64 where the slab needs it); the per-element
+    offsets have ``tile``'s type (int64 only where :func:`.launch.needs_int64`), strides the
+    input's own.
     Returns: ``(x, rows, groups, r3, c3, mask)``: x float32 [BLOCK_N, BLOCK_K // B, B] (0 where
     masked), the row indices [BLOCK_N], the block indices along K [BLOCK_K // B], their
     broadcast row/column offsets r3 [BLOCK_N, 1, 1] and c3 [1, G, B], and the in-range mask.
