@@ -36,7 +36,7 @@ def kernel_device() -> str | None:
 #: The kernel test modules: collected only where kernels run in the process (tests/conftest.py).
 KERNEL_TEST_GLOB = "test_kernel_*.py"
 #: Fewest tests the interpreter child must pass (all of them on a CPU machine today; the >2^31-element cases are GPU-only).
-MIN_KERNEL_TESTS = 90
+MIN_KERNEL_TESTS = 124
 
 #: (value, e4m3fn code torch 2.13 gives): ties to even and carries, docs/test-vectors.md.
 E4M3_TIES = [(1.0625, 0x38), (17.0, 0x58), (232.0, 0x76), (0.0029296875, 0x02), (126.24, 0x70),
@@ -166,10 +166,11 @@ def assert_same_bytes(
 #: (``e4m3_native`` is Triton's own ``.to(tl.float8e4nv)``, which scripts/gpu_check.py compares
 #: with ``e4m3_encode`` on every fp32 bit pattern).
 FP_ENCODE_OPS = ("e4m3_encode", "e8m0_rceil", "e8m0_floor", "exp2_int", "ceil_pow2",
-                 "e4m3_decode", "e2m1_magnitude", "e4m3_native")
+                 "e4m3_decode", "e2m1_magnitude", "e4m3_native", "e2m1_from_bits")
 
 
-def run_fp_encode(op: str, x: torch.Tensor, device: str, to_cpu: bool = True) -> torch.Tensor:
+def run_fp_encode(op: str, x: torch.Tensor, device: str, to_cpu: bool = True,
+                  block: int = 4096) -> torch.Tensor:
     """Apply one :mod:`.fp_encode` device helper elementwise, to test it against its torch twin.
 
     Args:
@@ -178,13 +179,13 @@ def run_fp_encode(op: str, x: torch.Tensor, device: str, to_cpu: bool = True) ->
             ``e4m3_decode``).
         device: where the kernel runs (see :func:`kernel_device`).
         to_cpu: copy the result to the CPU (False: leave it on ``device``).
+        block: elements per program (a power of two; large blocks make the interpreter fast).
     Returns: int32 tensor of x's shape: codes/bytes, or the fp32 result's bits.
     """
     from kernel_probe import fp_encode_probe
 
     x = x.to(device)
     out = torch.empty(x.shape, dtype=torch.int32, device=device)
-    block = 4096
     fp_encode_probe[(-(-x.numel() // block),)](x, out, x.numel(), OP=FP_ENCODE_OPS.index(op), BLOCK=block)
     return out.cpu() if to_cpu else out
 

@@ -28,6 +28,8 @@ def fp_encode_probe(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
         r = fp_encode.f32_bits(fp_encode.e4m3_decode(x))
     elif OP == 6:
         r = fp_encode.e2m1_magnitude(x)
-    else:  # Triton's native fp32 -> e4m3 cast, the candidate to replace e4m3_encode on a GPU
+    elif OP == 7:  # Triton's native fp32 -> e4m3 cast, the candidate to replace e4m3_encode on a GPU
         r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:  # the sm_90 E2M1 bit encoder of the native NVFP4 branch
+        r = fp_encode.e2m1_from_bits(x)
     tl.store(out_ptr + offs, r, mask=m)

@@ -15,6 +15,15 @@ import pytest
 
 #: Packages the suite must have under strict mode (scripts/bootstrap.sh installs them).
 REQUIRED = ("vllm", "triton")
+#: Environment variable naming a narrower comma-separated REQUIRED for a run of modules that need
+#: less (scripts/gpu_check.py's kernel-only child: ``triton``; a GPU box has no vLLM).
+REQUIRED_ENV = "QSTRAT_STRICT_REQUIRED"
+
+
+def required() -> tuple[str, ...]:
+    """The packages strict mode demands: :data:`REQUIRED`, or those named in ``REQUIRED_ENV``."""
+    names = os.environ.get(REQUIRED_ENV, "")
+    return tuple(n.strip() for n in names.split(",") if n.strip()) or REQUIRED
 #: Markers whose tests must run, not skip, under strict mode.
 MUST_RUN = ("engine", "interpreter")
 #: Per-session list of the must-run tests that skipped ("nodeid: reason").
@@ -33,7 +42,7 @@ def pytest_configure(config):
 def pytest_sessionstart(session):
     if not strict():
         return
-    missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
+    missing = [name for name in required() if importlib.util.find_spec(name) is None]
     if missing:
         pytest.exit(f"CI=true but {', '.join(missing)} cannot be imported: the engine/kernel tests would be "
                     "skipped, so this run could not test them (scripts/bootstrap.sh installs them; "

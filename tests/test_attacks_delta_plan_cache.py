@@ -1,5 +1,5 @@
 """Hostile and unusual inputs an attacker found against the delta one-pass encoder, PlanCache's
-one rule and TRL server's served-method check: each test failed before its fix (35abb4b) -
+one rule and TRL server's served-method check: each test failed before its fix (69dbb47; on 35abb4b) -
 a delta stream took a tensor of another dtype/shape with its slot's byte count (full mode
 refused it), a malformed server document crashed instead of a ConfigError, a handle with a list
 shape never hit the cache, an in-place hf_config edit re-planned with the old layout. Real
@@ -28,11 +28,11 @@ def _target():
                                  torch.zeros(8, 4, dtype=torch.uint8),  # another shape, same bytes
                                  torch.zeros(2, 8, dtype=torch.float16)])  # both
 def test_delta_stream_refuses_a_tensor_whose_dtype_or_shape_differs_from_its_slot(bad):
-    """The full path (qstrat/transport/outgoing.py: 'the source yielded NAME DTYPE SHAPE where the
-    wire manifest has ...') refuses a tensor whose dtype or shape is not its slot's; fill_stream
-    (delta mode) checks only the name and the byte count, so the same tensor is sent, the engine
-    reinterprets its bytes in the slot's dtype/shape, and the digests agree (they are of the
-    sender's own stream): a silent wrong result in delta mode where full mode refuses."""
+    """Delta mode refuses a tensor whose dtype or shape is not its slot's with the full path's
+    message (qstrat/transport/outgoing.py: 'the source yielded NAME DTYPE SHAPE where the wire
+    manifest has ...'), in both the encoder and the stream. Before 69dbb47 fill_stream checked
+    only the name and the byte count, so the engine reinterpreted the bytes in the slot's
+    dtype/shape with agreeing digests: a silent wrong result this test now rules out."""
     target, tensors = _target()
     tensors["scale"] = bad
     with pytest.raises(TransportError, match=r"'scale'.*where the wire manifest has 'scale' uint8 \[4, 8\]"):
@@ -55,11 +55,11 @@ class _Fp8Plan:
     (["fp8"], r"model_config"),
 ])
 def test_trl_server_check_names_a_malformed_server_document_as_a_config_error(model_config, why):
-    """check_server_info raises ConfigError naming the setting for every server document: a
-    ``model_config.quantization`` that is a list/dict (unhashable) crashes in _is_online with
-    ``TypeError: unhashable type``, a ``model_config`` that is not a mapping with
-    ``AttributeError: 'list' object has no attribute 'get'`` (``weight_transfer_config`` is
-    guarded by isinstance, ``model_config`` is not)."""
+    """check_server_info raises ConfigError naming the setting for every malformed server
+    document: a ``model_config.quantization`` that is a list/dict (unhashable), and a
+    ``model_config`` that is not a mapping. Before 69dbb47 these crashed (``TypeError:
+    unhashable type`` in _is_online; ``AttributeError: 'list' object has no attribute 'get'``:
+    only ``weight_transfer_config`` was guarded by isinstance)."""
     from qstrat.integrations.trl_server import check_server_info
 
     info = {"weight_transfer_config": {"backend": "qstrat"}, "model_config": model_config}
@@ -69,10 +69,11 @@ def test_trl_server_check_names_a_malformed_server_document_as_a_config_error(mo
 
 # ---- 3. PlanCache: a handle whose .shape is a list -------------------------------------------------
 def test_plan_cache_hits_for_a_handle_whose_shape_is_a_list_and_never_reports_equal_shapes_as_a_miss():
-    """as_tensor_dict accepts any object with .shape and a torch .dtype; PlanCache.put keeps
-    tuple(shape) but get compares the handle's list with that tuple (a list never equals a tuple),
-    so such an input re-plans on EVERY refit and the miss reason reads 'shape [1024, 256],
-    planned [1024, 256]' (equal shapes reported as the difference)."""
+    """as_tensor_dict accepts any object with .shape and a torch .dtype; a handle whose .shape is
+    a list hits PlanCache on the second plan (the same plan object) and no miss reason reports
+    equal shapes as the difference. Before 69dbb47 get compared the list with put's tuple(shape),
+    so such an input re-planned on every refit with the miss 'shape [1024, 256], planned
+    [1024, 256]'."""
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.driver import RefitDriver
 
@@ -121,10 +122,10 @@ class _Fp16Norm:
 
 @pytest.mark.parametrize("mode", ["atomic", "delta"])
 def test_a_tensor_of_another_dtype_is_refused_in_every_mode_before_anything_loads(tiny, mode):
-    """atomic: TransportError 'the source yielded 'model.norm.weight' torch.float16 [256] where the
-    wire manifest has ... bfloat16' (nothing loaded). delta: no error; both receivers load the
-    float16 bit patterns as bfloat16 (their model.norm.weight digest differs from the plan's
-    output) - a silent wrong result."""
+    """Both modes raise TransportError 'the source yielded 'model.norm.weight' torch.float16 [256]
+    where the wire manifest has ... bfloat16' and no receiver loads anything (digests unchanged).
+    Before 69dbb47 only atomic refused; delta loaded the float16 bit patterns as bfloat16 on both
+    receivers without an error."""
     from transport_harness import free_port, sha256, standalone_receivers
 
     from qstrat.transport import RefitSender
@@ -147,12 +148,11 @@ def test_a_tensor_of_another_dtype_is_refused_in_every_mode_before_anything_load
 
 # ---- 3b. PlanCache: an hf_config edit that changes the model family ---------------------------------
 def test_an_hf_config_edit_that_changes_the_family_replans_as_a_fresh_driver_does():
-    """PlanCache's rule (driver.py): an edited ``hf_config`` re-plans, and
-    test_changed_metadata_plans_again holds the re-plan to a fresh driver's plan. Editing
-    ``driver.hf_config["model_type"]`` / ``["architectures"]`` misses (miss == 'hf_config') but
-    re-plans with the layout the driver chose at construction (qwen3_moe): the plan is returned,
-    while a fresh driver on the same hf_config refuses it ("layout 'llama' cannot place 4 weight
-    matrices: model.layers.0.mlp.gate.weight ...")."""
+    """PlanCache's rule (driver.py): an edited ``hf_config`` re-plans as a fresh driver on it
+    would. Editing ``driver.hf_config["model_type"]`` / ``["architectures"]`` in place refuses the
+    plan exactly as a fresh driver does ("layout 'llama' cannot place 4 weight matrices ...").
+    Before 69dbb47 the re-plan kept the layout chosen at construction (qwen3_moe) and returned a
+    plan the fresh driver refuses."""
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.driver import RefitDriver
     from qstrat.errors import PlanError

@@ -24,7 +24,7 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
             assert ("grouped", fmt, impl) in by, (fmt, impl)
     kernels = [r for r in rows if r["section"] == "kernels"]
     assert {(r["case"], r["format"], r["arch"]) for r in kernels} == {
-        (c, f, a) for c in ("4x512x1024", "8x1536x2048") for f in ("block_fp8", "mxfp8", "nvfp4")
+        (c, f, a) for c in ("4x512x1024", "8x1536x2048", "256x4096x7168") for f in ("block_fp8", "mxfp8", "nvfp4")
         for a in (90, 100)}, [r.get("note") for r in kernels]
     for r in kernels:  # the static facts of the compiled launches (tests/test_kernels_static.py)
         assert r["stack"] == 0 and r["instr_per_element"] > 0 and "e4m3" in r["native"], r

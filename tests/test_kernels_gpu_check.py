@@ -43,7 +43,11 @@ def test_gpu_check_smoke_mode_writes_consistent_json(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "kernel, 1 launch" in proc.stdout  # the table was printed
+    # the verdict is the last line, naming what was judged (scripts/gpu_check_verdict.py)
+    assert proc.stdout.strip().splitlines()[-1].startswith(
+        "gpu_check: verdict PASS (exit 0): parity, static compile (smoke:")
     report = json.loads(out.read_text())
+    assert report["verdict"] == {"failed": {}, "exit_code": 0}
     assert report["mode"].startswith("cpu-smoke")
     assert {"block_fp8", "mxfp8", "nvfp4"} <= set(report["formats"])
     assert report["copy"]["gbps"] > 0

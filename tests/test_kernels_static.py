@@ -6,7 +6,8 @@ properties of the compiled code, deterministic for a given triton: it compiles, 
 uses the native conversions where the architecture has them, leaves >= 16 warps per SM to the
 register file, and its instruction count per element does not cap HBM bandwidth (the issue-bound
 ceiling, docs/performance.md "Static kernel report"). No timing is asserted. Compiles are cached
-within the session (both slabs share their specializations: 6 compiles + 6 variant compiles).
+within the session (the two small slabs share their specializations; DeepSeek-V3's, past 2^31
+elements, adds the E64 launch: 12 compiles + 6 variant compiles + 3 fully 64-bit ones).
 """
 from __future__ import annotations
 
@@ -53,7 +54,23 @@ def test_public_launch_compiles_at_the_roofline(case):
             f"{fmt} sm_{arch} on {gpu}: {f.instr_per_element:.2f} SASS instructions per element cap "
             f"HBM bandwidth at {c:.3f} (target {CEILING_MIN[fmt, gpu]})")
     # one launch per grouped slab: grid axis 1 walks the experts
-    assert sr.plan(fmt, slab, arch).grid[1] == slab[0]
+    launch = sr.plan(fmt, slab, arch)
+    assert launch.grid[1] == slab[0]
+    # 32-bit per-element offsets at every slab of the report, DeepSeek-V3's 7.5e9 elements
+    # included (its expert offset alone is 64-bit: E64)
+    assert launch.constexprs["WIDE"] is False
+    assert launch.constexprs["E64"] is (slab[0] * slab[1] * slab[2] >= 2**31)
+
+
+@pytest.mark.parametrize("fmt", sr.FORMATS)
+def test_fully_64_bit_launch_compiles_without_spills(fmt):
+    """One expert past 2^31 elements (:data:`static_report.WIDE_SLAB`): the WIDE launch, which no
+    known model makes (docs/performance.md "64-bit offsets"), compiles for sm_90 with no spills
+    and leaves >= 16 warps per SM; its ceilings are reported, not held to the targets."""
+    launch = sr.plan(fmt, sr.WIDE_SLAB, 90)
+    assert launch.constexprs["WIDE"] is True and launch.constexprs["E64"] is True
+    f = sr.facts(fmt, sr.WIDE_SLAB, 90)
+    assert f.stack == 0 and f.warps_per_sm >= 16, (f.registers, f.stack, f.warps_per_sm)
 
 
 @pytest.mark.parametrize("variant", ["strided", "propagate"])

@@ -9,7 +9,8 @@ rounded divisions (``tl.math.div_rn``; GPU ``/`` is approximate), optional UE8M0
 ``q = e4m3(x * (1 / s))``: by the GPU's ``cvt.rn.satfinite.e4m3x2`` on a native launch
 (:func:`.launch.native_casts`: compiled, finite weights), else by the integer encoder in
 :mod:`.fp_encode` (interpreter, ``nonfinite="propagate"``; same bytes: docs/formats.md, "Two
-encoders, one result"). Offsets are int32, int64 where :func:`.launch.needs_int64`.
+encoders, one result"). Per-element offsets are int32 (int64 where :func:`.launch.needs_int64`: one expert past
+2^31), the expert's offset int64.
 With ``nonfinite="propagate"`` a tile holding NaN gets a NaN scale and all-0x7F values.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton.language as tl
 from qstrat.serializers.block_fp8 import AMAX_FLOOR, BLOCK, BlockFP8
 from qstrat.serializers.fp_bits import E4M3_MAX
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64, slab_needs_int64
 
 #: Warps per 128 x 128 tile program (16384 fp32 values: 64 per thread at 8 warps). Chosen by the static report (docs/performance.md), not by timing.
 NUM_WARPS = 8
@@ -33,9 +34,9 @@ def _block_fp8_kernel(
     N, K, NB, KB,
     stride_e, stride_n, stride_k,
     AMAX_MIN: tl.constexpr, FP8_MAX: tl.constexpr, UE8M0: tl.constexpr, TILE: tl.constexpr,
-    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, WIDE: tl.constexpr,
+    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, WIDE: tl.constexpr, E64: tl.constexpr,
 ):
-    tile, e = fp_encode.program_ids(WIDE)
+    tile, e = fp_encode.program_ids(WIDE, E64)
     tn = tile // KB
     tk = tile % KB
     rows = tn * TILE + tl.arange(0, TILE).to(tile.dtype)
@@ -104,6 +105,6 @@ def plan_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None, arch: int |
         _block_fp8_kernel, (nb * kb, e), (x, q, s, n, k, nb, kb, *x.stride()),
         dict(AMAX_MIN=AMAX_FLOOR, FP8_MAX=E4M3_MAX, UE8M0=bool(serializer.options.ue8m0),
              TILE=BLOCK, BF16_BITS=bf16_bits,
-             NATIVE=native, WIDE=needs_int64(w3, q)),
+             NATIVE=native, WIDE=needs_int64(w3, q), E64=slab_needs_int64(w3, q)),
         NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale_inv": s}, w3)
 

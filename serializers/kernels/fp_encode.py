@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 #: fp32 bits of 448.0 (e4m3fn largest finite, OCP FP8 spec): larger magnitudes saturate to it.
 F32_BITS_448 = tl.constexpr(0x43E00000)
@@ -31,11 +32,19 @@ F32_BITS_QNAN = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
-def program_ids(WIDE: tl.constexpr):
-    """``(program_id(0), program_id(1))``, as int64 when ``WIDE`` (offsets past 2^31: see
-    :func:`.launch.needs_int64`), else int32; every offset a kernel forms from them follows."""
+def program_ids(WIDE: tl.constexpr, E64: tl.constexpr):
+    """``(tile, e) = (program_id(0), program_id(1))``: both int64 when ``WIDE`` (offsets within
+    ONE expert reach 2^31: :func:`.launch.needs_int64`); ``e`` alone int64 when ``E64`` (the slab
+    reaches 2^31, each expert does not: :func:`.launch.slab_needs_int64`); else both int32.
+
+    Every kernel adds the expert's offset (``e * stride_e``, ``e * N * K``: one scalar per
+    program) to its base pointer before the per-element offsets, which follow ``tile``'s type:
+    a slab of more than 2^31 elements whose experts are each below it (DeepSeek-V3's 256 x 4096 x
+    7168) keeps the 32-bit per-element arithmetic (docs/performance.md, "64-bit offsets")."""
     if WIDE:
         return tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    elif E64:
+        return tl.program_id(0), tl.program_id(1).to(tl.int64)
     else:
         return tl.program_id(0), tl.program_id(1)
 
@@ -54,14 +63,15 @@ def load_f32(ptrs, mask, BF16_BITS: tl.constexpr):
     ``w.view(torch.int16)``, see :func:`.launch.kernel_input`); the fp32 bits are ``bits << 16``,
     exact for every value including subnormals and NaN signs. The interpreter's own bf16 -> fp32
     conversion flushes bf16 subnormals and can flip NaN signs, so it is never used.
-    Other dtypes (fp16, fp32) use ``.to(tl.float32)``, exact in both modes.
+    Other dtypes (fp16, fp32), and bf16 on a native launch, use :func:`upcast_native` (exact;
+    under the interpreter for fp16 and fp32).
     Returns: float32 tensor of the shape of ``ptrs``.
     """
     if BF16_BITS:
         h = tl.load(ptrs, mask=mask, other=0)
         return (h.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        return upcast_native(tl.load(ptrs, mask=mask, other=0.0))
 
 
 @triton.jit
@@ -198,8 +208,9 @@ def load_block_tile(x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k,
 
     The tile is rows ``tn * BLOCK_N ...`` and columns ``tk * BLOCK_K ...`` with ``tn, tk =
     divmod(tile, KT)``; ``K % B == 0`` (checked on the host), so a block is wholly in or out.
-    Offsets have ``tile``'s and ``e``'s integer type (int64 where :func:`.launch.needs_int64`),
-    strides the input's own.
+    ``e``'s offset joins the base pointer first (int64 where the slab needs it); the per-element
+    offsets have ``tile``'s type (int64 only where :func:`.launch.needs_int64`), strides the
+    input's own.
     Returns: ``(x, rows, groups, r3, c3, mask)``: x float32 [BLOCK_N, BLOCK_K // B, B] (0 where
     masked), the row indices [BLOCK_N], the block indices along K [BLOCK_K // B], their
     broadcast row/column offsets r3 [BLOCK_N, 1, 1] and c3 [1, G, B], and the in-range mask.
@@ -239,6 +250,38 @@ def store_block_scales(s_ptr, e, N, KS, rows, groups, val):
 # Each equals its integer twin above on every input such a launch can give it; the range argument
 # is in docs/formats.md ("Two encoders, one result") and tests/test_native_cast_model.py searches
 # for counterexamples with a torch model of the PTX semantics.
+# These functions are THE seam between a kernel's native branch and the hardware: every hardware
+# conversion a native branch makes is one of them (tests/test_kernel_native.py checks the kernel
+# sources for any other), so that test can run each native branch under the interpreter with
+# exactly these replaced by their exact twins and every other line as written.
+
+#: The hardware conversions of the native branches, by function name (the seam above).
+NATIVE_CONVERSIONS = ("upcast_native", "e4m3_native", "e4m3_native_value", "rcp_native",
+                      "e2m1x2_native")
+
+
+@triton.jit
+def upcast_native(v):
+    """bf16/fp16/fp32 tensor -> float32 by the GPU's conversion (``cvt.f32.bf16`` or a shift; exact
+    for every finite value, subnormals included). Under the interpreter it is exact for fp16 and
+    fp32 only (its bf16 route flushes subnormals): the bf16 inputs of non-native launches take
+    :func:`load_f32`'s bits route instead. Returns: float32 tensor of ``v``'s shape."""
+    return v.to(tl.float32)
+
+
+@triton.jit
+def e4m3_native_value(code):
+    """e4m3fn code (uint8) -> its fp32 value by the GPU's conversion (``cvt.rn.f16x2.e4m3x2``, then
+    f16 -> f32: both exact for every finite code). Equals :func:`e4m3_decode` on codes 0..0x7E
+    and 0x80..0xFE. Args: code: uint8 tensor. Returns: float32 tensor of the same shape."""
+    return code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def rcp_native(x):
+    """``1 / x`` correctly rounded by ``rcp.rn.f32`` (PTX ISA: IEEE round to nearest even), equal
+    to ``tl.math.div_rn(1, x)``. Args: x: float32 tensor. Returns: float32 tensor."""
+    return libdevice.rcp_rn(x)
 
 
 @triton.jit

@@ -109,10 +109,23 @@ class Launch:
 _TILE_MARGIN = 256
 
 
+def _reach(t: torch.Tensor, first_dim: int) -> int:
+    return sum((s + _TILE_MARGIN) * abs(st) for s, st in zip(t.shape[first_dim:], t.stride()[first_dim:]))
+
+
+def slab_needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether any offset a kernel can form over the whole [E, ...] ``tensors`` (the expert's
+    included; masked tile lanes too: ``(size + 256) * |stride|`` summed over all dims) reaches
+    2^31: then the expert offset is computed in 64 bits (:func:`.fp_encode.program_ids`)."""
+    return any(_reach(t, 0) >= 2**31 for t in tensors)
+
+
 def needs_int64(*tensors: torch.Tensor) -> bool:
-    """Whether a kernel over ``tensors`` needs 64-bit element offsets: True when any offset it
-    can form, masked tile lanes included (``(size + 256) * |stride|`` summed over dims), reaches
-    2^31. Below that, 32-bit offsets are exact and cost a third of the address instructions.
+    """Whether a kernel over [E, ...] ``tensors`` needs 64-bit per-element offsets: True when an
+    offset it can form WITHIN one expert, masked tile lanes included (``(size + 256) * |stride|``
+    summed over the dims after the first), reaches 2^31. The expert's own offset is 64-bit where
+    :func:`slab_needs_int64` and joins the base pointer once per program, so a
+    slab past 2^31 elements whose experts are each below it stays on 32-bit offsets, exact and a
+    third of the address instructions (docs/performance.md, "64-bit offsets").
     """
-    return any(sum((s + _TILE_MARGIN) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31
-               for t in tensors)
+    return any(_reach(t, 1) >= 2**31 for t in tensors)

@@ -9,7 +9,8 @@ NaN-propagating ``amax``, the E8M0 byte from the amax bits (RCEIL or FLOOR,
 ``1/s = 2^(127 - byte)`` from bits, and ``q = e4m3(x * (1/s))``: the GPU's
 ``cvt.rn.satfinite.e4m3x2`` on a native launch (:func:`.launch.native_casts`; finite maxima, so
 the byte needs no NaN/inf cases: :func:`.fp_encode.e8m0_from_finite_amax`), else the integer
-encoder. Offsets are int32, int64 where :func:`.launch.needs_int64`.
+encoder. Per-element offsets are int32 (int64 where :func:`.launch.needs_int64`: one expert past
+2^31), the expert's offset int64.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import triton.language as tl
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.fp_bits import E8M0_BIAS
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64, slab_needs_int64
 from qstrat.serializers.mxfp8 import BLOCK, MXFP8
 
 #: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 32). Chosen by the static report (docs/performance.md), not by timing.
@@ -36,9 +37,9 @@ def _mxfp8_kernel(
     stride_e, stride_n, stride_k,
     RCEIL: tl.constexpr, MIN_BYTE: tl.constexpr, BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr,
-    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, WIDE: tl.constexpr,
+    BF16_BITS: tl.constexpr, NATIVE: tl.constexpr, WIDE: tl.constexpr, E64: tl.constexpr,
 ):
-    tile, e = fp_encode.program_ids(WIDE)
+    tile, e = fp_encode.program_ids(WIDE, E64)
     x, rows, groups, r3, c3, mask = fp_encode.load_block_tile(  # 32-element blocks along K
         x_ptr, e, tile, N, K, KT, stride_e, stride_n, stride_k, BLOCK_N, BLOCK_K, MX, BF16_BITS)
 
@@ -97,6 +98,6 @@ def plan_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None, arch: int | None =
         _mxfp8_kernel, (triton.cdiv(n, BLOCK_N) * kt, e), (x, q, s, n, k, kt, *x.stride()),
         dict(RCEIL=opts.scale_rounding == "rceil", MIN_BYTE=int(opts.min_scale_byte),
              BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, BF16_BITS=bf16_bits,
-             NATIVE=native, WIDE=needs_int64(w3, q)),
+             NATIVE=native, WIDE=needs_int64(w3, q), E64=slab_needs_int64(w3, q)),
         NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}, w3)
 

@@ -6,7 +6,7 @@ global amax comes in through the group context (``{"amax": [E]}`` from
 :meth:`NVFP4.group_context`, shared by fused members); every program derives the expert's
 ``enc`` and ``weight_scale_2`` from it with the reference's fp32 ops, so nothing is computed on
 the host and nothing syncs. A program loads ``[BLOCK_N, BLOCK_K/16, 16]`` through the input's
-strides (views read in place; int64 offsets where :func:`.launch.needs_int64`), upcasts to fp32, and per 16-block mirrors
+strides (views read in place; int64 per-element offsets where :func:`.launch.needs_int64`), upcasts to fp32, and per 16-block mirrors
 ``NVFP4.reference`` step by step (see nvfp4.py for the formulas and their vLLM source):
 
 1. ``enc = div_rn(2688, amax)``, capped at 2^116, 1 where amax == 0; ``dec = div_rn(1, enc)``;
@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64
+from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64, slab_needs_int64
 from qstrat.serializers.nvfp4 import BLOCK, ENC_MAX, GLOBAL_MAX, NVFP4, RCP_E2M1_MAX
 
 #: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). 64 x 128: the fewest SASS per element at <= 128 registers (static report; docs/performance.md).
@@ -48,12 +47,12 @@ def _nvfp4_kernel(
     stride_e, stride_n, stride_k, stride_amax,
     GMAX: tl.constexpr, EMAX: tl.constexpr, RCP6: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FB: tl.constexpr, BF16_BITS: tl.constexpr,
-    NATIVE: tl.constexpr, NATIVE_E2M1: tl.constexpr, WIDE: tl.constexpr,
+    NATIVE: tl.constexpr, NATIVE_E2M1: tl.constexpr, WIDE: tl.constexpr, E64: tl.constexpr,
 ):
-    tile, e = fp_encode.program_ids(WIDE)
+    tile, e = fp_encode.program_ids(WIDE, E64)
 
     # Step 1: the expert's global encode scale (nvfp4.global_encode_scale) and its reciprocal.
-    amax_t = tl.load(amax_ptr + e * stride_amax).to(tl.float32)
+    amax_t = tl.load(amax_ptr + e * stride_amax)  # float32 (the host converts)
     enc = tl.math.div_rn(tl.full([], GMAX, tl.float32), tl.where(amax_t == 0, 1.0, amax_t))
     enc = tl.where(enc > EMAX, EMAX, enc)  # torch clamp(max=): NaN stays NaN
     enc = tl.where(amax_t == 0, 1.0, enc)
@@ -70,7 +69,7 @@ def _nvfp4_kernel(
     amax_b = tl.max(tl.abs(x), axis=2) if NATIVE else fp_encode.amax_last_axis(x)
     if NATIVE:  # finite: enc * (amax_b * 1/6) <= 2688 * (1 + 2^-22): satfinite == clamp at 448
         scale = fp_encode.e4m3_native(enc * (amax_b * RCP6))
-        s = scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = fp_encode.e4m3_native_value(scale)
     else:
         scale = fp_encode.e4m3_encode(enc * (amax_b * RCP6))
         s = fp_encode.e4m3_decode(scale)
@@ -78,7 +77,7 @@ def _nvfp4_kernel(
     zero = s == 0
     denom = tl.where(zero, 1.0, s * dec)  # no 1/0 on the discarded lanes
     if NATIVE:
-        rcp = libdevice.rcp_rn(denom)  # rcp.rn.f32: correctly rounded, = div_rn(1, denom)
+        rcp = fp_encode.rcp_native(denom)  # rcp.rn.f32: correctly rounded, = div_rn(1, denom)
         # Step 4 by the sign of y = fma(x, os, +0.0): RNE(x*os + 0) is x*os rounded, and its sign
         # is x's sign for every x != -0.0 (a nonzero product keeps its sign even when it rounds
         # to zero), +0.0 for x = -0.0: exactly the reference's "8 * (x < 0)". A zero scale's
@@ -156,7 +155,7 @@ def plan_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None, arch: int | None =
          *x.stride(), amax.stride(0)),
         dict(GMAX=GLOBAL_MAX, EMAX=ENC_MAX, RCP6=RCP_E2M1_MAX, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
              FB=BLOCK, BF16_BITS=bf16_bits, NATIVE=native,
-             NATIVE_E2M1=native and arch >= 100, WIDE=needs_int64(w3, q)),
+             NATIVE_E2M1=native and arch >= 100, WIDE=needs_int64(w3, q), E64=slab_needs_int64(w3, q)),
         NUM_WARPS,
         {"weight": q, "weight_scale": s.view(torch.float8_e4m3fn), "weight_scale_2": s2,
          "input_scale": inp},

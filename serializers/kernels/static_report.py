@@ -49,8 +49,14 @@ GPUS: dict[str, tuple[int, int, float, float]] = {
 }
 #: The architectures compiled for: Hopper (sm_90) and Blackwell datacenter (sm_100).
 ARCHS = (90, 100)
-#: Slabs of the report: the issue's [4, 512, 1024] and a realistic MoE projection.
-SLABS: tuple[tuple[int, int, int], ...] = ((4, 512, 1024), (8, 1536, 2048))
+#: Slabs of the report: the issue's [4, 512, 1024], a realistic MoE projection, and a DeepSeek-V3
+#: expert slab (256 x 4096 x 7168 = 7.5e9 elements, past 2^31: the launch with a 64-bit expert
+#: offset and 32-bit per-element offsets, ``E64``; docs/performance.md "64-bit offsets").
+SLABS: tuple[tuple[int, int, int], ...] = ((4, 512, 1024), (8, 1536, 2048), (256, 4096, 7168))
+#: A slab whose ONE expert passes 2^31 elements: the fully 64-bit launch (``WIDE``). No model
+#: qstrat knows has such a matrix (DeepSeek-V3's largest, the embedding, is 129280 x 7168 = 9.3e8),
+#: so a refit does not make this launch; it is compiled to keep it correct and spill-free.
+WIDE_SLAB: tuple[int, int, int] = (1, 65536, 32768)
 #: Formats with a kernel, in report order.
 FORMATS = ("block_fp8", "mxfp8", "nvfp4")
 #: PTX of the native conversions (PTX ISA: cvt with .satfinite, round to nearest even).
