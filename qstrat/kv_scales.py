@@ -34,15 +34,17 @@ from typing import Any
 import torch
 
 from qstrat.errors import EngineStateError
+from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.resolver import resolve
+from qstrat.vllm_adapter.views import EngineView, WorkerView
 
 #: The scales of an attention layer, by qstrat's key (also the checkpoint's last name component).
 SCALES = ("k_scale", "v_scale")
 #: Values a reset leaves (vLLM's default for a missing scale, and an unset one).
 RESET_VALUES = (1.0, 0.0)
-#: Attribute on an engine: the FP8 KV-cache scales it must hold (set by a :class:`KVScaleGuard`
+#: Per engine: the FP8 KV-cache scales it must hold (set by a :class:`KVScaleGuard`
 #: check; a failed check keeps the expected scales, so a later refit is compared with them).
-EXPECTED = "_qstrat_kv_scales_expected"
+EXPECTED: EngineState[dict[str, dict[str, float]]] = EngineState("expected FP8 KV-cache scales")
 
 
 class KVScaleError(EngineStateError):
@@ -80,17 +82,17 @@ def _layer_attributes() -> tuple[str, dict[str, tuple[str, str]]]:
 
 def _worker_kv_scales(worker: Any) -> dict[str, dict[str, float]]:
     """:func:`model_kv_scales` of a vLLM worker's model (run through ``collective_rpc``)."""
-    return model_kv_scales(worker.model_runner.get_model())
+    return model_kv_scales(WorkerView(worker).model())
 
 
 def engine_kv_scales(llm: Any) -> dict[str, dict[str, float]]:
     """:func:`model_kv_scales` of a running ``vllm.LLM``'s model (rank 0's: every rank holds
     the same per-layer scales). ``{}`` for an engine without an FP8 KV cache (its
     ``vllm_config.cache_config.cache_dtype`` does not start with ``fp8``)."""
-    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
-    if not str(getattr(cache, "cache_dtype", "")).startswith("fp8"):
+    view = EngineView(llm)
+    if not view.cache_dtype.startswith("fp8"):
         return {}
-    return llm.collective_rpc(_worker_kv_scales)[0]
+    return view.collective_rpc(_worker_kv_scales)[0]
 
 
 def _layer_of(name: str) -> str | None:
@@ -164,7 +166,7 @@ class KVScaleGuard:
     @classmethod
     def start(cls, llm: Any) -> KVScaleGuard:
         now = engine_kv_scales(llm)
-        expected = getattr(llm, EXPECTED, None)
+        expected = EXPECTED.get(llm)
         return cls(expected if now and expected is not None else now)
 
     def observe(self, name: str, tensor: torch.Tensor) -> None:
@@ -180,6 +182,6 @@ class KVScaleGuard:
         try:
             check_kv_scales(self.before, after, self.sent)
         except KVScaleError:
-            setattr(llm, EXPECTED, expected_scales(self.before, self.sent))  # what it must hold, kept
+            EXPECTED.set(llm, expected_scales(self.before, self.sent))  # what it must hold, kept
             raise
-        setattr(llm, EXPECTED, after)
+        EXPECTED.set(llm, after)

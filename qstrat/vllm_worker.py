@@ -31,13 +31,14 @@ from qstrat.vllm.quant_config import quantization_config_of
 from qstrat.vllm.reload import _finalize_worker_reload, flagged_reload
 from qstrat.vllm.sink import RefitReport
 from qstrat.vllm_adapter.model_record import read_engine_model
+from qstrat.vllm_adapter.views import WorkerView, hf_config_of
 
 
 def checkpoint_driver(model_config: Any) -> RefitDriver:
     """The :class:`~qstrat.driver.RefitDriver` of the qstrat checkpoint an engine started on:
     the config recorded in its ``qstrat_plan.json``, with the engine's HF config.
 
-    ``model_config``: vLLM's ``ModelConfig`` (``worker.model_runner.vllm_config.model_config``);
+    ``model_config``: vLLM's ``ModelConfig`` (:attr:`WorkerView.model_config`);
     its ``model`` is the checkpoint directory.
     Raises: ConfigError naming the directory when it holds no readable ``qstrat_plan.json``
     (the engine was not started on a qstrat checkpoint: ``qstrat quantize`` writes one).
@@ -49,7 +50,7 @@ def checkpoint_driver(model_config: Any) -> RefitDriver:
         raise ConfigError(f"the engine's model {model_config.model!r} is not a qstrat checkpoint ({plan_file}: "
                           f"{type(exc).__name__}: {exc}); start the rollout engine on one (`qstrat quantize`), "
                           "whose strategy every refit then uses") from exc
-    return RefitDriver(config, hf_config=model_config.hf_config.to_dict())
+    return RefitDriver(config, hf_config=hf_config_of(model_config).to_dict())
 
 
 def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver | None = None,
@@ -74,9 +75,10 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
         :func:`qstrat.vllm.reload.flagged_reload`, the same as :func:`qstrat.vllm.refit`'s.
     """
     start = time.perf_counter()
-    mc = worker.model_runner.vllm_config.model_config
+    view = WorkerView(worker)
+    mc = view.model_config
     driver = driver if driver is not None else checkpoint_driver(mc)
-    checks = sink_checks(lambda: quantization_config_of(mc.hf_config),
+    checks = sink_checks(lambda: quantization_config_of(hf_config_of(mc)),
                          lambda: model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)),
                          driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, flagged=worker,
                          online=lambda: engine_online_args(mc))
@@ -89,7 +91,7 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
             handed[0] += 1
             yield item
 
-    flagged_reload(worker, lambda: worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True),
+    flagged_reload(worker, lambda: view.reload_weights(weights_iterator=counted(), is_checkpoint_format=True),
                    lambda: _finalize_worker_reload(worker),
                    lambda: f" ({handed[0]} of {len(tensors)} tensors handed over)")
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)

@@ -11,19 +11,16 @@ from qstrat.engine_manifest import EngineManifest
 from qstrat.errors import EngineStateError
 from qstrat.mix_flag import MixFlag
 from qstrat.plan import RefitPlan
+from qstrat.vllm_adapter.engine_state import EngineState
 
-#: Attribute of an engine holding its :class:`~qstrat.mix_flag.MixFlag` (set on first use).
-FLAG = "_qstrat_mix_flag"
+#: Each engine's :class:`~qstrat.mix_flag.MixFlag` (made on first use), kept by qstrat, not on the engine.
+FLAGS: EngineState[MixFlag] = EngineState("MIX flag")
 
 
 def engine_flag(engine: Any) -> MixFlag:
     """``engine``'s flag (:attr:`MixFlag.reason` None: it holds one round); a refusal raises
     EngineStateError."""
-    flag = getattr(engine, FLAG, None)
-    if flag is None:
-        flag = MixFlag("this engine", EngineStateError)
-        setattr(engine, FLAG, flag)
-    return flag
+    return FLAGS.setdefault(engine, lambda: MixFlag("this engine", EngineStateError))
 
 
 def mark_failed(engine: Any, reason: str) -> None:

@@ -8,13 +8,15 @@ from typing import Any
 
 from qstrat.errors import EngineStateError
 from qstrat.vllm.flag import clear_after_load, mark_failed
+from qstrat.vllm_adapter.views import EngineView, WorkerView
 
 
 def reload(llm: Any, source: dict[str, Any], sent: dict[str, int], total: int) -> None:
     """Run vLLM's layerwise ``reload_weights`` from ``source`` (an iterator or a folder) in every
     worker of ``llm``, under :func:`flagged_reload`'s rule."""
-    flagged_reload(llm, lambda: llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True}),
-                   lambda: llm.collective_rpc(_finalize_worker_reload),
+    view = EngineView(llm)
+    flagged_reload(llm, lambda: view.reload_weights(**source, is_checkpoint_format=True),
+                   lambda: view.collective_rpc(_finalize_worker_reload),
                    lambda: f" ({sent['tensors']} of {total} tensors handed over)")
 
 
@@ -59,6 +61,6 @@ def _finalize_worker_reload(worker: Any) -> None:
     not being reloaded)."""
     from qstrat.vllm_adapter.resolver import resolve
 
-    runner = worker.model_runner
-    resolve("finalize_layerwise_reload")(runner.get_model(), runner.vllm_config.model_config)
+    view = WorkerView(worker)
+    resolve("finalize_layerwise_reload")(view.model(), view.model_config)
 
