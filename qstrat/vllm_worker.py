@@ -28,6 +28,7 @@ from qstrat.plan import RefitPlan
 from qstrat.vllm.checks import sink_checks
 from qstrat.vllm.manifest import model_manifest
 from qstrat.vllm.quant_config import quantization_config_of
+from qstrat.vllm.flag import plan_coverage
 from qstrat.vllm.reload import _finalize_worker_reload, flagged_reload
 from qstrat.vllm.sink import RefitReport
 from qstrat.vllm_adapter.model_record import read_engine_model
@@ -59,8 +60,7 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
 
     Args:
         worker: a vLLM GPU/CPU ``Worker`` (a worker extension's ``self``): its
-            ``model_runner.vllm_config.model_config`` and ``model_runner.model`` are read, its
-            ``reload_weights`` called.
+            model config and model are read, its ``reload_weights`` called (:class:`WorkerView`).
         named_tensors: the trainer's (HF name, tensor) pairs, BF16 or FP32, the whole model
             (per-expert names or grouped slabs), as for :func:`qstrat.vllm.refit`.
         driver: default :func:`checkpoint_driver` (the engine checkpoint's strategy).
@@ -78,8 +78,13 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
     view = WorkerView(worker)
     mc = view.model_config
     driver = driver if driver is not None else checkpoint_driver(mc)
-    checks = sink_checks(lambda: quantization_config_of(hf_config_of(mc)),
-                         lambda: model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)),
+    manifests: list[Any] = []  # the one the checks built, for the flag's coverage
+
+    def manifest() -> Any:
+        manifests.append(model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)))
+        return manifests[-1]
+
+    checks = sink_checks(lambda: quantization_config_of(hf_config_of(mc)), manifest,
                          driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, flagged=worker,
                          online=lambda: engine_online_args(mc))
     prepared = driver.prepare(named_tensors, plan, checks)  # values first: vLLM's reload has no rollback
@@ -93,6 +98,7 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
 
     flagged_reload(worker, lambda: view.reload_weights(weights_iterator=counted(), is_checkpoint_format=True),
                    lambda: _finalize_worker_reload(worker),
-                   lambda: f" ({handed[0]} of {len(tensors)} tensors handed over)")
+                   lambda: f" ({handed[0]} of {len(tensors)} tensors handed over)",
+                   lambda: plan_coverage(manifests[-1] if manifests else manifest(), prepared.plan))
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     return RefitReport(prepared.plan, len(tensors), nbytes, time.perf_counter() - start)
