@@ -214,3 +214,38 @@ def test_engine_state_is_keyed_by_the_engine_and_goes_with_it():
     assert state.get(ns) == "ns"
     state.drop(ns)
     assert state.get(ns) is None
+
+
+def test_weight_sources_of_both_forms(monkeypatch):
+    """vLLM < 0.33: ``metadata()`` a method, ``__iter__``, ``held_names()``; 0.33+: ``metadata`` a
+    cached property, ``iter_full()``, owners per parameter (table entry weight_source_iter_full,
+    source-checked on every release)."""
+    from functools import cached_property
+    from types import SimpleNamespace
+
+    class Old:
+        def metadata(self):
+            return [SimpleNamespace(name="a")]
+
+        def __iter__(self):
+            return iter([("a", 1)])
+
+        def held_names(self):
+            return None
+
+    class New:
+        @cached_property
+        def metadata(self):
+            return [SimpleNamespace(name="a", owners=None), SimpleNamespace(name="b", owners=(0,))]
+
+        def iter_full(self):
+            return iter([("a", 2)])
+
+    monkeypatch.setattr(views, "member", lambda key: "held_names" if key == "weight_source_held_names" else None)
+    assert [m.name for m in views.source_metadata(Old())] == ["a"]
+    assert list(views.source_tensors(Old())) == [("a", 1)] and views.source_held_names(Old()) is None
+    new = {"weight_source_iter_full": "iter_full", "param_meta_owners": "owners"}
+    monkeypatch.setattr(views, "member", new.get)
+    assert [m.name for m in views.source_metadata(New())] == ["a", "b"]
+    assert list(views.source_tensors(New())) == [("a", 2)]
+    assert views.source_held_names(New()) == ["b"]  # b is owned by rank 0 only: a sharded source

@@ -15,13 +15,15 @@ Importing this module imports vLLM's weight-transfer base through qstrat's vLLM 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cached_property
 
 import torch
 
 from qstrat.driver import RefitDriver
 from qstrat.inputs import tensor_specs
 from qstrat.plan import RefitPlan
-from qstrat.vllm_adapter.resolver import resolve
+from qstrat.vllm_adapter.resolver import available, resolve
+from qstrat.vllm_adapter.views import source_held_names, source_metadata, source_tensors
 
 WeightSource = resolve("weight_source")
 ParamMeta = resolve("weight_source_param_meta")
@@ -42,16 +44,16 @@ class QstratWeightSource(WeightSource):
     """
 
     def __init__(self, source: WeightSource, driver: RefitDriver) -> None:
-        held = getattr(source, "held_names", None)  # vLLM < 0.29's WeightSource has none: whole sources only
-        if callable(held) and held() is not None:
+        if source_held_names(source) is not None:
             raise ValueError(f"QstratWeightSource: {type(source).__name__} holds only part of the model on this "
-                             "rank (held_names() is not None: pipeline/expert-parallel sharded sources); qstrat "
+                             "rank (held_names() is not None, or owned by some ranks only on vLLM 0.33+: "
+                             "pipeline/expert-parallel sharded sources); qstrat "
                              "quantizes whole layers: use a source whose iteration yields every parameter")
         self.source, self.driver = source, driver
         self.plan: RefitPlan = driver.plan(tensor_specs((m.name, tuple(m.shape), m.dtype)
-                                                        for m in source.metadata()))
+                                                        for m in source_metadata(source)))
 
-    def metadata(self) -> list[ParamMeta]:
+    def _outputs(self) -> list[ParamMeta]:
         """The checkpoint tensors iteration yields, in the same order: name, dtype (FP8 codes
         ``float8_e4m3fn``, packed FP4 ``uint8``, scales, BF16 passthrough) and shape."""
         return [ParamMeta(o.name, getattr(torch, o.dtype), tuple(o.shape)) for o in self.plan.outputs()]
@@ -61,5 +63,14 @@ class QstratWeightSource(WeightSource):
         :attr:`plan`: about one layer held at a time), contiguous tensors. Raises what
         :meth:`RefitDriver.run` raises (NonFiniteError naming a tensor; PlanError when the
         stream does not match its metadata)."""
-        for name, t in self.driver.run(iter(self.source), plan=self.plan):
+        for name, t in self.driver.run(source_tensors(self.source), plan=self.plan):
             yield name, t.contiguous()
+
+    # vLLM 0.33 made metadata a cached property (checked when the class is made) and iteration
+    # iter_full(); before, metadata() was a method and iteration __iter__ (version table:
+    # weight_source_iter_full). iter_local (a rank's piece) is not offered: qstrat quantizes whole layers.
+    if available("weight_source_iter_full"):
+        metadata = cached_property(_outputs)
+        iter_full = __iter__
+    else:
+        metadata = _outputs

@@ -101,6 +101,34 @@ def block_of_moe(quant_config: Any, default: tuple[int, int] = (128, 128)) -> tu
     return tuple(read(quant_config, "moe_quant_block_shape") or default)
 
 
+def source_metadata(source: Any) -> list[Any]:
+    """A vLLM ``WeightSource``'s metadata (``ParamMeta`` list): a method before vLLM 0.33, a
+    cached property from 0.33 (table entry ``weight_source_iter_full`` marks the new form)."""
+    meta = source.metadata
+    return list(meta() if callable(meta) else meta)
+
+
+def source_tensors(source: Any) -> Any:
+    """One pass of a vLLM ``WeightSource``'s full tensors, ``(name, tensor)``: ``iter_full()``
+    from vLLM 0.33 (where a source implements it), ``iter(source)`` before."""
+    iter_full = member("weight_source_iter_full")
+    if iter_full is not None and hasattr(source, iter_full):
+        return getattr(source, iter_full)()
+    return iter(source)
+
+
+def source_held_names(source: Any) -> Any:
+    """The names a vLLM ``WeightSource`` holds on this rank (None: all): ``held_names()`` before
+    0.33 (absent before 0.29: all), the names with an owner list from 0.33 (``owners`` None: every rank)."""
+    held = read(source, "weight_source_held_names", None)
+    if callable(held):
+        return held()
+    if member("weight_source_iter_full") is None:
+        return None
+    partial = [m.name for m in source_metadata(source) if read(m, "param_meta_owners", None) is not None]
+    return partial or None
+
+
 class TransferBackendView:
     """A vLLM weight-transfer backend (qstrat's subclass of ``WeightTransferEngine``: ``self``)
     seen through the version table: what its base class keeps.
