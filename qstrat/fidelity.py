@@ -324,12 +324,13 @@ def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
     The ONE place this module reaches vLLM (through :mod:`qstrat.vllm_adapter`).
     """
     from qstrat.vllm_adapter.resolver import resolve
+    from qstrat.vllm_adapter.views import EngineView
 
     SamplingParams = resolve("sampling_params")
 
     k = served_top_k(llm, top_k)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
-    outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+    outs = EngineView(llm).generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     return k, [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
 
 
@@ -337,8 +338,9 @@ def served_top_k(llm: Any, top_k: int) -> int:
     """The logprobs per position ``llm`` returns when asked for ``top_k``: ``min(top_k, its
     max_logprobs)`` (-1 there: the vocabulary, so ``top_k``). An engine whose model config does
     not say (a stand-in) is taken to serve ``top_k``."""
-    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
-    limit = getattr(config, "max_logprobs", -1)
+    from qstrat.vllm_adapter.views import EngineView
+
+    limit = EngineView(llm).max_logprobs
     return top_k if limit == -1 else min(top_k, limit)
 
 

@@ -35,16 +35,18 @@ from typing import Any
 import torch
 
 from qstrat.errors import ConfigError, EngineStateError
+from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.platform_facts import in_process
 from qstrat.vllm_adapter.resolver import resolve
+from qstrat.vllm_adapter.views import EngineView, WorkerView
 
 #: The scales of an attention layer, by qstrat's key (also the checkpoint's last name component).
 SCALES = ("k_scale", "v_scale")
 #: Values a reset leaves (vLLM's default for a missing scale, and an unset one).
 RESET_VALUES = (1.0, 0.0)
-#: Attribute on an engine: the FP8 KV-cache scales it must hold (set by a :class:`KVScaleGuard`
+#: Per engine: the FP8 KV-cache scales it must hold (set by a :class:`KVScaleGuard`
 #: check; a failed check keeps the expected scales, so a later refit is compared with them).
-EXPECTED = "_qstrat_kv_scales_expected"
+EXPECTED: EngineState[dict[str, dict[str, float]]] = EngineState("expected FP8 KV-cache scales")
 
 
 class KVScaleError(EngineStateError):
@@ -82,7 +84,7 @@ def _layer_attributes() -> tuple[str, dict[str, tuple[str, str]]]:
 
 def _worker_kv_scales(worker: Any) -> dict[str, dict[str, float]]:
     """:func:`model_kv_scales` of a vLLM worker's model (run through ``collective_rpc``)."""
-    return model_kv_scales(worker.model_runner.get_model())
+    return model_kv_scales(WorkerView(worker).model())
 
 
 class KVScaleReader:
@@ -92,11 +94,9 @@ class KVScaleReader:
     engine's scales (vLLM's engine core cannot send a Python function to a worker process:
     "Object of type <class 'function'> is not serializable")."""
 
-    model_runner: Any  # the vLLM worker's
-
     def qstrat_kv_scales(self) -> dict[str, dict[str, float]]:
         """:func:`model_kv_scales` of this worker's model."""
-        return model_kv_scales(self.model_runner.get_model())
+        return model_kv_scales(WorkerView(self).model())
 
 
 #: :class:`KVScaleReader`'s qualified name, as ``worker_extension_cls`` takes it.
@@ -112,22 +112,21 @@ def engine_kv_scales(llm: Any) -> dict[str, dict[str, float]]:
 
     Raises: ConfigError, before anything is sent, for a multiprocess engine with an FP8 KV cache
         whose ``worker_extension_cls`` has no ``qstrat_kv_scales`` (naming the fix)."""
-    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
-    cache = getattr(config, "cache_config", None)
-    if not str(getattr(cache, "cache_dtype", "")).startswith("fp8"):
+    view = EngineView(llm)
+    if not view.cache_dtype.startswith("fp8"):
         return {}
     if in_process(llm):
-        return llm.collective_rpc(_worker_kv_scales)[0]
-    extension = getattr(getattr(config, "parallel_config", None), "worker_extension_cls", None)
+        return view.collective_rpc(_worker_kv_scales)[0]
+    extension = view.worker_extension_cls
     if not hasattr(_extension_class(extension), "qstrat_kv_scales"):
         raise ConfigError(
-            f"kv_cache_dtype: this multiprocess engine caches keys and values in {cache.cache_dtype}, and qstrat "
+            f"kv_cache_dtype: this multiprocess engine caches keys and values in {view.cache_dtype}, and qstrat "
             "checks its per-layer k/v scales across every reload by reading them in the worker, which vLLM's "
             "collective_rpc cannot send a function to (a worker process); its worker_extension_cls "
             f"({extension or 'none'!r}) has no qstrat_kv_scales. Start the engine with "
             f"worker_extension_cls={READER!r} (or an extension subclassing it), or in-process "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0); nothing was sent")
-    return llm.collective_rpc("qstrat_kv_scales")[0]
+    return view.collective_rpc("qstrat_kv_scales")[0]
 
 
 def _extension_class(extension: Any) -> Any:
@@ -213,7 +212,7 @@ class KVScaleGuard:
     @classmethod
     def start(cls, llm: Any) -> KVScaleGuard:
         now = engine_kv_scales(llm)
-        expected = getattr(llm, EXPECTED, None)
+        expected = EXPECTED.get(llm)
         return cls(expected if now and expected is not None else now)
 
     def observe(self, name: str, tensor: torch.Tensor) -> None:
@@ -229,6 +228,6 @@ class KVScaleGuard:
         try:
             check_kv_scales(self.before, after, self.sent)
         except KVScaleError:
-            setattr(llm, EXPECTED, expected_scales(self.before, self.sent))  # what it must hold, kept
+            EXPECTED.set(llm, expected_scales(self.before, self.sent))  # what it must hold, kept
             raise
-        setattr(llm, EXPECTED, after)
+        EXPECTED.set(llm, after)

@@ -2,14 +2,18 @@
 processes (:mod:`qstrat.transport.mix_flag`): vLLM's layerwise reload has no rollback, so a refit
 that fails once the engine began loading leaves it holding a MIX of two rounds. The holder is
 FLAGGED; while flagged, a refit that does not update the whole engine is refused before anything
-is sent; a whole refit that loads completely clears the flag.
+is sent; a whole refit that loads completely clears the flag - and ONLY a whole one: a holder
+clears on :meth:`MixFlag.clear_if_whole`, never unconditionally, so a partial refit that reached
+the engine by a path that skipped the refusal still leaves it flagged (issue 43: the in-process
+holder used to clear on any load that finished). A failed load is flagged, THEN finalized
+(:meth:`MixFlag.fail_load`), so the flag stands even when finalizing fails too.
 
 What "whole" counts (an engine's parts, or a receiver's tensor names) and which error a refusal
 raises belong to the sink; the rule and its words are here.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from qstrat.errors import QstratError
 
@@ -45,11 +49,17 @@ class MixFlag:
             raise self.error(f"{self.holder} holds a MIX of two rounds ({self.reason}): the next refit must be "
                              f"whole, this one sends {sends} of the {whole} {unit}{after}")
 
+    def fail_load(self, reason: str, finalize: Callable[[], object], sent: Iterable[str] = ()) -> None:
+        """A load that began failed: flag the holder (:meth:`set`), then ``finalize()`` the reload
+        (layers that received nothing get their weights back); a finalize that fails too is added
+        to the reason, never raised (the flag is what matters now)."""
+        self.set(reason, sent)
+        try:
+            finalize()
+        except Exception as exc:  # noqa: BLE001 - the flag stands either way
+            self.reason = f"{self.reason} (finalizing the reload failed too: {type(exc).__name__}: {exc})"
+
     def clear_if_whole(self, sends: int, whole: int) -> None:
         """A refit updating ``sends`` of the ``whole`` loaded completely: clear the flag if it was whole."""
         if sends >= whole:
-            self.clear()
-
-    def clear(self) -> None:
-        """A whole refit loaded completely (the sink refused any other while flagged): clear the flag."""
-        self.reason, self.required = None, None
+            self.reason, self.required = None, None

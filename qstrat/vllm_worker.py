@@ -28,16 +28,18 @@ from qstrat.plan import RefitPlan
 from qstrat.vllm.checks import sink_checks
 from qstrat.vllm.manifest import model_manifest
 from qstrat.vllm.quant_config import quantization_config_of
+from qstrat.vllm.flag import plan_coverage
 from qstrat.vllm.reload import _finalize_worker_reload, flagged_reload
 from qstrat.vllm.sink import RefitReport
 from qstrat.vllm_adapter.model_record import read_engine_model
+from qstrat.vllm_adapter.views import WorkerView, hf_config_of
 
 
 def checkpoint_driver(model_config: Any) -> RefitDriver:
     """The :class:`~qstrat.driver.RefitDriver` of the qstrat checkpoint an engine started on:
     the config recorded in its ``qstrat_plan.json``, with the engine's HF config.
 
-    ``model_config``: vLLM's ``ModelConfig`` (``worker.model_runner.vllm_config.model_config``);
+    ``model_config``: vLLM's ``ModelConfig`` (:attr:`WorkerView.model_config`);
     its ``model`` is the checkpoint directory.
     Raises: ConfigError naming the directory when it holds no readable ``qstrat_plan.json``
     (the engine was not started on a qstrat checkpoint: ``qstrat quantize`` writes one).
@@ -49,7 +51,7 @@ def checkpoint_driver(model_config: Any) -> RefitDriver:
         raise ConfigError(f"the engine's model {model_config.model!r} is not a qstrat checkpoint ({plan_file}: "
                           f"{type(exc).__name__}: {exc}); start the rollout engine on one (`qstrat quantize`), "
                           "whose strategy every refit then uses") from exc
-    return RefitDriver(config, hf_config=model_config.hf_config.to_dict())
+    return RefitDriver(config, hf_config=hf_config_of(model_config).to_dict())
 
 
 def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver | None = None,
@@ -58,8 +60,7 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
 
     Args:
         worker: a vLLM GPU/CPU ``Worker`` (a worker extension's ``self``): its
-            ``model_runner.vllm_config.model_config`` and ``model_runner.model`` are read, its
-            ``reload_weights`` called.
+            model config and model are read, its ``reload_weights`` called (:class:`WorkerView`).
         named_tensors: the trainer's (HF name, tensor) pairs, BF16 or FP32, the whole model
             (per-expert names or grouped slabs), as for :func:`qstrat.vllm.refit`.
         driver: default :func:`checkpoint_driver` (the engine checkpoint's strategy).
@@ -74,10 +75,16 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
         :func:`qstrat.vllm.reload.flagged_reload`, the same as :func:`qstrat.vllm.refit`'s.
     """
     start = time.perf_counter()
-    mc = worker.model_runner.vllm_config.model_config
+    view = WorkerView(worker)
+    mc = view.model_config
     driver = driver if driver is not None else checkpoint_driver(mc)
-    checks = sink_checks(lambda: quantization_config_of(mc.hf_config),
-                         lambda: model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)),
+    manifests: list[Any] = []  # the one the checks built, for the flag's coverage
+
+    def manifest() -> Any:
+        manifests.append(model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)))
+        return manifests[-1]
+
+    checks = sink_checks(lambda: quantization_config_of(hf_config_of(mc)), manifest,
                          driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, flagged=worker,
                          online=lambda: engine_online_args(mc))
     prepared = driver.prepare(named_tensors, plan, checks)  # values first: vLLM's reload has no rollback
@@ -89,8 +96,9 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
             handed[0] += 1
             yield item
 
-    flagged_reload(worker, lambda: worker.reload_weights(weights_iterator=counted(), is_checkpoint_format=True),
+    flagged_reload(worker, lambda: view.reload_weights(weights_iterator=counted(), is_checkpoint_format=True),
                    lambda: _finalize_worker_reload(worker),
-                   lambda: f" ({handed[0]} of {len(tensors)} tensors handed over)")
+                   lambda: f" ({handed[0]} of {len(tensors)} tensors handed over)",
+                   lambda: plan_coverage(manifests[-1] if manifests else manifest(), prepared.plan))
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     return RefitReport(prepared.plan, len(tensors), nbytes, time.perf_counter() - start)

@@ -65,7 +65,7 @@ class Source:
                 if not rest:
                     return f"{module}:{name}"
                 return f"{module}:{name}.{rest[0]}" if len(rest) == 1 and (
-                    isinstance(node, ast.ClassDef) and _class_has(node, rest[0]) or sets_attribute(node, rest[0])) else None
+                    isinstance(node, ast.ClassDef) and declares(node, rest[0]) or sets_attribute(node, rest[0])) else None
             if not rest and _assigns(node, name):
                 return f"{module}:{name}"
         for node in ast.walk(tree):  # re-exports, also inside try/if
@@ -81,6 +81,13 @@ class Source:
         if not rest and re.search(r"[\"']%s[\"']" % re.escape(name), path.read_text()):
             return f"{module}:{name} (lazy import)"
         return None
+
+
+def declares(node: ast.ClassDef, member: str) -> bool:
+    """Whether class ``node`` declares ``member`` itself: a method or property, a class attribute,
+    an annotated field (a dataclass / pydantic field, ``x: T`` with or without a default)."""
+    return _class_has(node, member) or any(isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name)
+                                           and sub.target.id == member for sub in node.body)
 
 
 def _class_has(node: ast.ClassDef, member: str) -> bool:

@@ -149,9 +149,11 @@ def test_a_manifest_that_disagrees_with_vllms_model_is_refused(engine, monkeypat
     from qstrat import vllm as qvllm
 
     case, llm, _, driver, _, _, _ = engine
-    hf = llm.llm_engine.model_config.hf_config
+    hf = llm.llm_engine.model_config.hf_config  # the test reads vLLM's object to change it
     monkeypatch.setattr(hf, "vocab_size", VOCAB + 64)
-    monkeypatch.setitem(llm.__dict__, "_qstrat_manifests", {})
+    from qstrat.vllm.manifest import MANIFESTS
+
+    MANIFESTS.drop(llm)
     with pytest.raises(EngineManifestError) as exc:
         qvllm.engine_manifest(llm, driver)
     msg = str(exc.value)
@@ -175,5 +177,5 @@ def test_a_manifest_that_disagrees_with_vllms_model_is_refused(engine, monkeypat
         assert f"{{'bfloat16': {1088 * H}}}" in line and f"{{'bfloat16': {1024 * H}}}" in line, msg
         assert "quantizes" not in line, msg
     monkeypatch.undo()
-    llm.__dict__["_qstrat_manifests"] = {}
+    MANIFESTS.drop(llm)
     assert qvllm.engine_manifest(llm, driver) is not None

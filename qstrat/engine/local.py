@@ -22,6 +22,7 @@ from qstrat.console import quiet_torchao_import
 from qstrat.vllm_adapter import names
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu, vllm_installed
 from qstrat.vllm_adapter.resolver import VllmNameError, VllmVersionError, check_supported_version, resolve
+from qstrat.vllm_adapter.views import EngineView
 
 #: Prompts (token ids) used by the demo and the engine tests.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 900, 12, 55])
@@ -230,7 +231,7 @@ def greedy(llm: Any, prompts: tuple[list[int], ...] = PROMPTS, max_tokens: int =
 
     params = resolve("sampling_params")(temperature=0, max_tokens=max_tokens, logprobs=1)
     with torch._dynamo.config.patch(disable=not dynamo):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = EngineView(llm).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -243,7 +244,7 @@ def release(llm: Any) -> None:
     """Shut an in-process engine down and tear down vLLM's distributed state, so that the next
     engine can start in this process. ``llm`` must not be used afterwards (drop its references).
     """
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    core = EngineView(llm).engine_core
     if core is not None:
         core.shutdown()
     gc.collect()

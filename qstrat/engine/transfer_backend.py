@@ -40,7 +40,9 @@ from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY, EngineExpectations
+from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.resolver import available, resolve
+from qstrat.vllm_adapter.views import TransferBackendView, hf_config_of, parallel_rank_of
 from qstrat.vllm.manifest import check_model_built
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
@@ -87,6 +89,10 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     delta: dict[str, Any] | None = None
 
 
+#: Per backend: what it accepts (built once).
+EXPECTATIONS: EngineState[EngineExpectations] = EngineState("engine expectations")
+
+
 def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     """What the engine accepts in a refit: its engine manifest and quantization_config, built
     from its own model config as :func:`qstrat.vllm.refit` builds them
@@ -95,16 +101,15 @@ def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     Raises: EngineManifestError if the manifest cannot be built (every round is then refused
         with that reason in its accept vote).
     """
-    cached = engine.__dict__.get("_qstrat_expectations")
+    cached = EXPECTATIONS.get(engine)
     if cached is None:
         from qstrat.online import engine_online_args
         from qstrat.vllm.manifest import model_manifest
         from qstrat.vllm.quant_config import quantization_config_of
 
-        mc = engine.model_config
-        cached = EngineExpectations(model_manifest(mc), quantization_config_of(mc.hf_config),
-                                    online=engine_online_args(mc))
-        engine.__dict__["_qstrat_expectations"] = cached
+        mc = TransferBackendView(engine).model_config
+        cached = EXPECTATIONS.set(engine, EngineExpectations(model_manifest(mc), quantization_config_of(hf_config_of(mc)),
+                                                            online=engine_online_args(mc)))
     return cached
 
 
@@ -121,8 +126,7 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         staging = os.environ.get(ENV_STAGING, "device")
         if staging not in ("device", "host"):
             raise TransportError(f"{ENV_STAGING}={staging!r}: use 'device' or 'host'")
-        worker = (self.parallel_config.data_parallel_index * self.parallel_config.world_size
-                  + self.parallel_config.rank)
+        worker = parallel_rank_of(vllm_config)
         self.session = ReceiverSession(lambda: engine_expectations(self), self, rank_in_client=worker,
                                        staging=torch.device("cpu") if staging == "host" else None)
 
@@ -149,8 +153,9 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         """Receive one round (no ``torch.accelerator.synchronize``: CPU torch has no
         accelerator; CUDA work is synchronized here instead)."""
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device = TransferBackendView(self).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def receive_weights(self, update_info: QstratTransferUpdateInfo) -> None:
         """Check, authenticate, receive, verify; stage (atomic) or load unit by unit (bounded).
@@ -176,7 +181,7 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
     # ---- the session's loader: vLLM's layerwise reload ------------------------------------
     def begin_load(self) -> None:
         """``initialize_layerwise_reload`` (every layer to meta until its weights arrive)."""
-        resolve("initialize_layerwise_reload")(self.model)
+        resolve("initialize_layerwise_reload")(TransferBackendView(self).model)
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """``model.load_weights`` (a layer is processed once all its weights arrived)."""
@@ -184,11 +189,12 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         skip_mtp_check = (resolve("disable_mtp_completeness_check")()
                           if available("disable_mtp_completeness_check") else nullcontext())
         with skip_mtp_check:
-            self.model.load_weights(tensors)
+            TransferBackendView(self).model.load_weights(tensors)
 
     def end_load(self) -> None:
         """``finalize_layerwise_reload`` (layers that received nothing keep their weights)."""
-        resolve("finalize_layerwise_reload")(self.model, self.model_config)
+        view = TransferBackendView(self)
+        resolve("finalize_layerwise_reload")(view.model, view.model_config)
 
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:

@@ -93,8 +93,8 @@ class WeightDigests:
     """vLLM worker extension (``--worker-extension-cls``): adds
     :meth:`qstrat_weight_digests` to the worker, callable by name through ``collective_rpc``."""
 
-    model_runner: Any  # the vLLM worker's
-
     def qstrat_weight_digests(self) -> dict[str, str]:
         """:func:`tensor_digests` of this worker's model (its shard under tensor parallelism)."""
-        return tensor_digests(self.model_runner.get_model())
+        from qstrat.vllm_adapter.views import WorkerView
+
+        return tensor_digests(WorkerView(self).model())

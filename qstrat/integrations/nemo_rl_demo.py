@@ -46,7 +46,11 @@ def receive_in_worker(worker: Any, weights: dict[str, torch.Tensor], path: str) 
     """In the vLLM worker (``collective_rpc``): NeMo-RL's receive sequence after its transport
     (module docstring). Each bucket's tensors are views into ONE byte buffer that the next bucket
     overwrites, as NeMo-RL's packed buffers are reused. Raises what the extension raises."""
-    worker.prepare_refit_info({n: (t.shape, t.dtype) for n, t in weights.items()})
+    from qstrat.vllm_adapter.views import WorkerView
+
+    view = WorkerView(worker)
+    extension = view.extension  # NeMo-RL's extension methods
+    extension.prepare_refit_info({n: (t.shape, t.dtype) for n, t in weights.items()})
     cut = buckets(weights)
     buffer = torch.empty(max(sum(weights[n].numel() * weights[n].element_size() for n in b) for b in cut),
                          dtype=torch.uint8)
@@ -58,14 +62,13 @@ def receive_in_worker(worker: Any, weights: dict[str, torch.Tensor], path: str) 
             views.append((name, buffer[offset:offset + raw.numel()].view(weights[name].dtype)
                           .view(weights[name].shape)))
             offset += raw.numel()
-        worker._load_weights(views)
+        extension._load_weights(views)
     if path == "ipc":
         from qstrat.vllm_adapter.resolver import resolve
 
-        runner = worker.model_runner
-        with resolve("set_current_vllm_config")(runner.vllm_config):
-            resolve("process_weights_after_loading")(runner.model, runner.vllm_config.model_config, worker.device)
-    worker._maybe_process_fp8_kv_cache()
+        with resolve("set_current_vllm_config")(view.vllm_config):
+            resolve("process_weights_after_loading")(view.model(), view.model_config, view.device)
+    extension._maybe_process_fp8_kv_cache()
 
 
 def nemo_rl_update(path: str):
@@ -74,8 +77,11 @@ def nemo_rl_update(path: str):
     from functools import partial
 
     def update(llm: Any, weights: dict[str, torch.Tensor]) -> None:
-        llm.collective_rpc(partial(receive_in_worker, weights=weights, path=path))
-        llm.reset_prefix_cache()
+        from qstrat.vllm_adapter.views import EngineView
+
+        view = EngineView(llm)
+        view.collective_rpc(partial(receive_in_worker, weights=weights, path=path))
+        view.reset_prefix_cache()
 
     return update
 

@@ -15,6 +15,7 @@ Importing this module imports vLLM's weight-transfer base through qstrat's vLLM 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cached_property
 
 import torch
 
@@ -23,7 +24,8 @@ from qstrat.inputs import tensor_specs
 from qstrat.plan import RefitPlan
 from qstrat.plan.data import PASSTHROUGH
 from qstrat.stream import check_passthrough
-from qstrat.vllm_adapter.resolver import resolve
+from qstrat.vllm_adapter.resolver import available, resolve
+from qstrat.vllm_adapter.views import source_held_names, source_metadata, source_tensors
 
 WeightSource = resolve("weight_source")
 ParamMeta = resolve("weight_source_param_meta")
@@ -51,16 +53,16 @@ class QstratWeightSource(WeightSource):
     def __init__(self, source: WeightSource, driver: RefitDriver, values: str = "first") -> None:
         if values not in ("first", "inline"):
             raise ValueError(f"QstratWeightSource: values must be 'first' or 'inline', got {values!r}")
-        held = getattr(source, "held_names", None)  # vLLM < 0.29's WeightSource has none: whole sources only
-        if callable(held) and held() is not None:
+        if source_held_names(source) is not None:
             raise ValueError(f"QstratWeightSource: {type(source).__name__} holds only part of the model on this "
-                             "rank (held_names() is not None: pipeline/expert-parallel sharded sources); qstrat "
+                             "rank (held_names() is not None, or owned by some ranks only on vLLM 0.33+: "
+                             "pipeline/expert-parallel sharded sources); qstrat "
                              "quantizes whole layers: use a source whose iteration yields every parameter")
         self.source, self.driver, self.values = source, driver, values
         self.plan: RefitPlan = driver.plan(tensor_specs((m.name, tuple(m.shape), m.dtype)
-                                                        for m in source.metadata()))
+                                                        for m in source_metadata(source)))
 
-    def metadata(self) -> list[ParamMeta]:
+    def _outputs(self) -> list[ParamMeta]:
         """The checkpoint tensors iteration yields, in the same order: name, dtype (FP8 codes
         ``float8_e4m3fn``, packed FP4 ``uint8``, scales, BF16 passthrough) and shape."""
         return [ParamMeta(o.name, getattr(torch, o.dtype), tuple(o.shape)) for o in self.plan.outputs()]
@@ -73,7 +75,7 @@ class QstratWeightSource(WeightSource):
         PlanError when the stream does not match its metadata)."""
         if self.values == "first":
             self.check_values()
-        for name, t in self.driver.run(iter(self.source), plan=self.plan):
+        for name, t in self.driver.run(source_tensors(self.source), plan=self.plan):
             yield name, t.contiguous()
 
     def check_values(self) -> None:
@@ -81,7 +83,7 @@ class QstratWeightSource(WeightSource):
         first input holding NaN/inf where its format refuses them (passthrough tensors and
         formats with ``nonfinite="error"``, as :meth:`RefitDriver.check_values`); yields nothing."""
         entries = {e.name: e for e in self.plan.entries}
-        for name, t in self.source:
+        for name, t in source_tensors(self.source):
             e = entries.get(name)
             if e is None:
                 continue  # not planned: RefitDriver.run's pass refuses it with its PlanError
@@ -89,3 +91,12 @@ class QstratWeightSource(WeightSource):
                 check_passthrough(t, name)
             else:
                 self.driver.serializer(e.serializer, e.options).check_values(t, name)
+
+    # vLLM 0.33 made metadata a cached property (checked when the class is made) and iteration
+    # iter_full(); before, metadata() was a method and iteration __iter__ (version table:
+    # weight_source_iter_full). iter_local (a rank's piece) is not offered: qstrat quantizes whole layers.
+    if available("weight_source_iter_full"):
+        metadata = cached_property(_outputs)
+        iter_full = __iter__
+    else:
+        metadata = _outputs

@@ -18,6 +18,7 @@ import torch
 
 from qstrat.errors import QstratError
 from qstrat.vllm_adapter import names
+from qstrat.vllm_adapter.views import EngineView
 
 #: TRL versions whose ``VLLMGeneration`` has every hook this module uses (checked on the released
 #: wheels: ``_iter_named_params`` first appears in 1.11.0). 1.16.0 runs the tests here.
@@ -208,7 +209,7 @@ class QstratWeightSync:
             raise
         finally:
             try:
-                gen.llm.reset_prefix_cache()
+                EngineView(gen.llm).reset_prefix_cache()
             except Exception:
                 if not failed:  # else the refit's own error, which says more, propagates
                     raise

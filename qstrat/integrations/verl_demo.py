@@ -119,7 +119,10 @@ def verl_update(llm: Any, weights: dict[str, torch.Tensor], bucket_mb: int = BUC
     (verl's ``clear_kv_cache``). Raises what either side raised."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    handle = llm.collective_rpc("_get_zmq_handle")[0]
+    from qstrat.vllm_adapter.views import EngineView
+
+    view = EngineView(llm)
+    handle = view.collective_rpc("_get_zmq_handle")[0]
     sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=bucket_mb, use_shm=True)
     failure: list[BaseException] = []
 
@@ -134,12 +137,12 @@ def verl_update(llm: Any, weights: dict[str, torch.Tensor], bucket_mb: int = BUC
     thread = threading.Thread(target=send, name="verl-sender", daemon=True)  # a failed receiver never answers it
     thread.start()
     try:
-        llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+        view.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
     finally:
         thread.join(timeout=30)
     if failure:
         raise failure[0]
-    llm.reset_prefix_cache()
+    view.reset_prefix_cache()
 
 
 def run(strategy: str, steps: int, work: Path, extension: str = QSTRAT_EXTENSION) -> list[dict[str, Any]]:

@@ -202,11 +202,7 @@ class ReceiverSession:
 
     def _fail_load(self, exc: BaseException, sent: set[str]) -> None:
         """Flag this receiver after a load that raised part-way, and finalize the reload."""
-        self.flag.set(f"{type(exc).__name__}: {exc}", sent)
-        try:
-            self.landing.end()
-        except Exception as end_exc:  # noqa: BLE001 - the flag is what matters now
-            self.flag.reason += f" (finalizing the reload failed too: {type(end_exc).__name__}: {end_exc})"
+        self.flag.fail_load(f"{type(exc).__name__}: {exc}", self.landing.end, sent)
 
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""

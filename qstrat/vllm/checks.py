@@ -12,6 +12,7 @@ from qstrat.vllm import manifest as engine_manifests
 from qstrat.vllm.compat import check_cpu_expert_reload, check_engine_compatible, check_engine_format
 from qstrat.vllm.flag import check_whole_while_flagged
 from qstrat.vllm.quant_config import engine_quantization_config
+from qstrat.vllm_adapter.views import EngineView
 
 
 class _EngineChecks:
@@ -72,7 +73,7 @@ def engine_checks(llm: Any, driver: RefitDriver, manifest: EngineManifest | None
     """
     return sink_checks(lambda: engine_quantization_config(llm), lambda: engine_manifests.engine_manifest(llm, driver),
                        driver, manifest, allow_cpu_bf16_experts, flagged=llm,
-                       online=lambda: engine_online_args(llm.llm_engine.model_config))
+                       online=lambda: engine_online_args(EngineView(llm).model_config))
 
 
 def sink_checks(quantization_config: Any, make_manifest: Any, driver: RefitDriver,

@@ -2,28 +2,27 @@
 receivers follow too), held on the engine (the ``LLM``, or one worker for :mod:`qstrat.vllm_worker`),
 with "whole" counted in the engine manifest's parts. A reload that fails once it began flags the
 engine (:func:`mark_failed`); while flagged, a partial refit is refused before anything is sent
-(:func:`check_whole_while_flagged`); a whole refit that loads clears the flag (:func:`clear_after_load`)."""
+(:func:`check_whole_while_flagged`); a whole refit that loads clears the flag (:func:`clear_after_load`:
+only a whole one, the rule of :mod:`qstrat.mix_flag`)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from qstrat.engine_manifest import EngineManifest
 from qstrat.errors import EngineStateError
 from qstrat.mix_flag import MixFlag
 from qstrat.plan import RefitPlan
+from qstrat.vllm_adapter.engine_state import EngineState
 
-#: Attribute of an engine holding its :class:`~qstrat.mix_flag.MixFlag` (set on first use).
-FLAG = "_qstrat_mix_flag"
+#: Each engine's :class:`~qstrat.mix_flag.MixFlag` (made on first use), kept by qstrat, not on the engine.
+FLAGS: EngineState[MixFlag] = EngineState("MIX flag")
 
 
 def engine_flag(engine: Any) -> MixFlag:
     """``engine``'s flag (:attr:`MixFlag.reason` None: it holds one round); a refusal raises
     EngineStateError."""
-    flag = getattr(engine, FLAG, None)
-    if flag is None:
-        flag = MixFlag("this engine", EngineStateError)
-        setattr(engine, FLAG, flag)
-    return flag
+    return FLAGS.setdefault(engine, lambda: MixFlag("this engine", EngineStateError))
 
 
 def mark_failed(engine: Any, reason: str) -> None:
@@ -31,9 +30,18 @@ def mark_failed(engine: Any, reason: str) -> None:
     engine_flag(engine).set(reason)
 
 
-def clear_after_load(engine: Any) -> None:
-    """A whole refit loaded into ``engine`` (a partial one is refused while flagged): clear the flag."""
-    engine_flag(engine).clear()
+def clear_after_load(engine: Any, coverage: Callable[[], tuple[int, int]]) -> None:
+    """A refit loaded into ``engine`` completely: clear the flag if the refit was whole
+    (``coverage()``: (parts it sent, the engine's parts), called only when flagged: :func:`plan_coverage`)."""
+    flag = engine_flag(engine)
+    if flag.reason is not None:
+        flag.clear_if_whole(*coverage())
+
+
+def plan_coverage(manifest: EngineManifest, plan: RefitPlan) -> tuple[int, int]:
+    """(how many of the engine's parts (:meth:`EngineManifest.parts`) ``plan`` sends, how many it has)."""
+    parts = set(manifest.parts())
+    return len(parts & manifest.parts_sent(plan)), len(parts)
 
 
 def check_whole_while_flagged(llm: Any, plan: RefitPlan, manifest: EngineManifest) -> None:
@@ -44,5 +52,4 @@ def check_whole_while_flagged(llm: Any, plan: RefitPlan, manifest: EngineManifes
     flag = engine_flag(llm)
     if flag.reason is None:
         return
-    parts = set(manifest.parts())
-    flag.refuse_partial(len(parts & manifest.parts_sent(plan)), len(parts), "parts", " (nothing was sent)")
+    flag.refuse_partial(*plan_coverage(manifest, plan), "parts", " (nothing was sent)")

@@ -13,7 +13,12 @@ from qstrat.layouts import ModelLayout
 from qstrat.registry import Registry, get_registry
 from qstrat.vllm.quant_config import engine_quantization_config, quantization_config_of
 from qstrat.vllm_adapter import model_record
+from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.platform_facts import device_type, in_process
+from qstrat.vllm_adapter.views import EngineView, hf_config_of, model_config_of, read
+
+#: Per engine, per registry (both held weakly): (layout name, cross-checked) -> its manifest.
+MANIFESTS: EngineState[EngineState[dict[tuple[str, bool], EngineManifest]]] = EngineState("engine manifests")
 
 
 def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bool = True) -> EngineManifest:
@@ -31,10 +36,10 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
         weights a reload must refill (:func:`qstrat.vllm_adapter.model_record.released_errors`).
     """
     registry = driver.registry if driver is not None else get_registry()
-    mc = llm.llm_engine.model_config
-    layout = layout_for(registry, driver.config.layout if driver is not None else None, mc.hf_config.to_dict())
-    key = (layout.name, id(registry), cross_check)
-    cache = llm.__dict__.setdefault("_qstrat_manifests", {})
+    mc = EngineView(llm).model_config
+    layout = layout_for(registry, driver.config.layout if driver is not None else None, hf_config_of(mc).to_dict())
+    key = (layout.name, cross_check)
+    cache = MANIFESTS.setdefault(llm, lambda: EngineState("engine manifests per registry")).setdefault(registry, dict)
     if key in cache:
         return cache[key]
     manifest = model_manifest(mc, registry, layout)
@@ -102,8 +107,8 @@ def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
     EngineBuildError only (the other disagreements with vLLM's model are each round's to refuse).
 
     Returns: the manifest, or None when not checked (as :func:`check_engine_built`)."""
-    mc = vllm_config.model_config
-    if quantization_config_of(mc.hf_config) is None:
+    mc = model_config_of(vllm_config)
+    if quantization_config_of(hf_config_of(mc)) is None:
         return None
     try:
         manifest = model_manifest(mc)
@@ -111,7 +116,7 @@ def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
         if isinstance(exc.__cause__, ConfigOnlyUnsupportedError):
             return None
         raise
-    world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
+    world = int(read(read(vllm_config, "vllm_config_parallel_config"), "parallel_world_size", 1) or 1)
     _check_built(manifest, model_record.read_model(model, world))
     return manifest
 

@@ -9,7 +9,9 @@ def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
     """The engine's checkpoint ``quantization_config`` from its HF config, where vLLM 0.32 looks
     (``weight_utils.get_quant_config``): the config's own, else its ``text_config``'s (multimodal
     models), else ``compression_config`` (compressed-tensors); None for an unquantized engine."""
-    return quantization_config_of(llm.llm_engine.model_config.hf_config)
+    from qstrat.vllm_adapter.views import EngineView
+
+    return quantization_config_of(EngineView(llm).hf_config)
 
 
 def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:

@@ -7,15 +7,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from qstrat.errors import EngineStateError
-from qstrat.vllm.flag import clear_after_load, mark_failed
+from qstrat.vllm.flag import clear_after_load, engine_flag, mark_failed
+from qstrat.vllm_adapter.views import EngineView, WorkerView
 
 
-def reload(llm: Any, source: dict[str, Any], progress: Callable[[], str]) -> None:
+def reload(llm: Any, source: dict[str, Any], progress: Callable[[], str],
+           coverage: Callable[[], tuple[int, int]]) -> None:
     """Run vLLM's layerwise ``reload_weights`` from ``source`` (an iterator or a folder) in every
     worker of ``llm``, under :func:`flagged_reload`'s rule (``progress``: its text of how much
-    was handed over)."""
-    flagged_reload(llm, lambda: llm.collective_rpc("reload_weights", kwargs={**source, "is_checkpoint_format": True}),
-                   lambda: llm.collective_rpc(_finalize_worker_reload), progress)
+    was handed over; ``coverage``: as :func:`flagged_reload` takes it)."""
+    view = EngineView(llm)
+    flagged_reload(llm, lambda: view.reload_weights(**source, is_checkpoint_format=True),
+                   lambda: view.collective_rpc(_finalize_worker_reload), progress, coverage)
 
 
 def handed_over(tensors: list[tuple[str, Any]], count: dict[str, int], key: str = "handed"
@@ -29,39 +32,30 @@ def handed_over(tensors: list[tuple[str, Any]], count: dict[str, int], key: str 
 
 
 def flagged_reload(engine: Any, reload: Callable[[], Any], finalize: Callable[[], Any],
-                   progress: Callable[[], str] = lambda: "") -> None:
+                   progress: Callable[[], str], coverage: Callable[[], tuple[int, int]]) -> None:
     """Run ``reload()`` (vLLM's layerwise reload into ``engine``: an ``LLM``, or one worker for
     :mod:`qstrat.vllm_worker`) under the rule every qstrat engine sink follows
     (:mod:`qstrat.vllm.flag`): a reload that fails after it began is finalized (``finalize()``)
     and ``engine`` FLAGGED as holding a mix of two rounds; while flagged, a partial refit is
     refused before anything is sent; a whole one that loads clears the flag.
 
-    Args: progress: text after "began reloading" in the error (how much was handed over).
+    Args: progress: text after "began reloading" in the error (how much was handed over);
+        coverage: (parts the refit sends, the engine's parts), asked only when flagged
+        (:func:`qstrat.vllm.flag.plan_coverage`).
     Raises: EngineStateError for any failure of ``reload()`` (vLLM's reload has no rollback).
     """
     try:
         reload()
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        mark_failed(engine, reason + _finalize_failed_reload(finalize))
+        engine_flag(engine).fail_load(reason, finalize)
         raise EngineStateError(
             f"the refit failed after the engine began reloading{progress()}: {reason}. vLLM's layerwise reload "
             "has no rollback: the engine holds a MIX of two rounds and accepts only a whole refit now") from exc
     except BaseException as exc:  # KeyboardInterrupt mid-reload: same state, keep the interrupt
         mark_failed(engine, f"{type(exc).__name__} during reload")
         raise
-    clear_after_load(engine)  # a whole refit loaded (a partial one was refused before)
-
-
-def _finalize_failed_reload(finalize: Callable[[], Any]) -> str:
-    """Finalize the layerwise reload a failure left open (``finalize()``: in every worker, layers
-    that received nothing get their weights back; the transport's loader does the same). Returns
-    "" or why it could not (added to the flag)."""
-    try:
-        finalize()
-    except Exception as exc:  # noqa: BLE001 - the flag stands either way
-        return f" (finalizing the reload failed too: {type(exc).__name__}: {exc})"
-    return ""
+    clear_after_load(engine, coverage)  # only a whole refit clears (a partial one was refused before)
 
 
 def _finalize_worker_reload(worker: Any) -> None:
@@ -69,6 +63,6 @@ def _finalize_worker_reload(worker: Any) -> None:
     not being reloaded)."""
     from qstrat.vllm_adapter.resolver import resolve
 
-    runner = worker.model_runner
-    resolve("finalize_layerwise_reload")(runner.get_model(), runner.vllm_config.model_config)
+    view = WorkerView(worker)
+    resolve("finalize_layerwise_reload")(view.model(), view.model_config)
 

@@ -18,6 +18,8 @@ from qstrat.kv_scales import KVScaleGuard
 from qstrat.plan import RefitPlan
 from qstrat.vllm.reload import handed_over, reload
 from qstrat.vllm.checks import engine_checks
+from qstrat.vllm.flag import plan_coverage
+from qstrat.vllm import manifest as engine_manifests
 from qstrat.vllm.spool import spooled, warn_cost
 from qstrat.vllm_adapter.platform_facts import in_process
 
@@ -134,6 +136,10 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
     if callable(getattr(verify, "check_engine", None)):
         verify.check_engine(llm)  # e.g. an engine whose max_logprobs caps the probe's top_k
     sent = {"tensors": 0, "bytes": 0, "handed": 0}
+
+    def coverage() -> tuple[int, int]:  # asked only when the engine is flagged
+        return plan_coverage(manifest if manifest is not None else engine_manifests.engine_manifest(llm, driver), plan)
+
     kv_scales = KVScaleGuard.start(llm)  # FP8 KV-cache scales: unchanged by the reload unless sent
 
     def payload() -> Iterator[tuple[str, torch.Tensor]]:
@@ -150,13 +156,13 @@ def refit(llm: Any, driver: RefitDriver, named_tensors: NamedTensors, stream: bo
         # a list is complete (every value checked) before the engine starts; vLLM then draws it
         # one tensor at a time, and what it drew is what was handed over
         weights = payload() if stream else handed_over(list(payload()), sent)
-        reload(llm, {"weights_iterator": weights}, lambda: f" ({sent['handed']} of {total} tensors handed over)")
+        reload(llm, {"weights_iterator": weights}, lambda: f" ({sent['handed']} of {total} tensors handed over)", coverage)
     else:
         with spooled(payload(), weights_dir) as folder:
             warn_cost(sent["bytes"], Path(weights_dir))
             reload(llm, {"weights_path": folder},
                    lambda: f" (all {total} tensors written to a file for the engine to read; how many it "
-                           "loaded before failing is not known)")
+                           "loaded before failing is not known)", coverage)
     kv_scales.check(llm)
     seconds = time.perf_counter() - start
     fidelity = verify(llm, driver) if verify is not None else None

@@ -29,6 +29,7 @@ from qstrat.engine_ignore import ENGINE_FUSED_NAMES
 from qstrat.engine_manifest import CASTABLE, EngineManifest, ManifestUnit
 from qstrat.serializers.base import dtype_name
 from qstrat.vllm_adapter.resolver import available, known_versions, resolve
+from qstrat.vllm_adapter.views import EngineView, WorkerView, read
 
 
 #: vLLM's fused module name -> its checkpoint modules, for a fused module the model class's
@@ -81,12 +82,13 @@ def read_engine_model(worker: Any) -> EngineModel:
     Raises: VllmNameError (a RuntimeError) naming a missing vLLM name; RuntimeError if the
         worker has no ``model_runner.get_model()``.
     """
-    runner = getattr(worker, "model_runner", None)
-    if runner is None or not hasattr(runner, "get_model"):
-        raise RuntimeError("the vLLM worker has no model_runner.get_model() (qstrat's vLLM version table "
-                           f"was checked against vllm {known_versions()})")
-    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
-    return read_model(runner.get_model(), int(getattr(parallel, "world_size", 1) or 1))
+    view = WorkerView(worker)
+    try:
+        model = view.model()
+    except AttributeError as exc:
+        raise RuntimeError(f"the vLLM worker has no get_model() ({exc}; qstrat's vLLM version table "
+                           f"was checked against vllm {known_versions()})") from exc
+    return read_model(model, view.world_size)
 
 
 def read_model(model: Any, world_size: int = 1) -> EngineModel:
@@ -103,18 +105,18 @@ def read_model(model: Any, world_size: int = 1) -> EngineModel:
     padding: dict[str, int] = {}
     mla = resolve("mla_attention_layer")
     released = tuple(name for name, module in model.named_modules()
-                     if isinstance(module, mla) and getattr(module, "is_amx_bmm_enabled", False))
+                     if isinstance(module, mla) and read(module, "mla_is_amx_bmm_enabled", False))
     for name, module in model.named_modules():
         if module not in info or deferred(module):
             continue
         if hasattr(module, "num_embeddings_padded") and isinstance(getattr(module, "padding_size", None), int):
             padding[name] = module.padding_size
-        params, _buffers = info[module].restore_metadata
+        params, _buffers = read(info[module], "reload_restore_metadata")
         for t in params.values():
             numel = layers.setdefault(name, {})
             key = dtype_name(t.dtype)
-            numel[key] = numel.get(key, 0) + int(getattr(t, "weight_loader_numel", t.numel()))
-    packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+            numel[key] = numel.get(key, 0) + int(read(t, "weight_loader_numel", t.numel()))
+    packed = {k: list(v) for k, v in (read(model, "packed_modules_mapping", None) or {}).items()}
     return EngineModel(layers, packed, frozenset(skipped), world_size, padding,
                        getattr(model, "hf_to_vllm_mapper", None), released)
 
@@ -144,7 +146,7 @@ def _deferred_attention_predicate() -> Any:
 
 def engine_model(llm: Any) -> EngineModel:
     """Rank 0's :class:`EngineModel` of a running ``vllm.LLM`` (one ``collective_rpc``)."""
-    return llm.collective_rpc(read_engine_model)[0]
+    return EngineView(llm).collective_rpc(read_engine_model)[0]
 
 
 def cross_check(manifest: EngineManifest, model: EngineModel) -> list[str]:

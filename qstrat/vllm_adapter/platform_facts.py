@@ -66,5 +66,7 @@ def in_process(llm: Any) -> bool:
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where ``collective_rpc`` can run a function in the
     worker: its ``llm_engine.engine_core`` is vLLM's in-process client (table entry
     ``inproc_client``, the class itself), or it has none (a stand-in). Imports vLLM only if it has one."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    from qstrat.vllm_adapter.views import EngineView
+
+    core = EngineView(llm).engine_core
     return core is None or type(core) is resolve("inproc_client")

