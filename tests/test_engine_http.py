@@ -172,3 +172,26 @@ def test_valid_rounds_load_and_refit_back_restores_the_start(sender, ckpts, serv
     assert all(now[k] == on_a[k] for k in routers)
     sender.refit(driver, ckpts["b"])
     assert digests(server) == b_at_start, "refit back to B vs the fresh engine on B"
+
+
+def test_a_trainer_with_another_secret_is_refused_within_seconds(server):
+    """The engine refuses an init signed with another secret at once; the trainer reports that
+    refusal as it arrives, not after its rendezvous timed out (it took 61-76 s: the refusal came
+    last in a "Timed out ... waiting for clients" message)."""
+    import time
+
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from qstrat.errors import TransferAuthError
+    from qstrat.transport import RefitSender
+
+    intruder = RefitSender([HTTPVLLMWeightSyncClient(server, timeout=TIMEOUT_S)], "127.0.0.1", free_port(),
+                           timeout_s=TIMEOUT_S, secret="another secret, 32 bytes or more....")
+    began = time.monotonic()
+    with pytest.raises(TransferAuthError) as err:
+        intruder.connect()
+    took = time.monotonic() - began
+    assert took < 5, f"the refusal took {took:.1f} s"
+    msg = str(err.value)
+    assert msg.startswith("init_weight_transfer_engine failed before the transfer group formed"), msg
+    assert "init_weight_transfer_engine refused: no valid authentication tag" in msg and "Timed out" not in msg, msg
