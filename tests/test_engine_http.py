@@ -93,6 +93,24 @@ def test_the_recipes_trainer_script_refits_the_fresh_server_and_back(server, b_a
     assert lines[-1] == "back on B: every completion equals the fresh server's (tokens and logprobs)", run.stdout
 
 
+def test_the_recipes_delta_step_refits_the_server_with_a_delta_round(server, b_at_start):
+    """SECOND, before this module's sender joins: the recipe's step 3 with ``--mode delta``
+    (docs/transport.md, "Delta rounds: the recipe"): the round to A is whole (no base yet), the
+    round back to B a delta round against it, and every completion then equals the fresh
+    server's."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "trainers" / "transport_refit.py"
+    run = subprocess.run([sys.executable, str(script), "refit", server, "--port", str(free_port()), "--mode", "delta"],
+                         env=dict(os.environ, QSTRAT_TRANSFER_SECRET=SECRET), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert lines[2].startswith("refit to B: delta kind=delta, wire "), run.stdout
+    assert lines[-1] == "back on B: every completion equals the fresh server's (tokens and logprobs)", run.stdout
+    assert digests(server) == b_at_start
+
+
 @pytest.fixture(scope="module")
 def sender(server, b_at_start):
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
