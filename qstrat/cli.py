@@ -459,8 +459,11 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
 def _cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     from qstrat import doctor
 
-    facts = doctor.diagnose()
-    print(json.dumps(doctor.as_dicts(facts), indent=2) if args.json else doctor.render(facts))
+    if args.json:
+        print(json.dumps(doctor.as_dicts(doctor.diagnose()), indent=2))
+    else:  # line by line as the facts are found (importing vLLM takes a while)
+        for line in doctor.report_lines(doctor.facts_as_found()):
+            print(line, flush=True)
     return 0
 
 

@@ -129,7 +129,7 @@ class PresetConfig(_Model):
         try:
             return cls.model_validate(fields, context={"structural": True})
         except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from exc
+            raise ConfigError(format_validation_error(exc, model=cls)) from exc
 
     def to_mapping(self) -> dict[str, Any]:
         """The keys this preset sets, as a plain mapping (what :class:`RefitConfig` merges)."""
@@ -213,7 +213,7 @@ class RefitConfig(_Model):
         try:
             return cls.model_validate(dict(data), context={"registry": registry})
         except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from exc
+            raise ConfigError(format_validation_error(exc, model=cls)) from exc
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the expanded config (preset rules included)."""
@@ -252,6 +252,14 @@ def _expanded_preset(name: str, strategies: Mapping[str, Any], seen: tuple[str, 
     if isinstance(base, str) and base in strategies:
         mapping = _merge_preset(_expanded_preset(base, strategies, (*seen, name)), mapping)
     return mapping
+
+
+def preset_rules(name: str | None, strategies: Mapping[str, Any]) -> list[Any]:
+    """The rules preset ``name`` adds after a config's own (the presets it extends included;
+    empty for None or an unknown name): the last ``len(...)`` rules of a config naming it."""
+    if not name or name not in strategies:
+        return []
+    return list(_expanded_preset(name, strategies, ()).get("rules", []))
 
 
 def _registry(info: ValidationInfo) -> Any:

@@ -47,6 +47,7 @@ def stderr_to(log_path: str | Path, tail_lines: int = 30) -> Iterator[Path]:
     log_path = Path(log_path)
     sys.stderr.flush()
     saved = os.dup(2)
+    _REDIRECTED.append(log_path)
     try:
         with open(log_path, "a", buffering=1, errors="replace") as log, redirect_stderr(log):
             os.dup2(log.fileno(), 2)  # sys.stderr may not be fd 2 (pytest, notebooks): both go there
@@ -60,7 +61,17 @@ def stderr_to(log_path: str | Path, tail_lines: int = 30) -> Iterator[Path]:
                 log.flush()
                 os.dup2(saved, 2)
     finally:
+        _REDIRECTED.pop()
         os.close(saved)
+
+
+#: The logs :func:`stderr_to` sends stderr to now, innermost last.
+_REDIRECTED: list[Path] = []
+
+
+def stderr_redirected() -> Path | None:
+    """The log this process's stderr goes to (:func:`stderr_to`), or None: shown as is."""
+    return _REDIRECTED[-1] if _REDIRECTED else None
 
 
 def _tail_note(log_path: Path, lines: int) -> str:

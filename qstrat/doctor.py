@@ -14,7 +14,7 @@ import logging
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -204,9 +204,16 @@ def triton_facts() -> list[Fact]:
 
 
 def diagnose() -> list[Fact]:
-    """Every fact, in report order. Never raises. Unless ``VLLM_LOGGING_LEVEL`` is set, vLLM's
-    loggers show errors only (its import-time notices, e.g. "Triton is installed, but doesn't
-    include CPU backend", are logged before its own logging configuration applies)."""
+    """Every fact, in report order (:func:`facts_as_found`, all of them). Never raises."""
+    return list(facts_as_found())
+
+
+def facts_as_found() -> Iterator[Fact]:
+    """Every fact, in report order, each section's as soon as it is probed (importing vLLM takes
+    seconds to half a minute: the environment and machine come first). Never raises. Unless
+    ``VLLM_LOGGING_LEVEL`` is set, vLLM's loggers show errors only (its import-time notices, e.g.
+    "Triton is installed, but doesn't include CPU backend", are logged before its own logging
+    configuration applies)."""
     from qstrat.console import quiet_torchao_import
     from qstrat.vllm_adapter import names
 
@@ -221,28 +228,35 @@ def diagnose() -> list[Fact]:
     notice = logging.getLogger(f"{names.LOGGER}.triton_utils.importing")
     if notice.level == logging.NOTSET:
         notice.setLevel(logging.ERROR)
-    facts: list[Fact] = []
     for part in (environment, vllm_facts, kernel_facts, transfer_facts, quantization_facts, triton_facts):
         try:
-            facts += part()
+            found = part()
         except Exception as exc:  # one broken probe must not hide the others
-            facts.append(Fact(part.__name__, "error", f"{type(exc).__name__}: {exc}", True))
-    return facts
+            found = [Fact(part.__name__, "error", f"{type(exc).__name__}: {exc}", True)]
+        yield from found
 
 
-def render(facts: list[Fact]) -> str:
-    """The plain-text report: one ``section  item: value`` line per fact, problems marked ``!!``,
-    and a last line counting them."""
-    width = max(len(f.item) for f in facts)
-    lines, section = [], None
+#: The item column's width (the longest built-in item, "names absent here"): fixed, so that the
+#: report can be printed line by line as the facts are found.
+ITEM_WIDTH = 17
+
+
+def report_lines(facts: Iterable[Fact]) -> Iterator[str]:
+    """The plain-text report, a line at a time as ``facts`` arrive: ``section:`` headers, one
+    ``item  value`` line per fact (problems marked ``!!``), and a last line counting them."""
+    section, problems = None, 0
     for f in facts:
         if f.section != section:
             section = f.section
-            lines.append(f"{section}:")
-        lines.append(f"{'!!' if f.problem else '  '} {f.item:<{width}}  {f.value}")
-    problems = sum(f.problem for f in facts)
-    lines.append(f"{problems} problem(s)" if problems else "no problems found")
-    return "\n".join(lines)
+            yield f"{section}:"
+        problems += f.problem
+        yield f"{'!!' if f.problem else '  '} {f.item:<{ITEM_WIDTH}}  {f.value}"
+    yield f"{problems} problem(s)" if problems else "no problems found"
+
+
+def render(facts: list[Fact]) -> str:
+    """The plain-text report (:func:`report_lines`) as one string."""
+    return "\n".join(report_lines(facts))
 
 
 def as_dicts(facts: list[Fact]) -> list[dict[str, object]]:
@@ -251,8 +265,9 @@ def as_dicts(facts: list[Fact]) -> list[dict[str, object]]:
 
 
 def main() -> int:
-    """Print the report; exit status 0 (the report is the result)."""
-    print(render(diagnose()))
+    """Print the report as it is found; exit status 0 (the report is the result)."""
+    for line in report_lines(facts_as_found()):
+        print(line, flush=True)
     return 0
 
 

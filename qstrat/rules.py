@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qstrat.builtin.selectors import BUILTIN_SELECTORS
+from qstrat.config_schema import preset_rules
 from qstrat.errors import PlanError, PluginError
 from qstrat.layouts import QUANTIZABLE_KINDS, SPECIAL_KINDS, ParsedName
 from qstrat.patterns import NamePattern, any_match
@@ -159,6 +160,10 @@ class RuleSet:
     def __init__(self, config: RefitConfig, registry: Registry) -> None:
         self.config = config
         self.rules = [CompiledRule(i, r, registry) for i, r in enumerate(config.rules)]
+        #: the registered formats (a refusal names those that would serve: qstrat.plan.fixes)
+        self.formats = tuple(registry.serializers)
+        #: the index of the first rule the config's preset added (len(rules): none)
+        self.preset_from = len(self.rules) - len(preset_rules(config.preset, registry.strategies))
 
     def decide(self, p: ParsedName, matrix: bool, num_layers: int | None,
                expert_names: Sequence[str] = ()) -> Decision:

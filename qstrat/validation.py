@@ -13,11 +13,14 @@ from pydantic import ValidationError
 NESTED_ERRORS = "qstrat_nested_errors"
 
 
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+def format_validation_error(exc: ValidationError, prefix: str = "", model: Any = None) -> str:
     """One line per pydantic error: ``rules[0].serializer: unknown serializer 'x'; valid: ...``.
 
     Errors of a nested model (a rule's serializer options) are expanded under their own path:
-    ``rules[1].options.ue8m0: Input should be a valid boolean``.
+    ``rules[1].options.ue8m0: Input should be a valid boolean``. With ``model`` (the pydantic
+    model validated), a key it does not have gets the nearest keys of its place
+    (:func:`extra_key_hint`): ``rules[0].on_unsuported: Extra inputs are not permitted; did you
+    mean 'on_unsupported'? valid keys: ...``.
     """
     def path_of(start: str, loc: tuple[Any, ...]) -> str:
         for part in loc:
@@ -31,6 +34,8 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
             lines += [f"{path_of(path, loc)}: {msg}" for loc, msg in err["ctx"]["errors"]]
             continue
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and model is not None:
+            msg += extra_key_hint(model, err["loc"])
         lines.append(f"{path or '<config>'}: {msg}")
     return "; ".join(lines) if len(lines) == 1 else "invalid config:\n  " + "\n  ".join(lines)
 
@@ -41,3 +46,26 @@ def close_matches(name: str, choices: Any) -> str:
 
     found = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.6)
     return f"did you mean {' or '.join(repr(f) for f in found)}? " if found else ""
+
+
+def extra_key_hint(model: Any, loc: tuple[Any, ...]) -> str:
+    """``"; did you mean 'first'? valid keys: first, last"`` for the unknown key at ``loc`` (a
+    pydantic error location: keys and list indices) under the pydantic ``model`` class, else
+    ``""`` when the place holding it is not a model (a free-form mapping such as options)."""
+    import typing
+
+    here = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # a list item: the item type was taken with the list's field
+        field = getattr(here, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        here = field.annotation
+        while typing.get_origin(here) is not None:  # list[Rule], Rule | None: the model inside
+            here = next((a for a in typing.get_args(here) if hasattr(a, "model_fields")), None)
+    keys = list(getattr(here, "model_fields", {}))
+    if not keys:
+        return ""
+    near = close_matches(str(loc[-1]), keys).rstrip()
+    return f"; {near + ' ' if near else ''}valid keys: {', '.join(keys)}"

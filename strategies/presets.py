@@ -22,6 +22,7 @@ BUILTIN_STRATEGIES = (
     Strategy("mxfp8-experts", "MXFP8 on routed MoE experts only",
              PresetConfig.define(rules=[_rule("experts", "mxfp8")])),
     Strategy("nvfp4-experts", "NVFP4 (E2M1, E4M3 per 16, fp32 global) on routed experts; "
-             "first and last decoder layer kept in BF16 (override with keep_bf16)",
+             "first and last decoder layer kept in BF16 (override with keep_bf16; a CPU vLLM engine "
+             "refuses refits of BF16 experts: there, keep_bf16: {first: 0, last: 0})",
              PresetConfig.define(rules=[_rule("experts", "nvfp4")], keep_bf16={"first": 1, "last": 1})),
 )

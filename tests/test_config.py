@@ -37,6 +37,24 @@ def test_invalid_configs_name_the_key(data, pattern):
 
 
 @pytest.mark.parametrize("data,message", [
+    ({"rulez": []}, "rulez: Extra inputs are not permitted; did you mean 'rules'? valid keys: preset, rules, "
+                    "keep_bf16, default, expert_emission, layout, unplaced_weights, wire_order, expert_batch, quantize_in"),
+    ({"keep_bf16": {"frist": 1}}, "keep_bf16.frist: Extra inputs are not permitted; did you mean 'first'? "
+                                  "valid keys: first, last"),
+    ({"rules": [{"serializer": "mxfp8", "on_unsuported": "bf16"}]},
+     "rules[0].on_unsuported: Extra inputs are not permitted; did you mean 'on_unsupported'? valid keys: select, "
+     "include, exclude, serializer, options, on_unsupported, allow_special"),
+    ({"zzz": 1}, "zzz: Extra inputs are not permitted; valid keys: preset, rules, keep_bf16, default, "
+                 "expert_emission, layout, unplaced_weights, wire_order, expert_batch, quantize_in"),
+])
+def test_a_mistyped_key_gets_the_nearest_valid_keys(data, message):
+    """pydantic says only "Extra inputs are not permitted"; the nearest key of that place is named."""
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("data,message", [
     ({"preset": ["a"]}, "preset: Input should be a valid string"),
     ({"preset": "nvfp4-experts", "keep_bf16": 3},
      "keep_bf16: Input should be a valid dictionary or instance of KeepBF16"),

@@ -67,7 +67,8 @@ def test_every_problem_is_reported_at_once():
         "default: unknown serializer 'int3'; valid: bf16, block_fp8, mxfp8, nvfp4",
         "layout: unknown layout 'qwen3moe'; did you mean 'qwen3_moe' or 'qwen3_5_moe'? valid: deepseek_v3, "
         "generic, glm4_moe, gpt_oss, llama, mixtral, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next",
-        "bogus: Extra inputs are not permitted",
+        "bogus: Extra inputs are not permitted; valid keys: preset, rules, keep_bf16, default, expert_emission, "
+        "layout, unplaced_weights, wire_order, expert_batch, quantize_in",
     ]
 
 

@@ -121,3 +121,22 @@ def test_doctor_says_what_backend_auto_does_on_a_cpu(monkeypatch):
     assert "fast torch path" in fact.value and "torch reference" in fact.value
     assert "quantizes with its torch reference" not in fact.value
     assert BlockFP8.has_fast_path()  # what the sentence promises for the formats that have one
+
+
+def test_doctor_prints_the_environment_before_it_imports_vllm(monkeypatch, capsys):
+    """The report is printed as it is found: the environment and machine sections are on the
+    screen before the vLLM probe starts (importing vLLM took ~25 s with nothing printed)."""
+    printed_before_vllm = []
+    probe = doctor.vllm_facts
+
+    def vllm_facts():
+        printed_before_vllm.append(capsys.readouterr().out)
+        return probe()
+
+    monkeypatch.setattr(doctor, "vllm_facts", vllm_facts)
+    assert main(["doctor"]) == 0
+    (before,) = printed_before_vllm
+    assert before.startswith("environment:\n") and "machine:\n" in before, before
+    assert f"   torch              {torch.__version__}\n" in before
+    assert "vllm:" not in before
+    assert capsys.readouterr().out.splitlines()[-1] == "no problems found"

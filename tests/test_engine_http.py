@@ -93,6 +93,24 @@ def test_the_recipes_trainer_script_refits_the_fresh_server_and_back(server, b_a
     assert lines[-1] == "back on B: every completion equals the fresh server's (tokens and logprobs)", run.stdout
 
 
+def test_the_recipes_delta_step_refits_the_server_with_a_delta_round(server, b_at_start):
+    """SECOND, before this module's sender joins: the recipe's step 3 with ``--mode delta``
+    (docs/transport.md, "Delta rounds: the recipe"): the round to A is whole (no base yet), the
+    round back to B a delta round against it, and every completion then equals the fresh
+    server's."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "trainers" / "transport_refit.py"
+    run = subprocess.run([sys.executable, str(script), "refit", server, "--port", str(free_port()), "--mode", "delta"],
+                         env=dict(os.environ, QSTRAT_TRANSFER_SECRET=SECRET), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert lines[2].startswith("refit to B: delta kind=delta, wire "), run.stdout
+    assert lines[-1] == "back on B: every completion equals the fresh server's (tokens and logprobs)", run.stdout
+    assert digests(server) == b_at_start
+
+
 @pytest.fixture(scope="module")
 def sender(server, b_at_start):
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
@@ -172,3 +190,26 @@ def test_valid_rounds_load_and_refit_back_restores_the_start(sender, ckpts, serv
     assert all(now[k] == on_a[k] for k in routers)
     sender.refit(driver, ckpts["b"])
     assert digests(server) == b_at_start, "refit back to B vs the fresh engine on B"
+
+
+def test_a_trainer_with_another_secret_is_refused_within_seconds(server):
+    """The engine refuses an init signed with another secret at once; the trainer reports that
+    refusal as it arrives, not after its rendezvous timed out (it took 61-76 s: the refusal came
+    last in a "Timed out ... waiting for clients" message)."""
+    import time
+
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+
+    from qstrat.errors import TransferAuthError
+    from qstrat.transport import RefitSender
+
+    intruder = RefitSender([HTTPVLLMWeightSyncClient(server, timeout=TIMEOUT_S)], "127.0.0.1", free_port(),
+                           timeout_s=TIMEOUT_S, secret="another secret, 32 bytes or more....")
+    began = time.monotonic()
+    with pytest.raises(TransferAuthError) as err:
+        intruder.connect()
+    took = time.monotonic() - began
+    assert took < 5, f"the refusal took {took:.1f} s"
+    msg = str(err.value)
+    assert msg.startswith("init_weight_transfer_engine failed before the transfer group formed"), msg
+    assert "init_weight_transfer_engine refused: no valid authentication tag" in msg and "Timed out" not in msg, msg

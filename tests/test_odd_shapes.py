@@ -109,9 +109,10 @@ def test_block_fp8_qkv_off_the_tile_is_refused_with_vllms_rule():
     assert (f"{QKV0}: block_fp8 (rules[0]): vLLM fuses these members ([256, 64, 64] rows) into one module "
             "with 128-row scale tiles: every member but the last must be a multiple of 128 rows, or a tile "
             "straddles two members (vLLM's adjust_block_scale_shard: the engine fails to load it or reads "
-            "the wrong scale); set on_unsupported: bf16 on the rule to keep it BF16, or choose a format "
-            "with per-row scales") in msg
-    assert "model.layers.1.self_attn.{q_proj,k_proj,v_proj}: block_fp8 (rules[0])" in msg
+            "the wrong scale); to keep it BF16: rules[0] is preset block-fp8's rule; to keep what it cannot "
+            "represent BF16, add to your config (your rules go ahead of the preset's): rules: [{select: [linear], "
+            "serializer: block_fp8, on_unsupported: bf16}]; formats that would serve it: mxfp8, nvfp4 "
+            "[the same for 1 more: model.layers.*.self_attn.{q_proj,k_proj,v_proj}, layers 0-1]") in msg
     assert "gate_proj" not in msg  # the MLP's [256, 256] members tile exactly
 
 
@@ -125,8 +126,41 @@ def test_block_fp8_dense_gate_up_off_the_tile_is_refused():
 def test_block_fp8_moe_intermediate_off_the_tile_is_refused():
     msg = plan_error("block-fp8", {**MOE, "moe_intermediate_size": 96})
     assert msg.count("vLLM's fused-MoE block-FP8 layer needs the experts' intermediate size to be a multiple "
-                     "of 128 (got 96; vLLM's validate_fp8_block_shape_moe refuses to start the engine)") == 2
+                     "of 128 (got 96; vLLM's validate_fp8_block_shape_moe refuses to start the engine)") == 1
     assert "model.layers.0.mlp.experts: block_fp8 (rules[0]):" in msg
+    # 96 = 3 x 32: MXFP8 and NVFP4 serve it (the advice is computed, not "a format with per-row scales")
+    assert msg.endswith("; formats that would serve it: mxfp8, nvfp4 [the same for 1 more: model.layers.*.mlp.experts, "
+                        "layers 0-1]"), msg
+
+
+@pytest.mark.parametrize("config,fix", [
+    ("mxfp8-experts", "rules[0] is preset mxfp8-experts's rule; to keep what it cannot represent BF16, add to "
+                      "your config (your rules go ahead of the preset's): rules: [{select: [experts], serializer: "
+                      "mxfp8, on_unsupported: bf16}]"),
+    ({"rules": [{"select": "experts", "serializer": "nvfp4"}]}, "set on_unsupported: bf16 on rules[0]"),
+])
+def test_one_bad_expert_size_on_qwen3_235b_is_one_line_with_a_fix_that_plans(config, fix):
+    """moe_intermediate_size 1480 (K of down_proj: off MXFP8's 32 and NVFP4's 16) refused on 128
+    experts x 94 layers of per-expert tensors: it printed 12,032 lines (2 MB); now one line with
+    the count, and the fix it names (with a preset: the rule to write) plans."""
+    from conftest import model_config
+
+    cfg = {**model_config("qwen3-235b-a22b"), "moe_intermediate_size": 1480}
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in model_tensors(QWEN3_MOE, cfg)}
+    with pytest.raises(PlanError) as err:
+        RefitDriver(config, hf_config=cfg).plan(tensors)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2, lines[:4]
+    fmt = "mxfp8" if config == "mxfp8-experts" else "nvfp4"
+    assert lines[1] == (f"  model.layers.0.mlp.experts.0.down_proj.weight: {fmt} needs K (in_features, last dim) "
+                        f"divisible by {32 if fmt == 'mxfp8' else 16}; got K=1480 (rule rules[0]; to fall back to "
+                        f"BF16: {fix}) [the same for 12,031 more: model.layers.*.mlp.experts.*.down_proj.weight, "
+                        "layers 0-93]")
+    # the fix as written, beside another rule that quantizes (else nothing would be): it plans
+    fixed = {"rules": [{"select": "attention", "serializer": "block_fp8"},
+                       {"select": "experts", "serializer": fmt, "on_unsupported": "bf16"}]}
+    plan = RefitDriver(fixed, hf_config=cfg).plan(tensors)
+    assert {e.serializer for e in plan.entries if e.kind == "expert"} == {"bf16"}
 
 
 def test_on_unsupported_bf16_keeps_the_fused_module_bf16_and_ignored():

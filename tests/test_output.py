@@ -138,3 +138,16 @@ def test_a_users_script_in_the_project_environment_is_quiet(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Qwen3MoeForCausalLM ")
     assert out.stderr == ""
+
+
+def test_stderr_redirected_names_the_log_while_stderr_goes_there(tmp_path):
+    """What start_engine reads to leave an outer log (the demo's) in place."""
+    from qstrat.console import stderr_redirected
+
+    assert stderr_redirected() is None
+    with stderr_to(tmp_path / "outer.log"):
+        assert stderr_redirected() == tmp_path / "outer.log"
+        with stderr_to(tmp_path / "inner.log"):
+            assert stderr_redirected() == tmp_path / "inner.log"
+        assert stderr_redirected() == tmp_path / "outer.log"
+    assert stderr_redirected() is None

@@ -7,7 +7,9 @@ fresh server (docs/transport.md, "A recipe on a CPU"). Runs on a CPU.
 3. ``QSTRAT_TRANSFER_SECRET=... python examples/trainers/transport_refit.py refit http://127.0.0.1:8000``:
    reads the server's greedy completions (the fresh server on B), refits it to model A (they
    change), then back to B (they must equal the fresh server's, token for token and logprob for
-   logprob); exits 1 otherwise. Each step prints one line.
+   logprob); exits 1 otherwise. Each step prints one line. ``--mode delta``: the same with
+   ``RefitSender(..., mode="delta")`` - the first round whole, the refit back to B a delta
+   round against it (docs/transport.md, "Delta rounds"), its ``report.delta`` line printed.
 """
 from __future__ import annotations
 
@@ -43,11 +45,15 @@ def completions(url: str) -> list[tuple[list[str], list[float]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                     epilog="Steps: docs/transport.md, \"A recipe on a CPU\".")
     sub = parser.add_subparsers(dest="step", required=True)
-    sub.add_parser("write").add_argument("dir")
-    refit = sub.add_parser("refit")
+    sub.add_parser("write", help="write qstrat's block-FP8 checkpoint of model B (the server starts on it)"
+                   ).add_argument("dir")
+    refit = sub.add_parser("refit", help="refit the server to A and back to B; check it against the fresh server")
     refit.add_argument("url")
+    refit.add_argument("--mode", choices=("atomic", "delta"), default="atomic",
+                       help="atomic: whole rounds; delta: only the changed words after the first round")
     refit.add_argument("--trainer-address", default="127.0.0.1", help="where the engine reaches this process")
     refit.add_argument("--port", type=int, default=29600, help="the transfer group's port on this process")
     args = parser.parse_args(argv)
@@ -67,14 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fresh server: {len(fresh)} greedy completions read")
     # the secret: QSTRAT_TRANSFER_SECRET, as on the server
     sender = RefitSender([HTTPVLLMWeightSyncClient(args.url, timeout=60)], args.trainer_address, args.port,
-                         timeout_s=60)
+                         timeout_s=60, mode=args.mode)
     sender.connect()
     try:
         print(f"refit to A: {sender.refit(driver, a)}")
         if completions(args.url) == fresh:
             print("FAILED: the server's completions did not change on A")
             return 1
-        print(f"refit to B: {sender.refit(driver, b)}")
+        report = sender.refit(driver, b)
+        print(f"refit to B: {report.delta if args.mode == 'delta' else report}")
         back = completions(args.url)
     finally:
         sender.close()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from qstrat.console import quiet_torchao_import
+from qstrat.console import quiet_torchao_import, stderr_redirected, stderr_to
 from qstrat.vllm_adapter import names
 from qstrat.vllm_adapter.platform_facts import device_name, is_cpu, vllm_installed
 from qstrat.vllm_adapter.resolver import VllmNameError, VllmVersionError, check_supported_version, resolve
@@ -91,7 +91,8 @@ _set_torch_threads = torch._C.set_num_threads
 
 
 def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = False,
-                 threads: int | None = ENGINE_THREADS, check_built: bool = True, **kwargs: Any) -> Any:
+                 threads: int | None = ENGINE_THREADS, check_built: bool = True,
+                 stderr_log: str | Path | None = "auto", **kwargs: Any) -> Any:
     """Start ``vllm.LLM`` on ``model_dir`` with small CPU-friendly limits, in-process unless
     ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` is set.
 
@@ -120,6 +121,13 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
         check_built: check the started engine before returning it (:func:`started_checked`: vLLM
             built every module in the format its checkpoint's ``quantization_config`` says; a
             refused engine is released). False: return it unchecked (to inspect a misbuilt engine).
+        stderr_log: where this process's stderr goes while the engine starts - vLLM's and
+            torch's start-up chatter (FutureWarnings, torch's "NUMA binding" C++ warning, the
+            checkpoint-loading progress bar, printed twice): ``"auto"`` (default)
+            ``$TMPDIR/qstrat-engine-<pid>.log`` (appended to), unless stderr already goes to a
+            log (:func:`qstrat.console.stderr_to`: the demo's); a path: that file; None: shown
+            as is. A failed start's exception names the file with its last lines (nothing is
+            hidden: the file keeps it all).
         kwargs: more ``LLM`` arguments, overriding the defaults; e.g. vLLM's own online
             quantization of a BF16 checkpoint: ``quantization="online", quantization_config=
             {"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": ["re:.*mlp\\.gate$"]}``
@@ -159,18 +167,31 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
     # started; this process's tracebacks stay as they were.
     excepthook = sys.excepthook
     try:
-        if dynamo:
-            llm = LLM(**args)
-        else:
-            import torch._dynamo
-
-            with torch._dynamo.config.patch(disable=True):
+        with _start_up_log(stderr_log):
+            if dynamo:
                 llm = LLM(**args)
+            else:
+                import torch._dynamo
+
+                with torch._dynamo.config.patch(disable=True):
+                    llm = LLM(**args)
     finally:
         sys.excepthook = excepthook
     if check_built:
         started_checked(llm)
     return llm
+
+
+def _start_up_log(stderr_log: str | Path | None) -> Any:
+    """:func:`start_engine`'s ``stderr_log`` as a context manager (:func:`qstrat.console.stderr_to`)."""
+    import contextlib
+    import tempfile
+
+    if stderr_log is None or (stderr_log == "auto" and stderr_redirected() is not None):
+        return contextlib.nullcontext()
+    if stderr_log == "auto":
+        stderr_log = Path(tempfile.gettempdir()) / f"qstrat-engine-{os.getpid()}.log"
+    return stderr_to(stderr_log)
 
 
 def started_checked(llm: Any, driver: Any = None) -> Any:

@@ -105,8 +105,10 @@ def run_logged(headline: str, prefix: str, steps: int, run: Callable[[Path], lis
     quiet_torchao_import()
     say = make_console().print
     start = time.perf_counter()
-    say(headline)
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        with stderr_to(Path(tmp) / "engine.log"):
+        log = Path(tmp) / "engine.log"
+        say(headline.replace("goes to a log", f"goes to {log}, removed at the end: its last lines are shown "
+                                              "if a step fails"))
+        with stderr_to(log):
             records = run(Path(tmp))
     return report(records, steps, say, start)

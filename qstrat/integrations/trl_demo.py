@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         log = work / "engine.log"
         say(f"GRPO on the tiny Qwen3-MoE, {opts.steps} steps, rollouts in {opts.strategy!r} "
-            f"(TRL, vLLM and the engine start; their output goes to a log) ...")
+            f"(TRL, vLLM and the engine start; their output goes to {log}, removed at the end: its last "
+            "lines are shown if a step fails) ...")
         with stderr_to(log):
             trainer, probe = train(opts.strategy, opts.steps, work, peft=opts.peft)
             cfg = hf_config(policy())

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             ok &= equal
             r = record.report
             say(f"after step {record.step}: sent {len(r.wire_manifest.slots)} tensors, {r.bytes / 2**20:.2f} MiB "
-                f"in {r.buckets} buckets, {r.seconds:.2f} s; server {'==' if equal else '!='} fresh engine on the "
+                f"in {r.buckets} bucket{'s' if r.buckets != 1 else ''}, {r.seconds:.2f} s; server {'==' if equal else '!='} fresh engine on the "
                 f"trainer's weights (max |dlogprob| {d:.3g})")
         say(f"{'OK' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s")
     return 0 if ok else 1

@@ -12,6 +12,7 @@ from typing import Any
 from qstrat.plan import checks
 from qstrat.plan.data import PASSTHROUGH, PlanEntry
 from qstrat.plan.engine_config import format_lookup
+from qstrat.plan.fixes import formats_that_serve, on_unsupported_fix
 
 
 def whole_module_fallbacks(planner: Any, entries: list[PlanEntry], num_layers: int | None, errors: list[str]) -> None:
@@ -42,7 +43,7 @@ def whole_module_fallbacks(planner: Any, entries: list[PlanEntry], num_layers: i
         if strict:
             errors.append(f"{unit}: {fell.name} falls back to BF16 ({reason}), but {', '.join(strict)} "
                           f"quantizes the rest of the module the engine loads as one ({entries[rest[0]].name}, "
-                          "...); set on_unsupported: bf16 there too to keep the whole module BF16")
+                          f"...); to keep the whole module BF16: {on_unsupported_fix(planner.rules, strict)}")
             continue
         bf16 = bf16 or planner.serializer("bf16", {})
         for i in rest:
@@ -64,8 +65,8 @@ def engine_fusions(planner: Any, entries: list[PlanEntry], num_layers: int | Non
                        for label in rules)
         fmt = entries[indices[0]].serializer
         if not fallback:
-            errors.append(f"{module}: {fmt} ({', '.join(rules)}): {problem}; set on_unsupported: bf16 "
-                          "on the rule to keep it BF16, or choose a format with per-row scales")
+            errors.append(f"{module}: {fmt} ({', '.join(rules)}): {problem}; to keep it BF16: "
+                          f"{on_unsupported_fix(planner.rules, rules)}{formats_that_serve(planner, entries, indices, fmt)}")
             continue
         bf16 = planner.serializer("bf16", {})
         for i in indices:

@@ -22,6 +22,7 @@ from qstrat.plan import checks, structure
 from qstrat.plan.engine_config import SerializerFactory, engine_config, format_lookup, quantizes_lookup
 from qstrat.plan.fallbacks import engine_fusions, whole_module_fallbacks
 from qstrat.plan.families import families_for
+from qstrat.plan.fixes import on_unsupported_fix, one_line_per_cause
 from qstrat.plan.outputs import OutputDeclaration, fusion_group
 from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_keys,
                               order_entries)
@@ -130,7 +131,7 @@ class Planner:
         ignored += checks.tied_lm_head(entries, self.layout, self.hf_config)
         qconfig = engine_config(entries, ignored, errors, format_of)
         if errors:
-            raise PlanError("refit plan is invalid:\n  " + "\n  ".join(errors))
+            raise PlanError("refit plan is invalid:\n  " + "\n  ".join(one_line_per_cause(errors)))
         return RefitPlan(entries, self.layout.name, num_layers, ignored, qconfig, self.config.to_dict(),
                          order=order)
 
@@ -163,7 +164,8 @@ class Planner:
         except UnsupportedShapeError as exc:
             config_rule = self.rules.rule_for(rule)
             if config_rule is None or config_rule.on_unsupported != "bf16":
-                raise PlanError(f"{exc} (rule {rule}; set on_unsupported: bf16 to fall back)") from exc
+                raise PlanError(f"{exc} (rule {rule}; to fall back to BF16: {on_unsupported_fix(self.rules, [rule])})"
+                                ) from exc
             note = f"BF16 fallback: {exc}"
             serializer, options = "bf16", {}
             specs = self.serializer("bf16", {}).part_specs(shape)

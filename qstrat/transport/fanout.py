@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -13,6 +13,10 @@ from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError
 from qstrat.transport.auth import INIT_REFUSED
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.rpc_errors import describe as describe_rpc_error
+
+#: How long, after one engine refused its init, the others' answers are awaited before raising
+#: (seconds): refusals come at once, an engine that accepted waits for the group and never does.
+REFUSAL_GRACE_S = 1.0
 
 
 class EngineClients:
@@ -44,17 +48,31 @@ class EngineClients:
 
     def join(self, infos: Sequence[Any], rendezvous: Callable[[], TransferGroup]) -> TransferGroup:
         """``init_weight_transfer_engine(infos[i])`` on engine ``i``, concurrently with this rank's
-        ``rendezvous()``; the group once every engine joined. Raises: TransportError (the
+        ``rendezvous()``; the group once every engine joined. An engine that answers its init
+        with an error before the group formed (a refused secret: at once) is reported at once,
+        not after the rendezvous timed out; the abandoned rendezvous (a daemon thread) times out
+        on its own and closes any group it still forms. Raises: TransportError (the
         rendezvous' with the engines' errors added, or an engine's init failure: the group closed),
         TransferAuthError when an engine refused its init."""
         futures = [call(c.init_weight_transfer_engine, info) for c, info in zip(self.clients, infos)]
+        joining = call(rendezvous)
+        pending = {joining, *futures}
+        while joining in pending:
+            done, pending = wait_futures(pending, return_when=FIRST_COMPLETED)
+            if joining in pending and any(f.exception() is not None for f in done if f is not joining):
+                # an engine that will not join: no group can form; the others' answers, briefly
+                wait_futures([f for f in futures if f in pending], timeout=min(REFUSAL_GRACE_S, self.timeout_s))
+                failed = {i: describe_rpc_error(f.exception()) for i, f in enumerate(futures)
+                          if f.done() and f.exception() is not None}
+                joining.add_done_callback(_close_late_group)
+                raise _refusal(failed)(f"init_weight_transfer_engine failed before the transfer group formed "
+                                       f"(the sender did not wait out its {self.timeout_s:g} s rendezvous): "
+                                       f"{listed(failed)}")
         try:
-            group = rendezvous()
+            group = joining.result()
         except TransportError as exc:  # say why the engines did not join (e.g. an address refusal)
             errors = self.results(futures)
-            refused = any("TransferAuthError" in e or INIT_REFUSED in e for e in errors.values())
-            kind = TransferAuthError if refused else TransportError
-            raise kind(f"{exc}; init_weight_transfer_engine: {listed(errors) or 'no error reported'}") from None
+            raise _refusal(errors)(f"{exc}; init_weight_transfer_engine: {listed(errors) or 'no error reported'}") from None
         errors = self.results(futures)
         if errors:
             group.close()
@@ -126,6 +144,19 @@ def call(fn: Callable[..., Any], *args: Any) -> Future:
 
     threading.Thread(target=run, name="qstrat-rpc", daemon=True).start()
     return future
+
+
+def _refusal(errors: dict[int, str]) -> type[TransportError]:
+    """TransferAuthError when any engine refused its init (a secret or address refusal), else
+    TransportError."""
+    refused = any("TransferAuthError" in e or INIT_REFUSED in e for e in errors.values())
+    return TransferAuthError if refused else TransportError
+
+
+def _close_late_group(joining: Future) -> None:
+    """Close the group an abandoned rendezvous formed after all (its sender already raised)."""
+    if joining.exception() is None:
+        joining.result().close()
 
 
 def listed(errors: dict[int, str]) -> str:

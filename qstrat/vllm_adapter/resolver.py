@@ -27,10 +27,29 @@ class VllmNameError(RuntimeError):
 def vllm_version() -> str:
     """The installed vLLM's ``__version__`` (``"?"`` if it has none).
 
-    Imports vLLM. Raises: ImportError (ModuleNotFoundError) if vLLM is not installed.
+    Imports vLLM (on a machine without CUDA, its "Triton is installed, but doesn't include CPU
+    backend" notice hidden first: :func:`quiet_cpu_triton_notice`). Raises: ImportError
+    (ModuleNotFoundError) if vLLM is not installed.
     """
+    quiet_cpu_triton_notice()
     vllm = importlib.import_module(names.PACKAGE)
     return str(getattr(vllm, "__version__", "?"))
+
+
+def quiet_cpu_triton_notice() -> None:
+    """Without CUDA, raise vLLM's ``triton_utils.importing`` logger to ERROR unless someone set
+    its level: its import-time "Triton is installed, but doesn't include CPU backend. Disabling
+    Triton." is logged before vLLM's logging configuration applies (so ``VLLM_LOGGING_LEVEL``
+    cannot hide it) and says nothing a CPU user acts on (``qstrat doctor``'s triton line says
+    where qstrat's kernels run). With CUDA the logger is left alone (its Triton messages matter
+    there)."""
+    import logging
+
+    import torch
+
+    notice = logging.getLogger(f"{names.LOGGER}.triton_utils.importing")
+    if notice.level == logging.NOTSET and not torch.cuda.is_available():
+        notice.setLevel(logging.ERROR)
 
 
 def known_versions() -> str:

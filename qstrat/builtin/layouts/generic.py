@@ -13,6 +13,12 @@ class GenericLayout(ModelLayout):
     inside a decoder layer is a quantizable ``linear``. Its names are alternatives to place
     stored tensors, not a structure: it generates no tensors from a config alone."""
 
+    @property
+    def summary(self) -> str:
+        """``qstrat list``'s line for it (it has no architectures to list)."""
+        return ("the fallback for models no other layout matches: common MoE, expert and router "
+                "names; plans stored tensors, not a config.json alone")
+
     def config_only_refusals(self, hf_config: Mapping[str, Any], grouped: bool = False) -> list[str]:
         """The default's refusals, and always the tensors of an unknown family."""
         return super().config_only_refusals(hf_config, grouped) + [
