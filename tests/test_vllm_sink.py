@@ -437,7 +437,7 @@ class FP8KVMultiprocessLLM(MultiprocessLLM):
         module, _, name = extension.rpartition(".")
         worker_cls = type("Worker", (getattr(importlib.import_module(module), name),) if extension else (), {})
         self.worker = worker_cls()
-        self.worker.model_runner = SimpleNamespace(get_model=lambda: model)
+        self.worker.get_model = lambda: model  # vLLM's Worker.get_model (qstrat's WorkerView.model)
 
     def collective_rpc(self, method, kwargs=None):
         self.encoder.encode((0, 1, "collective_rpc", (method, None, (), kwargs)))
