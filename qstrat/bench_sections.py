@@ -7,5 +7,6 @@ command line.
 from __future__ import annotations
 
 #: ``qstrat bench`` sections: format quantizers, grouped slabs, planning, the driver's overhead,
-#: and the GPU kernels' static facts (compiled for sm_90/sm_100 here, no GPU needed).
-SECTIONS = ("formats", "grouped", "plan", "driver", "kernels")
+#: the GPU kernels' static facts (compiled for sm_90/sm_100 here, no GPU needed), and how the
+#: quantized checkpoint changes per Adam step (the delta churn table, docs/transport.md).
+SECTIONS = ("formats", "grouped", "plan", "driver", "kernels", "delta")

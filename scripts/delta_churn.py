@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,40 +24,23 @@ from qstrat.transport import delta_churn as dc
 
 
 def measure(width: int, steps: int, lrs: list[float], formats: list[str], out: Path | None) -> dict[str, Any]:
-    """The study's document: ``{"width", "steps", "load", "runs": [{"lr", "format", "rows"}]}``
-    (rows: :func:`qstrat.transport.delta_churn.trajectory_churn`'s), written to ``out`` after each lr."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.demo.trajectory import adam_trajectory
-    from qstrat.driver import RefitDriver
+    """:func:`qstrat.transport.delta_churn.measure`, its document written to ``out`` after each lr."""
+    t0 = time.perf_counter()
 
-    model = build_tiny_qwen3_moe(seed=1, hidden_size=256 * width, intermediate_size=512 * width,
-                                 moe_intermediate_size=128 * width, num_attention_heads=4 * width,
-                                 num_key_value_heads=2 * width)
-    drivers = {f: RefitDriver(dc.FORMATS[f], hf_config=hf_config(model)) for f in formats}
-    doc: dict[str, Any] = {"width": width, "steps": steps, "load": [os.getloadavg()[0]], "runs": []}
-    for lr in lrs:
-        t0 = time.perf_counter()
-        rows = dc.trajectory_churn(drivers, adam_trajectory(model, lr, steps))
-        doc["runs"] += [{"lr": lr, "format": f, "rows": r} for f, r in rows.items()]
-        doc["load"].append(os.getloadavg()[0])
-        print(f"lr {lr:.0e}: {steps} steps x {len(formats)} formats in {time.perf_counter() - t0:.0f} s, "
-              f"load {doc['load'][-1]:.1f}", flush=True)
+    def done(doc: dict[str, Any]) -> None:
+        print(f"lr {doc['runs'][-1]['lr']:.0e}: {steps} steps x {len(formats)} formats, "
+              f"{time.perf_counter() - t0:.0f} s so far, load {doc['load'][-1]:.1f}", flush=True)
         if out is not None:
             out.write_text(json.dumps(doc) + "\n")
-    return doc
 
-
-def summaries(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """One :func:`qstrat.transport.delta_churn.summary` per run of ``doc``, by format then lr."""
-    runs = sorted(doc["runs"], key=lambda r: (list(dc.FORMATS).index(r["format"]), r["lr"]))
-    return [dc.summary(r["format"], r["lr"], r["rows"]) for r in runs]
+    return dc.measure(width, steps, lrs, formats, done)
 
 
 def table(doc: dict[str, Any]) -> str:
     """The table (markdown) of ``doc``."""
     heads = [h for _, h, _ in dc.COLUMNS]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    lines += ["| " + " | ".join(r) + " |" for r in dc.table_rows(summaries(doc))]
+    lines += ["| " + " | ".join(r) + " |" for r in dc.table_rows(dc.summaries(doc))]
     return "\n".join(lines)
 
 

@@ -52,8 +52,13 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
     for plan in plans:
         assert plan["tensors"] > 20
         assert math.isclose(plan["us_per_tensor"], plan["ms"] * 1e3 / plan["tensors"], rel_tol=0.02)
+    churn = {r["format"]: r for r in rows if r["section"] == "delta"}  # values: tests/test_delta_churn.py
+    assert set(churn) == {"block-fp8", "mxfp8", "nvfp4-experts", "nvfp4-linear"}
+    for r in churn.values():
+        assert r["lr"] == 1e-5 and r["steps"] == 1 and r["codes_pct"] > 0 and 0 < r["delta_pct_of_full"] < 10, r
     text = capsys.readouterr().out
     assert "its ms / qstrat ms" in text and "loop / grouped" in text and "overhead" in text
+    assert "delta / bf16 delta" in text
     assert "sm_90" in text and "sm_100" in text  # the kernels' arch as docs/performance.md names it
     # the machine facts: the JSON's are what the code in force uses, and the header prints them
     m = doc["machine"]

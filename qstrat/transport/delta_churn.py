@@ -16,8 +16,9 @@ the table).
 """
 from __future__ import annotations
 
+import os
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -156,5 +157,41 @@ def table_rows(summaries: Iterable[Mapping[str, Any]]) -> list[list[str]]:
     return [["-" if s[k] is None else f.format(s[k]) for k, _, f in COLUMNS] for s in summaries]
 
 
-__all__ = ["BUCKET_BYTES", "COLUMNS", "FORMATS", "KINDS", "RoundBytes", "changed_elements", "kind_of", "summary",
+def measure(width: int, steps: int, lrs: Iterable[float], formats: Iterable[str],
+            on_lr: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The study on the tiny Qwen3-MoE (:func:`qstrat.demo.tiny_model.build_tiny_qwen3_moe`, seed
+    1; hidden, intermediate and head counts times ``width``): ``steps`` real Adam steps per lr in
+    ``lrs`` (:func:`qstrat.demo.trajectory.adam_trajectory`), each step quantized in every format
+    of ``formats`` (:data:`FORMATS` names).
+
+    Returns: ``{"width", "steps", "load": [load average at the start and after each lr],
+        "runs": [{"lr", "format", "rows"}]}`` (rows: :func:`trajectory_churn`'s); ``on_lr`` is
+        called with it after each lr. Raises: KeyError for an unknown format name; ImportError
+        without transformers (``qstrat[demo]``).
+    """
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.demo.trajectory import adam_trajectory
+    from qstrat.driver import RefitDriver
+
+    model = build_tiny_qwen3_moe(seed=1, hidden_size=256 * width, intermediate_size=512 * width,
+                                 moe_intermediate_size=128 * width, num_attention_heads=4 * width,
+                                 num_key_value_heads=2 * width)
+    drivers = {f: RefitDriver(FORMATS[f], hf_config=hf_config(model)) for f in formats}
+    doc: dict[str, Any] = {"width": width, "steps": steps, "load": [os.getloadavg()[0]], "runs": []}
+    for lr in lrs:
+        rows = trajectory_churn(drivers, adam_trajectory(model, lr, steps))
+        doc["runs"] += [{"lr": lr, "format": f, "rows": r} for f, r in rows.items()]
+        doc["load"].append(os.getloadavg()[0])
+        if on_lr is not None:
+            on_lr(doc)
+    return doc
+
+
+def summaries(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One :func:`summary` per run of a :func:`measure` document, by format then lr."""
+    runs = sorted(doc["runs"], key=lambda r: (list(FORMATS).index(r["format"]), r["lr"]))
+    return [summary(r["format"], r["lr"], r["rows"]) for r in runs]
+
+
+__all__ = ["BUCKET_BYTES", "COLUMNS", "FORMATS", "KINDS", "RoundBytes", "changed_elements", "kind_of", "measure", "summaries", "summary",
            "table_rows", "trajectory_churn"]
