@@ -28,6 +28,11 @@ def measure(width: int, steps: int, lrs: list[float], formats: list[str], out: P
     t0 = time.perf_counter()
 
     def done(doc: dict[str, Any]) -> None:
+        if "partial" in doc:  # a step: kept with the finished lrs (a run cut short keeps its steps)
+            if out is not None:
+                kept = {k: v for k, v in doc.items() if k != "partial"}
+                out.write_text(json.dumps({**kept, "runs": doc["runs"] + doc["partial"]}) + "\n")
+            return
         print(f"lr {doc['runs'][-1]['lr']:.0e}: {steps} steps x {len(formats)} formats, "
               f"{time.perf_counter() - t0:.0f} s so far, load {doc['load'][-1]:.1f}", flush=True)
         if out is not None:

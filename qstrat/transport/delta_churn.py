@@ -92,7 +92,8 @@ class RoundBytes:
         return target.total_bytes, rnd.wire_manifest.total_bytes
 
 
-def trajectory_churn(drivers: Mapping[str, Any], states: Iterable[Mapping[str, torch.Tensor]]
+def trajectory_churn(drivers: Mapping[str, Any], states: Iterable[Mapping[str, torch.Tensor]],
+                     on_step: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None
                      ) -> dict[str, list[dict[str, Any]]]:
     """Per format (``drivers``: name -> ``RefitDriver``) and step after the first of ``states``
     (bf16 state dicts, consumed once: a trajectory is computed once for every format), the
@@ -100,8 +101,8 @@ def trajectory_churn(drivers: Mapping[str, Any], states: Iterable[Mapping[str, t
 
     Returns: per format name, one dict per step: ``step`` (1...), per kind ``<kind>`` and
         ``<kind>_changed`` (elements), ``full_bytes``, ``delta_bytes``, ``bf16_full_bytes``,
-        ``bf16_delta_bytes``.
-    Raises: as ``RefitDriver.run``.
+        ``bf16_delta_bytes``; ``on_step`` is called with them after each step (a long run's
+        progress). Raises: as ``RefitDriver.run``.
     """
     rows: dict[str, list[dict[str, Any]]] = {f: [] for f in drivers}
     rounds = {f: RoundBytes() for f in drivers}
@@ -123,6 +124,8 @@ def trajectory_churn(drivers: Mapping[str, Any], states: Iterable[Mapping[str, t
                            bf16_delta_bytes=bf16_sent)
                 rows[fmt].append(row)
             prev[fmt] = dict(out)
+        if step and on_step is not None:
+            on_step(rows)
     return rows
 
 
@@ -166,7 +169,8 @@ def measure(width: int, steps: int, lrs: Iterable[float], formats: Iterable[str]
 
     Returns: ``{"width", "steps", "load": [load average at the start and after each lr],
         "runs": [{"lr", "format", "rows"}]}`` (rows: :func:`trajectory_churn`'s); ``on_lr`` is
-        called with it after each lr. Raises: KeyError for an unknown format name; ImportError
+        called with it after each lr, and after each step with the lr's rows so far (under
+        ``"partial"``). Raises: KeyError for an unknown format name; ImportError
         without transformers (``qstrat[demo]``).
     """
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
@@ -179,7 +183,8 @@ def measure(width: int, steps: int, lrs: Iterable[float], formats: Iterable[str]
     drivers = {f: RefitDriver(FORMATS[f], hf_config=hf_config(model)) for f in formats}
     doc: dict[str, Any] = {"width": width, "steps": steps, "load": [os.getloadavg()[0]], "runs": []}
     for lr in lrs:
-        rows = trajectory_churn(drivers, adam_trajectory(model, lr, steps))
+        rows = trajectory_churn(drivers, adam_trajectory(model, lr, steps), None if on_lr is None else (
+            lambda part: on_lr({**doc, "partial": [{"lr": lr, "format": f, "rows": r} for f, r in part.items()]})))
         doc["runs"] += [{"lr": lr, "format": f, "rows": r} for f, r in rows.items()]
         doc["load"].append(os.getloadavg()[0])
         if on_lr is not None:
