@@ -50,8 +50,8 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def chart(doc: dict[str, Any], png: Path) -> None:
-    """Per format a column of two panels over the steps: % of codes / scales changed (log
-    scale), and delta bytes in % of the full round's and of the bf16 delta's; one line per lr."""
+    """Per format a column of two panels over the steps: % of codes / block scales / global
+    scales changed (log scale), and delta bytes in % of the full round's and of the bf16 delta's; one line per lr."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,18 +64,20 @@ def chart(doc: dict[str, Any], png: Path) -> None:
         for k, run in enumerate(r for r in doc["runs"] if r["format"] == fmt):
             color = f"C{k}"
             steps = [row["step"] for row in run["rows"]]
-            for kind, style in (("codes", "-"), ("scales", "--")):
+            for kind, style in (("codes", ".-"), ("scales", ".--"), ("global", ".:")):
+                if not any(row[kind] for row in run["rows"]):
+                    continue
                 ys = [100 * row[f"{kind}_changed"] / row[kind] if row[kind] else float("nan") for row in run["rows"]]
                 top.plot(steps, [max(y, 1e-6) for y in ys], style, color=color,
                          label=f"{kind}, lr {run['lr']:.0e}")
-            bottom.plot(steps, [100 * row["delta_bytes"] / row["full_bytes"] for row in run["rows"]], "-",
+            bottom.plot(steps, [100 * row["delta_bytes"] / row["full_bytes"] for row in run["rows"]], ".-",
                         color=color, label=f"of full, lr {run['lr']:.0e}")
-            bottom.plot(steps, [100 * row["delta_bytes"] / row["bf16_delta_bytes"] for row in run["rows"]], ":",
+            bottom.plot(steps, [100 * row["delta_bytes"] / row["bf16_delta_bytes"] for row in run["rows"]], ".:",
                         color=color, label=f"of bf16 delta, lr {run['lr']:.0e}")
         top.set_yscale("log")
         bottom.set_yscale("log")
         top.set_title(fmt)
-        top.set_ylabel("% changed per step (1e-6: none)")
+        top.set_ylabel("% changed per step (none drawn at 1e-6)")
         bottom.set_ylabel("delta round bytes, %")
         bottom.set_xlabel("Adam step")
         top.legend(fontsize=6)
