@@ -55,6 +55,7 @@ SIZES = {
         "grouped": [(256, 256, 512), (128, 1536, 2048), (128, 2048, 768)],
         "driver_experts": 128,
         "reps": 7,
+        "delta": {"steps": 50, "lrs": (1e-7, 1e-6, 1e-5)},
     },
     "quick": {
         "formats": (128, 512),
@@ -65,6 +66,7 @@ SIZES = {
                                            "n_routed_experts": 8, "num_nextn_predict_layers": 0},
                            "qwen3-235b-a22b": {"num_hidden_layers": 2, "num_experts": 8}},
         "reps": 2,
+        "delta": {"steps": 1, "lrs": (1e-5,)},
     },
 }
 #: The ``impl`` of the row that stands for the peer column of a format that declares none.
@@ -462,6 +464,17 @@ def bench_kernels() -> list[dict[str, Any]]:
     return out
 
 
+def bench_delta(steps: int, lrs: Iterable[float]) -> list[dict[str, Any]]:
+    """The delta churn table (:mod:`qstrat.transport.delta_churn`): per format and lr, medians
+    over ``steps`` Adam steps of the tiny Qwen3-MoE of the % of codes / scales changed and of
+    the delta round's bytes."""
+    from qstrat.transport import delta_churn
+
+    doc = delta_churn.measure(1, steps, lrs, delta_churn.FORMATS)
+    return [{"section": "delta", "impl": "churn", "case": f"lr {s['lr']:.0e}", **s}
+            for s in delta_churn.summaries(doc)]
+
+
 def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int | None = None,
               max_experts: int | None = None,
               on_section: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -469,7 +482,7 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
 
     Args:
         quick: reduced sizes (:data:`SIZES`).
-        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``, ``kernels``, ``cluster``.
+        sections: any of ``formats``, ``grouped``, ``plan``, ``driver``, ``kernels``, ``cluster``, ``delta``.
         reps: timed rounds (default: 7 full, 2 quick).
         max_experts: cap E of the grouped slabs and of the driver's layer (recorded in the JSON).
         on_section: called with the document after each section (progress output).
@@ -495,6 +508,7 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
                                        dims=size.get("driver_dims", QWEN3_30B_A3B)),
         "kernels": bench_kernels,
         "cluster": lambda: bench_cluster(PLAN_MODELS[0].parent, quick=quick),
+        "delta": lambda: bench_delta(**size["delta"]),
     }
     for name in SECTIONS:
         if name in sections:
@@ -504,6 +518,10 @@ def run_bench(quick: bool = False, sections: Iterable[str] = SECTIONS, reps: int
                 on_section({**doc, "rows": [r for r in doc["rows"] if r["section"] == name]})
     doc["seconds"] = round(time.perf_counter() - t0, 1)
     return doc
+
+
+#: The delta section's columns printed to 4 significant digits (percentages far below 1).
+_DELTA_PCT = ("codes_pct", "scales_pct", "global_pct", "delta_pct_of_full", "delta_over_bf16_delta")
 
 
 def render(doc: Mapping[str, Any]) -> list[Any]:
@@ -520,6 +538,8 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
     def cell(col: str, v: Any) -> str:
         if col == "overhead" and isinstance(v, float):
             return f"{v:+.1%}"  # the JSON keeps the fraction
+        if col in _DELTA_PCT and isinstance(v, float):
+            return f"{v:.4g}"  # fractions of a percent
         if col == "arch" and isinstance(v, int):
             return f"sm_{v}"  # the JSON keeps the compute capability (90, 100)
         return fmt(v)
@@ -534,6 +554,7 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
                     "instr_per_element", "native", "ceiling_H100", "ceiling_H200", "ceiling_B200"),
         "cluster": ("case", "trainer", "engine", "payload_gb", "engine_rank_gb", "sender_max_gb", "busiest",
                     "busiest_gb", "mesh_s", "broadcast_pipelined_s", "broadcast_tree_s", "broadcast_flat_s"),
+        "delta": ("format", "case", "steps", *_DELTA_PCT, "full_bytes"),
     }
     headers = {"speedup_vs_this": "its ms / qstrat ms", "qstrat_over_copy": "qstrat ms / its ms",
                "bytes_equal_reference": "same bytes", "loop_over_grouped": "loop / grouped",
@@ -543,7 +564,10 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
                "payload_gb": "payload GB", "engine_rank_gb": "per engine rank GB", "sender_max_gb": "per sender GB",
                "busiest_gb": "busiest GB", "mesh_s": "mesh s", "broadcast_pipelined_s": "broadcast s (pipelined)",
                "broadcast_tree_s": "broadcast s (tree, gloo)",
-               "broadcast_flat_s": "broadcast s (flat)"}
+               "broadcast_flat_s": "broadcast s (flat)",
+               "codes_pct": "codes changed %", "scales_pct": "scales changed %", "global_pct": "global changed %",
+               "delta_pct_of_full": "delta / full %", "delta_over_bf16_delta": "delta / bf16 delta",
+               "full_bytes": "full bytes"}
     titles = {
         "formats": "formats (its ms / qstrat ms > 1: qstrat faster)",
         "grouped": "grouped slab: one call vs a per-expert loop",
@@ -553,6 +577,8 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
                    "as a fraction of HBM bandwidth (>= 1: instruction issue is not the limit)",
         "cluster": "refit at cluster scale, projected from the plan (no measurement): "
                    "400 Gbit/s per GPU at 100 % efficiency (qstrat plan --link-efficiency; docs/transport.md)",
+        "delta": "delta: how the quantized checkpoint changes per Adam step (tiny Qwen3-MoE; medians over the "
+                 "steps; docs/transport.md)",
     }
     m = doc["machine"]
     tables = []
@@ -561,7 +587,7 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         if not rows:
             continue
         cases = sorted({r["case"] for r in rows}) if "case" not in cols else []
-        timed = section not in ("kernels", "cluster")  # the static sections measure no time
+        timed = section not in ("kernels", "cluster", "delta")  # they measure no time
         table = Table(title=f"{titles[section]}{': ' + ', '.join(cases) if cases else ''}"
                             + (f"\n{m['cpu']}, {m['torch_threads']} threads, load "
                                f"{doc['load_before'][0]:.1f}, median of {doc['reps']}" if timed else ""))

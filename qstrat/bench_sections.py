@@ -7,6 +7,7 @@ command line.
 from __future__ import annotations
 
 #: ``qstrat bench`` sections: format quantizers, grouped slabs, planning, the driver's overhead,
-#: the GPU kernels' static facts (compiled for sm_90/sm_100 here, no GPU needed), and the
-#: routing model at cluster scale (bytes per link, projected round time: no measurement).
-SECTIONS = ("formats", "grouped", "plan", "driver", "kernels", "cluster")
+#: the GPU kernels' static facts (compiled for sm_90/sm_100 here, no GPU needed), the
+#: routing model at cluster scale (bytes per link, projected round time: no measurement) and how
+#: the quantized checkpoint changes per Adam step (the delta churn table, docs/transport.md).
+SECTIONS = ("formats", "grouped", "plan", "driver", "kernels", "cluster", "delta")

@@ -512,16 +512,34 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"delta": summary} if summary else {"memory": memory_rows}, indent=1))
 
 
+#: Issue 45's round-time targets, delta / full wall at lr 1e-6: on loopback, and behind a link
+#: of at most this many Gbit/s (``--link 1gbit``: measured ~0.9-1.0).
+LOOPBACK_TARGET, LINK_TARGET, LINK_TARGET_GBPS = 0.9, 0.3, 1.05
+
+
+def target_verdict(row: dict) -> str:
+    """``meets`` / ``misses`` issue 45's target for ``row`` (a summary row at lr 1e-6, on
+    loopback or a link of at most :data:`LINK_TARGET_GBPS`), else ``-`` (no target)."""
+    if abs(row["lr"] - 1e-6) > 1e-12:
+        return "-"
+    bound = (LOOPBACK_TARGET if row["link"] == LOOPBACK else
+             LINK_TARGET if row["link_gbps"] <= LINK_TARGET_GBPS else None)
+    if bound is None:
+        return "-"
+    return "meets" if row["delta_s"] / row["full_s"] <= bound else "misses"
+
+
 def print_summary(summary: list[dict]) -> None:
     """The delta runs' medians, one row per link, format, width and lr; then per format, width and
     lr over the links, the break-even link rate (:func:`break_even`)."""
     print(f"\n{'link':>9} {'Gbit/s':>6} {'format':9} {'width':>5} {'lr':>6} {'full MiB':>8} {'delta %':>7} "
-          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'load':>9}")
+          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'load':>9} {'issue 45':>8}")
     for r in summary:
         print(f"{r['link']:>9} {r['link_gbps']:>6.2f} {r['format']:9} {r['width']:>5} {r['lr']:>6.0e} "
               f"{r['full_bytes'] / 2**20:>8.2f} {100 * r['delta_bytes'] / r['full_bytes']:>7.2f} "
               f"{r['full_s']:>6.3f} {r['delta_s']:>7.3f} {r['delta_s'] / r['full_s']:>10.2f} "
-              f"{r['full_cpu_s']:>5.2f}/{r['delta_cpu_s']:<5.2f} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}", flush=True)
+              f"{r['full_cpu_s']:>5.2f}/{r['delta_cpu_s']:<5.2f} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f} "
+              f"{target_verdict(r):>8}", flush=True)
     groups: dict[tuple, list[dict]] = {}
     for r in summary:
         groups.setdefault((r["format"], r["width"], r["lr"]), []).append(r)

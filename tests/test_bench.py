@@ -60,8 +60,13 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
         assert math.isclose(r["mesh_s"], r["busiest_gb"] * 8 / 400, rel_tol=1e-9)
         assert math.isclose(r["broadcast_flat_s"], r["broadcast_pipelined_s"] * 128, rel_tol=1e-9)
         assert math.isclose(r["broadcast_tree_s"], r["broadcast_pipelined_s"] * 8, rel_tol=1e-9)  # ceil(log2 129)
+    churn = {r["format"]: r for r in rows if r["section"] == "delta"}  # values: tests/test_delta_churn.py
+    assert set(churn) == {"block-fp8", "mxfp8", "nvfp4-experts", "nvfp4-linear"}
+    for r in churn.values():
+        assert r["lr"] == 1e-5 and r["steps"] == 1 and r["codes_pct"] > 0 and 0 < r["delta_pct_of_full"] < 10, r
     text = capsys.readouterr().out
     assert "its ms / qstrat ms" in text and "loop / grouped" in text and "overhead" in text
+    assert "delta / bf16 delta" in text
     assert "sm_90" in text and "sm_100" in text  # the kernels' arch as docs/performance.md names it
     # the machine facts: the JSON's are what the code in force uses, and the header prints them
     m = doc["machine"]

@@ -2,7 +2,7 @@
 
 Unit part (in process): a round's stream patched at densities from none to all decodes to the
 exact bytes, each 32 KiB tile in its smallest encoding (rle, bitmap, raw) with the patch size
-the cost model gives; tiles mixing every encoding and changes at tile edges; a patch that does
+the format's description gives (an oracle in the test, not the encoder's cost function); tiles mixing every encoding and changes at tile edges; a patch that does
 not fit its stream, or one that patches tiles without a base, is refused with the reason.
 
 Transport part: this process is the trainer (rank 0), two spawned StandaloneReceivers are ranks
@@ -46,11 +46,19 @@ def test_every_density_decodes_to_the_exact_bytes_each_tile_in_its_smallest_enco
     new = patched(old, density)
     patch, tiles = delta.encode_patch(new, old)
     assert torch.equal(delta.decode_patch(patch, old, new.numel()), new)
-    counts = torch.bincount(torch.nonzero(new != old).reshape(-1) // T, minlength=9)
-    costs = delta.tile_costs(counts)
-    assert patch.numel() == 32 + 5 * 9 + int(costs.min(1).values.sum())
-    want = {k: int((costs.argmin(1) == i).sum()) for i, k in enumerate(delta.KINDS)}
-    assert tiles == {k: c for k, c in want.items() if c}
+    # The oracle, written from the format's description (not the encoder's cost function): per
+    # tile with k changed bytes, rle = a uint16 run and a value per change, bitmap = one bit per
+    # byte and a value per change, raw = the tile; the smallest, ties to the earlier of the three.
+    want, body = {}, 0
+    for tile in range(9):
+        k = sum(1 for a, b in zip(new[tile * T:(tile + 1) * T].tolist(), old[tile * T:(tile + 1) * T].tolist())
+                if a != b)
+        sizes = {"rle": (2 + 1) * k, "bitmap": T // 8 + k, "raw": T}
+        kind = min(sizes, key=lambda name: (sizes[name], ["rle", "bitmap", "raw"].index(name)))
+        want[kind] = want.get(kind, 0) + 1
+        body += sizes[kind]
+    assert patch.numel() == 4 * 8 + 9 * (1 + 4) + body  # header, a kind byte and an int32 count per tile
+    assert tiles == want
 
 
 def test_tiles_mixing_every_encoding_and_changes_at_tile_edges_decode_exactly():
@@ -61,6 +69,8 @@ def test_tiles_mixing_every_encoding_and_changes_at_tile_edges_decode_exactly():
     new[4 * T:5 * T] = 9                                   # all of tile 4: raw
     patch, tiles = delta.encode_patch(new, old)             # tile 5 unchanged: rle, 0 bytes
     assert tiles == {"rle": 4, "bitmap": 1, "raw": 1}
+    # 32 header + 6 kinds + 6 int32 counts; rle 3 bytes x 5 changes; bitmap 4096 + 10923 changes; raw 32768
+    assert patch.numel() == 32 + 6 + 24 + 15 + (4096 + 10923) + 32768
     assert torch.equal(delta.decode_patch(patch, old, new.numel()), new)
     full, tiles = delta.encode_patch(new, None)
     assert tiles == {"raw": 6} and torch.equal(delta.decode_patch(full, None, new.numel()), new)
