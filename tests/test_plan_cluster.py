@@ -105,7 +105,7 @@ def test_senders_carry_every_replica_and_expert_groups_keep_their_experts():
     ("ep8xfsdp", "token 'fsdp' needs a size"),
     ("ep8xtp8", "bad token 'tp8'"),
     ("ep8xep2", "token 'ep2' repeats 'ep'"),
-    ("ep0", "token 'ep0': a size must be >= 1"),
+    ("ep0", "token 'ep0': a size must be 1 to 65536"),
     ("", "empty layout"),
 ])
 def test_trainer_layout_errors_name_the_token(text, message):
@@ -140,3 +140,47 @@ def test_cli_plan_prints_the_cluster_model(tmp_path, capsys):
     assert main(["plan", str(tmp_path), "--preset", "bf16", "--trainer-layout", "ep2xdp2",
                  "--engine-layout", "tp2"]) == 2
     assert "bad token 'dp2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rate", "reason"), [
+    ("9" * 400 + "gbit", "expected a rate"),       # overflows to inf: every time would be 0
+    ("2000tbit", "expected a rate"),               # above MAX_RATE
+    ("\u0664\u0660\u0660gbit", "expected a rate"),  # Arabic-Indic digits: ASCII only
+])
+def test_link_rates_out_of_range_are_refused(rate, reason):
+    from qstrat.errors import ConfigError
+    from qstrat.plan.cluster_layout import parse_link_rate
+
+    with pytest.raises(ConfigError, match=reason):
+        parse_link_rate(rate)
+
+
+def test_group_sizes_are_bounded():
+    from qstrat.errors import ConfigError
+    from qstrat.plan.cluster_layout import MAX_GROUP, parse_engine_layout
+
+    assert parse_engine_layout(f"tp{MAX_GROUP}").tp == MAX_GROUP
+    with pytest.raises(ConfigError, match=f"a size must be 1 to {MAX_GROUP}"):
+        parse_engine_layout("tp100000000")
+
+
+@pytest.mark.parametrize(("tp", "reason"), [
+    (3, "num_attention_heads 64 is not divisible by 3"),
+    (128, "num_attention_heads 64 is not divisible by 128"),
+    (None, None),
+])
+def test_engine_tp_vllm_refuses_is_refused(tp, reason):
+    """Qwen3-235B's heads (64 query, 4 KV): tp 3 and tp 128 are refused as vLLM refuses them; tp 8
+    (each KV head on 2 ranks) and tp 2 are taken. A KV count neither dividing nor divided by tp too."""
+    from qstrat.errors import PlanError
+    from qstrat.plan.cluster import check_engine_tp
+
+    cfg = {"num_attention_heads": 64, "num_key_value_heads": 4}
+    if tp is None:
+        check_engine_tp(8, cfg)
+        check_engine_tp(2, cfg)
+        with pytest.raises(PlanError, match="num_key_value_heads 6 and tp 4: one must divide the other"):
+            check_engine_tp(4, {"num_attention_heads": 64, "num_key_value_heads": 6})
+        return
+    with pytest.raises(PlanError, match=reason):
+        check_engine_tp(tp, cfg)

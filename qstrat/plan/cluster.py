@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qstrat.errors import PlanError
 from qstrat.plan.cluster_layout import EngineLayout, TrainerLayout
 from qstrat.plan.data import RefitPlan
 from qstrat.plan.engine_shards import EngineShards
@@ -75,19 +76,38 @@ class ClusterRound:
         return self.payload * copies[kind]
 
 
+def check_engine_tp(tp: int, hf_config: Mapping[str, Any]) -> None:
+    """Refuse a TP size vLLM refuses for this model (its ``ModelConfig.verify_with_parallel_config``
+    and ``QKVParallelLinear``): ``num_attention_heads`` divisible by ``tp``, and ``tp`` and
+    ``num_key_value_heads`` one a multiple of the other (KV heads split, or each replicated on
+    ``tp / num_key_value_heads`` ranks). Heads absent from ``hf_config``: nothing to check.
+
+    Raises: PlanError naming the config key, its value and the TP size."""
+    heads, kv = hf_config.get("num_attention_heads"), hf_config.get("num_key_value_heads")
+    if heads and heads % tp:
+        raise PlanError(f"--engine-layout tp{tp}: num_attention_heads {heads} is not divisible by {tp} "
+                        "(vLLM refuses such an engine)")
+    if kv and (kv % tp if tp <= kv else tp % kv):
+        raise PlanError(f"--engine-layout tp{tp}: num_key_value_heads {kv} and tp {tp}: one must divide the "
+                        "other (vLLM splits the KV heads over TP ranks, or replicates each on tp / "
+                        "num_key_value_heads ranks)")
+
+
 def route(plan: RefitPlan, trainer: TrainerLayout, engine: EngineLayout,
           hf_config: Mapping[str, Any] | None = None) -> ClusterRound:
     """Bytes per link of a mesh round of ``plan`` from ``trainer`` to ``engine`` (module docstring).
 
     ``hf_config`` gives ``num_key_value_heads`` (vLLM's KV-head replication) and the routed expert
     count (else the plan's largest expert index + 1).
-    Raises: PlanError when the trainer's expert parallelism does not divide the experts;
+    Raises: PlanError when the trainer's expert parallelism does not divide the experts, or the
+        engine's TP size is one vLLM refuses for this model (:func:`check_engine_tp`);
         ValueError for an expert output without an expert index under engine EP.
     """
     cfg = dict(hf_config or {})
     experts = [e.expert for e in plan.entries if e.kind == "expert" and e.expert is not None]
     num_experts = (cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
                    or (max(experts) + 1 if experts else None))
+    check_engine_tp(engine.tp, cfg)
     shards = EngineShards(engine, cfg.get("num_key_value_heads"), num_experts)
     received = [0] * engine.tp
     jobs: list[tuple[int, int, int | None]] = []  # (bytes sent, entry index, EP group or None)

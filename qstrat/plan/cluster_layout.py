@@ -63,6 +63,13 @@ class EngineLayout:
             (f" ({self.placement})" if self.ep else "")
 
 
+#: The largest group size a layout token takes (ranks of one parallel group; bounds the routing
+#: arithmetic, which loops over ranks).
+MAX_GROUP = 65536
+#: The fastest link rate taken, bits per second (1 Pbit/s: far above any NIC or NVLink).
+MAX_RATE = 1e15
+
+
 def _tokens(text: str, what: str, allowed: tuple[str, ...]) -> dict[str, int | None]:
     """``{"tp": 8, "ep": None, ...}`` from ``tp8xdp16xep``.
 
@@ -72,7 +79,7 @@ def _tokens(text: str, what: str, allowed: tuple[str, ...]) -> dict[str, int | N
         raise ConfigError(f"{what}: empty layout; expected tokens such as {'x'.join(allowed)} joined by 'x'")
     found: dict[str, int | None] = {}
     for token in text.strip().lower().split("x"):
-        m = re.fullmatch(r"([a-z]+)(\d*)", token)
+        m = re.fullmatch(r"([a-z]+)([0-9]*)", token, re.ASCII)
         if m is None or m.group(1) not in allowed:
             raise ConfigError(f"{what} {text!r}: bad token {token!r}; expected one of "
                               f"{', '.join(a + 'N' for a in allowed)} joined by 'x' (e.g. ep8xfsdp8, tp8xdp16)")
@@ -80,8 +87,8 @@ def _tokens(text: str, what: str, allowed: tuple[str, ...]) -> dict[str, int | N
         if key in found:
             raise ConfigError(f"{what} {text!r}: token {token!r} repeats {key!r}")
         value = int(digits) if digits else None
-        if value is not None and value < 1:
-            raise ConfigError(f"{what} {text!r}: token {token!r}: a size must be >= 1")
+        if value is not None and not 1 <= value <= MAX_GROUP:
+            raise ConfigError(f"{what} {text!r}: token {token!r}: a size must be 1 to {MAX_GROUP}")
         found[key] = value
     return found
 
@@ -127,10 +134,11 @@ def parse_engine_layout(text: str, placement: str = "linear") -> EngineLayout:
 def parse_link_rate(text: str) -> float:
     """Bits per second of ``400gbit`` / ``1.6tbit`` / ``500mbit`` (decimal units).
 
-    Raises: ConfigError naming the rate when it is not ``<positive number><kbit|mbit|gbit|tbit>``.
+    Raises: ConfigError naming the rate when it is not ``<positive number><kbit|mbit|gbit|tbit>``
+        at most :data:`MAX_RATE` (a finite rate: an overflowing one would make every time 0).
     """
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", str(text).strip().lower())
-    if m is None or m.group(2) not in RATE_UNITS or float(m.group(1)) <= 0:
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([a-z]+)", str(text).strip().lower(), re.ASCII)
+    if m is None or m.group(2) not in RATE_UNITS or not 0 < float(m.group(1)) * RATE_UNITS[m.group(2)] <= MAX_RATE:
         raise ConfigError(f"--link {text!r}: expected a rate in bits per second such as 400gbit, 100gbit, "
                           f"1.6tbit (units {', '.join(RATE_UNITS)})")
     return float(m.group(1)) * RATE_UNITS[m.group(2)]

@@ -199,14 +199,19 @@ class MeshSender:
         """Step 5: each tensor's part to each engine rank that loads it; the source's own error
         (any class) aborts every pair and is returned."""
         shares = {r: {s.name: s for s in routes.pair(self.group.rank, r)} for r in outs}
-        mine = [n for n, _, _, o in routes.outputs if o == self.group.rank]
+        mine = [(n, d, tuple(sh)) for n, d, sh, o in routes.outputs if o == self.group.rank]
         done = 0
         try:
             for name, t in tensors:
-                if done >= len(mine) or name != mine[done]:
-                    want = mine[done] if done < len(mine) else "nothing more"
+                if done >= len(mine) or name != mine[done][0]:
+                    want = mine[done][0] if done < len(mine) else "nothing more"
                     raise TransportError(f"rank {self.group.rank}: the source yielded {name!r} where its wire "
                                          f"order has {want!r}")
+                _, dtype, shape = mine[done]
+                if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+                    # a narrowed share cannot tell a wrong whole tensor from the right one: check it here
+                    raise TransportError(f"rank {self.group.rank}: {name!r} is {str(t.dtype).removeprefix('torch.')} "
+                                         f"{list(t.shape)}, its planned output is {dtype} {list(shape)}")
                 done += 1
                 for r, out in outs.items():
                     part = shares[r].get(name)

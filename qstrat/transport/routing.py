@@ -46,30 +46,51 @@ Output = tuple[str, str, tuple[int, ...], int]  # name, dtype name, shape, ownin
 @dataclass(frozen=True)
 class ReceiverLayout:
     """What one engine rank loads: its tensor-parallel rank and size, the routed experts it holds
-    (None: every expert), and whether routed experts are narrowed by TP (``moe_tp``; False under
-    expert parallelism, where each rank holds whole experts)."""
+    (None: every expert), whether routed experts are narrowed by TP (``moe_tp``; False under
+    expert parallelism, where each rank holds whole experts), and the model's KV heads
+    (``kv_heads``, the engine's ``num_key_value_heads``: where ``tp_size`` exceeds it, vLLM
+    replicates each KV head and k/v are cut per head, not per rank; None: ``tp_size`` does not
+    exceed the KV heads - a layout read from an engine must give it)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     experts: tuple[int, ...] | None = None
     moe_tp: bool = True
+    kv_heads: int | None = None
 
     def __post_init__(self) -> None:
+        ints = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "kv_heads": self.kv_heads}
+        for key, value in ints.items():
+            if value is not None and (type(value) is not int or value < 0):
+                raise TransportError(f"receiver layout: {key} {value!r} is not a non-negative int")
         if not 0 <= self.tp_rank < self.tp_size:
             raise TransportError(f"receiver layout: tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if type(self.moe_tp) is not bool:
+            raise TransportError(f"receiver layout: moe_tp {self.moe_tp!r} is not a bool")
+        if self.experts is not None:
+            if any(type(e) is not int or e < 0 for e in self.experts) or len(set(self.experts)) != len(self.experts):
+                raise TransportError(f"receiver layout: experts {self.experts!r} must be distinct non-negative ints")
+            if self.moe_tp and self.tp_size > 1:
+                raise TransportError("receiver layout: a rank holding a subset of the experts (expert parallelism) "
+                                     "holds them whole: set moe_tp=False")
+            object.__setattr__(self, "experts", tuple(sorted(self.experts)))
+        if self.kv_heads is not None and self.kv_heads and self.tp_size > self.kv_heads and self.tp_size % self.kv_heads:
+            raise TransportError(f"receiver layout: tp_size {self.tp_size} is not a multiple of kv_heads "
+                                 f"{self.kv_heads} (vLLM replicates each KV head on tp_size / kv_heads ranks)")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (what a rank publishes)."""
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "moe_tp": self.moe_tp,
-                "experts": None if self.experts is None else sorted(self.experts)}
+                "experts": None if self.experts is None else list(self.experts), "kv_heads": self.kv_heads}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> ReceiverLayout:
-        """Inverse of :meth:`to_dict`. Raises: TransportError for a malformed document."""
+        """Inverse of :meth:`to_dict` (no coercion: a field of another type is refused).
+        Raises: TransportError for a malformed document."""
         try:
             ex = doc["experts"]
-            return cls(int(doc["tp_rank"]), int(doc["tp_size"]), None if ex is None else tuple(int(e) for e in ex),
-                       bool(doc["moe_tp"]))
+            return cls(doc["tp_rank"], doc["tp_size"], None if ex is None else tuple(ex), doc["moe_tp"],
+                       doc.get("kv_heads"))
         except (KeyError, TypeError, ValueError) as exc:
             raise TransportError(f"malformed receiver layout {doc!r}: {exc}") from None
 
@@ -128,10 +149,22 @@ def share_of(name: str, dtype: str, shape: Sequence[int], layout: ReceiverLayout
         return None
     dim = tp_dim(name)
     narrow = layout.tp_size > 1 and (expert is None or layout.moe_tp)
-    if not narrow or dim is None or len(shape) <= dim or len(shape) < 2 or shape[dim] % layout.tp_size:
+    parts, part = layout.tp_size, layout.tp_rank
+    if kv_projection(name) and layout.kv_heads and layout.tp_size > layout.kv_heads:
+        # vLLM's QKVParallelLinear: each KV head is replicated on tp_size / kv_heads ranks, and a
+        # rank loads head tp_rank // replicas (shard_rank = tp_rank // num_kv_head_replicas)
+        parts, part = layout.kv_heads, layout.tp_rank // (layout.tp_size // layout.kv_heads)
+    if not narrow or dim is None or len(shape) <= dim or len(shape) < 2 or shape[dim] % parts:
         return ShareSlice(name, dtype, shape)
-    n = shape[dim] // layout.tp_size
-    return ShareSlice(name, dtype, shape, dim, layout.tp_rank * n, (layout.tp_rank + 1) * n)
+    n = shape[dim] // parts
+    return ShareSlice(name, dtype, shape, dim, part * n, (part + 1) * n)
+
+
+def kv_projection(name: str) -> bool:
+    """Whether ``name`` is a k/v projection's tensor (weight or scale), which vLLM replicates per
+    KV head when tensor parallelism exceeds the KV heads."""
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    return module in ("k_proj", "v_proj")
 
 
 def mesh_outputs(plan: Any, owner: Any) -> list[Output]:
