@@ -381,13 +381,14 @@ def run_mesh(senders: int, receivers: int, links: list, pair_bytes: int, reps: i
     links, each pair moving one ``pair_bytes`` expert (scripts/mesh_links.py
     :func:`~mesh_links.mesh_round`); then today's ``RefitSender`` broadcasting the same payload
     from ``links[0]`` into ``receivers`` engine-less receivers. Returns ``{"mesh_s": [per rep],
+    "stream_s": [per rep: the slowest rank's bucket streams],
     "broadcast_s": [per rep], "received": {rank: bytes}, "payload": bytes}``."""
     from mesh_links import broadcast_refit, mesh_outputs_synthetic, mesh_round
 
     m = mesh_round(links, senders, receivers, pair_bytes, reps)
     b = broadcast_refit(links, receivers, bucket_mib=4, reps=reps,
                         outputs=mesh_outputs_synthetic(senders, receivers, pair_bytes))
-    return {"mesh_s": m["seconds"], "broadcast_s": b["refit_s"], "received": m["received"], "payload": m["payload"]}
+    return {"mesh_s": m["seconds"], "stream_s": m["stream_s"], "broadcast_s": b["refit_s"], "received": m["received"], "payload": m["payload"]}
 
 
 def mesh_section(args) -> None:
@@ -437,7 +438,7 @@ def mesh_section(args) -> None:
                 share = sorted(set(got["received"].values()))
                 print(f"  mesh round S={s} R={r}: {got['payload'] / 2**20:g} MiB payload, each engine rank received "
                       f"{'/'.join(f'{b / 2**20:g}' for b in share)} MiB, busiest link {busiest / 2**20:g} MiB: "
-                      f"{med:.3f} s (median of {len(got['mesh_s'])}); the busiest link at the measured p2p rate "
+                      f"{med:.3f} s (median of {len(got['mesh_s'])}; bucket streams {statistics.median(got['stream_s']):.3f} s); the busiest link at the measured p2p rate "
                       f"({p2p_eff[(s, r)]:.2f} x {rate}) needs {floor:.3f} s: ratio {med / floor:.2f} (target <= 1.25), "
                       f"{busiest * 8 / (med * bps):.2f} of {rate}; RefitSender broadcast of the same payload "
                       f"{bmed:.3f} s: speedup {bmed / med:.1f}x [load {os.getloadavg()[0]:.1f}]", flush=True)

@@ -271,7 +271,8 @@ def _mesh_worker(rank: int, world: int, senders: int, master: str, port: int, pa
     """One rank of the mesh round benchmark: a ``MeshSender`` (rank < ``senders``, its own
     experts of :func:`mesh_outputs_synthetic`) or a ``MeshReceiver`` (an expert-parallel engine
     rank holding its experts); ``reps + 1`` authenticated rounds (the first warms the
-    connections). Puts ``(rank, [(start, end) per round], bytes)`` on ``out`` (bytes: sent per
+    connections). Puts ``(rank, [(start, end, stream seconds) per round], bytes)`` on ``out``
+    (stream seconds: the pair bucket streams alone, after the accept vote; bytes: sent per
     engine rank on a sender, received on an engine rank, of the last round)."""
     import torch
 
@@ -291,8 +292,9 @@ def _mesh_worker(rank: int, world: int, senders: int, master: str, port: int, pa
         sender = MeshSender(group, senders, secret, master, port, bucket_bytes=4 << 20)
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            got = sender.send(outputs, iter(mine)).sent
-            times.append((t0, time.perf_counter()))
+            report = sender.send(outputs, iter(mine))
+            times.append((t0, time.perf_counter(), report.stream_seconds))
+        got = report.sent
     else:
         r = rank - senders
         layout = ReceiverLayout(experts=tuple(s * receivers + r for s in range(senders)), moe_tp=False)
@@ -301,7 +303,7 @@ def _mesh_worker(rank: int, world: int, senders: int, master: str, port: int, pa
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             recv.round(doc)
-            times.append((t0, time.perf_counter()))
+            times.append((t0, time.perf_counter(), recv.stats["stream_s"]))
         got = int(recv.stats["bytes"])
     group.close()
     out.put((rank, times[1:], got))
@@ -312,7 +314,9 @@ def mesh_round(links: list[Link], senders: int, receivers: int, pair_bytes: int,
     """Time the real mesh round (``MeshSender``/``MeshReceiver``, :func:`_mesh_worker`), one
     process per link: senders in ``links[:senders]``, engine ranks in the next ``receivers``.
     A round's wall seconds run from the LAST rank's call (the round's first step is a collective
-    that waits for every rank) to the last rank's return. Returns ``{"seconds": [per rep],
+    that waits for every rank) to the last rank's return; its stream seconds are the slowest
+    rank's bucket streams (from its accept vote to its last bucket). Returns ``{"seconds": [per rep],
+    "stream_s": [per rep],
     "sent": {rank: {dst: bytes}}, "received": {rank: bytes}, "payload": bytes}``.
     Raises: TimeoutError when a rank does not report within 600 s (every process is killed)."""
     world = senders + receivers
@@ -344,5 +348,6 @@ def mesh_round(links: list[Link], senders: int, receivers: int, pair_bytes: int,
                for i in range(reps)]
     outputs = mesh_outputs_synthetic(senders, receivers, pair_bytes)
     payload = sum(s[0] * s[1] * 2 for _, _, s, _ in outputs)
-    return {"seconds": seconds, "sent": {k: v[1] for k, v in results.items() if k < senders},
+    stream = [max(results[k][0][i][2] for k in results) for i in range(reps)]
+    return {"seconds": seconds, "stream_s": stream, "sent": {k: v[1] for k, v in results.items() if k < senders},
             "received": {k: v[1] for k, v in results.items() if k >= senders}, "payload": payload}
