@@ -13,8 +13,9 @@ Names start with ``mm`` (this branch's prefix on the shared machine). Leftovers 
 run that was killed (the same names) are removed before creating; a second run while one is open
 is refused (an exclusive lock). Everything made is removed at exit, shapers with their links.
 
-:func:`p2p_round` (raw ``torch.distributed`` gloo point-to-point, all pairs at once) and
-:func:`broadcast_refit` (today's ``RefitSender`` into engine-less receivers) run inside it;
+:func:`p2p_round` (raw ``torch.distributed`` gloo point-to-point, all pairs at once),
+:func:`broadcast_refit` (today's ``RefitSender`` into engine-less receivers) and
+:func:`mesh_round` (the mesh round: ``MeshSender`` ranks into ``MeshReceiver`` ranks) run inside it;
 scripts/bench_transport.py ``--mesh-links`` prints them.
 """
 from __future__ import annotations
@@ -131,6 +132,15 @@ def spawn_in(link: Link, ctx, target, args) -> mp.Process:
     return p
 
 
+def _reap(procs: list, grace_s: float) -> None:
+    """Join every process, killing one still alive after ``grace_s`` seconds."""
+    for p in procs:
+        p.join(grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
 def _p2p_worker(rank: int, world: int, master: str, port: int, configs, nbytes: int, reps: int, out) -> None:
     """One rank of the point-to-point measurement: for each ``(S, R)`` of ``configs``, ranks
     ``0..S-1`` each send ``nbytes`` to every rank ``S..S+R-1`` and those receive from every
@@ -182,11 +192,7 @@ def p2p_round(links: list[Link], configs: list[tuple[int, int]], nbytes: int, re
             raise TimeoutError("p2p_round: no result within 600 s")
         results = parent.recv()
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _reap(procs, 30)
     return {(s, r): [end - start for start, end in times] for s, r, times in results}
 
 
@@ -250,10 +256,7 @@ def broadcast_refit(links: list[Link], receivers: int, layers: int = 2, layer_mi
             raise TimeoutError("broadcast_refit: no result within 900 s")
         return parent.recv()
     finally:
-        p.join(60)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        _reap([p], 60)
 
 
 def mesh_outputs_synthetic(senders: int, receivers: int, pair_bytes: int) -> list[tuple[str, str, tuple[int, ...], int]]:
@@ -339,11 +342,7 @@ def mesh_round(links: list[Link], senders: int, receivers: int, pair_bytes: int,
                     raise RuntimeError(f"mesh_round S={senders} R={receivers}: ranks died "
                                        f"(exit codes {[p.exitcode for p in procs]})") from None
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _reap(procs, 30)
     seconds = [max(results[k][0][i][1] for k in results) - max(results[k][0][i][0] for k in results)
                for i in range(reps)]
     outputs = mesh_outputs_synthetic(senders, receivers, pair_bytes)
