@@ -60,7 +60,7 @@ round is quantized and encoded: its wall minus their sum is that work).
 Per-process links (``--mesh-links RATE...``): every process in its own network namespace behind
 its own link shaped to RATE in and out (scripts/mesh_links.py); the per-link efficiency of raw gloo
 point-to-point (S senders x R receivers, all pairs at once) and of today's broadcast refit on the
-same links, the hook for the mesh round (:func:`run_mesh`), and the routing model's projected
+same links, the real mesh round against a ``RefitSender`` broadcast of the same payload (:func:`run_mesh`), and the routing model's projected
 round times at that efficiency (:func:`mesh_section`).
 
 Links (``--link``): every measurement above runs over each link in turn: ``loopback`` (the
@@ -374,13 +374,21 @@ def delta(args, summary: list[dict]) -> None:
                         r.close()
 
 
-def run_mesh(senders: int, receivers: int, links: list, pair_bytes: int, reps: int) -> list[float] | None:
-    """HOOK: the mesh round (issue 41: every trainer rank sends what it owns, point to point, to
-    the engine ranks that load it), ``senders`` sender processes in ``links[:senders]`` and
-    ``receivers`` receivers in the next ``receivers`` links (scripts/mesh_links.py), each pair
-    moving ``pair_bytes`` of checkpoint tensors; returns the round's wall seconds per rep.
-    Returns None until the mesh transport is plugged in here: nothing is measured or invented."""
-    return None
+def run_mesh(senders: int, receivers: int, links: list, pair_bytes: int, reps: int) -> dict:
+    """The mesh round (issue 41: every trainer rank sends what it owns, point to point, to the
+    engine ranks that load it): ``senders`` ``MeshSender`` processes in ``links[:senders]`` and
+    ``receivers`` engine-less ``MeshReceiver`` ranks (expert-parallel) in the next ``receivers``
+    links, each pair moving one ``pair_bytes`` expert (scripts/mesh_links.py
+    :func:`~mesh_links.mesh_round`); then today's ``RefitSender`` broadcasting the same payload
+    from ``links[0]`` into ``receivers`` engine-less receivers. Returns ``{"mesh_s": [per rep],
+    "stream_s": [per rep: the slowest rank's bucket streams],
+    "broadcast_s": [per rep], "received": {rank: bytes}, "payload": bytes}``."""
+    from mesh_links import broadcast_refit, mesh_outputs_synthetic, mesh_round
+
+    m = mesh_round(links, senders, receivers, pair_bytes, reps)
+    b = broadcast_refit(links, receivers, bucket_mib=4, reps=reps,
+                        outputs=mesh_outputs_synthetic(senders, receivers, pair_bytes))
+    return {"mesh_s": m["seconds"], "stream_s": m["stream_s"], "broadcast_s": b["refit_s"], "received": m["received"], "payload": m["payload"]}
 
 
 def mesh_section(args) -> None:
@@ -421,10 +429,19 @@ def mesh_section(args) -> None:
                           f"tree (the sender's link carries ceil(log2(R+1)) = {r.bit_length()} copies), "
                           f"{eff['flat']:.2f} if flat (R copies), {eff['pipelined']:.2f} if pipelined (1) "
                           f"[load {os.getloadavg()[0]:.1f}]", flush=True)
+            p2p_eff = dict(zip(configs, effs))
             for s, r in configs:
                 got = run_mesh(s, r, links, pair, args.reps)
-                print(f"  mesh round S={s} R={r}: " + ("not measured: the run_mesh hook is not plugged in (the mesh "
-                      "transport is another branch's)" if got is None else f"{statistics.median(got):.3f} s"))
+                med, bmed = statistics.median(got["mesh_s"]), statistics.median(got["broadcast_s"])
+                busiest = max(s, r) * pair
+                floor = busiest * 8 / (bps * p2p_eff[(s, r)])
+                share = sorted(set(got["received"].values()))
+                print(f"  mesh round S={s} R={r}: {got['payload'] / 2**20:g} MiB payload, each engine rank received "
+                      f"{'/'.join(f'{b / 2**20:g}' for b in share)} MiB, busiest link {busiest / 2**20:g} MiB: "
+                      f"{med:.3f} s (median of {len(got['mesh_s'])}; bucket streams {statistics.median(got['stream_s']):.3f} s); the busiest link at the measured p2p rate "
+                      f"({p2p_eff[(s, r)]:.2f} x {rate}) needs {floor:.3f} s: ratio {med / floor:.2f} (target <= 1.25), "
+                      f"{busiest * 8 / (med * bps):.2f} of {rate}; RefitSender broadcast of the same payload "
+                      f"{bmed:.3f} s: speedup {bmed / med:.1f}x [load {os.getloadavg()[0]:.1f}]", flush=True)
     if effs:
         project(min(effs))
 

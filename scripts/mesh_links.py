@@ -13,8 +13,9 @@ Names start with ``mm`` (this branch's prefix on the shared machine). Leftovers 
 run that was killed (the same names) are removed before creating; a second run while one is open
 is refused (an exclusive lock). Everything made is removed at exit, shapers with their links.
 
-:func:`p2p_round` (raw ``torch.distributed`` gloo point-to-point, all pairs at once) and
-:func:`broadcast_refit` (today's ``RefitSender`` into engine-less receivers) run inside it;
+:func:`p2p_round` (raw ``torch.distributed`` gloo point-to-point, all pairs at once),
+:func:`broadcast_refit` (today's ``RefitSender`` into engine-less receivers) and
+:func:`mesh_round` (the mesh round: ``MeshSender`` ranks into ``MeshReceiver`` ranks) run inside it;
 scripts/bench_transport.py ``--mesh-links`` prints them.
 """
 from __future__ import annotations
@@ -131,6 +132,15 @@ def spawn_in(link: Link, ctx, target, args) -> mp.Process:
     return p
 
 
+def _reap(procs: list, grace_s: float) -> None:
+    """Join every process, killing one still alive after ``grace_s`` seconds."""
+    for p in procs:
+        p.join(grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
 def _p2p_worker(rank: int, world: int, master: str, port: int, configs, nbytes: int, reps: int, out) -> None:
     """One rank of the point-to-point measurement: for each ``(S, R)`` of ``configs``, ranks
     ``0..S-1`` each send ``nbytes`` to every rank ``S..S+R-1`` and those receive from every
@@ -182,19 +192,17 @@ def p2p_round(links: list[Link], configs: list[tuple[int, int]], nbytes: int, re
             raise TimeoutError("p2p_round: no result within 600 s")
         results = parent.recv()
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _reap(procs, 30)
     return {(s, r): [end - start for start, end in times] for s, r, times in results}
 
 
 def _broadcast_sender(links: list[Link], receivers: int, layers: int, layer_mib: float, bucket_mib: float,
-                      reps: int, port: int, out) -> None:
+                      reps: int, port: int, out, outputs=None) -> None:
     """Today's round inside ``links[0]``: a ``RefitSender`` (rank 0) into ``receivers`` standalone
     receivers, each in its own ``links[1 + i]``; ``reps`` timed rounds after one warm-up, then as
-    many raw gloo broadcasts of the same buckets (tests/transport_harness.py). Sends
+    many raw gloo broadcasts of the same buckets (tests/transport_harness.py); ``outputs`` (the
+    mesh benchmark's ``(name, dtype, shape, owner)``): that payload instead of the synthetic
+    checkpoint, all of it sent by this one process. Sends
     ``{"payload": bytes, "refit_s": [...], "raw_s": [...]}`` to ``out``."""
     from bench_transport import manifest_for, raw_round, synthetic
     from transport_harness import Receiver
@@ -212,7 +220,8 @@ def _broadcast_sender(links: list[Link], receivers: int, layers: int, layer_mib:
         mp_spawn.set_executable(os.fsdecode(old))
         for r in started:
             r.wait_ready()
-        tensors = synthetic(layers, layer_mib)
+        tensors = (synthetic(layers, layer_mib) if outputs is None else
+                   [(n, torch.ones(shape, dtype=getattr(torch, d))) for n, d, shape, _ in outputs])
         sender = RefitSender([r.rpc for r in started], links[0].address, port, timeout_s=600,
                              bucket_bytes=int(bucket_mib * 2**20))
         sender.connect()
@@ -235,19 +244,109 @@ def _broadcast_sender(links: list[Link], receivers: int, layers: int, layer_mib:
 
 
 def broadcast_refit(links: list[Link], receivers: int, layers: int = 2, layer_mib: float = 12,
-                    bucket_mib: float = 4, reps: int = 3, port: int = 29651) -> dict:
+                    bucket_mib: float = 4, reps: int = 3, port: int = 29651, outputs=None) -> dict:
     """Today's single-sender round over per-process links (:func:`_broadcast_sender`, run in a
     process spawned inside ``links[0]``). Returns its result dict."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     p = spawn_in(links[0], ctx, _broadcast_sender,
-                 (links, receivers, layers, layer_mib, bucket_mib, reps, port, child))
+                 (links, receivers, layers, layer_mib, bucket_mib, reps, port, child, outputs))
     try:
         if not parent.poll(900):
             raise TimeoutError("broadcast_refit: no result within 900 s")
         return parent.recv()
     finally:
-        p.join(60)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        _reap([p], 60)
+
+
+def mesh_outputs_synthetic(senders: int, receivers: int, pair_bytes: int) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """The mesh benchmark's outputs: ``senders * receivers`` routed experts of ``pair_bytes``
+    each (one BF16 ``down_proj`` weight, ``(pair_bytes // 2048, 1024)``); expert ``s * R + r`` is
+    owned by sender ``s`` (expert-parallel, contiguous) and held by engine rank ``r`` (expert
+    parallel: whole experts, round-robin), so every (sender, engine rank) pair moves one expert."""
+    shape = (max(1, pair_bytes // 2048), 1024)
+    return [(f"model.layers.0.mlp.experts.{s * receivers + r}.down_proj.weight", "bfloat16", shape, s)
+             for s in range(senders) for r in range(receivers)]
+
+
+def _mesh_worker(rank: int, world: int, senders: int, master: str, port: int, pair_bytes: int, reps: int,
+                 out) -> None:
+    """One rank of the mesh round benchmark: a ``MeshSender`` (rank < ``senders``, its own
+    experts of :func:`mesh_outputs_synthetic`) or a ``MeshReceiver`` (an expert-parallel engine
+    rank holding its experts); ``reps + 1`` authenticated rounds (the first warms the
+    connections). Puts ``(rank, [(start, end, stream seconds) per round], bytes)`` on ``out``
+    (stream seconds: the pair bucket streams alone, after the accept vote; bytes: sent per
+    engine rank on a sender, received on an engine rank, of the last round)."""
+    import torch
+
+    from qstrat.transport.group import open_group
+    from qstrat.transport.mesh_receiver import MeshReceiver
+    from qstrat.transport.mesh_sender import MeshSender
+    from qstrat.transport.routing import MeshRoutes, ReceiverLayout
+
+    secret = b"mesh benchmark secret, not a real one"
+    torch.set_num_threads(1)
+    receivers = world - senders
+    outputs = mesh_outputs_synthetic(senders, receivers, pair_bytes)
+    group = open_group(master, port, rank, world, "gloo", 600)
+    times, got = [], None
+    if rank < senders:
+        mine = [(n, torch.ones(s, dtype=torch.bfloat16)) for n, _, s, o in outputs if o == rank]
+        sender = MeshSender(group, senders, secret, master, port, bucket_bytes=4 << 20)
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            report = sender.send(outputs, iter(mine))
+            times.append((t0, time.perf_counter(), report.stream_seconds))
+        got = report.sent
+    else:
+        r = rank - senders
+        layout = ReceiverLayout(experts=tuple(s * receivers + r for s in range(senders)), moe_tp=False)
+        doc = MeshRoutes(outputs, senders, [], 4 << 20, 64).to_dict()
+        recv = MeshReceiver(group, senders, layout, secret=secret, address=master, port=port)
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            recv.round(doc)
+            times.append((t0, time.perf_counter(), recv.stats["stream_s"]))
+        got = int(recv.stats["bytes"])
+    group.close()
+    out.put((rank, times[1:], got))
+
+
+def mesh_round(links: list[Link], senders: int, receivers: int, pair_bytes: int, reps: int,
+               port: int = 29661) -> dict:
+    """Time the real mesh round (``MeshSender``/``MeshReceiver``, :func:`_mesh_worker`), one
+    process per link: senders in ``links[:senders]``, engine ranks in the next ``receivers``.
+    A round's wall seconds run from the LAST rank's call (the round's first step is a collective
+    that waits for every rank) to the last rank's return; its stream seconds are the slowest
+    rank's bucket streams (from its accept vote to its last bucket). Returns ``{"seconds": [per rep],
+    "stream_s": [per rep],
+    "sent": {rank: {dst: bytes}}, "received": {rank: bytes}, "payload": bytes}``.
+    Raises: TimeoutError when a rank does not report within 600 s (every process is killed)."""
+    world = senders + receivers
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [spawn_in(links[i], ctx, _mesh_worker, (i, world, senders, links[0].address, port, pair_bytes, reps, queue))
+             for i in range(world)]
+    results = {}
+    try:
+        end = time.monotonic() + 600
+        while len(results) < world:
+            if time.monotonic() > end:
+                raise TimeoutError(f"mesh_round S={senders} R={receivers}: {world - len(results)} ranks silent "
+                                   "after 600 s")
+            try:
+                rank, times, got = queue.get(timeout=1.0)
+                results[rank] = (times, got)
+            except Exception:  # noqa: BLE001 - queue.Empty; a dead rank shows as the timeout above
+                if all(not p.is_alive() for p in procs) and len(results) < world:
+                    raise RuntimeError(f"mesh_round S={senders} R={receivers}: ranks died "
+                                       f"(exit codes {[p.exitcode for p in procs]})") from None
+    finally:
+        _reap(procs, 30)
+    seconds = [max(results[k][0][i][1] for k in results) - max(results[k][0][i][0] for k in results)
+               for i in range(reps)]
+    outputs = mesh_outputs_synthetic(senders, receivers, pair_bytes)
+    payload = sum(s[0] * s[1] * 2 for _, _, s, _ in outputs)
+    stream = [max(results[k][0][i][2] for k in results) for i in range(reps)]
+    return {"seconds": seconds, "stream_s": stream, "sent": {k: v[1] for k, v in results.items() if k < senders},
+            "received": {k: v[1] for k, v in results.items() if k >= senders}, "payload": payload}

@@ -133,3 +133,27 @@ def test_a_sender_routing_another_share_than_the_receiver_loads_is_refused_befor
     assert res[2][0] == "err" and "trainer rank 1 would send another share" in res[2][1], res[2]
     assert "WireManifestMismatchError" in res[0][1] and "refused before any data" in res[0][1], res[0]
     _refused_everywhere(res, "refused before any data")
+
+
+@pytest.mark.parametrize("senders,receivers", [(1, 2), (2, 4), (4, 2), (4, 4)])
+def test_the_mesh_benchmark_moves_one_expert_per_pair(senders, receivers):
+    """scripts/bench_transport.py --mesh-links: its busiest-link figure (max(S, R) x pair bytes)
+    holds only if every (sender, engine rank) pair carries exactly one pair-sized expert."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from mesh_links import mesh_outputs_synthetic
+
+    pair = 3 * 2048 * 64  # bytes; a multiple of the 64-byte alignment: no padding
+    outputs = mesh_outputs_synthetic(senders, receivers, pair)
+    layouts = [ReceiverLayout(experts=tuple(s * receivers + r for s in range(senders)), moe_tp=False)
+               for r in range(receivers)]
+    routes = MeshRoutes(outputs, senders, layouts, 4 << 20, 64)
+    for s in range(senders):
+        for r in range(receivers):
+            (part,) = routes.pair(s, r)
+            assert part.name == f"model.layers.0.mlp.experts.{s * receivers + r}.down_proj.weight"
+            assert routes.pair_manifest(s, r).total_bytes == pair
+    assert routes.bytes_per_receiver() == [senders * pair] * receivers
+    assert routes.full_bytes() == senders * receivers * pair
