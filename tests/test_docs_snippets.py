@@ -64,7 +64,8 @@ NOISE = {
     "a Python warning": re.compile(r"\b(Future|Deprecation|User|Runtime)Warning\b"),
     "a torch C++ warning": re.compile(r"^\[W\d{4} |NUMA binding", re.M),
     "a rank prefix": re.compile(r"\[rank\d+\]:"),
-    "a progress bar": re.compile(r"\d+it/s\]|it/s\b|Loading safetensors checkpoint shards"),
+    # tqdm's rate ("48.72it/s]", "?it/s]", "1.2s/it"), not a link rate's "Gbit/s"
+    "a progress bar": re.compile(r"(?<![A-Za-z])(\d+(\.\d+)?|\?)(it/s|s/it)\b|Loading safetensors checkpoint shards"),
     "vLLM's Triton notice": re.compile(r"Triton is installed, but"),
     "a traceback": re.compile(r"^Traceback \(most recent call last\)", re.M),
     "torchao's C++ extension load failure": re.compile(r"Failed to load \S*torchao\S*\.so"),
