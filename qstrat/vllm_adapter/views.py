@@ -119,8 +119,10 @@ def source_tensors(source: Any) -> Any:
 
 def source_held_names(source: Any) -> Any:
     """The names a vLLM ``WeightSource`` holds on this rank (None: all): ``held_names()`` before
-    0.33 (absent before 0.29: all), the names with an owner list from 0.33 (``owners`` None: every rank)."""
-    held = read(source, "weight_source_held_names", None)
+    0.33 (vLLM's base has none before 0.29, but a source may declare its own - e.g. a sharded
+    trainer-side source written for a later release -, honoured under the same name), the names
+    with an owner list from 0.33 (``owners`` None: every rank)."""
+    held = getattr(source, member("weight_source_held_names") or "held_names", None)
     if callable(held):
         return held()
     if member("weight_source_iter_full") is None:
