@@ -62,6 +62,13 @@ def expert_ranks(placement: str, ep: int, num_experts: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
+def kv_head_part(tp_rank: int, tp_size: int, kv_heads: int) -> int:
+    """The KV head TP rank ``tp_rank`` loads where ``tp_size`` exceeds ``kv_heads``: vLLM's
+    ``QKVParallelLinear`` replicates each head on ``tp_size / kv_heads`` ranks and a rank loads
+    head ``tp_rank // num_kv_head_replicas``."""
+    return tp_rank // (tp_size // kv_heads)
+
+
 def _rows(n: int, parts: int, part: int) -> int:
     """Rows of part ``part`` when ``n`` rows are cut into ``parts`` of ``ceil(n / parts)``."""
     size = -(-n // parts)
@@ -95,7 +102,7 @@ class EngineShards:
             return self._vocab(out)
         if module in KV_HEADS and self.num_key_value_heads and tp > self.num_key_value_heads:
             heads = self.num_key_value_heads
-            return self._narrow(out, 0, heads, [k // (tp // heads) for k in range(tp)])
+            return self._narrow(out, 0, heads, [kv_head_part(k, tp, heads) for k in range(tp)])
         if module in COLUMN:
             return self._narrow(out, 0, tp, range(tp))
         if module in ROW:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import TransportError
+from qstrat.plan.engine_shards import KV_HEADS, kv_head_part
 from qstrat.transport.wire_manifest import WireManifest, build_wire_manifest
 
 #: Module names whose weights vLLM's ColumnParallelLinear narrows on dim 0 (output rows), and
@@ -151,9 +152,8 @@ def share_of(name: str, dtype: str, shape: Sequence[int], layout: ReceiverLayout
     narrow = layout.tp_size > 1 and (expert is None or layout.moe_tp)
     parts, part = layout.tp_size, layout.tp_rank
     if kv_projection(name) and layout.kv_heads and layout.tp_size > layout.kv_heads:
-        # vLLM's QKVParallelLinear: each KV head is replicated on tp_size / kv_heads ranks, and a
-        # rank loads head tp_rank // replicas (shard_rank = tp_rank // num_kv_head_replicas)
-        parts, part = layout.kv_heads, layout.tp_rank // (layout.tp_size // layout.kv_heads)
+        # vLLM's QKVParallelLinear replicates each KV head: cut per head, not per rank
+        parts, part = layout.kv_heads, kv_head_part(layout.tp_rank, layout.tp_size, layout.kv_heads)
     if not narrow or dim is None or len(shape) <= dim or len(shape) < 2 or shape[dim] % parts:
         return ShareSlice(name, dtype, shape)
     n = shape[dim] // parts
@@ -164,7 +164,7 @@ def kv_projection(name: str) -> bool:
     """Whether ``name`` is a k/v projection's tensor (weight or scale), which vLLM replicates per
     KV head when tensor parallelism exceeds the KV heads."""
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-    return module in ("k_proj", "v_proj")
+    return module in KV_HEADS
 
 
 def mesh_outputs(plan: Any, owner: Any) -> list[Output]:
