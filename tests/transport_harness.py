@@ -129,6 +129,27 @@ class _EngineEndpoint:
     def backend_name(self):
         return self.llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)[0]
 
+    def weight_digests(self):
+        """One ``{name: digest}`` per worker (its shard under tensor parallelism): every
+        parameter and buffer the engine holds, read back (:func:`qstrat.engine.weight_digests.tensor_digests`)."""
+        def read(worker):
+            from qstrat.engine.weight_digests import tensor_digests
+
+            return tensor_digests(worker.model_runner.get_model())
+
+        return self.llm.collective_rpc(read)
+
+    def weight_strides(self):
+        """One ``{name: (shape, stride, storage_offset)}`` per worker: the memory layout the
+        engine computes with (equal digests say nothing about strides)."""
+        def read(worker):
+            model = worker.model_runner.get_model()
+            held = dict(model.named_parameters())
+            held.update(model.named_buffers())
+            return {n: (tuple(t.shape), tuple(t.stride()), t.storage_offset()) for n, t in held.items()}
+
+        return self.llm.collective_rpc(read)
+
     def mixed(self):
         return self.llm.collective_rpc(lambda w: w.weight_transfer_engine.mixed)[0]
 
@@ -289,6 +310,11 @@ def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads:
     if engine_kwargs.get("tensor_parallel_size", 1) > 1:  # TP workers are processes of their own
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # one compute thread per worker: a fixed reduction order, so identical weights give
+        # identical logprobs (qstrat.engine.local.start_engine's ``threads`` rule)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # the test's read-back queries (weight_digests) are functions sent to the TP workers
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if threads:
         import torch
