@@ -53,7 +53,9 @@ class PlanCache:
     the entry; :attr:`miss` says which of these it was. A plan that fails is not kept (every call
     raises its own PlanError), nor one a sink's check refused. One entry: a trainer refits one
     model. What is computed from the plan alone (a sink's checks of it, its wire manifest, the
-    execution's tables) is kept with it (:meth:`keep`) and goes with it.
+    execution's tables) is kept with it (:meth:`keep`) and goes with it. What depends on the model
+    config alone (the engine manifest a sink without an engine checks against) is kept in
+    :attr:`manifests`, keyed by its inputs' values: the driver's one cache.
 
     Where the shapes and dtypes are compared: up front, by :meth:`get` (every in-process sink),
     or - for a sink that is all-or-none until the last input was read (a transport round before
@@ -83,6 +85,10 @@ class PlanCache:
         #: how many plans were kept (:meth:`put`): the planner's runs for this driver
         self.planned = 0
         self._kept: dict[Any, Any] = {}
+        #: engine manifests built from the model config (not from a plan, so kept across plans),
+        #: by layout, ``hf_config`` and ``quantization_config``
+        #: (:func:`qstrat.engine_manifest.check_model_tensors`'s ``cache``)
+        self.manifests: dict[Any, Any] = {}
 
     def get(self, tensors: Mapping[str, Any], hf_config: Mapping[str, Any], inputs: bool = True
             ) -> RefitPlan | None:

@@ -515,6 +515,6 @@ def model_tensors_check(driver: Any, hf_config: Mapping[str, Any] | None = None)
 
     def run(p: Any) -> bool:
         cfg = hf_config if hf_config is not None else driver.hf_config
-        cache = driver.__dict__.setdefault("_qstrat_model_manifests", {})
-        return check_model_tensors(p.plan, cfg, driver.layout, driver.registry, p.plan_given, cache)
+        return check_model_tensors(p.plan, cfg, driver.layout, driver.registry, p.plan_given,
+                                   driver.plan_cache.manifests)
     return SinkCheck("model tensors", run)
