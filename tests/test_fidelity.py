@@ -161,26 +161,38 @@ def test_format_key_and_explicit_thresholds_for_a_plan(models):
         threshold_for(plans["block"], {"mxfp8": Threshold(1, 1)})
 
 
-def test_the_floor_is_the_probes_own_kl_between_two_activation_precisions(models):
-    """The floor compares the expectation with its float32 rerun exactly as the probe compares
-    the engine (:func:`compare` on the rerun's top-20 + actual token), the limits are the factors
-    times it, and a floor of 0 is refused (no limit can be derived from it)."""
+def block_fp8_expectation(b):
+    """(driver, plan, probe sequences, expected weights, expected logprobs) of model ``b`` in block FP8."""
     from qstrat.demo.tiny_model import hf_config
     from qstrat.driver import RefitDriver
-    from qstrat.fidelity import compare, expected_logprobs, expected_weights, measure_floor, probe_sequences
-    from qstrat.fidelity_limits import DLOGPROB_FACTOR, FLOOR_FACTOR, Floor, derived_limit
+    from qstrat.fidelity import expected_logprobs, expected_weights, probe_sequences
 
-    b = models[1]
     driver = RefitDriver("block-fp8", hf_config=hf_config(b))
     state = b.state_dict()
     plan = driver.plan(state)
     seqs = probe_sequences(b.config.vocab_size)
     weights = expected_weights(driver, plan, state)
-    expected = expected_logprobs(b, seqs, weights)
+    return driver, plan, seqs, weights, expected_logprobs(b, seqs, weights)
+
+
+def as_engine_rows(logprobs, seqs):
+    """``logprobs`` [n, L-1, V] as an engine returns them: per position, its top-20 + the actual token."""
+    return [[{t: float(logprobs[i, j, t]) for t in set(logprobs[i, j].topk(20).indices.tolist()) | {s[j + 1]}}
+             for j in range(len(s) - 1)] for i, s in enumerate(seqs)]
+
+
+def test_the_floor_is_the_probes_own_kl_between_two_activation_precisions(models):
+    """The floor compares the expectation with its float32 rerun exactly as the probe compares
+    the engine (:func:`compare` on the rerun's top-20 + actual token), the limits are the factors
+    times it, and a floor of 0 is refused (no limit can be derived from it)."""
+    from qstrat.fidelity import compare, expected_logprobs, measure_floor
+    from qstrat.fidelity_limits import DLOGPROB_FACTOR, FLOOR_FACTOR, Floor, derived_limit
+
+    b = models[1]
+    driver, plan, seqs, weights, expected = block_fp8_expectation(b)
     floor = measure_floor(b, plan, driver, seqs, weights, expected, 20)
     rerun = expected_logprobs(b, seqs, {n: weights.get(n, p).float() for n, p in b.named_parameters()})
-    rows = [[{t: float(rerun[i, j, t]) for t in set(rerun[i, j].topk(20).indices.tolist()) | {s[j + 1]}}
-             for j in range(len(s) - 1)] for i, s in enumerate(seqs)]
+    rows = as_engine_rows(rerun, seqs)
     want = compare(expected, rows, seqs)
     assert floor.other == "float32" and floor.mean_kl == pytest.approx(want["mean_kl"], rel=1e-6)
     assert floor.max_dlogprob == pytest.approx(want["max_dlogprob"], rel=1e-6) and floor.mean_kl > 0
@@ -195,23 +207,14 @@ def test_the_per_token_verdict_is_the_median_against_the_float32_rerun(models):
     expectation), computed as the probe scores an engine (the expectation's top-20 + actual token
     in the engine's role); its limit is MEDIAN_FACTOR times it; a report whose median is over that
     limit fails even when its mean KL passes (the corruption that moves every token a little)."""
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.fidelity import (FidelityReport, compare, expected_logprobs, expected_weights, per_token_verdict,
-                                 probe_sequences, rerun_logprobs)
+    from qstrat.fidelity import FidelityReport, compare, per_token_verdict, rerun_logprobs
     from qstrat.fidelity_limits import MEDIAN_FACTOR, FLOOR_FACTOR, Threshold, median_limit
 
     b = models[1]
-    driver = RefitDriver("block-fp8", hf_config=hf_config(b))
-    state = b.state_dict()
-    plan = driver.plan(state)
-    seqs = probe_sequences(b.config.vocab_size)
-    weights = expected_weights(driver, plan, state)
-    expected = expected_logprobs(b, seqs, weights)
+    driver, plan, seqs, weights, expected = block_fp8_expectation(b)
     rerun, other, _ = rerun_logprobs(b, plan, driver, seqs, weights)
     assert other == "float32"
-    rows = [[{t: float(expected[i, j, t]) for t in set(expected[i, j].topk(20).indices.tolist()) | {s[j + 1]}}
-             for j in range(len(s) - 1)] for i, s in enumerate(seqs)]
+    rows = as_engine_rows(expected, seqs)
     engine_median, floor, limit = per_token_verdict(rerun, expected, rows, seqs, 20, float32_model=False)
     want = compare(rerun, rows, seqs)["median_kl"]  # the expectation scored as if it were the engine
     assert floor == pytest.approx(want, rel=1e-9) and engine_median == pytest.approx(floor, rel=1e-9) and floor > 0
