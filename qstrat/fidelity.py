@@ -13,7 +13,9 @@ checks what the engine computes after it. It scores a few fixed probe sequences 
 
 and reports max |dlogprob| over the actual next tokens and the mean KL(expected || engine) per
 position (:class:`FidelityReport`); above its limit - derived from the arithmetic floor the probe
-measures on the same model (:mod:`qstrat.fidelity_limits`; docs/fidelity.md) - it raises :class:`~qstrat.errors.FidelityError`. It also
+measures on the same model (:mod:`qstrat.fidelity_limits`; docs/fidelity.md) - or when the median
+per-position KL against the float32 rerun exceeds its own limit (the per-token verdict, same
+module) - it raises :class:`~qstrat.errors.FidelityError`. It also
 reports KL(trainer BF16 || engine): the quantization's own rollout mismatch (what NeMo-RL logs as
 ``gen_kl_error``, there estimated on sampled tokens in the other direction).
 
@@ -484,7 +486,9 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
         thresholds: explicit limits per format (:func:`threshold_for`); default None: the limits
             are derived from the arithmetic floor measured on this model and plan
             (:mod:`qstrat.fidelity_limits`).
-        check: raise FidelityError above the limits (else only report).
+        check: raise FidelityError above the limits (else only report). With derived limits the
+            per-token verdict applies too (:func:`per_token_verdict`: the float32 rerun on every
+            call, one more trainer forward).
         floors: a cache, format key -> :class:`Floor`: a floor found there is used, one measured
             is stored (:class:`Verify` keeps one, so the floor is measured on its first probe
             only). None: measured on every call.

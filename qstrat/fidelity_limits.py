@@ -37,7 +37,7 @@ DLOGPROB_FACTOR = 16.0
 #: median-KL limit / the median floor. Both are measured against the float32 rerun, which carries
 #: (almost) no BF16 rounding of its own: a correct engine is one BF16 forward's rounding away from
 #: it, as the model-dtype expectation is, so FLOOR_FACTOR's 2 for two independent roundings drops
-#: and its spread margin of 4 stays (correct engines measured 0.9-2.7x the median floor on the same
+#: and its spread margin of 4 stays (correct engines measured 0.7-3.3x the median floor on the same
 #: weights; docs/fidelity.md).
 MEDIAN_FACTOR = FLOOR_FACTOR / 2
 
