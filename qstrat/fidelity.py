@@ -13,7 +13,9 @@ checks what the engine computes after it. It scores a few fixed probe sequences 
 
 and reports max |dlogprob| over the actual next tokens and the mean KL(expected || engine) per
 position (:class:`FidelityReport`); above its limit - derived from the arithmetic floor the probe
-measures on the same model (:mod:`qstrat.fidelity_limits`; docs/fidelity.md) - it raises :class:`~qstrat.errors.FidelityError`. It also
+measures on the same model (:mod:`qstrat.fidelity_limits`; docs/fidelity.md) - or when the median
+per-position KL against the float32 rerun exceeds its own limit (the per-token verdict, same
+module) - it raises :class:`~qstrat.errors.FidelityError`. It also
 reports KL(trainer BF16 || engine): the quantization's own rollout mismatch (what NeMo-RL logs as
 ``gen_kl_error``, there estimated on sampled tokens in the other direction).
 
@@ -39,7 +41,8 @@ from typing import Any
 import torch
 
 from qstrat.errors import FidelityError
-from qstrat.fidelity_limits import FLOOR_FACTOR, Floor, Threshold, arithmetic_floor, derived_limit
+from qstrat.fidelity_limits import (FLOOR_FACTOR, MEDIAN_FACTOR, Floor, Threshold, arithmetic_floor, derived_limit,
+                                     median_floor, median_limit)
 from qstrat.online import served_plan
 from qstrat.plan import PASSTHROUGH, RefitPlan
 from qstrat.serializers.base import Serializer
@@ -379,7 +382,8 @@ def compare(expected: torch.Tensor, engine: Sequence[Sequence[Mapping[int, float
         :func:`engine_prompt_logprobs`; sequences: the token ids scored.
     Returns: ``max_dlogprob`` (max |engine - expected| logprob of the actual next token, nats),
         ``mean_kl`` / ``max_kl`` (KL(expected || engine) per position, top-k partition, nats),
-        ``worst`` ((sequence, position) of the max |dlogprob|), ``tokens`` (positions scored).
+        ``worst`` ((sequence, position) of the max |dlogprob|), ``tokens`` (positions scored),
+        ``median_kl`` (the lower median of the per-position KLs, ``torch.median``).
     """
     dmax, worst, kls = 0.0, (0, 0), []
     exp_cpu = expected.cpu()
@@ -391,7 +395,7 @@ def compare(expected: torch.Tensor, engine: Sequence[Sequence[Mapping[int, float
                 dmax, worst = d, (i, j + 1)
             kls.append(_partition_kl(exp_cpu[i, j], row))
     return {"max_dlogprob": dmax, "mean_kl": sum(kls) / len(kls), "max_kl": max(kls),
-            "worst": worst, "tokens": len(kls)}
+            "worst": worst, "tokens": len(kls), "median_kl": float(torch.tensor(kls).median())}
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,10 @@ class FidelityReport:
             (:func:`qstrat.fidelity_limits.arithmetic_floor`; None when ``thresholds`` were given).
         limit_from: where ``threshold`` came from, in words (the floor's value and the factor, or
             "given").
+        median_kl: median over positions of KL(float32 rerun || engine) on this probe's weights
+            (None with explicit ``thresholds``: not measured); median_floor: the same median for
+            the model-dtype expectation instead of the engine; median_limit: ``MEDIAN_FACTOR x
+            median_floor`` (:func:`qstrat.fidelity_limits.median_limit`; None: not applied).
     """
 
     format: str
@@ -425,22 +433,37 @@ class FidelityReport:
     expected_bytes: int
     floor: Floor | None = None
     limit_from: str = "given"
+    median_kl: float | None = None
+    median_floor: float | None = None
+    median_limit: float | None = None
 
     @property
     def passed(self) -> bool:
-        return (self.max_dlogprob <= self.threshold.max_dlogprob and self.mean_kl <= self.threshold.mean_kl)
+        return (self.max_dlogprob <= self.threshold.max_dlogprob and self.mean_kl <= self.threshold.mean_kl
+                and (self.median_limit is None or self.median_kl <= self.median_limit))
 
     @property
     def ratio(self) -> float:
         """mean KL / its limit: above 1 fails."""
         return self.mean_kl / self.threshold.mean_kl
 
+    @property
+    def median_ratio(self) -> float | None:
+        """median KL / its limit (above 1 fails); None when no median limit applies."""
+        return None if self.median_limit is None else self.median_kl / self.median_limit
+
     def __str__(self) -> str:
         t = self.threshold
         return (f"fidelity {self.format}: mean KL {self.mean_kl:.3g} (limit {t.mean_kl:.3g}, {self.ratio:.2g}x), "
                 f"max |dlogprob| {self.max_dlogprob:.3g} (limit {t.max_dlogprob:.3g}), max KL {self.max_kl:.3g}; "
-                f"limits {self.limit_from}; KL(trainer BF16 || engine) {self.bf16_kl:.3g}; {self.tokens} tokens, "
-                f"top-{self.top_k}, {self.seconds:.2f} s")
+                f"limits {self.limit_from}; {self._median_words()}KL(trainer BF16 || engine) {self.bf16_kl:.3g}; "
+                f"{self.tokens} tokens, top-{self.top_k}, {self.seconds:.2f} s")
+
+    def _median_words(self) -> str:
+        if self.median_limit is None:
+            return ""
+        return (f"median KL vs the float32 rerun {self.median_kl:.3g} (limit {self.median_limit:.3g} = "
+                f"{MEDIAN_FACTOR:g} x its median floor {self.median_floor:.3g}, {self.median_ratio:.2g}x); ")
 
 
 def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None = None,
@@ -463,7 +486,9 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
         thresholds: explicit limits per format (:func:`threshold_for`); default None: the limits
             are derived from the arithmetic floor measured on this model and plan
             (:mod:`qstrat.fidelity_limits`).
-        check: raise FidelityError above the limits (else only report).
+        check: raise FidelityError above the limits (else only report). With derived limits the
+            per-token verdict applies too (:func:`per_token_verdict`: the float32 rerun on every
+            call, one more trainer forward).
         floors: a cache, format key -> :class:`Floor`: a floor found there is used, one measured
             is stored (:class:`Verify` keeps one, so the floor is measured on its first probe
             only). None: measured on every call.
@@ -495,12 +520,15 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     weights = expected_weights(driver, plan, state)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     expected = expected_with_activations(model, plan, driver, sequences, weights)
-    floor = None
+    floor, medians = None, (None, None, None)
     if thresholds is None:
-        floor = (floors or {}).get(fmt) or measure_floor(model, plan, driver, sequences, weights, expected, k)
+        rerun = rerun_logprobs(model, plan, driver, sequences, weights)
+        floor = (floors or {}).get(fmt) or measure_floor(model, plan, driver, sequences, weights, expected, k, rerun)
         if floors is not None:
             floors[fmt] = floor
         limit = derived_limit(floor)
+        medians = per_token_verdict(rerun[0], expected, engine, sequences, k, model_dtype(model) == "float32")
+        del rerun
     del weights
     bf16 = expected_logprobs(model, sequences)
     got = compare(expected, engine, sequences)
@@ -509,7 +537,8 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
         f"= {FLOOR_FACTOR:g} x floor {floor.mean_kl:.3g} (KL of this model's expectation, {model_dtype(model)} "
         f"vs {floor.other} activations, measured in {floor.seconds:.2f} s)")
     report = FidelityReport(fmt, got["tokens"], k, got["max_dlogprob"], got["mean_kl"], got["max_kl"],
-                            got["worst"], ref["mean_kl"], limit, time.perf_counter() - start, nbytes, floor, limit_from)
+                            got["worst"], ref["mean_kl"], limit, time.perf_counter() - start, nbytes, floor, limit_from,
+                            *medians)
     if check and not report.passed:
         raise FidelityError(
             f"the engine does not serve what was sent: {report}. Its outputs differ from the trainer's "
@@ -538,21 +567,44 @@ def expected_with_activations(model: torch.nn.Module, plan: RefitPlan, driver: A
     return out
 
 
-def measure_floor(model: torch.nn.Module, plan: RefitPlan, driver: Any, sequences: Sequence[Sequence[int]],
-                  weights: Mapping[str, torch.Tensor], expected: torch.Tensor, k: int) -> Floor:
-    """The arithmetic floor of this model and plan (:func:`qstrat.fidelity_limits.arithmetic_floor`):
-    the expectation (``expected``, run in the model's dtype) against the same weights and
-    activation fake quantization run in float32 (in bfloat16 for a float32 model).
+def rerun_logprobs(model: torch.nn.Module, plan: RefitPlan, driver: Any, sequences: Sequence[Sequence[int]],
+                   weights: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, str, float]:
+    """The expectation rerun in the other activation precision: ``weights`` (and every other
+    parameter) cast to float32 (to bfloat16 for a float32 model), under :func:`engine_activations`.
 
-    Memory: a copy of every parameter in the other dtype (4 bytes per parameter for a BF16
-    trainer), freed on return. Time: one more trainer forward over the probe sequences."""
+    Returns: (log-probabilities [n, L-1, V] float32, the other dtype's name, seconds). Memory: a
+    copy of every parameter in that dtype (4 bytes per parameter for a BF16 trainer), freed on
+    return. Time: one trainer forward over the probe sequences."""
     start = time.perf_counter()
     other = torch.bfloat16 if model_dtype(model) == "float32" else torch.float32
     params = {n: weights.get(n, p).to(other) for n, p in model.named_parameters() if p.is_floating_point()}
     rerun = expected_with_activations(model, plan, driver, sequences, params)
     del params
-    return arithmetic_floor(expected, rerun, [list(s) for s in sequences], k, str(other).rpartition(".")[2],
-                            time.perf_counter() - start)
+    return rerun, str(other).rpartition(".")[2], time.perf_counter() - start
+
+
+def measure_floor(model: torch.nn.Module, plan: RefitPlan, driver: Any, sequences: Sequence[Sequence[int]],
+                  weights: Mapping[str, torch.Tensor], expected: torch.Tensor, k: int,
+                  rerun: tuple[torch.Tensor, str, float] | None = None) -> Floor:
+    """The arithmetic floor of this model and plan (:func:`qstrat.fidelity_limits.arithmetic_floor`):
+    the expectation (``expected``, run in the model's dtype) against the same weights and
+    activation fake quantization run in float32 (in bfloat16 for a float32 model):
+    :func:`rerun_logprobs`, or ``rerun`` when given (its result on the same arguments)."""
+    logprobs, other, seconds = rerun or rerun_logprobs(model, plan, driver, sequences, weights)
+    return arithmetic_floor(expected, logprobs, [list(s) for s in sequences], k, other, seconds)
+
+
+def per_token_verdict(rerun: torch.Tensor, expected: torch.Tensor, engine: Sequence[Sequence[Mapping[int, float]]],
+                      sequences: Sequence[Sequence[int]], k: int,
+                      float32_model: bool) -> tuple[float, float, float | None]:
+    """(median KL(precise || engine), median floor, its limit): the per-token verdict of
+    :mod:`qstrat.fidelity_limits` (:func:`~qstrat.fidelity_limits.median_floor`,
+    :func:`~qstrat.fidelity_limits.median_limit`). The precise run is the float32 one: ``rerun``
+    for a BF16 model, ``expected`` for a float32 one (whose rerun is the bfloat16 one).
+    All [n, L-1, V] float32 log-probabilities of the same weights; nats."""
+    precise, rough = (expected, rerun) if float32_model else (rerun, expected)
+    floor = median_floor(precise, rough, [list(s) for s in sequences], k)
+    return compare(precise, engine, sequences)["median_kl"], floor, median_limit(floor)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ activation fake quantization as the expectation, how far one change of activatio
 the output - the expectation run in the model's dtype against the same run in float32
 (:func:`arithmetic_floor`) - and sets each limit at :data:`FLOOR_FACTOR` times that floor
 (:func:`derived_limit`). The measured values behind the factor are in docs/fidelity.md ("Limits").
+
+A second, per-token verdict (:func:`median_limit`): the median over positions of KL(float32 rerun
+|| engine) must stay within :data:`MEDIAN_FACTOR` times the median of KL(float32 rerun || the
+model-dtype expectation), both measured on the probe's current weights. A mean over positions is
+set by its heaviest positions (a routing flip), and its limit must leave room for them; a
+corruption that moves EVERY token a little (one layer's experts zeroed in a deeper model) shifts
+the median as much as the mean, while the median of a correct engine follows its floor closely.
 """
 from __future__ import annotations
 
@@ -16,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FLOOR_FACTOR", "DLOGPROB_FACTOR", "Floor", "Threshold", "arithmetic_floor", "derived_limit",
-           "partition_kl_rows"]
+__all__ = ["FLOOR_FACTOR", "DLOGPROB_FACTOR", "MEDIAN_FACTOR", "Floor", "Threshold", "arithmetic_floor",
+           "derived_limit", "median_floor", "median_limit", "partition_kl_rows"]
 
 #: mean-KL limit / floor. A correct engine and transformers each deviate from exact arithmetic by
 #: about one BF16 forward's rounding (the floor); independent deviations add (KL is quadratic in a
@@ -27,6 +34,12 @@ FLOOR_FACTOR = 8.0
 #: max-|dlogprob| limit / the floor's max |dlogprob|: a maximum over positions is heavier-tailed
 #: than a mean (one routing flip sets it), so twice the mean KL's factor. The mean KL decides.
 DLOGPROB_FACTOR = 16.0
+#: median-KL limit / the median floor. Both are measured against the float32 rerun, which carries
+#: (almost) no BF16 rounding of its own: a correct engine is one BF16 forward's rounding away from
+#: it, as the model-dtype expectation is, so FLOOR_FACTOR's 2 for two independent roundings drops
+#: and its spread margin of 4 stays (correct engines measured 0.7-3.3x the median floor on the same
+#: weights; docs/fidelity.md).
+MEDIAN_FACTOR = FLOOR_FACTOR / 2
 
 
 @dataclass(frozen=True)
@@ -95,3 +108,23 @@ def arithmetic_floor(expected: torch.Tensor, rerun: torch.Tensor, sequences: lis
     actual = torch.tensor([list(s[1:]) for s in sequences], dtype=torch.long)
     kl, dlog = partition_kl_rows(expected.cpu(), rerun.cpu(), actual, k)
     return Floor(mean_kl=float(kl.mean()), max_dlogprob=float(dlog.max()), other=other, seconds=seconds)
+
+
+def median_floor(precise: torch.Tensor, rough: torch.Tensor, sequences: list[list[int]], k: int) -> float:
+    """Median over positions of KL(``precise`` || ``rough``) (:func:`partition_kl_rows`, ``rough``
+    in the engine's role): how far one BF16 forward's rounding moves a typical token's distribution.
+
+    Args: precise: the float32 run's log-probabilities, rough: the bfloat16 run's (both [n, L-1, V]
+        float32, the same weights and sequences); k: the engine's logprobs per position.
+    Returns: nats (the lower median of the n * (L-1) positions: ``torch.median``)."""
+    actual = torch.tensor([list(s[1:]) for s in sequences], dtype=torch.long)
+    kl, _ = partition_kl_rows(precise.cpu(), rough.cpu(), actual, k)
+    return float(kl.flatten().median())
+
+
+def median_limit(floor_median: float, factor: float = MEDIAN_FACTOR) -> float | None:
+    """The largest median KL(float32 rerun || engine) a correct refit may show: ``factor *
+    floor_median`` (:data:`MEDIAN_FACTOR`). None for a median floor of 0 (more than half the
+    positions untouched by the rounding: no per-token limit can be derived; the mean-KL limit
+    still applies)."""
+    return factor * floor_median if floor_median > 0 else None

@@ -95,7 +95,10 @@ class BlockFP8(Serializer):
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """weight * weight_scale_inv broadcast over its 128x128 tile; float32 of weight's shape."""
         q, s = parts["weight"], parts["weight_scale_inv"]
-        n, k = q.shape[-2:]
+        *lead, n, k = q.shape
+        if n % BLOCK == 0 and k % BLOCK == 0:  # whole tiles: broadcast the scale, no expanded copy
+            tiles = q.float().view(*lead, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+            return (tiles * s.unsqueeze(-1).unsqueeze(-3)).view(*lead, n, k)
         full = s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
         return q.float() * full[..., :n, :k]
 

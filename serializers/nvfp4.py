@@ -23,6 +23,8 @@ Decode: ``x ~= e2m1(code) * (fp32(weight_scale) * weight_scale_2)``.
 """
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -217,6 +219,17 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
+@functools.lru_cache(maxsize=None)
+def byte_pair_values(device: torch.device) -> torch.Tensor:
+    """float32 [256, 2]: row ``b`` holds the signed E2M1 values of packed byte ``b``'s two codes,
+    low nibble first (:func:`pack_nibbles`' order): ``copysign(E2M1_VALUES[c & 7], -1 if c & 8)``
+    (code 0x8 is -0.0). Indexing it with the packed bytes decodes both codes at once, the same
+    values as :func:`unpack_nibbles` and a 16-entry lookup."""
+    signed = torch.tensor([math.copysign(E2M1_VALUES[c & 7], -1.0 if c & 8 else 1.0) for c in range(16)],
+                          dtype=torch.float32)
+    return torch.stack((signed.repeat(16), signed.repeat_interleave(16)), dim=-1).to(device)
+
+
 class NVFP4(Serializer):
     """NVFP4 (E2M1, e4m3 scale per 16 along K, fp32 per-matrix scale), ModelOpt checkpoint form."""
 
@@ -356,10 +369,7 @@ class NVFP4(Serializer):
         vLLM's ``dequantize_to_dtype``. Parts of an [N, K] or [E, N, K] weight -> float32 of
         that shape (code 0x8 decodes to -0.0)."""
         q, s, s2 = parts["weight"], parts["weight_scale"], parts["weight_scale_2"]
-        codes = unpack_nibbles(q).to(torch.int64)
-        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=q.device)
-        sign = torch.where(codes >= 8, -1.0, 1.0)
-        vals = table[codes & 7] * sign
+        vals = byte_pair_values(q.device)[q.long()].flatten(-2)  # one lookup per packed byte
         blk = s.to(torch.float32) * s2.to(torch.float32).reshape(*s2.shape, 1, 1)
         *lead, n, k = vals.shape
         out = vals.reshape(*lead, n, k // BLOCK, BLOCK) * blk.unsqueeze(-1)

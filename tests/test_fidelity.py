@@ -18,6 +18,7 @@ scripts/fidelity_calibrate.py and docs/fidelity.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import warnings
@@ -160,26 +161,38 @@ def test_format_key_and_explicit_thresholds_for_a_plan(models):
         threshold_for(plans["block"], {"mxfp8": Threshold(1, 1)})
 
 
-def test_the_floor_is_the_probes_own_kl_between_two_activation_precisions(models):
-    """The floor compares the expectation with its float32 rerun exactly as the probe compares
-    the engine (:func:`compare` on the rerun's top-20 + actual token), the limits are the factors
-    times it, and a floor of 0 is refused (no limit can be derived from it)."""
+def block_fp8_expectation(b):
+    """(driver, plan, probe sequences, expected weights, expected logprobs) of model ``b`` in block FP8."""
     from qstrat.demo.tiny_model import hf_config
     from qstrat.driver import RefitDriver
-    from qstrat.fidelity import compare, expected_logprobs, expected_weights, measure_floor, probe_sequences
-    from qstrat.fidelity_limits import DLOGPROB_FACTOR, FLOOR_FACTOR, Floor, derived_limit
+    from qstrat.fidelity import expected_logprobs, expected_weights, probe_sequences
 
-    b = models[1]
     driver = RefitDriver("block-fp8", hf_config=hf_config(b))
     state = b.state_dict()
     plan = driver.plan(state)
     seqs = probe_sequences(b.config.vocab_size)
     weights = expected_weights(driver, plan, state)
-    expected = expected_logprobs(b, seqs, weights)
+    return driver, plan, seqs, weights, expected_logprobs(b, seqs, weights)
+
+
+def as_engine_rows(logprobs, seqs):
+    """``logprobs`` [n, L-1, V] as an engine returns them: per position, its top-20 + the actual token."""
+    return [[{t: float(logprobs[i, j, t]) for t in set(logprobs[i, j].topk(20).indices.tolist()) | {s[j + 1]}}
+             for j in range(len(s) - 1)] for i, s in enumerate(seqs)]
+
+
+def test_the_floor_is_the_probes_own_kl_between_two_activation_precisions(models):
+    """The floor compares the expectation with its float32 rerun exactly as the probe compares
+    the engine (:func:`compare` on the rerun's top-20 + actual token), the limits are the factors
+    times it, and a floor of 0 is refused (no limit can be derived from it)."""
+    from qstrat.fidelity import compare, expected_logprobs, measure_floor
+    from qstrat.fidelity_limits import DLOGPROB_FACTOR, FLOOR_FACTOR, Floor, derived_limit
+
+    b = models[1]
+    driver, plan, seqs, weights, expected = block_fp8_expectation(b)
     floor = measure_floor(b, plan, driver, seqs, weights, expected, 20)
     rerun = expected_logprobs(b, seqs, {n: weights.get(n, p).float() for n, p in b.named_parameters()})
-    rows = [[{t: float(rerun[i, j, t]) for t in set(rerun[i, j].topk(20).indices.tolist()) | {s[j + 1]}}
-             for j in range(len(s) - 1)] for i, s in enumerate(seqs)]
+    rows = as_engine_rows(rerun, seqs)
     want = compare(expected, rows, seqs)
     assert floor.other == "float32" and floor.mean_kl == pytest.approx(want["mean_kl"], rel=1e-6)
     assert floor.max_dlogprob == pytest.approx(want["max_dlogprob"], rel=1e-6) and floor.mean_kl > 0
@@ -187,6 +200,38 @@ def test_the_floor_is_the_probes_own_kl_between_two_activation_precisions(models
     assert (limit.mean_kl, limit.max_dlogprob) == (FLOOR_FACTOR * floor.mean_kl, DLOGPROB_FACTOR * floor.max_dlogprob)
     with pytest.raises(ValueError, match=r"the measured arithmetic floor is 0\.0 .*pass thresholds"):
         derived_limit(Floor(0.0, 0.1, "float32", 0.0))
+
+
+def test_the_per_token_verdict_is_the_median_against_the_float32_rerun(models):
+    """The median floor is the median over positions of KL(float32 rerun || the model-dtype
+    expectation), computed as the probe scores an engine (the expectation's top-20 + actual token
+    in the engine's role); its limit is MEDIAN_FACTOR times it; a report whose median is over that
+    limit fails even when its mean KL passes (the corruption that moves every token a little)."""
+    from qstrat.fidelity import FidelityReport, compare, per_token_verdict, rerun_logprobs
+    from qstrat.fidelity_limits import MEDIAN_FACTOR, FLOOR_FACTOR, Threshold, median_limit
+
+    b = models[1]
+    driver, plan, seqs, weights, expected = block_fp8_expectation(b)
+    rerun, other, _ = rerun_logprobs(b, plan, driver, seqs, weights)
+    assert other == "float32"
+    rows = as_engine_rows(expected, seqs)
+    engine_median, floor, limit = per_token_verdict(rerun, expected, rows, seqs, 20, float32_model=False)
+    want = compare(rerun, rows, seqs)["median_kl"]  # the expectation scored as if it were the engine
+    assert floor == pytest.approx(want, rel=1e-9) and engine_median == pytest.approx(floor, rel=1e-9) and floor > 0
+    assert limit == MEDIAN_FACTOR * floor and MEDIAN_FACTOR == FLOOR_FACTOR / 2 and median_limit(0.0) is None
+    report = FidelityReport("block_fp8", 124, 20, 0.1, 1e-5, 1e-4, (0, 1), 1e-5, Threshold(1.0, 1e-4), 0.1, 0,
+                            median_kl=2 * limit, median_floor=floor, median_limit=limit)
+    assert report.ratio < 1 and report.median_ratio == pytest.approx(2.0) and not report.passed
+    assert f"median KL vs the float32 rerun {2 * limit:.3g} (limit {limit:.3g} = {MEDIAN_FACTOR:g} x" in str(report)
+    assert dataclasses.replace(report, median_kl=limit / 2).passed
+    assert dataclasses.replace(report, median_kl=None, median_floor=None, median_limit=None).passed  # given limits
+    from qstrat.fidelity_metrics import FIDELITY_METRICS, fidelity_metrics
+
+    logged = fidelity_metrics(report)  # what every integration logs per probed step
+    assert list(logged) == list(FIDELITY_METRICS) and logged["qstrat/fidelity/median_kl"] == 2 * limit
+    assert logged["qstrat/fidelity/median_ratio"] == report.median_ratio and logged["qstrat/fidelity/ratio"] == report.ratio
+    given = fidelity_metrics(dataclasses.replace(report, median_kl=None, median_floor=None, median_limit=None))
+    assert list(given) == list(FIDELITY_METRICS[:5])
 
 
 # ---- live engines ------------------------------------------------------------------------------
@@ -253,7 +298,7 @@ def expect_caught(llm, driver, models, transform, what):
 def test_correct_refits_pass_within_limits_derived_from_the_measured_floor(quantized, models):
     """Default arguments: the limits are FLOOR_FACTOR x the floor the probe measured on this model
     (the report says so), and both correct refits pass them."""
-    from qstrat.fidelity_limits import FLOOR_FACTOR, derived_limit
+    from qstrat.fidelity_limits import FLOOR_FACTOR, MEDIAN_FACTOR, derived_limit
 
     llm, driver, key = quantized
     for step, model in ((1, models[1]), (0, models[0])):
@@ -263,6 +308,7 @@ def test_correct_refits_pass_within_limits_derived_from_the_measured_floor(quant
         assert f.format == key and f.floor is not None and f.floor.other == "float32" and f.passed
         assert f.threshold == derived_limit(f.floor) and f.threshold.mean_kl == FLOOR_FACTOR * f.floor.mean_kl
         assert f"limits = {FLOOR_FACTOR:g} x floor {f.floor.mean_kl:.3g}" in str(f)
+        assert f.median_limit == MEDIAN_FACTOR * f.median_floor and 0 < f.median_kl <= f.median_limit
         assert f.tokens == 4 * 31 and f.top_k == 20 and f.bf16_kl > 0
         assert f"; fidelity {key}: mean KL" in repr(report)
 

@@ -67,6 +67,7 @@ def _run(strategy, tmp_path, peft=False, verify_every=0):
             assert h["qstrat/fidelity/max_dlogprob"] == f.max_dlogprob
             assert h["qstrat/fidelity/bf16_kl"] == f.bf16_kl > 0
             assert h["qstrat/fidelity/limit"] == f.threshold.mean_kl and h["qstrat/fidelity/ratio"] == f.ratio <= 1
+            assert h["qstrat/fidelity/median_kl"] == f.median_kl and h["qstrat/fidelity/median_ratio"] == f.median_ratio <= 1
             assert f.floor is sync.reports[0].fidelity.floor  # one Verify: the floor measured on the first sync
         else:
             assert report.fidelity is None and "qstrat/fidelity/mean_kl" not in h

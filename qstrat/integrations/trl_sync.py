@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import QstratError
+from qstrat.fidelity_metrics import FIDELITY_METRICS, fidelity_metrics  # noqa: F401 (FIDELITY_METRICS: re-exported)
 from qstrat.vllm_adapter import names
 from qstrat.vllm_adapter.views import EngineView
 
@@ -31,13 +32,7 @@ _MODULE = "trl.generation.vllm_generation"
 _CLASS_HOOKS = ("_init_vllm", "_iter_named_params", "sync_weights")
 #: Metric names added to the trainer's logs on every sync.
 METRICS = ("qstrat/refit/seconds", "qstrat/refit/bytes", "qstrat/refit/tensors", "qstrat/sync/seconds")
-#: What a sync with the fidelity probe (``verify_every``) logs besides :data:`METRICS` (nats,
-#: :class:`qstrat.fidelity.FidelityReport`): engine vs the trainer's model on the same quantized
-#: weights, and the rollout mismatch KL(trainer BF16 || engine) (NeMo-RL's ``gen_kl_error``).
-#: ``limit`` is the mean-KL limit the verdict used (derived from the floor the probe measured on the
-#: model, docs/fidelity.md) and ``ratio`` = mean_kl / limit (above 1: FidelityError).
-FIDELITY_METRICS = ("qstrat/fidelity/mean_kl", "qstrat/fidelity/max_dlogprob", "qstrat/fidelity/bf16_kl",
-                    "qstrat/fidelity/limit", "qstrat/fidelity/ratio")
+
 
 
 class TRLHookError(QstratError, RuntimeError):
@@ -223,7 +218,7 @@ class QstratWeightSync:
         values = dict(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
         f = report.fidelity
         if f is not None:
-            values.update(zip(FIDELITY_METRICS, (f.mean_kl, f.max_dlogprob, f.bf16_kl, f.threshold.mean_kl, f.ratio)))
+            values.update(fidelity_metrics(f))
         return values
 
     def _log(self, report: Any, seconds: float) -> None:
