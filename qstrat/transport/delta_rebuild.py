@@ -18,6 +18,9 @@ class DeltaRebuild:
         #: None: no base (any round in another mode, or a failed load, drops it).
         self.base: delta.Base | None = None
         self._decoder: PatchDecoder | None = None
+        #: The stream of the base before the current one (every tensor of it was replaced by the
+        #: load of the current base, and loaders copy): the next rebuild is written into it.
+        self._spare = None
 
     def decoder(self, info: dict[str, Any], target: WireManifest, secret: Secret | None, mac: bytes) -> PatchDecoder:
         """The decoder of the round ``info`` (``update_info["delta"]``) of wire manifest
@@ -27,8 +30,16 @@ class DeltaRebuild:
         def drop() -> None:
             self.base = None
 
-        self._decoder = PatchDecoder(info, target, self.base, secret, mac, drop)
+        spare, self._spare = self._spare, None
+        self._decoder = PatchDecoder(info, target, self.base, secret, mac, drop, spare)
         return self._decoder
+
+    def commit(self, next_base: delta.Base | None) -> None:
+        """The round of ``next_base`` loaded whole: it becomes the base (None: no base), and the
+        replaced base's stream the buffer of the next rebuild."""
+        if self.base is not None and next_base is not None and self.base.stream is not next_base.stream:
+            self._spare = self.base.stream
+        self.base = next_base
 
     def take_next(self) -> delta.Base | None:
         """The base of the round rebuilt last (None: none, or not rebuilt whole), forgotten here."""

@@ -29,14 +29,17 @@ class PatchDecoder:
     Args: info: ``update_info["delta"]`` (checked: :func:`~qstrat.transport.delta.check_info`);
         target: the round's wire manifest; base: the receiver's base (checked against ``info``
         in the accept vote); secret, mac: key the digests; on_error: called before a DeltaError
-        is raised (the receiver drops its base: out of step with the trainer).
+        is raised (the receiver drops its base: out of step with the trainer); spare: a buffer
+        of the stream's size to rebuild into (its bytes are overwritten; None or another size:
+        a new one).
     """
 
     def __init__(self, info: dict[str, Any], target: WireManifest, base: delta.Base | None, secret: Secret | None,
-                 mac: bytes, on_error: Callable[[], None] = lambda: None) -> None:
+                 mac: bytes, on_error: Callable[[], None] = lambda: None, spare: torch.Tensor | None = None) -> None:
         self.info, self.target, self.on_error = info, target, on_error
         self.base = base if info.get("base") is not None else None
-        self.stream = torch.empty(delta.padded_size(target.total_bytes), dtype=torch.uint8)
+        size = delta.padded_size(target.total_bytes)
+        self.stream = spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
         self.cuts = delta.cuts(target)
         self.sealer = delta.digest_sealer(secret, mac, info)
         #: The new base once :meth:`staged` ran (None before).

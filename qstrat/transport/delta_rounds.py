@@ -33,6 +33,9 @@ class DeltaRounds:
         #: The base shared with the engines: the last round every engine committed, in host
         #: memory (None: the next round is whole).
         self.base: delta.Base | None = None
+        #: A stream buffer no one reads (the base before the last), reused for the next round's
+        #: stream: written in place, without a new allocation's page faults.
+        self.spare: torch.Tensor | None = None
 
     def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], send: SendRound
               ) -> TransferReport:
@@ -49,7 +52,9 @@ class DeltaRounds:
         t0 = time.perf_counter()
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
-        enc = PatchEncoder(target, tensors, base)
+        spare, self.spare = self.spare, None
+        size = delta.padded_size(target.total_bytes)
+        enc = PatchEncoder(target, tensors, base, spare if spare is not None and spare.numel() == size else None)
         attempts, spent = 1, (0.0, 0.0)
         try:
             try:
@@ -59,13 +64,13 @@ class DeltaRounds:
                 enc = enc.whole()
                 report = send(enc, {"delta": enc.info})
         except REFUSED_BEFORE_DATA:
-            self.base = base  # every engine still holds it
+            self.base, self.spare = base, enc.stream  # every engine still holds it
             raise
         except BaseException as exc:
             if enc.source_error is not None and not isinstance(exc, MixedWeightsError):
-                self.base = base  # the source failed: the stream was aborted, nothing loaded anywhere
+                self.base, self.spare = base, enc.stream  # the source failed: aborted, nothing loaded anywhere
             raise
-        self.base = enc.new_base()
+        self.base, self.spare = enc.new_base(), base.stream if base is not None else None
         info = DeltaReport(enc.kind, reason, target.total_bytes, enc.wire_bytes, enc.tiles,
                            spent[0] + enc.source_s, spent[1] + enc.encode_s, self.base.nbytes, attempts)
         return TransferReport(report.wire_manifest, enc.wire_bytes, report.buckets, report.stream_seconds,

@@ -199,7 +199,7 @@ class ReceiverSession:
                                     f"next refit must be whole") from exc
         self.landing.end()
         self.stats["finish_s"] = time.perf_counter() - t0
-        self.delta.base = next_base
+        self.delta.commit(next_base)
         self.flag.loaded(self.expected, sent)
 
     def _fail_load(self, exc: BaseException, sent: set[str]) -> None:
