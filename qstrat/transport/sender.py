@@ -191,7 +191,7 @@ class RefitSender:
             return self._round(prepared)
         except InputMismatchError as exc:  # aborted before the commit vote: the engines hold what they held
             driver.plan_cache.clear()
-            self.delta_rounds.base = base  # a delta round is encoded whole before it is sent: nothing went
+            self.delta_rounds.base = base  # the stream was aborted before the commit vote: nothing loaded
             logger.info("qstrat transport: the kept plan does not fit the inputs (%s): planning again", exc)
             try:
                 report = self._round(driver.prepare(named_tensors, None, checks))
