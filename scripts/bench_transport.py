@@ -43,8 +43,8 @@ the delta one's base; ``--width``: hidden and intermediate sizes and heads times
 the start round and every step, a FULL round (``mode="atomic"``) and a DELTA round
 (``mode="delta"``) of the same weights, one after the other. Printed per step: wire bytes of
 each (the delta's as % of the full's), the delta sender's encode seconds (``enc s``: compare,
-digest, patch; wall seconds of the thread doing them), the receiver's decode seconds (``dec s``:
-rebuild and digest, before the commit vote), each ``refit`` call's wall seconds (quantization
+digest, patch, summed over the buckets), the receiver's decode seconds (``dec s``: rebuild and
+digest, summed over the buckets, each while the sender encodes the next), each ``refit`` call's wall seconds (quantization
 included), the CPU seconds of each round (``cpu s``: the sender process over the ``refit`` call
 plus the receiver process over the same time: what the round costs whatever the machine's load),
 whether both receivers hold exactly ``RefitDriver.run``'s bytes, and the memory each round
@@ -54,8 +54,8 @@ needed none (Linux updates VmHWM lazily, so such a round can read a fraction of 
 start: printed as 0). Then per format and lr, the medians over the delta steps (every step but
 the start round): wall seconds full / delta and their ratio, CPU seconds full / delta, and the
 machine's load average (``os.getloadavg``) before and after; then the phase profile (as above) of
-the median full and the median delta round (a delta round's ``send`` phases start once the whole
-round is quantized and encoded: its wall minus their sum is that work).
+the median full and the median delta round (a delta round's ``source`` phase is quantizing and
+encoding each bucket, interleaved with its ``wait`` on the wire, as a full round's).
 
 Per-process links (``--mesh-links RATE...``): every process in its own network namespace behind
 its own link shaped to RATE in and out (scripts/mesh_links.py); the per-link efficiency of raw gloo
@@ -172,7 +172,7 @@ def _phases(d: dict, keys: tuple[str, ...]) -> str:
 
 
 SEND_PHASES = ("start", "handshake", "source", "pack", "seal", "wait", "commit", "update", "finish")
-RECV_PHASES = ("handshake", "alloc", "wait", "seal", "load", "commit", "finish")
+RECV_PHASES = ("handshake", "alloc", "wait", "seal", "rebuild", "load", "commit", "finish")
 
 
 def throughput(args, tensors) -> None:
@@ -341,7 +341,7 @@ def delta(args, summary: list[dict]) -> None:
                     want = {n: sha256(t) for n, t in driver.run(state)}
                     exact = full_r[0].ctl.call("digests") == want == delta_r[0].ctl.call("digests")
                     info = d[0].delta
-                    dec = delta_r[0].ctl.call("stats").get("finalize_s", 0.0)
+                    dec = delta_r[0].ctl.call("stats").get("rebuild_s", 0.0)
                     print(f"{fmt:9} {lr:6.0e} {step:>4} {info.full_bytes:>8} {info.wire_bytes:>8} "
                           f"{100 * info.wire_bytes / info.full_bytes:>6.2f} {info.kind:>5} {info.encode_s:>6.3f} "
                           f"{dec:>6.3f} {f[1]:>6.3f} {d[1]:>7.3f} {f[4]:>5.2f}/{d[4]:<5.2f} {str(exact):>5} "

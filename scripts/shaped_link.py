@@ -4,7 +4,8 @@ A network namespace (``qlink``) joined to this one by a veth pair (``ql0`` here,
 ``ql1`` in the namespace, 10.78.0.2/24), each end's egress shaped by the kernel's token bucket
 filter (``tc qdisc replace dev ... root tbf rate RATE``): traffic between the sender (here) and
 receivers spawned inside the namespace crosses a real kernel TCP path at RATE in both directions.
-The namespace and the veth pair are reused when they exist and removed at exit only when this
+Other names and subnet: the environment variables ``QSTRAT_LINK_NAME`` and ``QSTRAT_LINK_NET``
+(below). The namespace and the veth pair are reused when they exist and removed at exit only when this
 process created them; the shapers it set are removed either way. ``lo`` and other interfaces are
 never touched.
 
@@ -25,8 +26,12 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-NETNS, HOST_IF, NS_IF = "qlink", "ql0", "ql1"
-HOST_ADDR, NS_ADDR = "10.78.0.1", "10.78.0.2"
+#: Names and subnet, overridable so that several benchmarks on one machine do not share a link:
+#: ``QSTRAT_LINK_NAME=dp`` -> namespace ``dplink``, veth ends ``dp0`` / ``dp1``;
+#: ``QSTRAT_LINK_NET=10.78.45`` -> addresses ``10.78.45.1`` / ``10.78.45.2``.
+_NAME, _NET = os.environ.get("QSTRAT_LINK_NAME", "ql"), os.environ.get("QSTRAT_LINK_NET", "10.78.0")
+NETNS, HOST_IF, NS_IF = ("qlink" if _NAME == "ql" else f"{_NAME}link"), f"{_NAME}0", f"{_NAME}1"
+HOST_ADDR, NS_ADDR = f"{_NET}.1", f"{_NET}.2"
 #: tc's rate units, in bits per second (``tc(8)``: kbit = 1000 bit/s, bps = bytes/s).
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
           "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}

@@ -11,6 +11,7 @@ import torch
 
 from qstrat.errors import ConfigError, TransportError
 from qstrat.transport import delta
+from qstrat.transport.delta_stream import encode_round
 from qstrat.transport.wire_manifest import build_wire_manifest
 
 BUCKET = 1008  # not a tile multiple: buckets end off a word boundary
@@ -30,13 +31,13 @@ def _target():
 def test_delta_stream_refuses_a_tensor_whose_dtype_or_shape_differs_from_its_slot(bad):
     """Delta mode refuses a tensor whose dtype or shape is not its slot's with the full path's
     message (qstrat/transport/outgoing.py: 'the source yielded NAME DTYPE SHAPE where the wire
-    manifest has ...'), in both the encoder and the stream. Before 69dbb47 fill_stream checked
+    manifest has ...'), in both the bucket-by-bucket encoder and the stream. Before 69dbb47 fill_stream checked
     only the name and the byte count, so the engine reinterpreted the bytes in the slot's
     dtype/shape with agreeing digests: a silent wrong result this test now rules out."""
     target, tensors = _target()
     tensors["scale"] = bad
     with pytest.raises(TransportError, match=r"'scale'.*where the wire manifest has 'scale' uint8 \[4, 8\]"):
-        delta.encode_tensors(target, iter(tensors.items()), None, None)
+        encode_round(target, iter(tensors.items()), None)
     with pytest.raises(TransportError, match=r"'scale'.*where the wire manifest has 'scale' uint8 \[4, 8\]"):
         delta.stream_of(target, tensors.items())
 

@@ -2,8 +2,8 @@
 small real trajectory (the tiny Qwen3-MoE, 2 Adam steps at lr 1e-5, block FP8 and NVFP4 on every
 linear layer): every count equals an oracle computed here from ``RefitDriver.run``'s tensors
 (FP8 codes compared as bytes, NVFP4 codes unpacked nibble by nibble), the delta bytes equal the
-wire manifest of the round the SENDER encodes (``delta.encode_tensors``, the one-pass path) and
-its patch rebuilds the step's stream exactly, and the printed table (no matplotlib needed) shows
+payloads of the round the SENDER encodes bucket by bucket (``delta_stream.encode_round``) and
+they rebuild the step's stream exactly, and the printed table (no matplotlib needed) shows
 the medians of those counts."""
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from qstrat.transport import delta
+from qstrat.transport.delta_receive import PatchDecoder
+from qstrat.transport.delta_stream import encode_round
 from qstrat.transport.wire_manifest import build_wire_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -79,13 +81,15 @@ def test_every_count_equals_the_oracle_and_the_delta_bytes_are_the_senders_round
             assert row["codes_changed"] > 0  # lr 1e-5 moves codes in every format
             target = build_wire_manifest(
                 [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in new], 4 << 20)
-            base_rnd = delta.encode_tensors(target, old, None, None)
-            rnd = delta.encode_tensors(target, new, base_rnd.new_base, None)
+            base = encode_round(target, iter(old), None)[0].new_base()
+            rnd, payloads = encode_round(target, iter(new), base)
             assert row["full_bytes"] == target.total_bytes
-            assert row["delta_bytes"] == rnd.wire_manifest.total_bytes < row["full_bytes"] // 10
-            n = delta.padded_size(target.total_bytes)
-            rebuilt = delta.decode_patch(rnd.blobs[1][1], base_rnd.new_base.stream, n)
-            assert torch.equal(rebuilt, delta.stream_of(target, new))
+            assert row["delta_bytes"] == rnd.wire_bytes == sum(p.numel() for p in payloads) < row["full_bytes"] // 10
+            decoder = PatchDecoder(rnd.info, target, base, None, bytes(32))
+            for k, p in enumerate(payloads):
+                decoder.apply(k, p)
+            decoder.staged()
+            assert torch.equal(decoder.new_base.stream, delta.stream_of(target, new))
             assert row["bf16_delta_bytes"] > row["delta_bytes"]
 
 

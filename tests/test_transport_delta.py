@@ -21,7 +21,7 @@ from qstrat.errors import TransportError
 from qstrat.transport import RefitSender, delta
 from qstrat.transport.keys import ENV_SECRET
 
-from transport_harness import free_port, sha256, standalone_receivers
+from transport_harness import EditingClient, free_port, sha256, standalone_receivers
 
 SECRET = "a shared secret for the delta tests"
 BUCKET = 64 << 10
@@ -98,45 +98,56 @@ def test_a_patch_that_does_not_fit_or_lacks_its_base_is_refused_with_the_reason(
         delta.decode_patch(bad, old, 2 * T)
 
 
-def test_a_hostile_delta_wire_manifest_is_refused_before_the_accept_vote_and_its_allocation():
-    """The blobs a delta round declares are bounded by its target (which the engine checks): a
-    patch declared at 4 TiB was accepted and the receiver then allocated it (found by an attack);
-    other buckets than the target's, and a header nested past the JSON parser's recursion limit
-    (it raised RecursionError: voted ERROR, not DELTA), are refused with their reasons."""
+def test_a_hostile_delta_round_is_refused_before_its_allocation():
+    """What a receiver allocates for a delta bucket is bounded by the bucket's tiles (an attack
+    once declared a 4 TiB patch and the receiver allocated it): a prelude announcing more than
+    the largest patch of its bucket closes the group before anything is allocated; a malformed
+    update_info['delta'] is refused before the accept vote."""
     from qstrat.errors import WireManifestMismatchError
-    from qstrat.transport.protocol import DELTA
+    from qstrat.transport.delta_receive import PatchDecoder, receive_patches
+    from qstrat.transport.delta_stream import encode_round
+    from qstrat.transport.seal import Sealer
     from qstrat.transport.wire_manifest import build_wire_manifest
 
-    target = build_wire_manifest([("w", "uint8", (3 * T + 5,))], BUCKET, 16)
-    rnd = delta.encode_round(target, delta.stream_of(target, [("w", torch.ones(3 * T + 5, dtype=torch.uint8))]),
-                             None, None)
-    assert delta.target_of(rnd.wire_manifest, rnd.info).digest == target.digest  # the genuine round passes
-    limits = delta.blob_limits(target)
-    assert rnd.blobs[1][1].numel() <= limits[delta.PATCH_NAME] and rnd.blobs[0][1].numel() <= limits[delta.HEADER_NAME]
+    target = build_wire_manifest([("w", "uint8", (T + 5,))], BUCKET, 16)
+    enc, payloads = encode_round(target, iter([("w", torch.ones(T + 5, dtype=torch.uint8))]), None)
+    decoder = PatchDecoder(enc.info, target, None, None, bytes(32))
+    assert len(payloads) == 1 and payloads[0].numel() <= decoder.limit(0) == delta.patch_limit(2)
+    assert delta.patch_limit(2) == 32 + 32 + 5 * 2 + 3 * 2 * T  # digest, patch header, tile table, rle of every byte
+    over = decoder.limit(0) + 1
 
-    def forged(patch_bytes, bucket_bytes=BUCKET):
-        return build_wire_manifest([(delta.HEADER_NAME, "uint8", (rnd.blobs[0][1].numel(),)),
-                                    (delta.PATCH_NAME, "uint8", (patch_bytes,))], bucket_bytes, 16)
+    class Announcing:  # rank 1's view of a sender announcing ``over`` bytes
+        rank, world_size, device, timeout_s, closed = 1, 2, torch.device("cpu"), 1.0, False
 
-    over = limits[delta.PATCH_NAME] + 1  # (a 4 TiB forgery is the same refusal; building one here is slow)
-    with pytest.raises(WireManifestMismatchError, match=rf"qstrat\.delta\.patch of {over} bytes is larger than any "
-                                                        rf"for its target \({over - 1} bytes at most\)"):
-        delta.target_of(forged(over), rnd.info)
-    with pytest.raises(WireManifestMismatchError, match=r"blobs go in the target's buckets \(65536 bytes\), this "
-                                                        r"one in buckets of 1024"):
-        delta.target_of(forged(rnd.blobs[1][1].numel(), 1024), rnd.info)
-    nested = torch.frombuffer(bytearray(b"[" * 100_000 + b"]" * 100_000), dtype=torch.uint8)
-    with pytest.raises(delta.DeltaError, match=r"the delta header is not readable: RecursionError") as err:
-        delta.decode_round([(delta.HEADER_NAME, nested), rnd.blobs[1]], rnd.info, target, None, None)
-    assert err.value.vote_status == DELTA
+        def broadcast(self, t):
+            t.copy_(torch.tensor([0x5153_5450_4348, 0, over, 0]))
+            return None
+
+        def wait(self, work):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    group = Announcing()
+    with pytest.raises(TransportError, match=rf"bucket 0/1: the sender announced a delta payload of {over} bytes "
+                                             rf".*at most {over - 1}\): nothing allocated"):
+        receive_patches(group, target, Sealer(None, bytes(32), torch.device("cpu")), decoder, {})
+    assert group.closed
+    for bad in (None, {"round": 5}, {"round": "r", "base": 7}, {"round": "x" * 65}):
+        with pytest.raises(WireManifestMismatchError, match=r"a delta round needs update_info\['delta'\]"):
+            delta.check_info(bad)
 
 
-def test_the_one_pass_encoder_gives_the_round_of_the_whole_stream_and_every_byte_is_written():
-    """encode_tensors (fill, then compare and digest bucket by bucket) gives the stream, patch and
-    tiles that encode_round makes of stream_of, and a receiver rebuilds the exact tensors from
-    it. The layout has alignment gaps, a tensor chunked over buckets, buckets that end off a
-    word boundary and tail padding; fill_stream into a buffer of stale bytes writes every byte
-    (gaps and padding zero, as in a new stream)."""
+def test_the_bucket_by_bucket_encoder_gives_the_whole_streams_bytes_and_every_byte_is_written():
+    """The pipelined encoder (fill, compare, patch and digest one bucket at a time) writes the
+    stream stream_of makes, each bucket's patch covers whole tiles (a tile straddling two
+    buckets goes with the later one), and a receiver rebuilds the exact tensors bucket by bucket.
+    The layout has alignment gaps, a tensor chunked over buckets, buckets that end off a word
+    boundary and tail padding; fill_stream into a buffer of stale bytes writes every byte (gaps
+    and padding zero, as in a new stream)."""
+    from qstrat.transport.delta_receive import PatchDecoder
+    from qstrat.transport.delta_stream import encode_round
     from qstrat.transport.wire_manifest import build_wire_manifest
 
     g = torch.Generator().manual_seed(5)
@@ -145,19 +156,73 @@ def test_the_one_pass_encoder_gives_the_round_of_the_whole_stream_and_every_byte
     new = {n: patched(t.reshape(-1), 0.01, seed=i).reshape(t.shape) for i, (n, t) in enumerate(old.items())}
     target = build_wire_manifest([(n, "uint8", s) for n, s in shapes.items()], BUCKET, 16)
     assert any((b.stream_offset + b.nbytes) % 8 for b in target.buckets)  # a bucket ends off a word
-    base = delta.Base("r0", target.digest, delta.stream_of(target, old.items()))
-    rnd = delta.encode_tensors(target, iter(new.items()), base, None)
-    whole = delta.encode_round(target, delta.stream_of(target, new.items()), base, None)
-    assert torch.equal(rnd.new_base.stream, whole.new_base.stream)
-    assert torch.equal(rnd.blobs[1][1], whole.blobs[1][1]) and rnd.tiles == whole.tiles and rnd.kind == "delta"
-    staged, _ = delta.decode_round(rnd.blobs, rnd.info, target, base, None)
-    assert {n: sha256(t) for n, t in staged} == {n: sha256(t) for n, t in new.items()}
-    first = delta.encode_tensors(target, iter(new.items()), None, None)
-    assert first.kind == "full" and torch.equal(first.new_base.stream, whole.new_base.stream)
+    first, _ = encode_round(target, iter(old.items()), None)
+    assert first.kind == "full" and torch.equal(first.stream, delta.stream_of(target, old.items()))
+    base = first.new_base()
+    rnd, payloads = encode_round(target, iter(new.items()), base)
+    assert torch.equal(rnd.stream, delta.stream_of(target, new.items())) and rnd.kind == "delta"
+    cuts = delta.cuts(target)
+    assert cuts[0] == 0 and cuts[-1] == rnd.stream.numel() and all(c % T == 0 for c in cuts)
+    assert all(c <= b.stream_offset + b.nbytes for c, b in zip(cuts[1:-1], target.buckets))
+    # each payload: the digest, then the patch of its tiles (the oracle: encode_patch of that range)
+    for k, p in enumerate(payloads):
+        lo, hi = cuts[k], cuts[k + 1]
+        assert torch.equal(p[32:], delta.encode_patch(rnd.stream[lo:hi], base.stream[lo:hi])[0])
+    assert rnd.wire_bytes == sum(p.numel() for p in payloads) < target.total_bytes / 4
+    decoder = PatchDecoder(rnd.info, target, base, None, bytes(32))
+    for k, p in enumerate(payloads):
+        decoder.apply(k, p)
+    assert {n: sha256(t) for n, t in decoder.staged()} == {n: sha256(t) for n, t in new.items()}
+    assert decoder.new_base.round_id == rnd.info["round"] and torch.equal(decoder.new_base.stream, rnd.stream)
     stale = torch.full_like(base.stream, 0xA5)
-    assert delta.fill_stream(target, new.items(), stale) is stale and torch.equal(stale, whole.new_base.stream)
+    assert delta.fill_stream(target, new.items(), stale) is stale and torch.equal(stale, rnd.stream)
     with pytest.raises(TransportError, match=r"a stream buffer of \d+ bytes is needed, this one is \(8,\)"):
         delta.fill_stream(target, new.items(), torch.zeros(8, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("where", ["digest", "patch", "base"])
+def test_a_corrupted_bucket_k_is_caught_by_its_own_digest_naming_its_tensors(where):
+    """Per-bucket digests: bucket k's rebuilt bytes are checked before bucket k+1 is taken. A
+    flipped byte in bucket k's digest, in its patch's new values, or in the receiver's base
+    under bucket k's tiles, is caught at bucket k - a DeltaError with status DELTA naming the
+    bucket and its tensors (the sender then sends the round whole) - the buckets before it
+    rebuilt exactly, and the decoder drops the receiver's base (out of step)."""
+    from qstrat.transport.delta_receive import PatchDecoder
+    from qstrat.transport.delta_stream import encode_round
+    from qstrat.transport.protocol import DELTA
+    from qstrat.transport.wire_manifest import build_wire_manifest
+
+    g = torch.Generator().manual_seed(9)
+    shapes = {f"t{i}": (3 * T + 11 * i,) for i in range(6)}
+    old = {n: torch.randint(0, 256, s, dtype=torch.uint8, generator=g) for n, s in shapes.items()}
+    new = {n: patched(t, 0.001, seed=i) for i, (n, t) in enumerate(old.items())}
+    target = build_wire_manifest([(n, "uint8", s) for n, s in shapes.items()], 4 * T, 16)
+    base = encode_round(target, iter(old.items()), None)[0].new_base()
+    rnd, payloads = encode_round(target, iter(new.items()), base, None, b"m" * 32)
+    k = 3
+    lo, hi = delta.cuts(target)[k:k + 2]
+    names = delta.region_names(target, lo, hi)
+    assert names and hi > lo
+    if where == "digest":
+        payloads[k][5] ^= 1
+    elif where == "patch":
+        payloads[k][-1] ^= 1  # the last rle value
+    else:
+        base = delta.Base(base.round_id, base.target, base.stream.clone())
+        base.stream[lo + 100] ^= 1
+    dropped = []
+    decoder = PatchDecoder(rnd.info, target, base, None, b"m" * 32, lambda: dropped.append(True))
+    for j in range(k):
+        decoder.apply(j, payloads[j])
+        assert torch.equal(decoder.stream[delta.cuts(target)[j]:delta.cuts(target)[j + 1]],
+                           rnd.stream[delta.cuts(target)[j]:delta.cuts(target)[j + 1]])
+    with pytest.raises(delta.DeltaError, match=rf"bucket {k} \({names}\): the rebuilt bytes' digest differs from "
+                                               r"the trainer's") as err:
+        decoder.apply(k, payloads[k])
+    assert err.value.vote_status == DELTA and dropped == [True]
+    other = PatchDecoder(rnd.info, target, base, None, b"n" * 32)  # another round MAC: other digests
+    with pytest.raises(delta.DeltaError, match=r"bucket 0 "):
+        other.apply(0, payloads[0])
 
 
 # ---- rounds over the transport ----------------------------------------------------------------
@@ -169,8 +234,8 @@ def receivers(tiny):
         yield rs
 
 
-def sender_for(receivers, mode="delta"):
-    s = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
+def sender_for(receivers, mode="delta", clients=None):
+    s = RefitSender(clients or [r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
                     bucket_bytes=BUCKET, secret=SECRET, mode=mode)
     s.connect()
     return s
@@ -274,6 +339,55 @@ def test_a_corrupted_base_is_refused_before_loading_and_the_round_sent_whole(rec
     assert [a - b for a, b in zip(loads(receivers), before)] == [1, 1]
     assert held(receivers) == [want(driver, trainer)] * 2
     sender.close()
+
+
+def test_a_base_corrupted_under_a_later_bucket_is_caught_by_that_buckets_digest_and_sent_whole(receivers, tiny):
+    """Per-bucket digests over the transport: rank 1's base has a flipped byte under the tiles of
+    a bucket in the middle of the round; that bucket's digest (checked as it arrives, the
+    buckets before it rebuilt) refuses the delta in the commit vote naming the bucket, nothing is
+    loaded anywhere, the round is sent again whole and both engines end exact."""
+    driver, trainer_a, _, _ = tiny
+    sender = sender_for(receivers)
+    target = sender.refit(driver, trainer_a).wire_manifest
+    k = len(target.buckets) // 2
+    lo = delta.cuts(target)[k]
+    receivers[0].ctl.call("corrupt_base", lo + 7)
+    before = loads(receivers)
+    trainer = stepped(trainer_a, 1e-5, 6)
+    d = sender.refit(driver, trainer).delta
+    assert d.kind == "full" and d.attempts == 2, d
+    assert "delta refused, nothing loaded: rank 1 did not reconstruct the delta round to the trainer's digests" \
+        in d.reason and "rank 2 did not" not in d.reason, d.reason
+    assert f"bucket {k} (" in d.reason and "the rebuilt bytes' digest differs" in d.reason, d.reason
+    assert [a - b for a, b in zip(loads(receivers), before)] == [1, 1]
+    assert held(receivers) == [want(driver, trainer)] * 2
+    sender.close()
+
+
+def test_a_trainer_speaking_the_old_delta_wire_format_is_refused_before_any_data(receivers, tiny):
+    """Protocol 3 changed a delta round's wire format (one patch per bucket instead of two blobs
+    after the whole round): an update_info naming protocol 2 (an older trainer) is refused in the
+    accept vote with both versions named, and nothing is loaded."""
+    driver, trainer_a, _, _ = tiny
+    sender = sender_for(receivers)
+    sender.refit(driver, trainer_a)
+    sender.close()
+
+    def older(method, args):
+        if method == "update_weights":
+            args[0]["protocol"] = 2
+        return args
+
+    old = sender_for(receivers, clients=[receivers[0].rpc, EditingClient(receivers[1].rpc, older)])
+    old.delta_rounds.base = sender.base
+    before = loads(receivers)
+    with pytest.raises(TransportError) as err:
+        old.refit(driver, stepped(trainer_a, 1e-5, 7))
+    msg = str(err.value)
+    assert "round refused before any data: rank 2 speaks another transport protocol version (this qstrat: 3)" in msg
+    assert "update_info names transport protocol 2, this engine speaks 3" in msg, msg
+    assert loads(receivers) == before and held(receivers) == [want(driver, trainer_a)] * 2
+    old.close()
 
 
 def test_a_corrupted_bucket_in_a_delta_round_loads_nothing_and_the_next_round_is_whole(receivers, tiny):

@@ -271,8 +271,8 @@ def test_another_protocol_version_is_refused_in_the_accept_vote(receivers, tiny)
         sender.refit(driver, trainer_b)
     assert time.perf_counter() - t0 < TIMEOUT_S / 2
     msg = str(err.value)
-    assert "round refused before any data: rank 2 speaks another transport protocol version (this qstrat: 2)" in msg
-    assert "update_info names transport protocol 1, this engine speaks 2" in msg, msg
+    assert "round refused before any data: rank 2 speaks another transport protocol version (this qstrat: 3)" in msg
+    assert "update_info names transport protocol 1, this engine speaks 3" in msg, msg
     assert state(receivers) == [(want(driver, trainer_a), None)] * 2
     sender.close()
 

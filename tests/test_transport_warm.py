@@ -95,7 +95,7 @@ def test_a_warm_refit_reuses_the_plan_and_a_recast_input_is_replanned_and_sent_o
         assert driver.plan_cache.planned == planned + 1  # planned once more, for the recast input
         assert state(receivers) == [(want(driver, changed), None)] * 2
         assert want(driver, changed) != want(driver, trainer_b)  # the round changed the receivers' bytes
-        if mode == "delta":  # the aborted attempt sent nothing: the base stayed shared, the retry was a delta
+        if mode == "delta":  # the aborted attempt loaded nothing: the base stayed shared, the retry was a delta
             assert base is not None and report.delta.kind == "delta" and report.delta.reason is None, report.delta
 
 

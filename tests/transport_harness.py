@@ -212,10 +212,10 @@ class _StandaloneEndpoint:
         base = self.receiver.session.base
         return None if base is None else base.round_id
 
-    def corrupt_base(self):
-        """Flip bit 0 of the first byte of this receiver's delta base (memory corruption under
-        the session: the receiver's weights are untouched)."""
-        self.receiver.session.base.stream[0] ^= 1
+    def corrupt_base(self, at=0):
+        """Flip bit 0 of byte ``at`` of this receiver's delta base (memory corruption under the
+        session: the receiver's weights are untouched)."""
+        self.receiver.session.base.stream[at] ^= 1
 
     def count_loads(self):
         """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`)."""
@@ -448,7 +448,8 @@ class FaultyGroup:
     """Wraps one rank's c10d process group (``TransferGroup.pg``); the production code runs
     unchanged on top of it. It decodes the round's collectives by their shapes - the challenge
     all-reduce (int64[3 * world]), the votes (int64[6 * world], accept then commit), the round
-    header (int64[13]), a bucket's payload pieces (uint8) and its header (int64[7]) - and lets
+    header (int64[13]), a delta bucket's prelude (int64[4]), a bucket's payload pieces (uint8) and
+    its header (int64[7]) - and lets
     the test act on them:
 
     * ``wire(bucket, piece, tensor)``: the bytes to broadcast instead of ``tensor`` (rank 0), or
@@ -496,6 +497,8 @@ class FaultyGroup:
                 new = self.header_hook(t)
                 if new is not None:
                     t = new
+        elif t.dtype == torch.int64 and t.numel() == getattr(protocol, "PRELUDE_WORDS", -1):
+            kind, bucket, piece = "prelude", self.bucket, 0  # a delta round's bucket prelude (protocol 3)
         elif t.dtype == torch.int64 and t.numel() == protocol.BUCKET_WORDS:
             kind, bucket, piece = "bucket_header", self.bucket, 0
             self.bucket, self.piece = self.bucket + 1, 0

@@ -18,13 +18,15 @@
 - :mod:`.sender`: :class:`RefitSender`, the trainer side, driven from a ``RefitDriver`` plan: a
   round's weight-sync calls around the stream; its pieces: :mod:`.fanout` (each call on every
   engine), :mod:`.sender_protocol` (rank 0's steps and the round's outcome), :mod:`.delta_rounds`
-  (the sender's delta base: a delta or a whole round), :mod:`.report` (:class:`TransferReport`).
+  (the sender's delta base: a delta or a whole round) with :mod:`.delta_stream` (a delta round's
+  buckets encoded and posted as they are quantized), :mod:`.report` (:class:`TransferReport`).
 - :mod:`.receiver`: :func:`receive_round` (atomic or bounded).
 - :mod:`.session`: a receiver's state across rounds (secret, address, counter, the mix flag, the
   delta base); its pieces: :mod:`.acceptance` (the accept vote's checks), :mod:`.landing` (the
   loader's begin/load/end), :mod:`.mix_flag` (a receiver's MIX flag, on
   :mod:`qstrat.mix_flag`'s rule), :mod:`.delta_rebuild` (the
-  receiver's delta base, rebuilding a delta round).
+  receiver's delta base) with :mod:`.delta_receive` (a delta round rebuilt and verified bucket by
+  bucket).
 - :mod:`.delta`: delta rounds (the round's stream patched against the last committed one, tile by
   tile; digests of the rebuilt buckets; round ids).
 - :mod:`.standalone`: :class:`StandaloneReceiver` (no engine).

@@ -37,7 +37,7 @@ class RoundCheck:
         self.mode = self.info.get("mode", "atomic")
         #: The names of the tensors the round sends (its target's, for a delta round).
         self.sent: set[str] = set()
-        #: A delta round's target wire manifest (the full round's), once checked.
+        #: A delta round's target wire manifest (the round's own), once checked.
         self.target: WireManifest | None = None
 
     def __call__(self, wm: WireManifest) -> None:
@@ -47,8 +47,9 @@ class RoundCheck:
         if not isinstance(self.update_info, dict) or self.mode not in MODES:
             raise TransportError(f"qstrat transfer: update_info must be a dict with a round mode in "
                                  f"{MODES}, got mode {self.mode!r}")
-        if self.mode == "delta":  # the engine checks the full round's wire manifest, the base after
-            self.target = wm = delta.target_of(wm, self.info.get("delta"))
+        if self.mode == "delta":  # the engine checks the round's (target) wire manifest, the base after
+            delta.check_info(self.info.get("delta"))
+            self.target = wm
         self.sent.update(s.name for s in wm.slots)
         expected = self.expected()
         if isinstance(expected, EngineExpectations):

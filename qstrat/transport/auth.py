@@ -39,8 +39,10 @@ from qstrat.transport.keys import Secret, equal, init_tag, round_mac
 
 #: The transport protocol this qstrat speaks (round header word 1 and ``update_info["protocol"]``).
 #: From version 2 on, the handshake's collectives (challenge all-reduce, round header, accept
-#: vote) keep their sizes, so a later version's mismatch is refused in the accept vote.
-PROTOCOL_VERSION = 2
+#: vote) keep their sizes, so a later version's mismatch is refused in the accept vote. Version 3:
+#: a delta round streams one patch per target bucket (:mod:`qstrat.transport.delta_stream`;
+#: version 2 sent it as two blobs after encoding the whole round).
+PROTOCOL_VERSION = 3
 #: int64 words each rank writes into the challenge all-reduce: two random words, last counter.
 CHALLENGE_WORDS = 3
 

@@ -5,7 +5,7 @@ Per format (:data:`FORMATS`) and step of a trajectory of bf16 state dicts (e.g.
 the previous step's (both from ``RefitDriver.run``), by kind of checkpoint tensor
 (:func:`kind_of`): the fraction of quantized CODES changed (an NVFP4 byte holds two e2m1 codes:
 each nibble counts), of BLOCK SCALES changed, and of per-tensor GLOBAL scales changed (NVFP4's
-``weight_scale_2``); and the bytes of the delta round of the step (``delta.encode_round``
+``weight_scale_2``); and the bytes of the delta round of the step (``delta_stream.encode_round``
 against the previous step's stream: the wire manifest's total, header and alignment included)
 against the full round's (the target's stream) and against the same delta encoding of the bf16
 state dicts (``bf16 delta``: what a BF16 delta sync with our encoding would send).
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from qstrat.transport import delta
+from qstrat.transport.delta_stream import encode_round
 from qstrat.transport.wire_manifest import WireManifest, build_wire_manifest
 
 #: The formats of the study: ``RefitDriver`` configs (NVFP4 on the MoE experts only, and on
@@ -79,7 +80,8 @@ def _target(tensors: list[tuple[str, torch.Tensor]]) -> WireManifest:
 
 class RoundBytes:
     """Consecutive rounds of one layout: each :meth:`next` gives the wire bytes of the delta
-    round against the previous one (``delta.encode_round``; the first: a whole round)."""
+    round against the previous one (:func:`qstrat.transport.delta_stream.encode_round`, every
+    bucket's payload; the first: a whole round)."""
 
     def __init__(self) -> None:
         self.base: delta.Base | None = None
@@ -87,9 +89,9 @@ class RoundBytes:
     def next(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """(the full round's bytes: the target's total, the delta round's wire bytes)."""
         target = _target(tensors)
-        rnd = delta.encode_round(target, delta.stream_of(target, tensors), self.base, None)
-        self.base = rnd.new_base
-        return target.total_bytes, rnd.wire_manifest.total_bytes
+        enc, _ = encode_round(target, iter(tensors), self.base)
+        self.base = enc.new_base()
+        return target.total_bytes, enc.wire_bytes
 
 
 def trajectory_churn(drivers: Mapping[str, Any], states: Iterable[Mapping[str, torch.Tensor]],

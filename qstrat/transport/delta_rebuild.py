@@ -1,39 +1,47 @@
-"""A receiver's delta base across rounds (:mod:`qstrat.transport.delta`), and the rebuild of a
-delta round's tensors from it."""
+"""A receiver's delta base across rounds (:mod:`qstrat.transport.delta`), and the decoder that
+rebuilds a delta round's tensors from it (:mod:`qstrat.transport.delta_receive`)."""
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from qstrat.transport import delta
+from qstrat.transport.delta_receive import PatchDecoder
 from qstrat.transport.keys import Secret
 from qstrat.transport.wire_manifest import WireManifest
 
 
 class DeltaRebuild:
     """The base (the tensors' bytes as of the last delta-mode round this receiver loaded, in host
-    memory) and the next one (the round rebuilt, until it is loaded)."""
+    memory) and the round being rebuilt (until it is loaded)."""
 
     def __init__(self) -> None:
         #: None: no base (any round in another mode, or a failed load, drops it).
         self.base: delta.Base | None = None
-        self._next: delta.Base | None = None
+        self._decoder: PatchDecoder | None = None
+        #: The stream of the base before the current one (every tensor of it was replaced by the
+        #: load of the current base, and loaders copy): the next rebuild is written into it.
+        self._spare = None
 
-    def rebuild(self, blobs: list[tuple[str, torch.Tensor]], info: dict[str, Any], target: WireManifest,
-                secret: Secret | None) -> list[tuple[str, torch.Tensor]]:
-        """The round's ``(name, tensor)`` pairs in ``target``'s order, rebuilt from ``blobs`` (the
-        received delta round) and :attr:`base`; the next base is kept until :meth:`take_next`.
-        Raises: DeltaError (:func:`qstrat.transport.delta.decode_round`), after dropping the base
-        (out of step with the trainer: the next round is whole)."""
-        try:
-            staged, self._next = delta.decode_round(blobs, info, target, self.base, secret)
-        except delta.DeltaError:
+    def decoder(self, info: dict[str, Any], target: WireManifest, secret: Secret | None, mac: bytes) -> PatchDecoder:
+        """The decoder of the round ``info`` (``update_info["delta"]``) of wire manifest
+        ``target`` against :attr:`base`, its digests keyed by ``secret`` and the round MAC
+        ``mac``; a DeltaError it raises drops the base first (out of step with the trainer: the
+        next round is whole). Its new base is kept until :meth:`take_next`."""
+        def drop() -> None:
             self.base = None
-            raise
-        return staged
+
+        spare, self._spare = self._spare, None
+        self._decoder = PatchDecoder(info, target, self.base, secret, mac, drop, spare)
+        return self._decoder
+
+    def commit(self, next_base: delta.Base | None) -> None:
+        """The round of ``next_base`` loaded whole: it becomes the base (None: no base), and the
+        replaced base's stream the buffer of the next rebuild."""
+        if self.base is not None and next_base is not None and self.base.stream is not next_base.stream:
+            self._spare = self.base.stream
+        self.base = next_base
 
     def take_next(self) -> delta.Base | None:
-        """The base of the round rebuilt last (None: none), forgotten here."""
-        next_base, self._next = self._next, None
-        return next_base
+        """The base of the round rebuilt last (None: none, or not rebuilt whole), forgotten here."""
+        decoder, self._decoder = self._decoder, None
+        return decoder.new_base if decoder is not None else None

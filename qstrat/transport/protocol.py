@@ -20,6 +20,10 @@
    is produced (sender) and as it arrives (receivers). ``flags = ABORT``: the sender could not
    produce the bucket (its source raised, fell short or disagreed with the wire manifest); the
    payload was still sent (garbage of the right size) and every rank goes to step 4.
+   A DELTA round (protocol 3) sends, per bucket of its target wire manifest, a PRELUDE first
+   (broadcast, int64[4]: magic, index, payload bytes, flags) and then that bucket's PATCH as its
+   payload (sealed and headed as above; :mod:`qstrat.transport.delta_stream`); an ABORT prelude
+   carries no payload and sends every rank to step 4.
 4. COMMIT VOTE (like step 2): each rank's verdict and whether it already holds new weights
    (bounded mode: a unit was loaded; delta mode: :data:`DELTA` when a rebuilt tensor's
    digest differs from the trainer's). The round's OUTCOME (:func:`outcome`) follows from it, the
@@ -43,9 +47,10 @@ from qstrat.transport.keys import Secret, equal, vote_tag
 
 ROUND_MAGIC = 0x5153_5452_4E44  # "QSTRND"
 BUCKET_MAGIC = 0x5153_5442_4B54  # "QSTBKT"
+PRELUDE_MAGIC = 0x5153_5450_4348  # "QSTPCH"
 ABORT = 1
 #: Lengths (int64 words) of the round and bucket headers, and of one rank's vote slot.
-ROUND_WORDS, BUCKET_WORDS, VOTE_WORDS = 13, 7, 6
+ROUND_WORDS, BUCKET_WORDS, VOTE_WORDS, PRELUDE_WORDS = 13, 7, 6, 4
 #: The two votes (bound into each vote's tag).
 ACCEPT, COMMIT = 0, 1
 
@@ -74,6 +79,11 @@ def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, ma
 def bucket_header(index: int, flags: int, seal: bytes, device: torch.device) -> torch.Tensor:
     """The int64[7] bucket header (step 3)."""
     return torch.tensor([BUCKET_MAGIC, index, flags, *int64_words(seal)], dtype=torch.int64, device=device)
+
+
+def patch_prelude(index: int, nbytes: int, flags: int, device: torch.device) -> torch.Tensor:
+    """The int64[4] prelude of a delta round's bucket (step 3): magic, index, payload bytes, flags."""
+    return torch.tensor([PRELUDE_MAGIC, index, nbytes, flags], dtype=torch.int64, device=device)
 
 
 def challenges(group: TransferGroup, last_counter: int = -1) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -30,6 +30,7 @@ from qstrat.errors import MixedWeightsError, QstratError, TransferAuthError, Tra
 from qstrat.transport import protocol
 from qstrat.transport.auth import PROTOCOL_VERSION, ReceiverAuth, RoundContext, from_words
 from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
+from qstrat.transport.delta_receive import PatchDecoder, receive_patches
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.seal import Sealer, pieces
 from qstrat.transport.timing import Phases
@@ -37,8 +38,8 @@ from qstrat.transport.wire_manifest import WireManifest, reload_unit
 
 Check = Callable[[WireManifest], None]
 Unit = list[tuple[str, torch.Tensor]]
-#: The round modes (``update_info["mode"]``): ``delta`` is an atomic round of delta blobs
-#: (:mod:`qstrat.transport.delta`).
+#: The round modes (``update_info["mode"]``): ``delta`` is an atomic round whose buckets travel
+#: as patches (:mod:`qstrat.transport.delta`).
 MODES = ("atomic", "bounded", "delta")
 
 
@@ -47,7 +48,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
                   on_unit: Callable[[str, Unit], None] | None = None,
                   staging: torch.device | None = None, stats: dict[str, float] | None = None,
                   protocol_version: Any = PROTOCOL_VERSION,
-                  finalize: Callable[[Unit], Unit] | None = None) -> Unit:
+                  patches: Callable[[bytes], PatchDecoder] | None = None) -> Unit:
     """Receive one round from rank 0.
 
     Args:
@@ -71,12 +72,14 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             units), ``commit_s`` (commit vote), and ``cpu_s``: this process's CPU seconds over
             the round (all threads, gloo's included).
         protocol_version: the transport protocol version the sender's ``update_info`` names.
-        finalize: ``delta`` mode (required there): turns the verified round's ``(name, tensor)``
-            pairs into the tensors to stage, BEFORE the commit vote; a DeltaError it raises is
-            this rank's refusal (its ``vote_status``), so no rank keeps the round.
+        patches: ``delta`` mode (required there): returns the round's
+            :class:`~qstrat.transport.delta_receive.PatchDecoder` given the round MAC; each
+            bucket arrives as a patch it rebuilds and checks against the trainer's digest
+            BEFORE the commit vote (a DeltaError is this rank's refusal, its ``vote_status``, so
+            no rank keeps the round); ``stats`` then has ``rebuild_s``.
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
         sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit);
-        delta: what ``finalize`` returned.
+        delta: the rebuilt tensors (views of the decoder's stream).
     Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
         TransferAuthError (no/wrong MAC, a challenge vector without this receiver's words, replay);
         TransportError (another protocol version) - all at step 2, before any data; TransportError
@@ -84,8 +87,8 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
         group is then closed) when this receiver loaded nothing; MixedWeightsError when the
         round is not committed everywhere and this receiver (bounded mode) loaded a unit.
     """
-    if mode not in MODES or (mode == "bounded") != (on_unit is not None) or (mode == "delta") != (finalize is not None):
-        raise TransportError(f"round mode {mode!r}: use 'atomic', 'bounded' with on_unit, or 'delta' with finalize")
+    if mode not in MODES or (mode == "bounded") != (on_unit is not None) or (mode == "delta") != (patches is not None):
+        raise TransportError(f"round mode {mode!r}: use 'atomic', 'bounded' with on_unit, or 'delta' with patches")
     auth = auth or ReceiverAuth(None, "", 0)
     t_start, cpu = time.perf_counter(), time.process_time()
     rejection, wire_manifest = _check_update(group, wire_manifest_doc, check, protocol_version)
@@ -125,20 +128,18 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     stats = stats if stats is not None else {}
     stats["handshake_s"] = time.perf_counter() - t_start
     seal = Sealer(auth.secret, mac, group.device)
-    received, failure, handed, units = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
-    t0 = time.perf_counter()
     staged: Unit = []
-    if finalize is not None and failure is None:
-        try:
-            staged = finalize(unpack(wire_manifest, received))
-        except Exception as exc:  # noqa: BLE001 - voted, so every rank hears it at once
-            failure = (getattr(exc, "vote_status", protocol.ERROR), f"rank {group.rank}: {type(exc).__name__}: {exc}")
-    stats["finalize_s"] = time.perf_counter() - t0
+    if patches is not None:
+        received, handed, units = [], [], 0
+        staged, failure = receive_patches(group, wire_manifest, seal, patches(mac), stats)
+    else:
+        received, failure, handed, units = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
+    t0 = time.perf_counter()
     own = (protocol.MIXED if handed else failure[0]) if failure else protocol.OK
     votes = _vote(group, protocol.COMMIT, own, bool(handed), auth.secret, mac, "commit vote")
     stats["commit_s"], stats["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu
     if protocol.outcome(votes) == "committed":
-        return [] if on_unit is not None else staged if finalize is not None else unpack(wire_manifest, received)
+        return [] if on_unit is not None else staged if patches is not None else unpack(wire_manifest, received)
     reason = failure[1] if failure else f"rank {group.rank}: round not committed: {protocol.describe(votes.statuses)}"
     holders = ", ".join(map(str, votes.holders())) or "none"
     if handed:

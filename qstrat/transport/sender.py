@@ -42,6 +42,7 @@ from qstrat.prepare import PreparedRefit, SinkCheck
 from qstrat.transport import delta
 from qstrat.transport.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.delta_rounds import DeltaRounds
+from qstrat.transport.delta_stream import PatchEncoder
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
 from qstrat.transport.fanout import EngineClients, OfEngines, listed
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
@@ -78,8 +79,9 @@ class RefitSender:
             rank verified every bucket), ``bounded`` (engines load each reload unit as soon as
             its buckets verified: memory ~ two buckets + one layer; a fault mid-round leaves a
             MIX, reported as MixedWeightsError, after which engines accept only whole refits) or
-            ``delta`` (atomic rounds that send, per tensor, only the words that changed since the
-            last round every engine committed: :mod:`qstrat.transport.delta`; a round goes whole
+            ``delta`` (atomic rounds that send, per bucket, only the bytes that changed since the
+            last round every engine committed, as the bucket is quantized: :mod:`qstrat.transport.
+            delta`; a round goes whole
             when no base is shared or an engine refuses the delta; this sender keeps the last
             round's quantized bytes in host memory; :meth:`refit` only, not :meth:`send`).
     """
@@ -189,7 +191,7 @@ class RefitSender:
             return self._round(prepared)
         except InputMismatchError as exc:  # aborted before the commit vote: the engines hold what they held
             driver.plan_cache.clear()
-            self.delta_rounds.base = base  # a delta round is encoded whole before it is sent: nothing went
+            self.delta_rounds.base = base  # the stream was aborted before the commit vote: nothing loaded
             logger.info("qstrat transport: the kept plan does not fit the inputs (%s): planning again", exc)
             try:
                 report = self._round(driver.prepare(named_tensors, None, checks))
@@ -207,8 +209,9 @@ class RefitSender:
             return self._send(wm, prepared.execute(), round_info(prepared, self.mode))
         qc = prepared.plan.vllm_quantization_config()
         online = {ONLINE_KEY: prepared.plan.engine_quantization}  # who quantizes: checked by the engine first
-        return self.delta_rounds.refit(wm, prepared.execute(), self._secret, lambda wm, blobs, extra: self._send(
-            wm, blobs, update_info(wm, self.mode, qc, {**online, **extra})), manifest_doc(prepared))
+        doc = manifest_doc(prepared)
+        return self.delta_rounds.refit(wm, prepared.execute(), lambda encoder, extra: self._send(
+            wm, encoder, update_info(wm, self.mode, qc, {**online, **extra}, doc)))
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
              quantization_config: Any = _UNNAMED) -> TransferReport:
@@ -233,7 +236,7 @@ class RefitSender:
                                  "the round against its base)")
         return self._send(wire_manifest, tensors, update_info(wire_manifest, self.mode, quantization_config, {}))
 
-    def _send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
+    def _send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]] | PatchEncoder,
               info: dict[str, Any]) -> TransferReport:
         if self.group is None or self.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")

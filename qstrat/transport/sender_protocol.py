@@ -3,7 +3,8 @@ header, accept vote, buckets, commit vote) and the round's outcome as the sender
 
 What a sender does around it (the weight-sync calls, the report) is
 :class:`~qstrat.transport.sender.RefitSender`'s; the bucket stream is
-:func:`~qstrat.transport.outgoing.send_buckets`.
+:func:`~qstrat.transport.outgoing.send_buckets` (a delta round's:
+:func:`~qstrat.transport.delta_stream.send_patches`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from qstrat.errors import (InputMismatchError, MixedWeightsError, NonFiniteError
 from qstrat.transport import delta
 from qstrat.transport import protocol as proto
 from qstrat.transport.auth import RoundContext, next_counter
+from qstrat.transport.delta_stream import PatchEncoder, send_patches
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.keys import Secret
 from qstrat.transport.outgoing import SourceFailure, send_buckets
@@ -31,12 +33,14 @@ class SenderProtocol:
         #: The last round's counter (each round's is above it and every receiver's challenge).
         self.counter = -1
 
-    def run(self, group: TransferGroup, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
+    def run(self, group: TransferGroup, wire_manifest: WireManifest,
+            tensors: Iterator[tuple[str, torch.Tensor]] | PatchEncoder,
             prof: Phases, close: Callable[[], None], secret: Secret | None, mode: str,
             master: tuple[str, int]) -> None:
         """Steps 0-4 on this rank, then the outcome; returns only when every rank committed.
 
-        ``tensors``: yielded in ``wire_manifest``'s wire order; ``prof``: gets ``handshake_s``,
+        ``tensors``: yielded in ``wire_manifest``'s wire order (``delta`` mode: the round's
+        :class:`~qstrat.transport.delta_stream.PatchEncoder`); ``prof``: gets ``handshake_s``,
         ``commit_s`` and :func:`~qstrat.transport.outgoing.send_buckets`' phases; ``close``: called
         when the source itself failed (its device state is suspect) before the error is raised;
         ``secret`` (None: unauthenticated), ``mode`` (``atomic``, ``bounded``, ``delta``) and
@@ -48,7 +52,9 @@ class SenderProtocol:
         """
         mac = self._accept(group, wire_manifest, prof, secret, mode, master)
         try:
-            failure = send_buckets(group, wire_manifest, iter(tensors), Sealer(secret, mac, group.device), prof)
+            sealer = Sealer(secret, mac, group.device)
+            failure = (send_patches(group, wire_manifest, tensors, sealer, prof) if mode == "delta" else
+                       send_buckets(group, wire_manifest, iter(tensors), sealer, prof))
         except TransportError as exc:
             if mode == "bounded":
                 raise _mixed(f"{exc}; bounded mode: engines may hold a MIX of two rounds, the next refit "

@@ -33,6 +33,7 @@ from qstrat.transport.acceptance import Expected, RoundCheck
 from qstrat.transport.address import ENV_ADDRESS, check_address
 from qstrat.transport.auth import ReceiverAuth, check_init
 from qstrat.transport.delta_rebuild import DeltaRebuild
+from qstrat.transport.delta_receive import PatchDecoder
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.keys import Secret
 from qstrat.transport.landing import Landing, Loader
@@ -124,10 +125,11 @@ class ReceiverSession:
 
     def update(self, update_info: dict[str, Any]) -> None:
         """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta",
-        "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base", "round", "target"}``,
-        :mod:`qstrat.transport.delta`; the engine checks the TARGET wire manifest, the tensors
-        are reconstructed from :attr:`base` and checked against the trainer's digests before
-        the commit vote, and :meth:`finish` loads them as an atomic round's).
+        "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base", "round"}``,
+        :mod:`qstrat.transport.delta`; the engine checks the wire manifest as a full round's,
+        each bucket arrives as a patch rebuilt from :attr:`base` and checked against the
+        trainer's digest before the commit vote, and :meth:`finish` loads them as an atomic
+        round's).
 
         Raises: as :func:`~qstrat.transport.receiver.receive_round`; TransportError for a second
             round in one session or an unknown mode (:class:`~qstrat.transport.acceptance.RoundCheck`).
@@ -145,12 +147,12 @@ class ReceiverSession:
         self._received = True
         self.stats = {}
         if check.mode == "delta":
-            def rebuild(blobs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-                return self.delta.rebuild(blobs, check.info["delta"], check.target,
-                                          self.auth.secret if self.auth else None)
+            def decoder(mac: bytes) -> PatchDecoder:
+                return self.delta.decoder(check.info["delta"], check.target, self.auth.secret if self.auth else None,
+                                          mac)
 
             self._staged = receive_round(self.group, doc, check, self.auth, "delta", staging=self.staging,
-                                         stats=self.stats, protocol_version=protocol, finalize=rebuild)
+                                         stats=self.stats, protocol_version=protocol, patches=decoder)
             return
         self.delta.base = None  # another mode changes the weights outside the delta's bookkeeping
         if check.mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
@@ -197,7 +199,7 @@ class ReceiverSession:
                                     f"next refit must be whole") from exc
         self.landing.end()
         self.stats["finish_s"] = time.perf_counter() - t0
-        self.delta.base = next_base
+        self.delta.commit(next_base)
         self.flag.loaded(self.expected, sent)
 
     def _fail_load(self, exc: BaseException, sent: set[str]) -> None:
