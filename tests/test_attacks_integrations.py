@@ -146,3 +146,36 @@ def test_nemo_rl_a_short_step_is_refused_not_reported_loaded(monkeypatch, receiv
     assert loaded == []
     assert getattr(worker, receiver)([step["c"](3), step["b"](3), step["a"](3)]) is True
     assert [{n: float(t) for n, t in d.items()} for d in loaded] == [{"a": 3.0, "b": 3.0, "c": 3.0}]
+
+
+def test_skyrl_source_gathers_once_and_a_short_pass_yields_nothing():
+    """values="first" gathered the source twice per sync (a check pass, then a quantizing pass),
+    and the second pass could differ: a short second pass (a rank's gather cut off) was refused
+    only after every earlier tensor had been yielded to vLLM's reload. Now one gather per sync, and
+    a short pass is refused before the first tensor."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from qstrat import PlanError, RefitDriver
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.integrations.skyrl import QstratWeightSource
+
+    model = build_tiny_qwen3_moe(seed=1)
+
+    class Gathers(ModuleSource):
+        """Counts passes; pass number ``short`` stops 5 tensors early."""
+        passes, short = 0, None
+
+        def __iter__(self):
+            type(self).passes += 1
+            items = list(super().__iter__())
+            yield from (items[:-5] if self.passes == self.short else items)
+
+    source = QstratWeightSource(Gathers(model), RefitDriver("block-fp8", hf_config=hf_config(model)))
+    assert len(list(source)) == len(source.plan.outputs()) and Gathers.passes == 1
+    Gathers.passes, Gathers.short = 0, 2  # the second pass of a sync is short
+    got = list(source)  # pass 1 (full)
+    yielded = []
+    with pytest.raises(PlanError):
+        for name, _ in source:  # pass 2 (short)
+            yielded.append(name)
+    assert len(got) == len(source.plan.outputs()) and yielded == [] and Gathers.passes == 2
