@@ -302,23 +302,22 @@ _ENTRIES = (
           "quantization config's module lists (apply_vllm_mapper)",
           "map ignore-list entries exactly as vLLM maps a checkpoint config's (model_names.ClassNames)"),
     _name("weights_mapper_apply_list", "function", "vllm.model_executor.models.utils:WeightsMapper.apply_list",
-          "maps a list of names through a WeightsMapper (names it drops are left out)",
-          "map ignore-list entries (model_names.ClassNames)"),
+          "maps a list of names through a WeightsMapper (names it drops are left out)", "model_names.ClassNames"),
     _name("layer_quant_method", "attribute", f"{_LINEAR_LAYERS}:LinearBase.quant_method",
           "the quantization method vLLM gave a layer when it built it (linear, fused MoE, embedding, attention)",
           "which modules an engine built quantized (model_record.read_model), checked against the "
           "online config's ignore list at engine start (qstrat.online_built)", public=False,
           alternative="none: vLLM records an online engine's quantized layers only on its private "
                       "OnlineQuantizationConfig.quantized_layers, and a checkpoint engine's nowhere else"),
-    _name("linear_method_base", "class", f"{_LINEAR_LAYERS}:LinearMethodBase",
-          "base class of every linear layer's quantization method",
-          "tell linear layers' methods from attention / embedding ones (model_record.read_model)"),
-    _name("unquantized_linear_method", "class", f"{_LINEAR_LAYERS}:UnquantizedLinearMethod",
-          "the method of a linear layer vLLM keeps unquantized", "model_record.read_model"),
-    _name("fused_moe_method_base", "class", f"{_MOE}:FusedMoEMethodBase",
-          "base class of every fused-MoE layer's quantization method", "model_record.read_model"),
-    _name("unquantized_fused_moe_method", "class", f"{_MOE}:UnquantizedFusedMoEMethod",
-          "the method of a fused-MoE layer vLLM keeps unquantized", "model_record.read_model"),
+    # the quantization methods a layer can be built with (model_record.built_quantized)
+    *(_name(key, "class", location, what, "which modules an engine built quantized (model_record.built_quantized)")
+      for key, location, what in (
+          ("linear_method_base", f"{_LINEAR_LAYERS}:LinearMethodBase", "base of every linear layer's method"),
+          ("unquantized_linear_method", f"{_LINEAR_LAYERS}:UnquantizedLinearMethod",
+           "the method of a linear layer vLLM keeps unquantized"),
+          ("fused_moe_method_base", f"{_MOE}:FusedMoEMethodBase", "base of every fused-MoE layer's method"),
+          ("unquantized_fused_moe_method", f"{_MOE}:UnquantizedFusedMoEMethod",
+           "the method of a fused-MoE layer vLLM keeps unquantized"))),
     # ---- layerwise reload ----------------------------------------------------------------
     _name("layerwise_info", "mapping", f"{_RELOAD}.layerwise:LAYERWISE_INFO",
           "vLLM's record of every module's checkpoint-format parameters, kept for layerwise reload",
