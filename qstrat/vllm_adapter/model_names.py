@@ -55,19 +55,20 @@ class ClassNames:
 
 
 def class_names(architectures: Sequence[str]) -> ClassNames | None:
-    """Cached :func:`_class_names` (per tuple of architectures)."""
+    """The :class:`ClassNames` of the vLLM model class the first of ``architectures`` (a
+    config.json's ``architectures``) that vLLM registers selects; None where vLLM is not
+    installed. Cached per tuple of architectures.
+
+    Raises: LookupError naming the architectures when vLLM has no class for any of them;
+        ImportError when the class cannot be imported here (e.g. Qwen3.5's, whose module imports
+        torchvision, where it is missing).
+    """
     return _class_names(tuple(architectures))
 
 
 @lru_cache(maxsize=32)
 def _class_names(architectures: tuple[str, ...]) -> ClassNames | None:
-    """The :class:`ClassNames` of the vLLM model class the first loadable of ``architectures``
-    (a config.json's ``architectures``) selects; None where vLLM is not installed.
-
-    Raises: LookupError naming the architectures when vLLM has no class for any of them, and the
-        import error of a class that cannot be imported here (e.g. one whose module imports
-        torchvision where it is missing).
-    """
+    """:func:`class_names`, uncached."""
     if importlib.util.find_spec(names.PACKAGE) is None:
         return None
     registry = resolve("model_registry")
