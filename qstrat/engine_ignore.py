@@ -68,11 +68,14 @@ class IgnoreRuleError(EngineManifestError):
     an entry whose reading depends on vLLM's per-model data, a method qstrat does not know)."""
 
 
-def engine_ignore_list(entries: Sequence[str], fused: Sequence[Sequence[str]]) -> list[str]:
+def engine_ignore_list(entries: Sequence[str], fused: Sequence[Sequence[str]],
+                       packed: Mapping[str, Sequence[str]] | None = None) -> list[str]:
     """``entries`` (unfused module prefixes, ``model.layers.0.mlp.gate_proj``) as an engine's ignore
     list must say them: each entry, plus vLLM's fused name (``model.layers.0.mlp.gate_up_proj``)
-    for every fused group (``fused``: the layout's groups that :data:`ENGINE_FUSED_NAMES` knows) whose
-    members are ALL listed under one parent; in natural order, no duplicates.
+    for every fused group (``fused``: the layout's groups that :data:`ENGINE_FUSED_NAMES` knows, and
+    every group of ``packed``, a model class's ``packed_modules_mapping``: fused name -> members,
+    e.g. Qwen3.5's ``in_proj_ba`` <- ``in_proj_b``, ``in_proj_a``) whose members are ALL listed
+    under one parent; in natural order, no duplicates.
 
     Why both names: see the module docstring (vLLM matches the fused name or the shards depending
     on the model class and the vLLM version; with both listed every reading keeps the module).
@@ -83,8 +86,9 @@ def engine_ignore_list(entries: Sequence[str], fused: Sequence[Sequence[str]]) -
 
     listed = set(entries)
     out = dict.fromkeys(entries)
-    for group in fused:
-        name = ENGINE_FUSED_NAMES.get(tuple(group))
+    names = {**ENGINE_FUSED_NAMES, **{tuple(m): f for f, m in (packed or {}).items() if len(m) > 1}}
+    for group in [*fused, *(packed or {}).values()]:
+        name = names.get(tuple(group))
         if name is None:
             continue
         for e in entries:

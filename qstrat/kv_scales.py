@@ -89,14 +89,22 @@ def _worker_kv_scales(worker: Any) -> dict[str, dict[str, float]]:
 
 class KVScaleReader:
     """vLLM worker extension (``worker_extension_cls="qstrat.kv_scales.KVScaleReader"``, alone or
-    as a base of another extension): adds :meth:`qstrat_kv_scales` to the worker, callable by
-    name through ``collective_rpc``, which is how :func:`engine_kv_scales` reads a MULTIPROCESS
-    engine's scales (vLLM's engine core cannot send a Python function to a worker process:
+    as a base of another extension): adds :meth:`qstrat_kv_scales` and :meth:`qstrat_finalize_reload`
+    to the worker, callable by name through ``collective_rpc``, which is how :func:`engine_kv_scales`
+    reads a MULTIPROCESS engine's scales and a failed reload of one is finalized (vLLM's engine core cannot send a Python function to a worker process:
     "Object of type <class 'function'> is not serializable")."""
 
     def qstrat_kv_scales(self) -> dict[str, dict[str, float]]:
         """:func:`model_kv_scales` of this worker's model."""
         return model_kv_scales(WorkerView(self).model())
+
+    def qstrat_finalize_reload(self) -> None:
+        """vLLM's ``finalize_layerwise_reload`` of this worker's model after a failed reload (what
+        :func:`qstrat.vllm.reload.finalize_engine_reload` calls by name on a multiprocess engine)."""
+        from qstrat.vllm_adapter.resolver import resolve
+
+        view = WorkerView(self)
+        resolve("finalize_layerwise_reload")(view.model(), view.model_config)
 
 
 #: :class:`KVScaleReader`'s qualified name, as ``worker_extension_cls`` takes it.
@@ -118,7 +126,7 @@ def engine_kv_scales(llm: Any) -> dict[str, dict[str, float]]:
     if in_process(llm):
         return view.collective_rpc(_worker_kv_scales)[0]
     extension = view.worker_extension_cls
-    if not hasattr(_extension_class(extension), "qstrat_kv_scales"):
+    if not hasattr(extension_class(extension), "qstrat_kv_scales"):
         raise ConfigError(
             f"kv_cache_dtype: this multiprocess engine caches keys and values in {view.cache_dtype}, and qstrat "
             "checks its per-layer k/v scales across every reload by reading them in the worker, which vLLM's "
@@ -129,7 +137,7 @@ def engine_kv_scales(llm: Any) -> dict[str, dict[str, float]]:
     return view.collective_rpc("qstrat_kv_scales")[0]
 
 
-def _extension_class(extension: Any) -> Any:
+def extension_class(extension: Any) -> Any:
     """The class an engine's ``worker_extension_cls`` names (vLLM takes a qualified name or a
     class; ``""``/None: none), imported here; None when it cannot be imported."""
     if not extension or not isinstance(extension, str):

@@ -116,7 +116,8 @@ def _installed_or_newest() -> str:
     return names.SUPPORTED.rpartition("<=")[2]
 
 
-def online_config(plan: RefitPlan, registry: Any, version: str | None = None) -> dict[str, Any]:
+def online_config(plan: RefitPlan, registry: Any, version: str | None = None,
+                  names: Any = None) -> dict[str, Any]:
     """vLLM's online ``quantization_config`` that serves ``plan`` (a trainer-side plan: its
     entries carry the formats the strategy chose).
 
@@ -124,9 +125,14 @@ def online_config(plan: RefitPlan, registry: Any, version: str | None = None) ->
         plan: the validated plan with quantized entries (``quantize_in`` aside).
         registry: the registry the plan's formats are looked up in (the driver's).
         version: the vLLM release the engine runs (default: :func:`online_methods`'s).
+        names: the engine's model class's names
+            (:class:`qstrat.vllm_adapter.model_names.ClassNames`, :func:`engine_class_names`);
+            None: checkpoint names are written as they are.
     Returns: ``{"linear": shorthand, "moe": shorthand, "ignore": [module, ...]}``; a key only where
         the plan quantizes that kind; ``ignore`` lists the plan's unquantized modules of the
-        kinds it quantizes (:func:`qstrat.engine_ignore.engine_ignore_list`), exact names.
+        kinds it quantizes in vLLM's module names (``names.vllm_module``: vLLM matches an online
+        ignore list against its own names, unmapped), with fused names
+        (:func:`qstrat.engine_ignore.engine_ignore_list`), exact names.
     Raises: PlanError listing every tensor the engine cannot quantize as planned (see the module
         docstring), each naming ``quantize_in: trainer``; PlanError for a plan that quantizes nothing.
     """
@@ -174,8 +180,34 @@ def online_config(plan: RefitPlan, registry: Any, version: str | None = None) ->
     kinds_of = {e.engine_module: (MOE if e.kind in _MOE_KINDS else LINEAR) for e in plan.entries}
     kept = [m for m in plan.ignored_layers if kinds_of.get(m, LINEAR) in chosen]
     cfg: dict[str, Any] = {k: chosen[k][0] for k in (LINEAR, MOE) if k in chosen}
-    cfg["ignore"] = engine_ignore_list(kept, _fused_groups(registry, plan.layout))
+    if names is not None:
+        kept = [m for m in (names.vllm_module(k) for k in kept) if m is not None]
+    cfg["ignore"] = engine_ignore_list(kept, _fused_groups(registry, plan.layout),
+                                       names.packed if names is not None else None)
     return cfg
+
+
+def engine_class_names(hf_config: Mapping[str, Any] | None, layout: Any) -> Any:
+    """The names of the vLLM model class an engine builds for this model (its ``architectures``,
+    else the layout's), read from the installed vLLM's class
+    (:func:`qstrat.vllm_adapter.model_names.class_names`); None where vLLM is not installed, or
+    (with a RuntimeWarning saying why) where the class cannot be loaded here: the ignore list is
+    then written in checkpoint names, and the engine-start check
+    (:func:`qstrat.online_built.online_build_errors`) refuses an engine that reads it otherwise."""
+    import warnings
+
+    from qstrat.vllm_adapter.model_names import class_names
+
+    archs = tuple((hf_config or {}).get("architectures") or ()) + tuple(getattr(layout, "architectures", ()) or ())
+    if not archs:
+        return None
+    try:
+        return class_names(archs)
+    except (ImportError, LookupError) as exc:
+        warnings.warn(f"quantize_in: engine: the online ignore list is written in checkpoint names: {exc}; "
+                      "the engine-start check refuses an engine whose module names differ", RuntimeWarning,
+                      stacklevel=3)
+        return None
 
 
 def _changed_options(ser: Any) -> dict[str, Any]:
@@ -241,7 +273,8 @@ class EngineSidePlanner:
         """The BF16 wire plan with ``engine_quantization`` set. Raises PlanError (either plan's
         errors; :func:`online_config`'s refusals)."""
         strategy = self.strategy_plan(tensors)
-        online = online_config(strategy, self.registry, self.vllm_version)
+        names = engine_class_names(self.quantizing.hf_config, self.quantizing.layout)
+        online = online_config(strategy, self.registry, self.vllm_version, names)
         wire = self.wire.plan(tensors)
         return replace(wire, config=strategy.config, engine_quantization=online)
 

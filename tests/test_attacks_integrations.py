@@ -126,3 +126,56 @@ def test_nemo_rl_a_bucket_naming_a_received_tensor_starts_a_new_step(monkeypatch
     assert loaded == []
     worker._load_weights([("b", 2 * one)])
     assert [{n: float(t) for n, t in d.items()} for d in loaded] == [{"a": 2.0, "b": 2.0, "c": 2.0}]
+
+
+@pytest.mark.parametrize("receiver", ["update_weights_from_collective", "update_weights_via_ipc_zmq"])
+def test_nemo_rl_a_short_step_is_refused_not_reported_loaded(monkeypatch, receiver):
+    """A receiver call whose buckets hold only a and b of the announced a, b, c returned True
+    although nothing was reloaded (the step stayed pending). Now the step is refused, naming what
+    is missing, and its buckets do not complete the next step."""
+    from qstrat.errors import PlanError
+
+    worker, loaded = _nemo_extension(monkeypatch)
+    step = {n: lambda s, n=n: [(n, torch.full((1,), s, dtype=torch.bfloat16))] for n in "abc"}
+    with pytest.raises(PlanError, match=r"the step ended with 2 of the 3 tensors prepare_refit_info announced "
+                                        r"\(missing: \['c'\]\); .*nothing was reloaded"):
+        getattr(worker, receiver)([step["a"](1), step["b"](1)])
+    assert loaded == []
+    with pytest.raises(PlanError, match=r"ended with 1 of the 3 tensors .*missing: \['a', 'b'\]"):
+        getattr(worker, receiver)([step["c"](2)])  # step 1's a, b were dropped: no mix
+    assert loaded == []
+    assert getattr(worker, receiver)([step["c"](3), step["b"](3), step["a"](3)]) is True
+    assert [{n: float(t) for n, t in d.items()} for d in loaded] == [{"a": 3.0, "b": 3.0, "c": 3.0}]
+
+
+def test_skyrl_source_gathers_once_and_a_short_pass_yields_nothing():
+    """values="first" gathered the source twice per sync (a check pass, then a quantizing pass),
+    and the second pass could differ: a short second pass (a rank's gather cut off) was refused
+    only after every earlier tensor had been yielded to vLLM's reload. Now one gather per sync, and
+    a short pass is refused before the first tensor."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from qstrat import PlanError, RefitDriver
+    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.integrations.skyrl import QstratWeightSource
+
+    model = build_tiny_qwen3_moe(seed=1)
+
+    class Gathers(ModuleSource):
+        """Counts passes; pass number ``short`` stops 5 tensors early."""
+        passes, short = 0, None
+
+        def __iter__(self):
+            type(self).passes += 1
+            items = list(super().__iter__())
+            yield from (items[:-5] if self.passes == self.short else items)
+
+    source = QstratWeightSource(Gathers(model), RefitDriver("block-fp8", hf_config=hf_config(model)))
+    assert len(list(source)) == len(source.plan.outputs()) and Gathers.passes == 1
+    Gathers.passes, Gathers.short = 0, 2  # the second pass of a sync is short
+    got = list(source)  # pass 1 (full)
+    yielded = []
+    with pytest.raises(PlanError):
+        for name, _ in source:  # pass 2 (short)
+            yielded.append(name)
+    assert len(got) == len(source.plan.outputs()) and yielded == [] and Gathers.passes == 2

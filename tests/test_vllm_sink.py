@@ -473,3 +473,50 @@ def test_a_multiprocess_fp8_kv_engine_is_refit_through_the_reader_or_refused_nam
     assert qstrat.kv_scales.engine_kv_scales(llm) == {
         f"attn{i}": {"k_scale": f32[k], "k_scale_float": f32[k], "v_scale": f32[v], "v_scale_float": f32[v]}
         for i, (k, v) in enumerate(((0.05, 0.07), (0.06, 0.08)))}
+
+
+class FailingFP8KVMultiprocessLLM(FP8KVMultiprocessLLM):
+    """A multiprocess engine whose worker fails mid-reload; every RPC is encoded as vLLM's
+    engine core encodes it (a Python function is refused), and the worker extension's
+    ``qstrat_finalize_reload`` is counted (the stand-in model has no layerwise reload)."""
+
+    def __init__(self, quantization_config, extension):
+        super().__init__(quantization_config, extension)
+        self.finalized = 0
+        if hasattr(self.worker, "qstrat_finalize_reload"):
+            self.worker.qstrat_finalize_reload = lambda: setattr(self, "finalized", self.finalized + 1)
+
+    def collective_rpc(self, method, kwargs=None):
+        if method == "reload_weights":
+            self.encoder.encode((0, 1, "collective_rpc", (method, None, (), kwargs)))
+            raise RuntimeError("worker fault mid-reload (simulated)")
+        return super().collective_rpc(method, kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:qstrat.vllm.refit. this refit wrote:RuntimeWarning")
+def test_a_failed_reload_of_a_multiprocess_engine_is_finalized_through_the_worker_extension(
+        tiny_model, driver, monkeypatch):
+    """Before: the finalize of a failed reload sent a Python function over collective_rpc, which
+    a multiprocess engine refuses ("Object of type <class 'function'> is not serializable"): the
+    reload stayed unfinalized and the flag's reason said so. Now it runs by name through qstrat's
+    worker extension; an engine without it gets the flag and a reason naming the fix."""
+    import qstrat.kv_scales
+    from qstrat.errors import EngineStateError
+    from qstrat.vllm.flag import engine_flag
+    from qstrat.vllm.reload import finalize_engine_reload
+
+    for module in (qstrat.vllm.sink, qstrat.kv_scales):
+        monkeypatch.setattr(module, "in_process", lambda llm: False, raising=False)
+    monkeypatch.setattr("qstrat.vllm_adapter.platform_facts.in_process", lambda llm: False)
+    state = tiny_model.state_dict()
+    llm = FailingFP8KVMultiprocessLLM(driver.plan(state).vllm_quantization_config(), qstrat.kv_scales.READER)
+    with pytest.raises(EngineStateError, match="worker fault mid-reload"):
+        qstrat.vllm.refit(llm, driver, state)
+    assert llm.finalized == 1
+    assert engine_flag(llm).reason == "RuntimeError: worker fault mid-reload (simulated)"
+    plain = MultiprocessLLM(None)
+    plain.llm_engine.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=""))
+    with pytest.raises(qstrat.ConfigError, match=r"^this multiprocess engine's worker_extension_cls \('none'\) has "
+                                                 r"no qstrat_finalize_reload.*worker_extension_cls="
+                                                 r"'qstrat\.kv_scales\.KVScaleReader'$"):
+        finalize_engine_reload(plain)

@@ -39,14 +39,30 @@ class QstratWorkerExtension(VllmInternalWorkerExtension):
 
     def update_weights_from_collective(self, *args: Any, **kwargs: Any) -> Any:
         """NeMo-RL's collective receiver (one call per step), after dropping what an interrupted
-        step left (:meth:`_qstrat_new_step`)."""
+        step left (:meth:`_qstrat_new_step`); a step it ends short is refused (:meth:`_qstrat_end_step`)."""
         self._qstrat_new_step()
-        return super().update_weights_from_collective(*args, **kwargs)
+        return self._qstrat_end_step(super().update_weights_from_collective(*args, **kwargs))
 
     def update_weights_via_ipc_zmq(self, *args: Any, **kwargs: Any) -> Any:
-        """NeMo-RL's IPC/ZMQ receiver (one call per step), after :meth:`_qstrat_new_step`."""
+        """NeMo-RL's IPC/ZMQ receiver (one call per step), as :meth:`update_weights_from_collective`."""
         self._qstrat_new_step()
-        return super().update_weights_via_ipc_zmq(*args, **kwargs)
+        return self._qstrat_end_step(super().update_weights_via_ipc_zmq(*args, **kwargs))
+
+    def _qstrat_end_step(self, result: Any) -> Any:
+        """After a receiver returned: ``result``, unless the step it ended left announced tensors
+        missing (a short step: its receiver returned True, but nothing was reloaded).
+
+        Raises: PlanError naming how many of the announced tensors arrived (the step's buckets are
+            dropped, the engine keeps what it served)."""
+        pending = self.__dict__.pop("_qstrat_pending", None)
+        if pending:
+            info = getattr(self, "state_dict_info", None) or {}
+            missing = sorted(set(info) - set(pending))
+            raise PlanError(f"qstrat.integrations.nemo_rl: the step ended with {len(pending)} of the {len(info)} "
+                            f"tensors prepare_refit_info announced (missing: {missing[:3]}"
+                            f"{', ...' if len(missing) > 3 else ''}); qstrat refits whole steps only, so nothing "
+                            "was reloaded and the step's buckets were dropped")
+        return result
 
     def _qstrat_new_step(self) -> None:
         """A step begins: drop the buckets an interrupted step left (its receiver raised or

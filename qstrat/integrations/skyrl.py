@@ -22,8 +22,6 @@ import torch
 from qstrat.driver import RefitDriver
 from qstrat.inputs import tensor_specs
 from qstrat.plan import RefitPlan
-from qstrat.plan.data import PASSTHROUGH
-from qstrat.stream import check_passthrough
 from qstrat.vllm_adapter.resolver import available, resolve
 from qstrat.vllm_adapter.views import source_held_names, source_metadata, source_tensors
 
@@ -39,11 +37,15 @@ class QstratWeightSource(WeightSource):
             ``MegatronWeightSource``, vLLM's ``ModuleSource``): HF names, BF16 or FP32 tensors,
             the whole model on every rank (``held_names()`` None).
         driver: the strategy of the engines' checkpoint (``qstrat quantize``).
-        values: ``"first"`` (default) - every pass reads ``source`` once for NaN/inf before the
-            first tensor is yielded (:meth:`check_values`), then again to quantize: vLLM's
-            layerwise reload has no rollback, so a bad value found mid-stream would leave the
-            engines holding a mix of two syncs (nothing on the trainer side can flag them).
-            Costs a second gather of the source per sync. ``"inline"``: checked as it streams.
+        values: ``"first"`` (default) - every pass gathers ``source`` ONCE, checking and
+            quantizing the whole model (:meth:`RefitDriver.run`: NaN/inf, a pass that does not
+            match the metadata - short, reordered, another shape) and holding its checkpoint
+            tensors, and yields the first tensor only once that pass succeeded: vLLM's layerwise
+            reload has no rollback, so an error mid-stream would leave the engines holding a mix
+            of two syncs (nothing on the trainer side can flag them). Costs the quantized model's
+            bytes held per sync (about half the BF16 model for FP8, a quarter for FP4), not a
+            second gather (which could itself differ: a second, short pass half-applied).
+            ``"inline"``: checked as it streams, about one layer held.
     Attributes: plan: the :class:`~qstrat.plan.RefitPlan`, made once from ``source.metadata()``
         (shapes and dtypes only: nothing is gathered).
     Raises: PlanError from the constructor when the source's names, shapes or dtypes cannot be
@@ -68,29 +70,14 @@ class QstratWeightSource(WeightSource):
         return [ParamMeta(o.name, getattr(torch, o.dtype), tuple(o.shape)) for o in self.plan.outputs()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """One pass of ``source``, quantized as it streams (:meth:`RefitDriver.run` with
-        :attr:`plan`: about one layer held at a time), contiguous tensors, after
-        :meth:`check_values` (``values="first"``). Raises what :meth:`RefitDriver.run` raises
-        (NonFiniteError naming a tensor - before the first tensor with ``values="first"``;
-        PlanError when the stream does not match its metadata)."""
-        if self.values == "first":
-            self.check_values()
-        for name, t in self.driver.run(source_tensors(self.source), plan=self.plan):
-            yield name, t.contiguous()
-
-    def check_values(self) -> None:
-        """One pass of ``source`` (one tensor held at a time): raise NonFiniteError naming the
-        first input holding NaN/inf where its format refuses them (passthrough tensors and
-        formats with ``nonfinite="error"``, as :meth:`RefitDriver.check_values`); yields nothing."""
-        entries = {e.name: e for e in self.plan.entries}
-        for name, t in source_tensors(self.source):
-            e = entries.get(name)
-            if e is None:
-                continue  # not planned: RefitDriver.run's pass refuses it with its PlanError
-            if e.serializer == PASSTHROUGH:
-                check_passthrough(t, name)
-            else:
-                self.driver.serializer(e.serializer, e.options).check_values(t, name)
+        """One pass (one gather) of ``source``, quantized by :meth:`RefitDriver.run` with
+        :attr:`plan`, contiguous tensors: with ``values="first"`` the whole pass is quantized
+        before the first tensor is yielded, with ``"inline"`` as it streams (about one layer
+        held). Raises what :meth:`RefitDriver.run` raises (NonFiniteError naming a tensor,
+        PlanError when the pass does not match its metadata) - before the first tensor with
+        ``values="first"``."""
+        stream = ((name, t.contiguous()) for name, t in self.driver.run(source_tensors(self.source), plan=self.plan))
+        yield from (list(stream) if self.values == "first" else stream)
 
     # vLLM 0.33 made metadata a cached property (checked when the class is made) and iteration
     # iter_full(); before, metadata() was a method and iteration __iter__ (version table:

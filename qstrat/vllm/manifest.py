@@ -10,6 +10,8 @@ from qstrat.driver import RefitDriver, layout_for
 from qstrat.engine_manifest import EngineManifest, build_manifest
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineBuildError, EngineManifestError
 from qstrat.layouts import ModelLayout
+from qstrat.online import engine_online_args
+from qstrat.online_built import online_build_errors
 from qstrat.registry import Registry, get_registry
 from qstrat.vllm.quant_config import engine_quantization_config, quantization_config_of
 from qstrat.vllm_adapter import model_record
@@ -90,6 +92,10 @@ def check_engine_built(llm: Any, driver: RefitDriver | None = None) -> EngineMan
     Raises: EngineBuildError naming each module vLLM built in another format, both formats and the
         fix; EngineManifestError for any other disagreement between the manifest and vLLM's model.
     """
+    if engine_online_args(EngineView(llm).model_config) is not None:
+        if in_process(llm):  # a multiprocess engine: the qstrat transfer backend checks in its worker
+            check_online_built(EngineView(llm).model_config, model_record.engine_model(llm))
+        return None
     if engine_quantization_config(llm) is None:
         return None
     try:
@@ -108,6 +114,10 @@ def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
 
     Returns: the manifest, or None when not checked (as :func:`check_engine_built`)."""
     mc = model_config_of(vllm_config)
+    world = int(read(read(vllm_config, "vllm_config_parallel_config"), "parallel_world_size", 1) or 1)
+    if engine_online_args(mc) is not None:
+        check_online_built(mc, model_record.read_model(model, world))
+        return None
     if quantization_config_of(hf_config_of(mc)) is None:
         return None
     try:
@@ -116,9 +126,29 @@ def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
         if isinstance(exc.__cause__, ConfigOnlyUnsupportedError):
             return None
         raise
-    world = int(read(read(vllm_config, "vllm_config_parallel_config"), "parallel_world_size", 1) or 1)
     _check_built(manifest, model_record.read_model(model, world))
     return manifest
+
+
+def check_online_built(model_config: Any, model: model_record.EngineModel) -> None:
+    """Raise EngineBuildError unless vLLM built an online-quantizing engine's modules exactly as
+    its ``ignore`` list (the plan's BF16 modules) says (:func:`qstrat.online_built.online_build_errors`);
+    entries under a vision tower the engine did not build (every modality limited to 0) are not
+    checked. ``model``: vLLM's record of the built model (:mod:`qstrat.vllm_adapter.model_record`)."""
+    args = engine_online_args(model_config)
+    ignore = list(getattr(args, "ignore", None) or [])
+    kinds = [k for k in ("linear", "moe") if getattr(args, k, None) is not None]
+    unbuilt: tuple[str, ...] = ()
+    if _no_towers(model_config):
+        lay = layout_for(get_registry(), None, hf_config_of(model_config).to_dict())
+        unbuilt = tuple(f"{model.vllm_name(p.rstrip('.'))}." for p in lay.non_decoder_prefixes)
+    errors = online_build_errors(ignore, model.quantized, model.modules, model.packed, kinds, unbuilt)
+    if errors:
+        raise EngineBuildError(
+            f"vLLM built this online-quantizing engine's modules otherwise than its quantization_config's ignore "
+            f"list (the plan's BF16 modules) says ({len(errors)}):\n  " + "\n  ".join(errors[:25])
+            + "\nfix: start the engine with qstrat.online.engine_kwargs(plan) of a plan made where vLLM's model "
+            "classes can be read (the list is written in vLLM's module names), or use quantize_in: trainer")
 
 
 def _check_built(manifest: EngineManifest, model: model_record.EngineModel) -> None:

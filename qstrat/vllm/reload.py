@@ -18,7 +18,33 @@ def reload(llm: Any, source: dict[str, Any], progress: Callable[[], str],
     was handed over; ``coverage``: as :func:`flagged_reload` takes it)."""
     view = EngineView(llm)
     flagged_reload(llm, lambda: view.reload_weights(**source, is_checkpoint_format=True),
-                   lambda: view.collective_rpc(_finalize_worker_reload), progress, coverage)
+                   lambda: finalize_engine_reload(llm), progress, coverage)
+
+
+def finalize_engine_reload(llm: Any) -> None:
+    """``finalize_layerwise_reload`` in every worker of ``llm`` after a failed reload: an
+    in-process engine runs :func:`_finalize_worker_reload` as a function; a multiprocess one (whose
+    RPC cannot carry a function: "Object of type <class 'function'> is not serializable") by name,
+    ``qstrat_finalize_reload`` of qstrat's worker extension (:class:`qstrat.kv_scales.KVScaleReader`).
+
+    Raises: ConfigError for a multiprocess engine whose ``worker_extension_cls`` lacks it
+        (:meth:`qstrat.mix_flag.MixFlag.fail_load` adds it to the flag's reason).
+    """
+    from qstrat.errors import ConfigError
+    from qstrat.kv_scales import READER, extension_class
+    from qstrat.vllm_adapter.platform_facts import in_process
+
+    view = EngineView(llm)
+    if in_process(llm):
+        view.collective_rpc(_finalize_worker_reload)
+        return
+    extension = view.worker_extension_cls
+    if not hasattr(extension_class(extension), "qstrat_finalize_reload"):
+        raise ConfigError(f"this multiprocess engine's worker_extension_cls ({extension or 'none'!r}) has no "
+                          "qstrat_finalize_reload, and vLLM's RPC cannot send a function to a worker process: the "
+                          "failed reload was not finalized (layers that received nothing keep no weights until a "
+                          f"whole refit loads). Start the engine with worker_extension_cls={READER!r}")
+    view.collective_rpc("qstrat_finalize_reload")
 
 
 def handed_over(tensors: list[tuple[str, Any]], count: dict[str, int], key: str = "handed"

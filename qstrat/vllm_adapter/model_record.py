@@ -58,6 +58,11 @@ class EngineModel:
         released: vLLM module prefixes of MLA attention layers built on vLLM's AMX MLA backend
             (``MLAAttention.is_amx_bmm_enabled``, vLLM 0.29+), which releases the layer's
             ``kv_b_proj.weight`` after loading: a layerwise reload cannot refill it.
+        quantized: vLLM module prefix -> (``"linear"`` or ``"moe"``, whether its quantization
+            method quantizes), for every linear and fused-MoE module (a ``LinearMethodBase`` /
+            ``FusedMoEMethodBase``; unquantized: ``UnquantizedLinearMethod`` /
+            ``UnquantizedFusedMoEMethod``): what vLLM built.
+        modules: every module prefix of the model (shared modules under each name).
     """
 
     layers: Mapping[str, Mapping[str, int]]
@@ -67,6 +72,8 @@ class EngineModel:
     vocab_padding: Mapping[str, int] = field(default_factory=dict)
     mapper: Any = None
     released: tuple[str, ...] = ()
+    quantized: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
+    modules: frozenset[str] = frozenset()
 
     def vllm_name(self, module: str) -> str:
         """A checkpoint module name as vLLM names it: ``{module}.weight`` through the mapper's
@@ -118,7 +125,23 @@ def read_model(model: Any, world_size: int = 1) -> EngineModel:
             numel[key] = numel.get(key, 0) + int(read(t, "weight_loader_numel", t.numel()))
     packed = {k: list(v) for k, v in (read(model, "packed_modules_mapping", None) or {}).items()}
     return EngineModel(layers, packed, frozenset(skipped), world_size, padding,
-                       getattr(model, "hf_to_vllm_mapper", None), released)
+                       read(model, "hf_to_vllm_mapper", None), released, built_quantized(model),
+                       frozenset(name for name, _ in model.named_modules(remove_duplicate=False)))
+
+
+def built_quantized(model: Any) -> dict[str, tuple[str, bool]]:
+    """vLLM module prefix -> (``"linear"`` / ``"moe"``, whether vLLM built it quantized), for
+    every linear and fused-MoE module of ``model`` (by its ``quant_method``; see
+    :attr:`EngineModel.quantized`)."""
+    kinds = {"linear": (resolve("linear_method_base"), resolve("unquantized_linear_method")),
+             "moe": (resolve("fused_moe_method_base"), resolve("unquantized_fused_moe_method"))}
+    out = {}
+    for name, module in model.named_modules():
+        method = read(module, "layer_quant_method", None)
+        for kind, (base, plain) in kinds.items():
+            if isinstance(method, base):
+                out[name] = (kind, not isinstance(method, plain))
+    return out
 
 
 def released_errors(model: EngineModel) -> list[str]:

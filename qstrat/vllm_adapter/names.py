@@ -276,6 +276,48 @@ _ENTRIES = (
           "resolves ``quantization`` + ``quantization_config`` into the QuantizationConfigArgs an "
           "engine runs",
           "compare the plan's online config with the engine's (qstrat.online.check_engine_online)"),
+    # ---- a model class's names (qstrat.vllm_adapter.model_names) ---------------------------
+    _name("model_registry", "object", "vllm.model_executor.models:ModelRegistry",
+          "vLLM's registry of model classes by architecture (``vllm.ModelRegistry``)",
+          "the model class an architecture selects, whose names the online ignore list is written in "
+          "(qstrat.vllm_adapter.model_names.class_names)"),
+    _name("model_registry_load_class", "function",
+          "vllm.model_executor.models.registry:_ModelRegistry._try_load_model_cls",
+          "loads the model class registered for one architecture (None where none is)",
+          "the class behind a checkpoint's architecture, without a ModelConfig (model_names.class_names)",
+          public=False, alternative="ModelRegistry.resolve_model_cls, which needs a whole ModelConfig "
+          "(a checkpoint directory): a trainer planning an engine-side config has only the HF config"),
+    _name("model_registry_supported_archs", "function",
+          "vllm.model_executor.models.registry:_ModelRegistry.get_supported_archs",
+          "the architectures vLLM has a model class for",
+          "tell an architecture vLLM lacks from a class that failed to import (model_names.class_names)"),
+    _name("hf_to_vllm_mapper", "attribute", "vllm.model_executor.models.interfaces:SupportsQuant.hf_to_vllm_mapper",
+          "a model class's checkpoint -> vLLM name mapper (a WeightsMapper; None: the same names)",
+          "checkpoint module names as vLLM names its modules: the online ignore list, the built check "
+          "(model_names.ClassNames)"),
+    _name("weights_mapper_rename", "function",
+          {">=0.25.1,<0.29.0": "vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper",
+           ">=0.29.0,<=0.34.0": "vllm.model_executor.models.utils:WeightsMapper.get_rename_mapper"},
+          "the mapper without its stacked (fusing) renames: the one vLLM applies to a checkpoint "
+          "quantization config's module lists (apply_vllm_mapper)",
+          "map ignore-list entries exactly as vLLM maps a checkpoint config's (model_names.ClassNames)"),
+    _name("weights_mapper_apply_list", "function", "vllm.model_executor.models.utils:WeightsMapper.apply_list",
+          "maps a list of names through a WeightsMapper (names it drops are left out)", "model_names.ClassNames"),
+    _name("layer_quant_method", "attribute", f"{_LINEAR_LAYERS}:LinearBase.quant_method",
+          "the quantization method vLLM gave a layer when it built it (linear, fused MoE, embedding, attention)",
+          "which modules an engine built quantized (model_record.read_model), checked against the "
+          "online config's ignore list at engine start (qstrat.online_built)", public=False,
+          alternative="none: vLLM records an online engine's quantized layers only on its private "
+                      "OnlineQuantizationConfig.quantized_layers, and a checkpoint engine's nowhere else"),
+    # the quantization methods a layer can be built with (model_record.built_quantized)
+    *(_name(key, "class", location, what, "which modules an engine built quantized (model_record.built_quantized)")
+      for key, location, what in (
+          ("linear_method_base", f"{_LINEAR_LAYERS}:LinearMethodBase", "base of every linear layer's method"),
+          ("unquantized_linear_method", f"{_LINEAR_LAYERS}:UnquantizedLinearMethod",
+           "the method of a linear layer vLLM keeps unquantized"),
+          ("fused_moe_method_base", f"{_MOE}:FusedMoEMethodBase", "base of every fused-MoE layer's method"),
+          ("unquantized_fused_moe_method", f"{_MOE}:UnquantizedFusedMoEMethod",
+           "the method of a fused-MoE layer vLLM keeps unquantized"))),
     # ---- layerwise reload ----------------------------------------------------------------
     _name("layerwise_info", "mapping", f"{_RELOAD}.layerwise:LAYERWISE_INFO",
           "vLLM's record of every module's checkpoint-format parameters, kept for layerwise reload",

@@ -1,0 +1,94 @@
+"""Did vLLM build an online-quantizing engine (``quantize_in: engine``) as its ignore list says?
+
+An online engine's ``quantization_config`` is qstrat's plan in vLLM's words: ``linear`` / ``moe``
+quantize every linear and routed-experts module, except those its ``ignore`` list names (the
+plan's BF16 modules, :func:`qstrat.online.online_config`). vLLM matches that list against its OWN
+module names, unmapped; an entry in another name space (a checkpoint name a model class renames:
+gpt-oss ``self_attn`` vs vLLM's ``attn``, Qwen3.5's ``model.language_model.`` vs
+``language_model.model.``) matches nothing, and the module it meant is quantized without any
+error from vLLM. The engine's config then still equals the plan's, so only vLLM's built modules
+tell. :func:`online_build_errors` compares them with the list, right after the engine is built
+(:func:`qstrat.vllm.check_engine_built`, :func:`qstrat.vllm.check_model_built`):
+
+- every ignore entry must name a module vLLM built (a linear / fused-MoE module, a member of a
+  fused one - ``q_proj`` of ``qkv_proj`` by the class's ``packed_modules_mapping`` or
+  :data:`qstrat.engine_ignore.ENGINE_FUSED_NAMES` -, or any other module, e.g. ``lm_head``), or
+  lie under a tower vLLM did not build (``unbuilt``);
+- every linear / fused-MoE module vLLM built must be unquantized exactly when the list covers it
+  (its name, all its fused members, or a module above it: ``mlp.experts`` covers its
+  ``routed_experts``), quantized otherwise.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from qstrat.engine_ignore import ENGINE_FUSED_NAMES
+
+_FUSED = {fused: group for group, fused in ENGINE_FUSED_NAMES.items()}
+
+
+def online_build_errors(ignore: Sequence[str], quantized: Mapping[str, tuple[str, bool]], modules: frozenset[str],
+                        packed: Mapping[str, Sequence[str]], kinds: Sequence[str] = ("linear", "moe"),
+                        unbuilt: Sequence[str] = ()) -> list[str]:
+    """One line per disagreement between an online config's ``ignore`` list and what vLLM built.
+
+    Args:
+        ignore: the engine's online ``ignore`` entries (exact module names, vLLM's).
+        quantized: vLLM module -> (``"linear"`` / ``"moe"``, built quantized), for its linear /
+            fused-MoE modules (:attr:`qstrat.vllm_adapter.model_record.EngineModel.quantized`).
+        modules: every module name of the built model.
+        packed: the model's ``packed_modules_mapping`` (fused name -> member names).
+        kinds: the kinds the config quantizes (its ``linear`` / ``moe`` keys): a module of
+            another kind must be built unquantized whatever the list says.
+        unbuilt: vLLM prefixes of towers the engine did not build (entries under them are unused).
+    Returns: lines naming the module or entry, what the list says and what vLLM built; empty: agreed.
+    """
+    entries = set(ignore)
+    groups = {**_FUSED, **{k: tuple(v) for k, v in packed.items()}}
+    errors = []
+    for module, (kind, built_q) in sorted(quantized.items()):
+        if kind not in kinds:
+            if built_q:
+                errors.append(f"{module}: the online config quantizes no {kind} layers, vLLM built it quantized")
+            continue
+        kept = _covered(module, entries, groups)
+        if kept and built_q:
+            errors.append(f"{module}: the online ignore list keeps it BF16, vLLM built it quantized")
+        elif not kept and not built_q:
+            errors.append(f"{module}: the online ignore list does not name it (the plan quantizes it), vLLM built "
+                          "it unquantized")
+    members = {f"{m.rpartition('.')[0]}.{s}".lstrip(".") for m in quantized
+               for s in groups.get(m.rpartition(".")[2], ())}
+    for entry in sorted(entries):
+        if entry in modules or entry in members or entry.startswith(tuple(unbuilt)):
+            continue
+        near = _nearest(entry, modules)
+        errors.append(f"{entry}: an online ignore entry that names no module vLLM built (vLLM matches it against its "
+                      f"own names{f'; under {near!r} it has ' + _children(near, modules) if near else ''}): the module "
+                      "it means is quantized")
+    return errors
+
+
+def _covered(module: str, entries: set[str], groups: Mapping[str, Sequence[str]]) -> bool:
+    """Whether ``entries`` keep ``module`` unquantized: its name, all of its fused members, or an
+    entry naming a module above it."""
+    parent, _, leaf = module.rpartition(".")
+    shards = [f"{parent}.{s}" if parent else s for s in groups.get(leaf, ())]
+    if module in entries or (shards and all(s in entries for s in shards)):
+        return True
+    return any(module.startswith(e + ".") for e in entries)
+
+
+def _nearest(entry: str, modules: frozenset[str]) -> str:
+    """The longest prefix of ``entry`` that is a module ('' for none)."""
+    parts = entry.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:i]) in modules:
+            return ".".join(parts[:i])
+    return ""
+
+
+def _children(parent: str, modules: frozenset[str]) -> str:
+    """The direct children of module ``parent``, comma-separated (at most 6)."""
+    kids = sorted({m[len(parent) + 1:].partition(".")[0] for m in modules if m.startswith(parent + ".")})
+    return ", ".join(kids[:6]) + (", ..." if len(kids) > 6 else "")
