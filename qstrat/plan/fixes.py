@@ -17,10 +17,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Sequence
 from typing import Any
 
-from qstrat.errors import UnsupportedShapeError
+from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.plan import checks
 from qstrat.plan.data import PASSTHROUGH, PlanEntry
 from qstrat.rules import RuleSet
@@ -127,25 +127,48 @@ def _tensor_problem(ser: Any, parsed: Any, shape: tuple[int, ...], slabs: Any) -
     return None
 
 
-def nothing_else_quantized(planner: Any, entries: Sequence[PlanEntry], refused: Mapping[str, str],
-                           units: Set[str]) -> str | None:
+class ShapeRefused(PlanError):
+    """A tensor's shape its rule's format refuses, the rule without ``on_unsupported: bf16``:
+    ``"<the format's reason>; no other format fits it either (...) (rule rules[0]; to fall back
+    to BF16: ...)"`` (:func:`formats_that_fit`, :func:`on_unsupported_fix`); ``rule`` and
+    ``serializer`` kept for :func:`nothing_else_quantized`."""
+
+    def __init__(self, planner: Any, parsed: Any, shape: tuple[int, ...], serializer: str, rule: str,
+                 exc: UnsupportedShapeError) -> None:
+        super().__init__(f"{exc}{formats_that_fit(planner, parsed, shape, serializer)} (rule {rule}; to fall back "
+                         f"to BF16: {on_unsupported_fix(planner.rules, [rule])})")
+        self.rule, self.serializer = rule, serializer
+
+
+def nothing_else_quantized(planner: Any, entries: Sequence[PlanEntry], failed: Sequence[tuple[str, Exception]],
+                           num_layers: int | None) -> list[str]:
     """The plan-error line for shape refusals whose BF16 fallback would leave nothing quantized.
 
     Args:
         planner: the planner (its rules, layout, serializer factory);
         entries: the inputs that did plan;
-        refused: rule label -> its format, for the rules whose format refused a tensor's shape;
-        units: the engine modules those tensors load into (a layer's experts: the whole-module
-            fallback keeps its other tensors BF16 too; a dense tensor: its own name).
-    Returns: ``None`` when some planned tensor outside those rules' refused units still
-    quantizes; else ``"kept BF16, ... leave nothing quantized ...: add to your config ..."``
-    naming a rule for another kind of module (attention) in a format that every tensor of it
-    fits (checked as the plan checks it), or the whole model BF16 (``preset: bf16``).
+        failed: ``(input name, its error)`` of those that did not; the :class:`ShapeRefused`
+            ones count - their rules, and the engine modules they load into (a layer's experts:
+            the whole-module fallback keeps its other tensors BF16 too; a dense tensor: itself);
+        num_layers: the decoder depth (for parsing names).
+    Returns: ``[]`` when there is no such refusal or some planned tensor outside those rules'
+    refused units still quantizes; else ``["kept BF16, ... leave this config quantizing nothing
+    ...: add to your config ..."]`` naming a rule for another kind of module (attention) in a
+    format that every tensor of it fits (checked as the plan checks it), or the whole model BF16
+    (``preset: bf16``).
     """
+    refused = {exc.rule: exc.serializer for _, exc in failed if isinstance(exc, ShapeRefused)}
+    if not refused:
+        return []
+    units = set()
+    for name, exc in failed:
+        if isinstance(exc, ShapeRefused):
+            p = planner.layout.parse(name, num_layers)
+            units.add(p.engine_module if p.kind == "expert" else name)
     for e in entries:
         key = e.engine_module if e.kind == "expert" else e.name
         if e.serializer != PASSTHROUGH and key not in units and planner.serializer(e.serializer, e.options).quantizes:
-            return None
+            return []
     add = _other_rule(planner, entries, list(refused.values()))
     labels = sorted(refused)
     rules = planner.rules
@@ -156,10 +179,10 @@ def nothing_else_quantized(planner: Any, entries: Sequence[PlanEntry], refused: 
         fix = f"{on_unsupported_fix(rules, labels)}, and add this rule: {add}"
     else:
         fix = "no other module of this model fits a quantized format"
-    return (f"kept BF16 (on_unsupported: bf16), the tensors whose shape {', '.join(labels)} refused take the "
+    return [f"kept BF16 (on_unsupported: bf16), the tensors whose shape {', '.join(labels)} refused take the "
             "rest of their engine modules with them (the engine loads a layer's experts as one) and leave "
             f"this config quantizing nothing: to serve this model quantized, {fix}; or serve it unquantized: "
-            "preset: bf16")
+            "preset: bf16"]
 
 
 def quantize_something(planner: Any, entries: Sequence[PlanEntry]) -> str:
