@@ -67,24 +67,8 @@ def formats_that_serve(planner: Any, entries: Sequence[PlanEntry], indices: Sequ
     engine loads fused (:func:`qstrat.plan.checks.fusion_shape_problems`) - or ``"; no other
     format serves it (mxfp8: ..., nvfp4: ...)"`` with each one's reason."""
     members = [entries[i] for i in indices]
-    serving, why = [], []
-    for name in planner.rules.formats:
-        if name == refused:
-            continue
-        ser = planner.serializer(name, {})
-        if not ser.quantizes:
-            continue
-        try:
-            for e in members:
-                ser.part_specs(e.shape)
-        except UnsupportedShapeError as exc:
-            why.append(f"{name}: {exc}")
-            continue
-        problems = checks.fusion_shape_problems(members, planner.layout.slabs, lambda e, s=ser: s)
-        if problems:
-            why.append(f"{name}: {problems[0][1]}")
-        else:
-            serving.append(name)
+    serving, why = _sort_formats(planner, [n for n in planner.rules.formats if n != refused],
+                                 lambda ser: _module_problem(ser, members, planner.layout.slabs))
     if serving:
         return f"; formats that would serve it: {', '.join(serving)}"
     return f"; no other format serves it ({'; '.join(why)})" if why else ""
@@ -96,19 +80,39 @@ def formats_that_fit(planner: Any, parsed: Any, shape: tuple[int, ...], refused:
     refuses the tensor ``shape`` (its :meth:`part_specs`; for a routed expert, ``parsed.kind ==
     "expert"``, also :meth:`engine_fusion_problem` on either matrix dim, one of which is the
     experts' intermediate size: block FP8's fused-MoE multiple of 128)."""
+    fit, why = _sort_formats(planner, [n for n in planner.rules.formats if n != refused],
+                             lambda ser: _tensor_problem(ser, parsed, shape, planner.layout.slabs))
+    if fit:
+        return f"; formats that fit it: {', '.join(fit)}"
+    return f"; no other format fits it either ({'; '.join(why)})" if why else ""
+
+
+def _sort_formats(planner: Any, names: Sequence[str], problem_of: Any) -> tuple[list[str], list[str]]:
+    """The quantizing formats of ``names`` (default options) whose ``problem_of(serializer)`` is
+    None, and ``"name: problem"`` for the others, in ``names`` order."""
     fit, why = [], []
-    for name in planner.rules.formats:
-        ser = planner.serializer(name, {}) if name != refused else None
-        if ser is None or not ser.quantizes:
+    for name in names:
+        ser = planner.serializer(name, {})
+        if not ser.quantizes:
             continue
-        problem = _tensor_problem(ser, parsed, shape, planner.layout.slabs)
+        problem = problem_of(ser)
         if problem:
             why.append(f"{name}: {problem}")
         else:
             fit.append(name)
-    if fit:
-        return f"; formats that fit it: {', '.join(fit)}"
-    return f"; no other format fits it either ({'; '.join(why)})" if why else ""
+    return fit, why
+
+
+def _module_problem(ser: Any, members: Sequence[PlanEntry], slabs: Any) -> str | None:
+    """Why ``ser`` cannot serve the module of ``members``: a member's shape it refuses, or the
+    engine's fused load of them (:func:`qstrat.plan.checks.fusion_shape_problems`); else None."""
+    try:
+        for e in members:
+            ser.part_specs(e.shape)
+    except UnsupportedShapeError as exc:
+        return str(exc)
+    problems = checks.fusion_shape_problems(members, slabs, lambda e: ser)
+    return problems[0][1] if problems else None
 
 
 def _tensor_problem(ser: Any, parsed: Any, shape: tuple[int, ...], slabs: Any) -> str | None:
@@ -200,22 +204,13 @@ def quantize_something(planner: Any, entries: Sequence[PlanEntry]) -> str:
 def _other_rule(planner: Any, entries: Sequence[PlanEntry], preferred: Sequence[str]) -> str | None:
     """``{select: [attention], serializer: mxfp8}`` for the first of ``preferred`` then the other
     quantizing formats that represents every attention tensor of ``entries`` and that the engine
-    loads fused (:func:`qstrat.plan.checks.fusion_shape_problems`); ``None`` if none does."""
+    loads fused (:func:`_module_problem`); ``None`` if none does."""
     members = [e for e in entries if e.kind == "attention" and len(e.shape) >= 2]
     if not members:
         return None
-    for name in dict.fromkeys([*preferred, *planner.rules.formats]):
-        ser = planner.serializer(name, {})
-        if not ser.quantizes:
-            continue
-        try:
-            for e in members:
-                ser.part_specs(e.shape)
-        except UnsupportedShapeError:
-            continue
-        if not checks.fusion_shape_problems(members, planner.layout.slabs, lambda e, s=ser: s):
-            return f"{{select: [attention], serializer: {name}}}"
-    return None
+    fit, _ = _sort_formats(planner, list(dict.fromkeys([*preferred, *planner.rules.formats])),
+                           lambda ser: _module_problem(ser, members, planner.layout.slabs))
+    return f"{{select: [attention], serializer: {fit[0]}}}" if fit else None
 
 
 #: The parts of a tensor or module name that repeat per layer and per expert.
