@@ -29,7 +29,9 @@ from qstrat.engine.emulation.wiring import moe_format_hooks, wire_moe_format
 def hooks() -> dict[str, Any]:
     """The vLLM objects :func:`register` uses (:func:`.wiring.moe_format_hooks`, with vLLM's
     ``dequant`` for MXFP8). Raises VllmNameError naming a missing one."""
-    return moe_format_hooks("mxfp8", "fp8_moe_emulation_backend", dequant="dequant_mxfp8_to_bf16")
+    return moe_format_hooks("mxfp8_emulation_linear_kernel", "mxfp8_moe_oracle", "fp8_moe_emulation_backend",
+                            "mxfp8_moe_backend_to_kernel_cls", "mxfp8_emulation_triton_experts",
+                            dequant="dequant_mxfp8_to_bf16")
 
 
 def register(h: dict[str, Any]) -> None:

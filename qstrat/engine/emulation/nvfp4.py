@@ -30,8 +30,9 @@ BLOCK = 16
 def hooks() -> dict[str, Any]:
     """The vLLM objects :func:`register` uses (:func:`.wiring.moe_format_hooks`, with vLLM's
     ``dequant`` and ``qdq`` for NVFP4). Raises VllmNameError naming a missing one."""
-    return moe_format_hooks("nvfp4", "nvfp4_moe_emulation_backend", dequant="nvfp4_dequantize_to_dtype",
-                            qdq="ref_nvfp4_quant_dequant")
+    return moe_format_hooks("nvfp4_emulation_linear_kernel", "nvfp4_moe_oracle", "nvfp4_moe_emulation_backend",
+                            "nvfp4_moe_backend_to_kernel_cls", "nvfp4_emulation_triton_experts",
+                            dequant="nvfp4_dequantize_to_dtype", qdq="ref_nvfp4_quant_dequant")
 
 
 def register(h: dict[str, Any]) -> None:

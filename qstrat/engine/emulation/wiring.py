@@ -80,20 +80,19 @@ def cpu_linear_kernel_hooks(kernel: str) -> dict[str, Any]:
             "cpu": resolve("platform_cpu")}
 
 
-def moe_format_hooks(fmt: str, emulation_backend: str, **more: str) -> dict[str, Any]:
-    """The vLLM objects a format's CPU wiring (:func:`wire_moe_format`) uses, by qstrat's
-    version-table keys: the linear kernel ``<fmt>_emulation_linear_kernel``
-    (:func:`cpu_linear_kernel_hooks`), the MoE ``oracle`` (``<fmt>_moe_oracle``), its
-    ``emulation`` backend (the key ``emulation_backend``), its resolver ``to_cls``
-    (``<fmt>_moe_backend_to_kernel_cls``), vLLM's ``triton_experts``
-    (``<fmt>_emulation_triton_experts``), and ``more`` (name -> key). Raises VllmNameError
-    naming a missing one."""
+def moe_format_hooks(linear_kernel: str, oracle: str, emulation: str, to_cls: str, triton_experts: str,
+                     **more: str) -> dict[str, Any]:
+    """The vLLM objects a format's CPU wiring (:func:`wire_moe_format`) uses, each given by its
+    key in qstrat's vLLM version table (literal keys: tests/test_vllm_adapter.py collects them):
+    the linear kernel class (:func:`cpu_linear_kernel_hooks`), the MoE ``oracle`` module, its
+    ``emulation`` backend, its resolver ``to_cls``, vLLM's ``triton_experts`` class, and ``more``
+    (name -> key). Raises VllmNameError naming a missing one."""
     return {
-        **cpu_linear_kernel_hooks(f"{fmt}_emulation_linear_kernel"),
-        "oracle": resolve(f"{fmt}_moe_oracle"),
-        "emulation": resolve(emulation_backend),
-        "to_cls": resolve(f"{fmt}_moe_backend_to_kernel_cls"),
-        "triton_experts": resolve(f"{fmt}_emulation_triton_experts"),
+        **cpu_linear_kernel_hooks(linear_kernel),
+        "oracle": resolve(oracle),
+        "emulation": resolve(emulation),
+        "to_cls": resolve(to_cls),
+        "triton_experts": resolve(triton_experts),
         **{name: resolve(key) for name, key in more.items()},
     }
 
