@@ -30,6 +30,7 @@ from qstrat.engine_manifest import model_tensors_check
 from qstrat.driver import RefitDriver
 from qstrat.inputs import NamedTensors
 from qstrat.errors import QstratError
+from qstrat.model_config import language_config, with_language_config
 from qstrat.plan import OutputTensor, RefitPlan
 from qstrat.prepare import SinkCheck
 
@@ -318,8 +319,9 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
     # compression_config: compressed-tensors) holds the plan's or nothing
     cfg.pop("quantization_config", None)
     cfg.pop("compression_config", None)
-    if isinstance(cfg.get("text_config"), Mapping) and "quantization_config" in cfg["text_config"]:
-        cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if k != "quantization_config"}
+    text = language_config(cfg)
+    if text is not cfg and "quantization_config" in text:
+        cfg = with_language_config(cfg, {k: v for k, v in text.items() if k != "quantization_config"})
     if plan.quantization_config is not None:
         cfg["quantization_config"] = checkpoint_quantization_config(plan, layout)
     if not cfg.get("architectures") and cfg.get("model_type"):

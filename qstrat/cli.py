@@ -278,6 +278,15 @@ def _print_plan_warnings(console: Console | None, driver: Any, plan: Any) -> Non
             console.print(f"warning: {note}", markup=False, soft_wrap=True)
 
 
+#: What the unquantized rows of the totals mean, printed under them (docs/cli.md).
+LEGEND = {
+    "passthrough": ("passthrough: sent unchanged, in the trainer's dtype - not weight matrices (norms, "
+                    "biases) and kinds never quantized (embeddings, lm_head, routers)"),
+    "bf16": ("bf16: quantizable weight matrices kept unquantized by a rule, default, keep_bf16 or a BF16 "
+             "fallback, sent as bfloat16"),
+}
+
+
 def _print_summary(console: Console, plan: Any) -> None:
     table = Table(title=f"plan: layout {plan.layout}, {plan.num_layers} decoder layers")
     for col in ("serializer", "tensors", "outputs", "GiB in", "GiB out"):
@@ -286,6 +295,9 @@ def _print_summary(console: Console, plan: Any) -> None:
         table.add_row(name, str(t["tensors"]), str(t["outputs"]), f"{t['bytes_in'] / 2**30:.3f}",
                       f"{t['bytes_out'] / 2**30:.3f}")
     console.print(table)
+    legend = [LEGEND[name] for name in plan.totals() if name in LEGEND]
+    if legend:
+        console.print("; ".join(legend), markup=False, soft_wrap=True)
     if plan.layout == "generic":
         why = ("chosen by the refit config" if plan.config.get("layout") == "generic" else
                "config.json's architectures/model_type match no registered model family")

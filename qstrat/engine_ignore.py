@@ -33,14 +33,8 @@ the ``packed_modules_mapping`` of vLLM's model classes). Names are compared in c
 model's weights mapper renames entries and prefixes alike).
 
 Which of the two names vLLM consults for a fused module depends on the model class and the vLLM
-version, not on the method: the shard rule applies only when the fused name is in the
-``packed_modules_mapping`` that vLLM copies into the quantization config BEFORE the model is built
-(``configure_quant_config``). vLLM 0.32's Qwen3-MoE adds ``gate_up_proj`` to its mapping inside
-``__init__`` (and only when ``mlp_only_layers`` is set), so its dense MLPs are matched by the
-fused name alone; DeepSeek-V3's class lists ``gate_up_proj`` up front, so its shards count. vLLM
-0.32 also honours a listed fused name before the shards; earlier versions consult only the shards
-where the mapping has the module. :func:`engine_ignore_list` therefore writes BOTH names for every
-fused module kept whole: each reading then finds it, whatever the class and version.
+version, so :func:`engine_ignore_list` writes BOTH names for every fused module kept whole (why,
+and what a shard-only list did: docs/vllm.md, "The ignore list is written in vLLM's terms").
 """
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from qstrat.engine_ignore import ignore_entries, quantizes_lm_head, unquantized_modules
+from qstrat.format_names import format_title
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
 from qstrat.plan.data import RefitPlan, natural_key
@@ -213,10 +214,30 @@ def config_format_mismatch(config: Mapping[str, Any] | None, engine_config: Mapp
     Raises: EngineManifestError if no registered format writes ``config``.
     """
     if (config is None) != (engine_config is None):
-        return f"engine quantization_config {engine_config} does not match the plan's {config}"
+        return (f"{engine_started_for(engine_config, registry)}: engine quantization_config {engine_config} "
+                f"does not match the plan's {config}")
     own = engine_format(config, registry) if config is not None else None
     why = own.engine_config_mismatch(engine_config) if own is not None else None
-    return None if why is None else f"{why} (the engine does not serve the plan's format {own.name})"
+    return None if why is None else (f"{engine_started_for(engine_config, registry)}, the plan writes "
+                                     f"{format_title(own.name)}: {why} (the engine does not serve the plan's format "
+                                     f"{own.name})")
+
+
+def engine_started_for(engine_config: Mapping[str, Any] | None, registry: Registry) -> str:
+    """The engine's format in qstrat's words, with vLLM's beside it: ``"the engine was started
+    for NVFP4 (vLLM: quant_method 'modelopt', quant_algo 'NVFP4')"`` (the registered format that
+    serves ``engine_config``: :func:`engine_format`), ``"the engine was started unquantized"``, or
+    ``"the engine was started for a format qstrat does not write (vLLM: quant_method 'awq')"``."""
+    if not engine_config:
+        return "the engine was started unquantized (no quantization_config)"
+    nested = engine_config.get("quantization")
+    algo = engine_config.get("quant_algo") or (nested.get("quant_algo") if isinstance(nested, Mapping) else None)
+    vllm = f"vLLM: quant_method {engine_config.get('quant_method')!r}" + (f", quant_algo {algo!r}" if algo else "")
+    try:
+        ser = engine_format(engine_config, registry)
+    except EngineManifestError:
+        return f"the engine was started for a format qstrat does not write ({vllm})"
+    return f"the engine was started for {format_title(ser.name) if ser else 'no format'} ({vllm})"
 
 
 def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | None,
@@ -245,7 +266,8 @@ def plan_format_mismatch(plan: RefitPlan, engine_config: Mapping[str, Any] | Non
     for ser in formats.values():
         why = ser.engine_config_mismatch(engine_config)
         if why is not None:
-            return f"{why} (the engine does not serve the plan's format {ser.name})"
+            return (f"{engine_started_for(engine_config, registry)}, the plan writes {format_title(ser.name)}: "
+                    f"{why} (the engine does not serve the plan's format {ser.name})")
     return None
 
 

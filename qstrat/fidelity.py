@@ -84,9 +84,11 @@ def threshold_for(plan: RefitPlan, thresholds: Mapping[str, Threshold]) -> tuple
 def text_vocab_size(model: Any) -> int | None:
     """The language model's vocabulary size of a transformers model: ``config.vocab_size``, or
     its text config's where the top-level config has none (multimodal configs such as Qwen3.5-MoE
-    keep it in ``text_config``: ``PretrainedConfig.get_text_config()``). None if neither has one."""
+    keep it in ``text_config``: :func:`qstrat.model_config.language_config`). None if neither has one."""
+    from qstrat.model_config import language_config
+
     config = getattr(model, "config", None)
-    for cfg in (config, config.get_text_config() if hasattr(config, "get_text_config") else None):
+    for cfg in (config, language_config(config) if config is not None else None):
         vocab = getattr(cfg, "vocab_size", None)
         if vocab is not None:
             return int(vocab)

@@ -50,11 +50,22 @@ BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "mlp_bias")
 T = TypeVar("T")
 
 
-def language_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    """The language model's config: ``text_config`` of a multimodal config (when set), else the config.
+def language_config(hf_config: Any) -> Any:
+    """The language model's config: the ``text_config`` of a multimodal config (when set and not
+    empty), else the config itself - the one place qstrat says where a multimodal model's text
+    config lives (transformers' ``PretrainedConfig.get_text_config()`` and vLLM's
+    ``get_quant_config`` look there too).
 
-    Raises: ConfigError if ``text_config`` is set but not a mapping.
+    Args: hf_config: config.json as a mapping, or an HF config object (``PretrainedConfig``:
+        its ``text_config`` attribute), or None.
+    Returns: a mapping for a mapping (``{}`` for None or an empty one), an object for an object.
+    Raises: ConfigError if a mapping's ``text_config`` is set but not a mapping.
     """
+    if hf_config is None:
+        return {}
+    if not isinstance(hf_config, Mapping):
+        text = getattr(hf_config, "text_config", None)
+        return text if text is not None else hf_config
     if not hf_config:
         return {}
     text = hf_config.get("text_config")
@@ -64,6 +75,17 @@ def language_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
         raise ConfigError(f"model config: text_config must be a mapping (the language model's config), got "
                           f"{type(text).__name__} {text!r}")
     return text or hf_config
+
+
+def with_language_config(hf_config: Mapping[str, Any], text: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``hf_config`` whose language config (:func:`language_config`) is ``text``: its
+    ``text_config`` replaced where it has one, else ``text`` itself (the config is its own).
+
+    Raises: ConfigError as :func:`language_config`.
+    """
+    if language_config(hf_config) is hf_config:
+        return dict(text)
+    return {**hf_config, "text_config": dict(text)}
 
 
 def check_model_config(hf_config: Mapping[str, Any], num_layers_key: str = "num_hidden_layers",

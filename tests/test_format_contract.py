@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from qstrat import PlanError, RefitDriver
+from qstrat import PlanError, RefitDriver, get_serializer
 from qstrat.bench import NO_PEER, bench_format_names, bench_formats
 from qstrat.engine import emulation
 from qstrat.engine_manifest import engine_format, plan_format_mismatch
@@ -138,13 +138,25 @@ def test_plan_format_check_uses_the_plans_format(tiny_model, tiny_hf_config):
     reg = get_registry()
     assert plan_format_mismatch(plan, plan.vllm_quantization_config(), reg) is None
     assert plan_format_mismatch(plan, fp8, reg) == (
+        "the engine was started for block FP8 (vLLM: quant_method 'fp8'), the plan writes MXFP8: "
         "quantization_config.quant_method: engine has 'fp8', mxfp8 writes 'modelopt' "
         "(the engine does not serve the plan's format mxfp8)")
-    assert plan_format_mismatch(plan, None, reg).startswith("engine quantization_config None does not match the plan's")
+    # vLLM's 'modelopt' named as qstrat's format: NVFP4 and MXFP8 are both quant_method 'modelopt'
+    nvfp4 = get_serializer("nvfp4").vllm_quantization_config([])
+    assert plan_format_mismatch(plan, nvfp4, reg).startswith(
+        "the engine was started for NVFP4 (vLLM: quant_method 'modelopt', quant_algo 'NVFP4'), the plan writes "
+        "MXFP8: quantization_config.quant_algo: engine has 'NVFP4', mxfp8 writes 'MXFP8'")
+    assert plan_format_mismatch(plan, {"quant_method": "awq"}, reg).startswith(
+        "the engine was started for a format qstrat does not write (vLLM: quant_method 'awq'), the plan writes MXFP8")
+    assert plan_format_mismatch(plan, None, reg).startswith(
+        "the engine was started unquantized (no quantization_config): engine quantization_config None does not "
+        "match the plan's")
     # a part of a plan without a quantized entry (one rank's share) is checked with its config's format
     part = plan.subset(lambda e: e.serializer == "passthrough")
     assert part.entries and not any(e.serializer == "mxfp8" for e in part.entries)
-    assert plan_format_mismatch(part, fp8, reg).startswith("quantization_config.quant_method: engine has 'fp8'")
+    assert plan_format_mismatch(part, fp8, reg).startswith("the engine was started for block FP8 (vLLM: quant_method "
+                                                           "'fp8'), the plan writes MXFP8: quantization_config."
+                                                           "quant_method: engine has 'fp8'")
     assert plan_format_mismatch(part, plan.vllm_quantization_config(), reg) is None
 
 
@@ -156,7 +168,8 @@ def test_check_engine_format_takes_the_drivers_registry(tiny_model, tiny_hf_conf
                       registry=reg)
     plan = drv.plan(tiny_model.state_dict())
     check_engine_format(plan, plan.vllm_quantization_config(), reg)
-    with pytest.raises(PlanError, match=r"^quantization_config\.quant_method: engine has 'fp8', toy_sign writes 'toy'"):
+    with pytest.raises(PlanError, match=r"^the engine was started for block FP8 \(vLLM: quant_method 'fp8'\), "
+                       r"the plan writes toy_sign: quantization_config\.quant_method: engine has 'fp8', toy_sign writes 'toy'"):
         check_engine_format(plan, BlockFP8().vllm_quantization_config([]), reg)
 
 

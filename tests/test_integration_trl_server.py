@@ -91,18 +91,19 @@ INFO = {"weight_transfer_config": {"backend": "qstrat"}, "model_config": {"quant
      r"^weight_transfer_config: the vLLM server at U runs weight-transfer backend 'nccl'; qstrat syncs need "
      r"\{\"backend\": \"qstrat\"\}: start it with 'python -m qstrat.integrations.trl_server --model CHECKPOINT"),
     ({"weight_transfer_config": None}, "block-fp8", r"^weight_transfer_config: .* runs weight-transfer backend None"),
-    ({}, "mxfp8", r"^model_config.quantization: the vLLM server at U serves 'fp8', the strategy's plan is served as "
-     r"'modelopt_mxfp8'"),
+    ({}, "mxfp8", r"^model_config.quantization: the vLLM server at U serves 'fp8' \(block FP8\), the strategy's plan is "
+     r"served as 'modelopt_mxfp8' \(MXFP8\)"),
     ({"model_config": {"quantization": "modelopt_mxfp8"}}, "block-fp8",
-     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8', the strategy's plan is "
-     r"served as 'fp8'"),
+     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8' \(MXFP8\), the strategy's plan is "
+     r"served as 'fp8' \(block FP8\)"),
     ({"model_config": {"quantization": None}}, "block-fp8",
-     r"^model_config.quantization: the vLLM server at U serves None, the strategy's plan is served as 'fp8'; start "
+     r"^model_config.quantization: the vLLM server at U serves None, the strategy's plan is served as 'fp8' "
+     r"\(block FP8\); start "
      r"the server on qstrat.integrations.trl_server.write_server_checkpoint of the policy in this strategy$"),
     # an NVFP4 checkpoint is served as modelopt_fp4, not as any other ModelOpt class
     ({"model_config": {"quantization": "modelopt_mxfp8"}}, "nvfp4-experts",
-     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8', the strategy's plan is served as "
-     r"'modelopt_fp4'"),
+     r"^model_config.quantization: the vLLM server at U serves 'modelopt_mxfp8' \(MXFP8\), the strategy's plan is "
+     r"served as 'modelopt_fp4' \(NVFP4\)"),
     # an online-quantizing server (vLLM's shorthand fp8_per_block): it quantizes BF16 weights itself
     ({"model_config": {"quantization": "fp8_per_block"}}, "block-fp8",
      r"^model_config.quantization: the vLLM server at U quantizes online \('fp8_per_block'\), but the refit config's "
@@ -159,8 +160,8 @@ def test_an_unquantized_strategy_takes_an_unquantized_server():
     plan = _plan("bf16")
     assert plan.vllm_quantization_config() is None
     check_server_info({**INFO, "model_config": {"quantization": None}}, plan, "U")
-    with pytest.raises(ConfigError, match=r"^model_config.quantization: the vLLM server at U serves 'fp8', the "
-                                          r"strategy's plan is served as None"):
+    with pytest.raises(ConfigError, match=r"^model_config.quantization: the vLLM server at U serves 'fp8' "
+                                          r"\(block FP8\), the strategy's plan is served as None"):
         check_server_info(INFO, plan, "U")
 
 

@@ -16,6 +16,7 @@ import kernel_harness as testing  # noqa: E402
 from qstrat.errors import NonFiniteError, UnsupportedShapeError  # noqa: E402
 from qstrat.serializers.block_fp8 import BlockFP8  # noqa: E402
 from qstrat.serializers.mxfp8 import MXFP8  # noqa: E402
+from qstrat.serializers.nvfp4 import NVFP4  # noqa: E402
 
 DEVICE = testing.require_kernel_device()
 
@@ -217,16 +218,19 @@ def test_nonfinite_propagate(cls, opts, dtype):
         assert bool(got["weight_scale_inv"][0, 0, 0].isnan())
         assert bool((codes(got)[0, :128, :128] == 0x7F).all())
 
-@pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.name)
-def test_nonfinite_error_names_tensor(cls):
+# ---- every format's kernel path (NVFP4's too: one test where the check is one) ------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("cls", [*FORMATS, NVFP4], ids=lambda c: c.name)
+def test_nonfinite_error_names_tensor(cls, bad):
     w = torch.ones(3, 8, 64, device=DEVICE)
-    w[2, 5, 33] = float("nan")
+    w[2, 5, 33] = bad
     with pytest.raises(NonFiniteError, match=r"layers\.3\.experts.*\[2, 5, 33\]"):
         cls(backend="triton").quantize(w, name="layers.3.experts.down_proj")
 
-def test_mxfp8_rejects_k_not_multiple_of_32():
-    with pytest.raises(UnsupportedShapeError, match="divisible by 32"):
-        MXFP8(backend="triton").quantize(torch.ones(4, 48, device=DEVICE))
+@pytest.mark.parametrize("cls,k,block", [(MXFP8, 48, 32), (NVFP4, 40, 16)], ids=["mxfp8", "nvfp4"])
+def test_rejects_k_off_the_scale_block(cls, k, block):
+    with pytest.raises(UnsupportedShapeError, match=f"divisible by {block}"):
+        cls(backend="triton").quantize(torch.ones(4, k, device=DEVICE))
 
 # ---- GPU only: offsets beyond 2^31 elements ---------------------------------------------
 

@@ -73,3 +73,39 @@ def test_real_configs_pass():
     for name, layout in (("qwen3-235b-a22b", QWEN3_MOE), ("deepseek-v3", DEEPSEEK_V3)):
         check_model_config(model_config(name), layout.num_layers_key)
         assert len(list(model_tensors(layout, model_config(name)))) > 10_000
+
+
+def test_one_language_config_lookup_serves_every_reader():
+    """Where a multimodal model's text config lives is said once (model_config.language_config):
+    the quantization config vLLM reads, the checkpoint's config.json, DeepSeek-V3's routing keys,
+    the probe's vocabulary and the layouts all go through it (issue 43: five hand-written lookups)."""
+    import ast
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from qstrat.builtin.layouts import DEEPSEEK_V3
+    from qstrat.fidelity import text_vocab_size
+    from qstrat.model_config import with_language_config
+    from qstrat.vllm.quant_config import quantization_config_of
+
+    qc = {"quant_method": "fp8"}
+    text = {"hidden_size": 4, "model_type": "deepseek_v3", "quantization_config": qc}
+    mm = {"model_type": "kimi_vl", "text_config": text}
+    assert language_config(mm) is text and language_config({"hidden_size": 4}) == {"hidden_size": 4}
+    obj = SimpleNamespace(text_config=SimpleNamespace(vocab_size=7))  # an HF config object
+    assert language_config(obj) is obj.text_config and language_config(SimpleNamespace(a=1)).a == 1
+    assert language_config(None) == {}
+    assert quantization_config_of(mm) == qc and quantization_config_of({**mm, "quantization_config": {"a": 1}}) == {"a": 1}
+    assert text_vocab_size(SimpleNamespace(config=obj)) == 7
+    assert with_language_config(mm, {"x": 1}) == {"model_type": "kimi_vl", "text_config": {"x": 1}}
+    assert with_language_config({"y": 2}, {"x": 1}) == {"x": 1}
+    out = DEEPSEEK_V3.output_config(mm)  # V3's routing keys filled in where the language model's config is
+    assert out["text_config"]["scoring_func"] == "sigmoid" and "scoring_func" not in out
+    # no module reads text_config by hand: only model_config.py names the key in code
+    root = Path(__file__).resolve().parents[1] / "qstrat"
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if any(isinstance(n, ast.Constant) and n.value == "text_config" for n in ast.walk(ast.parse(p.read_text())))
+                     or any(isinstance(n, ast.Attribute) and n.attr in ("text_config", "get_text_config")
+                            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "layout", "ModelLayout"))
+                            for n in ast.walk(ast.parse(p.read_text()))))
+    assert readers == ["model_config.py"], readers

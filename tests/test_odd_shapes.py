@@ -140,9 +140,12 @@ def test_block_fp8_moe_intermediate_off_the_tile_is_refused():
     ({"rules": [{"select": "experts", "serializer": "nvfp4"}]}, "set on_unsupported: bf16 on rules[0]"),
 ])
 def test_one_bad_expert_size_on_qwen3_235b_is_one_line_with_a_fix_that_plans(config, fix):
-    """moe_intermediate_size 1480 (K of down_proj: off MXFP8's 32 and NVFP4's 16) refused on 128
-    experts x 94 layers of per-expert tensors: it printed 12,032 lines (2 MB); now one line with
-    the count, and the fix it names (with a preset: the rule to write) plans."""
+    """moe_intermediate_size 1480 (K of down_proj: off MXFP8's 32, NVFP4's 16 and block FP8's
+    fused-MoE 128) refused on 128 experts x 94 layers of per-expert tensors: it printed 12,032
+    lines (2 MB); now one line with the count, every format tried and why it refuses, and - since
+    keeping those experts BF16 leaves the config quantizing nothing - a second line with the
+    rules to write; written as printed, they plan."""
+    import yaml
     from conftest import model_config
 
     cfg = {**model_config("qwen3-235b-a22b"), "moe_intermediate_size": 1480}
@@ -150,17 +153,40 @@ def test_one_bad_expert_size_on_qwen3_235b_is_one_line_with_a_fix_that_plans(con
     with pytest.raises(PlanError) as err:
         RefitDriver(config, hf_config=cfg).plan(tensors)
     lines = str(err.value).splitlines()
-    assert len(lines) == 2, lines[:4]
+    assert len(lines) == 3, lines[:4]
     fmt = "mxfp8" if config == "mxfp8-experts" else "nvfp4"
+    other = ("nvfp4: nvfp4 needs K (in_features, last dim) divisible by 16; got K=1480" if fmt == "mxfp8"
+             else "mxfp8: mxfp8 needs K (in_features, last dim) divisible by 32; got K=1480")
     assert lines[1] == (f"  model.layers.0.mlp.experts.0.down_proj.weight: {fmt} needs K (in_features, last dim) "
-                        f"divisible by {32 if fmt == 'mxfp8' else 16}; got K=1480 (rule rules[0]; to fall back to "
-                        f"BF16: {fix}) [the same for 12,031 more: model.layers.*.mlp.experts.*.down_proj.weight, "
-                        "layers 0-93]")
-    # the fix as written, beside another rule that quantizes (else nothing would be): it plans
-    fixed = {"rules": [{"select": "attention", "serializer": "block_fp8"},
-                       {"select": "experts", "serializer": fmt, "on_unsupported": "bf16"}]}
+                        f"divisible by {32 if fmt == 'mxfp8' else 16}; got K=1480; no other format fits it either "
+                        "(block_fp8: vLLM's fused-MoE block-FP8 layer needs the experts' intermediate size to be a "
+                        "multiple of 128 (got 1480; vLLM's validate_fp8_block_shape_moe refuses to start the "
+                        f"engine); {other}) (rule rules[0]; to fall back to BF16: {fix}) [the same for 12,031 more: "
+                        "model.layers.*.mlp.experts.*.down_proj.weight, layers 0-93]")
+    head = ("  kept BF16 (on_unsupported: bf16), the tensors whose shape rules[0] refused take the rest of their "
+            "engine modules with them (the engine loads a layer's experts as one) and leave this config "
+            "quantizing nothing: to serve this model quantized, ")
+    assert lines[2].startswith(head) and lines[2].endswith("; or serve it unquantized: preset: bf16"), lines[2]
+    advice = lines[2][len(head):-len("; or serve it unquantized: preset: bf16")]
+    if config == "mxfp8-experts":  # the rules to write, as printed
+        assert advice == ("add to your config (ahead of preset mxfp8-experts's rules): rules: [{select: [experts], "
+                          "serializer: mxfp8, on_unsupported: bf16}, {select: [attention], serializer: mxfp8}]")
+        fixed = {"preset": config, "rules": yaml.safe_load(advice.split("rules: ", 1)[1])}
+    else:
+        assert advice == ("set on_unsupported: bf16 on rules[0], and add this rule: "
+                          "{select: [attention], serializer: nvfp4}")
+        fixed = {"rules": [{**config["rules"][0], "on_unsupported": "bf16"},
+                           yaml.safe_load(advice.split("add this rule: ", 1)[1])]}
     plan = RefitDriver(fixed, hf_config=cfg).plan(tensors)
     assert {e.serializer for e in plan.entries if e.kind == "expert"} == {"bf16"}
+    assert {e.serializer for e in plan.entries if e.kind == "attention"} == {fmt}
+    # the on_unsupported fix alone (what the first line says) quantizes nothing: that error says what works
+    alone = {"preset": "mxfp8-experts", "rules": fixed["rules"][:1]} if fmt == "mxfp8" else {"rules": fixed["rules"][:1]}
+    with pytest.raises(PlanError) as err:
+        RefitDriver(alone, hf_config=cfg).plan(tensors)
+    assert str(err.value).endswith(f"; to quantize something, add the rule {{select: [attention], serializer: {fmt}}} "
+                                   "(every attention tensor fits it), or serve the model unquantized: preset: bf16")
+    assert RefitDriver("bf16", hf_config=cfg).plan(tensors).totals()
 
 
 def test_on_unsupported_bf16_keeps_the_fused_module_bf16_and_ignored():

@@ -50,6 +50,8 @@ def test_a_model_level_error_has_no_key_path():
     ("block_fp8", ["block-fp8", "mxfp8", "bf16"], "did you mean 'block-fp8'? "),
     ("qwen3moe", ["qwen3_moe", "qwen3_5_moe", "llama"], "did you mean 'qwen3_moe' or 'qwen3_5_moe'? "),
     ("zzz", ["block-fp8", "mxfp8"], ""),
+    ("FP4", ["bf16", "block_fp8", "mxfp8", "nvfp4"], "did you mean 'nvfp4' (NVFP4, E2M1 with E4M3 scales per 16)? "),
+    ("fp8", ["keys", "only"], ""),  # an alias of no choice: difflib as before
     ("mxfp8", {}, ""),
 ])
 def test_close_matches_offers_at_most_two_near_names(name, choices, want):

@@ -123,6 +123,9 @@ def _keys_used() -> set[str]:
                 fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
                 if fn in ("resolve", "location", "available", "cpu_linear_kernel_hooks", "member"):
                     used.add(node.args[0].value)
+                if fn == "moe_format_hooks":  # a format's emulation wiring: every argument is a key
+                    used |= {a.value for a in [*node.args, *(k.value for k in node.keywords)]
+                             if isinstance(a, ast.Constant)}
             # the views' reads of a vLLM object's attribute: read(obj, "key"), call(obj, "key")
             if isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
                 fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)

@@ -10,6 +10,11 @@ fresh server (docs/transport.md, "A recipe on a CPU"). Runs on a CPU.
    logprob); exits 1 otherwise. Each step prints one line. ``--mode delta``: the same with
    ``RefitSender(..., mode="delta")`` - the first round whole, the refit back to B a delta
    round against it (docs/transport.md, "Delta rounds"), its ``report.delta`` line printed.
+
+A qstrat error (the server refused this trainer's secret: ``TransferAuthError``; a round it
+refused; a plan the server does not serve) is printed as one line, ``transport_refit.py:
+TransferAuthError: ...``, on stderr, and the script exits 2 (no traceback: the message says what
+happened and where).
 """
 from __future__ import annotations
 
@@ -45,6 +50,17 @@ def completions(url: str) -> list[tuple[list[str], list[float]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The steps above; a qstrat error as one line on stderr, exit status 2."""
+    from qstrat.errors import QstratError
+
+    try:
+        return _run(argv)
+    except QstratError as exc:
+        print(f"transport_refit.py: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
                                      epilog="Steps: docs/transport.md, \"A recipe on a CPU\".")
     sub = parser.add_subparsers(dest="step", required=True)

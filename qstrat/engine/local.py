@@ -106,18 +106,15 @@ def start_engine(model_dir: str | Path, dtype: str = "bfloat16", dynamo: bool = 
             ``float16``).
         dynamo: let vLLM ``torch.compile`` its helpers while the engine starts. Off by default:
             the engine is eager anyway, and vLLM's online quantization then runs its quantizer
-            (``per_block_cast_to_fp8``) uncompiled - same bytes, a shorter start-up
-            (docs/performance.md, "Why the code does it this way"). (In-process only: a worker
-            process compiles as vLLM decides.)
+            (``per_block_cast_to_fp8``) uncompiled - same bytes, a shorter start-up. (In-process
+            only: a worker process compiles as vLLM decides.)
         threads: on a CPU platform, the OpenMP/torch threads the engine computes with (default
             1): an in-process engine gets this process's torch thread count set
             (``torch._C.set_num_threads``: vLLM's CPU worker turns ``torch.set_num_threads``
             into a no-op); a multiprocess engine's workers get ``OMP_NUM_THREADS`` and
-            ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless already set. A fixed count makes identical
-            greedy calls give identical logprobs (under vLLM's default binding, multiprocess
-            engines differed by up to 0.015 between identical calls), and one thread is the
-            fastest for the small models this helper is for on a shared machine
-            (docs/performance.md, "Why the code does it this way"). ``None``: vLLM's defaults (a thread per core, bound by NUMA node).
+            ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless already set: identical greedy calls then
+            give identical logprobs (measured: docs/performance.md, "Why the code does it this
+            way"). ``None``: vLLM's defaults (a thread per core, bound by NUMA node).
         check_built: check the started engine before returning it (:func:`started_checked`: vLLM
             built every module in the format its checkpoint's ``quantization_config`` says; a
             refused engine is released). False: return it unchecked (to inspect a misbuilt engine).

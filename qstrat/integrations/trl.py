@@ -13,40 +13,16 @@ TRL's own parameter iterator::
                                 args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
     trainer.train()     # logs qstrat/refit/{seconds,bytes,tensors} and qstrat/sync/seconds per sync
 
-How it hooks in (no fork of TRL, nothing patched outside the trainer's construction). TRL
-(1.11 to 1.16) builds its engine in ``trl.generation.vllm_generation.VLLMGeneration`` (shared by
-the GRPO, RLOO and distillation trainers): ``_init_vllm`` calls the module's ``LLM(model=
-model.name_or_path, ...)``, ``sync_weights`` pushes the parameters that ``_iter_named_params``
-yields (PEFT adapters merged, FSDP1/FSDP2/ZeRO-3 parameters gathered, names fixed for vLLM) one
-at a time through ``model.load_weights`` (which a quantized engine, and any vLLM CPU engine,
-cannot take), then resets the prefix cache. While the trainer is being constructed,
-:func:`rollouts` wraps ``VLLMGeneration._init_vllm`` so that it
-
-1. writes a qstrat checkpoint of the policy (from ``_iter_named_params``, so the engine starts
-   on what every sync will send; plus TRL's tokenizer and generation config) - one per process,
-   under ``checkpoint_dir/rank<i>``;
-2. runs TRL's own ``_init_vllm`` with the module's ``LLM`` swapped, for that call only, for a
-   factory that takes TRL's arguments and replaces ``model`` with that checkpoint (and adds
-   ``engine_kwargs``);
-3. checks the engine against the plan before its first rollout
-   (:func:`qstrat.vllm.check_engine_compatible` with the engine: its ``quantization_config``, and
-   what vLLM built from it - a module built in another format refuses to go on) and sets the
-   instance's ``sync_weights`` to a :class:`QstratWeightSync`. If this (or TRL's
-   ``_init_vllm``) fails, every engine started for it is released before the error propagates.
-
-In server mode (``vllm_mode="server"``) the engine is a vLLM server started on a qstrat
-checkpoint with the ``qstrat`` weight-transfer backend, and the replaced ``_init_vllm`` hands over
-to :func:`qstrat.integrations.trl_server.start` (TRL's ``VLLMClient`` kept, its weight transfer
-a :class:`~qstrat.transport.RefitSender`; sync: :class:`~qstrat.integrations.trl_server.QstratServerSync`).
-
-The class and the module are restored when the construction returns or raises. Every hook is
-checked at start (:func:`check_trl`): a TRL without one raises :class:`TRLHookError` naming the
-TRL version and :data:`SUPPORTED_TRL`.
-
-Importance sampling: TRL compares the engine's sampling logprobs with the trainer's own
-(``sampling/sampling_logp_difference/*``, ``sampling/importance_sampling_ratio/*``); with a
-quantized engine they measure, and correct for, the quantized rollout policy against the BF16
-trainer (docs/integrations.md). This module leaves them as TRL computes them.
+How it hooks in (no fork of TRL, nothing patched outside the trainer's construction): while
+the trainer is being constructed, :func:`rollouts` wraps TRL's
+``VLLMGeneration._init_vllm`` so that it writes a qstrat checkpoint of the policy (from TRL's
+``_iter_named_params``), runs TRL's own ``_init_vllm`` with the module's ``LLM`` swapped for
+that call only (the engine starts on the checkpoint), checks the engine against the plan and
+sets ``sync_weights`` to a :class:`QstratWeightSync` (server mode:
+:func:`qstrat.integrations.trl_server.start`). Class and module are restored when the
+construction returns or raises; every hook is checked at start (:func:`check_trl`: a TRL
+without one raises :class:`TRLHookError`). The steps, what a sync does and importance sampling
+with a quantized engine: docs/integrations.md, "TRL (live)".
 """
 from __future__ import annotations
 

@@ -193,8 +193,10 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
             "online-quantizing server refuses): start it without --quantization on qstrat.integrations.trl_server.write_server_checkpoint "
             "of the policy in this strategy, or set quantize_in: engine in the refit config")
     if served != wanted:
-        raise ConfigError(f"model_config.quantization: the vLLM server at {url} serves {served!r}, the strategy's "
-                          f"plan is served as {wanted!r}; start the server on qstrat.integrations.trl_server."
+        from qstrat.format_names import method_title
+
+        raise ConfigError(f"model_config.quantization: the vLLM server at {url} serves {method_title(served)}, the "
+                          f"strategy's plan is served as {method_title(wanted)}; start the server on qstrat.integrations.trl_server."
                           "write_server_checkpoint of the policy in this strategy")
 
 

@@ -5,6 +5,11 @@
   none: the error still says ``rules[i]``), the rule to write ahead of the preset's, spelled out.
 - :func:`formats_that_serve`: which registered formats would serve a refused engine-fused module
   (computed with the same checks the plan applies, so the advice is one that plans).
+- :func:`formats_that_fit`: for one tensor its format refuses, which other formats would take it
+  (its own shape and, for a routed expert, the engine's fused-MoE rule), or each one's refusal.
+- :func:`nothing_else_quantized`: the line added when keeping the refused tensors BF16 would
+  leave the config quantizing nothing (the ``on_unsupported`` fix alone then fails to plan): a
+  rule to add that plans, or the whole model BF16.
 - :func:`one_line_per_cause`: a cause repeated on every layer and expert (one bad
   ``moe_intermediate_size`` refuses 128 experts x 94 layers: 12,032 lines) as one line with the
   layers it covers and a count.
@@ -15,9 +20,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from qstrat.errors import UnsupportedShapeError
+from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.plan import checks
-from qstrat.plan.data import PlanEntry
+from qstrat.plan.data import PASSTHROUGH, PlanEntry
 from qstrat.rules import RuleSet
 
 
@@ -62,27 +67,150 @@ def formats_that_serve(planner: Any, entries: Sequence[PlanEntry], indices: Sequ
     engine loads fused (:func:`qstrat.plan.checks.fusion_shape_problems`) - or ``"; no other
     format serves it (mxfp8: ..., nvfp4: ...)"`` with each one's reason."""
     members = [entries[i] for i in indices]
-    serving, why = [], []
-    for name in planner.rules.formats:
-        if name == refused:
-            continue
-        ser = planner.serializer(name, {})
-        if not ser.quantizes:
-            continue
-        try:
-            for e in members:
-                ser.part_specs(e.shape)
-        except UnsupportedShapeError as exc:
-            why.append(f"{name}: {exc}")
-            continue
-        problems = checks.fusion_shape_problems(members, planner.layout.slabs, lambda e, s=ser: s)
-        if problems:
-            why.append(f"{name}: {problems[0][1]}")
-        else:
-            serving.append(name)
+    serving, why = _sort_formats(planner, [n for n in planner.rules.formats if n != refused],
+                                 lambda ser: _module_problem(ser, members, planner.layout.slabs))
     if serving:
         return f"; formats that would serve it: {', '.join(serving)}"
     return f"; no other format serves it ({'; '.join(why)})" if why else ""
+
+
+def formats_that_fit(planner: Any, parsed: Any, shape: tuple[int, ...], refused: str) -> str:
+    """``"; formats that fit it: nvfp4"``, or ``"; no other format fits it either (block_fp8: ...;
+    nvfp4: ...)"`` naming each registered quantizing format other than ``refused`` and why it
+    refuses the tensor ``shape`` (its :meth:`part_specs`; for a routed expert, ``parsed.kind ==
+    "expert"``, also :meth:`engine_fusion_problem` on either matrix dim, one of which is the
+    experts' intermediate size: block FP8's fused-MoE multiple of 128)."""
+    fit, why = _sort_formats(planner, [n for n in planner.rules.formats if n != refused],
+                             lambda ser: _tensor_problem(ser, parsed, shape, planner.layout.slabs))
+    if fit:
+        return f"; formats that fit it: {', '.join(fit)}"
+    return f"; no other format fits it either ({'; '.join(why)})" if why else ""
+
+
+def _sort_formats(planner: Any, names: Sequence[str], problem_of: Any) -> tuple[list[str], list[str]]:
+    """The quantizing formats of ``names`` (default options) whose ``problem_of(serializer)`` is
+    None, and ``"name: problem"`` for the others, in ``names`` order."""
+    fit, why = [], []
+    for name in names:
+        ser = planner.serializer(name, {})
+        if not ser.quantizes:
+            continue
+        problem = problem_of(ser)
+        if problem:
+            why.append(f"{name}: {problem}")
+        else:
+            fit.append(name)
+    return fit, why
+
+
+def _module_problem(ser: Any, members: Sequence[PlanEntry], slabs: Any) -> str | None:
+    """Why ``ser`` cannot serve the module of ``members``: a member's shape it refuses, or the
+    engine's fused load of them (:func:`qstrat.plan.checks.fusion_shape_problems`); else None."""
+    try:
+        for e in members:
+            ser.part_specs(e.shape)
+    except UnsupportedShapeError as exc:
+        return str(exc)
+    problems = checks.fusion_shape_problems(members, slabs, lambda e: ser)
+    return problems[0][1] if problems else None
+
+
+def _tensor_problem(ser: Any, parsed: Any, shape: tuple[int, ...], slabs: Any) -> str | None:
+    try:
+        ser.part_specs(shape)
+    except UnsupportedShapeError as exc:
+        return str(exc)
+    if parsed.kind != "expert" or len(shape) < 2:
+        return None
+    spec = slabs.get(parsed.projection)
+    parts = len(spec.parts) if spec is not None and spec.splittable and len(shape) == 3 else 1
+    for dim in (shape[-2] // parts, shape[-1]):
+        problem = ser.engine_fusion_problem([dim], True)
+        if problem:
+            return problem
+    return None
+
+
+class ShapeRefused(PlanError):
+    """A tensor's shape its rule's format refuses, the rule without ``on_unsupported: bf16``:
+    ``"<the format's reason>; no other format fits it either (...) (rule rules[0]; to fall back
+    to BF16: ...)"`` (:func:`formats_that_fit`, :func:`on_unsupported_fix`); ``rule`` and
+    ``serializer`` kept for :func:`nothing_else_quantized`."""
+
+    def __init__(self, planner: Any, parsed: Any, shape: tuple[int, ...], serializer: str, rule: str,
+                 exc: UnsupportedShapeError) -> None:
+        super().__init__(f"{exc}{formats_that_fit(planner, parsed, shape, serializer)} (rule {rule}; to fall back "
+                         f"to BF16: {on_unsupported_fix(planner.rules, [rule])})")
+        self.rule, self.serializer = rule, serializer
+
+
+def nothing_else_quantized(planner: Any, entries: Sequence[PlanEntry], failed: Sequence[tuple[str, Exception]],
+                           num_layers: int | None) -> list[str]:
+    """The plan-error line for shape refusals whose BF16 fallback would leave nothing quantized.
+
+    Args:
+        planner: the planner (its rules, layout, serializer factory);
+        entries: the inputs that did plan;
+        failed: ``(input name, its error)`` of those that did not; the :class:`ShapeRefused`
+            ones count - their rules, and the engine modules they load into (a layer's experts:
+            the whole-module fallback keeps its other tensors BF16 too; a dense tensor: itself);
+        num_layers: the decoder depth (for parsing names).
+    Returns: ``[]`` when there is no such refusal or some planned tensor outside those rules'
+    refused units still quantizes; else ``["kept BF16, ... leave this config quantizing nothing
+    ...: add to your config ..."]`` naming a rule for another kind of module (attention) in a
+    format that every tensor of it fits (checked as the plan checks it), or the whole model BF16
+    (``preset: bf16``).
+    """
+    refused = {exc.rule: exc.serializer for _, exc in failed if isinstance(exc, ShapeRefused)}
+    if not refused:
+        return []
+    units = set()
+    for name, exc in failed:
+        if isinstance(exc, ShapeRefused):
+            p = planner.layout.parse(name, num_layers)
+            units.add(p.engine_module if p.kind == "expert" else name)
+    for e in entries:
+        key = e.engine_module if e.kind == "expert" else e.name
+        if e.serializer != PASSTHROUGH and key not in units and planner.serializer(e.serializer, e.options).quantizes:
+            return []
+    add = _other_rule(planner, entries, list(refused.values()))
+    labels = sorted(refused)
+    rules = planner.rules
+    if add and all(_preset_index(rules, lb) for lb in labels):
+        written = ", ".join(_inline(r) for lb in labels if (r := rules.rule_for(lb)) is not None)
+        fix = f"add to your config (ahead of preset {rules.config.preset}'s rules): rules: [{written}, {add}]"
+    elif add:
+        fix = f"{on_unsupported_fix(rules, labels)}, and add this rule: {add}"
+    else:
+        fix = "no other module of this model fits a quantized format"
+    return [f"kept BF16 (on_unsupported: bf16), the tensors whose shape {', '.join(labels)} refused take the "
+            "rest of their engine modules with them (the engine loads a layer's experts as one) and leave "
+            f"this config quantizing nothing: to serve this model quantized, {fix}; or serve it unquantized: "
+            "preset: bf16"]
+
+
+def quantize_something(planner: Any, entries: Sequence[PlanEntry]) -> str:
+    """What to add to a config that quantizes nothing because every match fell back to BF16:
+    ``"; to quantize something, add the rule {select: [attention], serializer: mxfp8} (...), or
+    serve it unquantized: preset: bf16"`` (the rule as :func:`_other_rule` finds it)."""
+    fell = [e.serializer for e in entries if e.note.startswith("BF16 fallback")]
+    add = _other_rule(planner, entries, [r.serializer for r in planner.rules.config.rules])
+    if not fell:
+        return ""
+    some = f"add the rule {add} (every attention tensor fits it), or " if add else ""
+    return f"; to quantize something, {some}serve the model unquantized: preset: bf16"
+
+
+def _other_rule(planner: Any, entries: Sequence[PlanEntry], preferred: Sequence[str]) -> str | None:
+    """``{select: [attention], serializer: mxfp8}`` for the first of ``preferred`` then the other
+    quantizing formats that represents every attention tensor of ``entries`` and that the engine
+    loads fused (:func:`_module_problem`); ``None`` if none does."""
+    members = [e for e in entries if e.kind == "attention" and len(e.shape) >= 2]
+    if not members:
+        return None
+    fit, _ = _sort_formats(planner, list(dict.fromkeys([*preferred, *planner.rules.formats])),
+                           lambda ser: _module_problem(ser, members, planner.layout.slabs))
+    return f"{{select: [attention], serializer: {fit[0]}}}" if fit else None
 
 
 #: The parts of a tensor or module name that repeat per layer and per expert.

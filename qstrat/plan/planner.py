@@ -22,7 +22,7 @@ from qstrat.plan import checks, structure
 from qstrat.plan.engine_config import SerializerFactory, engine_config, format_lookup, quantizes_lookup
 from qstrat.plan.fallbacks import engine_fusions, whole_module_fallbacks
 from qstrat.plan.families import families_for
-from qstrat.plan.fixes import on_unsupported_fix, one_line_per_cause
+from qstrat.plan.fixes import ShapeRefused, nothing_else_quantized, one_line_per_cause, quantize_something
 from qstrat.plan.outputs import OutputDeclaration, fusion_group
 from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_keys,
                               order_entries)
@@ -99,6 +99,7 @@ class Planner:
             keys = natural_keys(names)
             names = [names[k] for k in sorted(range(len(names)), key=keys.__getitem__)]
         families = families_for(self.layout, self.rules, num_layers)  # None: every entry the full way
+        refused: list[tuple[str, Exception]] = []
         for name in names:
             t = tensors[name]
             shape, dtype = t.shape, t.dtype  # torch.Size: a family key as is (a derived entry holds a tuple)
@@ -114,6 +115,7 @@ class Planner:
                 entries.append(e)
             except (PlanError, UnsupportedShapeError) as exc:
                 errors.append(f"{name}: {exc}")
+                refused.append((name, exc))
         entries = order_entries(entries, order, names_sorted=order == "natural")
         whole_module_fallbacks(self, entries, num_layers, errors)
         errors += checks.check_groups(entries, self.checkpoint_form) + checks.check_outputs(entries)
@@ -124,8 +126,9 @@ class Planner:
         errors += structure.unplaced_matrices(entries, self.layout.name, self.config)
         errors += structure.layers_past_the_model(entries, self.layout.num_layers(self.hf_config),
                                                   self.layout.num_mtp_layers(self.hf_config))
-        errors += structure.quantizes_nothing(entries, self.layout.name, self.config,
-                                              lambda s: self.serializer(s, {}).quantizes)
+        errors += [line + quantize_something(self, entries) for line in structure.quantizes_nothing(
+            entries, self.layout.name, self.config, lambda s: self.serializer(s, {}).quantizes)]
+        errors += nothing_else_quantized(self, entries, refused, num_layers)
         format_of = format_lookup(self.serializer, entries)
         ignored = checks.ignored_layers(entries, errors, quantizes_lookup(format_of))
         ignored += checks.tied_lm_head(entries, self.layout, self.hf_config)
@@ -164,8 +167,7 @@ class Planner:
         except UnsupportedShapeError as exc:
             config_rule = self.rules.rule_for(rule)
             if config_rule is None or config_rule.on_unsupported != "bf16":
-                raise PlanError(f"{exc} (rule {rule}; to fall back to BF16: {on_unsupported_fix(self.rules, [rule])})"
-                                ) from exc
+                raise ShapeRefused(self, p, shape, serializer, rule, exc) from exc
             note = f"BF16 fallback: {exc}"
             serializer, options = "bf16", {}
             specs = self.serializer("bf16", {}).part_specs(shape)

@@ -20,9 +20,11 @@ def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
     def get(obj: Any, key: str) -> Any:
         return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
 
+    from qstrat.model_config import language_config
+
     cfg = get(hf_config, "quantization_config")
-    text = get(hf_config, "text_config")
-    if cfg is None and text is not None:
+    text = language_config(hf_config)
+    if cfg is None and text is not hf_config:
         cfg = get(text, "quantization_config")
     if cfg is None:
         cfg = get(hf_config, "compression_config")

@@ -22,7 +22,7 @@ import triton.language as tl
 from qstrat.serializers.block_fp8 import AMAX_FLOOR, BLOCK, BlockFP8
 from qstrat.serializers.fp_bits import E4M3_MAX
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64, slab_needs_int64
+from qstrat.serializers.kernels.launch import Launch, quantize_with, slab_input
 
 #: Warps per 128 x 128 tile program (16384 fp32 values: 64 per thread at 8 warps). Chosen by the static report (docs/performance.md), not by timing.
 NUM_WARPS = 8
@@ -70,12 +70,6 @@ def _block_fp8_kernel(
     tl.store(s_ptr + e * NB * KB + tile, s)
 
 
-def quantize_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to block FP8 in one kernel launch (``BlockFP8.kernel`` names it):
-    runs :func:`plan_block_fp8` for ``w3``'s device. Args, returns and errors as there."""
-    return plan_block_fp8(serializer, w3, ctx, device_arch(w3)).run()
-
-
 def plan_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None, arch: int | None = None) -> Launch:
     """The one launch that quantizes a grouped slab to block FP8 (reads no data: ``w3`` may be a
     ``meta`` tensor, see :mod:`.static_report`).
@@ -93,18 +87,16 @@ def plan_block_fp8(serializer: BlockFP8, w3: torch.Tensor, ctx=None, arch: int |
     Raises:
         ValueError: ``w3`` is not 3-D.
     """
-    if w3.dim() != 3:
-        raise ValueError(f"block_fp8 kernel expects [E, N, K], got shape {list(w3.shape)}")
-    e, n, k = w3.shape
+    slab = slab_input("block_fp8", w3, arch, serializer.options.nonfinite)
+    e, n, k, x = slab.e, slab.n, slab.k, slab.x
     nb, kb = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w3.device)
     s = torch.empty((e, nb, kb), dtype=torch.float32, device=w3.device)
-    native = native_casts(arch, serializer.options.nonfinite)
-    x, bf16_bits = kernel_input(w3, native)
     return Launch(
         _block_fp8_kernel, (nb * kb, e), (x, q, s, n, k, nb, kb, *x.stride()),
         dict(AMAX_MIN=AMAX_FLOOR, FP8_MAX=E4M3_MAX, UE8M0=bool(serializer.options.ue8m0),
-             TILE=BLOCK, BF16_BITS=bf16_bits,
-             NATIVE=native, WIDE=needs_int64(w3, q), E64=slab_needs_int64(w3, q)),
+             TILE=BLOCK, **slab.constexprs(w3, q)),
         NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale_inv": s}, w3)
 
+
+quantize_block_fp8 = quantize_with("block_fp8", plan_block_fp8)

@@ -10,11 +10,13 @@ code the public API launches.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from qstrat.errors import UnsupportedShapeError
 
 
 @contextlib.contextmanager
@@ -65,6 +67,62 @@ def native_casts(arch: int | None, nonfinite: str) -> bool:
     take the exact integer encoder, whose NaN signs and saturation are the torch reference's.
     """
     return arch is not None and nonfinite == "error"
+
+
+def quantize_with(fmt: str, plan: Callable[..., Launch]) -> Callable[..., dict[str, torch.Tensor]]:
+    """The public ``quantize_<format>(serializer, w3, ctx=None)`` of a kernel module: ``plan``
+    (its ``plan_<format>``) for ``w3``'s device (:func:`device_arch`), run; what the format's
+    ``kernel`` attribute names."""
+    def quantize(serializer: Any, w3: torch.Tensor, ctx: Any = None) -> dict[str, torch.Tensor]:
+        return plan(serializer, w3, ctx, device_arch(w3)).run()
+
+    quantize.__name__ = quantize.__qualname__ = f"quantize_{fmt}"
+    quantize.__doc__ = (f"Quantize a grouped slab to {fmt} in one kernel launch: runs :func:`{plan.__name__}` "
+                        "for ``w3``'s device. Args, returns and errors as there.")
+    return quantize
+
+
+@dataclass(frozen=True)
+class SlabInput:
+    """A grouped slab checked for a format kernel (:func:`slab_input`).
+
+    Attributes:
+        e, n, k: the slab's [E, N, K].
+        x: the tensor the kernel reads (:func:`kernel_input`: ``w3`` itself, or its bf16 bits).
+        bf16_bits: whether ``x`` holds bf16 bits as int16 (the kernel's ``BF16_BITS``).
+        native: whether the kernel uses native conversions (:func:`native_casts`: ``NATIVE``).
+    """
+
+    e: int
+    n: int
+    k: int
+    x: torch.Tensor
+    bf16_bits: bool
+    native: bool
+
+    def constexprs(self, w3: torch.Tensor, q: torch.Tensor) -> dict[str, Any]:
+        """The constexprs every format kernel takes: ``BF16_BITS``, ``NATIVE``, and the offset
+        widths over the input ``w3`` and the largest output ``q`` (``WIDE``: :func:`needs_int64`,
+        ``E64``: :func:`slab_needs_int64`)."""
+        return dict(BF16_BITS=self.bf16_bits, NATIVE=self.native, WIDE=needs_int64(w3, q),
+                    E64=slab_needs_int64(w3, q))
+
+
+def slab_input(fmt: str, w3: torch.Tensor, arch: int | None, nonfinite: str, k_block: int = 1) -> SlabInput:
+    """The preamble of every ``plan_<format>``: ``w3`` is a 3-D grouped slab [E, N, K] with
+    ``K % k_block == 0``, read through :func:`kernel_input` with :func:`native_casts` for ``arch``.
+
+    Raises: ValueError (``"<fmt> kernel expects [E, N, K], got shape [...]"``) for another rank;
+        UnsupportedShapeError (``"<fmt> needs K divisible by <k_block>; got K=<k>"``).
+    """
+    if w3.dim() != 3:
+        raise ValueError(f"{fmt} kernel expects [E, N, K], got shape {list(w3.shape)}")
+    e, n, k = w3.shape
+    if k % k_block:
+        raise UnsupportedShapeError(f"{fmt} needs K divisible by {k_block}; got K={k}")
+    native = native_casts(arch, nonfinite)
+    x, bf16_bits = kernel_input(w3, native)
+    return SlabInput(e, n, k, x, bf16_bits, native)
 
 
 @dataclass

@@ -18,10 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.fp_bits import E8M0_BIAS
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64, slab_needs_int64
+from qstrat.serializers.kernels.launch import Launch, quantize_with, slab_input
 from qstrat.serializers.mxfp8 import BLOCK, MXFP8
 
 #: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 32). Chosen by the static report (docs/performance.md), not by timing.
@@ -58,12 +57,6 @@ def _mxfp8_kernel(
     fp_encode.store_block_scales(s_ptr, e, N, K // MX, rows, groups, byte)
 
 
-def quantize_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to MXFP8 in one kernel launch (``MXFP8.kernel`` names it):
-    runs :func:`plan_mxfp8` for ``w3``'s device. Args, returns and errors as there."""
-    return plan_mxfp8(serializer, w3, ctx, device_arch(w3)).run()
-
-
 def plan_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None, arch: int | None = None) -> Launch:
     """The one launch that quantizes a grouped slab to MXFP8 (reads no data: ``w3`` may be a
     ``meta`` tensor, see :mod:`.static_report`).
@@ -83,21 +76,17 @@ def plan_mxfp8(serializer: MXFP8, w3: torch.Tensor, ctx=None, arch: int | None =
     Raises:
         ValueError: ``w3`` is not 3-D. UnsupportedShapeError: ``K % 32 != 0``.
     """
-    if w3.dim() != 3:
-        raise ValueError(f"mxfp8 kernel expects [E, N, K], got shape {list(w3.shape)}")
-    e, n, k = w3.shape
-    if k % BLOCK:
-        raise UnsupportedShapeError(f"mxfp8 needs K divisible by {BLOCK}; got K={k}")
     opts = serializer.options
+    slab = slab_input("mxfp8", w3, arch, opts.nonfinite, BLOCK)
+    e, n, k, x = slab.e, slab.n, slab.k, slab.x
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w3.device)
     s = torch.empty((e, n, k // BLOCK), dtype=torch.uint8, device=w3.device)
     kt = triton.cdiv(k, BLOCK_K)
-    native = native_casts(arch, opts.nonfinite)
-    x, bf16_bits = kernel_input(w3, native)
     return Launch(
         _mxfp8_kernel, (triton.cdiv(n, BLOCK_N) * kt, e), (x, q, s, n, k, kt, *x.stride()),
         dict(RCEIL=opts.scale_rounding == "rceil", MIN_BYTE=int(opts.min_scale_byte),
-             BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, BF16_BITS=bf16_bits,
-             NATIVE=native, WIDE=needs_int64(w3, q), E64=slab_needs_int64(w3, q)),
+             BIAS=E8M0_BIAS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, MX=BLOCK, **slab.constexprs(w3, q)),
         NUM_WARPS, {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}, w3)
 
+
+quantize_mxfp8 = quantize_with("mxfp8", plan_mxfp8)

@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qstrat.errors import UnsupportedShapeError
 from qstrat.serializers.kernels import fp_encode
-from qstrat.serializers.kernels.launch import Launch, device_arch, kernel_input, native_casts, needs_int64, slab_needs_int64
+from qstrat.serializers.kernels.launch import Launch, quantize_with, slab_input
 from qstrat.serializers.nvfp4 import BLOCK, ENC_MAX, GLOBAL_MAX, NVFP4, RCP_E2M1_MAX
 
 #: Tile of one program: BLOCK_N rows x BLOCK_K columns (BLOCK_K a multiple of 16). 64 x 128: the fewest SASS per element at <= 128 registers (static report; docs/performance.md).
@@ -104,12 +103,6 @@ def _nvfp4_kernel(
     fp_encode.store_block_scales(s_ptr, e, N, K // FB, rows, groups, scale)
 
 
-def quantize_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    """Quantize a grouped slab to NVFP4 in one kernel launch (``NVFP4.kernel`` names it):
-    runs :func:`plan_nvfp4` for ``w3``'s device. Args, returns and errors as there."""
-    return plan_nvfp4(serializer, w3, ctx, device_arch(w3)).run()
-
-
 def plan_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None, arch: int | None = None) -> Launch:
     """The one launch that quantizes a grouped slab to NVFP4 (reads no data: ``w3`` may be a
     ``meta`` tensor, see :mod:`.static_report`).
@@ -130,11 +123,8 @@ def plan_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None, arch: int | None =
         ValueError: ``w3`` is not 3-D, or ``ctx["amax"]`` is not [E].
         UnsupportedShapeError: ``K % 16 != 0``.
     """
-    if w3.dim() != 3:
-        raise ValueError(f"nvfp4 kernel expects [E, N, K], got shape {list(w3.shape)}")
-    e, n, k = w3.shape
-    if k % BLOCK:
-        raise UnsupportedShapeError(f"nvfp4 needs K divisible by {BLOCK}; got K={k}")
+    slab = slab_input("nvfp4", w3, arch, serializer.options.nonfinite, BLOCK)
+    e, n, k, x, native = slab.e, slab.n, slab.k, slab.x, slab.native
     if ctx is None:
         ctx = serializer.group_context([w3])
     amax = ctx["amax"].reshape(-1)
@@ -147,17 +137,16 @@ def plan_nvfp4(serializer: NVFP4, w3: torch.Tensor, ctx=None, arch: int | None =
     s2 = torch.empty((e,), dtype=torch.float32, device=dev)
     inp = torch.empty((e,), dtype=torch.float32, device=dev)
     kt = triton.cdiv(k, BLOCK_K)
-    native = native_casts(arch, serializer.options.nonfinite)
-    x, bf16_bits = kernel_input(w3, native)
     return Launch(
         _nvfp4_kernel, (triton.cdiv(n, BLOCK_N) * kt, e),
         (x, amax, q, s, s2, inp, n, k, kt, float(serializer.options.input_scale),
          *x.stride(), amax.stride(0)),
         dict(GMAX=GLOBAL_MAX, EMAX=ENC_MAX, RCP6=RCP_E2M1_MAX, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-             FB=BLOCK, BF16_BITS=bf16_bits, NATIVE=native,
-             NATIVE_E2M1=native and arch >= 100, WIDE=needs_int64(w3, q), E64=slab_needs_int64(w3, q)),
+             FB=BLOCK, NATIVE_E2M1=native and arch >= 100, **slab.constexprs(w3, q)),
         NUM_WARPS,
         {"weight": q, "weight_scale": s.view(torch.float8_e4m3fn), "weight_scale_2": s2,
          "input_scale": inp},
         w3)
 
+
+quantize_nvfp4 = quantize_with("nvfp4", plan_nvfp4)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qstrat.layouts import ModelLayout
+from qstrat.model_config import with_language_config
 from qstrat.skeleton import Tensors
 
 
@@ -76,12 +77,7 @@ class DeepSeekLayout(DeepSeekStyleMoE):
                 raise QstratError(f"model config: {key} {text[key]!r}: transformers' DeepSeek-V3 always routes with "
                                   f"{key} {value!r} (it does not read the key) while vLLM would use {text[key]!r}: "
                                   f"the engine would serve another model than the trainer's; set {key}: {value!r}")
-        filled = {k: v for k, v in V3_ROUTING.items() if text.get(k) is None}
-        if text is cfg:
-            cfg.update(filled)
-        else:
-            cfg["text_config"] = {**text, **filled}
-        return cfg
+        return with_language_config(cfg, {**text, **{k: v for k, v in V3_ROUTING.items() if text.get(k) is None}})
 
     def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
         """MLA (``kv_lora_rank`` set; else the default attention): ``q_a_proj`` [q_rank, H],

@@ -24,15 +24,10 @@ qstrat's checkpoints of every format once qstrat is installed. It does nothing o
 platform; on a CPU, ``QSTRAT_VLLM_EMULATION`` (:mod:`.mode`) chooses: ``auto`` (default) emulates
 what vLLM's CPU kernels cannot run (with AMX: block FP8 only for linear layers with a bias),
 ``force`` puts qstrat's kernels first for every format (the emulated path on an AMX CPU too),
-``0`` switches it off. It logs one line per process when vLLM first builds one of its kernels
-(:mod:`.announcing`). The emulation checks refit lifecycles, checkpoint names, scales, ignore lists and parity between engines (every CPU engine runs the same math); it does not
-reproduce a GPU kernel's rounding and accumulation order.
-
-Every vLLM name it hooks is resolved first, through qstrat's vLLM version table
-(:mod:`qstrat.vllm_adapter`); on a vLLM the table was not checked against it warns, and if a name
-is missing the plugin registers NOTHING and logs an error naming it (an engine that needs the
-emulation then fails with vLLM's "Failed to find a kernel" after that line); :func:`status`
-reports it.
+``0`` switches it off. With ``QSTRAT_EMULATION_NOTICE=1`` it logs one line per process when
+vLLM first builds one of its kernels (:mod:`.announcing`). Not a GPU kernel's rounding and
+accumulation order. A vLLM name it hooks that qstrat's version table cannot resolve: NOTHING is
+registered, an error logged (:func:`status`; docs/vllm.md, "What runs where").
 """
 from __future__ import annotations
 

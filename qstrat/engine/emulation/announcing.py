@@ -1,4 +1,5 @@
-"""What the emulated kernels say when vLLM builds them: one log line per process, and a count.
+"""What the emulated kernels say when vLLM builds them: one log line per process where asked
+(``QSTRAT_EMULATION_NOTICE=1``; not on a user's terminal by default), and a count.
 
 A leaf module (the kernel modules subclass :class:`Announcing`; the package's
 :func:`~qstrat.engine.emulation.register` tells it, through :func:`describe`, what was
@@ -7,6 +8,7 @@ registered and why), so that the emulation's modules form no import cycle.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections import Counter
 from typing import Any
@@ -15,10 +17,14 @@ from qstrat.vllm_adapter import names
 
 # The package's logger (a child of vLLM's: vLLM's handler, format and VLLM_LOGGING_LEVEL apply).
 logger = logging.getLogger(f"{names.LOGGER}.plugins.qstrat")
-#: The logger of the "active" line: INFO, printed to stdout with vLLM's format WHATEVER
-#: VLLM_LOGGING_LEVEL says (start_engine sets ERROR to hide vLLM's chatter, and the line says how
-#: the engine computes). Silence it with ``logging.getLogger(ACTIVE_LOGGER).setLevel(logging.WARNING)``.
+#: The logger of the "active" line: INFO, printed to stdout with vLLM's format whatever
+#: VLLM_LOGGING_LEVEL says, but only where :data:`NOTICE_ENV` is ``1`` (in every process that
+#: builds a kernel: vLLM's workers inherit the environment); otherwise its level is WARNING and the
+#: line is not printed (``qstrat doctor`` says which formats run emulated; :func:`built_kernels`
+#: counts them). ``logging.getLogger(ACTIVE_LOGGER).setLevel(logging.INFO)`` shows it in-process.
 ACTIVE_LOGGER = f"{names.LOGGER}.plugins.qstrat.active"
+#: The environment variable that prints the "active" line (``1``).
+NOTICE_ENV = "QSTRAT_EMULATION_NOTICE"
 
 
 class _Stdout(logging.StreamHandler):
@@ -35,8 +41,9 @@ class _Stdout(logging.StreamHandler):
 
 
 def active_logger() -> logging.Logger:
-    """:data:`ACTIVE_LOGGER`, given (once) its own stdout handler with vLLM's formatter, level
-    INFO unless someone set one, no propagation (the line is printed once)."""
+    """:data:`ACTIVE_LOGGER`, given (once) its own stdout handler with vLLM's formatter, no
+    propagation (the line is printed once), and unless someone set a level, INFO where
+    :data:`NOTICE_ENV` is ``1`` and WARNING (the line hidden) otherwise."""
     log = logging.getLogger(ACTIVE_LOGGER)
     if not any(isinstance(h, _Stdout) for h in log.handlers):
         handler = _Stdout()
@@ -46,7 +53,7 @@ def active_logger() -> logging.Logger:
         log.addHandler(handler)
         log.propagate = False
         if log.level == logging.NOTSET:
-            log.setLevel(logging.INFO)
+            log.setLevel(logging.INFO if os.environ.get(NOTICE_ENV) == "1" else logging.WARNING)
     return log
 
 _announced = False

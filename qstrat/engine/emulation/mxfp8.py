@@ -23,32 +23,22 @@ from typing import Any
 import torch
 
 from qstrat.engine.emulation.moe import ExpertWeight, TorchExperts
-from qstrat.engine.emulation.wiring import (cpu_linear_kernel_hooks, is_wired, register_cpu_linear_kernel,
-                                             route_backend)
-from qstrat.vllm_adapter.resolver import resolve
+from qstrat.engine.emulation.wiring import moe_format_hooks, wire_moe_format
 
 
 def hooks() -> dict[str, Any]:
-    """The vLLM objects :func:`register` uses (keys of qstrat's vLLM version table).
-    Raises VllmNameError naming a missing one."""
-    return {
-        **cpu_linear_kernel_hooks("mxfp8_emulation_linear_kernel"),
-        "oracle": resolve("mxfp8_moe_oracle"),
-        "emulation": resolve("fp8_moe_emulation_backend"),
-        "to_cls": resolve("mxfp8_moe_backend_to_kernel_cls"),
-        "triton_experts": resolve("mxfp8_emulation_triton_experts"),
-        "dequant": resolve("dequant_mxfp8_to_bf16"),
-    }
+    """The vLLM objects :func:`register` uses (:func:`.wiring.moe_format_hooks`, with vLLM's
+    ``dequant`` for MXFP8). Raises VllmNameError naming a missing one."""
+    return moe_format_hooks("mxfp8_emulation_linear_kernel", "mxfp8_moe_oracle", "fp8_moe_emulation_backend",
+                            "mxfp8_moe_backend_to_kernel_cls", "mxfp8_emulation_triton_experts",
+                            dequant="dequant_mxfp8_to_bf16")
 
 
 def register(h: dict[str, Any]) -> None:
     """Register vLLM's MXFP8 emulation linear kernel for CPU and the torch MoE experts
     (``h`` = :func:`hooks`). Idempotent."""
-    if is_wired(h["to_cls"]):
-        return
-    register_cpu_linear_kernel(h, "mxfp8")
-    route_backend(h["oracle"], "_mxfp8_backend_to_kernel_cls", h["to_cls"], h["emulation"],
-                  _build_experts(h["triton_experts"], h["dequant"]))
+    wire_moe_format(h, "mxfp8", "_mxfp8_backend_to_kernel_cls",
+                    lambda: _build_experts(h["triton_experts"], h["dequant"]))
 
 
 def _build_experts(triton_experts: type, dequant: Any) -> type:

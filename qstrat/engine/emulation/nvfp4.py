@@ -22,35 +22,24 @@ from typing import Any
 import torch
 
 from qstrat.engine.emulation.moe import ActivationQDQ, ExpertWeight, TorchExperts
-from qstrat.engine.emulation.wiring import (cpu_linear_kernel_hooks, is_wired, register_cpu_linear_kernel,
-                                             route_backend)
-from qstrat.vllm_adapter.resolver import resolve
+from qstrat.engine.emulation.wiring import moe_format_hooks, wire_moe_format
 
 BLOCK = 16
 
 
 def hooks() -> dict[str, Any]:
-    """The vLLM objects :func:`register` uses (keys of qstrat's vLLM version table).
-    Raises VllmNameError naming a missing one."""
-    return {
-        **cpu_linear_kernel_hooks("nvfp4_emulation_linear_kernel"),
-        "oracle": resolve("nvfp4_moe_oracle"),
-        "emulation": resolve("nvfp4_moe_emulation_backend"),
-        "to_cls": resolve("nvfp4_moe_backend_to_kernel_cls"),
-        "triton_experts": resolve("nvfp4_emulation_triton_experts"),
-        "dequant": resolve("nvfp4_dequantize_to_dtype"),
-        "qdq": resolve("ref_nvfp4_quant_dequant"),
-    }
+    """The vLLM objects :func:`register` uses (:func:`.wiring.moe_format_hooks`, with vLLM's
+    ``dequant`` and ``qdq`` for NVFP4). Raises VllmNameError naming a missing one."""
+    return moe_format_hooks("nvfp4_emulation_linear_kernel", "nvfp4_moe_oracle", "nvfp4_moe_emulation_backend",
+                            "nvfp4_moe_backend_to_kernel_cls", "nvfp4_emulation_triton_experts",
+                            dequant="nvfp4_dequantize_to_dtype", qdq="ref_nvfp4_quant_dequant")
 
 
 def register(h: dict[str, Any]) -> None:
     """Register vLLM's NVFP4 emulation linear kernel for CPU and the torch MoE experts
     (``h`` = :func:`hooks`). Idempotent."""
-    if is_wired(h["to_cls"]):
-        return
-    register_cpu_linear_kernel(h, "nvfp4")
-    route_backend(h["oracle"], "backend_to_kernel_cls", h["to_cls"], h["emulation"],
-                  _build_experts(h["triton_experts"], h["dequant"], h["qdq"]))
+    wire_moe_format(h, "nvfp4", "backend_to_kernel_cls",
+                    lambda: _build_experts(h["triton_experts"], h["dequant"], h["qdq"]))
 
 
 def _build_experts(triton_experts: type, dequant: Any, qdq: Any) -> type:

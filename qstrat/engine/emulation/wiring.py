@@ -80,6 +80,34 @@ def cpu_linear_kernel_hooks(kernel: str) -> dict[str, Any]:
             "cpu": resolve("platform_cpu")}
 
 
+def moe_format_hooks(linear_kernel: str, oracle: str, emulation: str, to_cls: str, triton_experts: str,
+                     **more: str) -> dict[str, Any]:
+    """The vLLM objects a format's CPU wiring (:func:`wire_moe_format`) uses, each given by its
+    key in qstrat's vLLM version table (literal keys: tests/test_vllm_adapter.py collects them):
+    the linear kernel class (:func:`cpu_linear_kernel_hooks`), the MoE ``oracle`` module, its
+    ``emulation`` backend, its resolver ``to_cls``, vLLM's ``triton_experts`` class, and ``more``
+    (name -> key). Raises VllmNameError naming a missing one."""
+    return {
+        **cpu_linear_kernel_hooks(linear_kernel),
+        "oracle": resolve(oracle),
+        "emulation": resolve(emulation),
+        "to_cls": resolve(to_cls),
+        "triton_experts": resolve(triton_experts),
+        **{name: resolve(key) for name, key in more.items()},
+    }
+
+
+def wire_moe_format(h: dict[str, Any], fmt: str, resolver_attr: str, experts: Callable[[], type]) -> None:
+    """Register vLLM's ``fmt`` emulation linear kernel for the CPU platform
+    (:func:`register_cpu_linear_kernel`) and route the MoE oracle's ``resolver_attr`` so that
+    its emulation backend resolves to ``experts()`` (:func:`route_backend`); ``h`` =
+    :func:`moe_format_hooks`. Idempotent (nothing done when ``h["to_cls"]`` is already wired)."""
+    if is_wired(h["to_cls"]):
+        return
+    register_cpu_linear_kernel(h, fmt)
+    route_backend(h["oracle"], resolver_attr, h["to_cls"], h["emulation"], experts())
+
+
 def register_cpu_linear_kernel(h: dict[str, Any], kernel_type: str) -> type:
     """Register vLLM's own ``h["linear_kernel"]`` for ``h["cpu"]`` as ``kernel_type``
     (``"mxfp8"``, ``"nvfp4"``), as a subclass that announces itself when built
