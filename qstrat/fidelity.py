@@ -472,9 +472,8 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
           sequences: Sequence[Sequence[int]] | None = None, top_k: int = 20,
           thresholds: Mapping[str, Threshold] | None = None, check: bool = True,
           floors: dict[str, Floor] | None = None) -> FidelityReport:
-    """Score the probe sequences on ``llm`` and on ``model`` with the quantized weights the
-    refit sent, and compare (module docstring).
-
+    """Score the probe sequences on ``llm`` and on ``model`` with the refit's quantized weights,
+    and compare (module docstring).
     Args:
         llm: a ``vllm.LLM`` just refit by ``driver`` from ``model``'s weights.
         model: the trainer's transformers model (``model(ids).logits``); not modified.
@@ -488,9 +487,8 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
         thresholds: explicit limits per format (:func:`threshold_for`); default None: the limits
             are derived from the arithmetic floor measured on this model and plan
             (:mod:`qstrat.fidelity_limits`).
-        check: raise FidelityError above the limits (else only report). With derived limits the
-            per-token verdict applies too (:func:`per_token_verdict`: the float32 rerun on every
-            call, one more trainer forward).
+        check: raise FidelityError above the limits (else only report); with derived limits also
+            the per-token verdict (:func:`per_token_verdict`: one more trainer forward, float32).
         floors: a cache, format key -> :class:`Floor`: a floor found there is used, one measured
             is stored (:class:`Verify` keeps one, so the floor is measured on its first probe
             only). None: measured on every call.

@@ -24,12 +24,12 @@ KNOWN: dict[str, tuple[int, str]] = {
     "qstrat.engine.local.start_engine": (46, "every argument of the CPU engine helper and its errors"),
     "qstrat.checkpoint.write_checkpoint": (43, "every argument and the nothing-written guarantee per error"),
     "qstrat.layouts.ModelLayout": (40, "the layout plugin contract: every attribute a family sets"),
-    "qstrat.transport": (38, "the transport package's map (issue 43 asked for one)"),
+    "qstrat.transport": (40, "the transport package's map (issue 43 asked for one), with the delta stream modules"),
     "qstrat.integrations.trl.rollouts": (38, "the hook's arguments and what it restores"),
     "qstrat.engine_ignore": (37, "vLLM's ignore-list rule per quantization method, which the code mirrors"),
-    "qstrat.transport.receiver.receive_round": (36, "the receiver's round: arguments, outcomes, errors"),
+    "qstrat.transport.receiver.receive_round": (38, "the receiver's round: arguments, outcomes, errors"),
     "qstrat.online": (33, "what quantize_in: engine sends, writes and refuses"),
-    "qstrat.transport.protocol": (31, "the round's steps, which both sides implement"),
+    "qstrat.transport.protocol": (35, "the round's steps, which both sides implement (protocol 3: delta preludes)"),
     "qstrat.select.select": (31, "the trainer-side decisions: arguments and errors"),
 }
 

@@ -12,9 +12,8 @@ the BASE is the stream of the last delta round both sides committed. Bucket k's 
 whole tiles :func:`cuts` gives it, each tile in the smallest of three encodings (sizes:
 :func:`tile_costs`):
 
-- ``rle`` (run lengths): per changed byte the count of unchanged bytes before it in its tile
-  (uint16: a tile is shorter than 65536 bytes), then the changed bytes' new values; 3 bytes
-  per change, nothing for an unchanged tile;
+- ``rle``: per changed byte the count of unchanged bytes before it in its tile (uint16: a tile
+  is shorter than 65536 bytes), then the changed values; 3 bytes per change, 0 per unchanged tile;
 - ``bitmap``: one bit per byte of the tile (``TILE / 8`` bytes), then the changed bytes' values;
 - ``raw``: the tile's bytes (no base needed: a whole round is a patch of raw tiles).
 
