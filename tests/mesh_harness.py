@@ -124,3 +124,89 @@ def run_mesh(port: int, fmt: str, senders: int, layouts: list[dict], faults: dic
             p.kill()
         results.setdefault(r, ("dead", p.exitcode))
     return results
+
+
+# ---- live engines (tests/test_engine_transport_mesh.py) -------------------------------------
+#: The tiny model's shape for a TP=2 engine (block FP8's 128-row blocks split evenly by rank;
+#: tests/test_engine_transport_tp.py).
+TP2_SHAPE = dict(head_dim=128, moe_intermediate_size=256)
+
+
+def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers: list[int], fmt: str,
+                        seed: int, fault: dict, queue: Any) -> None:
+    """One trainer rank of a live mesh refit: it holds its half of the experts of the tiny model
+    ``seed`` (expert-parallel) and calls MeshRefitSender.refit; rank 0 drives the engines through
+    ``conns`` (their RPC pipes). Puts (rank, "ok", report.sent) or (rank, "err", text)."""
+    try:
+        from qstrat import RefitDriver, tensor_specs
+        from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+        from qstrat.sharding import ExpertParallel
+        from qstrat.transport.mesh_refit import MeshRefitSender
+        from transport_harness import PipeClient
+
+        model = build_tiny_qwen3_moe(seed=seed, **TP2_SHAPE)
+        state = model.state_dict()
+        driver = RefitDriver(fmt, hf_config=hf_config(model))
+        ep = ExpertParallel(size=senders, num_experts=8)
+        local = {n: (t[ep.experts(rank).start:ep.experts(rank).stop] if ".experts." in n else t)
+                 for n, t in state.items()}
+        held = dict(ep.global_tensors(rank, local, driver.layout))
+        specs = {}
+        for r in range(senders):  # every rank plans the whole model from every rank's specs
+            other = {n: (t[ep.experts(r).start:ep.experts(r).stop] if ".experts." in n else t) for n, t in state.items()}
+            specs.update(tensor_specs(dict(ep.global_tensors(r, other, driver.layout)).items()))
+        plan = driver.plan(specs)
+        sender = MeshRefitSender(rank, senders, "127.0.0.1", port, [PipeClient(c, 600.0) for c in conns],
+                                 workers, timeout_s=240.0,
+                                 secret=SECRET, bucket_bytes=1 << 20)
+        sender.connect()
+        owner = ep.owner
+        if fault.get("raise_at") is not None:
+            real_run = driver.run
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                for i, item in enumerate(real_run(*args, **kwargs)):
+                    if i == fault["raise_at"]:
+                        raise KeyError("trainer-side failure mid-round")
+                    yield item
+
+            driver.run = run
+        report = sender.refit(driver, held, plan, owner)
+        sender.close()
+        queue.put((rank, "ok", (report.sent, report.seconds, report.stream_seconds)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+
+
+def run_engine_mesh(engines: list, workers: list[int], fmt: str, seed: int, senders: int = 2,
+                    faults: dict[int, dict] | None = None, timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
+    """One live mesh round: ``senders`` trainer processes refit ``engines`` (transport_harness
+    Receivers, their RPC pipes go to trainer rank 0) to the tiny model ``seed``; rank -> (status, value)."""
+    import queue as q
+    import time
+
+    from transport_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=engine_trainer_main, daemon=True,
+                         args=(r, senders, port, [e.rpc.conn for e in engines] if r == 0 else [], workers, fmt,
+                               seed, (faults or {}).get(r, {}), queue)) for r in range(senders)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    end = time.monotonic() + timeout_s
+    while len(results) < senders and time.monotonic() < end:
+        try:
+            rank, status, value = queue.get(timeout=1.0)
+            results[rank] = (status, value)
+        except q.Empty:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    for r, p in enumerate(procs):
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+        results.setdefault(r, ("dead", p.exitcode))
+    return results

@@ -17,6 +17,12 @@ LOADER (vLLM's layerwise reload):
   every bucket's seal. ``atomic`` (default): stage the round (views of the received buffers; in
   host memory when ``QSTRAT_TRANSFER_STAGING=host``), touch nothing. ``bounded``: load each
   reload unit as soon as it verified; a fault after that flags the engine (MixedWeightsError).
+* MESH rounds (``update_info["mesh"]``, a group joined with ``senders`` in its init info; sent
+  by :class:`qstrat.transport.mesh_refit.MeshRefitSender` from every trainer rank): this worker
+  publishes its layout (:func:`receiver_layout`: its TP rank and size, read from its own
+  ``VllmConfig``), checks its share against the engine, receives exactly that share from every
+  trainer rank, verifies it, votes, and stages it for ``finish_weight_update``
+  (:mod:`qstrat.transport.mesh_engine`; atomic only).
 * ``finish_weight_update()``: atomic: VALIDATE-THEN-COMMIT: only now run vLLM's layerwise reload
   (``initialize_layerwise_reload``, ``model.load_weights`` with the staged tensors,
   ``finalize_layerwise_reload``), as vLLM's NCCL backend does inside its receive.
@@ -36,13 +42,17 @@ from typing import Any
 
 import torch
 
+from qstrat.engine.weight_digests import WeightDigests
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY, EngineExpectations
 from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.resolver import available, resolve
-from qstrat.vllm_adapter.views import TransferBackendView, hf_config_of, parallel_rank_of
+from qstrat.transport.mesh_engine import MESH_KEY
+from qstrat.transport.routing import ReceiverLayout
+from qstrat.vllm_adapter.views import (TransferBackendView, hf_config_of, model_config_of, parallel_rank_of,
+                                       tensor_parallel_of)
 from qstrat.vllm.manifest import check_model_built
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
@@ -70,6 +80,9 @@ class QstratTransferInitInfo(WeightTransferInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: The sender's tag over the fields above (required by an engine holding a secret).
     auth: str | None = None
+    #: A mesh group's trainer ranks (group ranks ``0..senders-1``, :class:`qstrat.transport.
+    #: mesh_refit.MeshRefitSender`); None: a single-sender group (rank 0).
+    senders: int | None = None
 
 
 @dataclass
@@ -77,7 +90,8 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`, the mode
     and the transport protocol version the sender speaks."""
 
-    wire_manifest: dict[str, Any]
+    #: A single-sender round's wire manifest (None in a mesh round).
+    wire_manifest: dict[str, Any] | None = None
     mode: str = "atomic"
     protocol: int | None = None
     #: The plan's ``vllm_quantization_config()`` (checked before the tensors); absent: not named.
@@ -87,6 +101,9 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     engine_quantization: Any = _UNNAMED
     #: ``mode="delta"``: the round ids and target wire manifest (:mod:`qstrat.transport.delta`).
     delta: dict[str, Any] | None = None
+    #: A mesh round's routes document (:meth:`qstrat.transport.routing.MeshRoutes.to_dict`);
+    #: None: a single-sender round.
+    mesh: dict[str, Any] | None = None
 
 
 #: Per backend: what it accepts (built once).
@@ -113,6 +130,19 @@ def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     return cached
 
 
+def receiver_layout(vllm_config: Any) -> ReceiverLayout:
+    """What this worker loads in a mesh round, read from its own ``VllmConfig``: its TP rank and
+    size (:func:`~qstrat.vllm_adapter.views.tensor_parallel_of`), every routed expert narrowed by
+    TP (vLLM's FusedMoE without expert parallelism), and the model's KV heads
+    (``num_key_value_heads`` of its Hugging Face config: vLLM replicates a KV head on
+    ``tp_size / kv_heads`` ranks when TP exceeds them)."""
+    tp_rank, tp_size = tensor_parallel_of(vllm_config)
+    hf = hf_config_of(model_config_of(vllm_config))
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    kv = getattr(text, "num_key_value_heads", None)
+    return ReceiverLayout(tp_rank, tp_size, kv_heads=int(kv) if kv else None)
+
+
 class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, QstratTransferUpdateInfo]):
     """The engine-side backend (see the module docstring)."""
 
@@ -127,8 +157,10 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         if staging not in ("device", "host"):
             raise TransportError(f"{ENV_STAGING}={staging!r}: use 'device' or 'host'")
         worker = parallel_rank_of(vllm_config)
+        _IN_THIS_WORKER[:] = [self]
         self.session = ReceiverSession(lambda: engine_expectations(self), self, rank_in_client=worker,
-                                       staging=torch.device("cpu") if staging == "host" else None)
+                                       staging=torch.device("cpu") if staging == "host" else None,
+                                       layout=lambda: receiver_layout(vllm_config))
 
     @property
     def group(self) -> Any:
@@ -169,6 +201,10 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
             info[ONLINE_KEY] = update_info.engine_quantization
         if update_info.delta is not None:
             info["delta"] = update_info.delta
+        if update_info.mesh is not None:
+            info[MESH_KEY] = update_info.mesh
+        elif update_info.wire_manifest is None:
+            raise TransportError("qstrat transfer: update_info has neither a wire_manifest nor a mesh round")
         self.session.update(info)
 
     def finish_weight_update(self) -> None:
@@ -208,6 +244,22 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""
         self.session.shutdown()
+
+
+#: The backend of this worker process (vLLM builds one per worker), for :class:`TransferProbe`.
+_IN_THIS_WORKER: list[QstratWeightTransferEngine] = []
+
+
+class TransferProbe(WeightDigests):
+    """vLLM worker extension (``worker_extension_cls="qstrat.engine.transfer_backend.TransferProbe"``):
+    :meth:`qstrat_weight_digests` and :meth:`qstrat_transfer_stats`, callable by name through
+    ``collective_rpc`` (a multiprocess engine cannot be sent a function)."""
+
+    def qstrat_transfer_stats(self) -> dict[str, float]:
+        """This worker's last round's receive-side counts and seconds (the backend session's
+        ``stats``: a mesh round's ``bytes`` received, ``share_bytes``, ``tensor_bytes``,
+        ``seconds``, ``stream_s``, ``finish_s``); empty before a backend was built."""
+        return dict(_IN_THIS_WORKER[0].session.stats) if _IN_THIS_WORKER else {}
 
 
 def register() -> None:

@@ -90,6 +90,15 @@ def parallel_rank_of(vllm_config: Any) -> int:
             + int(read(parallel, "parallel_rank")))
 
 
+def tensor_parallel_of(vllm_config: Any) -> tuple[int, int]:
+    """A worker's ``(tp_rank, tp_size)``: ``rank % tensor_parallel_size`` of the ``VllmConfig``'s
+    ``ParallelConfig`` (vLLM numbers an engine's ranks ``pp_rank * tp_size + tp_rank``,
+    ``vllm.distributed.parallel_state.initialize_model_parallel``)."""
+    parallel = read(vllm_config, "vllm_config_parallel_config")
+    size = int(read(parallel, "parallel_tensor_parallel_size"))
+    return int(read(parallel, "parallel_rank")) % size, size
+
+
 def block_of_kernel(kernel: Any) -> tuple[int, int]:
     """A block-FP8 linear kernel's weight block ``(rows, cols)`` (its ``GroupShape``)."""
     shape = read(kernel, "block_kernel_weight_group_shape")
