@@ -39,7 +39,13 @@ TP2 = {"tensor_parallel_size": 2, "worker_extension_cls": PROBE}
 TP1 = {"worker_extension_cls": PROBE}
 #: The TP=2 engine's two ranks, then the TP=1 engine's one (the test's own layouts).
 LAYOUTS = [ReceiverLayout(0, 2), ReceiverLayout(1, 2), ReceiverLayout(0, 1)]
-FORMATS = ["block-fp8", "mxfp8", "nvfp4-experts", "bf16"]
+#: The same with the TP=2 engine expert-parallel: vLLM's default linear placement
+#: (``determine_expert_map``: rank r holds experts [r * 8/2, (r + 1) * 8/2)), each expert whole.
+EP_LAYOUTS = [ReceiverLayout(0, 2, (0, 1, 2, 3), moe_tp=False), ReceiverLayout(1, 2, (4, 5, 6, 7), moe_tp=False),
+              ReceiverLayout(0, 1)]
+CASES = [pytest.param("block-fp8", False, id="block-fp8"), pytest.param("mxfp8", False, id="mxfp8"),
+         pytest.param("nvfp4-experts", False, id="nvfp4-experts"), pytest.param("bf16", False, id="bf16"),
+         pytest.param("block-fp8", True, id="block-fp8-expert-parallel")]
 
 
 def _checkpoints(tmp_path, fmt):
@@ -68,12 +74,14 @@ def _ok(res):
     return res
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_two_expert_parallel_trainers_refit_a_tp2_and_a_tp1_engine_in_one_mesh_round(tmp_path, fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,ep", CASES)
+def test_two_expert_parallel_trainers_refit_a_tp2_and_a_tp1_engine_in_one_mesh_round(tmp_path, fmt, ep, monkeypatch):
     monkeypatch.setenv(ENV_SECRET, SECRET.decode())  # inherited by the engines and their workers
     ckpts = _checkpoints(tmp_path, fmt)
     want_b = _single_output(*ckpts["b"])
-    tp2 = Receiver("engine", tmp_path / "a", timeout_s=300, engine_kwargs=TP2, start_timeout_s=1200)
+    layouts = EP_LAYOUTS if ep else LAYOUTS
+    tp2 = Receiver("engine", tmp_path / "a", timeout_s=300, engine_kwargs={**TP2, "enable_expert_parallel": ep},
+                   start_timeout_s=1200)
     tp1 = Receiver("engine", tmp_path / "a", timeout_s=300, engine_kwargs=TP1, start_timeout_s=1200)
     engines = [tp2, tp1]
     try:
@@ -91,20 +99,25 @@ def test_two_expert_parallel_trainers_refit_a_tp2_and_a_tp1_engine_in_one_mesh_r
         assert on_b[0] != fresh_a[0] and on_b[1] != fresh_a[1], "the mesh round to B changed nothing"
         stats = [*tp2.ctl.call("probe", "qstrat_transfer_stats"), *tp1.ctl.call("probe", "qstrat_transfer_stats")]
         full = sum(t.nbytes for t in want_b.values())
-        for rank, (layout, st) in enumerate(zip(LAYOUTS, stats), start=2):
+        for rank, (layout, st) in enumerate(zip(layouts, stats), start=2):
             share = expected_share(want_b, layout) if layout.tp_size > 1 else dict(want_b)
-            assert sorted(share) == sorted(want_b)  # TP ranks load every tensor: a part of it or whole
+            if layout.experts is None:
+                assert sorted(share) == sorted(want_b)  # TP ranks load every tensor: a part of it or whole
+            else:  # an expert-parallel rank: its experts only, whole
+                assert {int(n.split(".experts.")[1].split(".")[0]) for n in share if ".experts." in n} == set(
+                    layout.experts)
             nbytes = sum(t.nbytes for t in share.values())
             assert st["tensor_bytes"] == nbytes, (rank, st)  # counted on the receiving side
             assert nbytes <= st["bytes"] <= nbytes + 64 * len(share), (rank, st)  # alignment padding only
             sent = sum(res[s][1][0][rank] for s in (0, 1))
             assert sent == st["bytes"], (rank, sent, st)
-            print(f"[mesh {fmt}] rank {rank} {layout}: received {int(st['bytes'])} of {full} bytes "
+            print(f"[mesh {fmt}{' EP' if ep else ''}] rank {rank} {layout}: received {int(st['bytes'])} of {full} bytes "
                   f"({st['bytes'] / full:.1%}), round {st['seconds']:.2f} s, stream {st['stream_s']:.2f} s, "
                   f"load {st.get('finish_s', 0):.2f} s")
-        sharded = [n for n, t in want_b.items() if expected_share({n: t}, LAYOUTS[0])[n].shape != t.shape]
-        half = sum(want_b[n].nbytes for n in sharded) // 2
-        assert stats[0]["tensor_bytes"] == stats[1]["tensor_bytes"] == full - half  # half of every sharded tensor
+        if not ep:
+            sharded = [n for n, t in want_b.items() if expected_share({n: t}, LAYOUTS[0])[n].shape != t.shape]
+            half = sum(want_b[n].nbytes for n in sharded) // 2
+            assert stats[0]["tensor_bytes"] == stats[1]["tensor_bytes"] == full - half  # half of every sharded tensor
         assert stats[2]["tensor_bytes"] == full
         print(f"[mesh {fmt}] trainer ranks sent {[res[s][1][0] for s in (0, 1)]}; round wall {wall:.1f} s "
               f"(two trainer processes started, planned, quantized), trainer rank 0 "

@@ -51,8 +51,8 @@ from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.resolver import available, resolve
 from qstrat.transport.mesh_engine import MESH_KEY
 from qstrat.transport.routing import ReceiverLayout
-from qstrat.vllm_adapter.views import (TransferBackendView, hf_config_of, model_config_of, parallel_rank_of,
-                                       tensor_parallel_of)
+from qstrat.vllm_adapter.views import (TransferBackendView, expert_maps, expert_parallel_of, hf_config_of,
+                                       model_config_of, parallel_rank_of, tensor_parallel_of)
 from qstrat.vllm.manifest import check_model_built
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
@@ -130,17 +130,29 @@ def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     return cached
 
 
-def receiver_layout(vllm_config: Any) -> ReceiverLayout:
-    """What this worker loads in a mesh round, read from its own ``VllmConfig``: its TP rank and
-    size (:func:`~qstrat.vllm_adapter.views.tensor_parallel_of`), every routed expert narrowed by
-    TP (vLLM's FusedMoE without expert parallelism), and the model's KV heads
+def receiver_layout(vllm_config: Any, model: Any) -> ReceiverLayout:
+    """What this worker loads in a mesh round, read from its own ``VllmConfig`` and model: its TP
+    rank and size (:func:`~qstrat.vllm_adapter.views.tensor_parallel_of`), the model's KV heads
     (``num_key_value_heads`` of its Hugging Face config: vLLM replicates a KV head on
-    ``tp_size / kv_heads`` ranks when TP exceeds them)."""
+    ``tp_size / kv_heads`` ranks when TP exceeds them), and its routed experts: every expert,
+    narrowed by TP (FusedMoE under TP), or under expert parallelism (``enable_expert_parallel``)
+    the experts its layers' expert maps hold, whole (:func:`~qstrat.vllm_adapter.views.expert_maps`).
+
+    Raises: TransportError when the MoE layers of an expert-parallel engine hold different experts
+        or none has an expert map (the round is then refused in the accept vote).
+    """
     tp_rank, tp_size = tensor_parallel_of(vllm_config)
     hf = hf_config_of(model_config_of(vllm_config))
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     kv = getattr(text, "num_key_value_heads", None)
-    return ReceiverLayout(tp_rank, tp_size, kv_heads=int(kv) if kv else None)
+    kv_heads = int(kv) if kv else None
+    if not expert_parallel_of(vllm_config):
+        return ReceiverLayout(tp_rank, tp_size, kv_heads=kv_heads)
+    held = {tuple(int(e) for e in torch.nonzero(m.cpu() >= 0).flatten()) for m in expert_maps(model)}
+    if len(held) != 1:
+        raise TransportError(f"qstrat transfer: an expert-parallel engine whose MoE layers hold {len(held)} "
+                             "different expert sets (or none has an expert map): a mesh layout needs one")
+    return ReceiverLayout(tp_rank, tp_size, held.pop(), moe_tp=False, kv_heads=kv_heads)
 
 
 class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, QstratTransferUpdateInfo]):
@@ -160,7 +172,7 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         _IN_THIS_WORKER[:] = [self]
         self.session = ReceiverSession(lambda: engine_expectations(self), self, rank_in_client=worker,
                                        staging=torch.device("cpu") if staging == "host" else None,
-                                       layout=lambda: receiver_layout(vllm_config))
+                                       layout=lambda: receiver_layout(vllm_config, TransferBackendView(self).model))
 
     @property
     def group(self) -> Any:

@@ -135,6 +135,9 @@ class ReceiverSession:
         are reconstructed from :attr:`base` and checked against the trainer's digests before
         the commit vote, and :meth:`finish` loads them as an atomic round's).
 
+        A MESH round (``"mesh"``: the routes document, :mod:`qstrat.transport.mesh_engine`) is
+        received from every trainer rank and staged for :meth:`finish` (atomic only).
+
         Raises: as :func:`~qstrat.transport.receiver.receive_round`; TransportError for a second
             round in one session or an unknown mode (:class:`~qstrat.transport.acceptance.RoundCheck`).
             Bounded mode: a round that was not committed everywhere after this receiver loaded a
