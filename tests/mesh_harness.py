@@ -104,14 +104,20 @@ def run_mesh(port: int, fmt: str, senders: int, layouts: list[dict], faults: dic
     procs = [ctx.Process(target=rank_main, args=(r, world, senders, port, fmt, layouts,
                                                  (faults or {}).get(r, {}), queue), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, Any]] = {}
+    return collect(procs, queue, timeout_s)
+
+
+def collect(procs: list, queue: Any, timeout_s: float) -> dict[int, tuple[str, Any]]:
+    """Start ``procs`` (one per rank, in rank order) and gather what each puts on ``queue``;
+    rank -> (status, value), ``("dead", exitcode)`` for a rank that died without reporting."""
     import queue as q
     import time
 
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
     end = time.monotonic() + timeout_s
-    while len(results) < world and time.monotonic() < end:
+    while len(results) < len(procs) and time.monotonic() < end:
         try:
             rank, status, value = queue.get(timeout=1.0)
             results[rank] = (status, value)
@@ -119,7 +125,7 @@ def run_mesh(port: int, fmt: str, senders: int, layouts: list[dict], faults: dic
             if all(not p.is_alive() for p in procs) and queue.empty():
                 break
     for r, p in enumerate(procs):
-        p.join(timeout=5)
+        p.join(timeout=10)
         if p.is_alive():
             p.kill()
         results.setdefault(r, ("dead", p.exitcode))
@@ -182,9 +188,6 @@ def run_engine_mesh(engines: list, workers: list[int], fmt: str, seed: int, send
                     faults: dict[int, dict] | None = None, timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
     """One live mesh round: ``senders`` trainer processes refit ``engines`` (transport_harness
     Receivers, their RPC pipes go to trainer rank 0) to the tiny model ``seed``; rank -> (status, value)."""
-    import queue as q
-    import time
-
     from transport_harness import free_port
 
     ctx = mp.get_context("spawn")
@@ -193,20 +196,4 @@ def run_engine_mesh(engines: list, workers: list[int], fmt: str, seed: int, send
     procs = [ctx.Process(target=engine_trainer_main, daemon=True,
                          args=(r, senders, port, [e.rpc.conn for e in engines] if r == 0 else [], workers, fmt,
                                seed, (faults or {}).get(r, {}), queue)) for r in range(senders)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, Any]] = {}
-    end = time.monotonic() + timeout_s
-    while len(results) < senders and time.monotonic() < end:
-        try:
-            rank, status, value = queue.get(timeout=1.0)
-            results[rank] = (status, value)
-        except q.Empty:
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
-    for r, p in enumerate(procs):
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-        results.setdefault(r, ("dead", p.exitcode))
-    return results
+    return collect(procs, queue, timeout_s)

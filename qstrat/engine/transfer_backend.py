@@ -35,6 +35,7 @@ point ``qstrat_transfer`` in every vLLM process. One round per update session.
 """
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ WeightTransferEngine = resolve("weight_transfer_engine")
 WeightTransferInitInfo = resolve("weight_transfer_init_info")
 WeightTransferUpdateInfo = resolve("weight_transfer_update_info")
 
+logger = logging.getLogger("qstrat.transport")
 _UNNAMED = "<not named>"  # a JSON-able default: an update_info without the plan's format
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"
@@ -169,6 +171,8 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         if staging not in ("device", "host"):
             raise TransportError(f"{ENV_STAGING}={staging!r}: use 'device' or 'host'")
         worker = parallel_rank_of(vllm_config)
+        #: Why the last mesh round was not staged (None: it was, or none came).
+        self.mesh_refusal: str | None = None
         _IN_THIS_WORKER[:] = [self]
         self.session = ReceiverSession(lambda: engine_expectations(self), self, rank_in_client=worker,
                                        staging=torch.device("cpu") if staging == "host" else None,
@@ -195,7 +199,9 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one round (no ``torch.accelerator.synchronize``: CPU torch has no
-        accelerator; CUDA work is synchronized here instead)."""
+        accelerator; CUDA work is synchronized here instead). A MESH round that is refused or
+        fails does not raise here (:attr:`mesh_refusal` says why; the trainer ranks raise it):
+        vLLM's multiprocess executor cannot take a failure of some of its workers' RPCs."""
         self.receive_weights(self.parse_update_info(update_info))
         device = TransferBackendView(self).device
         if device.type == "cuda":
@@ -213,11 +219,22 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
             info[ONLINE_KEY] = update_info.engine_quantization
         if update_info.delta is not None:
             info["delta"] = update_info.delta
-        if update_info.mesh is not None:
-            info[MESH_KEY] = update_info.mesh
-        elif update_info.wire_manifest is None:
-            raise TransportError("qstrat transfer: update_info has neither a wire_manifest nor a mesh round")
-        self.session.update(info)
+        if update_info.mesh is None:
+            if update_info.wire_manifest is None:
+                raise TransportError("qstrat transfer: update_info has neither a wire_manifest nor a mesh round")
+            self.session.update(info)
+            return
+        info[MESH_KEY] = update_info.mesh
+        self.mesh_refusal = None
+        try:
+            self.session.update(info)
+        except TransportError as exc:
+            # Not raised: vLLM's MultiprocExecutor.collective_rpc (v1/executor/multiproc_executor.py,
+            # get_response) raises at the first failed worker and leaves the other workers' answers
+            # queued, so every later RPC of a multi-worker engine would read the previous call's.
+            # The trainer ranks raise the round's outcome (every rank's vote); nothing was staged.
+            self.mesh_refusal = f"{type(exc).__name__}: {exc}"
+            logger.error("qstrat mesh round not loaded: %s", self.mesh_refusal)
 
     def finish_weight_update(self) -> None:
         """Atomic: commit the staged round through vLLM's layerwise reload; then free the staging.
