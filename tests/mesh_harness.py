@@ -62,6 +62,11 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
             routing.share_of = lambda n, d, shape, layout: real(n, d, shape, ReceiverLayout(experts=layout.experts))
         driver, state, held, plans, plan = model_and_plans(fmt, senders)
         outputs = mesh_outputs(plan, ExpertParallel(senders, 8).owner)
+        if rank >= senders and fault.get("session"):  # the vLLM backend's receiver, with a dict loader
+            layout = ReceiverLayout.from_dict(layouts[rank - senders])
+            queue.put((rank, "ok", session_round(rank, world, senders, port, outputs, layout, secret,
+                                                 fault["session"])))
+            return
         group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)  # once every rank is ready
         if rank < senders:
             from qstrat.transport.mesh_sender import MeshSender
@@ -83,6 +88,40 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
         group.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
+
+
+def session_round(rank: int, world: int, senders: int, port: int, outputs: list, layout: Any, secret: Any,
+                  mode: str) -> tuple[dict, dict]:
+    """Engine rank ``rank`` through :class:`qstrat.transport.session.ReceiverSession` (what the vLLM
+    backend runs: join with ``senders`` in the signed init info, a mesh ``update`` in ``mode``,
+    ``finish``) into a dict loader; (name -> (dtype, shape, bytes) of what the loader was handed,
+    the session's stats)."""
+    import torch
+
+    from qstrat.transport.auth import sign_init
+    from qstrat.transport.keys import Secret
+    from qstrat.transport.routing import MeshRoutes
+    from qstrat.transport.session import ReceiverSession
+
+    loaded: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+
+    class DictLoader:
+        def begin_load(self) -> None: ...
+        def end_load(self) -> None: ...
+
+        def load(self, tensors: list) -> None:
+            for n, t in tensors:
+                loaded[n] = (str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+
+    session = ReceiverSession(lambda: None, DictLoader(), secret, layout=lambda: layout)
+    session.join(sign_init(Secret.coerce(secret), {"master_address": "127.0.0.1", "master_port": port,
+                                                   "rank_offset": rank, "world_size": world, "backend": "gloo",
+                                                   "timeout_s": TIMEOUT_S, "senders": senders}))
+    session.start()
+    session.update({"mesh": MeshRoutes(outputs, senders, [], 1 << 16, 64).to_dict(), "mode": mode})
+    session.finish()
+    session.shutdown()
+    return loaded, dict(session.stats)
 
 
 def _faulty(stream: Any, fault: dict) -> Any:

@@ -239,8 +239,14 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
     def finish_weight_update(self) -> None:
         """Atomic: commit the staged round through vLLM's layerwise reload; then free the staging.
 
+        After a mesh round that was not staged (:attr:`mesh_refusal`): ends the session, nothing
+        loaded (vLLM keeps a weight update active until this call when update_weights returned).
+
         Raises: TransportError if no round was received in this session (the model untouched).
         """
+        if self.mesh_refusal is not None:
+            self.session.start()  # drop the refused round; the model is untouched
+            return
         self.session.finish()
 
     # ---- the session's loader: vLLM's layerwise reload ------------------------------------

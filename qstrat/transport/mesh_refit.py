@@ -115,7 +115,10 @@ class MeshRefitSender:
         and ``engine_quantization``, checked by each engine before any data (not given: not checked).
 
         Returns: the rank's :class:`MeshReport`, once every rank committed (rank 0: and every
-            engine loaded). Raises: as :meth:`MeshSender.send`, with the engines' errors added on
+            engine loaded). A round that was not committed ends the engines' update session
+            (rank 0 calls ``finish_weight_update``, which loads nothing after a refused mesh round:
+            the backend's ``update_weights`` does not raise, see
+            :meth:`~qstrat.engine.transfer_backend.QstratWeightTransferEngine.receive_weights`). Raises: as :meth:`MeshSender.send`, with the engines' errors added on
             rank 0; MixedWeightsError when an engine's load failed after the commit.
         """
         if self.mesh is None or self.mesh.group.pg is None:
@@ -131,8 +134,11 @@ class MeshRefitSender:
         try:
             report = self.mesh.send(outputs, tensors)
         except BaseException as exc:
-            exc.add_note(f"qstrat mesh, the engines' update_weights: "
-                         f"{listed(self.engines.results(futures)) or 'no error reported'}")
+            errors = self.engines.results(futures)
+            if self.rank == 0:  # end the engines' update session (the backend loads nothing: not committed)
+                errors.update({i: f"finish_weight_update: {e}"
+                               for i, e in self.engines.results(self.engines.start("finish_weight_update")).items()})
+            exc.add_note(f"qstrat mesh, the engines' update_weights: {listed(errors) or 'no error reported'}")
             raise
         errors = self.engines.results(futures)
         if errors:
