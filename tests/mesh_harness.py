@@ -62,6 +62,11 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
             routing.share_of = lambda n, d, shape, layout: real(n, d, shape, ReceiverLayout(experts=layout.experts))
         driver, state, held, plans, plan = model_and_plans(fmt, senders)
         outputs = mesh_outputs(plan, ExpertParallel(senders, 8).owner)
+        if rank >= senders and fault.get("session"):  # the vLLM backend's receiver, with a dict loader
+            layout = ReceiverLayout.from_dict(layouts[rank - senders])
+            queue.put((rank, "ok", session_round(rank, world, senders, port, outputs, layout, secret,
+                                                 fault["session"])))
+            return
         group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)  # once every rank is ready
         if rank < senders:
             from qstrat.transport.mesh_sender import MeshSender
@@ -85,6 +90,40 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
         queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
 
 
+def session_round(rank: int, world: int, senders: int, port: int, outputs: list, layout: Any, secret: Any,
+                  mode: str) -> tuple[dict, dict]:
+    """Engine rank ``rank`` through :class:`qstrat.transport.session.ReceiverSession` (what the vLLM
+    backend runs: join with ``senders`` in the signed init info, a mesh ``update`` in ``mode``,
+    ``finish``) into a dict loader; (name -> (dtype, shape, bytes) of what the loader was handed,
+    the session's stats)."""
+    import torch
+
+    from qstrat.transport.auth import sign_init
+    from qstrat.transport.keys import Secret
+    from qstrat.transport.routing import MeshRoutes
+    from qstrat.transport.session import ReceiverSession
+
+    loaded: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+
+    class DictLoader:
+        def begin_load(self) -> None: ...
+        def end_load(self) -> None: ...
+
+        def load(self, tensors: list) -> None:
+            for n, t in tensors:
+                loaded[n] = (str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+
+    session = ReceiverSession(lambda: None, DictLoader(), secret, layout=lambda: layout)
+    session.join(sign_init(Secret.coerce(secret), {"master_address": "127.0.0.1", "master_port": port,
+                                                   "rank_offset": rank, "world_size": world, "backend": "gloo",
+                                                   "timeout_s": TIMEOUT_S, "senders": senders}))
+    session.start()
+    session.update({"mesh": MeshRoutes(outputs, senders, [], 1 << 16, 64).to_dict(), "mode": mode})
+    session.finish()
+    session.shutdown()
+    return loaded, dict(session.stats)
+
+
 def _faulty(stream: Any, fault: dict) -> Any:
     for i, item in enumerate(stream):
         if i == fault.get("raise_at"):
@@ -104,14 +143,20 @@ def run_mesh(port: int, fmt: str, senders: int, layouts: list[dict], faults: dic
     procs = [ctx.Process(target=rank_main, args=(r, world, senders, port, fmt, layouts,
                                                  (faults or {}).get(r, {}), queue), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, Any]] = {}
+    return collect(procs, queue, timeout_s)
+
+
+def collect(procs: list, queue: Any, timeout_s: float) -> dict[int, tuple[str, Any]]:
+    """Start ``procs`` (one per rank, in rank order) and gather what each puts on ``queue``;
+    rank -> (status, value), ``("dead", exitcode)`` for a rank that died without reporting."""
     import queue as q
     import time
 
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
     end = time.monotonic() + timeout_s
-    while len(results) < world and time.monotonic() < end:
+    while len(results) < len(procs) and time.monotonic() < end:
         try:
             rank, status, value = queue.get(timeout=1.0)
             results[rank] = (status, value)
@@ -119,8 +164,75 @@ def run_mesh(port: int, fmt: str, senders: int, layouts: list[dict], faults: dic
             if all(not p.is_alive() for p in procs) and queue.empty():
                 break
     for r, p in enumerate(procs):
-        p.join(timeout=5)
+        p.join(timeout=10)
         if p.is_alive():
             p.kill()
         results.setdefault(r, ("dead", p.exitcode))
     return results
+
+
+# ---- live engines (tests/test_engine_transport_mesh.py) -------------------------------------
+#: The tiny model's shape for a TP=2 engine (block FP8's 128-row blocks split evenly by rank;
+#: tests/test_engine_transport_tp.py).
+TP2_SHAPE = dict(head_dim=128, moe_intermediate_size=256)
+
+
+def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers: list[int], fmt: str,
+                        seed: int, fault: dict, queue: Any) -> None:
+    """One trainer rank of a live mesh refit: it holds its half of the experts of the tiny model
+    ``seed`` (expert-parallel) and calls MeshRefitSender.refit; rank 0 drives the engines through
+    ``conns`` (their RPC pipes). Puts (rank, "ok", report.sent) or (rank, "err", text)."""
+    try:
+        from qstrat import RefitDriver, tensor_specs
+        from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+        from qstrat.sharding import ExpertParallel
+        from qstrat.transport.mesh_refit import MeshRefitSender
+        from transport_harness import PipeClient
+
+        model = build_tiny_qwen3_moe(seed=seed, **TP2_SHAPE)
+        state = model.state_dict()
+        driver = RefitDriver(fmt, hf_config=hf_config(model))
+        ep = ExpertParallel(size=senders, num_experts=8)
+        local = {n: (t[ep.experts(rank).start:ep.experts(rank).stop] if ".experts." in n else t)
+                 for n, t in state.items()}
+        held = dict(ep.global_tensors(rank, local, driver.layout))
+        specs = {}
+        for r in range(senders):  # every rank plans the whole model from every rank's specs
+            other = {n: (t[ep.experts(r).start:ep.experts(r).stop] if ".experts." in n else t) for n, t in state.items()}
+            specs.update(tensor_specs(dict(ep.global_tensors(r, other, driver.layout)).items()))
+        plan = driver.plan(specs)
+        sender = MeshRefitSender(rank, senders, "127.0.0.1", port, [PipeClient(c, 600.0) for c in conns],
+                                 workers, timeout_s=240.0,
+                                 secret=SECRET, bucket_bytes=1 << 20)
+        sender.connect()
+        owner = ep.owner
+        if fault.get("raise_at") is not None:
+            real_run = driver.run
+
+            def run(*args: Any, **kwargs: Any) -> Any:
+                for i, item in enumerate(real_run(*args, **kwargs)):
+                    if i == fault["raise_at"]:
+                        raise KeyError("trainer-side failure mid-round")
+                    yield item
+
+            driver.run = run
+        report = sender.refit(driver, held, plan, owner)
+        sender.close()
+        queue.put((rank, "ok", (report.sent, report.seconds, report.stream_seconds)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+
+
+def run_engine_mesh(engines: list, workers: list[int], fmt: str, seed: int, senders: int = 2,
+                    faults: dict[int, dict] | None = None, timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
+    """One live mesh round: ``senders`` trainer processes refit ``engines`` (transport_harness
+    Receivers, their RPC pipes go to trainer rank 0) to the tiny model ``seed``; rank -> (status, value)."""
+    from transport_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=engine_trainer_main, daemon=True,
+                         args=(r, senders, port, [e.rpc.conn for e in engines] if r == 0 else [], workers, fmt,
+                               seed, (faults or {}).get(r, {}), queue)) for r in range(senders)]
+    return collect(procs, queue, timeout_s)

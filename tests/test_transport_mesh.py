@@ -157,3 +157,30 @@ def test_the_mesh_benchmark_moves_one_expert_per_pair(senders, receivers):
             assert routes.pair_manifest(s, r).total_bytes == pair
     assert routes.bytes_per_receiver() == [senders * pair] * receivers
     assert routes.full_bytes() == senders * receivers * pair
+
+
+def test_an_engine_session_is_handed_whole_shaped_tensors_holding_exactly_its_slice(single):
+    """The vLLM backend's receiver (ReceiverSession's mesh round, qstrat/transport/mesh_engine.py):
+    its loader gets every tensor in the whole shape (what vLLM's weight loaders narrow by TP rank),
+    the received slice where TP rank 1 of 2 narrows, zeros elsewhere; bytes counted on receipt."""
+    layout = LAYOUTS[1]
+    res = run_mesh(free_port(), "mxfp8", SENDERS, [layout.to_dict()], {SENDERS: {"session": "atomic"}})
+    assert all(s == "ok" for s, _ in res.values()), res
+    loaded, stats = res[SENDERS][1]
+    part = expected_share(single, layout)
+    assert sorted(loaded) == sorted(single)
+    for name, whole in single.items():
+        want = whole
+        if part[name].shape != whole.shape:
+            dim = next(d for d in range(whole.dim()) if part[name].shape[d] != whole.shape[d])
+            want = torch.zeros_like(whole)
+            want.narrow(dim, layout.tp_rank * part[name].shape[dim], part[name].shape[dim]).copy_(part[name])
+        assert loaded[name] == (str(want.dtype), tuple(want.shape), want.contiguous().view(torch.uint8).reshape(
+            -1).numpy().tobytes()), name
+    assert stats["tensor_bytes"] == sum(t.nbytes for t in part.values())
+
+
+def test_an_engine_session_refuses_a_bounded_mesh_round_before_any_data():
+    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[1].to_dict()], {SENDERS: {"session": "bounded"}})
+    assert "a mesh round is atomic only" in res[SENDERS][1], res[SENDERS]
+    _refused_everywhere(res, "refused before any data")

@@ -143,13 +143,13 @@ def test_every_key_the_code_uses_is_in_the_table_and_every_entry_is_used():
 # ---- the table -------------------------------------------------------------------------------
 def test_table_counts_and_fields():
     table = names.TABLE
-    assert len(table) == 116
+    assert len(table) == 119
     private = sorted(k for k, e in table.items() if not e.public)
     assert private == ["attention_k_scale", "attention_k_scale_float", "attention_v_scale", "attention_v_scale_float",
                        "cpu_experts_fp8_supports_current_device", "cpu_linear", "fp8_block_linear_kernels", "fp8_moe_backend_to_kernel_cls", "fp8_moe_priority_backends",
                        "fused_topk_router", "inproc_client", "is_deferred_attention_layer", "layer_quant_method", "layerwise_info",
                        "mla_is_amx_bmm_enabled", "model_registry_load_class", "mxfp8_moe_backend_to_kernel_cls", "nvfp4_moe_backend_to_kernel_cls",
-                       "online_shorthands", "reload_restore_metadata", "skip_tensors",
+                       "online_shorthands", "reload_restore_metadata", "routed_experts_expert_map", "skip_tensors",
                        "topk_sigmoid_dispatcher", "topk_softmax_dispatcher", "weight_loader_numel",
                        "weight_transfer_engine_registry"]
     for key, e in table.items():

@@ -126,6 +126,11 @@ class _EngineEndpoint:
     def digests(self):
         return self.llm.collective_rpc(lambda worker: dict(worker._qstrat_loaded))[0]
 
+    def probe(self, method):
+        """``collective_rpc(method)`` by name, one result per worker (engines started with
+        ``worker_extension_cls="qstrat.engine.transfer_backend.TransferProbe"``)."""
+        return self.llm.collective_rpc(method)
+
     def backend_name(self):
         return self.llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)[0]
 

@@ -17,6 +17,12 @@ LOADER (vLLM's layerwise reload):
   every bucket's seal. ``atomic`` (default): stage the round (views of the received buffers; in
   host memory when ``QSTRAT_TRANSFER_STAGING=host``), touch nothing. ``bounded``: load each
   reload unit as soon as it verified; a fault after that flags the engine (MixedWeightsError).
+* MESH rounds (``update_info["mesh"]``, a group joined with ``senders`` in its init info; sent
+  by :class:`qstrat.transport.mesh_refit.MeshRefitSender` from every trainer rank): this worker
+  publishes its layout (:func:`receiver_layout`: its TP rank and size, read from its own
+  ``VllmConfig``), checks its share against the engine, receives exactly that share from every
+  trainer rank, verifies it, votes, and stages it for ``finish_weight_update``
+  (:mod:`qstrat.transport.mesh_engine`; atomic only).
 * ``finish_weight_update()``: atomic: VALIDATE-THEN-COMMIT: only now run vLLM's layerwise reload
   (``initialize_layerwise_reload``, ``model.load_weights`` with the staged tensors,
   ``finalize_layerwise_reload``), as vLLM's NCCL backend does inside its receive.
@@ -29,6 +35,7 @@ point ``qstrat_transfer`` in every vLLM process. One round per update session.
 """
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,13 +43,17 @@ from typing import Any
 
 import torch
 
+from qstrat.engine.weight_digests import WeightDigests
 from qstrat.errors import TransportError
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY, EngineExpectations
 from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.resolver import available, resolve
-from qstrat.vllm_adapter.views import TransferBackendView, hf_config_of, parallel_rank_of
+from qstrat.transport.mesh_engine import MESH_KEY
+from qstrat.transport.routing import ReceiverLayout
+from qstrat.vllm_adapter.views import (TransferBackendView, expert_maps, expert_parallel_of, hf_config_of,
+                                       model_config_of, parallel_rank_of, tensor_parallel_of)
 from qstrat.vllm.manifest import check_model_built
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
@@ -50,6 +61,7 @@ WeightTransferEngine = resolve("weight_transfer_engine")
 WeightTransferInitInfo = resolve("weight_transfer_init_info")
 WeightTransferUpdateInfo = resolve("weight_transfer_update_info")
 
+logger = logging.getLogger("qstrat.transport")
 _UNNAMED = "<not named>"  # a JSON-able default: an update_info without the plan's format
 #: The name to pass as ``weight_transfer_config={"backend": BACKEND}``.
 BACKEND = "qstrat"
@@ -70,6 +82,9 @@ class QstratTransferInitInfo(WeightTransferInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: The sender's tag over the fields above (required by an engine holding a secret).
     auth: str | None = None
+    #: A mesh group's trainer ranks (group ranks ``0..senders-1``, :class:`qstrat.transport.
+    #: mesh_refit.MeshRefitSender`); None: a single-sender group (rank 0).
+    senders: int | None = None
 
 
 @dataclass
@@ -77,7 +92,8 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     """One round: the wire manifest as :meth:`qstrat.transport.WireManifest.to_dict`, the mode
     and the transport protocol version the sender speaks."""
 
-    wire_manifest: dict[str, Any]
+    #: A single-sender round's wire manifest (None in a mesh round).
+    wire_manifest: dict[str, Any] | None = None
     mode: str = "atomic"
     protocol: int | None = None
     #: The plan's ``vllm_quantization_config()`` (checked before the tensors); absent: not named.
@@ -87,6 +103,9 @@ class QstratTransferUpdateInfo(WeightTransferUpdateInfo):
     engine_quantization: Any = _UNNAMED
     #: ``mode="delta"``: the round ids and target wire manifest (:mod:`qstrat.transport.delta`).
     delta: dict[str, Any] | None = None
+    #: A mesh round's routes document (:meth:`qstrat.transport.routing.MeshRoutes.to_dict`);
+    #: None: a single-sender round.
+    mesh: dict[str, Any] | None = None
 
 
 #: Per backend: what it accepts (built once).
@@ -113,6 +132,31 @@ def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     return cached
 
 
+def receiver_layout(vllm_config: Any, model: Any) -> ReceiverLayout:
+    """What this worker loads in a mesh round, read from its own ``VllmConfig`` and model: its TP
+    rank and size (:func:`~qstrat.vllm_adapter.views.tensor_parallel_of`), the model's KV heads
+    (``num_key_value_heads`` of its Hugging Face config: vLLM replicates a KV head on
+    ``tp_size / kv_heads`` ranks when TP exceeds them), and its routed experts: every expert,
+    narrowed by TP (FusedMoE under TP), or under expert parallelism (``enable_expert_parallel``)
+    the experts its layers' expert maps hold, whole (:func:`~qstrat.vllm_adapter.views.expert_maps`).
+
+    Raises: TransportError when the MoE layers of an expert-parallel engine hold different experts
+        or none has an expert map (the round is then refused in the accept vote).
+    """
+    tp_rank, tp_size = tensor_parallel_of(vllm_config)
+    hf = hf_config_of(model_config_of(vllm_config))
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    kv = getattr(text, "num_key_value_heads", None)
+    kv_heads = int(kv) if kv else None
+    if not expert_parallel_of(vllm_config):
+        return ReceiverLayout(tp_rank, tp_size, kv_heads=kv_heads)
+    held = {tuple(int(e) for e in torch.nonzero(m.cpu() >= 0).flatten()) for m in expert_maps(model)}
+    if len(held) != 1:
+        raise TransportError(f"qstrat transfer: an expert-parallel engine whose MoE layers hold {len(held)} "
+                             "different expert sets (or none has an expert map): a mesh layout needs one")
+    return ReceiverLayout(tp_rank, tp_size, held.pop(), moe_tp=False, kv_heads=kv_heads)
+
+
 class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, QstratTransferUpdateInfo]):
     """The engine-side backend (see the module docstring)."""
 
@@ -127,8 +171,12 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         if staging not in ("device", "host"):
             raise TransportError(f"{ENV_STAGING}={staging!r}: use 'device' or 'host'")
         worker = parallel_rank_of(vllm_config)
+        #: Why the last mesh round was not staged (None: it was, or none came).
+        self.mesh_refusal: str | None = None
+        _IN_THIS_WORKER[:] = [self]
         self.session = ReceiverSession(lambda: engine_expectations(self), self, rank_in_client=worker,
-                                       staging=torch.device("cpu") if staging == "host" else None)
+                                       staging=torch.device("cpu") if staging == "host" else None,
+                                       layout=lambda: receiver_layout(vllm_config, TransferBackendView(self).model))
 
     @property
     def group(self) -> Any:
@@ -151,7 +199,9 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one round (no ``torch.accelerator.synchronize``: CPU torch has no
-        accelerator; CUDA work is synchronized here instead)."""
+        accelerator; CUDA work is synchronized here instead). A MESH round that is refused or
+        fails does not raise here (:attr:`mesh_refusal` says why; the trainer ranks raise it):
+        vLLM's multiprocess executor cannot take a failure of some of its workers' RPCs."""
         self.receive_weights(self.parse_update_info(update_info))
         device = TransferBackendView(self).device
         if device.type == "cuda":
@@ -169,13 +219,34 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
             info[ONLINE_KEY] = update_info.engine_quantization
         if update_info.delta is not None:
             info["delta"] = update_info.delta
-        self.session.update(info)
+        if update_info.mesh is None:
+            if update_info.wire_manifest is None:
+                raise TransportError("qstrat transfer: update_info has neither a wire_manifest nor a mesh round")
+            self.session.update(info)
+            return
+        info[MESH_KEY] = update_info.mesh
+        self.mesh_refusal = None
+        try:
+            self.session.update(info)
+        except TransportError as exc:
+            # Not raised: vLLM's MultiprocExecutor.collective_rpc (v1/executor/multiproc_executor.py,
+            # get_response) raises at the first failed worker and leaves the other workers' answers
+            # queued, so every later RPC of a multi-worker engine would read the previous call's.
+            # The trainer ranks raise the round's outcome (every rank's vote); nothing was staged.
+            self.mesh_refusal = f"{type(exc).__name__}: {exc}"
+            logger.error("qstrat mesh round not loaded: %s", self.mesh_refusal)
 
     def finish_weight_update(self) -> None:
         """Atomic: commit the staged round through vLLM's layerwise reload; then free the staging.
 
+        After a mesh round that was not staged (:attr:`mesh_refusal`): ends the session, nothing
+        loaded (vLLM keeps a weight update active until this call when update_weights returned).
+
         Raises: TransportError if no round was received in this session (the model untouched).
         """
+        if self.mesh_refusal is not None:
+            self.session.start()  # drop the refused round; the model is untouched
+            return
         self.session.finish()
 
     # ---- the session's loader: vLLM's layerwise reload ------------------------------------
@@ -208,6 +279,22 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
     def shutdown(self) -> None:
         """Close the transfer group; staged data is dropped."""
         self.session.shutdown()
+
+
+#: The backend of this worker process (vLLM builds one per worker), for :class:`TransferProbe`.
+_IN_THIS_WORKER: list[QstratWeightTransferEngine] = []
+
+
+class TransferProbe(WeightDigests):
+    """vLLM worker extension (``worker_extension_cls="qstrat.engine.transfer_backend.TransferProbe"``):
+    :meth:`qstrat_weight_digests` and :meth:`qstrat_transfer_stats`, callable by name through
+    ``collective_rpc`` (a multiprocess engine cannot be sent a function)."""
+
+    def qstrat_transfer_stats(self) -> dict[str, float]:
+        """This worker's last round's receive-side counts and seconds (the backend session's
+        ``stats``: a mesh round's ``bytes`` received, ``share_bytes``, ``tensor_bytes``,
+        ``seconds``, ``stream_s``, ``finish_s``); empty before a backend was built."""
+        return dict(_IN_THIS_WORKER[0].session.stats) if _IN_THIS_WORKER else {}
 
 
 def register() -> None:

@@ -34,7 +34,9 @@
   :mod:`.routing` (owners and shares), :mod:`.mesh` (the steps), :mod:`.mesh_sender`
   (:class:`~qstrat.transport.mesh_sender.MeshSender`), :mod:`.mesh_receiver`
   (:func:`~qstrat.transport.mesh_receiver.receive_mesh_round`,
-  :class:`~qstrat.transport.mesh_receiver.MeshReceiver`).
+  :class:`~qstrat.transport.mesh_receiver.MeshReceiver`), :mod:`.mesh_engine` (an engine rank's
+  mesh round on its session), :mod:`.mesh_refit` (:class:`~qstrat.transport.mesh_refit.MeshRefitSender`,
+  the trainer-side call into vLLM engines).
 
 The engine side is a vLLM weight-transfer backend, :mod:`qstrat.engine.transfer_backend`
 (``LLM(weight_transfer_config={"backend": "qstrat"})``). See docs/transport.md.

@@ -105,6 +105,8 @@ def from_words(values: Sequence[int]) -> bytes:
 def init_message(init_info: Mapping[str, Any]) -> bytes:
     """The canonical bytes of an init info's group fields, which its ``auth`` tag covers."""
     keys = ("master_address", "master_port", "rank_offset", "world_size", "backend", "timeout_s")
+    # a mesh group's trainer ranks (unchanged bytes without: a parsed init info carries senders=None)
+    keys += ("senders",) if init_info.get("senders") is not None else ()
     return repr(tuple(str(init_info.get(k)) for k in keys)).encode()
 
 

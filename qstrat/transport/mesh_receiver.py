@@ -89,7 +89,9 @@ def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[Rece
         if routes.senders != senders:
             raise WireManifestMismatchError(f"rank {group.rank}: the round names {routes.senders} senders, "
                                             f"the group has {senders}")
-        if expected is not None:
+        if callable(expected):
+            expected(routes, me)
+        elif expected is not None:
             share = routes.share(me)
             check_against(build_wire_manifest(((s.name, s.dtype, s.sent) for s in share),
                                               routes.bucket_bytes, routes.alignment), expected)
@@ -102,7 +104,7 @@ def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[Rece
 
 def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, layout: ReceiverLayout,
                        auth: ReceiverAuth | None = None, expected: Any = None,
-                       stats: dict[str, float] | None = None) -> Unit:
+                       stats: dict[str, float] | None = None, whole: bool = False) -> Unit:
     """Receive one mesh round on engine rank ``group.rank`` (>= ``senders``).
 
     Args:
@@ -110,13 +112,19 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         senders: the trainer ranks of the group (``0..senders-1``), known from the join.
         layout: what THIS rank loads, read from its engine (:class:`ReceiverLayout`).
         auth: secret, group address and last accepted counter (advanced on accept).
-        expected: name -> (dtype name, shape) this rank's engine loads (its narrowed shapes);
-            None: not checked.
+        expected: name -> (dtype name, shape) this rank's engine loads (its narrowed shapes),
+            or a callable given the round's :class:`MeshRoutes` and this rank's index among the
+            engine ranks that raises TransportError to
+            refuse it in the accept vote (an engine's own check); None: not checked.
         stats: gets ``bytes`` (payload bytes received, counted here), ``share_bytes`` (this
             rank's share, computed from the routes), ``tensor_bytes`` (the received tensors'
             bytes, padding excluded; after a commit), ``seconds`` and ``stream_s``.
-    Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes),
-        views of the received buffers, every bucket verified and every rank agreeing to commit.
+        whole: hand on each part as :meth:`~qstrat.transport.routing.ShareSlice.embed` makes it
+            (the whole tensor's shape, the part where the rank's loader narrows to it, zeros
+            elsewhere: what vLLM's weight loaders take), not the part itself.
+    Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes,
+        or with ``whole`` the tensor around it), views of the received buffers (copies with
+        ``whole``), every bucket verified and every rank agreeing to commit.
     Raises: WireManifestMismatchError (a share other than this rank's, malformed round, an engine
         that loads something else), TransferAuthError, TransportError - before any data; then
         TransportError (a seal failed, a sender aborted, another rank refused, a peer was lost:
@@ -171,6 +179,8 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         by = {n: t for p in pairs for n, t in unpack(p.wm, p.received)}
         staged = [(s.name, by[s.name]) for s in routes.share(me)]
         stats["tensor_bytes"] = sum(t.nbytes for _, t in staged)
+        if whole:
+            staged = [(s.name, s.embed(by[s.name])) for s in routes.share(me)]
         return staged
     reason = failure[1] if failure else f"rank {g.rank}: mesh round not committed: {proto.describe(votes.statuses)}"
     raise TransportError(f"{reason}; nothing loaded")

@@ -37,6 +37,7 @@ from qstrat.transport.delta_receive import PatchDecoder
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.keys import Secret
 from qstrat.transport.landing import Landing, Loader
+from qstrat.transport.mesh_engine import MESH_KEY, receive_mesh
 from qstrat.transport.mix_flag import MixFlag
 from qstrat.transport.receiver import receive_round
 
@@ -57,12 +58,16 @@ class ReceiverSession:
         rank_in_client: this worker's index among its engine's workers (added to ``rank_offset``).
         staging: atomic mode staging device (None: the group's device; ``cpu``: host staging,
             pinned when CUDA is available).
+        layout: returns this receiver's :class:`~qstrat.transport.routing.ReceiverLayout` (what
+            it loads in a mesh round, read from its engine); None: no mesh rounds.
     """
 
     def __init__(self, expected: Callable[[], Expected | None], loader: Loader, secret: Any = None,
                  address: str | None = None, rank_in_client: int = 0,
-                 staging: torch.device | None = None) -> None:
-        self.expected, self.loader = expected, loader
+                 staging: torch.device | None = None, layout: Callable[[], Any] | None = None) -> None:
+        self.expected, self.loader, self.layout = expected, loader, layout
+        #: The trainer ranks of a mesh group (init info ``senders``); None: a single-sender group.
+        self.senders: int | None = None
         self._secret, self._address = Secret.coerce(secret), address
         self.rank_in_client, self.staging = rank_in_client, staging
         self.group: TransferGroup | None = None
@@ -94,7 +99,8 @@ class ReceiverSession:
         once the new one is joined (a refused or failed init leaves a live group as it is).
 
         Args: init_info: a mapping or object with ``master_address``, ``master_port``,
-            ``rank_offset``, ``world_size`` and optionally ``backend``, ``timeout_s`` and ``auth``
+            ``rank_offset``, ``world_size`` and optionally ``backend``, ``timeout_s``, ``senders``
+            (a mesh group's trainer ranks, :mod:`qstrat.transport.mesh`) and ``auth``
             (the tag :func:`qstrat.transport.auth.sign_init` adds; required with a secret).
         Raises: TransferAuthError for an address other than the configured one, or (with a
             secret) an init info without a valid tag - nothing joined, nothing closed;
@@ -114,7 +120,7 @@ class ReceiverSession:
                            int(fields.get("world_size")), fields.get("backend") or "gloo",
                            float(fields.get("timeout_s") or DEFAULT_TIMEOUT_S))
         self.shutdown()
-        self.group = group
+        self.group, self.senders = group, fields.get("senders")
         last = self.auth.last_counter if self.auth is not None else -1
         self.auth = ReceiverAuth(secret, host, port, last)
 
@@ -131,6 +137,9 @@ class ReceiverSession:
         trainer's digest before the commit vote, and :meth:`finish` loads them as an atomic
         round's).
 
+        A MESH round (``"mesh"``: the routes document, :mod:`qstrat.transport.mesh_engine`) is
+        received from every trainer rank and staged for :meth:`finish` (atomic only).
+
         Raises: as :func:`~qstrat.transport.receiver.receive_round`; TransportError for a second
             round in one session or an unknown mode (:class:`~qstrat.transport.acceptance.RoundCheck`).
             Bounded mode: a round that was not committed everywhere after this receiver loaded a
@@ -146,6 +155,10 @@ class ReceiverSession:
         doc, protocol = check.info.get("wire_manifest"), check.info.get("protocol")
         self._received = True
         self.stats = {}
+        if isinstance(update_info, dict) and MESH_KEY in update_info:  # every trainer rank to its share
+            self.delta.base = None
+            self._staged = receive_mesh(self, update_info)
+            return
         if check.mode == "delta":
             def decoder(mac: bytes) -> PatchDecoder:
                 return self.delta.decoder(check.info["delta"], check.target, self.auth.secret if self.auth else None,

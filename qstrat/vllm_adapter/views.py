@@ -90,6 +90,28 @@ def parallel_rank_of(vllm_config: Any) -> int:
             + int(read(parallel, "parallel_rank")))
 
 
+def tensor_parallel_of(vllm_config: Any) -> tuple[int, int]:
+    """A worker's ``(tp_rank, tp_size)``: ``rank % tensor_parallel_size`` of the ``VllmConfig``'s
+    ``ParallelConfig`` (vLLM numbers an engine's ranks ``pp_rank * tp_size + tp_rank``,
+    ``vllm.distributed.parallel_state.initialize_model_parallel``)."""
+    parallel = read(vllm_config, "vllm_config_parallel_config")
+    size = int(read(parallel, "parallel_tensor_parallel_size"))
+    return int(read(parallel, "parallel_rank")) % size, size
+
+
+def expert_parallel_of(vllm_config: Any) -> bool:
+    """Whether the ``VllmConfig``'s ``ParallelConfig`` enables expert parallelism."""
+    return bool(read(read(vllm_config, "vllm_config_parallel_config"), "parallel_enable_expert_parallel"))
+
+
+def expert_maps(model: Any) -> list[Any]:
+    """The expert map of every MoE layer of ``model`` (vLLM's ``RoutedExperts._expert_map``: int32
+    ``[global experts]``, the local slot of each expert this rank holds and -1 for the others, as
+    ``vllm.model_executor.layers.fused_moe.expert_map_manager.determine_expert_map`` placed them,
+    linear or round-robin); empty without expert parallelism (vLLM keeps no map then)."""
+    return [m for m in (read(module, "routed_experts_expert_map", None) for module in model.modules()) if m is not None]
+
+
 def block_of_kernel(kernel: Any) -> tuple[int, int]:
     """A block-FP8 linear kernel's weight block ``(rows, cols)`` (its ``GroupShape``)."""
     shape = read(kernel, "block_kernel_weight_group_shape")
