@@ -24,7 +24,7 @@ KNOWN: dict[str, tuple[int, str]] = {
     "qstrat.engine.local.start_engine": (46, "every argument of the CPU engine helper and its errors"),
     "qstrat.checkpoint.write_checkpoint": (43, "every argument and the nothing-written guarantee per error"),
     "qstrat.layouts.ModelLayout": (40, "the layout plugin contract: every attribute a family sets"),
-    "qstrat.transport": (40, "the transport package's map (issue 43 asked for one), with the delta stream modules"),
+    "qstrat.transport": (42, "the transport package's map (issue 43 asked for one), with the delta stream and mesh engine modules"),
     "qstrat.integrations.trl.rollouts": (38, "the hook's arguments and what it restores"),
     "qstrat.engine_ignore": (37, "vLLM's ignore-list rule per quantization method, which the code mirrors"),
     "qstrat.transport.receiver.receive_round": (38, "the receiver's round: arguments, outcomes, errors"),

@@ -1,9 +1,8 @@
 """qstrat's vLLM weight-transfer backend: ``LLM(weight_transfer_config={"backend": "qstrat"})``.
 
-A ``vllm.distributed.weight_transfer.WeightTransferEngine`` (vLLM 0.32) that receives a refit
-from :class:`qstrat.transport.RefitSender` over a torch.distributed group (gloo on CPU, NCCL on
-GPU). The receiver logic is :class:`qstrat.transport.session.ReceiverSession`; this class is its
-LOADER (vLLM's layerwise reload):
+A ``vllm.distributed.weight_transfer.WeightTransferEngine`` receiving a refit from
+:class:`qstrat.transport.RefitSender` over torch.distributed (gloo on CPU, NCCL on GPU); the
+receiver logic is :class:`qstrat.transport.session.ReceiverSession`, this class its LOADER:
 
 * ``init_weight_transfer_engine(init_info)``: refuse an address other than
   ``QSTRAT_TRANSFER_ADDRESS`` (when set), read the secret ``QSTRAT_TRANSFER_SECRET`` (when set,
@@ -17,21 +16,18 @@ LOADER (vLLM's layerwise reload):
   every bucket's seal. ``atomic`` (default): stage the round (views of the received buffers; in
   host memory when ``QSTRAT_TRANSFER_STAGING=host``), touch nothing. ``bounded``: load each
   reload unit as soon as it verified; a fault after that flags the engine (MixedWeightsError).
-* MESH rounds (``update_info["mesh"]``, a group joined with ``senders`` in its init info; sent
-  by :class:`qstrat.transport.mesh_refit.MeshRefitSender` from every trainer rank): this worker
-  publishes its layout (:func:`receiver_layout`: its TP rank and size, read from its own
-  ``VllmConfig``), checks its share against the engine, receives exactly that share from every
-  trainer rank, verifies it, votes, and stages it for ``finish_weight_update``
+* MESH rounds (``update_info["mesh"]``, ``senders`` in the init info; from
+  :class:`qstrat.transport.mesh_refit.MeshRefitSender`): publish this worker's layout
+  (:func:`receiver_layout`), receive, verify and stage exactly its share from every trainer rank
   (:mod:`qstrat.transport.mesh_engine`; atomic only).
 * ``finish_weight_update()``: atomic: VALIDATE-THEN-COMMIT: only now run vLLM's layerwise reload
   (``initialize_layerwise_reload``, ``model.load_weights`` with the staged tensors,
   ``finalize_layerwise_reload``), as vLLM's NCCL backend does inside its receive.
 
-Memory: atomic: one round's payload (~ the quantized checkpoint size) in staging until
-``finish_weight_update``; bounded: about two buckets plus one layer; see docs/transport.md.
+Memory (atomic: the round's payload staged; bounded: ~two buckets and a layer): docs/transport.md.
 
-Registration: :func:`register` (idempotent), also run by the ``vllm.general_plugins`` entry
-point ``qstrat_transfer`` in every vLLM process. One round per update session.
+Registration: :func:`register` (idempotent; also the ``vllm.general_plugins`` entry point
+``qstrat_transfer`` in every vLLM process). One round per update session.
 """
 from __future__ import annotations
 
