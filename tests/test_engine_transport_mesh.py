@@ -43,9 +43,15 @@ LAYOUTS = [ReceiverLayout(0, 2), ReceiverLayout(1, 2), ReceiverLayout(0, 1)]
 #: (``determine_expert_map``: rank r holds experts [r * 8/2, (r + 1) * 8/2)), each expert whole.
 EP_LAYOUTS = [ReceiverLayout(0, 2, (0, 1, 2, 3), moe_tp=False), ReceiverLayout(1, 2, (4, 5, 6, 7), moe_tp=False),
               ReceiverLayout(0, 1)]
-CASES = [pytest.param("block-fp8", False, id="block-fp8"), pytest.param("mxfp8", False, id="mxfp8"),
-         pytest.param("nvfp4-experts", False, id="nvfp4-experts"), pytest.param("bf16", False, id="bf16"),
-         pytest.param("block-fp8", True, id="block-fp8-expert-parallel")]
+#: The cases the suite runs (each ~6 min of TP=2 engine starts on two cores), run live and passing.
+CASES = [pytest.param("block-fp8", False, id="block-fp8"), pytest.param("mxfp8", False, id="mxfp8")]
+#: Written but NOT yet run live (issue 41 stays open on them): NVFP4 experts, BF16 (vLLM's BF16 CPU
+#: experts ignore ``expert_map``), and an expert-parallel TP=2 engine. Opt in with
+#: ``QSTRAT_MESH_ALL_CASES=1``; they are not collected otherwise (not a skip counted as a pass).
+UNVERIFIED_CASES = [pytest.param("nvfp4-experts", False, id="nvfp4-experts"), pytest.param("bf16", False, id="bf16"),
+                    pytest.param("block-fp8", True, id="block-fp8-expert-parallel")]
+if os.environ.get("QSTRAT_MESH_ALL_CASES") == "1":
+    CASES += UNVERIFIED_CASES
 
 
 def _checkpoints(tmp_path, fmt):
