@@ -206,6 +206,21 @@ def test_the_recipes_script_with_another_secret_says_so_in_one_line(server):
     assert run.stdout.splitlines() == ["fresh server: 3 greedy completions read"], run.stdout
 
 
+def test_the_recipes_script_before_the_server_answers_says_so_in_one_line():
+    """Step 3 run while no server answers at the URL (not started yet: the newcomer's first try):
+    one line naming the URL and the step that starts it, exit status 2, no traceback. No engine."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "trainers" / "transport_refit.py"
+    url = f"http://127.0.0.1:{free_port()}"
+    run = subprocess.run([sys.executable, str(script), "refit", url], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr[-4000:]
+    assert "Traceback" not in run.stderr, run.stderr[-4000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"transport_refit.py: no server at {url}/v1/models (is it started"), last
+    assert last.endswith("step 2): ConnectionError"), last
+
+
 def test_a_trainer_with_another_secret_is_refused_within_seconds(server):
     """The engine refuses an init signed with another secret at once; the trainer reports that
     refusal as it arrives, not after its rendezvous timed out (it took 61-76 s: the refusal came

@@ -14,7 +14,8 @@ fresh server (docs/transport.md, "A recipe on a CPU"). Runs on a CPU.
 A qstrat error (the server refused this trainer's secret: ``TransferAuthError``; a round it
 refused; a plan the server does not serve) is printed as one line, ``transport_refit.py:
 TransferAuthError: ...``, on stderr, and the script exits 2 (no traceback: the message says what
-happened and where).
+happened and where). A server that does not answer (not started yet, or another URL) is one line
+too, ``transport_refit.py: no server at URL (...)``, exit 2.
 """
 from __future__ import annotations
 
@@ -51,12 +52,19 @@ def completions(url: str) -> list[tuple[list[str], list[float]]]:
 
 def main(argv: list[str] | None = None) -> int:
     """The steps above; a qstrat error as one line on stderr, exit status 2."""
+    import requests
+
     from qstrat.errors import QstratError
 
     try:
         return _run(argv)
     except QstratError as exc:
         print(f"transport_refit.py: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except requests.ConnectionError as exc:
+        url = exc.request.url if exc.request is not None else "the URL given"
+        print(f"transport_refit.py: no server at {url} (is it started and /health answering? "
+              f"docs/transport.md, \"A recipe on a CPU\", step 2): {type(exc).__name__}", file=sys.stderr)
         return 2
 
 
@@ -65,9 +73,9 @@ def _run(argv: list[str] | None) -> int:
                                      epilog="Steps: docs/transport.md, \"A recipe on a CPU\".")
     sub = parser.add_subparsers(dest="step", required=True)
     sub.add_parser("write", help="write qstrat's block-FP8 checkpoint of model B (the server starts on it)"
-                   ).add_argument("dir")
+                   ).add_argument("dir", help="the folder to write the checkpoint into")
     refit = sub.add_parser("refit", help="refit the server to A and back to B; check it against the fresh server")
-    refit.add_argument("url")
+    refit.add_argument("url", help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
     refit.add_argument("--mode", choices=("atomic", "delta"), default="atomic",
                        help="atomic: whole rounds; delta: only the changed words after the first round")
     refit.add_argument("--trainer-address", default="127.0.0.1", help="where the engine reaches this process")
