@@ -20,6 +20,8 @@ tell. :func:`online_build_errors` compares them with the list, right after the e
 """
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Mapping, Sequence
 
 from qstrat.engine_ignore import ENGINE_FUSED_NAMES
@@ -33,7 +35,10 @@ def online_build_errors(ignore: Sequence[str], quantized: Mapping[str, tuple[str
     """One line per disagreement between an online config's ``ignore`` list and what vLLM built.
 
     Args:
-        ignore: the engine's online ``ignore`` entries (exact module names, vLLM's).
+        ignore: the engine's online ``ignore`` entries, read as vLLM's online configs read them
+            (compressed-tensors' ``should_ignore_layer``): an exact module name (vLLM's), a
+            ``re:REGEX`` (``re.match``), or a shell glob (``use_fnmatch``, vLLM 0.30+; on an
+            older engine a glob matches nothing, and the module it meant shows built quantized).
         quantized: vLLM module -> (``"linear"`` / ``"moe"``, built quantized), for its linear /
             fused-MoE modules (:attr:`qstrat.vllm_adapter.model_record.EngineModel.quantized`).
         modules: every module name of the built model.
@@ -59,8 +64,11 @@ def online_build_errors(ignore: Sequence[str], quantized: Mapping[str, tuple[str
                           "it unquantized")
     members = {f"{m.rpartition('.')[0]}.{s}".lstrip(".") for m in quantized
                for s in groups.get(m.rpartition(".")[2], ())}
+    names = modules | members | set(quantized)
     for entry in sorted(entries):
         if entry in modules or entry in members or entry.startswith(tuple(unbuilt)):
+            continue
+        if _is_pattern(entry) and any(_matches(entry, n) for n in names):
             continue
         near = _nearest(entry, modules)
         errors.append(f"{entry}: an online ignore entry that names no module vLLM built (vLLM matches it against its "
@@ -74,9 +82,26 @@ def _covered(module: str, entries: set[str], groups: Mapping[str, Sequence[str]]
     entry naming a module above it."""
     parent, _, leaf = module.rpartition(".")
     shards = [f"{parent}.{s}" if parent else s for s in groups.get(leaf, ())]
-    if module in entries or (shards and all(s in entries for s in shards)):
+
+    def named(name: str) -> bool:
+        return any(_matches(e, name) for e in entries)
+    if named(module) or (shards and all(named(s) for s in shards)):
         return True
-    return any(module.startswith(e + ".") for e in entries)
+    return any(module.startswith(e + ".") for e in entries if not _is_pattern(e))
+
+
+def _is_pattern(entry: str) -> bool:
+    """A ``re:`` entry or a shell glob (``*``, ``?``, ``[``), not a module name."""
+    return entry.startswith("re:") or any(c in entry for c in "*?[")
+
+
+def _matches(entry: str, name: str) -> bool:
+    """compressed-tensors' ``is_equal_or_regex_match`` with vLLM's ``use_fnmatch``."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    if any(c in entry for c in "*?["):
+        return fnmatch.fnmatchcase(name, entry)
+    return entry == name
 
 
 def _nearest(entry: str, modules: frozenset[str]) -> str:

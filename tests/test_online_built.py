@@ -107,3 +107,26 @@ def test_checkpoint_names_are_refused_at_engine_start(vllm_env):
     assert "model.layers.0.self_attn.q_proj: an online ignore entry that names no module vLLM built" in message
     assert "under 'model.layers.0' it has attn, " in message
     assert "model.layers.0.attn.qkv_proj" not in message or "keeps it BF16" not in message
+
+
+def test_regex_and_glob_ignore_entries_are_read_as_vllms_online_configs_read_them():
+    """An online ``ignore`` list a user writes by hand (``re:.*mlp\\.gate$``: the routers, as
+    tests/test_engine_refit.py's online engines do) covers what it matches; an entry matching no
+    module is still named; a module the pattern covers but vLLM built quantized is named."""
+    from qstrat.online_built import online_build_errors
+
+    quantized = {"model.layers.0.mlp.gate": ("linear", False), "model.layers.1.mlp.gate": ("linear", False),
+                 "model.layers.0.self_attn.qkv_proj": ("linear", True)}
+    modules = frozenset(quantized) | {"model.layers.0.mlp", "model.layers.1.mlp", "model.layers.0.self_attn"}
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert online_build_errors(["re:.*mlp\\.gate$"], quantized, modules, packed) == []
+    assert online_build_errors(["*mlp.gate"], quantized, modules, packed) == []
+    assert online_build_errors(["re:.*mlp\\.gates$"], quantized, modules, packed) == [
+        "model.layers.0.mlp.gate: the online ignore list does not name it (the plan quantizes it), vLLM built it "
+        "unquantized",
+        "model.layers.1.mlp.gate: the online ignore list does not name it (the plan quantizes it), vLLM built it "
+        "unquantized",
+        "re:.*mlp\\.gates$: an online ignore entry that names no module vLLM built (vLLM matches it against its own "
+        "names): the module it means is quantized"]
+    assert online_build_errors(["re:.*mlp\\.gate$", "re:.*qkv_proj$"], quantized, modules, packed) == [
+        "model.layers.0.self_attn.qkv_proj: the online ignore list keeps it BF16, vLLM built it quantized"]
