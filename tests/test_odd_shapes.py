@@ -110,7 +110,8 @@ def test_block_fp8_qkv_off_the_tile_is_refused_with_vllms_rule():
             "with 128-row scale tiles: every member but the last must be a multiple of 128 rows, or a tile "
             "straddles two members (vLLM's adjust_block_scale_shard: the engine fails to load it or reads "
             "the wrong scale); to keep it BF16: rules[0] is preset block-fp8's rule; to keep what it cannot "
-            "represent BF16, add to your config (your rules go ahead of the preset's): rules: [{select: [linear], "
+            "represent BF16, add to your config (your rules go ahead of the preset's; from the command line: a YAML "
+            "file with preset: block-fp8 and these rules, passed as --config FILE): rules: [{select: [linear], "
             "serializer: block_fp8, on_unsupported: bf16}]; formats that would serve it: mxfp8, nvfp4 "
             "[the same for 1 more: model.layers.*.self_attn.{q_proj,k_proj,v_proj}, layers 0-1]") in msg
     assert "gate_proj" not in msg  # the MLP's [256, 256] members tile exactly
@@ -135,7 +136,8 @@ def test_block_fp8_moe_intermediate_off_the_tile_is_refused():
 
 @pytest.mark.parametrize("config,fix", [
     ("mxfp8-experts", "rules[0] is preset mxfp8-experts's rule; to keep what it cannot represent BF16, add to "
-                      "your config (your rules go ahead of the preset's): rules: [{select: [experts], serializer: "
+                      "your config (your rules go ahead of the preset's; from the command line: a YAML file with preset: "
+                      "mxfp8-experts and these rules, passed as --config FILE): rules: [{select: [experts], serializer: "
                       "mxfp8, on_unsupported: bf16}]"),
     ({"rules": [{"select": "experts", "serializer": "nvfp4"}]}, "set on_unsupported: bf16 on rules[0]"),
 ])

@@ -63,12 +63,15 @@ def test_quantizes_nothing_names_the_rules_and_what_the_layout_sees():
     quantizing = lambda name: name != "bf16"  # noqa: E731
     assert structure.quantizes_nothing(es, "qwen3_moe", driver.config, quantizing) == [
         "the config quantizes nothing in this model: rules[0] (experts -> mxfp8) matched no tensor; "
-        "layout 'qwen3_moe' sees attention: 1, dense_mlp: 1"]
+        "layout 'qwen3_moe' sees attention: 1, dense_mlp: 1; these rules come from preset 'mxfp8-experts': "
+        "choose a preset or write rules for the kinds this model has ('qstrat list' shows the presets and selectors)"]
     kept = RefitDriver({"preset": "block-fp8", "keep_bf16": {"first": 1}}, hf_config=QWEN)
     es = entries(kept, {"model.layers.0.self_attn.q_proj.weight": (128, 128)}, num_layers=2)
     assert structure.quantizes_nothing(es, "qwen3_moe", kept.config, quantizing) == [
-        "the config quantizes nothing in this model: rules[0] (linear -> block_fp8) keep_bf16 (first: 1, "
-        "last: 0) keeps 1 matrices BF16 and the rest matched no rule; layout 'qwen3_moe' sees attention: 1"]
+        "the config quantizes nothing in this model: rules[0] (linear -> block_fp8) decided nothing: keep_bf16 "
+        "(first: 1, last: 0) keeps 1 matrices BF16 and the rest matched no rule; layout 'qwen3_moe' sees "
+        "attention: 1; these rules come from preset 'block-fp8': choose a preset or write rules for the kinds "
+        "this model has ('qstrat list' shows the presets and selectors)"]
     plain = RefitDriver("block-fp8", hf_config=QWEN)
     assert structure.quantizes_nothing(entries(plain, {"model.layers.0.self_attn.q_proj.weight": (128, 128)}),
                                        "qwen3_moe", plain.config, quantizing) == []

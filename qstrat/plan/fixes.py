@@ -42,7 +42,8 @@ def on_unsupported_fix(rules: RuleSet, labels: Sequence[str]) -> str:
         written = ", ".join(_inline(r) for r in theirs if r is not None)
         parts.append(f"{', '.join(lb for lb in labels if _preset_index(rules, lb))} is preset "
                      f"{rules.config.preset}'s rule; to keep what it cannot represent BF16, add to your config "
-                     f"(your rules go ahead of the preset's): rules: [{written}]")
+                     f"(your rules go ahead of the preset's; from the command line: a YAML file with preset: "
+                     f"{rules.config.preset} and these rules, passed as --config FILE): rules: [{written}]")
     return "; or ".join(parts) if parts else "set on_unsupported: bf16 on the rule that chose this format"
 
 

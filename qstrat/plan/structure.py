@@ -91,13 +91,16 @@ def quantizes_nothing(entries: Sequence[PlanEntry], layout: str, config: RefitCo
     seen = ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "no weight matrices"
     kept = sum(e.rule.startswith("keep_bf16.") for e in entries)
     fell = [e for e in entries if e.note.startswith("BF16 fallback")]
-    why = (f"keep_bf16 (first: {config.keep_bf16.first}, last: {config.keep_bf16.last}) keeps {kept} "
-           "matrices BF16 and the rest matched no rule" if kept else "matched no tensor")
+    why = (f"decided nothing: keep_bf16 (first: {config.keep_bf16.first}, last: {config.keep_bf16.last}) keeps "
+           f"{kept} matrices BF16 and the rest matched no rule" if kept else "matched no tensor")
     if fell:
         why = (f"matched {len(fell)} tensors, all kept BF16 by on_unsupported: bf16 "
                f"({fell[0].name}: {fell[0].note.removeprefix('BF16 fallback: ')})")
+    preset = getattr(config, "preset", None)
+    hint = (f"; these rules come from preset {preset!r}: choose a preset or write rules for the kinds this model "
+            "has ('qstrat list' shows the presets and selectors)" if preset and not fell else "")
     return [f"the config quantizes nothing in this model: {'; '.join(asked)} {why}; "
-            f"layout {layout!r} sees {seen}"]
+            f"layout {layout!r} sees {seen}{hint}"]
 
 
 def idle_rules(entries: Sequence[PlanEntry], config: RefitConfig) -> list[str]:
