@@ -41,6 +41,7 @@ import torch
 
 from qstrat.engine.weight_digests import WeightDigests
 from qstrat.errors import TransportError
+from qstrat.model_config import language_config
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY, EngineExpectations
@@ -141,7 +142,7 @@ def receiver_layout(vllm_config: Any, model: Any) -> ReceiverLayout:
     """
     tp_rank, tp_size = tensor_parallel_of(vllm_config)
     hf = hf_config_of(model_config_of(vllm_config))
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    text = language_config(hf)
     kv = getattr(text, "num_key_value_heads", None)
     kv_heads = int(kv) if kv else None
     if not expert_parallel_of(vllm_config):
