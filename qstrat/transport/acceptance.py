@@ -16,6 +16,20 @@ from qstrat.transport.wire_manifest import WireManifest, check_against
 Expected = dict[str, tuple[str, tuple[int, ...]]] | EngineExpectations
 
 
+def check_expected(wm: WireManifest, info: dict[str, Any], expected: Expected | None, flag: MixFlag,
+                   sent: set[str]) -> None:
+    """A round's wire manifest ``wm`` against what the receiver accepts, then the MIX flag's rule:
+    an engine's :class:`EngineExpectations` (who quantizes, the format, its tensors and whole reload
+    units; ``info`` is the round's ``update_info``), a ``{name: (dtype, shape)}`` map
+    (:func:`check_against`), or None (anything); a flagged receiver accepts only a whole round
+    (``sent``: the round's tensor names). Raises: WireManifestMismatchError saying what differs."""
+    if isinstance(expected, EngineExpectations):
+        expected.check(wm, info)
+    elif expected is not None:
+        check_against(wm, expected)
+    flag.check_whole(expected, sent)
+
+
 class RoundCheck:
     """The check of one round, called with its wire manifest; records what the round sends.
 
@@ -51,11 +65,6 @@ class RoundCheck:
             delta.check_info(self.info.get("delta"))
             self.target = wm
         self.sent.update(s.name for s in wm.slots)
-        expected = self.expected()
-        if isinstance(expected, EngineExpectations):
-            expected.check(wm, self.info)
-        elif expected is not None:
-            check_against(wm, expected)
-        self.flag.check_whole(expected, self.sent)
+        check_expected(wm, self.info, self.expected(), self.flag, self.sent)
         if self.mode == "delta":
             delta.check_base(self.info["delta"], wm, self.base())

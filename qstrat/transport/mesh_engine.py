@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from qstrat.errors import TransportError, WireManifestMismatchError
-from qstrat.transport.engine_check import EngineExpectations
+from qstrat.transport.acceptance import check_expected
 from qstrat.transport.mesh_receiver import receive_mesh_round
 from qstrat.transport.routing import MeshRoutes, ReceiverLayout
-from qstrat.transport.wire_manifest import build_wire_manifest, check_against
+from qstrat.transport.wire_manifest import build_wire_manifest
 
 #: The ``update_info`` key of a mesh round: the routes document (:meth:`MeshRoutes.to_dict`).
 MESH_KEY = "mesh"
@@ -52,13 +52,8 @@ class ShareCheck:
         # ranks' experts, which its engine manifest lists); the share is the routing's part of it
         wm = build_wire_manifest(((n, d, shape) for n, d, shape, _ in routes.outputs), routes.bucket_bytes,
                                  routes.alignment)
-        expected = self.session.expected()
-        if isinstance(expected, EngineExpectations):
-            expected.check(wm, self.info)
-        elif expected is not None:
-            check_against(wm, expected)
         self.sent = {n for n, *_ in routes.outputs}
-        self.session.flag.check_whole(expected, self.sent)
+        check_expected(wm, self.info, self.session.expected(), self.session.flag, self.sent)
 
 
 def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
