@@ -131,7 +131,7 @@ def engine_kv_scales(llm: Any) -> dict[str, dict[str, float]]:
             f"kv_cache_dtype: this multiprocess engine caches keys and values in {view.cache_dtype}, and qstrat "
             "checks its per-layer k/v scales across every reload by reading them in the worker, which vLLM's "
             "collective_rpc cannot send a function to (a worker process); its worker_extension_cls "
-            f"({extension or 'none'!r}) has no qstrat_kv_scales. Start the engine with "
+            f"({repr(extension) if extension else 'none'}) has no qstrat_kv_scales. Start the engine with "
             f"worker_extension_cls={READER!r} (or an extension subclassing it), or in-process "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0); nothing was sent")
     return view.collective_rpc("qstrat_kv_scales")[0]
