@@ -203,7 +203,7 @@ def _pct(kind: str) -> Callable[[Mapping[str, Any]], float | None]:
 #: The table's columns: (summary key, header, format); a key with a ``<key>_range`` in the
 #: summary prints ``median (min-max)``.
 COLUMNS = (("format", "format", "{}"), ("lr", "lr", "{:.0e}"), ("steps", "steps", "{}"),
-           ("codes_pct", "codes changed %", "{:.4f}"), ("scales_pct", "scales changed %", "{:.4f}"),
+           ("codes_pct", "codes changed %", "{:.3g}"), ("scales_pct", "scales changed %", "{:.3g}"),
            ("global_pct", "global scales changed %", "{:.1f}"), ("delta_pct_of_full", "delta / full %", "{:.3f}"),
            ("delta_over_bf16_delta", "delta / bf16 delta", "{:.3f}"), ("full_bytes", "full bytes", "{:,}"))
 
