@@ -9,6 +9,8 @@ each nibble counts), of BLOCK SCALES changed, and of per-tensor GLOBAL scales ch
 against the previous step's stream: the wire manifest's total, header and alignment included)
 against the full round's (the target's stream) and against the same delta encoding of the bf16
 state dicts (``bf16 delta``: what a BF16 delta sync with our encoding would send).
+:func:`forced_churn` counts the same for one state against itself with every weight, or only
+each matrix's largest, one bf16 ulp larger: what each format's scale rule forces.
 
 Measured figures: docs/transport.md, "Delta: how quantized weights change per step"
 (``scripts/delta_churn.py`` makes the table and the chart; ``qstrat bench --only delta`` prints
