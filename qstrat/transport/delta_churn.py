@@ -9,6 +9,8 @@ each nibble counts), of BLOCK SCALES changed, and of per-tensor GLOBAL scales ch
 against the previous step's stream: the wire manifest's total, header and alignment included)
 against the full round's (the target's stream) and against the same delta encoding of the bf16
 state dicts (``bf16 delta``: what a BF16 delta sync with our encoding would send).
+:func:`forced_churn` counts the same for one state against itself with every weight, or only
+each matrix's largest, one bf16 ulp larger: what each format's scale rule forces.
 
 Measured figures: docs/transport.md, "Delta: how quantized weights change per step"
 (``scripts/delta_churn.py`` makes the table and the chart; ``qstrat bench --only delta`` prints
@@ -131,61 +133,143 @@ def trajectory_churn(drivers: Mapping[str, Any], states: Iterable[Mapping[str, t
     return rows
 
 
+def ulp_up(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (bf16) with every element's magnitude one bf16 ulp larger (its bit pattern + 1, sign
+    kept: 0 becomes the smallest subnormal). Raises: ValueError for another dtype."""
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"ulp_up: a bf16 tensor is required, got {t.dtype}")
+    return (t.view(torch.int16) + 1).view(torch.bfloat16)
+
+
+def matrix_max_up(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (bf16, >= 2 dims: a matrix or a stack of them, e.g. a grouped expert slab) with the
+    largest-magnitude element of every matrix (last two dims) one bf16 ulp larger; a tensor of
+    fewer dims is returned as it is. Raises: ValueError for a matrix not in bf16."""
+    if t.dim() < 2:
+        return t
+    m = t.reshape(-1, t.shape[-2] * t.shape[-1]).clone()
+    at = m.float().abs().argmax(1, keepdim=True)
+    m.scatter_(1, at, ulp_up(m.gather(1, at)))
+    return m.reshape(t.shape)
+
+
+#: What the formats force (:func:`forced_churn`): perturbations of one state dict, each bf16
+#: tensor mapped. "every weight +1 ulp": every block's amax moves by one bf16 ulp (and every
+#: tensor's); "matrix max +1 ulp": only each matrix's largest element moves (its tensor amax,
+#: NVFP4's global scale, and the one block holding it).
+PERTURBATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "every weight +1 ulp": ulp_up,
+    "matrix max +1 ulp": matrix_max_up,
+}
+
+
+def forced_churn(drivers: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per perturbation (:data:`PERTURBATIONS`) of ``state`` (a bf16 state dict) and format
+    (``drivers``: name -> ``RefitDriver``), what the checkpoint and the delta round change: the
+    :func:`trajectory_churn` row of the two-step trajectory (``state``, perturbed ``state``).
+
+    Returns: ``{perturbation: {format: row}}``. Raises: as ``RefitDriver.run``; ValueError for a
+    tensor of ``state`` that is not bf16."""
+    out = {}
+    for name, f in PERTURBATIONS.items():
+        moved = {n: f(t) if t.is_floating_point() else t for n, t in state.items()}
+        rows = trajectory_churn(drivers, [state, moved])
+        out[name] = {fmt: r[0] for fmt, r in rows.items()}
+    return out
+
+
 def summary(fmt: str, lr: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over ``rows`` (:func:`trajectory_churn`) of: % of codes, block scales and global
     scales changed (None where the format has none), delta bytes in % of the full round's, and
-    the delta's bytes / the bf16 delta's."""
-
-    def med(f: Any) -> float | None:
+    the delta's bytes / the bf16 delta's; beside each median, ``<key>_range``: [min, max] over
+    the steps (None where the median is)."""
+    metrics = {
+        "codes_pct": _pct("codes"), "scales_pct": _pct("scales"), "global_pct": _pct("global"),
+        "delta_pct_of_full": lambda r: 100 * r["delta_bytes"] / r["full_bytes"],
+        "delta_over_bf16_delta": lambda r: r["delta_bytes"] / r["bf16_delta_bytes"] if r["bf16_delta_bytes"] else None,
+    }
+    out: dict[str, Any] = {"format": fmt, "lr": lr, "steps": len(rows)}
+    for key, f in metrics.items():
         values = [v for v in (f(r) for r in rows) if v is not None]
-        return statistics.median(values) if values else None
-
-    def pct(kind: str) -> Any:
-        return lambda r: 100 * r[f"{kind}_changed"] / r[kind] if r[kind] else None
-
-    return {"format": fmt, "lr": lr, "steps": len(rows), "codes_pct": med(pct("codes")),
-            "scales_pct": med(pct("scales")), "global_pct": med(pct("global")),
-            "delta_pct_of_full": med(lambda r: 100 * r["delta_bytes"] / r["full_bytes"]),
-            "delta_over_bf16_delta": med(lambda r: r["delta_bytes"] / r["bf16_delta_bytes"]),
-            "full_bytes": rows[0]["full_bytes"] if rows else None}
+        out[key] = statistics.median(values) if values else None
+        out[f"{key}_range"] = [min(values), max(values)] if values else None
+    out["full_bytes"] = rows[0]["full_bytes"] if rows else None
+    return out
 
 
-#: The table's columns: (summary key, header, format).
+def _pct(kind: str) -> Callable[[Mapping[str, Any]], float | None]:
+    """% of a step's ``kind`` elements changed (None where the checkpoint has none)."""
+    return lambda r: 100 * r[f"{kind}_changed"] / r[kind] if r[kind] else None
+
+
+#: The table's columns: (summary key, header, format); a key with a ``<key>_range`` in the
+#: summary prints ``median (min-max)``.
 COLUMNS = (("format", "format", "{}"), ("lr", "lr", "{:.0e}"), ("steps", "steps", "{}"),
-           ("codes_pct", "codes changed %", "{:.4f}"), ("scales_pct", "scales changed %", "{:.4f}"),
+           ("codes_pct", "codes changed %", "{:.3g}"), ("scales_pct", "scales changed %", "{:.3g}"),
            ("global_pct", "global scales changed %", "{:.1f}"), ("delta_pct_of_full", "delta / full %", "{:.3f}"),
            ("delta_over_bf16_delta", "delta / bf16 delta", "{:.3f}"), ("full_bytes", "full bytes", "{:,}"))
 
 
 def table_rows(summaries: Iterable[Mapping[str, Any]]) -> list[list[str]]:
-    """:data:`COLUMNS` of each summary as strings (``-`` for None)."""
-    return [["-" if s[k] is None else f.format(s[k]) for k, _, f in COLUMNS] for s in summaries]
+    """:data:`COLUMNS` of each summary as strings (``-`` for None; ``median (min-max)`` where
+    the summary has the key's range)."""
+
+    def cell(s: Mapping[str, Any], key: str, f: str) -> str:
+        if s[key] is None:
+            return "-"
+        span = s.get(f"{key}_range")
+        return f.format(s[key]) + (f" ({f.format(span[0])}-{f.format(span[1])})" if span else "")
+
+    return [[cell(s, k, f) for k, _, f in COLUMNS] for s in summaries]
 
 
-def measure(width: int, steps: int, lrs: Iterable[float], formats: Iterable[str],
-            on_lr: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """The study on the tiny Qwen3-MoE (:func:`qstrat.demo.tiny_model.build_tiny_qwen3_moe`, seed
-    1; hidden, intermediate and head counts times ``width``): ``steps`` real Adam steps per lr in
-    ``lrs`` (:func:`qstrat.demo.trajectory.adam_trajectory`), each step quantized in every format
-    of ``formats`` (:data:`FORMATS` names).
-
-    Returns: ``{"width", "steps", "load": [load average at the start and after each lr],
-        "runs": [{"lr", "format", "rows"}]}`` (rows: :func:`trajectory_churn`'s); ``on_lr`` is
-        called with it after each lr, and after each step with the lr's rows so far (under
-        ``"partial"``). Raises: KeyError for an unknown format name; ImportError
-        without transformers (``qstrat[demo]``).
-    """
+def study_model(width: int, formats: Iterable[str]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The study's model: the tiny Qwen3-MoE (:func:`qstrat.demo.tiny_model.build_tiny_qwen3_moe`,
+    seed 1) with hidden, intermediate and head counts times ``width``, and a ``RefitDriver`` per
+    format name of ``formats`` (:data:`FORMATS`). Raises: KeyError for an unknown format name;
+    ImportError without transformers (``qstrat[demo]``)."""
     from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.demo.trajectory import adam_trajectory
     from qstrat.driver import RefitDriver
 
     model = build_tiny_qwen3_moe(seed=1, hidden_size=256 * width, intermediate_size=512 * width,
                                  moe_intermediate_size=128 * width, num_attention_heads=4 * width,
                                  num_key_value_heads=2 * width)
-    drivers = {f: RefitDriver(FORMATS[f], hf_config=hf_config(model)) for f in formats}
-    doc: dict[str, Any] = {"width": width, "steps": steps, "load": [os.getloadavg()[0]], "runs": []}
+    return model, {f: RefitDriver(FORMATS[f], hf_config=hf_config(model)) for f in formats}
+
+
+def measure_forced(width: int, formats: Iterable[str]) -> dict[str, Any]:
+    """:func:`forced_churn` on the bf16 weights of the study's model (:func:`study_model`: the
+    first state of every trajectory of :func:`measure`). Returns: ``{"width", "load",
+    "perturbations": forced_churn's}``. Raises: as :func:`study_model`."""
+    model, drivers = study_model(width, formats)
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return {"width": width, "load": os.getloadavg()[0], "perturbations": forced_churn(drivers, state)}
+
+
+def measure(width: int, steps: int, lrs: Iterable[float], formats: Iterable[str],
+            on_lr: Callable[[dict[str, Any]], None] | None = None,
+            text: str | None = None, text_name: str = "the Zen of Python") -> dict[str, Any]:
+    """The study on :func:`study_model` (``width``): ``steps`` real Adam steps per lr in
+    ``lrs`` (:func:`qstrat.demo.trajectory.adam_trajectory`: next-token loss on the bytes of
+    ``text``, called ``text_name``; None: the Zen of Python, :func:`~qstrat.demo.trajectory.text_tokens`),
+    each step quantized in every format of ``formats`` (:data:`FORMATS` names).
+
+    Returns: ``{"width", "steps", "token_stream" (the text and its tokens, in words), "parameters"
+        (the model's), "load": [load average at the start and after each lr],
+        "runs": [{"lr", "format", "rows"}]}`` (rows: :func:`trajectory_churn`'s); ``on_lr`` is
+        called with it after each lr, and after each step with the lr's rows so far (under
+        ``"partial"``). Raises: as :func:`study_model`; ValueError for an empty text.
+    """
+    from qstrat.demo.trajectory import adam_trajectory, text_tokens
+
+    tokens = text_tokens(text)
+    model, drivers = study_model(width, formats)
+    doc: dict[str, Any] = {"width": width, "steps": steps,
+                           "token_stream": f"bytes of {text_name} ({tokens.numel()} tokens)",
+                           "parameters": sum(p.numel() for p in model.parameters()),
+                           "load": [os.getloadavg()[0]], "runs": []}
     for lr in lrs:
-        rows = trajectory_churn(drivers, adam_trajectory(model, lr, steps), None if on_lr is None else (
+        rows = trajectory_churn(drivers, adam_trajectory(model, lr, steps, tokens=tokens), None if on_lr is None else (
             lambda part: on_lr({**doc, "partial": [{"lr": lr, "format": f, "rows": r} for f, r in part.items()]})))
         doc["runs"] += [{"lr": lr, "format": f, "rows": r} for f, r in rows.items()]
         doc["load"].append(os.getloadavg()[0])
@@ -200,5 +284,6 @@ def summaries(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [summary(r["format"], r["lr"], r["rows"]) for r in runs]
 
 
-__all__ = ["BUCKET_BYTES", "COLUMNS", "FORMATS", "KINDS", "RoundBytes", "changed_elements", "kind_of", "measure", "summaries", "summary",
-           "table_rows", "trajectory_churn"]
+__all__ = ["BUCKET_BYTES", "COLUMNS", "FORMATS", "KINDS", "PERTURBATIONS", "RoundBytes", "changed_elements",
+           "forced_churn", "kind_of", "matrix_max_up", "measure", "measure_forced", "study_model", "summaries", "summary", "table_rows",
+           "trajectory_churn", "ulp_up"]
