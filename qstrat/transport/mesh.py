@@ -16,7 +16,8 @@ straight to R engine ranks (``S..S+R-1``), every (sender, receiver) pair at once
    rank; no data moves.
 5. BUCKETS, every pair at once: each pair's own bucket stream (its wire manifest's buckets: payload
    with tag ``2k+1``, then :func:`~qstrat.transport.protocol.bucket_header` with tag ``2k+2``),
-   sealed under the pair's own MAC (:func:`qstrat.transport.keys.pair_mac`); ABORT as today.
+   sealed under the pair's own MAC (:func:`qstrat.transport.keys.pair_mac`; on gloo the host
+   bucket MAC, :func:`pair_sealer`); ABORT as today.
 6. COMMIT VOTE over every rank; the outcome is :func:`qstrat.transport.protocol.outcome`'s.
 """
 from __future__ import annotations
@@ -84,8 +85,10 @@ def pair_header(wm: WireManifest, device: torch.device) -> torch.Tensor:
 
 def pair_sealer(secret: Secret | None, mac: bytes, sender: int, receiver: int, device: torch.device) -> Sealer:
     """The seals of one pair (group ranks ``sender`` -> ``receiver``): today's
-    :class:`~qstrat.transport.seal.Sealer` keyed by the pair's MAC."""
-    return Sealer(secret, pair_mac(secret, mac, sender, receiver), device)
+    :class:`~qstrat.transport.seal.Sealer` keyed by the pair's MAC; on the CPU (gloo) with the
+    host bucket MAC (Poly1305 over the payload in place: ~15x less CPU than NH with tensor ops
+    there), on a GPU with NH on the device."""
+    return Sealer(secret, pair_mac(secret, mac, sender, receiver), device, host_mac=device.type == "cpu")
 
 
 def header_fields(words: list[int]) -> tuple[int, bytes, str]:
