@@ -109,3 +109,61 @@ def test_each_pair_streams_its_wire_manifest_in_order_with_its_seals():
             assert words[:3] == [proto.BUCKET_MAGIC, k, 0]
             assert check.verifies(k, 0, torch.frombuffer(bytearray(raw), dtype=torch.uint8), from_words(words[3:7]))
         assert out.sent == out.wm.total_bytes and out.held() == 0
+
+
+class _Capture(Exception):
+    pass
+
+
+class SumGroup:
+    """One rank's view of the opening all-reduce: captures its contribution, or returns ``total``."""
+
+    device, world_size = torch.device("cpu"), 4
+
+    def __init__(self, rank: int, total: torch.Tensor | None = None) -> None:
+        self.rank, self.total, self.given = rank, total, None
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        self.given = t.clone()
+        if self.total is None:
+            raise _Capture
+        return self.total.clone()
+
+
+def test_the_opening_all_reduce_carries_every_challenge_and_layout():
+    """Steps 0 and 1 of a mesh round in one all-reduce (qstrat.transport.mesh.opening): 2 senders,
+    2 engine ranks; the sum of what each rank contributes gives every rank the same layouts and
+    challenge vector, each engine rank's drawn words and last counter in its own slot."""
+    import pytest
+
+    from qstrat.errors import TransportError
+    from qstrat.transport.auth import CHALLENGE_WORDS
+    from qstrat.transport.mesh import LAYOUT_WORDS, opening
+    from qstrat.transport.routing import ReceiverLayout
+
+    layouts = {2: ReceiverLayout(0, 2, kv_heads=2), 3: ReceiverLayout(1, 2, (1, 3), moe_tp=False, kv_heads=2)}
+    parts = []
+    for rank in range(4):
+        g = SumGroup(rank)
+        with pytest.raises(_Capture):
+            opening(g, 2, layouts.get(rank), last_counter=10 + rank)
+        parts.append(g.given)
+    assert not parts[0].any() and not parts[1].any()  # a sender writes nothing
+    total = sum(parts)
+    for rank in range(4):
+        got, drawn, ch = opening(SumGroup(rank, total), 2, layouts.get(rank), last_counter=10 + rank)
+        assert got == [layouts[2], layouts[3]]
+        assert len(ch) == CHALLENGE_WORDS * 4 and ch[:2 * CHALLENGE_WORDS] == (0,) * (2 * CHALLENGE_WORDS)
+        for r in (2, 3):
+            assert ch[CHALLENGE_WORDS * r + 2] == 10 + r
+        if rank < 2:
+            assert drawn == ()
+        else:  # a fresh draw each call: only its shape is fixed
+            assert len(drawn) == 2 and ch[CHALLENGE_WORDS * rank:CHALLENGE_WORDS * rank + 2] != (0, 0)
+    bad = total.clone()
+    bad[CHALLENGE_WORDS * 4 + LAYOUT_WORDS * 3] = 0x7B7B  # rank 3's JSON no longer parses
+    with pytest.raises(TransportError, match="rank 3 published no usable receiver layout"):
+        opening(SumGroup(0, bad), 2, None)
+    huge = ReceiverLayout(experts=tuple(range(3000)), moe_tp=False)
+    with pytest.raises(TransportError, match="rank 2: layout too large"):
+        opening(SumGroup(2, total), 2, huge)

@@ -198,9 +198,9 @@ class MeshSender:
             abort or a lost peer (the group is then closed).
         """
         t0, g = time.perf_counter(), self.group
-        layouts = mesh.collective(g, "layout exchange failed", mesh.exchange_layouts, g, self.senders, None)
+        layouts, _, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, self.senders, None)
         routes = self.routes = MeshRoutes(outputs, self.senders, layouts, self.bucket_bytes, self.alignment)
-        mac = self._accept(routes)
+        mac = self._accept(routes, ch)
         outs = {r: PairOut(g, self.senders + r, routes.pair_manifest(g.rank, r),
                            mesh.pair_sealer(self.secret, mac, g.rank, self.senders + r, g.device))
                 for r in range(len(layouts))}
@@ -212,10 +212,9 @@ class MeshSender:
         return MeshReport({self.senders + r: o.sent for r, o in outs.items()}, time.perf_counter() - t0,
                           time.perf_counter() - t1)
 
-    def _accept(self, routes: MeshRoutes) -> bytes:
-        """Steps 1-4: challenge, round header, pair headers, accept vote; the round MAC."""
+    def _accept(self, routes: MeshRoutes, ch: tuple[int, ...]) -> bytes:
+        """Steps 2-4 after the challenge ``ch``: round header, pair headers, accept vote; the round MAC."""
         g = self.group
-        _, ch = mesh.collective(g, "challenge failed", mesh.challenges, g, self.senders)
         header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
         status = proto.OK
         if g.rank == 0:
