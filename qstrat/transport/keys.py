@@ -16,7 +16,10 @@ never keys anything directly. Each use gets its own subkey, derived with HKDF-SH
   seed (:func:`checksum_seed`);
 * ``init``: the tag on an ``init_weight_transfer_engine`` request (:func:`init_tag`);
 * ``pair``: a mesh round's per-pair MAC (:func:`pair_mac`), which then stands for the round MAC
-  in that (sender, receiver) pair's seals: each pair gets its own NH key and bucket MAC.
+  in that (sender, receiver) pair's seals: each pair gets its own NH key and bucket MAC;
+* ``poly1305``: the host bucket MAC of a round whose payloads are in host memory (a mesh round
+  on gloo): a one-time Poly1305 key per bucket (:func:`poly1305_key`) and the HMAC-SHA256 over
+  its tag (:func:`host_bucket_mac`).
 
 Without a secret every subkey is derived from the empty key: every value above can then be
 computed by anyone (integrity against accidents only, for trusted networks and tests).
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 ENV_SECRET = "QSTRAT_TRANSFER_SECRET"
 
 _SALT = b"qstrat-transport-kdf-v2"
-_USES = ("round", "vote", "bucket", "nh", "seal", "init", "pair")
+_USES = ("round", "vote", "bucket", "nh", "seal", "init", "pair", "poly1305")
 
 
 class Secret:
@@ -161,6 +164,25 @@ def bucket_mac(secret: Secret, mac: bytes, index: int, flags: int, nbytes: int, 
     round MAC, bucket index, flags, payload length (bytes) and the payload's NH outputs
     (:func:`qstrat.transport.nh.nh` as :func:`~qstrat.transport.nh.to_bytes`). 32 bytes."""
     return _mac(secret, "bucket", mac + struct.pack("<qqq", index, flags, nbytes) + nh_bytes)
+
+
+def poly1305_key(secret: Secret | None, mac: bytes, index: int) -> bytes:
+    """The one-time Poly1305 key (32 bytes: ``r`` and ``s``, RFC 8439 section 2.5) of bucket
+    ``index`` of the round (or mesh pair) whose MAC is ``mac``: HMAC-SHA256 under the
+    ``poly1305`` subkey over ``b"key"``, ``mac`` and the index. A sender seals each bucket index
+    once per round and every round's MAC is new (each receiver's fresh challenge), so no key
+    authenticates two messages - Poly1305's one-time condition (D. J. Bernstein, "The
+    Poly1305-AES message-authentication code", FSE 2005)."""
+    return _mac(secret, "poly1305", b"key" + mac + struct.pack("<q", index))
+
+
+def host_bucket_mac(secret: Secret | None, mac: bytes, index: int, flags: int, nbytes: int, tag: bytes) -> bytes:
+    """The host bucket MAC: HMAC-SHA256 under the ``poly1305`` subkey over ``b"bucket"``, the round
+    (or pair) MAC, bucket index, flags, payload length (bytes) and the payload's 16-byte
+    Poly1305 tag under :func:`poly1305_key`. A changed payload keeps its seal only with a
+    Poly1305 forgery (probability <= 8 * ceil(nbytes / 16) / 2**106 per try, Bernstein 2005)
+    or a broken HMAC-SHA256; header fields are bound by the HMAC. 32 bytes."""
+    return _mac(secret, "poly1305", b"bucket" + mac + struct.pack("<qqq", index, flags, nbytes) + tag)
 
 
 def equal(a: bytes, b: bytes) -> bool:

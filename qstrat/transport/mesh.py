@@ -1,10 +1,10 @@
 """The steps of a mesh round that every rank takes: S trainer ranks (group ranks ``0..S-1``) send
 straight to R engine ranks (``S..S+R-1``), every (sender, receiver) pair at once, point to point.
 
-0. LAYOUTS (all-reduce, int64[:data:`LAYOUT_WORDS` * world]): each engine rank writes its
-   :class:`~qstrat.transport.routing.ReceiverLayout` (JSON) in its slot: every rank then computes
-   the same :class:`~qstrat.transport.routing.MeshRoutes`.
-1. CHALLENGE (all-reduce, as :func:`qstrat.transport.protocol.challenges`; only engine ranks draw).
+0. LAYOUTS and 1. CHALLENGE, one all-reduce (:func:`opening`): each engine rank writes its
+   challenge (as :func:`qstrat.transport.protocol.challenges`; only engine ranks draw) and its
+   :class:`~qstrat.transport.routing.ReceiverLayout` (JSON) in its slots: every rank then
+   computes the same :class:`~qstrat.transport.routing.MeshRoutes`.
 2. ROUND HEADER (broadcast from rank 0, :func:`qstrat.transport.protocol.round_header`): the
    routes' digest (outputs, owners, layouts, bucket size) and the round MAC over
    :class:`~qstrat.transport.auth.RoundContext`. Every other rank, senders included, checks both
@@ -16,7 +16,8 @@ straight to R engine ranks (``S..S+R-1``), every (sender, receiver) pair at once
    rank; no data moves.
 5. BUCKETS, every pair at once: each pair's own bucket stream (its wire manifest's buckets: payload
    with tag ``2k+1``, then :func:`~qstrat.transport.protocol.bucket_header` with tag ``2k+2``),
-   sealed under the pair's own MAC (:func:`qstrat.transport.keys.pair_mac`); ABORT as today.
+   sealed under the pair's own MAC (:func:`qstrat.transport.keys.pair_mac`; on gloo the host
+   bucket MAC, :func:`pair_sealer`); ABORT as today.
 6. COMMIT VOTE over every rank; the outcome is :func:`qstrat.transport.protocol.outcome`'s.
 """
 from __future__ import annotations
@@ -43,37 +44,41 @@ PAIR_WORDS = 7
 MODE = "mesh-atomic"
 
 
-def exchange_layouts(group: TransferGroup, senders: int, layout: ReceiverLayout | None) -> list[ReceiverLayout]:
-    """Step 0 (collective): every engine rank's layout, in rank order. ``layout``: this rank's
-    (None on a sender). Raises: TransportError for a missing or malformed slot (on every rank)."""
-    slots = torch.zeros(LAYOUT_WORDS * group.world_size, dtype=torch.int64)
+def opening(group: TransferGroup, senders: int, layout: ReceiverLayout | None, last_counter: int = -1
+            ) -> tuple[list[ReceiverLayout], tuple[int, ...], tuple[int, ...]]:
+    """Steps 0 and 1 in ONE all-reduce (int64[(CHALLENGE_WORDS + LAYOUT_WORDS) * world]: every
+    rank's challenge slot, then every rank's layout slot; one collective less per round).
+
+    Args: layout: this rank's (None on a sender); last_counter: the last round counter this
+        engine rank accepted (its challenge slot's third word).
+    Returns: (every engine rank's layout in rank order, the challenge words this rank drew -
+        empty on a sender -, the whole challenge vector).
+    Raises: TransportError for a missing or malformed layout slot (on every rank) or a layout
+        over :data:`LAYOUT_WORDS`.
+    """
+    world, cw = group.world_size, CHALLENGE_WORDS
+    slots = torch.zeros((cw + LAYOUT_WORDS) * world, dtype=torch.int64)
+    drawn: tuple[int, ...] = ()
+    if group.rank >= senders:
+        drawn = challenge()
+        slots[cw * group.rank:cw * (group.rank + 1)] = torch.tensor([*drawn, last_counter], dtype=torch.int64)
     if layout is not None:
         raw = json.dumps(layout.to_dict(), separators=(",", ":")).encode()
         if len(raw) > 8 * LAYOUT_WORDS - 8:
             raise TransportError(f"rank {group.rank}: layout too large ({len(raw)} bytes)")
         raw = raw + b" " * (-len(raw) % 8)
-        lo = LAYOUT_WORDS * group.rank
+        lo = cw * world + LAYOUT_WORDS * group.rank
         slots[lo:lo + len(raw) // 8] = torch.frombuffer(bytearray(raw), dtype=torch.int64)
     got = group.sum(slots.to(group.device)).cpu()
-    out = []
-    for r in range(senders, group.world_size):
-        raw = got[LAYOUT_WORDS * r:LAYOUT_WORDS * (r + 1)].numpy().tobytes().rstrip(b"\0")
+    layouts = []
+    for r in range(senders, world):
+        lo = cw * world + LAYOUT_WORDS * r
+        raw = got[lo:lo + LAYOUT_WORDS].numpy().tobytes().rstrip(b"\0")
         try:
-            out.append(ReceiverLayout.from_dict(json.loads(raw)))
+            layouts.append(ReceiverLayout.from_dict(json.loads(raw)))
         except (ValueError, TransportError) as exc:
             raise TransportError(f"rank {r} published no usable receiver layout: {exc}") from None
-    return out
-
-
-def challenges(group: TransferGroup, senders: int, last_counter: int = -1) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Step 1: (the words this rank drew - empty on a sender -, the whole vector)."""
-    slots = torch.zeros(CHALLENGE_WORDS * group.world_size, dtype=torch.int64, device=group.device)
-    drawn: tuple[int, ...] = ()
-    if group.rank >= senders:
-        drawn = challenge()
-        lo = CHALLENGE_WORDS * group.rank
-        slots[lo:lo + CHALLENGE_WORDS] = torch.tensor([*drawn, last_counter], dtype=torch.int64)
-    return drawn, tuple(int(v) for v in group.sum(slots).cpu())
+    return layouts, drawn, tuple(int(v) for v in got[:cw * world])
 
 
 def pair_header(wm: WireManifest, device: torch.device) -> torch.Tensor:
@@ -84,8 +89,10 @@ def pair_header(wm: WireManifest, device: torch.device) -> torch.Tensor:
 
 def pair_sealer(secret: Secret | None, mac: bytes, sender: int, receiver: int, device: torch.device) -> Sealer:
     """The seals of one pair (group ranks ``sender`` -> ``receiver``): today's
-    :class:`~qstrat.transport.seal.Sealer` keyed by the pair's MAC."""
-    return Sealer(secret, pair_mac(secret, mac, sender, receiver), device)
+    :class:`~qstrat.transport.seal.Sealer` keyed by the pair's MAC; on the CPU (gloo) with the
+    host bucket MAC (Poly1305 over the payload in place: ~15x less CPU than NH with tensor ops
+    there), on a GPU with NH on the device."""
+    return Sealer(secret, pair_mac(secret, mac, sender, receiver), device, host_mac=device.type == "cpu")
 
 
 def header_fields(words: list[int]) -> tuple[int, bytes, str]:

@@ -133,9 +133,9 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     t0, g = time.perf_counter(), group
     auth = auth or ReceiverAuth(None, "", 0)
     stats = stats if stats is not None else {}
-    layouts = mesh.collective(g, "layout exchange failed", mesh.exchange_layouts, g, senders, layout)
+    layouts, drawn, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, senders, layout,
+                                         auth.last_counter)
     routes, rejection = _own_routes(g, doc, senders, layouts, layout, expected)
-    drawn, ch = mesh.collective(g, "challenge failed", mesh.challenges, g, senders, auth.last_counter)
     header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
     mesh.wait(g, g.broadcast(header), "no round header from rank 0")
     counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])

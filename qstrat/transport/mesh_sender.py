@@ -29,36 +29,65 @@ from qstrat.transport.seal import Sealer
 from qstrat.transport.sender_protocol import raise_outcome
 from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, WireManifest
 
-#: Buckets of one pair in flight before the oldest is waited for.
+#: Buckets of one pair on the wire at once (the pair's next complete bucket waits for a free place).
 IN_FLIGHT = 2
+#: Default bound (bytes) on what the pairs hold before the sender pulls its next tensor: the
+#: look-ahead that lets a rank send to every engine rank at once when its wire order goes to one
+#: engine rank after another (experts placed round-robin: docs/transport.md, "Mesh round").
+LOOKAHEAD_BYTES = 256 << 20
 
 
 class PairOut:
     """This rank's bucket stream to engine rank ``dst`` (group rank) over the pair's wire manifest:
     :meth:`push` each of its tensors (the part the pair carries) in wire order; a bucket is
-    packed, sealed and sent as soon as its tensors are in."""
+    packed, sealed and posted as soon as its tensors are in and fewer than :data:`IN_FLIGHT` of
+    the pair's buckets are on the wire. Nothing here blocks but :meth:`wait_oldest`,
+    :meth:`drain` and :meth:`finish`: the sender keeps every pair busy (:meth:`MeshSender._stream`)."""
 
     def __init__(self, group: TransferGroup, dst: int, wm: WireManifest, sealer: Sealer) -> None:
         self.group, self.dst, self.wm, self.sealer = group, dst, wm, sealer
         self.queue: deque[tuple[str, torch.Tensor]] = deque()
         # pulled only once the bucket's tensors are queued (:meth:`push`)
         self.source = BucketSource(wm, iter(self.queue.popleft, None), group.device)
-        self.k, self.works, self.sent = 0, deque(), 0
+        self.k, self.works, self.sent, self.pushed = 0, deque(), 0, 0
+        self.ends = [wm.buckets[t.bucket].stream_offset + t.offset + t.nbytes for t in wm.slots]
 
     def _needs(self, k: int) -> int:
         slots = self.source.contents[k]
         return len(slots) if self.wm.buckets[k].tensor is None else int(slots[0].bucket == k)
 
     def push(self, name: str, t: torch.Tensor) -> None:
-        """Queue the pair's part of one tensor; send every bucket that is now complete."""
+        """Queue the pair's part of one tensor; post the buckets that are now complete (:meth:`pump`)."""
         self.queue.append((name, t))
-        while self.k < len(self.wm.buckets) and len(self.queue) >= self._needs(self.k):
+        self.pushed += 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Reap the sends that completed; post every complete bucket while fewer than
+        :data:`IN_FLIGHT` are on the wire. Raises TransportError when a send failed."""
+        while self.works and all(w.is_completed() for w in self.works[0][:2]):
+            self.wait_oldest()
+        while (len(self.works) < IN_FLIGHT and self.k < len(self.wm.buckets)
+               and len(self.queue) >= self._needs(self.k)):
             b = self.wm.buckets[self.k]
             buffer = torch.empty(b.nbytes if b.tensor is None else 0, dtype=torch.uint8, device=self.group.device)
             payload, keep, fill = self.source.bucket(self.k, buffer)
             if fill is not None:
                 fill(0, b.nbytes)
             self._post(payload, keep, 0, self.sealer.seal(self.k, 0, payload))
+
+    def held(self) -> int:
+        """Bytes of the pair's stream pushed and not yet on the wire for good: from the first
+        byte of its oldest unfinished bucket to the end of the last tensor pushed."""
+        if not self.pushed:
+            return 0
+        first = self.works[0][2] if self.works else (
+            self.wm.buckets[self.k].stream_offset if self.k < len(self.wm.buckets) else self.wm.total_bytes)
+        return max(0, self.ends[min(self.pushed, len(self.ends)) - 1] - first)
+
+    def oldest(self) -> float | None:
+        """When the pair's oldest unfinished bucket was posted (``perf_counter``), None: none is."""
+        return self.works[0][3] if self.works else None
 
     def abort(self) -> None:
         """Tell the engine rank at once (its next bucket: garbage with ABORT), end the stream."""
@@ -71,21 +100,22 @@ class PairOut:
         hdr = proto.bucket_header(self.k, flags, seal, self.group.device)
         tag = 2 * self.k + 1
         self.works.append((self.group.send(payload, self.dst, tag), self.group.send(hdr, self.dst, tag + 1),
-                           keep, hdr))
+                           self.wm.buckets[self.k].stream_offset, time.perf_counter(), keep, hdr))
         self.sent += payload.numel()
         self.k += 1
-        while len(self.works) > IN_FLIGHT:
-            self._wait_oldest()
 
-    def _wait_oldest(self) -> None:
-        w_data, w_hdr, _, _ = self.works.popleft()
+    def wait_oldest(self) -> None:
+        """Wait for the pair's oldest bucket on the wire. Raises TransportError when its send failed
+        (the group is then closed)."""
+        w_data, w_hdr = self.works[0][:2]
+        self.works.popleft()
         mesh.wait(self.group, w_data, f"send to rank {self.dst} failed (an engine rank died?)")
         mesh.wait(self.group, w_hdr, f"send to rank {self.dst} failed (an engine rank died?)")
 
     def drain(self) -> None:
         """Wait for every send posted. Raises TransportError when a send failed (group closed)."""
         while self.works:
-            self._wait_oldest()
+            self.wait_oldest()
 
     def finish(self) -> None:
         """Wait for every send. Raises TransportError when the source left buckets unsent."""
@@ -93,6 +123,21 @@ class PairOut:
         if self.k < len(self.wm.buckets):
             raise TransportError(f"the source ended before bucket {self.k}/{len(self.wm.buckets)} of the pair "
                                  f"to rank {self.dst} (truncated)")
+
+
+def keep_busy(outs: Iterable[PairOut], limit: int) -> None:
+    """Post what every pair can; while the pairs hold more than ``limit`` bytes (:meth:`PairOut.held`)
+    wait for the oldest bucket on the wire of any pair and post again. Returns once at most
+    ``limit`` bytes are held, or nothing is on the wire (what is held then waits for more tensors).
+    Raises TransportError when a send failed."""
+    outs = list(outs)
+    while True:
+        for out in outs:
+            out.pump()
+        busy = [out for out in outs if out.works]
+        if not busy or sum(out.held() for out in outs) <= limit:
+            return
+        min(busy, key=lambda out: out.oldest()).wait_oldest()
 
 
 @dataclass(frozen=True)
@@ -117,17 +162,21 @@ class MeshSender:
             unauthenticated rounds).
         address, port: the group's address, bound into the round MAC (the engines' view of it).
         bucket_bytes, alignment: each pair's bucket layout (bytes).
+        lookahead_bytes: the most bytes of its tensors' parts the pairs hold - queued or on the
+            wire, not yet delivered - before the next tensor is pulled from the source (the
+            source's tensors stay alive that long; at least :data:`IN_FLIGHT` buckets per pair
+            are always let through).
     """
 
     def __init__(self, group: TransferGroup, senders: int, secret: Secret | bytes | str | None = None,
                  address: str = "", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alignment: int = DEFAULT_ALIGNMENT) -> None:
+                 alignment: int = DEFAULT_ALIGNMENT, lookahead_bytes: int = LOOKAHEAD_BYTES) -> None:
         if not 0 <= group.rank < senders < group.world_size:
             raise TransportError(f"mesh sender: rank {group.rank} is not one of {senders} senders in a group "
                                  f"of {group.world_size}")
         self.group, self.senders, self.address, self.port = group, senders, address, port
         self.secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
-        self.bucket_bytes, self.alignment = bucket_bytes, alignment
+        self.bucket_bytes, self.alignment, self.lookahead_bytes = bucket_bytes, alignment, lookahead_bytes
         self.counter = -1
         #: The last round's routes (bytes per engine rank: ``routes.bytes_per_receiver()``).
         self.routes: MeshRoutes | None = None
@@ -149,9 +198,9 @@ class MeshSender:
             abort or a lost peer (the group is then closed).
         """
         t0, g = time.perf_counter(), self.group
-        layouts = mesh.collective(g, "layout exchange failed", mesh.exchange_layouts, g, self.senders, None)
+        layouts, _, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, self.senders, None)
         routes = self.routes = MeshRoutes(outputs, self.senders, layouts, self.bucket_bytes, self.alignment)
-        mac = self._accept(routes)
+        mac = self._accept(routes, ch)
         outs = {r: PairOut(g, self.senders + r, routes.pair_manifest(g.rank, r),
                            mesh.pair_sealer(self.secret, mac, g.rank, self.senders + r, g.device))
                 for r in range(len(layouts))}
@@ -163,10 +212,9 @@ class MeshSender:
         return MeshReport({self.senders + r: o.sent for r, o in outs.items()}, time.perf_counter() - t0,
                           time.perf_counter() - t1)
 
-    def _accept(self, routes: MeshRoutes) -> bytes:
-        """Steps 1-4: challenge, round header, pair headers, accept vote; the round MAC."""
+    def _accept(self, routes: MeshRoutes, ch: tuple[int, ...]) -> bytes:
+        """Steps 2-4 after the challenge ``ch``: round header, pair headers, accept vote; the round MAC."""
         g = self.group
-        _, ch = mesh.collective(g, "challenge failed", mesh.challenges, g, self.senders)
         header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
         status = proto.OK
         if g.rank == 0:
@@ -217,6 +265,8 @@ class MeshSender:
                     part = shares[r].get(name)
                     if part is not None:
                         out.push(name, part.cut(t))
+                keep_busy(outs.values(), self.lookahead_bytes)
+            keep_busy(outs.values(), 0)
             for out in outs.values():
                 out.finish()
             return None

@@ -7,7 +7,7 @@ Both sides compute the routes from the same two inputs, so neither trusts the ot
   quantizes and sends it (:func:`mesh_outputs`, from :func:`qstrat.sharding.split_plan`'s owner:
   the expert-parallel holder of an expert, rank 0 for a replicated tensor);
 * every engine rank's :class:`ReceiverLayout`, which that rank reads from its engine and
-  publishes itself (:func:`qstrat.transport.mesh.exchange_layouts`).
+  publishes itself (:func:`qstrat.transport.mesh.opening`).
 
 An engine rank's SHARE of an output (:func:`share_of`): nothing (an expert it does not hold), the
 whole tensor (norms, routers, embeddings and ``lm_head`` - vLLM's vocab-parallel loader narrows
