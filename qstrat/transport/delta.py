@@ -279,7 +279,7 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
     grid = out.view(tiles, TILE)
     raw_tiles = torch.nonzero(kinds == RAW).reshape(-1)
     grid[raw_tiles] = raw.view(n_raw, TILE)
-    moved = [raw_tiles.new_empty(0)]
+    moved = raw_tiles.new_empty(0)
     if k_rle:
         rle_tiles = torch.nonzero(kinds == RLE).reshape(-1)
         tile_of = torch.repeat_interleave(rle_tiles, counts[rle_tiles])
@@ -291,37 +291,38 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
         offset = ends - 1 - torch.repeat_interleave(before, counts[rle_tiles][live])
         if int(offset.max()) >= TILE:
             raise bad("has run lengths past the end of their tile")
-        moved.append(tile_of * TILE + offset)
-        out[moved[-1]] = rle_values
+        moved = tile_of * TILE + offset
+        out[moved] = rle_values
     if k_bm:
         bm_tiles = torch.nonzero(kinds == BITMAP).reshape(-1)
         bits = ((bitmaps.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(n_bm, TILE).bool()
         pos = torch.nonzero(bits)
         if pos.shape[0] != k_bm:
             raise bad(f"has bitmaps marking {pos.shape[0]} bytes, its counts say {k_bm}")
-        moved.append(bm_tiles[pos[:, 0]] * TILE + pos[:, 1])
-        out[moved[-1]] = bm_values
-    if changes is not None:
-        changes.append(Changes(torch.cat(moved), raw_tiles))
+        out[bm_tiles[pos[:, 0]] * TILE + pos[:, 1]] = bm_values
+    if changes is not None:  # bitmap tiles kept whole: at least T/16 changes each, 8 bytes per position
+        whole = torch.nonzero(kinds != RLE).reshape(-1)
+        changes.append(Changes(moved.to(torch.int32) if n < 2**31 else moved, whole))
     return out
 
 
 @dataclass
 class Changes:
     """The bytes of a region (one bucket's tiles) a patch may have changed: the byte positions
-    it wrote one by one (rle and bitmap tiles; int64, in the region) and the tiles it wrote
-    whole (raw; int64 tile indices in the region). Every other byte of the new region equals
-    the base's."""
+    it wrote in rle tiles (int32 in a region under 2 GiB, else int64; 4 bytes per change, at most
+    2048 changes per 32 KiB tile, so at most a quarter of the region) and the tiles it wrote
+    whole or by bitmap (int64 tile indices in the region), copied whole. Every other byte of the
+    new region equals the base's."""
 
     positions: torch.Tensor
-    raw_tiles: torch.Tensor
+    tiles: torch.Tensor
 
     def catch_up(self, older: torch.Tensor, newer: torch.Tensor) -> None:
         """Make ``older`` (the region before this patch) equal ``newer`` (after it) by copying
         only the bytes this patch may have changed: 1-D uint8 CPU of the same whole-tile length."""
         older[self.positions] = newer[self.positions]
-        if self.raw_tiles.numel():
-            older.view(-1, TILE)[self.raw_tiles] = newer.view(-1, TILE)[self.raw_tiles]
+        if self.tiles.numel():
+            older.view(-1, TILE)[self.tiles] = newer.view(-1, TILE)[self.tiles]
 
 
 #: Bytes of a bucket's digest at the head of its payload (the bucket seal's length).
