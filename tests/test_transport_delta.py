@@ -225,6 +225,60 @@ def test_a_corrupted_bucket_k_is_caught_by_its_own_digest_naming_its_tensors(whe
         other.apply(0, payloads[0])
 
 
+def test_a_rebuild_into_the_spare_copies_only_the_last_patchs_bytes_and_a_stale_spare_is_caught():
+    """Round 3 is rebuilt into round 1's stream (the spare): only the bytes round 2's patch
+    changed (rle positions; raw and bitmap tiles whole) are copied from the base (``catch_up``), then round
+    3's patch - the exact stream.
+    A spare with one byte off where neither patch wrote (a memory fault, a loader writing into a
+    view) fails that bucket's digest (status DELTA), naming the bucket; a spare of another round
+    (``spare_round`` not the base's parent) is not trusted: the base's regions are copied whole."""
+    from qstrat.transport.delta_receive import PatchDecoder
+    from qstrat.transport.delta_stream import encode_round
+    from qstrat.transport.protocol import DELTA
+    from qstrat.transport.wire_manifest import build_wire_manifest
+
+    g = torch.Generator().manual_seed(11)
+    shapes = {f"t{i}": (2 * T + 13 * i,) for i in range(5)}
+    r1 = {n: torch.randint(0, 256, s, dtype=torch.uint8, generator=g) for n, s in shapes.items()}
+    dense = {"t1": 1.0, "t3": 0.3}  # round 2: raw tiles, bitmap tiles, rle tiles
+    r2 = {n: patched(t, dense.get(n, 0.002), seed=i) for i, (n, t) in enumerate(r1.items())}
+    r3 = {n: patched(t, 0.3 if n == "t2" else 0.002, seed=10 + i) for i, (n, t) in enumerate(r2.items())}
+    target = build_wire_manifest([(n, "uint8", s) for n, s in shapes.items()], 3 * T, 16)
+    e1, _ = encode_round(target, iter(r1.items()), None)
+    rebuilt1 = e1.stream.clone()  # the receiver's stream of round 1 (the spare of round 3)
+
+    def rebuild(enc, payloads, base, spare=None, spare_round=None):
+        dec = PatchDecoder(enc.info, target, base, None, bytes(32), spare=spare, spare_round=spare_round)
+        for k, p in enumerate(payloads):
+            dec.apply(k, p)
+        dec.staged()
+        return dec
+
+    e2, p2 = encode_round(target, iter(r2.items()), e1.new_base())
+    base2 = rebuild(e2, p2, delta.Base(e1.info["round"], target.digest, rebuilt1)).new_base
+    assert base2.parent == e1.info["round"] and len(base2.changes) == len(target.buckets)
+    assert e2.tiles.keys() == {"raw", "bitmap", "rle"}
+    assert sum(c.tiles.numel() for c in base2.changes) == e2.tiles["raw"] + e2.tiles["bitmap"]
+    e3, p3 = encode_round(target, iter(r3.items()), e2.new_base())
+    assert "raw" in e3.tiles or "bitmap" in e3.tiles  # t2 moved a lot: tiles beyond rle
+    dec = rebuild(e3, p3, base2, rebuilt1.clone(), e1.info["round"])
+    assert dec.catch_up is base2.changes and torch.equal(dec.stream, e3.stream)
+    untrusted = rebuild(e3, p3, base2, rebuilt1.clone(), "another round")
+    assert untrusted.catch_up is None and torch.equal(untrusted.stream, e3.stream)
+    stale = rebuilt1.clone()
+    cuts = delta.cuts(target)
+    same = torch.nonzero((e1.stream == e2.stream) & (e2.stream == e3.stream)).reshape(-1)
+    at = int(same[same >= cuts[-2]][0])  # under the last bucket
+    stale[at] ^= 0x40
+    bad = PatchDecoder(e3.info, target, base2, None, bytes(32), spare=stale, spare_round=e1.info["round"])
+    last = len(p3) - 1
+    for k in range(last):
+        bad.apply(k, p3[k])
+    with pytest.raises(delta.DeltaError, match=rf"bucket {last} \(.*\): the rebuilt bytes' digest differs") as err:
+        bad.apply(last, p3[last])
+    assert err.value.vote_status == DELTA
+
+
 # ---- rounds over the transport ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def receivers(tiny):

@@ -78,6 +78,11 @@ class Base:
     round_id: str
     target: str
     stream: torch.Tensor
+    #: A receiver's base rebuilt from a patch: the round id of the base it was patched from,
+    #: and per bucket the bytes the patch may have changed (:class:`Changes`): the stream of
+    #: round ``parent`` differs from this one only there. None: unknown (a whole round).
+    parent: str | None = None
+    changes: list[Changes] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -223,11 +228,15 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None, changed: torch.Te
     return torch.cat(parts), {k: c for k, c in zip(KINDS, used) if c}
 
 
-def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: torch.Tensor | None = None,
+                 holds_base: bool = False, changes: list[Changes] | None = None) -> torch.Tensor:
     """The stream (1-D uint8 [n]; ``base`` is not changed) from ``base`` and ``patch``
     (:func:`encode_patch`), written into ``out`` (1-D uint8 CPU [n], its old bytes do not matter;
     None: a new tensor).
+
+    ``holds_base``: ``out`` already holds ``base``'s bytes (:meth:`Changes.catch_up` made it so), so
+    only the patched bytes are written (no copy of the base). ``changes``: if given, the bytes
+    this patch may have changed are appended to it (:class:`Changes`).
 
     Raises: DeltaError (status DELTA) for a patch that does not fit a stream of ``n`` bytes
         (header, kinds, counts, length, positions), or one with rle or bitmap tiles when there
@@ -265,10 +274,12 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
     tokens, rle_values, bitmaps, bm_values, raw = cut
     if out is None:
         out = base.clone() if n_raw < tiles else torch.empty(n, dtype=torch.uint8)
-    elif n_raw < tiles:
+    elif n_raw < tiles and not holds_base:
         out.copy_(base)
     grid = out.view(tiles, TILE)
-    grid[torch.nonzero(kinds == RAW).reshape(-1)] = raw.view(n_raw, TILE)
+    raw_tiles = torch.nonzero(kinds == RAW).reshape(-1)
+    grid[raw_tiles] = raw.view(n_raw, TILE)
+    moved = raw_tiles.new_empty(0)
     if k_rle:
         rle_tiles = torch.nonzero(kinds == RLE).reshape(-1)
         tile_of = torch.repeat_interleave(rle_tiles, counts[rle_tiles])
@@ -280,7 +291,8 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
         offset = ends - 1 - torch.repeat_interleave(before, counts[rle_tiles][live])
         if int(offset.max()) >= TILE:
             raise bad("has run lengths past the end of their tile")
-        out[tile_of * TILE + offset] = rle_values
+        moved = tile_of * TILE + offset
+        out[moved] = rle_values
     if k_bm:
         bm_tiles = torch.nonzero(kinds == BITMAP).reshape(-1)
         bits = ((bitmaps.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(n_bm, TILE).bool()
@@ -288,7 +300,29 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
         if pos.shape[0] != k_bm:
             raise bad(f"has bitmaps marking {pos.shape[0]} bytes, its counts say {k_bm}")
         out[bm_tiles[pos[:, 0]] * TILE + pos[:, 1]] = bm_values
+    if changes is not None:  # bitmap tiles kept whole: at least T/16 changes each, 8 bytes per position
+        whole = torch.nonzero(kinds != RLE).reshape(-1)
+        changes.append(Changes(moved.to(torch.int32) if n < 2**31 else moved, whole))
     return out
+
+
+@dataclass
+class Changes:
+    """The bytes of a region (one bucket's tiles) a patch may have changed: the byte positions
+    it wrote in rle tiles (int32 in a region under 2 GiB, else int64; 4 bytes per change, at most
+    2048 changes per 32 KiB tile, so at most a quarter of the region) and the tiles it wrote
+    whole or by bitmap (int64 tile indices in the region), copied whole. Every other byte of the
+    new region equals the base's."""
+
+    positions: torch.Tensor
+    tiles: torch.Tensor
+
+    def catch_up(self, older: torch.Tensor, newer: torch.Tensor) -> None:
+        """Make ``older`` (the region before this patch) equal ``newer`` (after it) by copying
+        only the bytes this patch may have changed: 1-D uint8 CPU of the same whole-tile length."""
+        older[self.positions] = newer[self.positions]
+        if self.tiles.numel():
+            older.view(-1, TILE)[self.tiles] = newer.view(-1, TILE)[self.tiles]
 
 
 #: Bytes of a bucket's digest at the head of its payload (the bucket seal's length).
@@ -388,6 +422,6 @@ def patch_sizes(new: torch.Tensor, base: torch.Tensor) -> dict[str, int]:
             "tiled": int(costs.min(1).values.sum()) + _HEAD + 5 * counts.numel()}
 
 
-__all__ = ["Base", "DIGEST_BYTES", "DeltaError", "DeltaRefused", "KINDS", "TILE", "check_base", "check_info", "cuts",
+__all__ = ["Base", "Changes", "DIGEST_BYTES", "DeltaError", "DeltaRefused", "KINDS", "TILE", "check_base", "check_info", "cuts",
            "decode_patch", "digest_sealer", "encode_patch", "fill_stream", "patch_limit", "patch_sizes",
            "region_digest", "stream_of"]

@@ -21,6 +21,9 @@ class DeltaRebuild:
         #: The stream of the base before the current one (every tensor of it was replaced by the
         #: load of the current base, and loaders copy): the next rebuild is written into it.
         self._spare = None
+        #: The round id of the stream ``_spare`` holds (the decoder then copies only the bytes
+        #: the current base's patch changed into it, instead of the whole base).
+        self._spare_round: str | None = None
 
     def decoder(self, info: dict[str, Any], target: WireManifest, secret: Secret | None, mac: bytes) -> PatchDecoder:
         """The decoder of the round ``info`` (``update_info["delta"]``) of wire manifest
@@ -31,14 +34,15 @@ class DeltaRebuild:
             self.base = None
 
         spare, self._spare = self._spare, None
-        self._decoder = PatchDecoder(info, target, self.base, secret, mac, drop, spare)
+        spare_round, self._spare_round = self._spare_round, None
+        self._decoder = PatchDecoder(info, target, self.base, secret, mac, drop, spare, spare_round)
         return self._decoder
 
     def commit(self, next_base: delta.Base | None) -> None:
         """The round of ``next_base`` loaded whole: it becomes the base (None: no base), and the
         replaced base's stream the buffer of the next rebuild."""
         if self.base is not None and next_base is not None and self.base.stream is not next_base.stream:
-            self._spare = self.base.stream
+            self._spare, self._spare_round = self.base.stream, self.base.round_id
         self.base = next_base
 
     def take_next(self) -> delta.Base | None:

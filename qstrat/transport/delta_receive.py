@@ -31,17 +31,31 @@ class PatchDecoder:
         in the accept vote); secret, mac: key the digests; on_error: called before a DeltaError
         is raised (the receiver drops its base: out of step with the trainer); spare: a buffer
         of the stream's size to rebuild into (its bytes are overwritten; None or another size:
-        a new one).
+        a new one); spare_round: the round id of the stream ``spare`` holds (None: unknown).
+
+    Each bucket's region is first made equal to the base's: when ``spare`` holds the round the
+    base was patched from (``base.parent``), by copying only the bytes that patch changed
+    (``base.changes``), else by copying the base's region; then the patch is applied. The
+    digest over the whole rebuilt region is checked either way, so a spare that is not what
+    ``spare_round`` says (a memory fault, a loader that wrote into a view) is refused as a
+    digest mismatch, never loaded.
     """
 
     def __init__(self, info: dict[str, Any], target: WireManifest, base: delta.Base | None, secret: Secret | None,
-                 mac: bytes, on_error: Callable[[], None] = lambda: None, spare: torch.Tensor | None = None) -> None:
+                 mac: bytes, on_error: Callable[[], None] = lambda: None, spare: torch.Tensor | None = None,
+                 spare_round: str | None = None) -> None:
         self.info, self.target, self.on_error = info, target, on_error
         self.base = base if info.get("base") is not None else None
         size = delta.padded_size(target.total_bytes)
-        self.stream = spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
+        reuse = spare is not None and spare.numel() == size
+        self.stream = spare if reuse else torch.empty(size, dtype=torch.uint8)
         self.cuts = delta.cuts(target)
         self.sealer = delta.digest_sealer(secret, mac, info)
+        b = self.base
+        #: Per bucket the bytes taking ``spare`` to the base (None: copy the base's regions).
+        self.catch_up = (b.changes if reuse and b is not None and spare_round is not None and b.parent == spare_round
+                         and b.changes is not None and len(b.changes) == len(self.cuts) - 1 else None)
+        self._changes: list[delta.Changes] = []
         #: The new base once :meth:`staged` ran (None before).
         self.new_base: delta.Base | None = None
 
@@ -57,9 +71,11 @@ class PatchDecoder:
         try:
             if payload.numel() < delta.DIGEST_BYTES:
                 raise delta.DeltaError(f"the delta payload of bucket {k} is shorter than its digest", protocol.DELTA)
-            region = delta.decode_patch(payload[delta.DIGEST_BYTES:].cpu(),
-                                        None if self.base is None else self.base.stream[lo:hi], hi - lo,
-                                        self.stream[lo:hi])
+            old = None if self.base is None else self.base.stream[lo:hi]
+            if self.catch_up is not None:
+                self.catch_up[k].catch_up(self.stream[lo:hi], old)
+            region = delta.decode_patch(payload[delta.DIGEST_BYTES:].cpu(), old, hi - lo, self.stream[lo:hi],
+                                        holds_base=self.catch_up is not None, changes=self._changes)
             got = delta.region_digest(self.sealer, k, region)
             if not equal(got, bytes(payload[:delta.DIGEST_BYTES].cpu().numpy())):
                 raise delta.DeltaError(
@@ -73,7 +89,9 @@ class PatchDecoder:
         """After every bucket applied: the target tensors (views of the rebuilt stream, wire
         order); the new base is :attr:`new_base`."""
         views = [self.stream[b.stream_offset:b.stream_offset + b.nbytes] for b in self.target.buckets]
-        self.new_base = delta.Base(self.info["round"], self.target.digest, self.stream)
+        parent = self.base.round_id if self.base is not None else None
+        self.new_base = delta.Base(self.info["round"], self.target.digest, self.stream, parent,
+                                   self._changes if parent is not None else None)
         return unpack(self.target, views)
 
 
