@@ -601,8 +601,8 @@ def test_correct_gpt_oss_refits_pass_and_stale_tensors_or_unserved_experts_are_c
     top_plan = driver.plan(steps[2]).subset(lambda e: e.layer is None)  # embeddings, final norm, lm_head
     assert {e.name for e in top_plan.entries} == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     previous = dict(driver.run(steps[3]))  # the engine's weights one step before the last correct refit
-    previous.update((n, t) for n, t in driver.run(model_a.state_dict()) if n.startswith("model.layers."))  # (the
-    # steps share their layers: a stale layer comes from model A, another step's)
+    # the steps share their layers: a stale layer comes from model A, another step's
+    previous.update((n, t) for n, t in driver.run(model_a.state_dict()) if n.startswith("model.layers."))
 
     def stale(prefix):
         def transform(items):
@@ -641,8 +641,8 @@ def test_correct_gpt_oss_refits_pass_and_stale_tensors_or_unserved_experts_are_c
     assert fresh.mean_kl > 1e-4  # the old constant limit's false alarm, now within the derived limit
     for f in correct:  # FidelityError would have been raised; the limits are the first probe's floor's
         assert f.passed and f.threshold == fresh.threshold and f.median_limit == MEDIAN_FACTOR * f.median_floor
-    for caught in (stale_head, stale_layer):
-        assert caught.threshold == fresh.threshold and not caught.passed
+    for caught in (stale_head, stale_layer):  # measured 30x and 14x the mean limit (docs/fidelity.md)
+        assert caught.threshold == fresh.threshold and not caught.passed and caught.ratio > 5
     assert other.threshold == derived_limit(other.floor) and not other.passed and other.ratio > 100
 
 
