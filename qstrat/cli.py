@@ -220,7 +220,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         from qstrat.plan.cluster_report import cluster_row, cluster_table, field_table
 
         _print_summary(console, plan)
-        row = cluster_row(args.model.name, plan, driver.hf_config, *cluster)
+        row = cluster_row(args.model.name, plan, driver.model_config, *cluster)
         console.print(cluster_table([row]))
         console.print(field_table())
         return 0
@@ -270,7 +270,7 @@ def _print_plan_warnings(console: Console | None, driver: Any, plan: Any) -> Non
     from qstrat.plan.structure import idle_rules
 
     notes = idle_rules(plan.entries, driver.config)
-    cpu = plan_cpu_refit_warning(plan, driver.hf_config, driver.registry, driver.layout)
+    cpu = plan_cpu_refit_warning(plan, driver.model_config, driver.registry, driver.layout)
     for note in notes + ([cpu] if cpu is not None else []):
         if console is None:
             sys.stderr.write(f"warning: {note}\n")
