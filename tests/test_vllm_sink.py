@@ -23,7 +23,8 @@ class RecordingLLM:
         from qstrat.demo.tiny_model import TINY_QWEN3_MOE
 
         cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
-        hf = SimpleNamespace(quantization_config=quantization_config, to_dict=lambda: dict(cfg))
+        qc = {"quantization_config": quantization_config} if quantization_config is not None else {}
+        hf = SimpleNamespace(quantization_config=quantization_config, to_dict=lambda: {**cfg, **qc})  # as HF's
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
         self.calls = []
 
