@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from qstrat.engine_manifest import model_tensors_check
 from qstrat.driver import RefitDriver
 from qstrat.inputs import NamedTensors
 from qstrat.errors import QstratError
-from qstrat.model_config import language_config, with_language_config
+from qstrat.model_config import ModelConfig
 from qstrat.plan import OutputTensor, RefitPlan
 from qstrat.prepare import SinkCheck
 
@@ -44,7 +44,7 @@ _NOT_COPIED_SUFFIXES = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".
 
 
 def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: str | Path,
-                     hf_config: Mapping[str, Any] | None = None, shard_bytes: int = 4 << 30,
+                     hf_config: Any = None, shard_bytes: int = 4 << 30,
                      overwrite: bool = False, progress: Callable[[int, int], Any] | None = None,
                      source_dir: str | Path | None = None, plan: RefitPlan | None = None) -> RefitPlan:
     """Quantize ``named_tensors`` with ``driver`` and write an HF checkpoint to ``out_dir``.
@@ -56,10 +56,9 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             0777 minus the umask (0755 with the usual umask 022), like ``mkdir``, and its
             safetensors files 0666 minus the umask (0644), so that an engine running under
             another uid can read them.
-        hf_config: config.json content to write (default: the driver's ``hf_config``); its
-            ``quantization_config`` is replaced by the plan's (removed for a BF16 plan); a
-            missing or null ``architectures`` (``model.config.to_dict()`` gives null) is filled
-            in, see :func:`output_hf_config`.
+        hf_config: config.json content to write (a mapping, transformers config or ModelConfig,
+            parsed here; default: the driver's); its ``quantization_config`` is the plan's (none
+            for BF16), a null ``architectures`` filled in (:func:`output_hf_config`).
         shard_bytes: maximum bytes per safetensors shard (a single larger tensor gets a shard
             of its own). One shard is written as ``model.safetensors``, several as
             ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
@@ -104,7 +103,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         if not overwrite:
             raise OutputExistsError(f"{out} exists; pass {{option}} to replace it")
         check_replaceable(out)
-    config = hf_config if hf_config is not None else driver.hf_config
+    config = ModelConfig.of(hf_config) if hf_config is not None else driver.model_config
     # Values are checked while quantizing (an error removes the temporary directory), which
     # spares lazily loaded tensors a second read; a stream (plan given) has its devices checked
     # as its tensors arrive.
@@ -296,8 +295,9 @@ def _write_errors(out: Path) -> Iterator[None]:
         raise QstratError(f"writing {out} failed{where}: {exc.strerror or exc}; nothing was written") from exc
 
 
-def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any) -> dict[str, Any]:
-    """The config.json a checkpoint of ``plan`` gets: ``hf_config`` with the plan's
+def output_hf_config(model_config: Any, plan: RefitPlan, layout: Any) -> dict[str, Any]:
+    """The config.json a checkpoint of ``plan`` gets: ``model_config`` (a
+    :class:`~qstrat.model_config.ModelConfig`, or config.json content parsed here) with the plan's
     ``quantization_config``, its ignore list in vLLM's terms (:func:`checkpoint_quantization_config`;
     removed for a BF16 plan; a ``text_config.quantization_config`` or
     ``compression_config``, which vLLM would read too, removed) and ``architectures`` filled in when it is
@@ -314,25 +314,19 @@ def output_hf_config(hf_config: Mapping[str, Any], plan: RefitPlan, layout: Any)
     Raises: QstratError when no architecture can be inferred, or the config is not
         JSON-serializable (naming the key).
     """
-    cfg = dict(hf_config)
     # every place vLLM looks for a quantization config (text_config's: multimodal models;
     # compression_config: compressed-tensors) holds the plan's or nothing
-    cfg.pop("quantization_config", None)
-    cfg.pop("compression_config", None)
-    text = language_config(cfg)
-    if text is not cfg and "quantization_config" in text:
-        cfg = with_language_config(cfg, {k: v for k, v in text.items() if k != "quantization_config"})
-    if plan.quantization_config is not None:
-        cfg["quantization_config"] = checkpoint_quantization_config(plan, layout)
-    if not cfg.get("architectures") and cfg.get("model_type"):
-        arch = layout.output_architecture(cfg)
+    config = ModelConfig.of(model_config).with_quantization(
+        checkpoint_quantization_config(plan, layout) if plan.quantization_config is not None else None)
+    if not config.architectures and config.top_model_type:
+        arch = layout.output_architecture(config)
         if arch is None:
             raise QstratError(
-                f"the model config has no 'architectures' (model_type {cfg.get('model_type')!r}; "
+                f"the model config has no 'architectures' (model_type {config.top_model_type!r}; "
                 "model.config.to_dict() leaves it null) and qstrat cannot infer it; vLLM picks the model "
                 "class from it: set hf_config['architectures'], e.g. [type(model).__name__]")
-        cfg["architectures"] = [arch]
-    cfg = layout.output_config(cfg)
+        config = config.with_architectures([arch])
+    cfg = layout.output_config(config).to_dict()
     for key, value in cfg.items():
         try:
             json.dumps(value, allow_nan=False)  # NaN/inf is not JSON: vLLM and HF refuse the file

@@ -176,9 +176,14 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
     """
     from qstrat.checkpoint import lazy_checkpoint
     from qstrat.driver import RefitDriver
+    from qstrat.model_config import ModelConfig
 
     cfg_path, hf = _read_hf_config(model)
-    driver = RefitDriver(config, hf_config=hf)
+    try:
+        parsed = ModelConfig.of(hf)  # the door: parsed once, errors name the file
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg_path}: {exc}") from exc
+    driver = RefitDriver(config, hf_config=parsed)
     if model.is_dir() and any(model.glob("*.safetensors")):
         if grouped:
             raise ConfigError(f"--grouped plans a config-only directory, but {model} has *.safetensors: "
@@ -195,7 +200,7 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"{cfg_path}: torch_dtype {hf.get('torch_dtype')!r} is not a torch dtype")
     try:
-        shapes = list(model_tensors(driver.layout, hf, grouped))
+        shapes = list(model_tensors(driver.layout, driver.model_config, grouped))
     except KeyError as exc:
         raise ConfigError(f"{cfg_path}: missing key {exc.args[0]!r}, needed to plan the model from its "
                           "config alone (no *.safetensors in the directory)") from exc
@@ -220,7 +225,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         from qstrat.plan.cluster_report import cluster_row, cluster_table, field_table
 
         _print_summary(console, plan)
-        row = cluster_row(args.model.name, plan, driver.hf_config, *cluster)
+        row = cluster_row(args.model.name, plan, driver.model_config, *cluster)
         console.print(cluster_table([row]))
         console.print(field_table())
         return 0
@@ -270,7 +275,7 @@ def _print_plan_warnings(console: Console | None, driver: Any, plan: Any) -> Non
     from qstrat.plan.structure import idle_rules
 
     notes = idle_rules(plan.entries, driver.config)
-    cpu = plan_cpu_refit_warning(plan, driver.hf_config, driver.registry, driver.layout)
+    cpu = plan_cpu_refit_warning(plan, driver.model_config, driver.registry, driver.layout)
     for note in notes + ([cpu] if cpu is not None else []):
         if console is None:
             sys.stderr.write(f"warning: {note}\n")

@@ -8,11 +8,11 @@ Importing this module does not import vLLM.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from qstrat.engine_manifest import EngineManifest, build_manifest
 from qstrat.errors import QstratError
+from qstrat.model_config import ModelConfig
 from qstrat.plan import RefitPlan
 from qstrat.registry import Registry
 
@@ -37,7 +37,7 @@ def cpu_bf16_experts_reason(experts: list[str], shown: int = 1) -> str:
     return f"reloading unquantized MoE experts ({', '.join(experts[:shown])}{more}) {CPU_BF16_EXPERTS_REASON}"
 
 
-def plan_cpu_refit_warning(plan: RefitPlan, hf_config: Mapping[str, Any], registry: Registry,
+def plan_cpu_refit_warning(plan: RefitPlan, model_config: ModelConfig, registry: Registry,
                            layout: Any) -> str | None:
     """Why a CPU vLLM engine started on the checkpoint ``plan`` writes would refuse its refits
     (:func:`cpu_bf16_experts` against that engine's manifest: the plan's quantization_config,
@@ -45,10 +45,10 @@ def plan_cpu_refit_warning(plan: RefitPlan, hf_config: Mapping[str, Any], regist
     quantizes online do not count: :func:`qstrat.online.engine_unquantized`), or None: none would be refused, or the manifest cannot be
     built for this model (then :func:`qstrat.vllm.refit` says why when it is refit).
 
-    Args: hf_config: the model's config.json; layout: the plan's :class:`~qstrat.layouts.ModelLayout`.
+    Args: model_config: the model's parsed config (the driver's); layout: the plan's :class:`~qstrat.layouts.ModelLayout`.
     """
     try:
-        manifest = build_manifest(hf_config, plan.vllm_quantization_config(), layout, registry, platform="cpu")
+        manifest = build_manifest(model_config, plan.vllm_quantization_config(), layout, registry, platform="cpu")
     except QstratError:  # a model qstrat cannot build a manifest for: no engine refit to warn about
         return None
     from qstrat.online import engine_unquantized  # experts the engine quantizes online are quantized

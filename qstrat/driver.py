@@ -29,6 +29,7 @@ from qstrat.config import RefitConfig, load_config
 from qstrat.errors import PlanError
 from qstrat.inputs import NamedTensors, as_tensor_dict, materialize
 from qstrat.layouts import ModelLayout, detect_layout
+from qstrat.model_config import ModelConfig
 from qstrat.plan.data import PASSTHROUGH, RefitPlan, gc_paused
 from qstrat.plan.planner import Planner
 from qstrat.prepare import PreparedRefit, SinkCheck, ValuesWhen, prepare
@@ -157,14 +158,16 @@ class RefitDriver:
         config: RefitConfig, mapping, config file path or preset name (see :func:`load_config`).
         hf_config: the model's parsed ``config.json`` (selects the layout and gives the decoder
             depth for ``keep_bf16.last`` and MTP detection), or a transformers config object
-            (``model.config``: read with its ``to_dict()``). Without it the layout comes from
+            (``model.config``: read with its ``to_dict()``), or a parsed
+            :class:`~qstrat.model_config.ModelConfig`: parsed once here into
+            :attr:`model_config`, which every layer below reads. Without it the layout comes from
             ``config.layout`` (else ``generic``) and the depth is inferred from the names.
         registry: plugin registry (default: the process-wide one).
     Raises: ConfigError for an invalid config, an unknown layout name, or an ``hf_config`` that
         is neither a mapping nor has ``to_dict()``.
     """
 
-    def __init__(self, config: Any, hf_config: Mapping[str, Any] | None = None,
+    def __init__(self, config: Any, hf_config: Any = None,
                  registry: Registry | None = None) -> None:
         self.registry = registry or get_registry()
         self.config: RefitConfig = load_config(config, registry=self.registry)
@@ -177,8 +180,11 @@ class RefitDriver:
     def _read_hf_config(self) -> None:
         """Choose the layout and build the planner from ``self.hf_config`` as it reads now (at
         construction, and again when a plan finds it edited: a re-plan is a fresh driver's)."""
-        self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.hf_config)
-        self.planner = Planner(self.config, self.layout, self.rules, self.serializer, self.hf_config)
+        #: ``hf_config`` parsed once (:class:`~qstrat.model_config.ModelConfig`): what every layer
+        #: below the driver reads (layouts, planner, manifests, checkpoint writer)
+        self.model_config = ModelConfig.of(self.hf_config)
+        self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.model_config)
+        self.planner = Planner(self.config, self.layout, self.rules, self.serializer, self.model_config)
         if self.config.quantize_in == "engine":  # BF16 wire, the engine quantizes (qstrat.online)
             from qstrat.online import engine_side_planner
 
@@ -352,24 +358,18 @@ class RefitDriver:
 
 def hf_config_dict(hf_config: Any) -> dict[str, Any]:
     """``hf_config`` as a plain dict: a mapping (config.json content), a transformers config
-    (``to_dict()``), or None (empty). Raises: ConfigError for anything else."""
-    from qstrat.errors import ConfigError
-
-    if hf_config is None:
-        return {}
+    (``to_dict()``), a :class:`~qstrat.model_config.ModelConfig`, or None (empty).
+    Raises: ConfigError for anything else (:meth:`~qstrat.model_config.ModelConfig.of`)."""
     if isinstance(hf_config, Mapping):
         return dict(hf_config)
-    if callable(getattr(hf_config, "to_dict", None)):
-        return dict(hf_config.to_dict())
-    raise ConfigError(f"hf_config must be the model's config.json content (a mapping) or a transformers "
-                      f"config (model.config), got {type(hf_config).__name__}")
+    return ModelConfig.of(hf_config).to_dict()
 
 
-def layout_for(registry: Registry, name: str | None, hf_config: Mapping[str, Any] | None) -> ModelLayout:
+def layout_for(registry: Registry, name: str | None, config: ModelConfig) -> ModelLayout:
     """The layout named in config (``layout:``), else the one the HF config selects, else ``generic``.
 
     Raises: ConfigError for an unknown layout name (listing the registered ones).
     """
     if name:
         return registry.lookup("layouts", name).obj
-    return detect_layout({k: e.obj for k, e in registry.layouts.items()}, hf_config)
+    return detect_layout({k: e.obj for k, e in registry.layouts.items()}, config)

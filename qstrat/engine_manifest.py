@@ -40,6 +40,7 @@ from qstrat.engine_ignore import ignore_entries, quantizes_lm_head, unquantized_
 from qstrat.format_names import format_title
 from qstrat.errors import ConfigOnlyUnsupportedError, EngineManifestError, PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
+from qstrat.model_config import ModelConfig
 from qstrat.plan.data import RefitPlan, natural_key
 from qstrat.plan.outputs import fused_name, fusion_group
 from qstrat.plan.planner import FLOAT_INPUTS
@@ -279,14 +280,15 @@ def ignore_list(quantization_config: Mapping[str, Any] | None) -> list[str]:
     return ignore_entries(quantization_config)
 
 
-def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[str, Any] | None,
+def build_manifest(model_config: Any, quantization_config: Mapping[str, Any] | None,
                    layout: ModelLayout, registry: Registry, dtype: str | torch.dtype = "bfloat16",
                    platform: str | None = None, unbuilt: Collection[str] = (),
                    accept_mtp: bool = False) -> EngineManifest:
     """The manifest of an engine started on a checkpoint with this config (module docstring).
 
     Args:
-        hf_config: the engine's model config.json (``text_config`` is used when present).
+        model_config: the engine's model config: a :class:`~qstrat.model_config.ModelConfig`, or
+            config.json content parsed here (``text_config`` is used when present).
         quantization_config: the engine's checkpoint quantization_config (None: unquantized).
         layout: naming data of the model family; registry: where formats are looked up.
         dtype: the engine's model dtype; platform: recorded for platform-specific checks.
@@ -300,15 +302,16 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
     Raises: EngineManifestError (unknown format, a config key the model needs is missing, a shape the
         format cannot represent, a fused module the ignore list splits).
     """
+    config = ModelConfig.of(model_config)
     fmt = engine_format(quantization_config, registry)
     engine_dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
-    num_layers = layout.num_layers(hf_config)
+    num_layers = layout.num_layers(config)
     if num_layers is None:
         raise EngineManifestError(f"the engine's model config has no {layout.num_layers_key!r}")
     try:
-        grouped = list(model_tensors(layout, hf_config, grouped=True))
+        grouped = list(model_tensors(layout, config, grouped=True))
         if all(spec.splittable for spec in layout.slabs.values()):
-            per_expert = list(model_tensors(layout, hf_config))
+            per_expert = list(model_tensors(layout, config))
             slabs = [(n, s) for n, s in grouped if layout.parse(n, num_layers).slab]
         else:  # experts that exist only as whole slabs (gpt-oss): the fused form only
             slabs = [(n, s) for n, s in grouped if layout.parse(n, num_layers).kind == "expert"]
@@ -357,12 +360,11 @@ def build_manifest(hf_config: Mapping[str, Any], quantization_config: Mapping[st
                                 "members but not all (vLLM refuses such a checkpoint)")
         forms = {f: tuple(sorted(ns, key=natural_key)) for f, ns in members[unit].items()}
         units[unit] = ManifestUnit(unit, part, kind, bool(statuses and statuses.pop()), forms)
-    cfg = layout.text_config(hf_config)
-    if cfg.get("tie_word_embeddings") and layout.lm_heads:
+    if config.tie_word_embeddings and layout.lm_heads:
         emb = tensors[f"{layout.embeddings[0]}.weight"]
         name = f"{layout.lm_heads[0]}.weight"
         dropped[name] = ManifestTensor(name, emb.shape, emb.dtype, "")
-    return EngineManifest(tensors, units, layout, num_layers, layout.num_experts(hf_config),
+    return EngineManifest(tensors, units, layout, num_layers, layout.num_experts(config),
                           fmt.name if fmt else None, engine_dtype, dropped, platform)
 
 
@@ -484,10 +486,10 @@ def _few(items: Sequence[str], limit: int = 6) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, layout: ModelLayout,
+def check_model_tensors(plan: RefitPlan, model_config: Any, layout: ModelLayout,
                         registry: Registry, partial: bool = False,
                         cache: dict[Any, EngineManifest] | None = None) -> bool:
-    """Check ``plan`` against the tensors ``hf_config`` implies: the manifest of an engine started on
+    """Check ``plan`` against the tensors ``model_config`` implies: the manifest of an engine started on
     the plan's own checkpoint (:func:`build_manifest` with the plan's ``quantization_config``, MTP
     layers optional) and :func:`check_plan` - the same check ``qstrat.vllm.refit`` makes against a
     live engine, for sinks without one (``write_checkpoint``, ``RefitSender.refit``): a missing or
@@ -495,24 +497,26 @@ def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, la
     unit sent in part.
 
     Args:
-        plan: the validated plan; hf_config: the model config (None: nothing to check);
+        plan: the validated plan; model_config: the model's :class:`~qstrat.model_config.ModelConfig`
+            or config.json content (None or empty: nothing to check);
         layout, registry: the driver's; partial: the plan was given (an explicit partial refit:
             whole parts, not every layer); cache: where manifests are kept between calls, by
             model config and quantization_config (a sender's rounds; building one for
             DeepSeek-V3 takes seconds).
     Returns: True if checked; False when the layout cannot derive the model's tensors from
-        ``hf_config`` (a structure it does not generate, the ``generic`` layout, a key it lacks).
+        the config (a structure it does not generate, the ``generic`` layout, a key it lacks).
     Raises: PlanError naming every problem (:func:`check_plan`); EngineManifestError for an ignore
         list vLLM would refuse or read two ways.
     """
-    if not hf_config or layout.num_layers(hf_config) is None:
+    config = ModelConfig.of(model_config)
+    if not config or layout.num_layers(config) is None:
         return False
     qc = plan.vllm_quantization_config()
-    key = (layout.name, json.dumps(hf_config, sort_keys=True, default=repr), json.dumps(qc, sort_keys=True, default=repr))
+    key = (layout.name, config.key, json.dumps(qc, sort_keys=True, default=repr))
     manifest = cache.get(key) if cache is not None else None
     if manifest is None:
         try:
-            manifest = build_manifest(hf_config, qc, layout, registry, accept_mtp=True)
+            manifest = build_manifest(config, qc, layout, registry, accept_mtp=True)
         except ConfigOnlyUnsupportedError:
             return False
         except EngineManifestError as exc:
@@ -528,15 +532,15 @@ def check_model_tensors(plan: RefitPlan, hf_config: Mapping[str, Any] | None, la
     return True
 
 
-def model_tensors_check(driver: Any, hf_config: Mapping[str, Any] | None = None) -> Any:
+def model_tensors_check(driver: Any, model_config: ModelConfig | None = None) -> Any:
     """The ``model tensors`` :class:`~qstrat.prepare.SinkCheck` of a sink without an engine
     (``write_checkpoint``, ``RefitSender.refit``): :func:`check_model_tensors` with the driver's
-    layout and registry, against ``hf_config`` (default: the driver's), partial when the plan was
+    layout and registry, against ``model_config`` (default: the driver's), partial when the plan was
     given."""
     from qstrat.prepare import SinkCheck
 
     def run(p: Any) -> bool:
-        cfg = hf_config if hf_config is not None else driver.hf_config
+        cfg = model_config if model_config is not None else driver.model_config
         return check_model_tensors(p.plan, cfg, driver.layout, driver.registry, p.plan_given,
                                    driver.plan_cache.manifests)
     return SinkCheck("model tensors", run)

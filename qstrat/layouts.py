@@ -7,8 +7,9 @@ are the override points of a family; what each concern's default does lives in i
 - the name parser, :mod:`qstrat.name_parser`: :meth:`ModelLayout.parse` turns an HF tensor name
   into a :class:`ParsedName` (layer index, expert index, kind) from the schema - never from
   substrings (``gate`` is a substring of ``gate_proj``);
-- facts read from an HF config, :mod:`qstrat.layout_config`: decoder depth, routed experts,
-  MTP layers, the architecture an output config.json names (transformers' auto tables);
+- facts read from the model's parsed config (:class:`~qstrat.model_config.ModelConfig`),
+  :mod:`qstrat.layout_config`: decoder depth, routed experts, MTP layers, the architecture an
+  output config.json names (transformers' auto tables);
 - the slab policy, :mod:`qstrat.slabs`: :class:`SlabSpec` and why a slab must stay whole;
 - the tensors a config.json implies, :mod:`qstrat.skeleton` (:class:`~qstrat.skeleton.LayoutTensors`,
   the Llama-style default every layout inherits).
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qstrat import layout_config, name_parser
-from qstrat.model_config import language_config
+from qstrat.model_config import ModelConfig
 from qstrat.name_parser import WRAPPER_PREFIXES, ParsedName
 from qstrat.skeleton import LayoutTensors
 from qstrat.slabs import Shape, SlabSpec, whole_slab_reason
@@ -87,8 +88,8 @@ class ModelLayout(LayoutTensors):
         num_layers_key / mtp_layers_key: HF config keys for decoder depth and MTP layer count.
         num_experts_keys: HF config keys that may hold the routed expert count (first set wins).
 
-    Methods read the model's facts from an HF config (``text_config`` of a multimodal config
-    first): :meth:`num_layers`, :meth:`num_experts`, :meth:`num_mtp_layers`,
+    Methods read the model's facts from its parsed config (:class:`~qstrat.model_config.ModelConfig`,
+    the language model's keys): :meth:`num_layers`, :meth:`num_experts`, :meth:`num_mtp_layers`,
     :meth:`is_moe_layer`, :meth:`output_architecture`; and from the layout's data:
     :meth:`whole_slab_reason`.
     """
@@ -124,47 +125,41 @@ class ModelLayout(LayoutTensors):
     mtp_layers_key: str | None = None
     num_experts_keys: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
 
-    @staticmethod
-    def text_config(hf_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
-        """The language model's config: ``text_config`` of a multimodal config, else the config.
-        Raises ConfigError for a ``text_config`` that is not a mapping
-        (:func:`qstrat.model_config.language_config`)."""
-        return language_config(hf_config)
+    # ---- facts from the model's config (qstrat.layout_config) ---------------------------------
+    def num_layers(self, config: ModelConfig) -> int | None:
+        """Decoder depth from the model's config, or None when the config does not say."""
+        return layout_config.num_layers(config, self.num_layers_key)
 
-    # ---- facts from the HF config (qstrat.layout_config) --------------------------------------
-    def num_layers(self, hf_config: Mapping[str, Any] | None) -> int | None:
-        """Decoder depth from an HF config, or None when the config does not say."""
-        return layout_config.num_layers(hf_config, self.num_layers_key)
-
-    def num_experts(self, hf_config: Mapping[str, Any] | None) -> int | None:
+    def num_experts(self, config: ModelConfig) -> int | None:
         """Routed experts per MoE layer (the first of :attr:`num_experts_keys` set), or None for
         a dense model or a config that does not say."""
-        return layout_config.num_experts(hf_config, self.num_experts_keys)
+        return layout_config.num_experts(config, self.num_experts_keys)
 
-    def num_mtp_layers(self, hf_config: Mapping[str, Any] | None) -> int:
+    def num_mtp_layers(self, config: ModelConfig) -> int:
         """Multi-token-prediction layers stored after the decoder layers (DeepSeek-V3: 1)."""
-        return layout_config.num_mtp_layers(hf_config, self.mtp_layers_key)
+        return layout_config.num_mtp_layers(config, self.mtp_layers_key)
 
-    def is_moe_layer(self, hf_config: Mapping[str, Any] | None, layer: int) -> bool:
+    def is_moe_layer(self, config: ModelConfig, layer: int) -> bool:
         """Whether decoder layer ``layer`` has routed experts: every layer of a model with
         experts (Mixtral, gpt-oss). Families with dense layers override it (DeepSeek's
         ``first_k_dense_replace``, Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``)."""
-        return bool(self.num_experts(hf_config))
+        return bool(self.num_experts(config))
 
     # ---- what an output checkpoint's config.json says -----------------------------------------
-    def output_architecture(self, hf_config: Mapping[str, Any]) -> str | None:
-        """The ``architectures`` entry an output config.json gets when ``hf_config`` has none
+    def output_architecture(self, config: ModelConfig) -> str | None:
+        """The ``architectures`` entry an output config.json gets when ``config`` has none
         (``model.config.to_dict()`` leaves it null; vLLM picks the model class from it):
         :func:`qstrat.layout_config.architecture_for` - transformers' auto-model table, else this
         layout's architecture when it names exactly one; None when neither says."""
-        return layout_config.architecture_for(hf_config, self.architectures)
+        return layout_config.architecture_for(config, self.architectures)
 
-    def output_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    def output_config(self, config: ModelConfig) -> ModelConfig:
         """The model config a checkpoint of this family is written with (``write_checkpoint``'s
-        config.json): ``hf_config`` as given. A family whose transformers modeling fixes what vLLM
-        reads from a config key (with another default) overrides it: it fills in the key, or
-        refuses (QstratError naming the key) a value vLLM would read differently from the trainer."""
-        return dict(hf_config)
+        config.json): ``config`` as given. A family whose transformers modeling fixes what vLLM
+        reads from a config key (with another default) overrides it: it fills in the key
+        (:meth:`~qstrat.model_config.ModelConfig.with_language`), or refuses (QstratError naming
+        the key) a value vLLM would read differently from the trainer."""
+        return config
 
     # ---- slab policy (qstrat.slabs) -----------------------------------------------------------
     def whole_slab_reason(self, projection: str | None, shape: Shape) -> str | None:
@@ -215,25 +210,19 @@ class ModelLayout(LayoutTensors):
         return name_parser.in_mlp(self, module, t)
 
 
-def detect_layout(layouts: Mapping[str, ModelLayout], hf_config: Mapping[str, Any] | None) -> ModelLayout:
+def detect_layout(layouts: Mapping[str, ModelLayout], model_config: Any) -> ModelLayout:
     """Choose a layout by HF ``architectures`` / ``model_type``, else the generic one.
 
     Args:
         layouts: registered layouts by name (must include ``generic``).
-        hf_config: parsed ``config.json`` or None.
+        model_config: the model's config: a :class:`~qstrat.model_config.ModelConfig`, or what
+            :meth:`~qstrat.model_config.ModelConfig.of` parses (config.json content, None).
     Raises: ConfigError naming the key for an ``architectures`` that is not a list of class
         names or a ``model_type`` that is not a string (null or absent are fine).
     """
-    from qstrat.errors import ConfigError
-
-    cfg = hf_config or {}
-    archs = cfg.get("architectures")
-    if archs is not None and (not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs)):
-        raise ConfigError(f"model config: architectures must be a list of class names (strings), got {archs!r}")
-    model_type = cfg.get("model_type") or ModelLayout.text_config(cfg).get("model_type")
-    if model_type is not None and not isinstance(model_type, str):
-        raise ConfigError(f"model config: model_type must be a string, got {model_type!r}")
-    archs = set(archs or ())
+    config = ModelConfig.of(model_config)
+    model_type = config.model_type
+    archs = set(config.architectures)
     for layout in layouts.values():
         if archs & set(layout.architectures) or (model_type and model_type in layout.model_types):
             return layout

@@ -42,6 +42,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from qstrat.errors import PlanError
+from qstrat.model_config import ModelConfig
 from qstrat.plan.data import PASSTHROUGH, RefitPlan
 
 #: Layer kinds of vLLM's online quantization config: ``linear`` (``LinearBase``), ``moe`` (``RoutedExperts``).
@@ -187,7 +188,7 @@ def online_config(plan: RefitPlan, registry: Any, version: str | None = None,
     return cfg
 
 
-def engine_class_names(hf_config: Mapping[str, Any] | None, layout: Any) -> Any:
+def engine_class_names(model_config: ModelConfig, layout: Any) -> Any:
     """The names of the vLLM model class an engine builds for this model (its ``architectures``,
     else the layout's), read from the installed vLLM's class
     (:func:`qstrat.vllm_adapter.model_names.class_names`); None where vLLM is not installed, or
@@ -198,7 +199,7 @@ def engine_class_names(hf_config: Mapping[str, Any] | None, layout: Any) -> Any:
 
     from qstrat.vllm_adapter.model_names import class_names
 
-    archs = tuple((hf_config or {}).get("architectures") or ()) + tuple(getattr(layout, "architectures", ()) or ())
+    archs = model_config.architectures + tuple(getattr(layout, "architectures", ()) or ())
     if not archs:
         return None
     try:
@@ -273,19 +274,19 @@ class EngineSidePlanner:
         """The BF16 wire plan with ``engine_quantization`` set. Raises PlanError (either plan's
         errors; :func:`online_config`'s refusals)."""
         strategy = self.strategy_plan(tensors)
-        names = engine_class_names(self.quantizing.hf_config, self.quantizing.layout)
+        names = engine_class_names(self.quantizing.model_config, self.quantizing.layout)
         online = online_config(strategy, self.registry, self.vllm_version, names)
         wire = self.wire.plan(tensors)
         return replace(wire, config=strategy.config, engine_quantization=online)
 
 
 def engine_side_planner(driver: Any) -> EngineSidePlanner:
-    """:class:`EngineSidePlanner` for ``driver`` (its planner, layout, serializers, hf_config)."""
+    """:class:`EngineSidePlanner` for ``driver`` (its planner, layout, serializers, model config)."""
     from qstrat.plan.planner import Planner
     from qstrat.rules import RuleSet
 
     cfg = wire_config(driver.config, driver.registry)
-    wire = Planner(cfg, driver.layout, RuleSet(cfg, driver.registry), driver.serializer, driver.hf_config)
+    wire = Planner(cfg, driver.layout, RuleSet(cfg, driver.registry), driver.serializer, driver.model_config)
     return EngineSidePlanner(driver.planner, wire, driver.registry)
 
 

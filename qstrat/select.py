@@ -18,6 +18,7 @@ import torch
 from qstrat.driver import RefitDriver
 from qstrat.inputs import TensorSpec
 from qstrat.layouts import ModelLayout
+from qstrat.model_config import ModelConfig
 from qstrat.plan.data import RefitPlan
 from qstrat.rules import Decision
 
@@ -63,7 +64,7 @@ def select(config: Any, module_or_names: torch.nn.Module | Mapping[str, Any] | I
         hf_config = _module_config(module_or_names)
     driver = RefitDriver(config, hf_config=hf_config)
     if plan is None:
-        plan = driver.plan(_specs(driver.layout, module_or_names, driver.hf_config))
+        plan = driver.plan(_specs(driver.layout, module_or_names, driver.model_config))
     else:  # the plan's inputs must be the given tensors' (names, shapes, dtypes), not another model's
         given = isinstance(module_or_names, (torch.nn.Module, Mapping))
         driver.check_plan(plan, _specs(driver.layout, module_or_names) if given else None)
@@ -97,9 +98,9 @@ def _module_config(module: torch.nn.Module) -> dict[str, Any] | None:
     return None
 
 
-def _specs(layout: ModelLayout, source: Any, hf_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _specs(layout: ModelLayout, source: Any, model_config: ModelConfig | None = None) -> dict[str, Any]:
     """What :func:`select` plans: name -> anything with ``.shape`` and ``.dtype`` (a grouped slab
-    named bare holds ``hf_config``'s routed expert count, which the plan checks it against; a
+    named bare holds ``model_config``'s routed expert count, which the plan checks it against; a
     single str is one name)."""
     if isinstance(source, torch.nn.Module):
         # every name a parameter has, as state_dict() lists it: a tied lm_head shares the
@@ -108,7 +109,7 @@ def _specs(layout: ModelLayout, source: Any, hf_config: Mapping[str, Any] | None
     if isinstance(source, Mapping):
         return dict(source)
     d = NAME_ONLY_DIM
-    experts = layout.num_experts(hf_config) or 1
+    experts = (layout.num_experts(model_config) if model_config is not None else None) or 1
     specs = {}
     for n in [source] if isinstance(source, str) else source:
         p = layout.parse(n)

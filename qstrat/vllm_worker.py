@@ -27,12 +27,11 @@ from qstrat.online import engine_online_args
 from qstrat.plan import RefitPlan
 from qstrat.vllm.checks import sink_checks
 from qstrat.vllm.manifest import model_manifest
-from qstrat.vllm.quant_config import quantization_config_of
 from qstrat.vllm.flag import plan_coverage
 from qstrat.vllm.reload import _finalize_worker_reload, flagged_reload
 from qstrat.vllm.sink import RefitReport
 from qstrat.vllm_adapter.model_record import read_engine_model
-from qstrat.vllm_adapter.views import WorkerView, hf_config_of
+from qstrat.vllm_adapter.views import WorkerView, parsed_config_of
 
 
 def checkpoint_driver(model_config: Any) -> RefitDriver:
@@ -51,7 +50,7 @@ def checkpoint_driver(model_config: Any) -> RefitDriver:
         raise ConfigError(f"the engine's model {model_config.model!r} is not a qstrat checkpoint ({plan_file}: "
                           f"{type(exc).__name__}: {exc}); start the rollout engine on one (`qstrat quantize`), "
                           "whose strategy every refit then uses") from exc
-    return RefitDriver(config, hf_config=hf_config_of(model_config).to_dict())
+    return RefitDriver(config, hf_config=parsed_config_of(model_config))
 
 
 def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver | None = None,
@@ -84,7 +83,7 @@ def refit_worker(worker: Any, named_tensors: NamedTensors, driver: RefitDriver |
         manifests.append(model_manifest(mc, driver.registry, driver.config.layout, read_engine_model(worker)))
         return manifests[-1]
 
-    checks = sink_checks(lambda: quantization_config_of(hf_config_of(mc)), manifest,
+    checks = sink_checks(lambda: parsed_config_of(mc).quantization_config, manifest,
                          driver, allow_cpu_bf16_experts=allow_cpu_bf16_experts, flagged=worker,
                          online=lambda: engine_online_args(mc))
     prepared = driver.prepare(named_tensors, plan, checks)  # values first: vLLM's reload has no rollback

@@ -16,6 +16,9 @@ are spelled: ``quant_algo`` upper-cased, ``group_size`` as an integer (``"16"`` 
 MiniMax-style ``quant_method: mxfp8`` (ModelOpt MXFP8); a config vLLM refuses is refused naming
 the key (:class:`EngineConfigRefused`).
 
+:class:`EngineFormat` is this contract as a format's methods (one of the three jobs
+:class:`qstrat.serializers.Serializer` joins: the math, this contract, the emulation hooks).
+
 Used by :func:`qstrat.engine_manifest.engine_format` (which registered format an engine serves)
 and :func:`qstrat.engine_manifest.plan_format_mismatch` (is the plan's format the engine's).
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 #: quantization_config keys the default rule compares (the keys vLLM's fp8 and ModelOpt
 #: configs are told apart by: method, ModelOpt algorithm, FP8 tile, NVFP4 block).
@@ -212,3 +215,71 @@ class on_defaults(Generic[R]):  # noqa: N801 - used as a decorator, like classme
         if obj is None:
             return lambda *args, **kwargs: self.fn(cls(), *args, **kwargs)  # type: ignore[misc]
         return functools.partial(self.fn, obj)
+
+
+class EngineFormat:
+    """A format's engine contract: the ``quantization_config`` a checkpoint in it carries, which
+    engine configs serve it, and the fused modules vLLM can load in it (vLLM's
+    ``QuantizationConfig``: ``from_config`` / ``get_quant_method``). Reads no weight.
+
+    Class attributes: ``name`` (registry name), ``quantizes`` (False for passthrough formats:
+    modules using them go into the engine's ignore list).
+    """
+
+    name: ClassVar[str]
+    quantizes: ClassVar[bool] = True
+
+    def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any] | None:
+        """The engine's ``quantization_config`` for a checkpoint in this format.
+
+        Args: ignored: vLLM module prefixes left unquantized (``model.layers.0.mlp.gate``).
+        Returns: the config dict, or None for a passthrough format.
+        """
+        return None
+
+    def engine_config_mismatch(self, quantization_config: Mapping[str, Any]) -> str | None:
+        """Why an engine started with ``quantization_config`` does not serve this format's
+        checkpoints (with these options), or None when it does. Override to tell apart configs
+        the default rule cannot (compare more keys with
+        :func:`~qstrat.serializers.engine_contract.config_difference`).
+
+        Default: the format's own ``vllm_quantization_config([])`` and the engine's agree on
+        :data:`~qstrat.serializers.engine_contract.MATCH_KEYS` as vLLM reads them
+        (:func:`~qstrat.serializers.engine_contract.read_difference`: lower-case ``quant_algo``,
+        ``group_size: "16"``, the nested ModelOpt form, MiniMax ``mxfp8`` are what vLLM accepts; a
+        config vLLM refuses is refused naming the key); a passthrough format (no config) serves
+        no quantized engine.
+
+        Args: quantization_config: the engine's (its config.json ``quantization_config``).
+        Returns: ``"quantization_config.KEY: engine has X, NAME writes Y"`` or None.
+        """
+        mine = self.vllm_quantization_config([])
+        if mine is None:
+            return f"{self.name} writes no quantization_config (a passthrough format)"
+        return read_difference(mine, quantization_config, self.name)
+
+    def engine_fusion_problem(self, rows: Sequence[int], experts: bool) -> str | None:
+        """Why vLLM cannot load, in this format, one fused module made of members with these
+        row counts, or None when it can. Checked at plan time for every engine-fused group
+        (q/k/v, gate/up of a dense MLP: ``experts=False``; gate/up of routed experts, whose
+        down_proj vLLM's fused-MoE layer builds with them: ``experts=True``), so that no
+        checkpoint or refit reaches an engine that then fails on it (docs/formats.md).
+
+        Default: None (formats whose scales are per row, e.g. MXFP8, NVFP4, load any split).
+
+        Args: rows: each member's weight rows (N), in the engine's fused order (q, k, v;
+            gate, up); experts: a routed experts module.
+        Returns: the reason, naming the rule vLLM applies, or None.
+        """
+        return None
+
+    @on_defaults
+    def matches_engine_config(self, quantization_config: Mapping[str, Any]) -> bool:
+        """Whether an engine started with ``quantization_config`` serves this format's
+        checkpoints: :meth:`engine_config_mismatch` is None. On the class
+        (``BlockFP8.matches_engine_config(cfg)``) it asks the format with default options.
+
+        Raises: pydantic ValidationError (on the class) if the format's options have no defaults.
+        """
+        return self.engine_config_mismatch(quantization_config) is None
+

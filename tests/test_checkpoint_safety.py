@@ -21,6 +21,7 @@ from qstrat import QstratError, RefitDriver
 from qstrat.cli import main
 from qstrat.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
 from qstrat.errors import BackendUnavailableError
+from qstrat.model_config import ModelConfig
 
 NORM = {"model.norm.weight": torch.ones(8)}
 CFG = {"model_type": "x", "architectures": ["XForCausalLM"]}
@@ -331,7 +332,7 @@ def test_vllm_knows_the_inferred_architecture():
 
     for model_type, arch in [("qwen3_moe", "Qwen3MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
                              ("mixtral", "MixtralForCausalLM")]:
-        assert GENERIC.output_architecture({"model_type": model_type}) == arch
+        assert GENERIC.output_architecture(ModelConfig.of({"model_type": model_type})) == arch
         assert arch in registry.get_supported_archs()
 
 

@@ -355,8 +355,11 @@ def test_the_quantization_config_is_read_where_vllm_reads_it():
 
     nv = NVFP4().vllm_quantization_config(["lm_head"])
     assert quantization_config_of({"text_config": {"quantization_config": nv}}) == nv
-    assert quantization_config_of(types.SimpleNamespace(quantization_config=None, text_config=types.SimpleNamespace(
-        quantization_config=nv))) == nv
+    import transformers  # an HF config object (vLLM's hf_config): its text config is a sub-config object
+
+    multimodal = transformers.AutoConfig.for_model("qwen3_5_moe")
+    multimodal.text_config.quantization_config = nv
+    assert quantization_config_of(multimodal) == nv
     assert quantization_config_of({"quantization_config": nv, "text_config": {"quantization_config": {"x": 1}}}) == nv
     assert quantization_config_of({"compression_config": {"quant_method": "compressed-tensors"}}) == {
         "quant_method": "compressed-tensors"}

@@ -22,6 +22,7 @@ from qstrat.hookspecs import hookimpl
 from qstrat.layouts import ModelLayout
 from qstrat.sharding import ExpertParallel
 from qstrat.skeleton import model_tensors
+from qstrat.model_config import ModelConfig
 
 import model_families as mf
 
@@ -91,7 +92,7 @@ def test_per_expert_form_is_the_grouped_slabs_cut_per_expert(family):
             for proj in parts:
                 want[f"{p.engine_module}.{e}.{proj}.weight"] = (shape[1] // len(parts), shape[2])
     assert per_expert == want
-    assert per_expert[f"{layout.layers_prefix}.{layout.num_layers(hf) - 1}.{layout.mlp_blocks[0]}.experts.3.{down}"
+    assert per_expert[f"{layout.layers_prefix}.{layout.num_layers(ModelConfig.of(hf)) - 1}.{layout.mlp_blocks[0]}.experts.3.{down}"
                       ".weight"] == (cfg.hidden_size, hf.get("moe_intermediate_size") or cfg.intermediate_size)
 
 
@@ -219,11 +220,11 @@ def test_whole_slab_reason_is_the_layouts_answer():
 
 def test_output_architecture():
     """transformers' table for a model_type it knows; else the layout's one architecture; else None."""
-    assert QWEN3.output_architecture({"model_type": "qwen3"}) == "Qwen3ForCausalLM"
-    assert GENERIC.output_architecture({"model_type": "mixtral"}) == "MixtralForCausalLM"
-    assert GPT_OSS.output_architecture({"model_type": "my_oss"}) == "GptOssForCausalLM"
-    assert QWEN3.output_architecture({"model_type": "my_qwen"}) is None  # names two
-    assert GENERIC.output_architecture({}) is None
+    assert QWEN3.output_architecture(ModelConfig.of({"model_type": "qwen3"})) == "Qwen3ForCausalLM"
+    assert GENERIC.output_architecture(ModelConfig.of({"model_type": "mixtral"})) == "MixtralForCausalLM"
+    assert GPT_OSS.output_architecture(ModelConfig.of({"model_type": "my_oss"})) == "GptOssForCausalLM"
+    assert QWEN3.output_architecture(ModelConfig.of({"model_type": "my_qwen"})) is None  # names two
+    assert GENERIC.output_architecture(ModelConfig.of({})) is None
 
 
 # ---- a plugin family supplies its tensor shapes ------------------------------------------------
@@ -232,13 +233,13 @@ class Phi3Layout(ModelLayout):
     ``self_attn.qkv_proj`` [(heads + 2 kv) * d, H] and ``mlp.gate_up_proj`` [2I, H]."""
 
     def attention_tensors(self, p, c):
-        h, heads, d = int(c["hidden_size"]), int(c["num_attention_heads"]), self.head_dim(c)
-        kv = int(c.get("num_key_value_heads") or heads)
+        h, heads, d = c.hidden_size, c.num_attention_heads, self.head_dim(c)
+        kv = c.num_key_value_heads or heads
         yield f"{p}.qkv_proj.weight", ((heads + 2 * kv) * d, h)
         yield f"{p}.o_proj.weight", (h, heads * d)
 
     def mlp_tensors(self, p, c, i, grouped):
-        h, inter = int(c["hidden_size"]), int(c["intermediate_size"])
+        h, inter = c.hidden_size, c.intermediate_size
         yield f"{p}.gate_up_proj.weight", (2 * inter, h)
         yield f"{p}.down_proj.weight", (h, inter)
 

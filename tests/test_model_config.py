@@ -2,6 +2,7 @@
 generated (no ZeroDivisionError, negative dimension or endless generation), named in the error."""
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from qstrat import RefitDriver
 from qstrat.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
 from qstrat.errors import ConfigError
-from qstrat.model_config import bounded, check_model_config, language_config
+from qstrat.model_config import INT_KEYS, BOOL_KEYS, ModelConfig, bounded, check_model_config, language_config
 from qstrat.skeleton import model_tensors
 
 from conftest import model_config
@@ -99,7 +100,7 @@ def test_one_language_config_lookup_serves_every_reader():
     assert text_vocab_size(SimpleNamespace(config=obj)) == 7
     assert with_language_config(mm, {"x": 1}) == {"model_type": "kimi_vl", "text_config": {"x": 1}}
     assert with_language_config({"y": 2}, {"x": 1}) == {"x": 1}
-    out = DEEPSEEK_V3.output_config(mm)  # V3's routing keys filled in where the language model's config is
+    out = DEEPSEEK_V3.output_config(ModelConfig.of(mm)).to_dict()  # V3's routing keys where the language model's config is
     assert out["text_config"]["scoring_func"] == "sigmoid" and "scoring_func" not in out
     # no module reads text_config by hand: only model_config.py names the key in code
     root = Path(__file__).resolve().parents[1] / "qstrat"
@@ -109,3 +110,116 @@ def test_one_language_config_lookup_serves_every_reader():
                             and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "layout", "ModelLayout"))
                             for n in ast.walk(ast.parse(p.read_text()))))
     assert readers == ["model_config.py"], readers
+
+
+# ---- the model config parsed once, at the door (issue 43) -------------------------------------
+#: Modules that take a model config from outside - the doors - and parse it
+#: (:meth:`qstrat.model_config.ModelConfig.of`): module -> what comes in there.
+DOORS = {
+    "model_config.py": "the parser itself",
+    "driver.py": "RefitDriver(config, hf_config=...): parsed into driver.model_config; PlanCache notes edits",
+    "checkpoint.py": "write_checkpoint(..., hf_config=...)",
+    "select.py": "select(config, module, hf_config=...) and a module's own .config",
+    "cli.py": "config.json read from a model directory",
+    "fidelity.py": "a loaded transformers model's config object (the probe's vocabulary)",
+    "integrations/": "a trainer's model.config",
+    "demo/": "the demo model's config, built there",
+    "vllm_adapter/": "a vLLM engine's config object (views.parsed_config_of)",
+    "vllm/quant_config.py": "engine_quantization_config(llm): the engine view's hf_config",
+    "transport/delta_churn.py": "a benchmark building the demo model's config",
+}
+#: config.json keys: reading one from a dict by name (``cfg["hidden_size"]``, ``cfg.get("model_type")``,
+#: ``"n_group" in cfg``) is parsing the config again.
+CONFIG_KEYS = (set(INT_KEYS) | set(BOOL_KEYS) | {"architectures", "model_type", "text_config", "vision_config",
+               "compression_config", "layer_types", "mlp_only_layers", "topk_method", "n_group"})
+#: functions that read a config dict (model_config.py's helpers of the parser).
+DICT_READERS = {"language_config", "with_language_config", "check_model_config"}
+
+
+def config_dict_reads(source: str) -> list[str]:
+    """Where ``source`` reads a model config as a dict: a config key subscripted, ``.get`` /
+    ``.pop`` / ``.setdefault`` or tested with ``in``; a :data:`DICT_READERS` call; or anything
+    named ``hf_config`` (a parameter, a variable, an attribute) - ``line: what``."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        what = None
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in CONFIG_KEYS:
+            what = f"[{n.slice.value!r}]"
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("get", "pop", "setdefault")
+              and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value in CONFIG_KEYS):
+            what = f".{n.func.attr}({n.args[0].value!r})"
+        elif (isinstance(n, ast.Compare) and isinstance(n.left, ast.Constant) and n.left.value in CONFIG_KEYS
+              and any(isinstance(op, (ast.In, ast.NotIn)) for op in n.ops)):
+            what = f"{n.left.value!r} in"
+        elif isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) in DICT_READERS:
+            what = f"{getattr(n.func, 'id', getattr(n.func, 'attr', None))}()"
+        elif (isinstance(n, ast.Name) and n.id == "hf_config" or isinstance(n, ast.arg) and n.arg == "hf_config"
+              or isinstance(n, ast.Attribute) and n.attr == "hf_config"):
+            what = "hf_config"
+        if what:
+            found.append(f"{n.lineno}: {what}")
+    return found
+
+
+def test_no_module_below_the_door_reads_a_config_dict():
+    """The model config is parsed once where it comes in (:data:`DOORS`) into a ModelConfig that
+    every layer below reads by typed attribute: layouts, tensor generators, the planner, manifests,
+    checks, the sender. Found by AST (keys by name, not by grep)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "qstrat"
+    readers = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.split("/")[0] in ("serializers", "strategies") or any(rel == d or rel.startswith(d) for d in DOORS
+                                                                     if d.endswith("/") or d == rel):
+            continue
+        found = config_dict_reads(path.read_text())
+        if found:
+            readers[rel] = found
+    assert readers == {}, readers
+
+
+def test_the_dict_read_check_fails_on_each_form():
+    """Each form the check above looks for is found (a check that finds nothing proves nothing)."""
+    source = '''
+def f(cfg, hf_config):
+    a = cfg["hidden_size"]
+    b = cfg.get("model_type")
+    c = "n_group" in cfg
+    d = language_config(cfg)
+    e = driver.hf_config
+    return cfg["layout"], cfg.get("ignore"), config.hidden_size
+'''
+    assert config_dict_reads(source) == ["2: hf_config", "3: ['hidden_size']", "4: .get('model_type')",
+                                         "5: 'n_group' in", "6: language_config()", "7: hf_config"]
+
+
+def test_model_config_reads_as_the_generators_did():
+    """Typed attributes: absent or null gives the default, a key without one is a KeyError naming
+    it; the language model's keys of a multimodal config; a copy, not a view of the caller's dict."""
+    given = {"model_type": "kimi_vl", "architectures": ["KimiVL"], "vision_config": {"depth": 2},
+             "text_config": {"hidden_size": 64, "num_attention_heads": 4, "qkv_bias": None, "n_group": 8,
+                             "model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}}}
+    c = ModelConfig.of(given)
+    assert (c.hidden_size, c.head_dim, c.num_key_value_heads, c.attention_bias, c.qkv_bias) == (64, None, None, False, None)
+    assert (c.n_group, c.first_k_dense_replace, c.mlp_only_layers, c.layer_types) == (8, 0, (), ())
+    assert (c.model_type, c.top_model_type, c.language_model_type, c.architectures) == (
+        "kimi_vl", "kimi_vl", "deepseek_v3", ("KimiVL",))
+    assert c.vision.depth == 2 and c.quantization_config == {"quant_method": "fp8"} and c.multimodal
+    with pytest.raises(KeyError, match="vocab_size"):
+        c.vocab_size
+    assert c.known("vocab_size") is None and c.known("hidden_size") == 64
+    with pytest.raises(AttributeError, match="no config key attribute 'hiden_size'"):
+        c.known("hiden_size")
+    given["text_config"]["hidden_size"] = 128  # the caller's dict edited: the parsed config is a copy
+    assert c.hidden_size == 64 and ModelConfig.of(c) is c and ModelConfig.of(None).raw == {}
+    with pytest.raises(TypeError):
+        c.raw["model_type"] = "x"  # read-only
+    out = c.with_quantization({"quant_method": "modelopt"}).to_dict()
+    assert out["quantization_config"] == {"quant_method": "modelopt"} and "quantization_config" not in out["text_config"]
+    assert c.with_language(qkv_bias=True).qkv_bias is True and c.qkv_bias is None
+    with pytest.raises(ConfigError, match="hf_config must be the model's config.json content"):
+        ModelConfig.of(42)
+    with pytest.raises(ConfigError, match="architectures must be a list of class names"):
+        ModelConfig.of({"architectures": "Llama"}).architectures

@@ -22,6 +22,7 @@ import torch
 
 from qstrat import PlanError, RefitDriver
 from qstrat.plan.data import PASSTHROUGH
+from qstrat.model_config import ModelConfig
 
 import model_families as mf
 
@@ -306,7 +307,7 @@ def test_full_size_transformers_class_on_meta_plans(name, layout):
     plan = driver.plan(sd)
     assert driver.layout.name == layout
     assert not [e for e in plan.entries if e.kind == "other" and e.rule != "not a weight matrix"]
-    n = driver.layout.num_layers(hf)
+    n = driver.layout.num_layers(ModelConfig.of(hf))
     skeleton = {k: s for k, s in model_tensors(driver.layout, hf, grouped=True)
                 if driver.layout.parse(k, n).kind != "mtp"}
     assert skeleton == {k: tuple(v.shape) for k, v in sd.items()}
@@ -323,7 +324,7 @@ def test_skeleton_names_the_transformers_class_tensors(family):
     cfg = mf.hf_config(family)
     hf = mf.config_dict(cfg)
     layout = RefitDriver("bf16", hf_config=hf).layout
-    n = layout.num_layers(hf)
+    n = layout.num_layers(ModelConfig.of(hf))
     skeleton = {k: s for k, s in model_tensors(layout, hf, grouped=True) if layout.parse(k, n).kind != "mtp"}
     real = {layout.checkpoint_name(k): tuple(v.shape) for k, v in mf.hf_state_dict(family, cfg).items()}
     assert skeleton == real

@@ -26,7 +26,7 @@ def engine(tiny_model, tiny_hf_config, monkeypatch):
     monkeypatch.setattr(qstrat.vllm.manifest, "device_type", lambda: "cpu")
     qc = RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tiny_model.state_dict()).vllm_quantization_config()
     cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
-    hf = SimpleNamespace(quantization_config=qc, to_dict=lambda: dict(cfg))
+    hf = SimpleNamespace(quantization_config=qc, to_dict=lambda: {**cfg, "quantization_config": qc})  # as HF's
     mc = SimpleNamespace(hf_config=hf, dtype="bfloat16", multimodal_config=None)
     return EngineExpectations(qstrat.vllm.model_manifest(mc), qstrat.vllm.quantization_config_of(hf))
 

@@ -23,7 +23,8 @@ class RecordingLLM:
         from qstrat.demo.tiny_model import TINY_QWEN3_MOE
 
         cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
-        hf = SimpleNamespace(quantization_config=quantization_config, to_dict=lambda: dict(cfg))
+        qc = {"quantization_config": quantization_config} if quantization_config is not None else {}
+        hf = SimpleNamespace(quantization_config=quantization_config, to_dict=lambda: {**cfg, **qc})  # as HF's
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, dtype=torch.bfloat16))
         self.calls = []
 
@@ -118,7 +119,7 @@ def test_wildcard_ignore_lists_are_understood(tiny_model, tiny_hf_config):
 
 
 def test_refit_reads_each_weight_once_for_nan(tiny_model, driver, monkeypatch):
-    import qstrat.serializers.base as base
+    import qstrat.serializers.format_math as base  # where quantize reads values
 
     calls = []
     real = base.check_finite

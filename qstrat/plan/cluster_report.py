@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from qstrat.model_config import ModelConfig
 from qstrat.plan.cluster import route
 from qstrat.plan.cluster_layout import EngineLayout, TrainerLayout
 from qstrat.plan.data import RefitPlan
@@ -24,12 +25,12 @@ FIELD = (
 )
 
 
-def cluster_row(model: str, plan: RefitPlan, hf_config: Mapping[str, Any] | None, trainer: TrainerLayout,
+def cluster_row(model: str, plan: RefitPlan, model_config: ModelConfig, trainer: TrainerLayout,
                 engine: EngineLayout, rate_bps: float, efficiency: float = 1.0) -> dict[str, Any]:
     """One model's figures (bytes in GB = 1e9, seconds at ``rate_bps * efficiency``): the mesh
     round's busiest link and time, against today's broadcast pipelined, as a binomial tree (gloo)
     and flat (:meth:`qstrat.plan.cluster.ClusterRound.broadcast_bytes`)."""
-    r = route(plan, trainer, engine, hf_config)
+    r = route(plan, trainer, engine, model_config)
     which, busiest = r.busiest()
     bps = rate_bps * efficiency
     mesh_s = busiest * 8 / bps
@@ -102,8 +103,8 @@ def bench_cluster(models_dir: Any, quick: bool = False, rate: str = "400gbit",
             hf.update({k: v for k, v in QUICK_OVERRIDES.items() if k in hf})
         driver = RefitDriver({"preset": preset}, hf_config=hf)
         plan = driver.plan({n: torch.empty(s, dtype=torch.bfloat16, device="meta")
-                            for n, s in model_tensors(driver.layout, hf)})
+                            for n, s in model_tensors(driver.layout, driver.model_config)})
         for trainer, engine in CLUSTER_LAYOUTS:
-            rows.append(cluster_row(name, plan, hf, parse_trainer_layout(trainer), parse_engine_layout(engine),
+            rows.append(cluster_row(name, plan, driver.model_config, parse_trainer_layout(trainer), parse_engine_layout(engine),
                                     parse_link_rate(rate)))
     return rows

@@ -7,7 +7,7 @@ from typing import Any
 
 from qstrat.errors import PluginError
 from qstrat.plan.data import PASSTHROUGH, PlanEntry
-from qstrat.serializers.base import Serializer
+from qstrat.serializers.base import EngineFormat, Serializer
 
 #: ``(format name, options) -> Serializer`` (cached by the driver).
 SerializerFactory = Callable[[str, Mapping[str, Any]], Serializer]
@@ -26,8 +26,9 @@ def format_lookup(serializer: SerializerFactory, entries: list[PlanEntry]) -> Ca
     return format_of
 
 def engine_config(entries: list[PlanEntry], ignored: list[str], errors: list[str],
-                  format_of: Callable[[PlanEntry], Serializer | None]) -> dict[str, Any] | None:
-    """The one quantization_config all quantized formats of the plan agree on (or an error)."""
+                  format_of: Callable[[PlanEntry], EngineFormat | None]) -> dict[str, Any] | None:
+    """The one quantization_config all quantized formats of the plan agree on (or an error): the
+    formats' engine contracts (:class:`~qstrat.serializers.engine_contract.EngineFormat`) only."""
     # each distinct format once (nearly every entry has no options: one lookup per format name)
     plain = {e.serializer: e for e in entries if not e.options}
     formats = map(format_of, [*plain.values(), *(e for e in entries if e.options)])
@@ -47,7 +48,7 @@ def engine_config(entries: list[PlanEntry], ignored: list[str], errors: list[str
     return next(iter(configs.values()), None)
 
 
-def quantizes_lookup(format_of: Callable[[PlanEntry], Serializer | None]) -> Callable[[PlanEntry], bool]:
+def quantizes_lookup(format_of: Callable[[PlanEntry], EngineFormat | None]) -> Callable[[PlanEntry], bool]:
     """``entry -> whether its format quantizes`` (False for passthrough), asked once per format
     name for entries planned without options."""
     plain: dict[str, bool] = {}  # format name -> quantizes, for entries without options

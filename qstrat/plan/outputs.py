@@ -16,7 +16,7 @@ from typing import Any
 from qstrat.errors import PlanError
 from qstrat.layouts import ModelLayout, ParsedName, SlabSpec
 from qstrat.plan.data import OutputTensor
-from qstrat.serializers.base import PartSpec, Serializer, dtype_name, tensor_nbytes
+from qstrat.serializers.base import FormatMath, PartSpec, dtype_name, tensor_nbytes
 
 __all__ = ["OutputDeclaration", "fused_name", "fusion_group", "projection_shape", "split_by_projection"]
 
@@ -34,7 +34,7 @@ class OutputDeclaration:
         self.slabs = slabs
 
     def outputs(self, p: ParsedName, specs: tuple[PartSpec, ...], shape: tuple[int, ...],
-                ser: Serializer | None = None) -> tuple[OutputTensor, ...]:
+                ser: FormatMath | None = None) -> tuple[OutputTensor, ...]:
         """The outputs of the input ``p`` of ``shape`` whose format has parts ``specs``: whole, a
         fused slab, or per expert (a slab cut into ``experts.{e}.{proj}``; ``ser``: the format,
         needed to tile each projection of a slab on its own when its rows are off the format's

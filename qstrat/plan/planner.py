@@ -18,6 +18,7 @@ import torch
 from qstrat.config import RefitConfig
 from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.layouts import ModelLayout
+from qstrat.model_config import ModelConfig
 from qstrat.plan import checks, structure
 from qstrat.plan.engine_config import SerializerFactory, engine_config, format_lookup, quantizes_lookup
 from qstrat.plan.fallbacks import engine_fusions, whole_module_fallbacks
@@ -52,21 +53,21 @@ class Planner:
         layout: the model family's naming data.
         rules: the config's compiled rules.
         serializer: returns the serializer instance for (name, options).
-        hf_config: the model's config.json (decoder depth, expert count); may be empty.
+        model_config: the model's parsed config (decoder depth, expert count); may be empty.
     """
 
     def __init__(self, config: RefitConfig, layout: ModelLayout, rules: RuleSet,
-                 serializer: SerializerFactory, hf_config: Mapping[str, Any]) -> None:
+                 serializer: SerializerFactory, model_config: ModelConfig) -> None:
         self.config = config
         self.layout = layout
         self.rules = rules
         self.serializer = serializer
-        self.hf_config = hf_config
+        self.model_config = model_config
         self.declare = OutputDeclaration(config.expert_emission, layout.slabs)
 
     def num_layers(self, names: Any = ()) -> int | None:
         """Decoder depth from the HF config, else 1 + the largest decoder layer index in ``names``."""
-        n = self.layout.num_layers(self.hf_config)
+        n = self.layout.num_layers(self.model_config)
         if n is not None:
             return n
         layers = [p.layer for p in (self.layout.parse(x) for x in names) if p.layer is not None]
@@ -88,7 +89,7 @@ class Planner:
     def _plan(self, tensors: Mapping[str, Any]) -> RefitPlan:
         num_layers = self.num_layers(tensors)
         errors: list[str] = []
-        if self.config.keep_bf16.last and self.layout.num_layers(self.hf_config) is None:
+        if self.config.keep_bf16.last and self.layout.num_layers(self.model_config) is None:
             errors.append(f"keep_bf16.last needs the decoder depth: pass hf_config with "
                           f"{self.layout.num_layers_key!r} (inferring it from names would miscount "
                           "MTP layers and pipeline-parallel shards)")
@@ -120,18 +121,18 @@ class Planner:
         whole_module_fallbacks(self, entries, num_layers, errors)
         errors += checks.check_groups(entries, self.checkpoint_form) + checks.check_outputs(entries)
         engine_fusions(self, entries, num_layers, errors)
-        num_experts = self.layout.num_experts(self.hf_config)
+        num_experts = self.layout.num_experts(self.model_config)
         errors += checks.check_expert_inputs(entries, num_experts) + checks.check_ranks(entries)
         errors += checks.check_expert_sets(entries, num_experts, self.layout.slabs)
         errors += structure.unplaced_matrices(entries, self.layout.name, self.config)
-        errors += structure.layers_past_the_model(entries, self.layout.num_layers(self.hf_config),
-                                                  self.layout.num_mtp_layers(self.hf_config))
+        errors += structure.layers_past_the_model(entries, self.layout.num_layers(self.model_config),
+                                                  self.layout.num_mtp_layers(self.model_config))
         errors += [line + quantize_something(self, entries) for line in structure.quantizes_nothing(
             entries, self.layout.name, self.config, lambda s: self.serializer(s, {}).quantizes)]
         errors += nothing_else_quantized(self, entries, refused, num_layers)
         format_of = format_lookup(self.serializer, entries)
         ignored = checks.ignored_layers(entries, errors, quantizes_lookup(format_of))
-        ignored += checks.tied_lm_head(entries, self.layout, self.hf_config)
+        ignored += checks.tied_lm_head(entries, self.layout, self.model_config)
         qconfig = engine_config(entries, ignored, errors, format_of)
         if errors:
             raise PlanError("refit plan is invalid:\n  " + "\n  ".join(one_line_per_cause(errors)))

@@ -325,12 +325,12 @@ def update_info(wire_manifest: WireManifest, mode: str, quantization_config: Any
 def check_every_layer(plan: RefitPlan, driver: RefitDriver, plan_given: bool) -> None:
     """Raise PlanError when a refit without an explicit (partial) ``plan`` leaves out a decoder
     layer of the model: vLLM's layerwise reload keeps the old weights of a layer that gets none,
-    so the engines would serve a mix silently. The depth is the driver's ``hf_config``
-    (``num_hidden_layers``); without one there is nothing to compare with and nothing is checked.
+    so the engines would serve a mix silently. The depth is the driver's model config's
+    (``num_hidden_layers``, :attr:`~qstrat.RefitDriver.model_config`); without one there is nothing to compare with and nothing is checked.
     A partial refit is explicit: ``plan=driver.plan(specs).only_layers(changed)``."""
     if plan_given:
         return
-    depth = driver.layout.num_layers(driver.hf_config) if driver.hf_config else None
+    depth = driver.layout.num_layers(driver.model_config) if driver.model_config else None
     if not depth:
         return
     have = {e.layer for e in plan.entries if e.layer is not None and e.kind != "mtp"}

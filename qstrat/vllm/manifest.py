@@ -13,11 +13,11 @@ from qstrat.layouts import ModelLayout
 from qstrat.online import engine_online_args
 from qstrat.online_built import online_build_errors
 from qstrat.registry import Registry, get_registry
-from qstrat.vllm.quant_config import engine_quantization_config, quantization_config_of
+from qstrat.vllm.quant_config import engine_quantization_config
 from qstrat.vllm_adapter import model_record
 from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.platform_facts import device_type, in_process
-from qstrat.vllm_adapter.views import EngineView, hf_config_of, model_config_of, read
+from qstrat.vllm_adapter.views import EngineView, model_config_of, parsed_config_of, read
 
 #: Per engine, per registry (both held weakly): (layout name, cross-checked) -> its manifest.
 MANIFESTS: EngineState[EngineState[dict[tuple[str, bool], EngineManifest]]] = EngineState("engine manifests")
@@ -39,7 +39,7 @@ def engine_manifest(llm: Any, driver: RefitDriver | None = None, cross_check: bo
     """
     registry = driver.registry if driver is not None else get_registry()
     mc = EngineView(llm).model_config
-    layout = layout_for(registry, driver.config.layout if driver is not None else None, hf_config_of(mc).to_dict())
+    layout = layout_for(registry, driver.config.layout if driver is not None else None, parsed_config_of(mc))
     key = (layout.name, cross_check)
     cache = MANIFESTS.setdefault(llm, lambda: EngineState("engine manifests per registry")).setdefault(registry, dict)
     if key in cache:
@@ -118,7 +118,7 @@ def check_model_built(vllm_config: Any, model: Any) -> EngineManifest | None:
     if engine_online_args(mc) is not None:
         check_online_built(mc, model_record.read_model(model, world))
         return None
-    if quantization_config_of(hf_config_of(mc)) is None:
+    if parsed_config_of(mc).quantization_config is None:
         return None
     try:
         manifest = model_manifest(mc)
@@ -140,7 +140,7 @@ def check_online_built(model_config: Any, model: model_record.EngineModel) -> No
     kinds = [k for k in ("linear", "moe") if getattr(args, k, None) is not None]
     unbuilt: tuple[str, ...] = ()
     if _no_towers(model_config):
-        lay = layout_for(get_registry(), None, hf_config_of(model_config).to_dict())
+        lay = layout_for(get_registry(), None, parsed_config_of(model_config))
         unbuilt = tuple(f"{model.vllm_name(p.rstrip('.'))}." for p in lay.non_decoder_prefixes)
     errors = online_build_errors(ignore, model.quantized, model.modules, model.packed, kinds, unbuilt)
     if errors:
@@ -177,10 +177,10 @@ def model_manifest(model_config: Any, registry: Registry | None = None, layout: 
         record disagrees; EngineBuildError for a module vLLM built in another format.
     """
     registry = registry or get_registry()
-    hf = model_config.hf_config.to_dict()
-    lay = layout if isinstance(layout, ModelLayout) else layout_for(registry, layout, hf)
+    config = parsed_config_of(model_config)
+    lay = layout if isinstance(layout, ModelLayout) else layout_for(registry, layout, config)
     try:
-        manifest = build_manifest(hf, quantization_config_of(model_config.hf_config), lay, registry,
+        manifest = build_manifest(config, config.quantization_config, lay, registry,
                                   model_config.dtype, device_type(),
                                   unbuilt=lay.non_decoder_prefixes if _no_towers(model_config) else ())
     except ConfigOnlyUnsupportedError as exc:  # no family is refit without the manifest's checks

@@ -1,7 +1,6 @@
 """The checkpoint ``quantization_config`` of an engine, read where vLLM reads it."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 
@@ -14,18 +13,10 @@ def engine_quantization_config(llm: Any) -> dict[str, Any] | None:
     return quantization_config_of(EngineView(llm).hf_config)
 
 
-def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
-    """The ``quantization_config`` vLLM reads from a model config (an HF config object or a
-    config.json mapping): see :func:`engine_quantization_config`."""
-    def get(obj: Any, key: str) -> Any:
-        return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+def quantization_config_of(model_config: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` vLLM reads from a model config (a
+    :class:`~qstrat.model_config.ModelConfig`, an HF config object or a config.json mapping):
+    see :func:`engine_quantization_config` (:attr:`qstrat.model_config.ModelConfig.quantization_config`)."""
+    from qstrat.model_config import ModelConfig
 
-    from qstrat.model_config import language_config
-
-    cfg = get(hf_config, "quantization_config")
-    text = language_config(hf_config)
-    if cfg is None and text is not hf_config:
-        cfg = get(text, "quantization_config")
-    if cfg is None:
-        cfg = get(hf_config, "compression_config")
-    return dict(cfg) if cfg else None
+    return ModelConfig.of(model_config).quantization_config

@@ -82,6 +82,15 @@ def hf_config_of(model_config: Any) -> Any:
     return read(model_config, "model_config_hf_config")
 
 
+def parsed_config_of(model_config: Any) -> Any:
+    """The engine side's door to the model config: a vLLM ``ModelConfig``'s Hugging Face config
+    parsed once into qstrat's :class:`~qstrat.model_config.ModelConfig` (what layouts, manifests
+    and checks below read)."""
+    from qstrat.model_config import ModelConfig
+
+    return ModelConfig.of(hf_config_of(model_config))
+
+
 def parallel_rank_of(vllm_config: Any) -> int:
     """A worker's index among all workers of its data-parallel engines:
     ``data_parallel_index * world_size + rank`` of the ``VllmConfig``'s ``ParallelConfig``."""

@@ -9,35 +9,31 @@ attention is MLA (:class:`DeepSeekLayout`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from qstrat.layouts import ModelLayout
-from qstrat.model_config import with_language_config
+from qstrat.model_config import ModelConfig
 from qstrat.skeleton import Tensors
 
 
 class DeepSeekStyleMoE(ModelLayout):
     """Dense first layers, the ``noaux_tc`` router bias, the MTP block (DeepSeek-V3, GLM-4.5)."""
 
-    def is_moe_layer(self, hf_config: Mapping[str, Any] | None, layer: int) -> bool:
+    def is_moe_layer(self, config: ModelConfig, layer: int) -> bool:
         """A model with experts and ``layer >= first_k_dense_replace``."""
-        c = self.text_config(hf_config)
-        return bool(self.num_experts(hf_config)) and layer >= int(c.get("first_k_dense_replace", 0) or 0)
+        return bool(self.num_experts(config)) and layer >= config.first_k_dense_replace
 
-    def router_tensors(self, p: str, c: Mapping[str, Any], n: int) -> Tensors:
+    def router_tensors(self, p: str, c: ModelConfig, n: int) -> Tensors:
         """The router [E, H], and ``e_score_correction_bias`` [E] with ``topk_method: noaux_tc``
         (DeepSeek-V3's config.json says it; GLM-4.5's has ``n_group`` and no ``topk_method``:
         noaux_tc is its only routing; DeepSeek-V2's ``greedy`` has no bias)."""
         yield from super().router_tensors(p, c, n)
-        if c.get("topk_method", "noaux_tc" if "n_group" in c else None) == "noaux_tc":
+        if (c.topk_method or ("noaux_tc" if c.n_group is not None else None)) == "noaux_tc":
             yield f"{p}.e_score_correction_bias", (n,)
 
-    def mtp_layer_tensors(self, p: str, c: Mapping[str, Any], i: int, grouped: bool) -> Tensors:
+    def mtp_layer_tensors(self, p: str, c: ModelConfig, i: int, grouped: bool) -> Tensors:
         """The MTP block ``model.layers.{i}``: ``embed_tokens`` [V, H], ``enorm``/``hnorm`` [H],
         ``eh_proj`` [H, 2H], ``shared_head.norm`` [H], ``shared_head.head`` [V, H], then a full
         decoder layer."""
-        h, vocab = int(c["hidden_size"]), int(c["vocab_size"])
+        h, vocab = c.hidden_size, c.vocab_size
         yield f"{p}.embed_tokens.weight", (vocab, h)
         yield f"{p}.enorm.weight", (h,)
         yield f"{p}.hnorm.weight", (h,)
@@ -57,7 +53,7 @@ V3_ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 class DeepSeekLayout(DeepSeekStyleMoE):
     """DeepSeek-V2/V3: :class:`DeepSeekStyleMoE` with MLA attention."""
 
-    def output_config(self, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    def output_config(self, config: ModelConfig) -> ModelConfig:
         """A DeepSeek-V3 config (``model_type: deepseek_v3``) gets :data:`V3_ROUTING` where it has no
         such key (transformers' ``DeepseekV3Config.to_dict()`` has neither: vLLM would route with
         softmax and no correction bias, another model than the trainer's); a different value is
@@ -68,32 +64,31 @@ class DeepSeekLayout(DeepSeekStyleMoE):
         """
         from qstrat.errors import QstratError
 
-        cfg = dict(hf_config)
-        text = self.text_config(cfg)
-        if text.get("model_type") != "deepseek_v3":
-            return cfg
+        if config.language_model_type != "deepseek_v3":
+            return config
         for key, value in V3_ROUTING.items():
-            if text.get(key) is not None and text[key] != value:
-                raise QstratError(f"model config: {key} {text[key]!r}: transformers' DeepSeek-V3 always routes with "
-                                  f"{key} {value!r} (it does not read the key) while vLLM would use {text[key]!r}: "
+            given = config.value(key)
+            if given is not None and given != value:
+                raise QstratError(f"model config: {key} {given!r}: transformers' DeepSeek-V3 always routes with "
+                                  f"{key} {value!r} (it does not read the key) while vLLM would use {given!r}: "
                                   f"the engine would serve another model than the trainer's; set {key}: {value!r}")
-        return with_language_config(cfg, {**text, **{k: v for k, v in V3_ROUTING.items() if text.get(k) is None}})
+        return config.with_language(**{k: v for k, v in V3_ROUTING.items() if config.value(k) is None})
 
-    def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+    def attention_tensors(self, p: str, c: ModelConfig) -> Tensors:
         """MLA (``kv_lora_rank`` set; else the default attention): ``q_a_proj`` [q_rank, H],
         ``q_a_layernorm``, ``q_b_proj`` [heads*(nope+rope), q_rank] (or ``q_proj`` when
         ``q_lora_rank`` is null: DeepSeek-V2-Lite), ``kv_a_proj_with_mqa`` [kv_rank+rope, H],
         ``kv_a_layernorm``, ``kv_b_proj`` [heads*(nope+v), kv_rank], ``o_proj`` [H, heads*v]."""
-        if not c.get("kv_lora_rank"):
+        if not c.kv_lora_rank:
             yield from super().attention_tensors(p, c)
             return
-        h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
-        kv_rank, q_rank = int(c["kv_lora_rank"]), c.get("q_lora_rank")
+        h, heads = c.hidden_size, c.num_attention_heads
+        nope, rope, v = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        kv_rank, q_rank = c.kv_lora_rank, c.q_lora_rank
         if q_rank:
-            yield f"{p}.q_a_proj.weight", (int(q_rank), h)
-            yield f"{p}.q_a_layernorm.weight", (int(q_rank),)
-            yield f"{p}.q_b_proj.weight", (heads * (nope + rope), int(q_rank))
+            yield f"{p}.q_a_proj.weight", (q_rank, h)
+            yield f"{p}.q_a_layernorm.weight", (q_rank,)
+            yield f"{p}.q_b_proj.weight", (heads * (nope + rope), q_rank)
         else:
             yield f"{p}.q_proj.weight", (heads * (nope + rope), h)
         yield f"{p}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h)

@@ -1,10 +1,8 @@
 """The ``generic`` layout: used when no registered layout matches the HF config."""
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from qstrat.layouts import ModelLayout, SlabSpec
+from qstrat.model_config import ModelConfig
 
 
 class GenericLayout(ModelLayout):
@@ -19,9 +17,9 @@ class GenericLayout(ModelLayout):
         return ("the fallback for models no other layout matches: common MoE, expert and router "
                 "names; plans stored tensors, not a config.json alone")
 
-    def config_only_refusals(self, hf_config: Mapping[str, Any], grouped: bool = False) -> list[str]:
+    def config_only_refusals(self, c: ModelConfig, grouped: bool = False) -> list[str]:
         """The default's refusals, and always the tensors of an unknown family."""
-        return super().config_only_refusals(hf_config, grouped) + [
+        return super().config_only_refusals(c, grouped) + [
             "the tensors of a model family no registered layout matches (set 'layout:' in the refit "
             "config if it is one that 'qstrat list' shows)"]
 

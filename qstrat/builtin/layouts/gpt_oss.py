@@ -3,11 +3,9 @@ transposed, gate/up-interleaved slabs with biases (transformers 5.x ``modeling_g
 ``GptOssAttention``, ``GptOssTopKRouter``, ``GptOssExperts``)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from qstrat.builtin.layouts.common import QKVO
 from qstrat.layouts import ModelLayout, SlabSpec
+from qstrat.model_config import ModelConfig
 from qstrat.skeleton import Shape, Tensors
 
 
@@ -15,12 +13,12 @@ class GptOssLayout(ModelLayout):
     """gpt-oss: the default generator plus attention sinks and the router bias; the slabs and
     their biases come from its :class:`~qstrat.layouts.SlabSpec` data."""
 
-    def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+    def attention_tensors(self, p: str, c: ModelConfig) -> Tensors:
         """The default's q/k/v/o (with ``attention_bias``: true in gpt-oss) and ``sinks`` [heads]."""
         yield from super().attention_tensors(p, c)
-        yield f"{p}.sinks", (int(c["num_attention_heads"]),)
+        yield f"{p}.sinks", (c.num_attention_heads,)
 
-    def router_tensors(self, p: str, c: Mapping[str, Any], n: int) -> Tensors:
+    def router_tensors(self, p: str, c: ModelConfig, n: int) -> Tensors:
         """``mlp.router.weight`` [E, H] and its ``bias`` [E]."""
         yield from super().router_tensors(p, c, n)
         yield f"{p}.bias", (n,)

@@ -7,12 +7,11 @@ not in ``mlp_only_layers`` and on ``decoder_sparse_step``.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from qstrat.builtin.layouts.common import QKV_GATE_UP, QKVO
 from qstrat.layouts import ModelLayout
+from qstrat.model_config import ModelConfig, VisionConfig
 from qstrat.skeleton import Tensors
 
 #: Vision-tower keys :meth:`QwenHybridLayout.vision_tensors` does not generate (Qwen3-VL's
@@ -25,27 +24,26 @@ class QwenLayout(ModelLayout):
     layout serves two generations (``qwen3`` also loads Qwen2 checkpoints), told apart by the
     config's ``model_type``."""
 
-    def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+    def attention_tensors(self, p: str, c: ModelConfig) -> Tensors:
         """The default's q/k/v/o, with Qwen2's q/k/v biases unless ``qkv_bias`` says otherwise,
         and Qwen3's ``q_norm``/``k_norm`` [head_dim]."""
-        generation = str(c.get("model_type") or "")
-        if generation.startswith("qwen2") and "qkv_bias" not in c:
-            c = {**c, "qkv_bias": True}
+        generation = str(c.language_model_type or "")
+        if generation.startswith("qwen2") and c.qkv_bias is None:
+            c = c.with_language(qkv_bias=True)
         yield from super().attention_tensors(p, c)
         if generation.startswith("qwen3"):
             d = self.head_dim(c)
             yield f"{p}.q_norm.weight", (d,)
             yield f"{p}.k_norm.weight", (d,)
 
-    def is_moe_layer(self, hf_config: Mapping[str, Any] | None, layer: int) -> bool:
+    def is_moe_layer(self, config: ModelConfig, layer: int) -> bool:
         """A model with experts, ``layer`` not in ``mlp_only_layers`` and on
         ``decoder_sparse_step`` (``Qwen3MoeDecoderLayer``)."""
-        if not self.num_experts(hf_config):
+        if not self.num_experts(config):
             return False
-        c = self.text_config(hf_config)
-        if layer in (c.get("mlp_only_layers") or ()):
+        if layer in config.mlp_only_layers:
             return False
-        return (layer + 1) % int(c.get("decoder_sparse_step", 1) or 1) == 0
+        return (layer + 1) % (config.decoder_sparse_step or 1) == 0
 
 
 class QwenHybridLayout(QwenLayout):
@@ -55,49 +53,48 @@ class QwenHybridLayout(QwenLayout):
     ``Qwen3_5MoeVisionModel``); held against the classes' ``state_dict()`` in
     tests/test_layout_tensors.py."""
 
-    def config_only_refusals(self, hf_config: Mapping[str, Any], grouped: bool = False) -> list[str]:
+    def config_only_refusals(self, c: ModelConfig, grouped: bool = False) -> list[str]:
         """The default's reasons less the two this layout generates (linear attention, the
         vision tower), plus vision keys it does not generate (:data:`_UNGENERATED_VISION_KEYS`)."""
-        reasons = [r for r in super().config_only_refusals(hf_config, grouped)
+        reasons = [r for r in super().config_only_refusals(c, grouped)
                    if r not in ("hybrid linear-attention layers", "a vision tower")]
-        vision = hf_config.get("vision_config") or {}
-        reasons += [f"vision_config.{k}" for k in _UNGENERATED_VISION_KEYS if vision.get(k)]
+        if c.vision:
+            reasons += [f"vision_config.{k}" for k in _UNGENERATED_VISION_KEYS if c.vision.value(k)]
         return reasons
 
-    def tensors(self, hf_config: Mapping[str, Any], grouped: bool = False) -> Tensors:
+    def tensors(self, c: ModelConfig, grouped: bool = False) -> Tensors:
         """The vision tower (if ``vision_config``), then the default's language model."""
-        decoder = super().tensors(hf_config, grouped)  # runs the refusals first
+        decoder = super().tensors(c, grouped)  # runs the refusals first
         first = next(decoder, None)
-        if hf_config.get("vision_config"):
-            yield from self.vision_tensors(hf_config["vision_config"])
+        if c.vision:
+            yield from self.vision_tensors(c.vision)
         if first is not None:
             yield first
         yield from decoder
 
     @staticmethod
-    def layer_type(c: Mapping[str, Any], i: int) -> str:
+    def layer_type(c: ModelConfig, i: int) -> str:
         """``layer_types[i]``, else every ``full_attention_interval``-th layer (default 4, as
         ``Qwen3NextConfig``) is ``full_attention``, the others ``linear_attention``."""
-        types = c.get("layer_types")
-        if types:
-            return str(types[i])
-        return "full_attention" if (i + 1) % int(c.get("full_attention_interval") or 4) == 0 else "linear_attention"
+        if c.layer_types:
+            return str(c.layer_types[i])
+        return "full_attention" if (i + 1) % (c.full_attention_interval or 4) == 0 else "linear_attention"
 
-    def layer_tensors(self, p: str, c: Mapping[str, Any], i: int, grouped: bool) -> Tensors:
+    def layer_tensors(self, p: str, c: ModelConfig, i: int, grouped: bool) -> Tensors:
         """Layer ``i``: ``linear_attn`` or ``self_attn`` (:meth:`layer_type`), the MLP block, the two norms."""
         if self.layer_type(c, i) == "linear_attention":
             yield from self.linear_attention_tensors(f"{p}.linear_attn", c)
         else:
             yield from self.attention_tensors(f"{p}.self_attn", c)
         yield from self.mlp_tensors(f"{p}.{self.mlp_blocks[0]}", c, i, grouped)
-        h = int(c["hidden_size"])
+        h = c.hidden_size
         yield f"{p}.input_layernorm.weight", (h,)
         yield f"{p}.post_attention_layernorm.weight", (h,)
 
-    def attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+    def attention_tensors(self, p: str, c: ModelConfig) -> Tensors:
         """Gated softmax attention: the default's (Qwen3's q_norm/k_norm included) with ``q_proj``
         twice as wide - queries and the output gate (``Qwen3NextAttention``: ``heads * head_dim * 2``)."""
-        heads, d, h = int(c["num_attention_heads"]), self.head_dim(c), int(c["hidden_size"])
+        heads, d, h = c.num_attention_heads, self.head_dim(c), c.hidden_size
         for name, shape in super().attention_tensors(p, c):
             if name == f"{p}.q_proj.weight":
                 shape = (2 * heads * d, h)
@@ -105,17 +102,17 @@ class QwenHybridLayout(QwenLayout):
                 shape = (2 * heads * d,)
             yield name, shape
 
-    def linear_attention_tensors(self, p: str, c: Mapping[str, Any]) -> Tensors:
+    def linear_attention_tensors(self, p: str, c: ModelConfig) -> Tensors:
         """Gated DeltaNet: ``dt_bias``, ``A_log`` [Hv], ``conv1d`` [2*Hk*Dk + Hv*Dv, 1, kernel],
         the input projections - Qwen3-Next's stored fused ``in_proj_qkvz`` [2*Hk*Dk + 2*Hv*Dv, H] and
         ``in_proj_ba`` [2*Hv, H], or Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
         ``in_proj_a`` -, ``norm`` [Dv], ``out_proj`` [H, Hv*Dv] (``linear_*`` config keys)."""
-        h = int(c["hidden_size"])
-        hv, dv = int(c["linear_num_value_heads"]), int(c["linear_value_head_dim"])
-        key, value = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"]), hv * dv
+        h = c.hidden_size
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        key, value = c.linear_num_key_heads * c.linear_key_head_dim, hv * dv
         yield f"{p}.dt_bias", (hv,)
         yield f"{p}.A_log", (hv,)
-        yield f"{p}.conv1d.weight", (2 * key + value, 1, int(c["linear_conv_kernel_dim"]))
+        yield f"{p}.conv1d.weight", (2 * key + value, 1, c.linear_conv_kernel_dim)
         if "in_proj_qkvz" in (self.attention_projections or ()):
             yield f"{p}.in_proj_qkvz.weight", (2 * key + 2 * value, h)
             yield f"{p}.in_proj_ba.weight", (2 * hv, h)
@@ -127,24 +124,24 @@ class QwenHybridLayout(QwenLayout):
         yield f"{p}.norm.weight", (dv,)
         yield f"{p}.out_proj.weight", (h, value)
 
-    def vision_tensors(self, v: Mapping[str, Any]) -> Tensors:
+    def vision_tensors(self, v: VisionConfig) -> Tensors:
         """Qwen3.5's vision tower ``model.visual`` from ``vision_config`` (``Qwen3_5MoeVisionModel``):
         the Conv3d ``patch_embed.proj`` [D, C, T, P, P] with bias, ``pos_embed`` [positions, D],
         ``depth`` blocks (LayerNorms ``norm1``/``norm2``, ``attn.qkv`` [3D, D], ``attn.proj``,
         ``mlp.linear_fc1`` [I, D], ``mlp.linear_fc2``, all with biases) and the patch merger
         (``norm`` [D], ``linear_fc1`` [D*m^2, D*m^2], ``linear_fc2`` [out_hidden_size, D*m^2])."""
         p = self.non_decoder_prefixes[0].rstrip(".")
-        d, inter, patch = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["patch_size"])
-        merged = d * int(v["spatial_merge_size"]) ** 2
+        d, inter, patch = v.hidden_size, v.intermediate_size, v.patch_size
+        merged = d * v.spatial_merge_size ** 2
 
         def linear(name: str, out: int, k: int) -> Tensors:
             yield f"{name}.weight", (out, k)
             yield f"{name}.bias", (out,)
 
-        yield f"{p}.patch_embed.proj.weight", (d, int(v["in_channels"]), int(v["temporal_patch_size"]), patch, patch)
+        yield f"{p}.patch_embed.proj.weight", (d, v.in_channels, v.temporal_patch_size, patch, patch)
         yield f"{p}.patch_embed.proj.bias", (d,)
-        yield f"{p}.pos_embed.weight", (int(v["num_position_embeddings"]), d)
-        for i in range(int(v["depth"])):
+        yield f"{p}.pos_embed.weight", (v.num_position_embeddings, d)
+        for i in range(v.depth):
             b = f"{p}.blocks.{i}"
             for norm in ("norm1", "norm2"):
                 yield f"{b}.{norm}.weight", (d,)
@@ -156,7 +153,7 @@ class QwenHybridLayout(QwenLayout):
         yield f"{p}.merger.norm.weight", (d,)
         yield f"{p}.merger.norm.bias", (d,)
         yield from linear(f"{p}.merger.linear_fc1", merged, merged)
-        yield from linear(f"{p}.merger.linear_fc2", int(v["out_hidden_size"]), merged)
+        yield from linear(f"{p}.merger.linear_fc2", v.out_hidden_size, merged)
 
 
 #: Dense Qwen3 (q_norm/k_norm are norms) and Qwen2: Llama's structure. vLLM ``Qwen3ForCausalLM``.

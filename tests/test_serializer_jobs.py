@@ -1,0 +1,92 @@
+"""serializers/base.py's Serializer split by job (issue 43): the math (FormatMath), the engine
+contract (EngineFormat) and the emulation hooks (EmulationHooks) are three classes in three
+modules; Serializer, what a plugin subclasses, joins them. Each job's class holds its own
+methods and none of another's, and a format built from the pieces plans, quantizes and is served
+by its engine config exactly as before."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from qstrat import Registry, RefitDriver
+from qstrat.hookspecs import hookimpl
+from qstrat.serializers import Serializer
+from qstrat.serializers.base import EmulationHooks, EngineFormat, FormatMath
+from qstrat.serializers.block_fp8 import BlockFP8
+from qstrat.serializers.engine_contract import EngineFormat as ContractClass
+from qstrat.serializers.format_math import SerializerOptions
+
+#: job -> the methods and attributes it owns (docs/plugins.md's table)
+JOBS = {
+    FormatMath: {"matrix_parts", "reference", "dequantize", "group_context", "encode_into", "part_specs",
+                 "quantize", "check_values", "check_decoded", "resolve_kernel", "has_fast_path", "check_backend",
+                 "row_tile", "kernel", "Options", "decode_check_above"},
+    EngineFormat: {"vllm_quantization_config", "engine_config_mismatch", "engine_fusion_problem",
+                   "matches_engine_config", "quantizes"},
+    EmulationHooks: {"emulation", "bench_peers", "resolve_emulation", "resolve_bench_peers"},
+}
+
+
+def own(cls: type) -> set[str]:
+    return {k for k in vars(cls) if not k.startswith("_")}
+
+
+def test_each_job_holds_its_own_members_and_no_others():
+    for cls, members in JOBS.items():
+        assert own(cls) == members, (cls.__name__, own(cls) ^ members)
+    assert own(Serializer) == {"summary"}  # the join adds only the one line for `qstrat list`
+    assert Serializer.__bases__ == (FormatMath, EngineFormat, EmulationHooks)
+    assert ContractClass is EngineFormat and inspect.getmodule(FormatMath).__name__ == "qstrat.serializers.format_math"
+    assert inspect.getmodule(EmulationHooks).__name__ == "qstrat.serializers.emulation_hooks"
+
+
+class Int4Rows(Serializer):
+    """A plugin format written against Serializer: math, engine contract and hooks overridden on
+    one subclass, as docs/plugins.md shows."""
+
+    name = "test_rows"
+    summary = "per-row absmax to bf16 (a test format)"
+    Options = SerializerOptions
+    bench_peers = {"none": "no.such.module:peer"}
+
+    def matrix_parts(self, n, k):
+        from qstrat.serializers.parts import PartSpec
+        return (PartSpec("weight", (n, k), torch.bfloat16), PartSpec("weight_scale", (n, 1), torch.float32))
+
+    def reference(self, x, context):
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+        return {"weight": (x / scale).to(torch.bfloat16), "weight_scale": scale}
+
+    def dequantize(self, parts):
+        return parts["weight"].float() * parts["weight_scale"]
+
+    def vllm_quantization_config(self, ignored):
+        return {"quant_method": "test_rows", "ignored_layers": list(ignored)}
+
+
+class RowsPlugin:
+    @hookimpl
+    def qstrat_serializers(self):
+        return [Int4Rows]
+
+
+def test_a_plugin_format_written_against_serializer_plans_quantizes_and_is_matched():
+    registry = Registry(plugins=[RowsPlugin()])
+    assert registry.serializers["test_rows"].obj is Int4Rows
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16) - 5
+    driver = RefitDriver({"rules": [{"select": ["attention"], "serializer": "test_rows"}]}, registry=registry)
+    plan = driver.plan({"model.layers.0.self_attn.q_proj.weight": w})
+    assert [o.name for o in plan.outputs()] == ["model.layers.0.self_attn.q_proj.weight",
+                                                "model.layers.0.self_attn.q_proj.weight_scale"]
+    assert plan.vllm_quantization_config()["quant_method"] == "test_rows"
+    parts = Int4Rows().quantize(w)
+    want_scale = w.float().abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+    assert torch.equal(parts["weight_scale"], want_scale)
+    assert torch.equal(parts["weight"], (w.float() / want_scale).to(torch.bfloat16))
+    # the engine contract's default rule, unchanged by the split
+    assert Int4Rows.matches_engine_config({"quant_method": "test_rows"})
+    assert Int4Rows().engine_config_mismatch({"quant_method": "fp8"}) == (
+        "quantization_config.quant_method: engine has 'fp8', test_rows writes 'test_rows'")
+    assert Int4Rows.resolve_emulation() is None and BlockFP8.matches_engine_config(
+        {"quant_method": "fp8", "weight_block_size": [128, 128]})
