@@ -462,7 +462,7 @@ def test_a_multiprocess_fp8_kv_engine_is_refit_through_the_reader_or_refused_nam
     qc = driver.plan(state).vllm_quantization_config()
     plain = FP8KVMultiprocessLLM(qc, "")
     with pytest.raises(qstrat.ConfigError, match=r"^kv_cache_dtype: this multiprocess engine caches keys and values "
-                                                 r"in fp8, .*its worker_extension_cls \('none'\) has no "
+                                                 r"in fp8, .*its worker_extension_cls \(none\) has no "
                                                  r"qstrat_kv_scales\. Start the engine with worker_extension_cls="
                                                  r"'qstrat\.kv_scales\.KVScaleReader' .*nothing was sent$"):
         qstrat.vllm.refit(plain, driver, state)
@@ -517,7 +517,7 @@ def test_a_failed_reload_of_a_multiprocess_engine_is_finalized_through_the_worke
     assert engine_flag(llm).reason == "RuntimeError: worker fault mid-reload (simulated)"
     plain = MultiprocessLLM(None)
     plain.llm_engine.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=""))
-    with pytest.raises(qstrat.ConfigError, match=r"^this multiprocess engine's worker_extension_cls \('none'\) has "
+    with pytest.raises(qstrat.ConfigError, match=r"^this multiprocess engine's worker_extension_cls \(none\) has "
                                                  r"no qstrat_finalize_reload.*worker_extension_cls="
                                                  r"'qstrat\.kv_scales\.KVScaleReader'$"):
         finalize_engine_reload(plain)

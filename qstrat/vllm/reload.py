@@ -40,7 +40,7 @@ def finalize_engine_reload(llm: Any) -> None:
         return
     extension = view.worker_extension_cls
     if not hasattr(extension_class(extension), "qstrat_finalize_reload"):
-        raise ConfigError(f"this multiprocess engine's worker_extension_cls ({extension or 'none'!r}) has no "
+        raise ConfigError(f"this multiprocess engine's worker_extension_cls ({repr(extension) if extension else 'none'}) has no "
                           "qstrat_finalize_reload, and vLLM's RPC cannot send a function to a worker process: the "
                           "failed reload was not finalized (layers that received nothing keep no weights until a "
                           f"whole refit loads). Start the engine with worker_extension_cls={READER!r}")
