@@ -1,6 +1,14 @@
 """The steps of a mesh round that every rank takes: S trainer ranks (group ranks ``0..S-1``) send
 straight to R engine ranks (``S..S+R-1``), every (sender, receiver) pair at once, point to point.
 
+Once per group, when it forms (:meth:`qstrat.transport.mesh_refit.MeshRefitSender.connect` and the
+vLLM backend's ``init_weight_transfer_engine``): OPEN SESSIONS (all-reduce, :func:`open_sessions`):
+each engine rank says whether its engine's weight-update session is still open - a trainer rank 0
+that died mid-round never called ``finish_weight_update``, and vLLM refuses every
+``start_weight_update`` until someone does - so the new rank 0 ends those sessions first.
+
+Each round:
+
 0. LAYOUTS (all-reduce, int64[:data:`LAYOUT_WORDS` * world]): each engine rank writes its
    :class:`~qstrat.transport.routing.ReceiverLayout` (JSON) in its slot: every rank then computes
    the same :class:`~qstrat.transport.routing.MeshRoutes`.
@@ -63,6 +71,17 @@ def exchange_layouts(group: TransferGroup, senders: int, layout: ReceiverLayout 
         except (ValueError, TransportError) as exc:
             raise TransportError(f"rank {r} published no usable receiver layout: {exc}") from None
     return out
+
+
+def open_sessions(group: TransferGroup, senders: int, is_open: bool = False) -> list[int]:
+    """The group's first step (collective, int64[world]): the engine group ranks whose engine's
+    weight-update session is open (``is_open``: this engine rank's; trainer ranks give False).
+    Raises: TransportError when the all-reduce fails (the group is closed)."""
+    flags = torch.zeros(group.world_size, dtype=torch.int64, device=group.device)
+    if is_open and group.rank >= senders:
+        flags[group.rank] = 1
+    got = collective(group, "open-session exchange failed", group.sum, flags)
+    return [r for r in range(senders, group.world_size) if int(got[r])]
 
 
 def challenges(group: TransferGroup, senders: int, last_counter: int = -1) -> tuple[tuple[int, ...], tuple[int, ...]]:
