@@ -61,10 +61,10 @@ class EngineExpectations:
     def check(self, wire_manifest: WireManifest, update_info: Mapping[str, Any]) -> None:
         """Raise WireManifestMismatchError - who quantizes, then the format, then the tensors, then
         unquantized routed experts into a CPU engine (its manifest's ``platform``; experts the
-        engine quantizes online, per the round's :data:`ONLINE_KEY`, are served quantized) - unless the engine loads this round (a
-        whole round, or whole parts of one). A round that
+        engine quantizes online, per the round's :data:`ONLINE_KEY`, are served quantized) -
+        unless the engine loads this round (a whole round, or whole parts of one). A round that
         names no online config (:data:`ONLINE_KEY`: sent by :meth:`RefitSender.send` without a
-        plan) is not checked for it."""
+        plan) is not checked for it, nor for the experts when the engine quantizes online."""
         if ONLINE_KEY in update_info:
             try:
                 check_engine_online(SimpleNamespace(engine_quantization=update_info[ONLINE_KEY]), self.online)
