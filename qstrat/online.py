@@ -371,6 +371,18 @@ def engine_unquantized(plan: RefitPlan) -> RefitPlan:
     return plan.subset(lambda e: e.kind not in _MOE_KINDS or e.engine_module in kept)
 
 
+def experts_served_unquantized(experts: list[str], online: Mapping[str, Any] | None) -> list[str]:
+    """Of the routed-experts modules ``experts`` (engine module names, unquantized in the engine's
+    checkpoint), those the engine also SERVES unquantized, given the online-quantization config it
+    runs in qstrat's form (a plan's ``engine_quantization``; None: it quantizes nothing online):
+    all of them unless that config quantizes MoE, then only those its ``ignore`` list names
+    (:func:`engine_unquantized`'s rule, for a round that carries names but no plan)."""
+    if online is None or MOE not in online:
+        return list(experts)
+    kept = set(online.get("ignore", ()))
+    return [m for m in experts if m in kept]
+
+
 def served_plan(driver: Any, plan: RefitPlan, tensors: Mapping[str, Any]) -> RefitPlan:
     """The plan whose formats the engine serves: ``plan`` itself, or for a ``quantize_in:
     engine`` wire plan the strategy's plan of ``tensors`` (the formats the engine quantizes the

@@ -177,11 +177,14 @@ def collect(procs: list, queue: Any, timeout_s: float) -> dict[int, tuple[str, A
 TP2_SHAPE = dict(head_dim=128, moe_intermediate_size=256)
 
 
-def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers: list[int], fmt: str,
+def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers: list[int], fmt: Any,
                         seed: int, fault: dict, queue: Any) -> None:
     """One trainer rank of a live mesh refit: it holds its half of the experts of the tiny model
     ``seed`` (expert-parallel) and calls MeshRefitSender.refit; rank 0 drives the engines through
-    ``conns`` (their RPC pipes). Puts (rank, "ok", report.sent) or (rank, "err", text)."""
+    ``conns`` (their RPC pipes). ``fmt``: a preset name or a config mapping (RefitDriver's).
+    ``fault``: ``raise_at`` / ``kill_at`` (the i-th output raises / the process exits 17).
+    Puts (rank, "ok", (report.sent, seconds, stream seconds, engine ranks whose update session a
+    previous rank 0 left open)) or (rank, "err", text)."""
     try:
         from qstrat import RefitDriver, tensor_specs
         from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
@@ -206,24 +209,18 @@ def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers
                                  secret=SECRET, bucket_bytes=1 << 20)
         sender.connect()
         owner = ep.owner
-        if fault.get("raise_at") is not None:
+        if fault:  # raise_at / kill_at: the source raises / the process dies at that output
             real_run = driver.run
-
-            def run(*args: Any, **kwargs: Any) -> Any:
-                for i, item in enumerate(real_run(*args, **kwargs)):
-                    if i == fault["raise_at"]:
-                        raise KeyError("trainer-side failure mid-round")
-                    yield item
-
-            driver.run = run
+            driver.run = lambda *args, **kwargs: _faulty(real_run(*args, **kwargs), fault)
+        left_open = list(sender.left_open)
         report = sender.refit(driver, held, plan, owner)
         sender.close()
-        queue.put((rank, "ok", (report.sent, report.seconds, report.stream_seconds)))
+        queue.put((rank, "ok", (report.sent, report.seconds, report.stream_seconds, left_open)))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
 
 
-def run_engine_mesh(engines: list, workers: list[int], fmt: str, seed: int, senders: int = 2,
+def run_engine_mesh(engines: list, workers: list[int], fmt: Any, seed: int, senders: int = 2,
                     faults: dict[int, dict] | None = None, timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
     """One live mesh round: ``senders`` trainer processes refit ``engines`` (transport_harness
     Receivers, their RPC pipes go to trainer rank 0) to the tiny model ``seed``; rank -> (status, value)."""
@@ -236,3 +233,16 @@ def run_engine_mesh(engines: list, workers: list[int], fmt: str, seed: int, send
                          args=(r, senders, port, [e.rpc.conn for e in engines] if r == 0 else [], workers, fmt,
                                seed, (faults or {}).get(r, {}), queue)) for r in range(senders)]
     return collect(procs, queue, timeout_s)
+
+
+def drain_answers(engine: Any, timeout_s: float) -> list:
+    """The answers an engine (a transport_harness Receiver) gave on its RPC pipe to a trainer
+    process that died before reading them (a dead client's pending calls: the first is awaited
+    up to ``timeout_s``, the rest briefly); read and returned, so the next trainer's calls get
+    their own answers."""
+    out = []
+    wait = timeout_s
+    while engine.rpc.conn.poll(wait):
+        out.append(engine.rpc.conn.recv())
+        wait = 2.0
+    return out

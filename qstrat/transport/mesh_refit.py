@@ -9,6 +9,11 @@ The engines run ``weight_transfer_config={"backend": "qstrat"}``
 (:mod:`qstrat.engine.transfer_backend`); each of their workers joins the group as one engine rank
 (group ranks ``senders..``) and publishes what it loads. Atomic rounds only: nothing is loaded
 anywhere unless every rank voted to commit; then rank 0 calls ``finish_weight_update``.
+
+A trainer rank 0 that dies mid-round leaves the engines' update sessions open (vLLM then refuses
+every ``start_weight_update``): when the next group forms, its first step
+(:func:`qstrat.transport.mesh.open_sessions`) names those engine ranks (:attr:`MeshRefitSender.left_open`)
+and the new rank 0 ends them with ``finish_weight_update`` (loading nothing) before its first round.
 """
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ import torch
 from qstrat.errors import TransportError
 from qstrat.transport.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
-from qstrat.transport.fanout import EngineClients, listed
+from qstrat.transport.fanout import EngineClients, call, listed
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, open_group
 from qstrat.transport.keys import Secret
+from qstrat.transport.mesh import open_sessions
 from qstrat.transport.mesh_engine import MESH_KEY
 from qstrat.transport.mesh_sender import MeshReport, MeshSender
 from qstrat.transport.routing import MeshRoutes, Output, mesh_outputs
@@ -63,6 +69,11 @@ class MeshRefitSender:
         self.secret = Secret.coerce(secret) if secret is not None else Secret.from_env()
         self.bucket_bytes, self.alignment = bucket_bytes, alignment
         self.mesh: MeshSender | None = None
+        #: Engine group ranks whose weight-update session was still open when the group formed
+        #: (a previous rank 0 died before ``finish_weight_update``); rank 0 ends them before its
+        #: first round.
+        self.left_open: list[int] = []
+        self._to_end: list[int] = []
 
     def init_infos(self) -> list[dict[str, Any]]:
         """Each engine's ``init_weight_transfer_engine`` payload (signed with the secret)."""
@@ -77,7 +88,10 @@ class MeshRefitSender:
         self.close()
 
         def rendezvous() -> Any:
-            return open_group(self.address, self.port, self.rank, self.world_size, self.backend, self.timeout_s)
+            group = open_group(self.address, self.port, self.rank, self.world_size, self.backend, self.timeout_s)
+            self.left_open = open_sessions(group, self.senders)  # with the engines' joins (their init RPCs)
+            self._to_end = list(self.left_open)
+            return group
 
         group = self.engines.join(self.init_infos(), rendezvous) if self.rank == 0 else rendezvous()
         self.mesh = MeshSender(group, self.senders, self.secret, self.address, self.port, self.bucket_bytes,
@@ -88,6 +102,32 @@ class MeshRefitSender:
         if self.mesh is not None:
             self.mesh.group.close()
             self.mesh = None
+
+    def engine_ranks(self, engine: int) -> list[int]:
+        """The group ranks of engine ``engine`` (its workers, after the trainer ranks and the
+        engines before it)."""
+        first = self.senders - 1 + self.engines.offsets()[engine]
+        return list(range(first, first + self.engines.workers[engine]))
+
+    def _end_left_open(self) -> None:
+        """Rank 0, once per group: ``finish_weight_update`` on each engine whose update session a
+        previous rank 0 left open (:attr:`left_open`; its backend loads nothing: the session's round was never
+        committed here). Raises: TransportError when an engine's workers disagree (vLLM's
+        ``finish_weight_update`` would then fail on some of them) or the call fails."""
+        left = set(self._to_end)
+        ends = []
+        for i in range(len(self.engines.clients)):
+            ranks = set(self.engine_ranks(i))
+            if ranks & left and not ranks <= left:
+                raise TransportError(f"engine {i}: the update session of a previous round is open on ranks "
+                                     f"{sorted(ranks & left)} only, of {sorted(ranks)}: restart that engine")
+            if ranks <= left:
+                ends.append(i)
+        errors = self.engines.results([call(self.engines.clients[i].finish_weight_update) for i in ends])
+        if errors:
+            raise TransportError(f"finish_weight_update of a session a previous round left open failed: "
+                                 f"{listed({ends[i]: e for i, e in errors.items()})}")
+        self._to_end = []
 
     def refit(self, driver: Any, held: Any, plan: Any, owner: Callable[[Any], int]) -> MeshReport:
         """One mesh round: quantize the entries of ``plan`` this rank owns from ``held`` and send.
@@ -129,6 +169,7 @@ class MeshRefitSender:
             info = {"wire_manifest": None, MESH_KEY: doc, "mode": "atomic", "protocol": PROTOCOL_VERSION}
             info.update({k: v for k, v in ((FORMAT_KEY, quantization_config), (ONLINE_KEY, engine_quantization))
                          if v is not _UNNAMED})
+            self._end_left_open()
             self.engines.call_all("start_weight_update")
             futures = self.engines.start("update_weights", info)
         try:
