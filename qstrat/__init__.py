@@ -13,15 +13,15 @@ Public API::
     qstrat.select(cfg, model)                        # per-module decisions for the trainer
     qstrat.get_serializer("mxfp8").quantize(w)       # one format directly
 """
-from qstrat.config import KeepBF16, RefitConfig, Rule, load_config
-from qstrat.driver import RefitDriver
-from qstrat.inputs import TensorSpec, tensor_specs
+from qstrat.config.loader import KeepBF16, RefitConfig, Rule, load_config
+from qstrat.execute.driver import RefitDriver
+from qstrat.execute.named_tensors import TensorSpec, tensor_specs
 from qstrat.errors import (ConfigError, NonFiniteError, PlanError, PluginError, QstratError,
                            UnsupportedShapeError)
 from qstrat.plan import OutputTensor, PlanEntry, RefitPlan
-from qstrat.registry import Registry, get_registry, get_serializer
-from qstrat.rules import Decision
-from qstrat.select import select
+from qstrat.plugins.registry import Registry, get_registry, get_serializer
+from qstrat.config.rules import Decision
+from qstrat.plan.trainer_decisions import select
 from qstrat.serializers.base import PartSpec, Serializer, SerializerOptions
 
 __version__ = "0.1.0"

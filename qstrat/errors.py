@@ -89,14 +89,14 @@ class VerificationError(QstratError):
 
 
 class NoValuesError(PlanError, TypeError):
-    """An input that has only a shape and dtype (a :class:`qstrat.inputs.TensorSpec`, for planning)
+    """An input that has only a shape and dtype (a :class:`qstrat.execute.named_tensors.TensorSpec`, for planning)
     was given where its values are needed (quantizing, sending, writing); the message names it."""
 
 
 class InputMismatchError(PlanError):
     """An input read from a stream differs from its plan entry in shape or dtype (or is not a
     tensor): the message names the input, what arrived and what was planned. Raised where the
-    stream reads it; a transport round that reused its kept plan (:class:`qstrat.driver.PlanCache`)
+    stream reads it; a transport round that reused its kept plan (:class:`qstrat.execute.driver.PlanCache`)
     then aborts with nothing loaded and is planned and sent again."""
 
 
@@ -110,8 +110,8 @@ class ConfigOnlyUnsupportedError(PlanError):
 class FidelityError(QstratError, RuntimeError):
     """After a refit, the engine's logprobs on the probe sequences differ from the trainer's
     model with the same quantized weights by more than the format's threshold
-    (:mod:`qstrat.fidelity`): the engine does not serve what was sent. The reload itself
-    completed; ``.report`` holds the measured :class:`~qstrat.fidelity.FidelityReport`."""
+    (:mod:`qstrat.vllm.fidelity.probe`): the engine does not serve what was sent. The reload itself
+    completed; ``.report`` holds the measured :class:`~qstrat.vllm.fidelity.probe.FidelityReport`."""
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)

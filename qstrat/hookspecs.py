@@ -2,7 +2,7 @@
 
 A plugin is a module or object with ``@hookimpl`` functions, registered through the ``qstrat``
 entry-point group (``[project.entry-points.qstrat] myname = "my_package.plugin"``). The built-ins
-(:mod:`qstrat.builtin`) register the same way. Every hook returns a list; names must be unique
+(:mod:`qstrat.plugins.builtin`) register the same way. Every hook returns a list; names must be unique
 across all plugins (a clash is a :class:`~qstrat.errors.PluginError` naming both plugins).
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ def qstrat_serializers():
 
 @hookspec
 def qstrat_selectors():
-    """Return target-module selectors: a list of :class:`qstrat.selectors.Selector`.
+    """Return target-module selectors: a list of :class:`qstrat.plugins.selector.Selector`.
 
     Called once when the registry loads. A selector is a named predicate on
-    :class:`qstrat.layouts.ParsedName`, usable in config as ``select: NAME``.
+    :class:`qstrat.layouts.model_layout.ParsedName`, usable in config as ``select: NAME``.
     """
 
 
@@ -44,7 +44,7 @@ def qstrat_strategies():
 
 @hookspec
 def qstrat_layouts():
-    """Return model layouts: a list of :class:`qstrat.layouts.ModelLayout`.
+    """Return model layouts: a list of :class:`qstrat.layouts.model_layout.ModelLayout`.
 
     Called once when the registry loads. A layout is naming data for one model family, chosen
     by HF ``architectures`` / ``model_type`` or by ``layout: NAME`` in config.

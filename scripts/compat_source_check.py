@@ -3,7 +3,7 @@
     python scripts/compat_source_check.py VERSION SOURCE [--json OUT]
 
 SOURCE is the release's wheel (read in place, nothing extracted) or a directory holding its
-``vllm/`` package (a site-packages). For every table entry (qstrat/vllm_adapter/names.py) the
+``vllm/`` package (a site-packages). For every table entry (qstrat/vllm/adapter/names.py) the
 location the table gives for VERSION is looked up in the parsed source: a module file, then each
 attribute as a top-level def / class / assignment / import (followed into the module it re-exports
 from), a class member (method, class attribute, enum member), an attribute a class or function sets
@@ -28,7 +28,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from qstrat.vllm_adapter import names
+from qstrat.vllm.adapter import names
 
 
 class Source:

@@ -1,7 +1,7 @@
-"""How quantized weights change per RL step: table and chart per format (qstrat.transport.delta_churn).
+"""How quantized weights change per RL step: table and chart per format (qstrat.transport.delta.churn).
 
 The tiny Qwen3-MoE (``--width``: hidden, intermediate and head counts times this) takes
-``--steps`` real Adam steps per ``--lr`` (float32 master weights, qstrat.demo.trajectory), its
+``--steps`` real Adam steps per ``--lr`` (float32 master weights, qstrat.cli.demo.trajectory), its
 loss the next-token loss on a fixed text (``--text FILE``, byte-level tokens; default the Zen of
 Python); each step is quantized in every
 format of ``--formats`` (block FP8, MXFP8, NVFP4 on the experts, NVFP4 on every linear layer).
@@ -12,7 +12,7 @@ run cut short keeps what it measured); ``--png`` draws the chart (matplotlib; th
 none); ``--from-json`` redraws from kept JSONs without measuring, several of one study (e.g. one
 process per lr) merged into one (and written to ``--json``). ``--forced`` adds what the formats
 force: the same table for the step-0 weights against themselves with every weight, or only each
-matrix's largest, one bf16 ulp larger (qstrat.transport.delta_churn.forced_churn).
+matrix's largest, one bf16 ulp larger (qstrat.transport.delta.churn.forced_churn).
 
     .venv/bin/python scripts/delta_churn.py [--width 1] [--steps 50] [--lr 1e-7 1e-6 1e-5]
         [--threads 1] [--json docs/delta_churn.json] [--png docs/delta_churn.png]
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qstrat.transport import delta_churn as dc
+from qstrat.transport.delta import churn as dc
 
 
 def measure(width: int, steps: int, lrs: list[float], formats: list[str], out: Path | None,
             text: Path | None = None) -> dict[str, Any]:
-    """:func:`qstrat.transport.delta_churn.measure` on the bytes of the file ``text`` (None: the
+    """:func:`qstrat.transport.delta.churn.measure` on the bytes of the file ``text`` (None: the
     Zen of Python), its document written to ``out`` after each step, with ``"seconds"``: its
     wall time so far."""
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def forced_table(forced: dict[str, Any]) -> str:
-    """The table (markdown) of a :func:`qstrat.transport.delta_churn.measure_forced` document:
+    """The table (markdown) of a :func:`qstrat.transport.delta.churn.measure_forced` document:
     per perturbation and format, % of codes, block scales and global scales changed, the delta
     round's bytes in % of the full round's, and its bytes beside the bf16 delta's."""
     lines = ["| perturbation | format | codes changed % | scales changed % | global scales changed % | delta / full % "

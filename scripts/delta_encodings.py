@@ -1,9 +1,9 @@
-"""Measure the delta encodings (qstrat.transport.delta) on quantized tensors, per format and lr.
+"""Measure the delta encodings (qstrat.transport.delta.encoding) on quantized tensors, per format and lr.
 
 A [rows, cols] bf16 matrix (std 0.02, seeded) takes one sign-like Adam step of size ``lr``
 (``w + lr * sign(noise)``, computed in float32, rounded to bf16 - the issue's model of an RL step);
 both matrices are quantized with qstrat's own serializers (``RefitDriver(...).run``). Per
-checkpoint tensor (its bytes padded to whole 32 KiB tiles, qstrat.transport.delta.TILE) the script
+checkpoint tensor (its bytes padded to whole 32 KiB tiles, qstrat.transport.delta.encoding.TILE) the script
 prints the changed bytes and the patch size with every tile run-length coded (3 bytes per
 change), every tile a bitmap (1/8 byte per byte + 1 per change), an int32 index list (5 bytes per
 change), and per tile the smallest of rle / bitmap / raw (``tiled``: what qstrat sends, with its
@@ -17,8 +17,8 @@ import argparse
 
 import torch
 
-from qstrat.driver import RefitDriver
-from qstrat.transport.delta import padded_size, patch_sizes
+from qstrat.execute.driver import RefitDriver
+from qstrat.transport.delta.encoding import padded_size, patch_sizes
 
 FORMATS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8",
            "nvfp4": {"rules": [{"select": "linear", "serializer": "nvfp4"}]}}

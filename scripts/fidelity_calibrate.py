@@ -1,4 +1,4 @@
-"""Measure the fidelity probe (qstrat.fidelity) on live vLLM CPU engines: the figures behind
+"""Measure the fidelity probe (qstrat.vllm.fidelity.probe) on live vLLM CPU engines: the figures behind
 docs/fidelity.md's corruptions on the tiny model and their cost (limits per model size: scripts/fidelity_sizes.py).
 
 Per format (block-fp8, mxfp8, nvfp4-experts, nvfp4 on every linear layer): an engine on qstrat's
@@ -60,7 +60,7 @@ def from_previous(prev, pick):
 
 
 def probe_row(llm, model, driver, label, fmt, **extra):
-    from qstrat.fidelity import probe
+    from qstrat.vllm.fidelity.probe import probe
 
     r = probe(llm, model, driver, check=False)
     return emit(format=fmt, case=label, max_dlogprob=r.max_dlogprob, mean_kl=r.mean_kl, max_kl=r.max_kl,
@@ -69,7 +69,7 @@ def probe_row(llm, model, driver, label, fmt, **extra):
 
 
 def no_activation_row(llm, model, driver, fmt):
-    from qstrat import fidelity as f
+    from qstrat.vllm.fidelity import probe as f
 
     seqs = f.probe_sequences(model.config.vocab_size)
     _, eng = f.engine_prompt_logprobs(llm, seqs)
@@ -81,10 +81,10 @@ def no_activation_row(llm, model, driver, fmt):
 
 def run_format(name, seeds, root):
     from qstrat import vllm as qvllm
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release, start_engine
 
     config, scale = CONFIGS[name]
     a = build_tiny_qwen3_moe(seed=0)
@@ -128,9 +128,9 @@ def run_bf16(root):
     import warnings
 
     from qstrat import vllm as qvllm
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config, save_bf16
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config, save_bf16
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release, start_engine
 
     b = build_tiny_qwen3_moe(seed=1)
     driver = RefitDriver("bf16", hf_config=hf_config(b))

@@ -9,7 +9,7 @@ model's weights cycling through seeds 1..``--seeds`` (each step changes every we
 (the floor measured on the first probe only). Then three corrupted refits, the previous step being
 the last correct one: one decoder layer (layer 1) left from the previous step, gate and up swapped
 in every expert, layer 1's experts zeroed; each probed with ``check=False`` and its ratios to the
-limits printed (mean KL; the per-token median KL, ``qstrat.fidelity_limits.median_limit``).
+limits printed (mean KL; the per-token median KL, ``qstrat.vllm.fidelity.limits.median_limit``).
 
 Run: ``nice .venv/bin/python scripts/fidelity_sizes.py --size tiny [--configs block-fp8:trainer,...]
 [--refits 10] [--seeds 10]``. One in-process engine at a time, one torch thread; the seeds' weights
@@ -48,7 +48,7 @@ def emit(**row):
 
 
 def medians(f):
-    """The per-token verdict's numbers of one report (qstrat.fidelity_limits.median_limit)."""
+    """The per-token verdict's numbers of one report (qstrat.vllm.fidelity.limits.median_limit)."""
     return dict(median_kl=f.median_kl, median_floor=f.median_floor, median_limit=f.median_limit,
                 median_ratio=f.median_ratio)
 
@@ -73,11 +73,11 @@ def from_previous(previous, layer):
 
 def run_config(size, preset, mode, refits, seeds, root):
     from qstrat import vllm as qvllm
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release
     from qstrat.errors import FidelityError
-    from qstrat.fidelity import Verify, engine_prompt_logprobs, probe
+    from qstrat.vllm.fidelity.probe import Verify, engine_prompt_logprobs, probe
 
     from safetensors.torch import load_file, save_file
 

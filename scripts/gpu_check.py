@@ -77,7 +77,7 @@ if SMOKE:  # must precede the first `import triton` (triton reads it when it is 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from qstrat.registry import get_registry  # noqa: E402
+from qstrat.plugins.registry import get_registry  # noqa: E402
 from qstrat.serializers.base import Serializer  # noqa: E402
 from qstrat.serializers.kernels import interpreted  # noqa: E402
 

@@ -280,9 +280,9 @@ def _mesh_worker(rank: int, world: int, senders: int, master: str, port: int, pa
     import torch
 
     from qstrat.transport.group import open_group
-    from qstrat.transport.mesh_receiver import MeshReceiver
-    from qstrat.transport.mesh_sender import MeshSender
-    from qstrat.transport.routing import MeshRoutes, ReceiverLayout
+    from qstrat.transport.mesh.receiver import MeshReceiver
+    from qstrat.transport.mesh.sender import MeshSender
+    from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout
 
     secret = b"mesh benchmark secret, not a real one"
     torch.set_num_threads(1)

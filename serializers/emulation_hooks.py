@@ -3,7 +3,7 @@ its peers in ``qstrat bench``.
 
 vLLM keeps its kernels apart from its quantization configs, and torchao its benchmarks apart
 from its formats; a qstrat format names both by reference (imported on first use, so importing a
-format imports neither vLLM nor a peer library). :mod:`qstrat.engine.emulation` registers every
+format imports neither vLLM nor a peer library). :mod:`qstrat.vllm.emulation` registers every
 registered format's emulation on a CPU vLLM platform; ``qstrat bench`` times the peers.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ class EmulationHooks:
     #: CPU emulation of vLLM's kernels for this format, opted into by naming it: a lazy
     #: ``"module"`` / ``"module:attr"`` reference or the object itself, with ``hooks() -> dict``
     #: (resolve the vLLM names it needs, change nothing; raise VllmHookError naming a missing
-    #: one) and ``register(hooks)`` (install, idempotent). :mod:`qstrat.engine.emulation` registers
+    #: one) and ``register(hooks)`` (install, idempotent). :mod:`qstrat.vllm.emulation` registers
     #: every registered format's on a CPU vLLM platform. None: no emulation (vLLM's own kernels).
     emulation: ClassVar[str | object | None] = None
     #: ``qstrat bench`` peers of this format: implementation label (``"vllm"``) -> a lazy

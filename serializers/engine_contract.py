@@ -19,8 +19,8 @@ the key (:class:`EngineConfigRefused`).
 :class:`EngineFormat` is this contract as a format's methods (one of the three jobs
 :class:`qstrat.serializers.Serializer` joins: the math, this contract, the emulation hooks).
 
-Used by :func:`qstrat.engine_manifest.engine_format` (which registered format an engine serves)
-and :func:`qstrat.engine_manifest.plan_format_mismatch` (is the plan's format the engine's).
+Used by :func:`qstrat.vllm.checks.engine_manifest.engine_format` (which registered format an engine serves)
+and :func:`qstrat.vllm.checks.engine_manifest.plan_format_mismatch` (is the plan's format the engine's).
 """
 from __future__ import annotations
 

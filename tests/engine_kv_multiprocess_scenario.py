@@ -5,7 +5,7 @@ engines that cache keys and values in FP8.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` and ``kv_cache_dtype="fp8"``, an engine on qstrat's block-FP8
 checkpoint A_DIR (with calibrated k/v scales) WITHOUT a worker extension, refits it from model B
 (refused before anything is sent: its scales cannot be read in the worker), greedy-decodes,
-shuts it down; then one with ``worker_extension_cls=qstrat.kv_scales.READER``: reads its scales,
+shuts it down; then one with ``worker_extension_cls=qstrat.vllm.sink.kv_scales.READER``: reads its scales,
 refits it from model B, reads them again, greedy-decodes. Prints one line ``RESULT {json}``.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ def _refit(llm, driver, tensors, spool):
 
 def main(a_dir: str, spool: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import greedy, release, start_engine
-    from qstrat.kv_scales import READER, engine_kv_scales
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import greedy, release, start_engine
+    from qstrat.vllm.sink.kv_scales import READER, engine_kv_scales
 
     model_b = build_tiny_qwen3_moe(seed=1)
     driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))

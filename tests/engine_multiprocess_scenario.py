@@ -1,7 +1,7 @@
 """Run as a script by test_engine_multiprocess.py (not a test module): refit a MULTIPROCESS engine.
 
 ``python engine_multiprocess_scenario.py A_DIR SPOOL_DIR CONFIG_JSON`` starts a ``vllm.LLM`` with
-``qstrat.engine.local.start_engine`` (its default thread settings; qstrat registers no kernels
+``qstrat.vllm.engine.local.start_engine`` (its default thread settings; qstrat registers no kernels
 here - vLLM loads its plugin in each process) on qstrat's checkpoint A_DIR with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (engine core and worker in their own processes),
 greedy-decodes twice, refits it from model B's trainer tensors (``weights_dir=SPOOL_DIR``),
@@ -20,9 +20,9 @@ import sys
 def main(a_dir: str, spool: str, config_json: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     from qstrat import vllm as qvllm
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import greedy, start_engine
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import greedy, start_engine
 
     llm = start_engine(a_dir)
     model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)

@@ -16,8 +16,8 @@ def model_and_plans(fmt: str, senders: int) -> tuple[Any, dict, list, list, Any]
     """(driver, whole state (per-expert names), each rank's held tensors (global names), each
     rank's plan, the whole plan) for the tiny Qwen3-MoE, experts split over ``senders`` ranks."""
     from qstrat import RefitDriver, tensor_specs
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.sharding import ExpertParallel, split_plan
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.sharding import ExpertParallel, split_plan
 
     model = build_tiny_qwen3_moe(seed=1)
     state = model.state_dict()
@@ -40,9 +40,9 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
     try:
         import torch
 
-        from qstrat.sharding import ExpertParallel
+        from qstrat.execute.sharding import ExpertParallel
         from qstrat.transport.group import TransferGroup, open_group
-        from qstrat.transport.routing import MeshRoutes, ReceiverLayout, mesh_outputs
+        from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout, mesh_outputs
 
         secret = None if fault.get("no_secret") else SECRET
         if fault.get("flip_to") is not None:  # one byte of the first bucket to that rank, after sealing
@@ -56,7 +56,7 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
 
             TransferGroup.send = flipped
         if fault.get("whole_shares"):  # a sender that routes whole tensors, TP ignored (a lying routing)
-            import qstrat.transport.routing as routing
+            import qstrat.transport.mesh.routing as routing
 
             real = routing.share_of
             routing.share_of = lambda n, d, shape, layout: real(n, d, shape, ReceiverLayout(experts=layout.experts))
@@ -69,14 +69,14 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
             return
         group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)  # once every rank is ready
         if rank < senders:
-            from qstrat.transport.mesh_sender import MeshSender
+            from qstrat.transport.mesh.sender import MeshSender
 
             sender = MeshSender(group, senders, secret, "127.0.0.1", port, bucket_bytes=1 << 16)
             stream = driver.run(iter(held[rank].items()), plan=plans[rank])
             report = sender.send(outputs, _faulty(stream, fault))
             queue.put((rank, "ok", report.sent))
         else:
-            from qstrat.transport.mesh_receiver import MeshReceiver
+            from qstrat.transport.mesh.receiver import MeshReceiver
 
             layout = ReceiverLayout.from_dict(layouts[rank - senders])
             doc = MeshRoutes(outputs, senders, [], 1 << 16, 64).to_dict()
@@ -92,16 +92,16 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
 
 def session_round(rank: int, world: int, senders: int, port: int, outputs: list, layout: Any, secret: Any,
                   mode: str) -> tuple[dict, dict]:
-    """Engine rank ``rank`` through :class:`qstrat.transport.session.ReceiverSession` (what the vLLM
+    """Engine rank ``rank`` through :class:`qstrat.transport.receive.session.ReceiverSession` (what the vLLM
     backend runs: join with ``senders`` in the signed init info, a mesh ``update`` in ``mode``,
     ``finish``) into a dict loader; (name -> (dtype, shape, bytes) of what the loader was handed,
     the session's stats)."""
     import torch
 
-    from qstrat.transport.auth import sign_init
-    from qstrat.transport.keys import Secret
-    from qstrat.transport.routing import MeshRoutes
-    from qstrat.transport.session import ReceiverSession
+    from qstrat.transport.security.auth import sign_init
+    from qstrat.transport.security.keys import Secret
+    from qstrat.transport.mesh.routing import MeshRoutes
+    from qstrat.transport.receive.session import ReceiverSession
 
     loaded: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
 
@@ -187,9 +187,9 @@ def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers
     previous rank 0 left open)) or (rank, "err", text)."""
     try:
         from qstrat import RefitDriver, tensor_specs
-        from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-        from qstrat.sharding import ExpertParallel
-        from qstrat.transport.mesh_refit import MeshRefitSender
+        from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+        from qstrat.execute.sharding import ExpertParallel
+        from qstrat.transport.mesh.refit import MeshRefitSender
         from transport_harness import PipeClient
 
         model = build_tiny_qwen3_moe(seed=seed, **TP2_SHAPE)

@@ -203,7 +203,7 @@ def vllm_model(cfg: Any, quantization_config: dict[str, Any] | None, tmp: Path) 
     d = Path(tempfile.mkdtemp(dir=tmp))
     cfg.save_pretrained(d)
     kwargs: dict[str, Any] = {}
-    if quantization_config is not None and "quant_method" not in quantization_config:  # online (qstrat.online)
+    if quantization_config is not None and "quant_method" not in quantization_config:  # online (qstrat.vllm.online)
         from vllm.config.quantization import resolve_quantization_config  # as EngineArgs does
 
         kwargs = dict(quantization="online", quantization_config=resolve_quantization_config("online", quantization_config))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from qstrat.builtin.layouts import QWEN3_MOE
-from qstrat.skeleton import model_tensors
+from qstrat.plugins.builtin.layouts import QWEN3_MOE
+from qstrat.layouts.skeleton import model_tensors
 
 from conftest import model_config
 

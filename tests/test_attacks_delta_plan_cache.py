@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from qstrat.errors import ConfigError, TransportError
-from qstrat.transport import delta
-from qstrat.transport.delta_stream import encode_round
+from qstrat.transport.delta import encoding as delta
+from qstrat.transport.delta.stream import encode_round
 from qstrat.transport.wire_manifest import build_wire_manifest
 
 BUCKET = 1008  # not a tile multiple: buckets end off a word boundary
@@ -30,7 +30,7 @@ def _target():
                                  torch.zeros(2, 8, dtype=torch.float16)])  # both
 def test_delta_stream_refuses_a_tensor_whose_dtype_or_shape_differs_from_its_slot(bad):
     """Delta mode refuses a tensor whose dtype or shape is not its slot's with the full path's
-    message (qstrat/transport/outgoing.py: 'the source yielded NAME DTYPE SHAPE where the wire
+    message (qstrat/transport/send/outgoing.py: 'the source yielded NAME DTYPE SHAPE where the wire
     manifest has ...'), in both the bucket-by-bucket encoder and the stream. Before 69dbb47 fill_stream checked
     only the name and the byte count, so the engine reinterpreted the bytes in the slot's
     dtype/shape with agreeing digests: a silent wrong result this test now rules out."""
@@ -75,8 +75,8 @@ def test_plan_cache_hits_for_a_handle_whose_shape_is_a_list_and_never_reports_eq
     equal shapes as the difference. Before 69dbb47 get compared the list with put's tuple(shape),
     so such an input re-planned on every refit with the miss 'shape [1024, 256], planned
     [1024, 256]'."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
 
     model = build_tiny_qwen3_moe(seed=0)
 
@@ -130,7 +130,7 @@ def test_a_tensor_of_another_dtype_is_refused_in_every_mode_before_anything_load
     from transport_harness import free_port, sha256, standalone_receivers
 
     from qstrat.transport import RefitSender
-    from qstrat.transport.keys import ENV_SECRET
+    from qstrat.transport.security.keys import ENV_SECRET
 
     driver, trainer_a, trainer_b, ckpt = tiny
     secret = "a shared secret for the attack tests"
@@ -154,8 +154,8 @@ def test_an_hf_config_edit_that_changes_the_family_replans_as_a_fresh_driver_doe
     plan exactly as a fresh driver does ("layout 'llama' cannot place 4 weight matrices ...").
     Before 69dbb47 the re-plan kept the layout chosen at construction (qwen3_moe) and returned a
     plan the fresh driver refuses."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
     from qstrat.errors import PlanError
 
     model = build_tiny_qwen3_moe(seed=0)

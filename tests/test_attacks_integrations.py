@@ -35,7 +35,7 @@ def test_skyrl_source_refuses_a_nan_in_the_last_layer_before_the_first_tensor():
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from qstrat import NonFiniteError, RefitDriver
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.integrations.skyrl import QstratWeightSource
 
     model = build_tiny_qwen3_moe(seed=1)
@@ -156,7 +156,7 @@ def test_skyrl_source_gathers_once_and_a_short_pass_yields_nothing():
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     from qstrat import PlanError, RefitDriver
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.integrations.skyrl import QstratWeightSource
 
     model = build_tiny_qwen3_moe(seed=1)

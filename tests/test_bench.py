@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from qstrat.bench import machine
-from qstrat.cli import main
+from qstrat.cli.bench import machine
+from qstrat.cli.commands import main
 from qstrat.serializers import chunking
 
 
@@ -81,7 +81,7 @@ def test_quick_bench_reports_every_figure(tmp_path, capsys):
 def test_machine_facts_come_from_cpuinfo_and_the_chunk_setting(monkeypatch, capsys):
     from pathlib import Path
 
-    from qstrat.bench import machine_table
+    from qstrat.cli.bench import machine_table
     from rich.console import Console
 
     lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -134,7 +134,7 @@ def test_torchao_peer_gives_the_reference_bytes_where_installed():
     import importlib.util
     import os
 
-    from qstrat.bench import bench_formats
+    from qstrat.cli.bench import bench_formats
 
     rows = {r["impl"]: r for r in bench_formats((64, 128), 1) if r["format"] == "mxfp8"}
     expected = os.environ.get("QSTRAT_EXPECT_TORCHAO")

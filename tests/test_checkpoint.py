@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import qstrat.checkpoint as ckpt
+import qstrat.execute.checkpoint as ckpt
 from qstrat import NonFiniteError, PlanError, QstratError, RefitDriver
-from qstrat.checkpoint import assign_shards, load_checkpoint, shard_file_names, write_checkpoint
+from qstrat.execute.checkpoint import assign_shards, load_checkpoint, shard_file_names, write_checkpoint
 
 MiB = 1 << 20
 
@@ -189,7 +189,7 @@ def test_source_dir_files_are_copied_except_weights_and_regenerated_ones(tmp_pat
 
 def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_config, tmp_path):
     from qstrat import QstratError
-    from qstrat.checkpoint import write_checkpoint
+    from qstrat.execute.checkpoint import write_checkpoint
 
     with pytest.raises(QstratError, match=r"'rope_theta' cannot be written to config.json"):
         write_checkpoint(RefitDriver("block-fp8", hf_config=tiny_hf_config), tiny_model.state_dict(),
@@ -200,8 +200,8 @@ def test_nan_in_the_model_config_is_refused_before_writing(tiny_model, tiny_hf_c
 def test_output_config_keeps_no_quantization_config_vllm_would_read_instead():
     """vLLM reads text_config.quantization_config (or compression_config) when the top level has
     none: a BF16 checkpoint must not carry a stale one there."""
-    from qstrat.checkpoint import output_hf_config
-    from qstrat.layouts import ModelLayout
+    from qstrat.execute.checkpoint import output_hf_config
+    from qstrat.layouts.model_layout import ModelLayout
 
     plan = RefitDriver("bf16").plan({"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4)})
     cfg = {"architectures": ["X"], "text_config": {"hidden_size": 4, "quantization_config": {"quant_method": "fp8"}},
@@ -247,10 +247,10 @@ def test_a_plan_that_is_not_the_models_tensors_is_not_written(case, tiny_model, 
 
 
 def test_the_model_tensors_check_accepts_mtp_and_skips_what_it_cannot_derive(tmp_path):
-    from qstrat.builtin.layouts import DEEPSEEK_V3
-    from qstrat.engine_manifest import check_model_tensors
-    from qstrat.registry import get_registry
-    from qstrat.skeleton import model_tensors
+    from qstrat.plugins.builtin.layouts import DEEPSEEK_V3
+    from qstrat.vllm.checks.engine_manifest import check_model_tensors
+    from qstrat.plugins.registry import get_registry
+    from qstrat.layouts.skeleton import model_tensors
 
     from conftest import model_config
 
@@ -273,7 +273,7 @@ def test_a_deepseek_v3_config_without_routing_keys_is_written_as_transformers_ro
     checkpoint says what the trainer computes."""
     import transformers
 
-    from qstrat.checkpoint import output_hf_config
+    from qstrat.execute.checkpoint import output_hf_config
 
     cfg = transformers.DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                         num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
@@ -301,7 +301,7 @@ def test_a_deepseek_v3_config_without_routing_keys_is_written_as_transformers_ro
 
 
 def test_the_model_tensors_manifest_is_built_once_per_driver(tiny_model, tiny_hf_config, tmp_path, monkeypatch):
-    import qstrat.engine_manifest as em
+    import qstrat.vllm.checks.engine_manifest as em
 
     built = []
     real = em.build_manifest
@@ -315,7 +315,7 @@ def test_the_model_tensors_manifest_is_built_once_per_driver(tiny_model, tiny_hf
 # ---- shards that are not regular, readable files (issue 36, item 13) ---------------------------
 def test_a_directory_or_fifo_named_like_a_shard_is_refused_naming_it(tmp_path):
     """The old message: "No such device (os error 19)" with no file name."""
-    from qstrat.checkpoint import lazy_checkpoint
+    from qstrat.execute.checkpoint import lazy_checkpoint
 
     (tmp_path / "model.safetensors").mkdir()
     with pytest.raises(QstratError, match=rf"^{tmp_path / 'model.safetensors'}: is a directory, not a safetensors "
@@ -332,7 +332,7 @@ def test_an_unreadable_shard_gives_the_os_reason(tmp_path, monkeypatch):
     CI runs as root, where permissions do not stop a read, so the OS's refusal is simulated."""
     import builtins
 
-    from qstrat.checkpoint import lazy_checkpoint
+    from qstrat.execute.checkpoint import lazy_checkpoint
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
@@ -352,7 +352,7 @@ def test_an_index_that_is_a_device_is_refused_before_reading(tmp_path):
     """A model.safetensors.index.json symlinked to /dev/zero read without bound (MemoryError)."""
     from safetensors.torch import save_file
 
-    from qstrat.checkpoint import lazy_checkpoint
+    from qstrat.execute.checkpoint import lazy_checkpoint
 
     save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "model.safetensors.index.json").symlink_to("/dev/zero")

@@ -16,12 +16,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-import qstrat.checkpoint as ckpt
+import qstrat.execute.checkpoint as ckpt
 from qstrat import QstratError, RefitDriver
-from qstrat.cli import main
-from qstrat.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
+from qstrat.cli.commands import main
+from qstrat.execute.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
 from qstrat.errors import BackendUnavailableError
-from qstrat.model_config import ModelConfig
+from qstrat.layouts.model_config import ModelConfig
 
 NORM = {"model.norm.weight": torch.ones(8)}
 CFG = {"model_type": "x", "architectures": ["XForCausalLM"]}
@@ -40,7 +40,7 @@ def src(tiny_bf16_dir):
 
 def cli(*args):
     """The real ``qstrat`` command in a child process."""
-    return subprocess.run([sys.executable, "-m", "qstrat.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "qstrat.cli.commands", *map(str, args)], capture_output=True,
                           text=True, timeout=300,
                           env={"COLUMNS": "200", "PATH": "/usr/bin:/bin",
                                "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
@@ -308,7 +308,7 @@ def test_an_unavailable_backend_raises_before_quantizing(tmp_path, tiny_model, t
 def test_a_to_dict_config_gets_its_architectures_and_loads(tmp_path):
     import transformers
 
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
 
     tiny_model = build_tiny_qwen3_moe(seed=1)  # fresh: save_pretrained sets architectures on a config
     raw = tiny_model.config.to_dict()
@@ -328,7 +328,7 @@ def test_a_to_dict_config_gets_its_architectures_and_loads(tmp_path):
 
 def test_vllm_knows_the_inferred_architecture():
     registry = pytest.importorskip("vllm").ModelRegistry
-    from qstrat.builtin.layouts import GENERIC  # names no architecture: transformers' table alone answers
+    from qstrat.plugins.builtin.layouts import GENERIC  # names no architecture: transformers' table alone answers
 
     for model_type, arch in [("qwen3_moe", "Qwen3MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
                              ("mixtral", "MixtralForCausalLM")]:

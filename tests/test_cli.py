@@ -10,7 +10,7 @@ import torch
 
 from conftest import MODELS
 
-CLI = [sys.executable, "-m", "qstrat.cli"]
+CLI = [sys.executable, "-m", "qstrat.cli.commands"]
 
 
 def run(*args, ok=True):
@@ -77,7 +77,7 @@ def test_plan_legend_names_only_the_rows_it_has():
 
 
 def test_quantize_a_checkpoint_and_plan_it_back(tiny_model, tmp_path):
-    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.cli.demo.tiny_model import save_bf16
 
     save_bf16(tiny_model, tmp_path / "bf16")
     out = run("quantize", tmp_path / "bf16", "--preset", "block-fp8", "-o", tmp_path / "fp8", "--device", "auto")
@@ -136,7 +136,7 @@ def _case_config_is_a_directory(tmp, src):
 
 def _case_config_json_is_a_fifo(tmp, src):
     """A FIFO blocked the old code forever (a /dev/zero symlink read without bound: both refused
-    by qstrat.config_files.read_text_file, tested there)."""
+    by qstrat.config.files.read_text_file, tested there)."""
     import os
 
     (tmp / "m").mkdir()
@@ -389,7 +389,7 @@ def test_quantize_copies_the_source_models_other_files(bf16_dir, tmp_path):
              "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}"}
     for name, text in extra.items():
         (src / name).write_text(text)
-    from qstrat.checkpoint import lazy_checkpoint
+    from qstrat.execute.checkpoint import lazy_checkpoint
 
     index = {"weight_map": {n: "model.safetensors" for n in lazy_checkpoint(src)}}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))    # regenerated: not copied
@@ -481,8 +481,8 @@ def test_quantize_warns_that_a_cpu_engine_refuses_the_bf16_experts_refits(tiny_m
     and `qstrat quantize` / `qstrat plan` say so, with the refusal's own reason."""
     from conftest import ROOT
     from qstrat import RefitDriver
-    from qstrat.demo.tiny_model import save_bf16
-    from qstrat.engine_manifest import build_manifest
+    from qstrat.cli.demo.tiny_model import save_bf16
+    from qstrat.vllm.checks.engine_manifest import build_manifest
     from qstrat.errors import PlanError
     from qstrat.vllm import check_cpu_expert_reload
 
@@ -525,8 +525,8 @@ def test_an_engine_side_plan_prints_the_online_config_and_no_false_experts_warni
     refits them: tests/test_engine_online.py), so the BF16-experts warning of a trainer-side plan
     must not appear; what the user needs instead is the online config the engine starts with."""
     from qstrat import RefitDriver
-    from qstrat.demo.tiny_model import save_bf16
-    from qstrat.online import engine_kwargs
+    from qstrat.cli.demo.tiny_model import save_bf16
+    from qstrat.vllm.online import engine_kwargs
 
     cfg = tmp_path / "engine.yaml"
     cfg.write_text("preset: block-fp8\nquantize_in: engine\n")
@@ -538,14 +538,14 @@ def test_an_engine_side_plan_prints_the_online_config_and_no_false_experts_warni
     assert online["quantization_config"]["moe"] == "fp8_per_block"
     line = next(x for x in out.splitlines() if x.startswith("engine quantizes online:"))
     assert '"linear": "fp8_per_block", "moe": "fp8_per_block", "ignore": [' in line
-    assert "qstrat.online.engine_kwargs(plan)" in line
+    assert "qstrat.vllm.online.engine_kwargs(plan)" in line
 
 
 def test_a_rule_that_decides_no_tensor_is_a_warning_naming_it(tiny_model, tmp_path):
     """A mistyped include pattern (``o_prj`` for ``o_proj``) used to plan silently: attention
     stayed BF16 and nothing said why. Now the plan warns, naming the rule and its patterns,
     while the experts rule that does decide tensors stays silent."""
-    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.cli.demo.tiny_model import save_bf16
 
     save_bf16(tiny_model, tmp_path / "bf16")
     cfg = tmp_path / "typo.yaml"

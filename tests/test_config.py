@@ -1,4 +1,4 @@
-"""qstrat.config.load_config: a config from a preset name, a file, a mapping; presets extended by the
+"""qstrat.config.loader.load_config: a config from a preset name, a file, a mapping; presets extended by the
 config's rules; clear errors naming key paths and valid choices."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""qstrat.config_files: reading a refit config from YAML (1.2 rules, no duplicate keys), TOML or
+"""qstrat.config.files: reading a refit config from YAML (1.2 rules, no duplicate keys), TOML or
 JSON strictly, and the errors that name the file."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""qstrat.config_schema (with qstrat.validation's wording): exact types, every problem reported at
+"""qstrat.config.schema (with qstrat.config.validation's wording): exact types, every problem reported at
 once, typos answered with the valid names (and the nearest one). Reading files (duplicate keys,
 YAML 1.2): tests/test_config_files.py."""
 from __future__ import annotations

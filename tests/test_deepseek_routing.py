@@ -1,6 +1,6 @@
 """DeepSeek-V3's routing in a CPU engine is the trained model's routing.
 
-qstrat's emulated MoE experts (qstrat.engine.emulation) take the routing vLLM computes before
+qstrat's emulated MoE experts (qstrat.vllm.emulation) take the routing vLLM computes before
 them: on a CPU every fused-MoE layer routes through vLLM's ``CPURouter``, whose grouped top-k
 runs in torch (sigmoid scores, ``e_score_correction_bias`` for the choice only, the best
 ``topk_group`` of ``n_group`` groups by their top-2 sum, renormalisation, ``routed_scaling_factor``).

@@ -1,4 +1,4 @@
-"""The per-step churn study (qstrat.transport.delta_churn, scripts/delta_churn.py, issue 45) on a
+"""The per-step churn study (qstrat.transport.delta.churn, scripts/delta_churn.py, issue 45) on a
 small real trajectory (the tiny Qwen3-MoE, 2 Adam steps at lr 1e-5 on the Zen of Python, block
 FP8 and NVFP4 on every linear layer): every count equals an oracle computed here from
 ``RefitDriver.run``'s tensors (FP8 codes compared as bytes, NVFP4 codes unpacked nibble by
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qstrat.transport import delta
-from qstrat.transport.delta_receive import PatchDecoder
-from qstrat.transport.delta_stream import encode_round
+from qstrat.transport.delta import encoding as delta
+from qstrat.transport.delta.receive import PatchDecoder
+from qstrat.transport.delta.stream import encode_round
 from qstrat.transport.wire_manifest import build_wire_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -37,10 +37,10 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoints():
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.demo.trajectory import adam_trajectory, text_tokens
-    from qstrat.driver import RefitDriver
-    from qstrat.transport.delta_churn import FORMATS as CONFIGS
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.cli.demo.trajectory import adam_trajectory, text_tokens
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.transport.delta.churn import FORMATS as CONFIGS
 
     model = build_tiny_qwen3_moe(seed=1)
     states = list(adam_trajectory(model, LR, STEPS, tokens=text_tokens()))
@@ -134,9 +134,9 @@ def test_the_script_at_lr_0_changes_nothing_and_sends_patch_headers_only(tmp_pat
     same for the bf16 delta. The chart of the run is a PNG of the size matplotlib drew."""
     import matplotlib.image
 
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.transport.delta_churn import FORMATS as CONFIGS
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.transport.delta.churn import FORMATS as CONFIGS
 
     model = build_tiny_qwen3_moe(seed=1)  # the script's model; at lr 0 every step's weights are its own
     bf16 = list(model.state_dict().items())
@@ -176,7 +176,7 @@ def test_what_the_formats_force_one_ulp_moves():
     matrix (the block holding it), every NVFP4 global scale (each fused group's amax is one
     matrix's largest), and one bf16 element per unquantized matrix (embeddings, lm_head,
     routers)."""
-    from qstrat.transport import delta_churn as dc
+    from qstrat.transport.delta import churn as dc
 
     model, drivers = dc.study_model(1, ["block-fp8", "mxfp8", "nvfp4-linear"])
     state = {n: t.detach().clone() for n, t in model.state_dict().items()}
@@ -207,8 +207,8 @@ def test_what_the_formats_force_one_ulp_moves():
 
 
 def test_the_training_text_is_the_zen_of_python_and_bad_streams_are_refused():
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-    from qstrat.demo.trajectory import adam_trajectory, text_tokens
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.cli.demo.trajectory import adam_trajectory, text_tokens
 
     zen = text_tokens()
     assert zen.dtype == torch.int64 and zen.numel() == 856

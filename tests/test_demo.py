@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from qstrat.demo import run_demo
+from qstrat.cli.demo import run_demo
 
 
 def test_demo_writes_and_verifies_a_checkpoint(tmp_path):
@@ -47,7 +47,7 @@ def test_a_bad_config_is_refused_before_the_demo_makes_a_folder(tmp_path, monkey
     import pytest
 
     from qstrat import ConfigError
-    from qstrat.demo.run import run_demo
+    from qstrat.cli.demo.run import run_demo
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(ConfigError, match=r"unknown strategy 'nope'"):

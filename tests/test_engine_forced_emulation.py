@@ -27,10 +27,10 @@ SCENARIO = Path(__file__).with_name("engine_forced_scenario.py")
 
 
 def test_forced_emulation_refit_equals_fresh_engine(tmp_path):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.vllm_adapter.platform_facts import has_amx, is_cpu
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.adapter.platform_facts import has_amx, is_cpu
 
     model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
     driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))

@@ -3,7 +3,7 @@ docs/transport.md gives) through vLLM's ``HTTPVLLMWeightSyncClient`` and qstrat'
 weight-transfer backend: a refused round's REASON reaches the trainer's exception (it used to be
 only "HTTPError: 500 Server Error" there, the reason in the server's log), and a valid round
 then loads, and every weight of the refit engine, routers included, equals the fresh engine's
-(read back by qstrat's own means: :mod:`qstrat.engine.weight_digests`, a worker extension the
+(read back by qstrat's own means: :mod:`qstrat.vllm.engine.weight_digests`, a worker extension the
 test adds to the server command; vLLM's ``/weight_checker`` is not used).
 
 The server runs in its own process group with vLLM 0.32's weight-transfer routes, which exist
@@ -29,9 +29,9 @@ TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
 
     model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
     cfg = hf_config(model_b)
@@ -43,7 +43,7 @@ def ckpts(tmp_path_factory):
 SECRET = "the recipe's shared secret, 32 bytes"
 
 
-DIGESTS = "qstrat.engine.weight_digests.WeightDigests"
+DIGESTS = "qstrat.vllm.engine.weight_digests.WeightDigests"
 
 
 def server_command(model_dir, port: int) -> list[str]:
@@ -58,7 +58,7 @@ def server_command(model_dir, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(ckpts):
-    from qstrat.engine.http_server import CPU_SERVER_ENV, serving
+    from qstrat.vllm.engine.http_server import CPU_SERVER_ENV, serving
 
     port = free_port()
     env = {**os.environ, **CPU_SERVER_ENV, "QSTRAT_TRANSFER_SECRET": SECRET}
@@ -124,7 +124,7 @@ def test_refused_round_carries_the_engines_reason_to_the_trainer(sender, ckpts):
     """An MXFP8 round to a block-FP8 engine: refused before any data; the trainer's exception
     names the engine's reason (the wire manifest against the engine's tensors), not only the
     HTTP status."""
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
     from qstrat.errors import WireManifestMismatchError
 
     with pytest.raises(WireManifestMismatchError) as err:
@@ -139,7 +139,7 @@ def test_refused_round_carries_the_engines_reason_to_the_trainer(sender, ckpts):
 
 
 def digests(url) -> dict[str, str]:
-    """The engine's SHA-256 of every parameter and buffer (:func:`qstrat.engine.weight_digests.tensor_digests`
+    """The engine's SHA-256 of every parameter and buffer (:func:`qstrat.vllm.engine.weight_digests.tensor_digests`
     in the one worker, through vLLM's dev-mode ``/collective_rpc``)."""
     import requests
 
@@ -159,8 +159,8 @@ def test_valid_rounds_load_and_refit_back_restores_the_start(sender, ckpts, serv
     sending; a round of B whose routers are not updated (A's sent again) leaves exactly the
     routers differing from the fresh engine (the check sees a router not updated); a whole round
     of B restores every weight bit for bit."""
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.weight_digests import tensor_digest
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.weight_digests import tensor_digest
     from qstrat.errors import PlanError
 
     driver = RefitDriver("block-fp8", hf_config=ckpts["cfg"])

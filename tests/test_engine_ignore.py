@@ -1,4 +1,4 @@
-"""qstrat.engine_ignore: which modules an engine keeps unquantized, read as vLLM 0.32 reads its
+"""qstrat.vllm.checks.engine_ignore: which modules an engine keeps unquantized, read as vLLM 0.32 reads its
 ignore list per quantization method - checked against vLLM's own functions (the oracle), and
 through the engine manifest and the vLLM sink (false accepts and false refusals)."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 
 import qstrat
 from qstrat import PlanError, RefitDriver
-from qstrat.builtin.layouts import QWEN3_MOE
-from qstrat.engine_ignore import IgnoreRuleError, ignore_entries, unquantized_modules
-from qstrat.engine_manifest import build_manifest
-from qstrat.registry import get_registry
+from qstrat.plugins.builtin.layouts import QWEN3_MOE
+from qstrat.vllm.checks.engine_ignore import IgnoreRuleError, ignore_entries, unquantized_modules
+from qstrat.vllm.checks.engine_manifest import build_manifest
+from qstrat.plugins.registry import get_registry
 
 from test_vllm_sink import RecordingLLM, manifest_without_cross_check  # noqa: F401 (autouse fixture)
 
@@ -208,9 +208,9 @@ def test_the_written_ignore_list_keeps_fused_modules_under_every_mapping(preset,
     mapping its quantization config holds, keeps layer 0's qkv_proj and gate_up_proj unquantized
     and quantizes layer 1's (the plan's answer). The shard-only list of the old writer lost
     gate_up_proj with the mappings vLLM 0.32's Qwen3-MoE really has (none, or q/k/v only)."""
-    from qstrat.checkpoint import output_hf_config
-    from qstrat.demo.tiny_model import TINY_QWEN3_MOE
-    from qstrat.engine_ignore import ignore_entries
+    from qstrat.execute.checkpoint import output_hf_config
+    from qstrat.cli.demo.tiny_model import TINY_QWEN3_MOE
+    from qstrat.vllm.checks.engine_ignore import ignore_entries
 
     hf = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe",
           "architectures": ["Qwen3MoeForCausalLM"], "mlp_only_layers": [0]}
@@ -232,7 +232,7 @@ def test_the_written_ignore_list_keeps_fused_modules_under_every_mapping(preset,
 
 @pytest.mark.parametrize("method", ["fp8", "modelopt", "compressed-tensors"])
 def test_engine_ignore_list_adds_fused_names_only_for_whole_groups(method):
-    from qstrat.engine_ignore import engine_ignore_list, with_engine_ignore_list
+    from qstrat.vllm.checks.engine_ignore import engine_ignore_list, with_engine_ignore_list
 
     entries = ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.gate_proj",

@@ -61,9 +61,9 @@ def _models(variant, fmt, mode):
 @pytest.mark.parametrize("variant,fmt,mode", CASES, ids=["-".join(c) for c in CASES])
 def test_fresh_engine_serves_the_plan_and_a_refit_equals_it(variant, fmt, mode, tmp_path, fresh_vllm_classes):
     from qstrat import vllm as qvllm
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import engine_support, greedy, release, start_engine
-    from qstrat.fidelity import probe
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import engine_support, greedy, release, start_engine
+    from qstrat.vllm.fidelity.probe import probe
 
     ok, how = engine_support([fmt])
     if not ok:  # vLLM is installed: not being able to run the format is a failure
@@ -95,8 +95,8 @@ def test_an_engine_built_in_another_format_is_refused_and_released(tmp_path, fre
     releases it - the next engine starts and serves in the same process."""
     import json
 
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import greedy, release, start_engine
     from qstrat.errors import EngineBuildError
 
     cfg, driver = _models("qwen3_moe-mlp_only", "mxfp8", "keep_first")
@@ -127,8 +127,8 @@ def test_the_transfer_backend_refuses_a_misbuilt_engine_at_init(tmp_path, fresh_
     start_engine's own check off."""
     import json
 
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import start_engine
     from qstrat.errors import EngineBuildError
 
     cfg, driver = _models("qwen3_moe-mlp_only", "mxfp8", "keep_first")
@@ -144,6 +144,6 @@ def test_the_transfer_backend_refuses_a_misbuilt_engine_at_init(tmp_path, fresh_
                                                    r"it quantized \(float8_e4m3fn \+ uint8\)"):
             start_engine(tmp_path / "b", check_built=False, weight_transfer_config={"backend": "qstrat"})
     finally:
-        from qstrat.vllm_adapter.resolver import resolve
+        from qstrat.vllm.adapter.resolver import resolve
 
         resolve("cleanup_dist_env_and_memory")()  # the half-started engine's distributed state

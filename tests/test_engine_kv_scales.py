@@ -4,7 +4,7 @@ ONE engine: qstrat's block-FP8 checkpoint of model B plus calibrated per-layer
 ``self_attn.k_scale`` / ``v_scale`` (what a calibrated FP8 checkpoint carries), started with an
 FP8 KV cache. Its attention layers hold the checkpoint's scales (read from vLLM's ``Attention``
 modules). A whole refit, a partial refit (one layer) and a sleep/wake keep them, and
-:func:`qstrat.vllm.refit` checks that after every reload (:mod:`qstrat.kv_scales`). A reset
+:func:`qstrat.vllm.refit` checks that after every reload (:mod:`qstrat.vllm.sink.kv_scales`). A reset
 injected from outside - the engine's ``reload_weights`` RPC followed by setting one layer's
 scale to 1.0 (or 0), as a reload that loses the scales does - is an error naming the layer.
 """
@@ -31,7 +31,7 @@ SCALES = {i: (0.05 + 0.01 * i, 0.07 + 0.01 * i) for i in range(4)}
 
 @pytest.fixture(scope="module")
 def driver(cfg):
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
 
     return RefitDriver("block-fp8", hf_config=cfg)
 
@@ -40,8 +40,8 @@ def driver(cfg):
 def engine(tmp_path_factory, models, driver):
     from safetensors.torch import save_file
 
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import release, start_engine
 
     out = tmp_path_factory.mktemp("kv-scales") / "b"
     write_checkpoint(driver, models[1].state_dict(), out)
@@ -58,7 +58,7 @@ def engine(tmp_path_factory, models, driver):
 
 
 def test_engine_serves_the_checkpoints_scales(engine):
-    from qstrat.kv_scales import engine_kv_scales
+    from qstrat.vllm.sink.kv_scales import engine_kv_scales
 
     scales = engine_kv_scales(engine)
     assert sorted(scales) == [f"model.layers.{i}.self_attn.attn" for i in range(4)]
@@ -72,7 +72,7 @@ def test_engine_serves_the_checkpoints_scales(engine):
 def test_refit_partial_refit_and_sleep_wake_keep_the_scales(engine, models, driver):
     from qstrat import tensor_specs
     from qstrat import vllm as qvllm
-    from qstrat.kv_scales import check_kv_scales, engine_kv_scales
+    from qstrat.vllm.sink.kv_scales import check_kv_scales, engine_kv_scales
 
     start = engine_kv_scales(engine)
     qvllm.refit(engine, driver, models[0].state_dict())  # checks the scales after the reload itself
@@ -112,7 +112,7 @@ def reset_after_reload(llm, layer: int, attr: str, value: float):
                                                               (1, "_v_scale", 0.0, "v_scale")])
 def test_a_reset_after_the_reload_is_an_error_naming_the_layer(engine, models, driver, layer, attr, value, key):
     from qstrat import vllm as qvllm
-    from qstrat.kv_scales import KVScaleError, engine_kv_scales
+    from qstrat.vllm.sink.kv_scales import KVScaleError, engine_kv_scales
 
     start = engine_kv_scales(engine)
     with reset_after_reload(engine, layer, attr, value), pytest.raises(KVScaleError) as err:

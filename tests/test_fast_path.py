@@ -187,7 +187,7 @@ def test_grouped_call_equals_the_per_expert_loop_on_bench_shapes(name):
     expert both ways), on each bench shape's experts [N, K] - whole experts packed several per
     chunk (256 x 512), experts cut into row bands (1536 x 2048: three 512-row bands; 2048 x 768:
     a 1280- and a 768-row band) - with enough experts for a ragged last chunk of several."""
-    from qstrat.bench import SIZES
+    from qstrat.cli.bench import SIZES
 
     ser = qstrat.get_serializer(name)  # the CPU default (auto: the fast path), as the bench runs it
     g = torch.Generator().manual_seed(5)

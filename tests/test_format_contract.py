@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from qstrat import PlanError, RefitDriver, get_serializer
-from qstrat.bench import NO_PEER, bench_format_names, bench_formats
-from qstrat.engine import emulation
-from qstrat.engine_manifest import engine_format, plan_format_mismatch
+from qstrat.cli.bench import NO_PEER, bench_format_names, bench_formats
+from qstrat.vllm import emulation
+from qstrat.vllm.checks.engine_manifest import engine_format, plan_format_mismatch
 from qstrat.errors import EngineManifestError, PluginError
 from qstrat.hookspecs import hookimpl
-from qstrat.registry import Registry, get_registry
+from qstrat.plugins.registry import Registry, get_registry
 from qstrat.serializers import PartSpec, Serializer
 from qstrat.serializers.bf16 import BF16
 from qstrat.serializers.block_fp8 import BlockFP8

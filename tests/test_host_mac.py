@@ -1,4 +1,4 @@
-"""The host bucket MAC (qstrat/transport/seal.py ``host_mac``, keys.poly1305_key / host_bucket_mac):
+"""The host bucket MAC (qstrat/transport/security/seal.py ``host_mac``, keys.poly1305_key / host_bucket_mac):
 its value against a computation written out here from its definition (HKDF subkey, HMAC-SHA256,
 the cryptography package's Poly1305), piecewise feeding, and that every bound field and byte
 changes it."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from qstrat.transport.keys import Secret, hkdf
-from qstrat.transport.mesh import pair_sealer
-from qstrat.transport.seal import PIECE_BYTES, Sealer, pieces
+from qstrat.transport.security.keys import Secret, hkdf
+from qstrat.transport.mesh.steps import pair_sealer
+from qstrat.transport.security.seal import PIECE_BYTES, Sealer, pieces
 
 SECRET = b"host mac test secret, 32 bytes.."
 MAC = bytes(range(32))

@@ -11,7 +11,7 @@ Counting rule (issue 18):
 - Edges: every ``import`` / ``from ... import`` statement anywhere in a module - top level, inside
   functions and methods, under ``if TYPE_CHECKING:`` - and every ``importlib.import_module("...")``
   with a literal name. ``TYPE_CHECKING``-only imports count: an annotation naming
-  ``qstrat.config.RefitConfig`` is a dependency a reader (and a type checker) must follow, whether
+  ``qstrat.config.loader.RefitConfig`` is a dependency a reader (and a type checker) must follow, whether
   or not the interpreter executes the import.
 - Relative imports are resolved against the importing module's package.
 - ``import a.b.c`` and ``from a.b import c`` where ``a.b.c`` is a module depend on ``a.b.c``

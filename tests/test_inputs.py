@@ -1,4 +1,4 @@
-"""qstrat.inputs: what a trainer may pass (a mapping or (name, tensor) pairs, lazy handles, spec
+"""qstrat.execute.named_tensors: what a trainer may pass (a mapping or (name, tensor) pairs, lazy handles, spec
 triples) and the refusals that name the input, before anything is planned or emitted. Bad dtypes
 and non-finite values inside the formats: tests/test_input_errors.py."""
 from __future__ import annotations
@@ -122,7 +122,7 @@ SPEC_ERROR = (r"^model\.layers\.0\.mlp\.down_proj\.weight: is a TensorSpec \(a s
 
 def test_a_spec_given_as_a_value_is_refused_before_anything_is_emitted(tmp_path):
     from qstrat import RefitDriver
-    from qstrat.checkpoint import write_checkpoint
+    from qstrat.execute.checkpoint import write_checkpoint
     from qstrat.errors import NoValuesError
 
     driver = RefitDriver("mxfp8")

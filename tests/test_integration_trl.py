@@ -26,8 +26,8 @@ def _vllm_generation():
 
 def _run(strategy, tmp_path, peft=False, verify_every=0):
     """Train, release the trainer's engine, then compare every sync with a fresh engine."""
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.engine.local import release
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.vllm.engine.local import release
     from qstrat.integrations.trl import QstratWeightSync
     from qstrat.integrations.trl_demo import fresh_engine_greedy, policy, train
 

@@ -21,8 +21,8 @@ from qstrat.errors import ConfigError
 
 
 def _plan(strategy="block-fp8"):
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
     from qstrat.integrations.trl_demo import policy
 
     model = policy()
@@ -136,7 +136,7 @@ def test_an_engine_side_strategy_needs_an_online_quantizing_server():
     without online quantization) is refused naming quantize_in and both fixes. The exact online
     config is checked by every round, engine-side (tests/test_engine_transport_online.py)."""
     from qstrat.integrations.trl_server import check_server_info
-    from qstrat.online import engine_kwargs
+    from qstrat.vllm.online import engine_kwargs
 
     plan = _plan(ENGINE_SIDE)
     online = json.dumps(engine_kwargs(plan)["quantization_config"])
@@ -323,8 +323,8 @@ class _Generation:
 def _server_sync(model, main=True):
     from collections import defaultdict
 
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.execute.driver import RefitDriver
     from qstrat.integrations.trl_server import QstratServerSync
     from qstrat.transport import RefitSender
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def serializer_class(name: str):
     """A format by name: the registry's, else the class named so in qstrat.serializers.<name>."""
-    from qstrat.registry import get_registry
+    from qstrat.plugins.registry import get_registry
     from qstrat.serializers.base import Serializer
 
     reg = get_registry().serializers

@@ -1,4 +1,4 @@
-"""qstrat.kv_scales without an engine: which changes of FP8 KV-cache scales are errors, and the
+"""qstrat.vllm.sink.kv_scales without an engine: which changes of FP8 KV-cache scales are errors, and the
 names a reload may carry them under (the live engine: tests/test_engine_kv_scales.py)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from qstrat.kv_scales import KVScaleError, KVScaleGuard, check_kv_scales, model_kv_scales
-from qstrat.vllm_adapter import names
+from qstrat.vllm.sink.kv_scales import KVScaleError, KVScaleGuard, check_kv_scales, model_kv_scales
+from qstrat.vllm.adapter import names
 
 L0, L1 = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
 

@@ -1,5 +1,5 @@
-"""The tensors each layout expects from a config.json (:class:`qstrat.skeleton.LayoutTensors` and
-its per-family overrides in ``qstrat/builtin/layouts/``), held against transformers' real classes;
+"""The tensors each layout expects from a config.json (:class:`qstrat.layouts.skeleton.LayoutTensors` and
+its per-family overrides in ``qstrat/plugins/builtin/layouts/``), held against transformers' real classes;
 the other family questions shared code asks a layout; and a plugin family that supplies its own
 tensor shapes, planned config-only through ``qstrat plan``.
 
@@ -14,15 +14,15 @@ import pytest
 import torch
 import transformers
 
-import qstrat.registry
+import qstrat.plugins.registry
 from qstrat import PlanError, RefitDriver, Registry
-from qstrat.builtin.layouts import DEEPSEEK_V3, GENERIC, GLM4_MOE, GPT_OSS, MIXTRAL, QWEN3, QWEN3_MOE
+from qstrat.plugins.builtin.layouts import DEEPSEEK_V3, GENERIC, GLM4_MOE, GPT_OSS, MIXTRAL, QWEN3, QWEN3_MOE
 from qstrat.errors import ConfigOnlyUnsupportedError
 from qstrat.hookspecs import hookimpl
-from qstrat.layouts import ModelLayout
-from qstrat.sharding import ExpertParallel
-from qstrat.skeleton import model_tensors
-from qstrat.model_config import ModelConfig
+from qstrat.layouts.model_layout import ModelLayout
+from qstrat.execute.sharding import ExpertParallel
+from qstrat.layouts.skeleton import model_tensors
+from qstrat.layouts.model_config import ModelConfig
 
 import model_families as mf
 
@@ -261,9 +261,9 @@ def test_a_plugin_layout_supplies_the_shapes_of_a_config_only_plan(tmp_path, mon
     fused projections. Without the plugin the same directory is refused (generic layout)."""
     cfg = config("Phi3Config", "Phi3ForCausalLM", **{**BASE, "pad_token_id": 0})
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    from qstrat.cli import main
+    from qstrat.cli.commands import main
 
-    monkeypatch.setattr(qstrat.registry, "_REGISTRY", Registry(plugins=[Phi3Plugin()]))
+    monkeypatch.setattr(qstrat.plugins.registry, "_REGISTRY", Registry(plugins=[Phi3Plugin()]))
     assert main(["plan", str(tmp_path), "--preset", "block-fp8", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["layout"] == "test_phi3"
@@ -273,6 +273,6 @@ def test_a_plugin_layout_supplies_the_shapes_of_a_config_only_plan(tmp_path, mon
     assert formats["model.layers.1.mlp.gate_up_proj.weight"] == "block_fp8"
     assert formats["lm_head.weight"] == "passthrough"
 
-    monkeypatch.setattr(qstrat.registry, "_REGISTRY", Registry())
+    monkeypatch.setattr(qstrat.plugins.registry, "_REGISTRY", Registry())
     assert main(["plan", str(tmp_path), "--preset", "block-fp8", "--json"]) == 2
     assert "layout 'generic': config-only planning does not generate" in capsys.readouterr().err

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from qstrat import RefitDriver
-from qstrat.builtin.layouts import DEEPSEEK_V3, MIXTRAL, QWEN3_5_MOE, QWEN3_MOE
-from qstrat.layouts import ParsedName
+from qstrat.plugins.builtin.layouts import DEEPSEEK_V3, MIXTRAL, QWEN3_5_MOE, QWEN3_MOE
+from qstrat.layouts.model_layout import ParsedName
 
 
 def kinds(layout, names, num_layers=None):

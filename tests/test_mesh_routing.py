@@ -1,4 +1,4 @@
-"""qstrat.transport.routing without processes: the share each engine rank loads, against vLLM's
+"""qstrat.transport.mesh.routing without processes: the share each engine rank loads, against vLLM's
 loaders' rules written out here (QKVParallelLinear's KV-head replication: ``shard_rank = tp_rank //
 num_kv_head_replicas``), and the layouts a rank may publish (a malformed one is refused, naming
 the field)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from qstrat.errors import TransportError
-from qstrat.transport.routing import ReceiverLayout, share_of
+from qstrat.transport.mesh.routing import ReceiverLayout, share_of
 
 K = "model.layers.0.self_attn.k_proj.weight"
 Q = "model.layers.0.self_attn.q_proj.weight"

@@ -1,4 +1,4 @@
-"""How a mesh sender rank schedules its pairs (qstrat/transport/mesh_sender.py), without processes:
+"""How a mesh sender rank schedules its pairs (qstrat/transport/mesh/sender.py), without processes:
 a recording group whose sends finish only when the test says so. A rank whose wire order goes to
 one engine rank after another (experts placed round-robin) must put every pair on the wire at once
 within its look-ahead, never more than IN_FLIGHT buckets of one pair, and each pair's stream must
@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from qstrat.transport import protocol as proto
-from qstrat.transport.auth import from_words
-from qstrat.transport.mesh import pair_sealer
-from qstrat.transport.mesh_sender import IN_FLIGHT, PairOut, keep_busy
+from qstrat.transport.security.auth import from_words
+from qstrat.transport.mesh.steps import pair_sealer
+from qstrat.transport.mesh.sender import IN_FLIGHT, PairOut, keep_busy
 from qstrat.transport.wire_manifest import build_wire_manifest
 
 BUCKET = 1 << 12
@@ -131,15 +131,15 @@ class SumGroup:
 
 
 def test_the_opening_all_reduce_carries_every_challenge_and_layout():
-    """Steps 0 and 1 of a mesh round in one all-reduce (qstrat.transport.mesh.opening): 2 senders,
+    """Steps 0 and 1 of a mesh round in one all-reduce (qstrat.transport.mesh.steps.opening): 2 senders,
     2 engine ranks; the sum of what each rank contributes gives every rank the same layouts and
     challenge vector, each engine rank's drawn words and last counter in its own slot."""
     import pytest
 
     from qstrat.errors import TransportError
-    from qstrat.transport.auth import CHALLENGE_WORDS
-    from qstrat.transport.mesh import LAYOUT_WORDS, opening
-    from qstrat.transport.routing import ReceiverLayout
+    from qstrat.transport.security.auth import CHALLENGE_WORDS
+    from qstrat.transport.mesh.steps import LAYOUT_WORDS, opening
+    from qstrat.transport.mesh.routing import ReceiverLayout
 
     layouts = {2: ReceiverLayout(0, 2, kv_heads=2), 3: ReceiverLayout(1, 2, (1, 3), moe_tp=False, kv_heads=2)}
     parts = []

@@ -1,6 +1,6 @@
-"""The MIX flag's one rule (qstrat/mix_flag.py), held the same way by an in-process engine
-(qstrat/vllm/flag.py, qstrat/vllm/reload.py) and by a transport receiver
-(qstrat/transport/mix_flag.py, qstrat/transport/session.py): a load that failed once it began
+"""The MIX flag's one rule (qstrat/execute/mix_rule.py), held the same way by an in-process engine
+(qstrat/vllm/sink/engine_flag.py, qstrat/vllm/sink/reload.py) and by a transport receiver
+(qstrat/transport/receive/receiver_flag.py, qstrat/transport/receive/session.py): a load that failed once it began
 flags the holder and then finalizes the reload (a finalize that fails too is noted, never
 raised); only a WHOLE refit that loads clears the flag - a partial one that reached the engine
 leaves it flagged on both holders (the in-process holder used to clear on any finished load)."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from qstrat.errors import EngineStateError
-from qstrat.mix_flag import MixFlag
-from qstrat.transport.mix_flag import MixFlag as ReceiverFlag
-from qstrat.vllm.flag import engine_flag
-from qstrat.vllm.reload import flagged_reload
+from qstrat.execute.mix_rule import MixFlag
+from qstrat.transport.receive.receiver_flag import MixFlag as ReceiverFlag
+from qstrat.vllm.sink.engine_flag import engine_flag
+from qstrat.vllm.sink.reload import flagged_reload
 
 
 class Engine:

@@ -1,4 +1,4 @@
-"""qstrat.model_config: a model config's shape keys are integers in range before any tensor is
+"""qstrat.layouts.model_config: a model config's shape keys are integers in range before any tensor is
 generated (no ZeroDivisionError, negative dimension or endless generation), named in the error."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from qstrat import RefitDriver
-from qstrat.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
+from qstrat.plugins.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
 from qstrat.errors import ConfigError
-from qstrat.model_config import INT_KEYS, BOOL_KEYS, ModelConfig, bounded, check_model_config, language_config
-from qstrat.skeleton import model_tensors
+from qstrat.layouts.model_config import INT_KEYS, BOOL_KEYS, ModelConfig, bounded, check_model_config, language_config
+from qstrat.layouts.skeleton import model_tensors
 
 from conftest import model_config
 
@@ -84,10 +84,10 @@ def test_one_language_config_lookup_serves_every_reader():
     from pathlib import Path
     from types import SimpleNamespace
 
-    from qstrat.builtin.layouts import DEEPSEEK_V3
-    from qstrat.fidelity import text_vocab_size
-    from qstrat.model_config import with_language_config
-    from qstrat.vllm.quant_config import quantization_config_of
+    from qstrat.plugins.builtin.layouts import DEEPSEEK_V3
+    from qstrat.vllm.fidelity.probe import text_vocab_size
+    from qstrat.layouts.model_config import with_language_config
+    from qstrat.vllm.checks.quant_config import quantization_config_of
 
     qc = {"quant_method": "fp8"}
     text = {"hidden_size": 4, "model_type": "deepseek_v3", "quantization_config": qc}
@@ -109,24 +109,24 @@ def test_one_language_config_lookup_serves_every_reader():
                      or any(isinstance(n, ast.Attribute) and n.attr in ("text_config", "get_text_config")
                             and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "layout", "ModelLayout"))
                             for n in ast.walk(ast.parse(p.read_text()))))
-    assert readers == ["model_config.py"], readers
+    assert readers == ["layouts/model_config.py"], readers
 
 
 # ---- the model config parsed once, at the door (issue 43) -------------------------------------
 #: Modules that take a model config from outside - the doors - and parse it
-#: (:meth:`qstrat.model_config.ModelConfig.of`): module -> what comes in there.
+#: (:meth:`qstrat.layouts.model_config.ModelConfig.of`): module -> what comes in there.
 DOORS = {
-    "model_config.py": "the parser itself",
-    "driver.py": "RefitDriver(config, hf_config=...): parsed into driver.model_config; PlanCache notes edits",
-    "checkpoint.py": "write_checkpoint(..., hf_config=...)",
-    "select.py": "select(config, module, hf_config=...) and a module's own .config",
-    "cli.py": "config.json read from a model directory",
-    "fidelity.py": "a loaded transformers model's config object (the probe's vocabulary)",
+    "layouts/model_config.py": "the parser itself",
+    "execute/driver.py": "RefitDriver(config, hf_config=...): parsed into driver.model_config; PlanCache notes edits",
+    "execute/checkpoint.py": "write_checkpoint(..., hf_config=...)",
+    "plan/trainer_decisions.py": "select(config, module, hf_config=...) and a module's own .config",
+    "cli/commands.py": "config.json read from a model directory",
+    "vllm/fidelity/probe.py": "a loaded transformers model's config object (the probe's vocabulary)",
     "integrations/": "a trainer's model.config",
     "demo/": "the demo model's config, built there",
     "vllm_adapter/": "a vLLM engine's config object (views.parsed_config_of)",
-    "vllm/quant_config.py": "engine_quantization_config(llm): the engine view's hf_config",
-    "transport/delta_churn.py": "a benchmark building the demo model's config",
+    "vllm/checks/quant_config.py": "engine_quantization_config(llm): the engine view's hf_config",
+    "transport/delta/churn.py": "a benchmark building the demo model's config",
 }
 #: config.json keys: reading one from a dict by name (``cfg["hidden_size"]``, ``cfg.get("model_type")``,
 #: ``"n_group" in cfg``) is parsing the config again.

@@ -22,7 +22,7 @@ import torch
 
 from qstrat import PlanError, RefitDriver
 from qstrat.plan.data import PASSTHROUGH
-from qstrat.model_config import ModelConfig
+from qstrat.layouts.model_config import ModelConfig
 
 import model_families as mf
 
@@ -296,7 +296,7 @@ def test_full_size_transformers_class_on_meta_plans(name, layout):
     import transformers
 
     from conftest import model_config
-    from qstrat.skeleton import model_tensors
+    from qstrat.layouts.skeleton import model_tensors
 
     hf = model_config(name)
     cfg = transformers.AutoConfig.for_model(**hf)
@@ -319,7 +319,7 @@ def test_skeleton_names_the_transformers_class_tensors(family):
     """The config-only skeleton (grouped) yields the class's state_dict names (checkpoint form)
     and shapes, for every built-in family (Qwen3-Next's and Qwen3.5's hybrid layers and Qwen3.5's
     vision tower included)."""
-    from qstrat.skeleton import model_tensors
+    from qstrat.layouts.skeleton import model_tensors
 
     cfg = mf.hf_config(family)
     hf = mf.config_dict(cfg)

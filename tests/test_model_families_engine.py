@@ -10,7 +10,7 @@ the live model; no family is refit without it). Qwen3-MoE has its own, fuller te
 interleaved slabs): its refit sends them unchanged, whole, with ``allow_cpu_bf16_experts`` (they
 reload exactly in its engine, which this test holds).
 
-On CPUs without AMX the engine runs qstrat's emulated kernels (qstrat.engine.emulation, loaded by
+On CPUs without AMX the engine runs qstrat's emulated kernels (qstrat.vllm.emulation, loaded by
 vLLM through the vllm.general_plugins entry point). Qwen3.5's engines run under the test-only
 torchvision stand-in (:func:`model_families.torchvision_stub`, docs/models.md): vLLM's import chain
 reaches transformers' Qwen2-VL image processor, which imports torchvision at module level, and the
@@ -48,9 +48,9 @@ ENGINE_ARGS = {"qwen3_5_moe": {"limit_mm_per_prompt": {"image": 0, "video": 0}}}
 def test_refit_equals_fresh_engine(family, preset, tmp_path):
     from qstrat import RefitDriver
     from qstrat import vllm as qvllm
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import engine_support, greedy, release, start_engine
-    from qstrat.engine_manifest import EngineManifest
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import engine_support, greedy, release, start_engine
+    from qstrat.vllm.checks.engine_manifest import EngineManifest
 
     formats = ["block_fp8"] if preset == "block-fp8" else ["mxfp8"]
     ok, how = engine_support(formats)
@@ -97,11 +97,11 @@ def test_an_mla_engine_on_vllms_amx_backend_is_refused_before_any_byte(tmp_path)
     DeepSeek-V3 cases run.)"""
     from qstrat import RefitDriver
     from qstrat import vllm as qvllm
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import greedy, release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import greedy, release, start_engine
     from qstrat.errors import EngineManifestError
-    from qstrat.vllm_adapter import has_amx
-    from qstrat.vllm_adapter.resolver import available
+    from qstrat.vllm.adapter import has_amx
+    from qstrat.vllm.adapter.resolver import available
 
     cfg = mf.hf_config("deepseek_v3")
     hf = {**mf.config_dict(cfg), "torch_dtype": "bfloat16"}

@@ -19,11 +19,11 @@ import torch
 from conftest import per_expert_view
 
 from qstrat import PlanError, RefitDriver
-from qstrat.builtin.layouts import QWEN3, QWEN3_MOE
+from qstrat.plugins.builtin.layouts import QWEN3, QWEN3_MOE
 from qstrat.hookspecs import hookimpl
-from qstrat.registry import Registry
+from qstrat.plugins.registry import Registry
 from qstrat.serializers.block_fp8 import BlockFP8
-from qstrat.skeleton import model_tensors
+from qstrat.layouts.skeleton import model_tensors
 
 DENSE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2,
          "hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -238,7 +238,7 @@ def test_row_scaled_formats_load_any_fused_split():
 def _record(manifest, pad: int, rows_seen: int):
     """vLLM's record as a CPU engine of this manifest's model holds it: every unit's elements,
     the embedding and lm_head rows padded to ``rows_seen``."""
-    from qstrat.vllm_adapter.model_record import EngineModel
+    from qstrat.vllm.adapter.model_record import EngineModel
 
     layers = {}
     for u in manifest.units.values():
@@ -266,9 +266,9 @@ def _record(manifest, pad: int, rows_seen: int):
 def test_cross_check_models_vllms_vocabulary_padding():
     """vocab 1000: vLLM records 1024 rows (padded to 64) where the checkpoint has 1000. Before
     the fix this was a disagreement, and every refit of such a model was refused."""
-    from qstrat.engine_manifest import build_manifest
-    from qstrat.registry import get_registry
-    from qstrat.vllm_adapter.model_record import cross_check
+    from qstrat.vllm.checks.engine_manifest import build_manifest
+    from qstrat.plugins.registry import get_registry
+    from qstrat.vllm.adapter.model_record import cross_check
 
     manifest = build_manifest(DENSE, None, QWEN3, get_registry(), "bfloat16")
     assert cross_check(manifest, _record(manifest, 64, 1024)) == []
@@ -304,9 +304,9 @@ def test_cross_check_takes_a_tied_lm_head_as_the_embedding_and_refuses_a_quantiz
     """vLLM records a tied lm_head module (sharing the embedding's weight) that the manifest
     has no unit for: not unknown, but it must hold the embedding's elements exactly - a tied
     head built quantized (the MXFP8 scales [1024, 8] nothing loads) is refused."""
-    from qstrat.engine_manifest import build_manifest
-    from qstrat.registry import get_registry
-    from qstrat.vllm_adapter.model_record import EngineModel, cross_check
+    from qstrat.vllm.checks.engine_manifest import build_manifest
+    from qstrat.plugins.registry import get_registry
+    from qstrat.vllm.adapter.model_record import EngineModel, cross_check
 
     qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]}
     manifest = build_manifest(TIED, qcfg, QWEN3, get_registry(), "bfloat16")
@@ -337,9 +337,9 @@ def test_cross_check_finds_a_tied_lm_head_that_vllm_renames():
     not an unknown module (before the fix every refit of a tied Qwen3.5-MoE was refused: "vLLM's
     model has language_model.lm_head ... which the manifest does not know"), and a quantized one
     is still refused under vLLM's name."""
-    from qstrat.engine_manifest import build_manifest
-    from qstrat.registry import get_registry
-    from qstrat.vllm_adapter.model_record import EngineModel, cross_check
+    from qstrat.vllm.checks.engine_manifest import build_manifest
+    from qstrat.plugins.registry import get_registry
+    from qstrat.vllm.adapter.model_record import EngineModel, cross_check
 
     qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]}
     manifest = build_manifest(TIED, qcfg, QWEN3, get_registry(), "bfloat16")

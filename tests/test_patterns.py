@@ -1,4 +1,4 @@
-"""qstrat.patterns: include/exclude name patterns (a glob matching the whole name, or a regex
+"""qstrat.config.patterns: include/exclude name patterns (a glob matching the whole name, or a regex
 searched in it after ``re:``)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from qstrat.patterns import NamePattern, any_match
+from qstrat.config.patterns import NamePattern, any_match
 
 NAME = "model.layers.12.mlp.experts.3.up_proj.weight"
 

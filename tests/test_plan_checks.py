@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from qstrat import PlanError, RefitDriver
-from qstrat.builtin.layouts import QWEN3_MOE
-from qstrat.skeleton import model_tensors
+from qstrat.plugins.builtin.layouts import QWEN3_MOE
+from qstrat.layouts.skeleton import model_tensors
 
 from conftest import model_config
 from plan_cases import small_moe

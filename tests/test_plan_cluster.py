@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from qstrat.cli import main
-from qstrat.demo.tiny_model import TINY_QWEN3_MOE
-from qstrat.driver import RefitDriver
+from qstrat.cli.commands import main
+from qstrat.cli.demo.tiny_model import TINY_QWEN3_MOE
+from qstrat.execute.driver import RefitDriver
 from qstrat.errors import ConfigError
 from qstrat.plan.cluster import route
 from qstrat.plan.cluster_layout import (EngineLayout, TrainerLayout, parse_engine_layout, parse_link_rate,
                                         parse_trainer_layout)
 from qstrat.plan.engine_shards import expert_ranks
-from qstrat.skeleton import model_tensors
+from qstrat.layouts.skeleton import model_tensors
 
 CFG = {**TINY_QWEN3_MOE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
 H, I, E, V, L = 256, 128, 8, 1024, 4  # hidden, expert intermediate, experts, vocab, layers

@@ -22,7 +22,7 @@ import qstrat.plan.planner as planner_module
 from qstrat import RefitDriver
 from qstrat.plan.data import OutputTensor, PlanEntry
 from qstrat.plan.families import Families, families_for
-from qstrat.skeleton import model_tensors
+from qstrat.layouts.skeleton import model_tensors
 
 from conftest import model_config
 
@@ -135,7 +135,7 @@ def test_family_memo_equals_the_full_way(monkeypatch, model, config, derived_at_
 def test_family_memo_refused_for_a_layer_dependent_selector(monkeypatch):
     """A plugin selector may read the layer: the memo is off and odd layers alone are quantized."""
     from qstrat.hookspecs import hookimpl
-    from qstrat.selectors import Selector
+    from qstrat.plugins.selector import Selector
 
     class OddLayers:
         @hookimpl

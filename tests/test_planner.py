@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qstrat import PlanError, RefitDriver
-from qstrat.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
+from qstrat.plugins.builtin.layouts import DEEPSEEK_V3, QWEN3_MOE
 
 from conftest import model_config
 from plan_cases import by_name, meta, small_moe

@@ -1,4 +1,4 @@
-"""What runs before the first byte (qstrat/prepare.py): the one list of steps, the same in the docs,
+"""What runs before the first byte (qstrat/execute/prepare.py): the one list of steps, the same in the docs,
 run by every sink; each check made to fail in turn for each sink refuses the refit with that
 check's error and nothing was written or sent (no checkpoint directory, no engine RPC, no
 transfer RPC or collective)."""
@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import qstrat
-import qstrat.checkpoint
-import qstrat.engine_manifest
-import qstrat.transport.sender
+import qstrat.execute.checkpoint
+import qstrat.vllm.checks.engine_manifest
+import qstrat.transport.send.sender
 import qstrat.vllm
+import qstrat.vllm.checks.sink_checks
 from qstrat import NonFiniteError, PlanError, RefitDriver
 from qstrat.errors import BackendUnavailableError, EngineManifestError, QstratError, WireManifestMismatchError
-from qstrat.prepare import STEPS, PreparedRefit
+from qstrat.execute.prepare import STEPS, PreparedRefit
 from qstrat.transport import RefitSender
 from test_vllm_sink import RecordingLLM, driver, manifest_without_cross_check  # noqa: F401 (fixtures)
 
@@ -118,7 +119,7 @@ def _refit(sink, driver, state, tmp_path, engine_config, reached):
         reached.append(llm.calls)
         qstrat.vllm.refit(llm, driver, state)
     elif sink == "checkpoint":
-        qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
+        qstrat.execute.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
     elif sink == "sender":
         sender, calls = _sender()
         reached.append(calls)
@@ -132,7 +133,7 @@ def _refit(sink, driver, state, tmp_path, engine_config, reached):
 def test_every_sink_runs_its_checks_in_the_documented_order(tiny_model, driver, tmp_path, prepared):
     state = tiny_model.state_dict()
     qstrat.vllm.refit(RecordingLLM(driver.plan(state).vllm_quantization_config()), driver, state)
-    qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
+    qstrat.execute.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
     next(driver.run(state))
     for _ in ("cold", "warm"):
         driver.plan_cache.clear() if _ == "cold" else None
@@ -156,15 +157,15 @@ def _fail(monkeypatch, target, name, error):
 #: What makes each check refuse: (object, attribute) replaced by a function raising its error.
 TARGETS = {
     "plan": ((RefitDriver, "plan"), PlanError),
-    "engine quantization": ((qstrat.vllm.checks, "check_engine_online"), PlanError),
-    "engine format": ((qstrat.vllm.checks, "check_engine_format"), PlanError),
-    "engine manifest": ((qstrat.vllm.checks, "check_plan"), EngineManifestError),
-    "ignore lists": ((qstrat.vllm.checks, "check_engine_compatible"), PlanError),
-    "cpu experts": ((qstrat.vllm.checks, "check_cpu_expert_reload"), PlanError),
-    "config.json": ((qstrat.checkpoint, "output_hf_config"), QstratError),
-    "every layer": ((qstrat.transport.sender, "check_every_layer"), PlanError),
-    "model tensors": ((qstrat.engine_manifest, "check_model_tensors"), PlanError),
-    "wire manifest": ((qstrat.transport.sender, "wire_manifest_for_plan"), WireManifestMismatchError),
+    "engine quantization": ((qstrat.vllm.checks.sink_checks, "check_engine_online"), PlanError),
+    "engine format": ((qstrat.vllm.checks.sink_checks, "check_engine_format"), PlanError),
+    "engine manifest": ((qstrat.vllm.checks.sink_checks, "check_plan"), EngineManifestError),
+    "ignore lists": ((qstrat.vllm.checks.sink_checks, "check_engine_compatible"), PlanError),
+    "cpu experts": ((qstrat.vllm.checks.sink_checks, "check_cpu_expert_reload"), PlanError),
+    "config.json": ((qstrat.execute.checkpoint, "output_hf_config"), QstratError),
+    "every layer": ((qstrat.transport.send.sender, "check_every_layer"), PlanError),
+    "model tensors": ((qstrat.vllm.checks.engine_manifest, "check_model_tensors"), PlanError),
+    "wire manifest": ((qstrat.transport.send.sender, "wire_manifest_for_plan"), WireManifestMismatchError),
     "backends": ((RefitDriver, "check_backends"), BackendUnavailableError),
     "values": ((RefitDriver, "check_values"), NonFiniteError),
 }
@@ -195,7 +196,7 @@ def test_a_checkpoint_with_a_nan_leaves_nothing_written(tiny_model, driver, tmp_
     bad[1, 2] = float("inf")
     state["model.layers.2.self_attn.o_proj.weight"] = bad
     with pytest.raises(NonFiniteError, match=r"^model\.layers\.2\.self_attn\.o_proj\.weight: non-finite value inf"):
-        qstrat.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
+        qstrat.execute.checkpoint.write_checkpoint(driver, state, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -243,7 +244,7 @@ def test_sender_refuses_a_refit_that_leaves_out_a_layer(tiny_model, driver):
     """Without plan=, a refit missing a decoder layer would leave the engines' old weights there
     (vLLM's reload keeps a layer that gets none): refused before anything is sent. Found by an
     adversarial run: the wire manifest passed the engine's check with 185 of 247 tensors."""
-    from qstrat.transport.sender import check_every_layer
+    from qstrat.transport.send.sender import check_every_layer
 
     state = {k: v for k, v in tiny_model.state_dict().items() if not k.startswith("model.layers.3.")}
     plan = driver.plan(state)

@@ -1,4 +1,4 @@
-"""qstrat.registry: what the plugins (built-ins included) register, looked up by name; mistakes a plugin
+"""qstrat.plugins.registry: what the plugins (built-ins included) register, looked up by name; mistakes a plugin
 author makes get a PluginError that names the plugin, the hook and the fix.
 
 Each test registers a deliberately broken in-process plugin with ``Registry(plugins=[...])``
@@ -16,8 +16,8 @@ import torch
 import qstrat
 from qstrat import ConfigError, PluginError, Registry
 from qstrat.hookspecs import hookimpl
-from qstrat.layouts import ModelLayout
-from qstrat.selectors import Selector
+from qstrat.layouts.model_layout import ModelLayout
+from qstrat.plugins.selector import Selector
 from qstrat.serializers import PartSpec, Serializer
 from qstrat.serializers.mxfp8 import MXFP8
 from qstrat.strategies import Strategy
@@ -366,7 +366,7 @@ def test_qstrat_list_with_a_broken_plugin_is_one_error_line_not_a_traceback(tmp_
 
     root = Path(__file__).resolve().parents[1]
     path = _broken_distribution(tmp_path, "import not_installed_anywhere\n")
-    proc = subprocess.run([sys.executable, "-m", "qstrat.cli", "list"], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-m", "qstrat.cli.commands", "list"], capture_output=True, text=True, timeout=300,
                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": f"{path}:{root}"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: plugin entry point 'broken' = 'qstrat_broken_plugin' (distribution "

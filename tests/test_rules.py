@@ -1,4 +1,4 @@
-"""qstrat.rules: which serializer each tensor gets and why (keep_bf16, the rules in order with
+"""qstrat.config.rules: which serializer each tensor gets and why (keep_bf16, the rules in order with
 their selectors and include/exclude patterns, the default, special kinds only by explicit rule)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 
 import qstrat
 from qstrat import RefitDriver, load_config
-from qstrat.builtin.layouts import QWEN3_MOE
-from qstrat.registry import get_registry
-from qstrat.rules import PASSTHROUGH, RuleSet, is_weight_matrix, kept_bf16
+from qstrat.plugins.builtin.layouts import QWEN3_MOE
+from qstrat.plugins.registry import get_registry
+from qstrat.config.rules import PASSTHROUGH, RuleSet, is_weight_matrix, kept_bf16
 
 from plan_cases import by_name, small_moe
 
@@ -64,7 +64,7 @@ def test_allow_special_lets_include_reach_routers_only():
 
 def test_non_special_selector_never_matches_routers():
     from qstrat.hookspecs import hookimpl
-    from qstrat.selectors import Selector
+    from qstrat.plugins.selector import Selector
 
     class Greedy:
         @hookimpl
@@ -136,7 +136,7 @@ def test_kept_bf16_counts_decoder_layers_from_both_ends(layer, num_layers, first
 
 
 def test_kept_bf16_never_keeps_mtp_or_non_decoder_tensors():
-    from qstrat.builtin.layouts import DEEPSEEK_V3
+    from qstrat.plugins.builtin.layouts import DEEPSEEK_V3
 
     mtp = DEEPSEEK_V3.parse("model.layers.61.mlp.experts.0.up_proj.weight", 61)
     assert mtp.kind == "mtp" and kept_bf16(mtp, 61, 0, 1) is False
@@ -190,7 +190,7 @@ def test_include_patterns_match_the_checkpoint_name_whatever_wraps_the_model(fam
 
 
 def test_checkpoint_name_removes_wrapper_modules_anywhere():
-    from qstrat.builtin.layouts import MIXTRAL
+    from qstrat.plugins.builtin.layouts import MIXTRAL
 
     name = "_fsdp_wrapped_module.model.layers.3._orig_mod._checkpoint_wrapped_module.mlp.gate.weight"
     assert MIXTRAL.checkpoint_name(name) == "model.layers.3.block_sparse_moe.gate.weight"

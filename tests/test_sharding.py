@@ -1,4 +1,4 @@
-"""qstrat.sharding: expert parallelism in one process (which rank holds and emits which expert,
+"""qstrat.execute.sharding: expert parallelism in one process (which rank holds and emits which expert,
 global names from local ones, one plan per rank). Two real ranks: tests/test_distributed.py."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from test_driver_run import u8
 
 from qstrat import PlanError, RefitDriver, tensor_specs
-from qstrat.sharding import ExpertParallel, split_plan
+from qstrat.execute.sharding import ExpertParallel, split_plan
 
 
 def test_expert_parallel_ranks_union_is_the_single_process_run(tiny_model, tiny_hf_config):
@@ -50,7 +50,7 @@ def test_each_rank_holds_a_contiguous_range_of_experts():
 
 
 def test_owner_is_the_experts_holder_and_rank_0_for_the_rest():
-    from qstrat.builtin.layouts import QWEN3_MOE
+    from qstrat.plugins.builtin.layouts import QWEN3_MOE
 
     driver = RefitDriver("block-fp8", hf_config={"model_type": "qwen3_moe", "num_hidden_layers": 1})
     ep = ExpertParallel(size=4, num_experts=8)
@@ -71,7 +71,7 @@ def test_owner_is_the_experts_holder_and_rank_0_for_the_rest():
 
 
 def test_global_tensors_renames_local_experts_and_cuts_local_slabs():
-    from qstrat.builtin.layouts import QWEN3_MOE
+    from qstrat.plugins.builtin.layouts import QWEN3_MOE
 
     ep = ExpertParallel(size=2, num_experts=4)
     slab = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)  # 2 local experts, gate rows then up rows

@@ -1,4 +1,4 @@
-"""qstrat.stream: streamed runs, wire orders, batched per-expert quantization, a partial (whole-layer)
+"""qstrat.execute.stream: streamed runs, wire orders, batched per-expert quantization, a partial (whole-layer)
 refit. Expert-parallel plans: tests/test_sharding.py."""
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_only_whole_layers_are_refit(tiny_model, tiny_hf_config):
 
 
 def test_checkpoint_from_a_stream_equals_checkpoint_from_a_mapping(tiny_model, tiny_hf_config, tmp_path):
-    from qstrat.checkpoint import load_checkpoint, write_checkpoint
+    from qstrat.execute.checkpoint import load_checkpoint, write_checkpoint
 
     state = tiny_model.state_dict()
     driver = RefitDriver("mxfp8-experts", hf_config=tiny_hf_config)

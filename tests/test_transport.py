@@ -246,8 +246,8 @@ def test_buckets_larger_than_a_piece_are_sealed_piece_by_piece_and_a_bad_middle_
     and 1 MiB) and a 25 MiB tensor in 10 MiB chunks arrive byte-exact, without and with a secret
     (checksum and bucket MAC paths); one byte changed in the MIDDLE piece is refused, receivers
     unchanged."""
-    from qstrat.transport.keys import ENV_SECRET
-    from qstrat.transport.seal import PIECE_BYTES
+    from qstrat.transport.security.keys import ENV_SECRET
+    from qstrat.transport.security.seal import PIECE_BYTES
 
     specs = [("a.weight", "uint8", ((9 << 20) - 4096,)), ("a.scale", "float32", (7,)),
              ("big.weight", "bfloat16", (25 << 19,)), ("c.weight", "bfloat16", (3, 5))]

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from qstrat.errors import TransportError
-from qstrat.transport import RefitSender, delta
-from qstrat.transport.keys import ENV_SECRET
+from qstrat.transport import RefitSender
+from qstrat.transport.delta import encoding as delta
+from qstrat.transport.security.keys import ENV_SECRET
 
 from transport_harness import EditingClient, free_port, sha256, standalone_receivers
 
@@ -104,9 +105,9 @@ def test_a_hostile_delta_round_is_refused_before_its_allocation():
     the largest patch of its bucket closes the group before anything is allocated; a malformed
     update_info['delta'] is refused before the accept vote."""
     from qstrat.errors import WireManifestMismatchError
-    from qstrat.transport.delta_receive import PatchDecoder, receive_patches
-    from qstrat.transport.delta_stream import encode_round
-    from qstrat.transport.seal import Sealer
+    from qstrat.transport.delta.receive import PatchDecoder, receive_patches
+    from qstrat.transport.delta.stream import encode_round
+    from qstrat.transport.security.seal import Sealer
     from qstrat.transport.wire_manifest import build_wire_manifest
 
     target = build_wire_manifest([("w", "uint8", (T + 5,))], BUCKET, 16)
@@ -146,8 +147,8 @@ def test_the_bucket_by_bucket_encoder_gives_the_whole_streams_bytes_and_every_by
     The layout has alignment gaps, a tensor chunked over buckets, buckets that end off a word
     boundary and tail padding; fill_stream into a buffer of stale bytes writes every byte (gaps
     and padding zero, as in a new stream)."""
-    from qstrat.transport.delta_receive import PatchDecoder
-    from qstrat.transport.delta_stream import encode_round
+    from qstrat.transport.delta.receive import PatchDecoder
+    from qstrat.transport.delta.stream import encode_round
     from qstrat.transport.wire_manifest import build_wire_manifest
 
     g = torch.Generator().manual_seed(5)
@@ -187,8 +188,8 @@ def test_a_corrupted_bucket_k_is_caught_by_its_own_digest_naming_its_tensors(whe
     under bucket k's tiles, is caught at bucket k - a DeltaError with status DELTA naming the
     bucket and its tensors (the sender then sends the round whole) - the buckets before it
     rebuilt exactly, and the decoder drops the receiver's base (out of step)."""
-    from qstrat.transport.delta_receive import PatchDecoder
-    from qstrat.transport.delta_stream import encode_round
+    from qstrat.transport.delta.receive import PatchDecoder
+    from qstrat.transport.delta.stream import encode_round
     from qstrat.transport.protocol import DELTA
     from qstrat.transport.wire_manifest import build_wire_manifest
 
@@ -232,8 +233,8 @@ def test_a_rebuild_into_the_spare_copies_only_the_last_patchs_bytes_and_a_stale_
     A spare with one byte off where neither patch wrote (a memory fault, a loader writing into a
     view) fails that bucket's digest (status DELTA), naming the bucket; a spare of another round
     (``spare_round`` not the base's parent) is not trusted: the base's regions are copied whole."""
-    from qstrat.transport.delta_receive import PatchDecoder
-    from qstrat.transport.delta_stream import encode_round
+    from qstrat.transport.delta.receive import PatchDecoder
+    from qstrat.transport.delta.stream import encode_round
     from qstrat.transport.protocol import DELTA
     from qstrat.transport.wire_manifest import build_wire_manifest
 

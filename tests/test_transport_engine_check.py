@@ -2,7 +2,7 @@
 refused in the in-process sink's words: format first, then tensors (issue 30, items 6 and 7).
 
 The engine here is a stand-in vLLM ``ModelConfig`` (the tiny model's config, a block-FP8
-quantization_config, bfloat16): what ``qstrat.engine.transfer_backend.engine_expectations``
+quantization_config, bfloat16): what ``qstrat.vllm.engine.transfer_backend.engine_expectations``
 reads in a worker. No checkpoint is involved: an engine started from a model id has none.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 import qstrat.vllm
-from qstrat.driver import RefitDriver
+import qstrat.vllm.checks.live_manifest
+from qstrat.execute.driver import RefitDriver
 from qstrat.errors import PlanError, WireManifestMismatchError
 from qstrat.transport.engine_check import FORMAT_KEY, EngineExpectations
 from qstrat.transport.wire_manifest import wire_manifest_for_plan
@@ -21,9 +22,9 @@ from qstrat.transport.wire_manifest import wire_manifest_for_plan
 @pytest.fixture()
 def engine(tiny_model, tiny_hf_config, monkeypatch):
     """EngineExpectations of a block-FP8 engine of the tiny model, from its model config alone."""
-    from qstrat.demo.tiny_model import TINY_QWEN3_MOE
+    from qstrat.cli.demo.tiny_model import TINY_QWEN3_MOE
 
-    monkeypatch.setattr(qstrat.vllm.manifest, "device_type", lambda: "cpu")
+    monkeypatch.setattr(qstrat.vllm.checks.live_manifest, "device_type", lambda: "cpu")
     qc = RefitDriver("block-fp8", hf_config=tiny_hf_config).plan(tiny_model.state_dict()).vllm_quantization_config()
     cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
     hf = SimpleNamespace(quantization_config=qc, to_dict=lambda: {**cfg, "quantization_config": qc})  # as HF's
@@ -63,7 +64,7 @@ def test_a_partly_sent_layer_is_refused_naming_the_tensors_as_the_in_process_sin
     state = tiny_model.state_dict()
     plan = driver.plan(state)
     half = plan.subset(lambda e: e in [e for e in plan.entries if e.layer == 0][:3])
-    from qstrat.engine_manifest import check_plan
+    from qstrat.vllm.checks.engine_manifest import check_plan
 
     with pytest.raises(PlanError) as in_process:
         check_plan(half, engine.manifest, engine.manifest.parts_sent(half))
@@ -77,11 +78,11 @@ def test_a_partly_sent_layer_is_refused_naming_the_tensors_as_the_in_process_sin
 def online_engine(tiny_model, tiny_hf_config, monkeypatch):
     """EngineExpectations of an engine on the BF16 checkpoint quantizing online with the config a
     ``quantize_in: engine`` block-FP8 plan writes (vLLM's own ``QuantizationConfigArgs``)."""
-    from qstrat.demo.tiny_model import TINY_QWEN3_MOE
-    from qstrat.online import engine_online_args
-    from qstrat.vllm_adapter import resolve
+    from qstrat.cli.demo.tiny_model import TINY_QWEN3_MOE
+    from qstrat.vllm.online import engine_online_args
+    from qstrat.vllm.adapter import resolve
 
-    monkeypatch.setattr(qstrat.vllm.manifest, "device_type", lambda: "cpu")
+    monkeypatch.setattr(qstrat.vllm.checks.live_manifest, "device_type", lambda: "cpu")
     plan = RefitDriver({"preset": "block-fp8", "quantize_in": "engine"}, hf_config=tiny_hf_config).plan(
         tiny_model.state_dict())
     cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
@@ -111,7 +112,7 @@ def test_who_quantizes_is_checked_first_in_the_in_process_sinks_words(online_eng
     engine-side round into an engine that quantizes nothing online would serve BF16 without a
     word (its format check passes: both are unquantized checkpoints); another online config, or a
     trainer-side round into an online engine, is refused the same way, before the format."""
-    from qstrat.online import check_engine_online
+    from qstrat.vllm.online import check_engine_online
 
     online, plan = online_engine
     state = tiny_model.state_dict()

@@ -31,7 +31,7 @@ import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport import RefitSender
-from qstrat.transport.keys import ENV_SECRET
+from qstrat.transport.security.keys import ENV_SECRET
 from qstrat.transport.wire_manifest import build_wire_manifest, reload_unit, wire_manifest_for_plan
 
 from transport_harness import (EditingClient, free_port, sha256, standalone_receivers,
@@ -280,7 +280,7 @@ def test_another_protocol_version_is_refused_in_the_accept_vote(receivers, tiny)
 def test_an_init_refused_over_http_is_a_transfer_auth_error():
     """Over HTTP (vLLM's server) the engine's exception class does not travel, only its words:
     an engine's refusal of an unsigned init still reaches the trainer as TransferAuthError."""
-    from qstrat.transport.auth import INIT_REFUSED
+    from qstrat.transport.security.auth import INIT_REFUSED
 
     class HttpClient:  # what vLLM's HTTP client raises for the engine's refusal (HTTP 500)
         def init_weight_transfer_engine(self, info):

@@ -3,7 +3,7 @@ engine-less receivers with different shares, each a process on a gloo group over
 
 The expected share of each receiver is computed HERE, from the single-process driver's output and
 the receiver's layout written out by hand (vLLM's TP narrowing: q/k/v/gate/up rows, o/down
-columns, half each; experts kept or dropped), not with qstrat.transport.routing."""
+columns, half each; experts kept or dropped), not with qstrat.transport.mesh.routing."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +12,8 @@ from mesh_harness import model_and_plans, run_mesh
 from transport_harness import free_port
 
 from qstrat.errors import TransportError
-from qstrat.transport.keys import pair_mac
-from qstrat.transport.routing import MeshRoutes, ReceiverLayout, share_of
+from qstrat.transport.security.keys import pair_mac
+from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout, share_of
 
 SENDERS = 2
 #: TP rank 0 and 1 of a TP=2 engine (experts narrowed by TP), and one expert-parallel rank holding
@@ -160,7 +160,7 @@ def test_the_mesh_benchmark_moves_one_expert_per_pair(senders, receivers):
 
 
 def test_an_engine_session_is_handed_whole_shaped_tensors_holding_exactly_its_slice(single):
-    """The vLLM backend's receiver (ReceiverSession's mesh round, qstrat/transport/mesh_engine.py):
+    """The vLLM backend's receiver (ReceiverSession's mesh round, qstrat/transport/mesh/engine.py):
     its loader gets every tensor in the whole shape (what vLLM's weight loaders narrow by TP rank),
     the received slice where TP rank 1 of 2 narrows, zeros elsewhere; bytes counted on receipt."""
     layout = LAYOUTS[1]
@@ -191,7 +191,7 @@ def test_rank_0_ends_exactly_the_update_sessions_a_dead_rank_0_left_open():
     reported an open update session when the group formed (group ranks: 2 trainers, a TP=2 engine
     on 2 and 3, a TP=1 engine on 4), once; an engine open on some of its ranks only is refused
     by name (a finish failing on some of its workers would leave vLLM's stale answers)."""
-    from qstrat.transport.mesh_refit import MeshRefitSender
+    from qstrat.transport.mesh.refit import MeshRefitSender
 
     class Client:
         def __init__(self):

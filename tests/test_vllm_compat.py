@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qstrat.vllm_adapter import names, resolver
+from qstrat.vllm.adapter import names, resolver
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -84,7 +84,7 @@ def test_outside_the_range_is_one_line_naming_version_range_and_command(monkeypa
 
 @needs_vllm
 def test_engine_start_outside_the_range_fails_before_vllm_builds_anything(monkeypatch, tmp_path):
-    from qstrat.engine import local
+    from qstrat.vllm.engine import local
 
     monkeypatch.setattr(resolver, "vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(local, "resolve", lambda key: pytest.fail(f"resolved {key} after the refusal"))
@@ -97,7 +97,7 @@ def test_engine_start_outside_the_range_fails_before_vllm_builds_anything(monkey
 
 @needs_vllm
 def test_the_emulation_plugin_refuses_an_unsupported_vllm_before_patching(monkeypatch, caplog):
-    from qstrat.engine import emulation
+    from qstrat.vllm import emulation
 
     if not emulation.needed_formats()[0]:
         pytest.fail(f"this test expects a CPU engine platform: {emulation.needed_formats()}")
@@ -115,7 +115,7 @@ def test_the_emulation_plugin_refuses_an_unsupported_vllm_before_patching(monkey
 
 # ---- torch routing ---------------------------------------------------------------------------
 def test_topk_routing_is_softmax_topk_renormalized():
-    from qstrat.engine.emulation.modular_on_cpu import topk_routing
+    from qstrat.vllm.emulation.modular_on_cpu import topk_routing
 
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0], [0.0, 0.0, 5.0, 5.5]], dtype=torch.bfloat16)
     w, ids = topk_routing(logits, 2, renormalize=True)
@@ -137,7 +137,7 @@ def test_topk_routing_is_softmax_topk_renormalized():
 def test_torch_topk_fills_vllms_output_tensors_in_its_layout():
     """vLLM's ``vllm_topk_softmax(topk_weights, topk_indices, token_expert_indices, gating_output,
     renormalize)`` contract: the given tensors are filled and the first two returned."""
-    from qstrat.engine.emulation.modular_on_cpu import _into_outputs, topk_routing
+    from qstrat.vllm.emulation.modular_on_cpu import _into_outputs, topk_routing
 
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
     tw, ti, tei = torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int64), torch.empty(5, 2, dtype=torch.int32)
@@ -150,7 +150,7 @@ def test_torch_topk_fills_vllms_output_tensors_in_its_layout():
 
 @needs_vllm
 def test_modular_moe_prerequisites_exactly_where_vllm_has_no_cpu_router():
-    from qstrat.engine.emulation import modular_on_cpu
+    from qstrat.vllm.emulation import modular_on_cpu
 
     h = modular_on_cpu.hooks()
     assert modular_on_cpu.needed() == (not resolver.available("cpu_moe_router"))
@@ -172,7 +172,7 @@ def test_monolithic_experts_route_in_torch_then_compute_like_the_modular_ones():
     topk_routing, then TorchExperts.apply on the result."""
     from types import SimpleNamespace
 
-    from qstrat.engine.emulation import moe
+    from qstrat.vllm.emulation import moe
 
     g = torch.Generator().manual_seed(0)
     m, h, i, e, k = 6, 16, 8, 4, 2
@@ -186,7 +186,7 @@ def test_monolithic_experts_route_in_torch_then_compute_like_the_modular_ones():
         def expert_weights(self, w1, w2_):
             return (lambda j: w1[j].float()), (lambda j: w2_[j].float())
 
-    import qstrat.engine.emulation.moe as moe_module
+    import qstrat.vllm.emulation.moe as moe_module
     kinds = SimpleNamespace(Renormalize="Renormalize", RenormalizeNaive="RenormalizeNaive")
     original = moe_module.resolve
     moe_module.resolve = lambda key: kinds if key == "moe_routing_method_type" else original(key)
@@ -194,7 +194,7 @@ def test_monolithic_experts_route_in_torch_then_compute_like_the_modular_ones():
         got = Fake().apply(x, w13, w2, logits, None, e, None)
     finally:
         moe_module.resolve = original
-    from qstrat.engine.emulation.modular_on_cpu import topk_routing
+    from qstrat.vllm.emulation.modular_on_cpu import topk_routing
 
     tw, ti = topk_routing(logits, k, True)
     want = torch.empty_like(x)
@@ -206,7 +206,7 @@ def test_monolithic_experts_route_in_torch_then_compute_like_the_modular_ones():
 
 @needs_vllm
 def test_the_mixin_follows_vllms_experts_base():
-    from qstrat.engine.emulation import moe
+    from qstrat.vllm.emulation import moe
 
     mono, modular = resolver.resolve("moe_experts_monolithic"), resolver.resolve("mxfp8_emulation_triton_experts")
     assert moe.torch_experts_mixin(modular) is moe.TorchExperts
@@ -219,7 +219,7 @@ def test_the_mixin_follows_vllms_experts_base():
 # ---- the reload record and the weight-transfer backend on older releases ---------------------
 @needs_vllm
 def test_deferred_attention_is_vllms_predicate_or_the_test_its_reload_made(monkeypatch):
-    from qstrat.vllm_adapter import model_record
+    from qstrat.vllm.adapter import model_record
 
     attention = resolver.resolve("attention_layer")
     layer = attention.__new__(attention)  # an instance, never initialised: only its type matters
@@ -234,7 +234,7 @@ def test_deferred_attention_is_vllms_predicate_or_the_test_its_reload_made(monke
 
 @needs_vllm
 def test_the_backend_class_is_complete_on_this_vllm_and_refuses_vllms_trainer_side():
-    from qstrat.engine.transfer_backend import QstratWeightTransferEngine
+    from qstrat.vllm.engine.transfer_backend import QstratWeightTransferEngine
     from qstrat.errors import TransportError
 
     assert not QstratWeightTransferEngine.__abstractmethods__

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 import qstrat
+import qstrat.vllm.checks.live_manifest
+import qstrat.vllm.sink.in_process
+import qstrat.vllm.sink.spool
 from qstrat import NonFiniteError, PlanError, RefitDriver
-from qstrat.vllm.flag import engine_flag
+from qstrat.vllm.sink.engine_flag import engine_flag
 
 
 class RecordingLLM:
@@ -20,7 +23,7 @@ class RecordingLLM:
     cross-check (test_engine_manifest.py runs it on a live engine)."""
 
     def __init__(self, quantization_config):
-        from qstrat.demo.tiny_model import TINY_QWEN3_MOE
+        from qstrat.cli.demo.tiny_model import TINY_QWEN3_MOE
 
         cfg = {**TINY_QWEN3_MOE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
         qc = {"quantization_config": quantization_config} if quantization_config is not None else {}
@@ -36,8 +39,8 @@ class RecordingLLM:
 @pytest.fixture(autouse=True)
 def manifest_without_cross_check(monkeypatch):
     real = qstrat.vllm.engine_manifest
-    monkeypatch.setattr(qstrat.vllm.manifest, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
-    monkeypatch.setattr(qstrat.vllm.manifest, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
+    monkeypatch.setattr(qstrat.vllm.checks.live_manifest, "engine_manifest", lambda llm, driver: real(llm, driver, cross_check=False))
+    monkeypatch.setattr(qstrat.vllm.checks.live_manifest, "device_type", lambda: "cpu")  # the stand-in is a CPU engine
 
 
 @pytest.fixture()
@@ -298,7 +301,7 @@ def test_tensors_not_matching_a_given_plan_are_refused_before_anything_is_sent(t
 
 
 def test_run_and_write_checkpoint_check_a_mapping_against_a_given_plan(tiny_model, driver, tmp_path):
-    from qstrat.checkpoint import write_checkpoint
+    from qstrat.execute.checkpoint import write_checkpoint
 
     state = dict(tiny_model.state_dict())
     plan = driver.plan(state)
@@ -344,7 +347,7 @@ def test_multiprocess_engine_without_weights_dir_gets_a_temporary_folder(tiny_mo
     stream=True is refused before anything is sent, and the engine keeps refitting."""
     import tempfile
 
-    monkeypatch.setattr(qstrat.vllm.sink, "in_process", lambda llm: False)  # the live case: test_engine_multiprocess.py
+    monkeypatch.setattr(qstrat.vllm.sink.in_process, "in_process", lambda llm: False)  # the live case: test_engine_multiprocess.py
     state = tiny_model.state_dict()
     llm = MultiprocessLLM(driver.plan(state).vllm_quantization_config())
     with pytest.raises(ValueError, match=r"^refit: stream=True needs an in-process engine .*drop stream=True"):
@@ -366,8 +369,8 @@ def test_refit_through_a_file_warns_once_with_its_cost_and_the_path_that_scales(
     import tempfile
     import warnings
 
-    monkeypatch.setattr(qstrat.vllm.sink, "in_process", lambda llm: False)
-    monkeypatch.setattr(qstrat.vllm.spool, "_WARNED", False)
+    monkeypatch.setattr(qstrat.vllm.sink.in_process, "in_process", lambda llm: False)
+    monkeypatch.setattr(qstrat.vllm.sink.spool, "_WARNED", False)
     state = tiny_model.state_dict()
     llm = MultiprocessLLM(driver.plan(state).vllm_quantization_config())
     folder = Path(tempfile.gettempdir())
@@ -419,7 +422,7 @@ class FP8KVMultiprocessLLM(MultiprocessLLM):
     def __init__(self, quantization_config, extension):
         from vllm.v1.serial_utils import MsgpackEncoder
 
-        from qstrat.vllm_adapter.resolver import resolve
+        from qstrat.vllm.adapter.resolver import resolve
 
         super().__init__(quantization_config)
         self.encoder = MsgpackEncoder()
@@ -454,9 +457,9 @@ def test_a_multiprocess_fp8_kv_engine_is_refit_through_the_reader_or_refused_nam
     ("Object of type <class 'function'> is not serializable": the scale check sent a function).
     With qstrat's reader extension the scales are read by name and the refit loads; without it
     the refit is refused before anything is sent, naming the fix. (Live: test_engine_kv_multiprocess.py.)"""
-    import qstrat.kv_scales
+    import qstrat.vllm.sink.kv_scales
 
-    for module in (qstrat.vllm.sink, qstrat.kv_scales):
+    for module in (qstrat.vllm.sink.in_process, qstrat.vllm.sink.kv_scales):
         monkeypatch.setattr(module, "in_process", lambda llm: False, raising=False)
     state = tiny_model.state_dict()
     qc = driver.plan(state).vllm_quantization_config()
@@ -464,14 +467,14 @@ def test_a_multiprocess_fp8_kv_engine_is_refit_through_the_reader_or_refused_nam
     with pytest.raises(qstrat.ConfigError, match=r"^kv_cache_dtype: this multiprocess engine caches keys and values "
                                                  r"in fp8, .*its worker_extension_cls \(none\) has no "
                                                  r"qstrat_kv_scales\. Start the engine with worker_extension_cls="
-                                                 r"'qstrat\.kv_scales\.KVScaleReader' .*nothing was sent$"):
+                                                 r"'qstrat\.vllm\.sink\.kv_scales\.KVScaleReader' .*nothing was sent$"):
         qstrat.vllm.refit(plain, driver, state)
     assert plain.calls == []
-    llm = FP8KVMultiprocessLLM(qc, "qstrat.kv_scales.KVScaleReader")
+    llm = FP8KVMultiprocessLLM(qc, "qstrat.vllm.sink.kv_scales.KVScaleReader")
     qstrat.vllm.refit(llm, driver, state)
     assert [c[0] for c in llm.calls] == ["reload_weights"]
     f32 = {x: float(torch.tensor(x)) for x in (0.05, 0.06, 0.07, 0.08)}
-    assert qstrat.kv_scales.engine_kv_scales(llm) == {
+    assert qstrat.vllm.sink.kv_scales.engine_kv_scales(llm) == {
         f"attn{i}": {"k_scale": f32[k], "k_scale_float": f32[k], "v_scale": f32[v], "v_scale_float": f32[v]}
         for i, (k, v) in enumerate(((0.05, 0.07), (0.06, 0.08)))}
 
@@ -501,16 +504,16 @@ def test_a_failed_reload_of_a_multiprocess_engine_is_finalized_through_the_worke
     a multiprocess engine refuses ("Object of type <class 'function'> is not serializable"): the
     reload stayed unfinalized and the flag's reason said so. Now it runs by name through qstrat's
     worker extension; an engine without it gets the flag and a reason naming the fix."""
-    import qstrat.kv_scales
+    import qstrat.vllm.sink.kv_scales
     from qstrat.errors import EngineStateError
-    from qstrat.vllm.flag import engine_flag
-    from qstrat.vllm.reload import finalize_engine_reload
+    from qstrat.vllm.sink.engine_flag import engine_flag
+    from qstrat.vllm.sink.reload import finalize_engine_reload
 
-    for module in (qstrat.vllm.sink, qstrat.kv_scales):
+    for module in (qstrat.vllm.sink.in_process, qstrat.vllm.sink.kv_scales):
         monkeypatch.setattr(module, "in_process", lambda llm: False, raising=False)
-    monkeypatch.setattr("qstrat.vllm_adapter.platform_facts.in_process", lambda llm: False)
+    monkeypatch.setattr("qstrat.vllm.adapter.platform_facts.in_process", lambda llm: False)
     state = tiny_model.state_dict()
-    llm = FailingFP8KVMultiprocessLLM(driver.plan(state).vllm_quantization_config(), qstrat.kv_scales.READER)
+    llm = FailingFP8KVMultiprocessLLM(driver.plan(state).vllm_quantization_config(), qstrat.vllm.sink.kv_scales.READER)
     with pytest.raises(EngineStateError, match="worker fault mid-reload"):
         qstrat.vllm.refit(llm, driver, state)
     assert llm.finalized == 1
@@ -519,5 +522,5 @@ def test_a_failed_reload_of_a_multiprocess_engine_is_finalized_through_the_worke
     plain.llm_engine.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=""))
     with pytest.raises(qstrat.ConfigError, match=r"^this multiprocess engine's worker_extension_cls \(none\) has "
                                                  r"no qstrat_finalize_reload.*worker_extension_cls="
-                                                 r"'qstrat\.kv_scales\.KVScaleReader'$"):
+                                                 r"'qstrat\.vllm\.sink\.kv_scales\.KVScaleReader'$"):
         finalize_engine_reload(plain)

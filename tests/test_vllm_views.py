@@ -1,4 +1,4 @@
-"""vLLM objects are read only inside qstrat/vllm_adapter, through its views (by AST, not by grep).
+"""vLLM objects are read only inside qstrat/vllm/adapter, through its views (by AST, not by grep).
 
 Two rules over every qstrat module outside the adapter:
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from qstrat.vllm_adapter import names, views
-from qstrat.vllm_adapter.engine_state import EngineState
+from qstrat.vllm.adapter import names, views
+from qstrat.vllm.adapter.engine_state import EngineState
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTER = ROOT / "qstrat" / "vllm_adapter"
+ADAPTER = ROOT / "qstrat" / "vllm" / "adapter"
 
 #: Names that hold a vLLM object wherever qstrat uses them.
 VLLM_OBJECTS = frozenset({"llm", "worker", "runner", "model_runner", "llm_engine", "engine_core", "vllm_config",
@@ -130,7 +130,7 @@ def outside_modules() -> list[Path]:
 
 def test_no_module_outside_the_adapter_reads_a_vllm_object():
     found = [v for p in outside_modules() for v in violations(p.read_text(), str(p.relative_to(ROOT)))]
-    assert not found, "vLLM objects read outside qstrat/vllm_adapter (use its views):\n" + "\n".join(found)
+    assert not found, "vLLM objects read outside qstrat/vllm/adapter (use its views):\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("line", [

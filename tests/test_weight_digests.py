@@ -1,4 +1,4 @@
-"""qstrat.engine.weight_digests without an engine: a weight packed into a CPU kernel (vLLM's
+"""qstrat.vllm.engine.weight_digests without an engine: a weight packed into a CPU kernel (vLLM's
 ``cpu_linear``, the ``weight`` parameter left empty) is read back exactly, and digests tell
 dtype, shape and bytes apart. The live check: tests/test_engine_http.py."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from qstrat.engine.weight_digests import packed_weight, tensor_digest, tensor_digests
+from qstrat.vllm.engine.weight_digests import packed_weight, tensor_digest, tensor_digests
 
 # The layer attributes read are vLLM names of the version table, resolved on the installed vLLM.
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -27,7 +27,7 @@ class PackedLinear(torch.nn.Module):
 
 @needs_vllm
 def test_a_packed_weight_is_read_back_exactly_and_counted_in_the_digests(monkeypatch):
-    import qstrat.engine.weight_digests as wd
+    import qstrat.vllm.engine.weight_digests as wd
 
     monkeypatch.setattr(wd, "_PROBE_ROWS", 3)  # several identity blocks (K = 7)
     weight = torch.randn(5, 7, dtype=torch.float32).to(torch.bfloat16)
@@ -56,8 +56,8 @@ def test_digests_tell_dtype_shape_and_bytes_apart():
 def test_the_layer_attributes_are_the_version_tables(monkeypatch):
     """The kernel and input-size attributes are read under the names the table resolves for the
     installed vLLM, not hard-coded ones: renamed in the table, the renamed attributes are read."""
-    import qstrat.engine.weight_digests as wd
-    from qstrat.vllm_adapter import resolve
+    import qstrat.vllm.engine.weight_digests as wd
+    from qstrat.vllm.adapter import resolve
 
     assert wd._layer_attributes() == ("cpu_linear", "input_size_per_partition", "input_size")
     renamed = {"cpu_linear": "gemm", "linear_input_size_per_partition": "k_local", "linear_input_size": "k"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qstrat import RefitDriver
-from qstrat.checkpoint import write_checkpoint
+from qstrat.execute.checkpoint import write_checkpoint
 from qstrat.errors import WireManifestMismatchError
 from qstrat.transport.wire_manifest import (
     DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, VERSION, WireManifest, build_wire_manifest, check_against,

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection, wait
 from collections.abc import Iterator
 from typing import Any
 
-from qstrat.demo.trajectory import adam_trajectory  # noqa: F401 - the tests' and the benchmark's import
+from qstrat.cli.demo.trajectory import adam_trajectory  # noqa: F401 - the tests' and the benchmark's import
 
 TIMEOUT_S = 60.0
 
@@ -38,9 +38,9 @@ def free_port() -> int:
 def tiny_refit_models(directory: Any) -> tuple[Any, dict, dict, Any]:
     """(block-FP8 driver, trainer tensors of model A, of model B, A's checkpoint under ``directory``):
     the standalone receivers start on A's checkpoint and a round refits them to B."""
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
 
     model_a, model_b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
     driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
@@ -88,7 +88,7 @@ class _EngineEndpoint:
     """The four weight-sync calls on an ``LLM`` (its RLOfflineMixin API), plus test queries."""
 
     def __init__(self, model_dir: str, **engine_kwargs: Any) -> None:
-        from qstrat.engine.local import start_engine
+        from qstrat.vllm.engine.local import start_engine
 
         self.llm = start_engine(model_dir, weight_transfer_config={"backend": "qstrat"}, **engine_kwargs)
         if engine_kwargs.get("tensor_parallel_size", 1) == 1:  # in-process: wrap load_weights
@@ -107,7 +107,7 @@ class _EngineEndpoint:
         self.llm.finish_weight_update()
 
     def greedy(self):
-        from qstrat.engine.local import greedy
+        from qstrat.vllm.engine.local import greedy
 
         return [(g.tokens, g.logprobs) for g in greedy(self.llm)]
 
@@ -116,7 +116,7 @@ class _EngineEndpoint:
         ``model_dir`` (no weight-transfer backend: what a user would start) and return its greedy
         outputs; that engine stays this endpoint's (in-process only). vLLM is already imported
         here, so this costs the engine start alone."""
-        from qstrat.engine.local import release, start_engine
+        from qstrat.vllm.engine.local import release, start_engine
 
         release(self.llm)
         self.llm = None
@@ -128,7 +128,7 @@ class _EngineEndpoint:
 
     def probe(self, method):
         """``collective_rpc(method)`` by name, one result per worker (engines started with
-        ``worker_extension_cls="qstrat.engine.transfer_backend.TransferProbe"``)."""
+        ``worker_extension_cls="qstrat.vllm.engine.transfer_backend.TransferProbe"``)."""
         return self.llm.collective_rpc(method)
 
     def backend_name(self):
@@ -136,9 +136,9 @@ class _EngineEndpoint:
 
     def weight_digests(self):
         """One ``{name: digest}`` per worker (its shard under tensor parallelism): every
-        parameter and buffer the engine holds, read back (:func:`qstrat.engine.weight_digests.tensor_digests`)."""
+        parameter and buffer the engine holds, read back (:func:`qstrat.vllm.engine.weight_digests.tensor_digests`)."""
         def read(worker):
-            from qstrat.engine.weight_digests import tensor_digests
+            from qstrat.vllm.engine.weight_digests import tensor_digests
 
             return tensor_digests(worker.model_runner.get_model())
 
@@ -322,7 +322,7 @@ def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # one compute thread per worker: a fixed reduction order, so identical weights give
-        # identical logprobs (qstrat.engine.local.start_engine's ``threads`` rule)
+        # identical logprobs (qstrat.vllm.engine.local.start_engine's ``threads`` rule)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         # the test's read-back queries (weight_digests) are functions sent to the TP workers
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -346,7 +346,7 @@ def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads:
                 return
             if method == "exit":
                 if isinstance(endpoint, _EngineEndpoint):  # a multiprocess engine's core and
-                    from qstrat.engine.local import release  # workers would outlive this process
+                    from qstrat.vllm.engine.local import release  # workers would outlive this process
 
                     release(endpoint.llm)
                 conn.send(("ok", None))
@@ -360,8 +360,8 @@ def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads:
 def crashing_sender(conns: list[Connection], port: int, crash_at: int, bucket_bytes: int) -> None:
     """A trainer process that refits the receivers behind ``conns`` (their RPC pipes) with the
     tiny model A and dies (``os._exit(17)``, no cleanup) just before sending bucket ``crash_at``."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
     from qstrat.transport import RefitSender
 
     model = build_tiny_qwen3_moe(seed=0)
@@ -533,7 +533,7 @@ class FaultyGroup:
         return _Work(work, after, keep=t)
 
     def allreduce(self, tensors: list, opts: Any) -> Any:
-        from qstrat.transport import auth
+        from qstrat.transport.security import auth
 
         (t,) = tensors
         if t.numel() == getattr(auth, "CHALLENGE_WORDS", 2) * self.world_size:

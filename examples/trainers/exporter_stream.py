@@ -10,7 +10,7 @@ once, holding about one layer.
 import torch
 
 from qstrat import RefitDriver, tensor_specs
-from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
 
 model = build_tiny_qwen3_moe(seed=1)
 

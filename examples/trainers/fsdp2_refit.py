@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from qstrat import RefitDriver, tensor_specs
-from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
 
 backend = "nccl" if torch.cuda.is_available() else "gloo"
 dist.init_process_group(backend)

@@ -28,7 +28,7 @@ PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400], [7, 7, 7, 7, 7, 7])
 def tiny_models():
     """(driver, trainer tensors of A, of B): the tiny model's two seeds."""
     from qstrat import RefitDriver
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
 
     a, b = build_tiny_qwen3_moe(seed=0), build_tiny_qwen3_moe(seed=1)
     return RefitDriver("block-fp8", hf_config=hf_config(b)), a.state_dict(), b.state_dict()
@@ -83,7 +83,7 @@ def _run(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     driver, a, b = tiny_models()
     if args.step == "write":
-        from qstrat.checkpoint import write_checkpoint
+        from qstrat.execute.checkpoint import write_checkpoint
 
         write_checkpoint(driver, b, args.dir)
         print(f"wrote qstrat's block-FP8 checkpoint of model B to {args.dir}")

@@ -1,8 +1,15 @@
-"""Drop-in integrations with RL frameworks (docs/integrations.md).
+"""Drop-in integrations with RL frameworks (docs/integrations.md). Importing this package imports
+no framework.
 
-:mod:`qstrat.integrations.trl` turns Hugging Face TRL's colocated vLLM rollouts into any qstrat
-strategy (``pip install 'qstrat[trl]'``); :mod:`~qstrat.integrations.verl` and
-:mod:`~qstrat.integrations.nemo_rl` are vLLM worker extensions for verl 0.9.1 and NeMo-RL 0.7.0;
-:mod:`~qstrat.integrations.skyrl` is a vLLM ``WeightSource`` for SkyRL 0.4.0's trainer workers.
-Importing this package imports no framework.
+- :mod:`.trl`: Hugging Face TRL's colocated vLLM rollouts with any qstrat strategy (``qstrat[trl]``)
+- :mod:`.trl_server`: TRL's server mode with the ``qstrat`` weight-transfer backend
+- :mod:`.trl_sync`: what both TRL modes share: the sync, its metrics
+- :mod:`.verl`: a vLLM worker extension for verl 0.9.1
+- :mod:`.nemo_rl`: a vLLM worker extension for NeMo-RL 0.7.0
+- :mod:`.skyrl`: a vLLM ``WeightSource`` for SkyRL 0.4.0's trainer workers
+- :mod:`.demo_check`: the check every framework demo runs
+- :mod:`.trl_demo`: ``python -m qstrat.integrations.trl_demo``
+- :mod:`.trl_server_demo`: ``python -m qstrat.integrations.trl_server_demo``
+- :mod:`.verl_demo`: ``python -m qstrat.integrations.verl_demo``
+- :mod:`.nemo_rl_demo`: ``python -m qstrat.integrations.nemo_rl_demo``
 """

@@ -16,7 +16,7 @@ import torch
 
 def step_weights(step: int) -> dict[str, torch.Tensor]:
     """The trainer's weights at ``step``: the tiny Qwen3-MoE with seed ``step`` (bfloat16)."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
 
     return {n: t.detach().clone() for n, t in build_tiny_qwen3_moe(seed=step).state_dict().items()}
 
@@ -35,10 +35,10 @@ def check_updates(strategy: str, steps: int, work: Path, extension: str,
     Returns: one record per update: ``step``, ``same`` (tokens and logprobs equal),
     ``max_dlogprob``, ``error`` (the update's exception text, or None), ``seconds`` (the update).
     """
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release, start_engine
     from qstrat.integrations.trl_demo import fresh_engine_greedy, probe_greedy
 
     cfg = hf_config(build_tiny_qwen3_moe(seed=0))
@@ -100,7 +100,7 @@ def demo_parser(prog: str, description: str, stock_help: str) -> argparse.Argume
 def run_logged(headline: str, prefix: str, steps: int, run: Callable[[Path], list[dict[str, Any]]]) -> int:
     """Print ``headline``, call ``run(work)`` in a temporary folder named ``prefix...`` with the
     engines' output sent to a log there, and :func:`report` its records. Returns report's code."""
-    from qstrat.console import make_console, quiet_torchao_import, stderr_to
+    from qstrat.cli.console import make_console, quiet_torchao_import, stderr_to
 
     quiet_torchao_import()
     say = make_console().print

@@ -9,7 +9,7 @@ extension ``nemo_rl.models.generation.vllm.vllm_backend.VllmInternalWorkerExtens
 neither takes a qstrat checkpoint's formats. :class:`QstratWorkerExtension` replaces only
 ``_load_weights``: it collects the buckets (copies: NeMo-RL reuses its buffers) and, when every
 tensor ``prepare_refit_info`` named has arrived, refits the whole model with
-:func:`qstrat.vllm_worker.refit_worker` in the strategy of the checkpoint the engine started on.
+:func:`qstrat.vllm.sink.in_worker.refit_worker` in the strategy of the checkpoint the engine started on.
 
 Use: start NeMo-RL's vLLM generation on a qstrat checkpoint (``qstrat quantize``) with
 ``worker_extension_cls="qstrat.integrations.nemo_rl.QstratWorkerExtension"`` (NeMo-RL names its
@@ -23,7 +23,7 @@ from typing import Any
 from nemo_rl.models.generation.vllm.vllm_backend import VllmInternalWorkerExtension
 
 from qstrat.errors import ConfigError, PlanError
-from qstrat.vllm_worker import refit_worker
+from qstrat.vllm.sink.in_worker import refit_worker
 
 
 class QstratWorkerExtension(VllmInternalWorkerExtension):
@@ -79,7 +79,7 @@ class QstratWorkerExtension(VllmInternalWorkerExtension):
 
         Raises: ConfigError if ``prepare_refit_info`` was not called (nothing received);
             PlanError for a name it did not announce (the step's tensors are dropped); what
-            :func:`qstrat.vllm_worker.refit_worker` raises. NeMo-RL's receivers catch it,
+            :func:`qstrat.vllm.sink.in_worker.refit_worker` raises. NeMo-RL's receivers catch it,
             print it and return False.
         """
         info = getattr(self, "state_dict_info", None)

@@ -46,7 +46,7 @@ def receive_in_worker(worker: Any, weights: dict[str, torch.Tensor], path: str) 
     """In the vLLM worker (``collective_rpc``): NeMo-RL's receive sequence after its transport
     (module docstring). Each bucket's tensors are views into ONE byte buffer that the next bucket
     overwrites, as NeMo-RL's packed buffers are reused. Raises what the extension raises."""
-    from qstrat.vllm_adapter.views import WorkerView
+    from qstrat.vllm.adapter.views import WorkerView
 
     view = WorkerView(worker)
     extension = view.extension  # NeMo-RL's extension methods
@@ -64,7 +64,7 @@ def receive_in_worker(worker: Any, weights: dict[str, torch.Tensor], path: str) 
             offset += raw.numel()
         extension._load_weights(views)
     if path == "ipc":
-        from qstrat.vllm_adapter.resolver import resolve
+        from qstrat.vllm.adapter.resolver import resolve
 
         with resolve("set_current_vllm_config")(view.vllm_config):
             resolve("process_weights_after_loading")(view.model(), view.model_config, view.device)
@@ -77,7 +77,7 @@ def nemo_rl_update(path: str):
     from functools import partial
 
     def update(llm: Any, weights: dict[str, torch.Tensor]) -> None:
-        from qstrat.vllm_adapter.views import EngineView
+        from qstrat.vllm.adapter.views import EngineView
 
         view = EngineView(llm)
         view.collective_rpc(partial(receive_in_worker, weights=weights, path=path))

@@ -10,7 +10,7 @@ of the same strategy and receive checkpoint format (``is_checkpoint_format=True`
 path does). docs/integrations.md has the worker override and what ran where.
 
 Importing this module imports vLLM's weight-transfer base through qstrat's vLLM version table
-(vLLM >= 0.26 has it; an older one raises :class:`~qstrat.vllm_adapter.VllmNameError`), not SkyRL.
+(vLLM >= 0.26 has it; an older one raises :class:`~qstrat.vllm.adapter.VllmNameError`), not SkyRL.
 """
 from __future__ import annotations
 
@@ -19,18 +19,18 @@ from functools import cached_property
 
 import torch
 
-from qstrat.driver import RefitDriver
-from qstrat.inputs import tensor_specs
+from qstrat.execute.driver import RefitDriver
+from qstrat.execute.named_tensors import tensor_specs
 from qstrat.plan import RefitPlan
-from qstrat.vllm_adapter.resolver import available, resolve
-from qstrat.vllm_adapter.views import source_held_names, source_metadata, source_tensors
+from qstrat.vllm.adapter.resolver import available, resolve
+from qstrat.vllm.adapter.views import source_held_names, source_metadata, source_tensors
 
 WeightSource = resolve("weight_source")
 ParamMeta = resolve("weight_source_param_meta")
 
 
 class QstratWeightSource(WeightSource):
-    """A dense ``WeightSource`` quantized by a :class:`~qstrat.driver.RefitDriver` as it streams.
+    """A dense ``WeightSource`` quantized by a :class:`~qstrat.execute.driver.RefitDriver` as it streams.
 
     Args:
         source: the trainer's dense source (SkyRL's ``FsdpWeightSource`` /

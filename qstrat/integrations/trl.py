@@ -43,9 +43,9 @@ _INSTANCE_HOOKS = ("mode", "model", "accelerator", "processing_class", "enable_s
 
 
 def _release_started(gen: Any, started: list[Any]) -> None:
-    """Release every engine a failed ``_init_vllm`` started (:func:`qstrat.engine.local.release`:
+    """Release every engine a failed ``_init_vllm`` started (:func:`qstrat.vllm.engine.local.release`:
     its memory and vLLM's process-wide distributed state), and drop the generation's reference."""
-    from qstrat.engine.local import release
+    from qstrat.vllm.engine.local import release
 
     if getattr(gen, "llm", None) is not None and gen.llm in started:
         del gen.llm
@@ -91,7 +91,7 @@ def check_engine_kwargs(engine_kwargs: Any) -> dict[str, Any]:
 
 def _cpu_engine() -> bool:
     """Whether vLLM runs on a CPU here (its platform; vLLM is installed, check_trl made sure)."""
-    from qstrat.vllm_adapter.platform_facts import is_cpu
+    from qstrat.vllm.adapter.platform_facts import is_cpu
 
     return is_cpu()
 
@@ -102,7 +102,7 @@ class QstratRollouts:
 
     def __init__(self, strategy: Any, checkpoint_dir: str | Path | None, engine_kwargs: Mapping[str, Any] | None,
                  version: str, verify_every: int = 0) -> None:
-        from qstrat.driver import RefitDriver
+        from qstrat.execute.driver import RefitDriver
 
         RefitDriver(strategy)  # an invalid strategy fails here, before the trainer is built
         if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
@@ -120,8 +120,8 @@ class QstratRollouts:
 
     def start(self, gen: Any, init_vllm: Any, module: Any) -> None:
         """The replacement of ``VLLMGeneration._init_vllm`` (steps in the module docstring)."""
-        from qstrat.checkpoint import write_checkpoint
-        from qstrat.driver import RefitDriver
+        from qstrat.execute.checkpoint import write_checkpoint
+        from qstrat.execute.driver import RefitDriver
         from qstrat.vllm import check_engine_compatible, engine_quantization_config
 
         missing = [name for name in _INSTANCE_HOOKS if not hasattr(gen, name)]
@@ -143,7 +143,7 @@ class QstratRollouts:
         if self.verify_every and callable(getattr(gen.model, "merge_and_unload", None)):
             raise ConfigError("verify_every: the fidelity probe runs the trainer's model on the refit's own tensor "
                               "names; a PEFT model's names differ (base_model.model..., lora_A/B): probe a "
-                              "merged copy with qstrat.fidelity.probe instead")
+                              "merged copy with qstrat.vllm.fidelity.probe.probe instead")
         hf_config = _hf_config(gen.model)
         driver = RefitDriver(self.strategy, hf_config=hf_config)
         if driver.config.quantize_in == "engine":

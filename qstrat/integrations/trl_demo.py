@@ -1,6 +1,6 @@
 """``python -m qstrat.integrations.trl_demo``: GRPO with qstrat rollouts on a CPU, checked step by step.
 
-Builds the seeded tiny Qwen3-MoE (:mod:`qstrat.demo.tiny_model`) with a word-level tokenizer made
+Builds the seeded tiny Qwen3-MoE (:mod:`qstrat.cli.demo.tiny_model`) with a word-level tokenizer made
 here (``w3`` ... ``w1023``: one token per word, no download), runs TRL's ``GRPOTrainer``
 (colocated vLLM engine) through :func:`qstrat.integrations.trl.make_trainer`, and after every
 sync records the trainer's weights and the engine's greedy tokens and logprobs
@@ -28,12 +28,12 @@ PROBE_TOKENS = 4
 
 
 def probe_greedy(llm: Any) -> list[Any]:
-    """Greedy tokens and logprobs of :data:`qstrat.engine.local.PROMPTS`, one prompt per
+    """Greedy tokens and logprobs of :data:`qstrat.vllm.engine.local.PROMPTS`, one prompt per
     ``generate`` call: TRL's engine (``max_num_seqs`` = the batch size) and a fresh engine would
     otherwise schedule the prompts in different batches, and CPU matmuls need not be
     batch-invariant (seen with the three prompts in one call: MXFP8, after a GRPO step, tokens
     equal, logprobs 2.3e-4 apart; one prompt per call: exact)."""
-    from qstrat.engine.local import PROMPTS, greedy
+    from qstrat.vllm.engine.local import PROMPTS, greedy
 
     return [g for prompt in PROMPTS for g in greedy(llm, (prompt,), max_tokens=PROBE_TOKENS)]
 
@@ -62,7 +62,7 @@ def word_reward(completions: list[str], **_: Any) -> list[float]:
 
 def policy(seed: int = 0) -> Any:
     """The tiny Qwen3-MoE (bfloat16) with the tokenizer's special ids in its config."""
-    from qstrat.demo.tiny_model import build_tiny_qwen3_moe
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
 
     model = build_tiny_qwen3_moe(seed=seed)
     model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = 0, 1, None
@@ -128,9 +128,9 @@ def fresh_engine_greedy(strategy: Any, hf_config: dict[str, Any], weights: dict[
                         directory: Path) -> list[Any]:
     """Greedy output of a fresh engine started on a qstrat checkpoint of ``weights`` (released
     before returning). ``logprobs_mode`` as TRL starts its engine (processed logprobs)."""
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.driver import RefitDriver
-    from qstrat.engine.local import release, start_engine
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.vllm.engine.local import release, start_engine
 
     write_checkpoint(RefitDriver(strategy, hf_config=hf_config), weights, directory, overwrite=True)
     llm = start_engine(directory, logprobs_mode="processed_logprobs")
@@ -169,7 +169,7 @@ def train(strategy: Any, steps: int, work: Path, peft: bool = False,
 
 
 def _env() -> None:
-    """The in-process CPU engine settings of :func:`qstrat.engine.local.start_engine`."""
+    """The in-process CPU engine settings of :func:`qstrat.vllm.engine.local.start_engine`."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -183,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peft", action="store_true", help="train a LoRA adapter (merged on every sync)")
     opts = parser.parse_args(argv)
     _env()
-    from qstrat.console import make_console, quiet_torchao_import, stderr_to
-    from qstrat.demo.tiny_model import hf_config
-    from qstrat.engine.local import release
+    from qstrat.cli.console import make_console, quiet_torchao_import, stderr_to
+    from qstrat.cli.demo.tiny_model import hf_config
+    from qstrat.vllm.engine.local import release
 
     quiet_torchao_import()
     say = make_console().print

@@ -35,9 +35,9 @@ from typing import Any
 
 from qstrat.errors import ConfigError
 from qstrat.integrations.trl_sync import METRICS, QstratWeightSync, _copied, _hf_config, _hook_error
-from qstrat.vllm_adapter.resolver import location, resolve
+from qstrat.vllm.adapter.resolver import location, resolve
 
-#: The weight-transfer config the server must run (qstrat.engine.transfer_backend).
+#: The weight-transfer config the server must run (qstrat.vllm.engine.transfer_backend).
 BACKEND = {"backend": "qstrat"}
 _WTC = "--weight-transfer-config"
 
@@ -64,7 +64,7 @@ def serve_command(argv: Sequence[str]) -> list[str]:
     --model MODEL`` (the same server, started without the CLI's top-level parser). Run it with
     ``VLLM_SERVER_DEV_MODE=1`` (TRL's ``main`` sets it: the weight-transfer routes exist only in
     dev mode). Both module names are where the installed vLLM has them (qstrat's vLLM version
-    table, :mod:`qstrat.vllm_adapter`: this reads vLLM's version, importing nothing else of it).
+    table, :mod:`qstrat.vllm.adapter`: this reads vLLM's version, importing nothing else of it).
 
     Returns: the command line, starting with the Python executable.
     Raises: ConfigError when ``argv`` sets ``--weight-transfer-config`` (the backend is qstrat's);
@@ -115,12 +115,12 @@ def write_server_checkpoint(strategy: Any, model: Any, directory: str | Path, pr
     Returns: the :class:`~qstrat.plan.RefitPlan` written.
     Raises: ConfigError for a PEFT model (write the base model: TRL wraps it with
         ``peft_config`` itself and syncs merged weights under the base names); what
-        :func:`qstrat.checkpoint.write_checkpoint` raises.
+        :func:`qstrat.execute.checkpoint.write_checkpoint` raises.
     """
     import tempfile
 
-    from qstrat.checkpoint import write_checkpoint
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.execute.driver import RefitDriver
 
     if callable(getattr(model, "merge_and_unload", None)):
         raise ConfigError("model: a PEFT model; write the base model (TRL wraps it with peft_config and its "
@@ -146,14 +146,14 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
     (:func:`qstrat.serializers.engine_contract.served_method`: ``fp8``; for ModelOpt the class its
     algorithm selects, ``modelopt_mxfp8``, ``modelopt_fp4``, ...) for a ``quantize_in: trainer``
     plan, and an online method (``online`` or one of vLLM's online shorthands,
-    :data:`qstrat.online.ONLINE_SHORTHANDS`) for a ``quantize_in: engine`` plan, whose server
+    :data:`qstrat.vllm.online.ONLINE_SHORTHANDS`) for a ``quantize_in: engine`` plan, whose server
     quantizes the BF16 rounds itself. Every round then checks the whole format, the online
     config and every tensor engine-side before any data (docs/transport.md).
 
     Raises: ConfigError naming the setting, what the server runs and the fix (``server_info``
         for a document that is not a mapping: None, a list, a string).
     """
-    from qstrat.online import engine_kwargs
+    from qstrat.vllm.online import engine_kwargs
     from qstrat.serializers.engine_contract import served_method
 
     if not isinstance(info, Mapping):
@@ -193,7 +193,7 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
             "online-quantizing server refuses): start it without --quantization on qstrat.integrations.trl_server.write_server_checkpoint "
             "of the policy in this strategy, or set quantize_in: engine in the refit config")
     if served != wanted:
-        from qstrat.format_names import method_title
+        from qstrat.config.format_names import method_title
 
         raise ConfigError(f"model_config.quantization: the vLLM server at {url} serves {method_title(served)}, the "
                           f"strategy's plan is served as {method_title(wanted)}; start the server on qstrat.integrations.trl_server."
@@ -203,7 +203,7 @@ def check_server_info(info: Mapping[str, Any], plan: Any, url: str) -> None:
 def _is_online(method: Any) -> bool:
     """Whether ``method`` (a server's ``model_config.quantization``) quantizes BF16 weights online:
     ``online``, or an online shorthand of any release qstrat knows."""
-    from qstrat.online import ONLINE_SHORTHANDS
+    from qstrat.vllm.online import ONLINE_SHORTHANDS
 
     return method == "online" or any(method in methods for methods in ONLINE_SHORTHANDS.values())
 
@@ -289,14 +289,14 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
     """
     import torch
 
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
     from qstrat.transport import RefitSender
 
     for key, why in (("engine_kwargs", "the engine is the server's: pass vLLM arguments to its command"),
                      ("checkpoint_dir", "the server starts on the checkpoint write_server_checkpoint wrote; the "
                                         "trainer writes none"),
                      ("verify_every", "the fidelity probe runs an engine in the trainer's process; the server's "
-                                      "is in another (probe a checkpoint with qstrat.fidelity.probe instead)")):
+                                      "is in another (probe a checkpoint with qstrat.vllm.fidelity.probe.probe instead)")):
         if getattr(handle, key):
             raise ConfigError(f"{key}: not with TRL {handle.version}'s vllm_mode='server' ({why})")
     hf_config = _hf_config(gen.model)

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from qstrat.engine.http_server import CPU_SERVER_ENV, free_port, serving
+from qstrat.vllm.engine.http_server import CPU_SERVER_ENV, free_port, serving
 
 #: The demo's shared secret (both sides read ``QSTRAT_TRANSFER_SECRET``).
 SECRET = "qstrat TRL server demo secret, 32 bytes"
@@ -40,7 +40,7 @@ def trl_serve_args(checkpoint: Path, port: int) -> list[str]:
 @contextmanager
 def server(checkpoint: Path, log: Path, secret: str | None = SECRET) -> Iterator[str]:
     """Run ``python -m qstrat.integrations.trl_server`` on ``checkpoint`` until the block exits
-    (:func:`qstrat.engine.http_server.serving`, environment :data:`~qstrat.engine.http_server.CPU_SERVER_ENV`
+    (:func:`qstrat.vllm.engine.http_server.serving`, environment :data:`~qstrat.vllm.engine.http_server.CPU_SERVER_ENV`
     and ``QSTRAT_TRANSFER_SECRET=secret``); yields its base URL."""
     port = free_port()
     env = {**os.environ, **CPU_SERVER_ENV}
@@ -53,9 +53,9 @@ def server(checkpoint: Path, log: Path, secret: str | None = SECRET) -> Iterator
 
 
 def server_greedy(client: Any) -> list[Any]:
-    """Greedy tokens and logprobs of :data:`qstrat.engine.local.PROMPTS` from the server, through
+    """Greedy tokens and logprobs of :data:`qstrat.vllm.engine.local.PROMPTS` from the server, through
     TRL's ``VLLMClient.generate`` (one prompt per call, as :func:`~qstrat.integrations.trl_demo.probe_greedy`)."""
-    from qstrat.engine.local import PROMPTS, Generation
+    from qstrat.vllm.engine.local import PROMPTS, Generation
     from qstrat.integrations.trl_demo import PROBE_TOKENS
 
     out = []
@@ -113,7 +113,7 @@ def compare(strategy: Any, records: list[Any], work: Path) -> list[tuple[Any, li
     in-process engine on a qstrat checkpoint of the record's weights, one thread."""
     import torch
 
-    from qstrat.demo.tiny_model import hf_config
+    from qstrat.cli.demo.tiny_model import hf_config
     from qstrat.integrations.trl_demo import fresh_engine_greedy, policy
 
     cfg = hf_config(policy())
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _env()
     os.environ["QSTRAT_TRANSFER_SECRET"] = SECRET
-    from qstrat.console import make_console, quiet_torchao_import, stderr_to
+    from qstrat.cli.console import make_console, quiet_torchao_import, stderr_to
 
     quiet_torchao_import()
     say = make_console().print

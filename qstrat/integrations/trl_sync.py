@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from qstrat.errors import QstratError
-from qstrat.fidelity_metrics import FIDELITY_METRICS, fidelity_metrics  # noqa: F401 (FIDELITY_METRICS: re-exported)
-from qstrat.vllm_adapter import names
-from qstrat.vllm_adapter.views import EngineView
+from qstrat.vllm.fidelity.metrics import FIDELITY_METRICS, fidelity_metrics  # noqa: F401 (FIDELITY_METRICS: re-exported)
+from qstrat.vllm.adapter import names
+from qstrat.vllm.adapter.views import EngineView
 
 #: TRL versions whose ``VLLMGeneration`` has every hook this module uses (checked on the released
 #: wheels: ``_iter_named_params`` first appears in 1.11.0). 1.16.0 runs the tests here.
@@ -83,7 +83,7 @@ def check_trl() -> str:
         if not callable(cls.__dict__.get(name)):
             raise _hook_error(version, f"{_MODULE}.VLLMGeneration has no method {name}")
     if not callable(getattr(module, "LLM", None)):
-        from qstrat.vllm_adapter.platform_facts import vllm_installed
+        from qstrat.vllm.adapter.platform_facts import vllm_installed
 
         if not vllm_installed():
             raise ImportError(f"qstrat.integrations.trl needs vLLM: {names.INSTALL}")
@@ -140,7 +140,7 @@ class QstratWeightSync:
             ``qstrat/refit/tensors`` and ``qstrat/sync/seconds`` (the whole sync: TRL's gathering
             and merging, the copy, the refit, the cache reset) under ``"train"`` or ``"eval"``;
             a probed sync also :data:`FIDELITY_METRICS`.
-        verify_every: run the fidelity probe (:class:`qstrat.fidelity.Verify` on the trainer's
+        verify_every: run the fidelity probe (:class:`qstrat.vllm.fidelity.probe.Verify` on the trainer's
             model) on the first sync and every ``verify_every``-th after it; 0: never. One
             Verify serves every sync, so the arithmetic floor behind its limits is measured on
             the first probe only. A probe above its limit raises :class:`~qstrat.errors.FidelityError`.
@@ -156,7 +156,7 @@ class QstratWeightSync:
         self.reports: list[Any] = []
         self.metrics: Mapping[str, Any] | None = None
         self._keep = keep  # the temporary directory holding ``checkpoint`` (removed with this object)
-        self._verify: Any = None  # one qstrat.fidelity.Verify for every probed sync (its floor kept)
+        self._verify: Any = None  # one qstrat.vllm.fidelity.probe.Verify for every probed sync (its floor kept)
 
     def __call__(self) -> Any:
         """Refit the engine from the trainer's current weights.
@@ -183,7 +183,7 @@ class QstratWeightSync:
         gen = self.generation
         verify = None
         if self.verify_every and len(self.reports) % self.verify_every == 0:
-            from qstrat.fidelity import Verify
+            from qstrat.vllm.fidelity.probe import Verify
 
             if self._verify is None or self._verify.model is not gen.model:
                 self._verify = Verify(gen.model)

@@ -7,7 +7,7 @@ hands each bucket to ``model.load_weights`` - or, for an FP8 engine, to verl's o
 cast - neither of which takes a qstrat checkpoint's formats. :class:`QstratWorkerExtension`
 keeps verl's receiver (``BucketedWeightReceiver`` on verl's ZMQ handle), collects the buckets
 (copies: verl reuses its bucket buffer) and, after the last one, refits the whole model with
-:func:`qstrat.vllm_worker.refit_worker` in the strategy of the checkpoint the engine started on.
+:func:`qstrat.vllm.sink.in_worker.refit_worker` in the strategy of the checkpoint the engine started on.
 
 Use: start the rollout on a qstrat checkpoint (``qstrat quantize``) and give vLLM
 ``worker_extension_cls="qstrat.integrations.verl.QstratWorkerExtension"`` (verl 0.9.1 names its
@@ -23,7 +23,7 @@ from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedW
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
 from qstrat.errors import ConfigError
-from qstrat.vllm_worker import refit_worker
+from qstrat.vllm.sink.in_worker import refit_worker
 
 
 class QstratWorkerExtension(vLLMColocateWorkerExtension):
@@ -46,7 +46,7 @@ class QstratWorkerExtension(vLLMColocateWorkerExtension):
         verl's ``actor_rollout_ref.rollout.layered_summon`` / merged LoRA); ``use_shm``: the
         buckets come through shared memory (any CPU), else CUDA IPC.
         Raises: ConfigError for an adapter update (before anything is received); what
-            :func:`qstrat.vllm_worker.refit_worker` raises (nothing handed to vLLM unless
+            :func:`qstrat.vllm.sink.in_worker.refit_worker` raises (nothing handed to vLLM unless
             EngineStateError).
         """
         if peft_config and base_sync_done:

@@ -119,7 +119,7 @@ def verl_update(llm: Any, weights: dict[str, torch.Tensor], bucket_mb: int = BUC
     (verl's ``clear_kv_cache``). Raises what either side raised."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    from qstrat.vllm_adapter.views import EngineView
+    from qstrat.vllm.adapter.views import EngineView
 
     view = EngineView(llm)
     handle = view.collective_rpc("_get_zmq_handle")[0]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from qstrat.layouts import SlabSpec
-from qstrat.model_config import ModelConfig
+from qstrat.layouts.model_layout import SlabSpec
+from qstrat.layouts.model_config import ModelConfig
 from qstrat.plan.data import PlanEntry, natural_key
 
 

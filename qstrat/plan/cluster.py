@@ -4,7 +4,7 @@ The mesh rule: every output tensor is sent once from the one trainer rank that o
 engine rank that loads it, only the part that rank loads (:class:`qstrat.plan.engine_shards.
 EngineShards`), to every engine replica. Ownership is per plan entry (an input tensor is quantized
 once, by one rank, and all its outputs leave from there): a routed expert's entry belongs to the
-FSDP ranks of the expert-parallel group holding the expert (:class:`qstrat.sharding.
+FSDP ranks of the expert-parallel group holding the expert (:class:`qstrat.execute.sharding.
 ExpertParallel`), any other entry (replicated across expert-parallel groups) to any trainer rank;
 within those candidates the rank with the fewest outgoing bytes so far takes it, entries taken
 largest first (greedy longest-processing-time balance; expert entries first).
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from qstrat.errors import PlanError
-from qstrat.layout_config import num_experts as config_experts
-from qstrat.model_config import ModelConfig
+from qstrat.layouts.config_facts import num_experts as config_experts
+from qstrat.layouts.model_config import ModelConfig
 from qstrat.plan.cluster_layout import EngineLayout, TrainerLayout
 from qstrat.plan.data import RefitPlan
 from qstrat.plan.engine_shards import EngineShards
-from qstrat.sharding import ExpertParallel
+from qstrat.execute.sharding import ExpertParallel
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def check_engine_tp(tp: int, model_config: Any) -> None:
     and ``QKVParallelLinear``): ``num_attention_heads`` divisible by ``tp``, and ``tp`` and
     ``num_key_value_heads`` one a multiple of the other (KV heads split, or each replicated on
     ``tp / num_key_value_heads`` ranks). Heads absent from the config: nothing to check.
-    ``model_config``: a :class:`~qstrat.model_config.ModelConfig` or config.json content.
+    ``model_config``: a :class:`~qstrat.layouts.model_config.ModelConfig` or config.json content.
 
     Raises: PlanError naming the config key, its value and the TP size."""
     config = ModelConfig.of(model_config)
@@ -104,7 +104,7 @@ def route(plan: RefitPlan, trainer: TrainerLayout, engine: EngineLayout,
           model_config: Any = None) -> ClusterRound:
     """Bytes per link of a mesh round of ``plan`` from ``trainer`` to ``engine`` (module docstring).
 
-    ``model_config`` (a :class:`~qstrat.model_config.ModelConfig`, config.json content, or None)
+    ``model_config`` (a :class:`~qstrat.layouts.model_config.ModelConfig`, config.json content, or None)
     gives ``num_key_value_heads`` (vLLM's KV-head replication) and the routed expert count (else
     the plan's largest expert index + 1).
     Raises: PlanError when the trainer's expert parallelism does not divide the experts, or the

@@ -24,7 +24,7 @@ class TrainerLayout:
     """The trainer's ranks: ``ep`` expert-parallel groups of ``fsdp`` FSDP ranks each.
 
     Trainer rank ``ep_rank * fsdp + fsdp_rank``; expert-parallel group ``g`` holds the routed
-    experts ``[g * E / ep, (g + 1) * E / ep)`` (:class:`qstrat.sharding.ExpertParallel`).
+    experts ``[g * E / ep, (g + 1) * E / ep)`` (:class:`qstrat.execute.sharding.ExpertParallel`).
     """
 
     ep: int = 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qstrat.model_config import ModelConfig
+from qstrat.layouts.model_config import ModelConfig
 from qstrat.plan.cluster import route
 from qstrat.plan.cluster_layout import EngineLayout, TrainerLayout
 from qstrat.plan.data import RefitPlan
@@ -92,9 +92,9 @@ def bench_cluster(models_dir: Any, quick: bool = False, rate: str = "400gbit",
 
     import torch
 
-    from qstrat.driver import RefitDriver
+    from qstrat.execute.driver import RefitDriver
     from qstrat.plan.cluster_layout import parse_engine_layout, parse_link_rate, parse_trainer_layout
-    from qstrat.skeleton import model_tensors
+    from qstrat.layouts.skeleton import model_tensors
 
     rows = []
     for name in CLUSTER_MODELS:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from qstrat.rules import PASSTHROUGH
+from qstrat.config.rules import PASSTHROUGH
 from qstrat.serializers.base import tensor_nbytes
 
 __all__ = ["PASSTHROUGH", "WIRE_ORDERS", "OutputTensor", "PlanEntry", "RefitPlan", "natural_key",
@@ -62,7 +62,7 @@ class OutputTensor:
 @dataclass(slots=True)
 class PlanEntry:
     """The decision for one input tensor (a value: read it, do not assign its fields; a plan's
-    entries are shared by every refit its driver reuses it for, :class:`qstrat.driver.PlanCache`).
+    entries are shared by every refit its driver reuses it for, :class:`qstrat.execute.driver.PlanCache`).
 
     Attributes:
         name, shape, dtype: the trainer's tensor.
@@ -108,14 +108,14 @@ class RefitPlan:
         ignored_layers: vLLM module prefixes left unquantized (routers included).
         quantization_config: the engine's quantization_config, or None for a BF16 plan.
         order: the wire order, one of :data:`WIRE_ORDERS`.
-        rank: for a per-rank plan (:func:`qstrat.sharding.split_plan`), the rank that emits
+        rank: for a per-rank plan (:func:`qstrat.execute.sharding.split_plan`), the rank that emits
             these entries; None for a whole plan.
         elsewhere: for a part of a plan (:meth:`subset`), input name -> the rank emitting it
             (None: not emitted by this refit): inputs it may be given (a replicated tensor, the
             whole model's stream) but drops.
         engine_quantization: for a plan quantized in the engine (``quantize_in: engine``), the
             ``quantization_config`` of vLLM's online quantization the engine must run (its
-            ``linear`` / ``moe`` methods and ``ignore`` list, :mod:`qstrat.online`); the entries
+            ``linear`` / ``moe`` methods and ``ignore`` list, :mod:`qstrat.vllm.online`); the entries
             are then all sent unquantized. None: quantized by qstrat (or not at all).
     """
 

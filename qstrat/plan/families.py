@@ -11,9 +11,9 @@ It is how the planner meets the cold-planning target for DeepSeek-V3's 46k tenso
 When that gives the very entry the full way would (the invariant):
 
 - the entry depends on the layer only through that prefix, the layer index and ``keep_bf16``:
-  the layout parses with :class:`~qstrat.layouts.ModelLayout`'s own parser (its structure memo,
+  the layout parses with :class:`~qstrat.layouts.model_layout.ModelLayout`'s own parser (its structure memo,
   no renames), and every rule is decided by built-in selectors without include/exclude patterns
-  (:meth:`qstrat.rules.RuleSet.structural`); otherwise :func:`families_for` returns None and
+  (:meth:`qstrat.config.rules.RuleSet.structural`); otherwise :func:`families_for` returns None and
   every tensor is planned the full way;
 - the family key holds everything else an entry reads: the name after the layer prefix, shape,
   dtype and whether ``keep_bf16`` keeps the layer (first / last);
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qstrat.layouts import WRAPPER_PREFIXES, ModelLayout
+from qstrat.layouts.model_layout import WRAPPER_PREFIXES, ModelLayout
 from qstrat.plan.data import OutputTensor, PlanEntry
 
 if TYPE_CHECKING:
-    from qstrat.rules import RuleSet
+    from qstrat.config.rules import RuleSet
 
 
 #: A family's key: (name after the layer prefix, shape, dtype, kept by keep_bf16.first, .last).
@@ -157,7 +157,7 @@ def families_for(layout: ModelLayout, rules: RuleSet, num_layers: int | None) ->
 
     - the layout parses with a subclass's own parser or renames names;
     - a rule's decision may read more than a name's structure (a plugin selector, include or
-      exclude patterns: :meth:`~qstrat.rules.RuleSet.structural`);
+      exclude patterns: :meth:`~qstrat.config.rules.RuleSet.structural`);
     - a name under the decoder-layer prefix could be taken for something else before its layer
       is read: a wrapper, non-decoder or MTP prefix overlapping the layer prefix, or an
       embedding, lm_head or final norm module inside it.

@@ -23,7 +23,7 @@ from typing import Any
 from qstrat.errors import PlanError, UnsupportedShapeError
 from qstrat.plan import checks
 from qstrat.plan.data import PASSTHROUGH, PlanEntry
-from qstrat.rules import RuleSet
+from qstrat.config.rules import RuleSet
 
 
 def on_unsupported_fix(rules: RuleSet, labels: Sequence[str]) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qstrat.errors import PlanError
-from qstrat.layouts import ModelLayout, ParsedName, SlabSpec
+from qstrat.layouts.model_layout import ModelLayout, ParsedName, SlabSpec
 from qstrat.plan.data import OutputTensor
 from qstrat.serializers.base import FormatMath, PartSpec, dtype_name, tensor_nbytes
 
@@ -26,7 +26,7 @@ class OutputDeclaration:
 
     Args:
         expert_emission: the config's ``per_expert`` or ``fused``.
-        slabs: the layout's grouped slabs (:attr:`qstrat.layouts.ModelLayout.slabs`).
+        slabs: the layout's grouped slabs (:attr:`qstrat.layouts.model_layout.ModelLayout.slabs`).
     """
 
     def __init__(self, expert_emission: str, slabs: Mapping[str, SlabSpec]) -> None:
@@ -86,7 +86,7 @@ def split_by_projection(specs: tuple[PartSpec, ...], rows: int, k: int) -> bool:
     part's row tile (``rows_per_entry``, 128 for block FP8) does not divide ``rows/k``, a tile of
     the whole slab would straddle gate and up. Tiled per projection, the bytes are those of
     quantizing each expert's gate_proj and up_proj on their own (what a per-expert checkpoint
-    holds); the stream views the slab so (:mod:`qstrat.stream`), still in one serializer call."""
+    holds); the stream views the slab so (:mod:`qstrat.execute.stream`), still in one serializer call."""
     return k > 1 and any(s.rows_per_entry is not None and (rows // k) % s.rows_per_entry for s in specs)
 
 

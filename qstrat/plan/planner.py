@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from qstrat.config import RefitConfig
+from qstrat.config.loader import RefitConfig
 from qstrat.errors import PlanError, UnsupportedShapeError
-from qstrat.layouts import ModelLayout
-from qstrat.model_config import ModelConfig
+from qstrat.layouts.model_layout import ModelLayout
+from qstrat.layouts.model_config import ModelConfig
 from qstrat.plan import checks, structure
 from qstrat.plan.engine_config import SerializerFactory, engine_config, format_lookup, quantizes_lookup
 from qstrat.plan.fallbacks import engine_fusions, whole_module_fallbacks
@@ -27,7 +27,7 @@ from qstrat.plan.fixes import ShapeRefused, nothing_else_quantized, one_line_per
 from qstrat.plan.outputs import OutputDeclaration, fusion_group
 from qstrat.plan.data import (PASSTHROUGH, OutputTensor, PlanEntry, RefitPlan, gc_paused, natural_keys,
                               order_entries)
-from qstrat.rules import Decision, RuleSet, is_weight_matrix
+from qstrat.config.rules import Decision, RuleSet, is_weight_matrix
 from qstrat.serializers.base import dtype_name, tensor_nbytes
 
 #: Weight dtypes a serializer accepts (an int, bool or already-quantized input is a plan error).
@@ -179,7 +179,7 @@ class Planner:
     def _per_expert_names(self, p: ParsedName, shape: tuple[int, ...]) -> list[str]:
         """The per-expert checkpoint names a grouped slab ``[E, rows, K]`` stands for
         (``model.layers.1.mlp.experts.{e}.{part}.weight``: vLLM's names, a per-expert trainer's),
-        which include/exclude patterns are matched against too (:meth:`qstrat.rules.CompiledRule.matches`);
+        which include/exclude patterns are matched against too (:meth:`qstrat.config.rules.CompiledRule.matches`);
         none for a slab that cannot be cut per expert (gpt-oss) or a shape without an expert dim."""
         spec = self.layout.slabs.get(p.projection)
         if spec is None or not spec.splittable or len(shape) != 3:

@@ -21,7 +21,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from qstrat.config import RefitConfig
+from qstrat.config.loader import RefitConfig
 from qstrat.plan.data import PASSTHROUGH, PlanEntry
 
 #: How many names an error message lists before "... and N more".

@@ -3,7 +3,7 @@
 A shared bucket is one ``uint8`` buffer holding several tensors at their wire manifest offsets
 (mixed dtypes); a chunk bucket is a slice of one large tensor's own bytes and is sent and
 received in place (no copy on either side). The per-bucket checksum is
-:mod:`qstrat.transport.checksum` (device tensor ops, no host copy).
+:mod:`qstrat.transport.security.checksum` (device tensor ops, no host copy).
 """
 from __future__ import annotations
 

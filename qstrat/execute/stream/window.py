@@ -1,0 +1,142 @@
+"""The inputs of one execution: random access to a mapping, or a stream read in arrival order.
+
+:class:`InputWindow` holds what has arrived and is not yet quantized (``buffered``) and what is
+materialized and still needed (``held``); execution releases each input once its entry, and every
+fused-group sibling that needs it, is quantized - the window of about one decoder layer
+:mod:`qstrat.execute.stream` describes. :func:`input_mismatch` and :func:`check_inputs` compare inputs
+with their plan entries (metadata only).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from qstrat.errors import InputMismatchError, PlanError
+from qstrat.execute.named_tensors import check_new_name, materialize
+from qstrat.plan.data import PlanEntry, RefitPlan
+from qstrat.serializers.base import dtype_name
+from qstrat.execute.stream.index import PlanIndex
+
+__all__ = ["InputWindow", "check_inputs", "input_mismatch"]
+
+
+class InputWindow:
+    """The inputs of ``plan``: a mapping (every tensor at hand) or an iterator of ``(name,
+    tensor)`` pairs consumed once, in the producer's order.
+
+    Args:
+        plan: the plan being executed (its entries and :attr:`~qstrat.plan.data.RefitPlan.elsewhere`).
+        inputs: name -> tensor (or lazy handle), or the iterator.
+        index: ``plan``'s :class:`~qstrat.execute.stream.index.PlanIndex` (None: built here); the
+            other parts of an execution read it here (:attr:`index`).
+    """
+
+    def __init__(self, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                 index: PlanIndex | None = None) -> None:
+        self.plan = plan
+        self.index = index if index is not None else PlanIndex.of(plan)
+        self.entries = self.index.entries
+        self.mapping = inputs if isinstance(inputs, Mapping) else None
+        self.stream = None if self.mapping is not None else iter(inputs)
+        self.buffered: dict[str, Any] = {}   # arrived, not yet read
+        self.held: dict[str, torch.Tensor] = {}  # materialized, still needed
+        self.seen: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` can be read without pulling the stream."""
+        return self.mapping is not None or name in self.buffered or name in self.held
+
+    def get(self, name: str) -> torch.Tensor:
+        """The materialized value of input ``name`` (pulled from the stream if needed).
+
+        Raises: PlanError if the stream ends before ``name`` arrives, or for an arriving input
+            :meth:`pull` refuses.
+        """
+        if name in self.held:
+            return self.held[name]
+        if self.mapping is not None:
+            raw = self.mapping[name]
+        else:
+            while name not in self.buffered:
+                if self.pull() is None:
+                    raise PlanError(f"{name}: planned, but the input stream ended before it arrived")
+            raw = self.buffered.pop(name)
+        with torch.no_grad():
+            t = materialize(raw, name)
+        self.held[name] = t
+        return t
+
+    def pull(self) -> str | None:
+        """Read one pair from the stream and buffer it; its name, or None at the end.
+
+        Raises: PlanError for a name given twice or not in the plan; InputMismatchError (a
+            PlanError) for one whose shape or dtype differs from its entry.
+        """
+        assert self.stream is not None
+        item = next(self.stream, None)
+        if item is None:
+            return None
+        name, t = item
+        check_new_name(name, self.seen)
+        self.seen.add(name)
+        if name in self.plan.elsewhere:
+            return name  # emitted by another rank: dropped
+        e = self.entries.get(name)
+        if e is None:
+            raise PlanError(f"{name}: not in the plan (plan from the same names, shapes and dtypes "
+                            "the producer yields)")
+        problem = input_mismatch(e, t)
+        if problem:
+            raise InputMismatchError(problem)
+        self.buffered[name] = t
+        return name
+
+    def release(self, name: str) -> None:
+        """Forget input ``name`` (quantized, and no pending group context needs it)."""
+        self.held.pop(name, None)
+
+    def drain(self) -> None:
+        """Consume the rest of the stream (inputs of other ranks only).
+
+        Raises: PlanError naming inputs that arrived but no entry used.
+        """
+        if self.stream is not None:
+            while self.pull() is not None:
+                pass
+            if self.buffered:
+                raise PlanError(f"inputs arrived but were never used: {sorted(self.buffered)[:5]}")
+
+    def close(self) -> None:
+        """Drop every buffered and held input."""
+        self.held.clear()
+        self.buffered.clear()
+
+
+def input_mismatch(e: PlanEntry, t: Any) -> str | None:
+    """Why input ``t`` cannot be the planned ``e`` (shape or dtype differ), or None. Metadata only."""
+    shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
+    if shape is None or not isinstance(dtype, torch.dtype):
+        return f"{e.name}: given a {type(t).__name__}, planned as a {e.dtype}{list(e.shape)} tensor"
+    if (tuple(shape), dtype_name(dtype)) != (tuple(e.shape), e.dtype):
+        return f"{e.name}: arrived as {dtype_name(dtype)}{list(shape)}, planned as {e.dtype}{list(e.shape)}"
+    return None
+
+
+def check_inputs(plan: RefitPlan, tensors: Mapping[str, Any]) -> None:
+    """Raise PlanError listing every planned input missing from ``tensors`` or whose shape or dtype
+    differs from the plan - what a stream checks as each tensor arrives - before anything is
+    emitted (a plan made beforehand, given with a mapping). Reads ``.shape``/``.dtype`` only.
+    Inputs the plan does not name are ignored (a partial plan, e.g. ``only_layers``)."""
+    errors = []
+    for e in plan.entries:
+        if e.name not in tensors:
+            errors.append(f"{e.name}: planned, but not among the given tensors")
+        else:
+            problem = input_mismatch(e, tensors[e.name])
+            if problem:
+                errors.append(problem)
+    if errors:
+        more = f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise PlanError("the given tensors do not match the given plan:\n  " + "\n  ".join(errors[:20]) + more)

@@ -1,0 +1,10 @@
+"""Delta rounds: a round's stream patched against the last committed one (transport protocol 3).
+
+- :mod:`.encoding`: the delta encoding: tile-by-tile patches, digests of rebuilt buckets, round ids
+- :mod:`.rounds`: the sender's delta base: a delta or a whole round
+- :mod:`.stream`: the sender's half: a delta round's buckets encoded and posted as they are
+  quantized
+- :mod:`.rebuild`: the receiver's delta base and the decoder that rebuilds a round from it
+- :mod:`.receive`: the receiver's half: buckets received, rebuilt and verified one at a time
+- :mod:`.churn`: how a quantized checkpoint changes per RL step (``qstrat bench --only delta``)
+"""

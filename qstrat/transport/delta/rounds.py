@@ -1,0 +1,77 @@
+"""A ``mode="delta"`` sender's state across rounds: the base it shares with the engines, and per
+round the choice of a delta or a whole round (:mod:`qstrat.transport.delta.stream` encodes each
+bucket as the round streams)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from qstrat.errors import MixedWeightsError, TransferAuthError, WireManifestMismatchError
+from qstrat.transport.delta import encoding as delta
+from qstrat.transport.delta.stream import PatchEncoder
+from qstrat.transport.send.report import DeltaReport, TransferReport
+from qstrat.transport.wire_manifest import WireManifest
+
+#: Sends one round: (its encoder, the ``update_info`` additions) -> the round's report.
+SendRound = Callable[[PatchEncoder, dict[str, Any]], TransferReport]
+
+
+#: What an engine raises when it refuses a round before any data (another wire manifest or plan
+#: in the accept vote, a failed authentication): no engine changed, so the base is kept, as it
+#: is when the round's source failed (the stream was aborted, nothing loaded anywhere). After
+#: any other failure the next round goes whole.
+REFUSED_BEFORE_DATA = (WireManifestMismatchError, TransferAuthError)
+
+
+class DeltaRounds:
+    """The sender's delta base and the rounds sent against it."""
+
+    def __init__(self) -> None:
+        #: The base shared with the engines: the last round every engine committed, in host
+        #: memory (None: the next round is whole).
+        self.base: delta.Base | None = None
+        #: A stream buffer no one reads (the base before the last), reused for the next round's
+        #: stream: written in place, without a new allocation's page faults.
+        self.spare: torch.Tensor | None = None
+
+    def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], send: SendRound
+              ) -> TransferReport:
+        """One round of ``tensors`` (``target``'s, in its wire order) through ``send``: each
+        bucket patched against :attr:`base` as it streams, or whole when there is none (or it
+        has another layout), or when the engines refuse the delta (then sent again, whole: from
+        the round's stream when the refusal came at the commit vote, from ``tensors`` when it
+        came before any data). A round that raises leaves no base, unless no engine changed: its
+        source failed (the stream was aborted) or the engines refused it before any data
+        (:data:`REFUSED_BEFORE_DATA`). Returns ``send``'s report (its ``bytes``: the payloads
+        sent) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
+        ``send``."""
+        base, self.base = self.base, None
+        t0 = time.perf_counter()
+        reason = ("no base (this sender's first round, or its last one failed)" if base is None else
+                  "the base has another layout (wire manifest)" if base.target != target.digest else None)
+        spare, self.spare = self.spare, None
+        size = delta.padded_size(target.total_bytes)
+        enc = PatchEncoder(target, tensors, base, spare if spare is not None and spare.numel() == size else None)
+        attempts, spent = 1, (0.0, 0.0)
+        try:
+            try:
+                report = send(enc, {"delta": enc.info})
+            except delta.DeltaRefused as exc:
+                reason, attempts, spent = f"the engines refused the delta: {exc}", 2, (enc.source_s, enc.encode_s)
+                enc = enc.whole()
+                report = send(enc, {"delta": enc.info})
+        except REFUSED_BEFORE_DATA:
+            self.base, self.spare = base, enc.stream  # every engine still holds it
+            raise
+        except BaseException as exc:
+            if enc.source_error is not None and not isinstance(exc, MixedWeightsError):
+                self.base, self.spare = base, enc.stream  # the source failed: aborted, nothing loaded anywhere
+            raise
+        self.base, self.spare = enc.new_base(), base.stream if base is not None else None
+        info = DeltaReport(enc.kind, reason, target.total_bytes, enc.wire_bytes, enc.tiles,
+                           spent[0] + enc.source_s, spent[1] + enc.encode_s, self.base.nbytes, attempts)
+        return TransferReport(report.wire_manifest, enc.wire_bytes, report.buckets, report.stream_seconds,
+                              time.perf_counter() - t0, info)

@@ -1,0 +1,172 @@
+"""The sender's half of a delta round's stream (transport protocol 3): bucket by bucket, quantize
+into the round's stream, compare with the base, code the patch and digest the rebuilt bytes
+(:class:`PatchEncoder`), and post it (:func:`send_patches`) while the receivers rebuild the
+bucket before.
+
+Per bucket k on the wire (:mod:`qstrat.transport.protocol`, step 3 of a delta round): a PRELUDE
+(int64[4]: magic, k, payload bytes, flags) so that each receiver allocates the payload, then the
+payload (:data:`~qstrat.transport.delta.encoding.DIGEST_BYTES` of digest, then the patch) in pieces, then
+the bucket header with its seal, exactly as a full round's bucket. ``flags = ABORT`` in a prelude
+(payload 0 bytes, nothing follows): the sender's own side failed at bucket k; every rank goes to
+the commit vote.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from qstrat.errors import TransportError
+from qstrat.transport.delta import encoding as delta
+from qstrat.transport import protocol
+from qstrat.transport.group import TransferGroup
+from qstrat.transport.security.keys import Secret
+from qstrat.transport.send.outgoing import SourceFailure, post_bucket
+from qstrat.transport.security.seal import Sealer
+from qstrat.transport.timing import Phases
+from qstrat.transport.wire_manifest import WireManifest
+
+#: Buckets a sender keeps in flight (their payloads alive) before it waits for the oldest.
+WINDOW = 3
+
+
+class PatchEncoder:
+    """One delta round's buckets as payloads, encoded one at a time against ``base``.
+
+    Args:
+        target: the full round's wire manifest.
+        tensors: ``(name, tensor)`` in its slot order, pulled as buckets are asked for; or None
+            with ``stream`` already filled (a round sent again whole).
+        base: the base both sides hold (None: every tile raw; one of another layout is not used).
+        stream: the buffer of the round's stream (1-D uint8 CPU, :func:`~qstrat.transport.delta.encoding.
+            padded_size` bytes; None: a new one).
+    """
+
+    def __init__(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]] | None,
+                 base: delta.Base | None, stream: torch.Tensor | None = None) -> None:
+        self.target = target
+        self.base = base if base is not None and base.target == target.digest else None
+        #: ``update_info["delta"]``: the base's round id (None: a whole round) and this round's.
+        self.info: dict[str, Any] = {"base": self.base.round_id if self.base else None,
+                                     "round": secrets.token_hex(16)}
+        self.stream = stream if stream is not None else torch.empty(delta.padded_size(target.total_bytes),
+                                                                    dtype=torch.uint8)
+        self.writer = delta.StreamWriter(target, tensors, self.stream) if tensors is not None else None
+        self.cuts = delta.cuts(target)
+        self.tiles: dict[str, int] = {}
+        #: Payload bytes encoded; seconds in the source (quantizing) and encoding (compare, patch, digest).
+        self.wire_bytes, self.source_s, self.encode_s = 0, 0.0, 0.0
+        #: Buckets encoded so far; what the source raised (the round was then aborted).
+        self.done, self.source_error = 0, None
+        self._sealer: Sealer | None = None
+
+    def start(self, secret: Secret | None, mac: bytes) -> None:
+        """Key the digests for the round whose MAC is ``mac`` (before the first :meth:`payload`)."""
+        self._sealer = delta.digest_sealer(secret, mac, self.info)
+
+    def payload(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s payload (1-D uint8 CPU: digest, then patch), buckets in order.
+        Raises: what the source raises; TransportError for a tensor off its slot or a source
+        that yields more tensors than the target holds."""
+        t0 = time.perf_counter()
+        if self.writer is not None:
+            self.writer.upto(k)
+            if k == len(self.target.buckets) - 1:
+                self.writer.finish()
+        t1 = time.perf_counter()
+        lo, hi = self.cuts[k], self.cuts[k + 1]
+        region = self.stream[lo:hi]
+        old = self.base.stream[lo:hi] if self.base is not None else None
+        patch, tiles = delta.encode_patch(region, old)
+        digest = delta.region_digest(self._sealer, k, region)
+        for kind, n in tiles.items():
+            self.tiles[kind] = self.tiles.get(kind, 0) + n
+        out = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8), patch])
+        self.wire_bytes += out.numel()
+        self.done = k + 1
+        self.source_s += t1 - t0
+        self.encode_s += time.perf_counter() - t1
+        return out
+
+    @property
+    def kind(self) -> str:
+        """``full`` when every tile went raw, else ``delta``."""
+        return "full" if set(self.tiles) <= {"raw"} else "delta"
+
+    @property
+    def complete(self) -> bool:
+        """Whether every bucket was encoded (the stream is the round's)."""
+        return self.done == len(self.target.buckets)
+
+    def new_base(self) -> delta.Base:
+        """The base once every engine committed this round: its id, layout and stream."""
+        return delta.Base(self.info["round"], self.target.digest, self.stream)
+
+    def whole(self) -> PatchEncoder:
+        """The same round for a whole resend (every tile raw): from this round's stream once
+        complete, else from its source when no bucket was encoded yet (refused before any data).
+        Raises: TransportError when the round stopped part-way (its source is spent)."""
+        if self.complete:
+            return PatchEncoder(self.target, None, None, self.stream)
+        if self.done or self.writer is None:
+            raise TransportError(f"delta stream: a round stopped at bucket {self.done} cannot be sent again whole")
+        return PatchEncoder(self.target, self.writer.tensors, None, self.stream)
+
+
+def encode_round(target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], base: delta.Base | None,
+                 secret: Secret | None = None, mac: bytes = bytes(32)) -> tuple[PatchEncoder, list[torch.Tensor]]:
+    """Every bucket's payload of the round of ``tensors`` against ``base``, in process (no wire:
+    measurement and tests), digests keyed by ``mac``. Returns (the encoder: stream, tiles, new
+    base; the payloads in bucket order). Raises: as :meth:`PatchEncoder.payload`."""
+    enc = PatchEncoder(target, tensors, base)
+    enc.start(secret, mac)
+    payloads = [enc.payload(k) for k in range(len(target.buckets))]
+    if not target.buckets:
+        enc.writer.finish()
+    return enc, payloads
+
+
+def send_patches(group: TransferGroup, target: WireManifest, encoder: PatchEncoder, sealer: Sealer,
+                 prof: Phases) -> SourceFailure | None:
+    """Step 3 of a delta round on the sender: per bucket its prelude, payload and header, at most
+    :data:`WINDOW` buckets in flight. Returns None, or the :class:`SourceFailure` after which the
+    stream was aborted (an ABORT prelude: the receivers go to the commit vote).
+    Raises: TransportError when a collective fails (a receiver died, a timeout): the group is
+        then closed."""
+    encoder.start(sealer.secret, sealer.mac)
+    pending: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
+    failure, k, n = None, 0, len(target.buckets)
+    try:
+        for k in range(n):
+            if len(pending) == WINDOW:
+                prof.call("wait_s", _wait_all, group, pending.popleft())
+            try:
+                with prof.timed("source_s"):
+                    payload = encoder.payload(k).to(group.device)
+            except BaseException as exc:  # noqa: BLE001 - the sender's own fault: ABORT, reported after
+                encoder.source_error = exc
+                failure = SourceFailure(k, exc)
+                pre = protocol.patch_prelude(k, 0, protocol.ABORT, group.device)
+                pending.append(([group.broadcast(pre)], [pre]))
+                break
+            pre = protocol.patch_prelude(k, payload.numel(), 0, group.device)
+            first = group.broadcast(pre)
+            works, hdr, _ = post_bucket(group, sealer, k, payload, None, None, prof)
+            pending.append(([first, *works], [pre, payload, hdr]))
+        while pending:
+            prof.call("wait_s", _wait_all, group, pending.popleft())
+        return failure
+    except RuntimeError as exc:  # c10d: a peer died or timed out
+        pending.clear()  # no Work may outlive this block: gloo closes the group with the last one
+        message = str(exc)
+    raise protocol.lost(group, f"broadcast of delta bucket {k}/{n} failed (a receiver died?)", message) from None
+
+
+def _wait_all(group: TransferGroup, item: tuple[list[Any], list[torch.Tensor]]) -> None:
+    """Wait for one bucket's broadcasts."""
+    for work in item[0]:
+        group.wait(work)

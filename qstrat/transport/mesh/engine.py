@@ -1,0 +1,81 @@
+"""A mesh round on a receiver with an engine (:class:`~qstrat.transport.receive.session.ReceiverSession`,
+the vLLM backend's): the engine rank receives its share from every trainer rank
+(:func:`~qstrat.transport.mesh.receiver.receive_mesh_round`), after checking the round against
+what its engine loads, and stages it; the session's ``finish`` loads it (atomic only).
+
+What the engine is handed: each tensor of its share in the WHOLE tensor's shape
+(:meth:`~qstrat.transport.mesh.routing.ShareSlice.embed`: the received slice where this rank's TP
+loader narrows, zeros elsewhere). vLLM's weight loaders narrow a checkpoint tensor by TP rank
+themselves (``ColumnParallelLinear.weight_loader``, ``RowParallelLinear.weight_loader``,
+``FusedMoE._load_w13`` / ``_load_w2``: ``loaded_weight.narrow(dim, tp_rank * shard, shard)``), so
+they read exactly the received bytes; the zeros are never read.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qstrat.errors import TransportError, WireManifestMismatchError
+from qstrat.transport.receive.acceptance import check_expected
+from qstrat.transport.mesh.receiver import receive_mesh_round
+from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout
+from qstrat.transport.wire_manifest import build_wire_manifest
+
+#: The ``update_info`` key of a mesh round: the routes document (:meth:`MeshRoutes.to_dict`).
+MESH_KEY = "mesh"
+
+
+class ShareCheck:
+    """The engine rank's accept-vote check of a mesh round: atomic mode, then the round's outputs in
+    whole shapes (what its loaders are handed; the rank's share is the routing's part of them)
+    against the engine (:class:`EngineExpectations`: who
+    quantizes, the format, the tensors and whole reload units), then the MIX flag's rule.
+
+    Args: session: the receiver's session (its ``expected`` and ``flag``); info: the round's
+        ``update_info``.
+    """
+
+    def __init__(self, session: Any, info: dict[str, Any], refusal: TransportError | None = None) -> None:
+        self.session, self.info, self.refusal = session, info, refusal
+        #: The names of the round's share (once checked).
+        self.sent: set[str] = set()
+
+    def __call__(self, routes: MeshRoutes, me: int) -> None:
+        """Raise WireManifestMismatchError unless the engine loads this rank's share (or the
+        error its layout could not be read with)."""
+        if self.refusal is not None:
+            raise self.refusal
+        if self.info.get("mode", "atomic") != "atomic":
+            raise WireManifestMismatchError(f"a mesh round is atomic only, not {self.info.get('mode')!r}")
+        # the whole round against the engine (an expert-parallel rank's share leaves out the other
+        # ranks' experts, which its engine manifest lists); the share is the routing's part of it
+        wm = build_wire_manifest(((n, d, shape) for n, d, shape, _ in routes.outputs), routes.bucket_bytes,
+                                 routes.alignment)
+        self.sent = {n for n, *_ in routes.outputs}
+        check_expected(wm, self.info, self.session.expected(), self.session.flag, self.sent)
+
+
+def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Receive one mesh round on ``session``'s group as engine rank ``group.rank``.
+
+    Args: session: a joined session with ``senders`` (from its init info) and ``layout()``
+        (this rank's :class:`~qstrat.transport.mesh.routing.ReceiverLayout`, read from its engine);
+        info: ``update_info`` with :data:`MESH_KEY` and ``mode`` (``atomic``).
+    Returns: this rank's share as its loader takes it (whole shapes, see the module docstring),
+        in wire order; ``session.stats`` gets the receive side's counts (``bytes`` received,
+        ``share_bytes``, ``tensor_bytes``, ``seconds``, ``stream_s``).
+    Raises: TransportError when the session joined without ``senders`` (not a mesh group) or
+        has no layout; otherwise as :func:`receive_mesh_round` (a layout that raised
+        TransportError - an engine mesh rounds do not cover - refuses the round in the accept
+        vote, on every rank, before any data).
+    """
+    if session.senders is None or session.layout is None:
+        raise TransportError("qstrat transfer: a mesh round needs a group joined with 'senders' in its init "
+                             "info and a receiver layout (MeshRefitSender's init infos)")
+    try:
+        layout, refusal = session.layout(), None
+    except TransportError as exc:  # e.g. an engine layout mesh rounds do not cover: refused in the vote
+        layout, refusal = ReceiverLayout(), exc
+    return receive_mesh_round(session.group, info[MESH_KEY], int(session.senders), layout, session.auth,
+                              ShareCheck(session, info, refusal), session.stats, whole=True)

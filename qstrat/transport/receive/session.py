@@ -1,0 +1,227 @@
+"""A receiver's state across rounds: its group, secret, address binding, last round counter,
+the mode of the round in progress, and the MIX flag.
+
+Shared by the vLLM backend (:mod:`qstrat.vllm.engine.transfer_backend`) and
+:class:`~qstrat.transport.receive.standalone.StandaloneReceiver`; what differs is the LOADER:
+
+* ``begin_load()``: before the first tensor is loaded (an engine: ``initialize_layerwise_reload``);
+* ``load(tensors)``: ``(name, tensor)`` pairs of whole reload units (an engine: ``model.load_weights``);
+* ``end_load()``: after the last (an engine: ``finalize_layerwise_reload``: units that received
+  nothing keep their weights).
+
+Fault semantics (enforced here), the same for every mode: a round is COMMITTED everywhere,
+REFUSED everywhere (nothing loaded anywhere), or MIXED. A receiver that holds anything new from
+a round that was not committed everywhere - bounded mode: it loaded a unit and some rank failed
+(itself or another, :func:`qstrat.transport.protocol.outcome`); atomic mode: its load in
+``finish_weight_update`` raised part-way - finalizes the reload (units not loaded keep their old
+weights) and flags itself :attr:`ReceiverSession.mixed`. While flagged, a round must be WHOLE
+(send every tensor the engine expects): a partial round is refused before any data, naming the
+flag. A whole round that loads completely clears it. The engine keeps running (it serves requests
+with whatever it holds). :func:`qstrat.vllm.refit` applies the same rule to an in-process engine.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError
+from qstrat.transport.delta import encoding as delta
+from qstrat.transport.receive.acceptance import Expected, RoundCheck
+from qstrat.transport.security.address import ENV_ADDRESS, check_address
+from qstrat.transport.security.auth import ReceiverAuth, check_init
+from qstrat.transport.delta.rebuild import DeltaRebuild
+from qstrat.transport.delta.receive import PatchDecoder
+from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
+from qstrat.transport.security.keys import Secret
+from qstrat.transport.receive.landing import Landing, Loader
+from qstrat.transport.mesh.engine import MESH_KEY, receive_mesh
+from qstrat.transport.receive.receiver_flag import MixFlag
+from qstrat.transport.receive.receiver import receive_round
+
+__all__ = ["Expected", "Loader", "ReceiverSession"]
+
+
+class ReceiverSession:
+    """The four weight-sync calls' receiver logic.
+
+    Args:
+        expected: returns what the receiver accepts: name -> (dtype, shape), an engine's
+            :class:`~qstrat.transport.engine_check.EngineExpectations`, or None (anything).
+        loader: a :class:`Loader`.
+        secret: the shared secret (Secret, bytes, text), or None to read :data:`ENV_SECRET
+            <qstrat.transport.security.auth.ENV_SECRET>` at each :meth:`join`.
+        address: the one group address to join (``host`` / ``host:port``), or None to read
+            :data:`~qstrat.transport.security.auth.ENV_ADDRESS` at each :meth:`join` (unset: any).
+        rank_in_client: this worker's index among its engine's workers (added to ``rank_offset``).
+        staging: atomic mode staging device (None: the group's device; ``cpu``: host staging,
+            pinned when CUDA is available).
+        layout: returns this receiver's :class:`~qstrat.transport.mesh.routing.ReceiverLayout` (what
+            it loads in a mesh round, read from its engine); None: no mesh rounds.
+    """
+
+    def __init__(self, expected: Callable[[], Expected | None], loader: Loader, secret: Any = None,
+                 address: str | None = None, rank_in_client: int = 0,
+                 staging: torch.device | None = None, layout: Callable[[], Any] | None = None) -> None:
+        self.expected, self.loader, self.layout = expected, loader, layout
+        #: The trainer ranks of a mesh group (init info ``senders``); None: a single-sender group.
+        self.senders: int | None = None
+        self._secret, self._address = Secret.coerce(secret), address
+        self.rank_in_client, self.staging = rank_in_client, staging
+        self.group: TransferGroup | None = None
+        self.auth: ReceiverAuth | None = None
+        #: The MIX flag (:attr:`mixed` is its reason).
+        self.flag = MixFlag()
+        self.landing = Landing(loader)
+        #: The delta base and the rebuild of delta rounds from it (:attr:`base`).
+        self.delta = DeltaRebuild()
+        self._staged: list[tuple[str, torch.Tensor]] | None = None
+        self._received = False
+        #: The last round's ``peak_bytes`` and seconds by phase (see
+        #: :func:`~qstrat.transport.receive.receiver.receive_round`), plus ``finish_s`` (atomic: the load).
+        self.stats: dict[str, float] = {}
+
+    @property
+    def mixed(self) -> str | None:
+        """Why this receiver holds a MIX of two rounds (None: it does not)."""
+        return self.flag.reason
+
+    @property
+    def base(self) -> delta.Base | None:
+        """The delta base (:mod:`qstrat.transport.delta.encoding`): the tensors' bytes as of the last
+        delta-mode round this receiver loaded, in host memory; None: no base."""
+        return self.delta.base
+
+    def join(self, init_info: Any) -> None:
+        """Join the transfer group after checking the init info; a previous group is closed only
+        once the new one is joined (a refused or failed init leaves a live group as it is).
+
+        Args: init_info: a mapping or object with ``master_address``, ``master_port``,
+            ``rank_offset``, ``world_size`` and optionally ``backend``, ``timeout_s``, ``senders``
+            (a mesh group's trainer ranks, :mod:`qstrat.transport.mesh.steps`) and ``auth``
+            (the tag :func:`qstrat.transport.security.auth.sign_init` adds; required with a secret).
+        Raises: TransferAuthError for an address other than the configured one, or (with a
+            secret) an init info without a valid tag - nothing joined, nothing closed;
+            TransportError if the rendezvous fails.
+        """
+        import os
+
+        fields = dict(init_info) if isinstance(init_info, dict) else dict(vars(init_info))
+        address = self._address if self._address is not None else os.environ.get(ENV_ADDRESS)
+        host, port = str(fields.get("master_address")), int(fields.get("master_port"))
+        check_address(address, host, port)
+        secret = self._secret if self._secret is not None else Secret.from_env()
+        refusal = check_init(secret, fields)
+        if refusal is not None:
+            raise TransferAuthError(refusal)
+        group = open_group(host, port, int(fields.get("rank_offset")) + self.rank_in_client,
+                           int(fields.get("world_size")), fields.get("backend") or "gloo",
+                           float(fields.get("timeout_s") or DEFAULT_TIMEOUT_S))
+        self.shutdown()
+        self.group, self.senders = group, fields.get("senders")
+        last = self.auth.last_counter if self.auth is not None else -1
+        self.auth = ReceiverAuth(secret, host, port, last)
+
+    def start(self) -> None:
+        """Begin an update session: drop any staged round; the loader is not touched."""
+        self._staged, self._received = None, False
+        self.delta.take_next()
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta",
+        "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base", "round"}``,
+        :mod:`qstrat.transport.delta.encoding`; the engine checks the wire manifest as a full round's,
+        each bucket arrives as a patch rebuilt from :attr:`base` and checked against the
+        trainer's digest before the commit vote, and :meth:`finish` loads them as an atomic
+        round's).
+
+        A MESH round (``"mesh"``: the routes document, :mod:`qstrat.transport.mesh.engine`) is
+        received from every trainer rank and staged for :meth:`finish` (atomic only).
+
+        Raises: as :func:`~qstrat.transport.receive.receiver.receive_round`; TransportError for a second
+            round in one session or an unknown mode (:class:`~qstrat.transport.receive.acceptance.RoundCheck`).
+            Bounded mode: a round that was not committed everywhere after this receiver loaded a
+            unit finalizes the reload, sets :attr:`mixed` and raises MixedWeightsError.
+        """
+        if self.group is None or self.group.pg is None:
+            raise TransportError("qstrat transfer: call init_weight_transfer_engine first "
+                                 "(no open transfer group)")
+        if self._received:
+            raise TransportError("qstrat transfer: one update_weights round per session "
+                                 "(call finish_weight_update first)")
+        check = RoundCheck(update_info, self.expected, self.flag, lambda: self.delta.base)
+        doc, protocol = check.info.get("wire_manifest"), check.info.get("protocol")
+        self._received = True
+        self.stats = {}
+        if isinstance(update_info, dict) and MESH_KEY in update_info:  # every trainer rank to its share
+            self.delta.base = None
+            self._staged = receive_mesh(self, update_info)
+            return
+        if check.mode == "delta":
+            def decoder(mac: bytes) -> PatchDecoder:
+                return self.delta.decoder(check.info["delta"], check.target, self.auth.secret if self.auth else None,
+                                          mac)
+
+            self._staged = receive_round(self.group, doc, check, self.auth, "delta", staging=self.staging,
+                                         stats=self.stats, protocol_version=protocol, patches=decoder)
+            return
+        self.delta.base = None  # another mode changes the weights outside the delta's bookkeeping
+        if check.mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
+            self._staged = receive_round(self.group, doc, check, self.auth, staging=self.staging,
+                                         stats=self.stats, protocol_version=protocol)
+            return
+        try:
+            receive_round(self.group, doc, check, self.auth, "bounded", lambda unit, tensors: self.landing.load(tensors),
+                          stats=self.stats, protocol_version=protocol)
+        except MixedWeightsError as exc:
+            self.flag.set(getattr(exc, "detail", str(exc)), check.sent)
+            self.landing.end()
+            raise
+        except BaseException:
+            self.landing.end()
+            raise
+        self.landing.end()
+        self.flag.loaded(self.expected, check.sent)
+        self._staged = []
+
+    def finish(self) -> None:
+        """Atomic mode: load the staged round (begin, load, end); bounded mode: nothing left.
+
+        Raises: TransportError if no round was received in this session; MixedWeightsError when
+            the load raised part-way (the reload is finalized, the receiver flagged :attr:`mixed`).
+        """
+        staged, self._staged = self._staged, None
+        next_base = self.delta.take_next()
+        if staged is None:
+            raise TransportError("qstrat transfer: finish_weight_update without a received round")
+        if not staged:
+            return
+        t0 = time.perf_counter()
+        sent = {n for n, _ in staged}
+        try:
+            self.landing.load(staged)
+        except BaseException as exc:
+            self.delta.base = None
+            self._fail_load(exc, sent)
+            if not isinstance(exc, Exception):
+                raise
+            raise MixedWeightsError(f"rank {self.group.rank if self.group else '?'}: the load of a committed "
+                                    f"round failed part-way: {self.mixed}; this receiver holds a MIX, the "
+                                    f"next refit must be whole") from exc
+        self.landing.end()
+        self.stats["finish_s"] = time.perf_counter() - t0
+        self.delta.commit(next_base)
+        self.flag.loaded(self.expected, sent)
+
+    def _fail_load(self, exc: BaseException, sent: set[str]) -> None:
+        """Flag this receiver after a load that raised part-way, and finalize the reload."""
+        self.flag.fail_load(f"{type(exc).__name__}: {exc}", self.landing.end, sent)
+
+    def shutdown(self) -> None:
+        """Close the transfer group; staged data is dropped."""
+        self._staged = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None

@@ -1,0 +1,146 @@
+"""The per-bucket checksum, computed with tensor ops where the bytes are (no host copy).
+
+Formula (all arithmetic in int64, i.e. modulo 2**64, two's complement; exact and independent of
+the order of summation, so every device and every reduction order gives the same value):
+
+* the payload's ``n`` bytes, zero-padded to a multiple of ``8 * ROW_WORDS``, viewed as int64
+  words ``W[r, j]`` (little-endian, rows of ``ROW_WORDS`` words); the zero padding of the tail
+  row is made by copying the < 32 KiB tail on the payload's device;
+* two KEYS per checksum seed: column keys ``c1, c2`` (``ROW_WORDS`` odd int64 each) and row keys
+  ``r1, r2`` (one odd int64 per row), drawn from a CPU ``torch.Generator`` seeded with the
+  seed, so the keys are the same wherever the payload lives (they are moved to its device);
+* ``h1 = sum_r r1[r] * sum_j c1[j] * W[r, j]`` and ``h2 = sum_j c2[j] * sum_r r2[r] * W[r, j]``
+  (a keyed bilinear form read along rows, and one read along columns), and the checksum is
+  ``(h1, h2, n)``.
+
+Why this form: it is two matrix-vector products over a zero-copy int64 view of the payload, the
+fastest exact reduction torch has on CPU (``torch.mv`` on int64; figures against ``zlib.crc32``
+in docs/transport.md and ``scripts/bench_transport.py``), and a multiply + sum on CUDA (where integer ``mv`` is not
+implemented: same formula, same value, memory-bound). Detection: every word has an odd weight in
+both forms, so any change confined to one word changes both; for random keys a change whose
+lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``
+(multilinear hashing modulo 2**64: high-bit-only changes are the weak case). It replaces CRC-32
+(which needed ``payload.cpu()`` on a GPU) for accident detection in rounds WITHOUT a secret.
+It is not a MAC: adding 2**63 to two words changes each form by ``key * 2**63`` twice, i.e. by
+``2**64 = 0``, whatever the keys, so an adversary forges it without knowing them. Rounds with a
+secret seal each bucket with the bucket MAC instead (NH + HMAC-SHA256,
+:mod:`qstrat.transport.security.nh`, :mod:`qstrat.transport.security.seal`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+#: Words per row of the int64 view (32 KiB rows).
+ROW_WORDS = 4096
+_ROW_BYTES = 8 * ROW_WORDS
+#: Rows reduced per step on a device without integer ``mv`` (bounds the temporary to 32 MiB).
+_ROWS_PER_STEP = 128
+
+
+@functools.lru_cache(maxsize=64)
+def _keys(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CPU keys ``(c1, r1, c2, r2)`` for ``seed`` (int64 odd values); c: ROW_WORDS, r: rows."""
+    g = torch.Generator().manual_seed(seed & (2**63 - 1))
+    low, high = -(2**63), 2**63 - 1
+
+    def draw(n: int) -> torch.Tensor:
+        return torch.randint(low, high, (n,), dtype=torch.int64, generator=g) | 1
+
+    c1, c2 = draw(ROW_WORDS), draw(ROW_WORDS)
+    return c1, draw(rows), c2, draw(rows)
+
+
+def _rows_for(n: int) -> int:
+    return max(1, -(-n // _ROW_BYTES))
+
+
+def checksum(payload: torch.Tensor, seed: int = 0) -> tuple[int, int, int]:
+    """The keyed checksum ``(h1, h2, n)`` of a contiguous ``uint8`` tensor (module docstring).
+
+    Args:
+        payload: 1-D contiguous uint8 tensor on any device; its storage offset a multiple of 8
+            bytes (bucket buffers and tensor storages are), else the aligned part is copied.
+        seed: selects the keys (0: the public keys of an unauthenticated round).
+    Returns: ``(h1, h2, n)``: two signed int64 values and the byte count.
+    Raises: ValueError for a tensor that is not 1-D contiguous uint8.
+    """
+    state = Checksum(seed, payload.numel(), payload.device)
+    state.update(payload)
+    return state.value()
+
+
+class Checksum:
+    """The checksum of ``n`` bytes fed in consecutive pieces (:meth:`update`), e.g. as they arrive:
+    the same value as :func:`checksum` over the whole. Every piece but the last must be a multiple
+    of ``8 * ROW_WORDS`` bytes (whole rows).
+
+    Raises: ValueError (from :meth:`update`) for a piece that is not 1-D contiguous uint8, a
+        piece after a partial row, or more than ``n`` bytes in all.
+    """
+
+    def __init__(self, seed: int, n: int, device: torch.device) -> None:
+        self.n, self.done, self.device = n, 0, device
+        self.c1, self.r1, self.c2, self.r2 = (k.to(device) for k in _keys(seed, _rows_for(n)))
+        self.h1 = torch.zeros((), dtype=torch.int64, device=device)
+        self.col = torch.zeros(ROW_WORDS, dtype=torch.int64, device=device)
+
+    def update(self, piece: torch.Tensor) -> None:
+        """Add the next ``piece`` of the payload (1-D contiguous uint8 on the device)."""
+        if piece.dtype != torch.uint8 or piece.dim() != 1 or not piece.is_contiguous():
+            raise ValueError(f"checksum: needs a 1-D contiguous uint8 tensor, got {piece.dtype} "
+                             f"{list(piece.shape)}")
+        m = piece.numel()
+        if self.done % _ROW_BYTES or self.done + m > self.n:
+            raise ValueError(f"checksum: piece of {m} bytes at {self.done} of {self.n} (pieces before "
+                             f"the last must be whole rows of {_ROW_BYTES} bytes)")
+        row0, full = self.done // _ROW_BYTES, m // _ROW_BYTES
+        body = piece[:full * _ROW_BYTES]
+        if body.storage_offset() % 8:
+            body = body.clone()
+        if full:
+            self._rows(body.view(torch.int64).view(full, ROW_WORDS), row0)
+        if m > full * _ROW_BYTES:
+            tail = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=self.device)
+            tail[:m - full * _ROW_BYTES] = piece[full * _ROW_BYTES:]
+            self._rows(tail.view(torch.int64).view(1, ROW_WORDS), row0 + full)
+        self.done += m
+
+    def _rows(self, words: torch.Tensor, row0: int) -> None:
+        rows = words.shape[0]
+        self.h1 = self.h1 + _dot(_row_sums(words, self.c1), self.r1[row0:row0 + rows])
+        self.col = self.col + _col_sums(words, self.r2[row0:row0 + rows])
+
+    def value(self) -> tuple[int, int, int]:
+        """``(h1, h2, n)`` (module docstring). Raises ValueError before all ``n`` bytes were fed."""
+        if self.done != self.n:
+            raise ValueError(f"checksum: {self.done} of {self.n} bytes fed")
+        a, b = torch.stack([self.h1, _dot(self.col, self.c2)]).tolist()
+        return int(a), int(b), self.n
+
+
+def _integer_mv(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def _row_sums(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``words @ keys`` modulo 2**64 (int64[rows])."""
+    if _integer_mv(words.device):
+        return torch.mv(words, keys)
+    out = [(words[i:i + _ROWS_PER_STEP] * keys).sum(1) for i in range(0, words.shape[0], _ROWS_PER_STEP)]
+    return torch.cat(out)
+
+
+def _col_sums(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``keys @ words`` modulo 2**64 (int64[ROW_WORDS])."""
+    if _integer_mv(words.device):
+        return torch.mv(words.t(), keys)
+    acc = torch.zeros(words.shape[1], dtype=torch.int64, device=words.device)
+    for i in range(0, words.shape[0], _ROWS_PER_STEP):
+        acc += (words[i:i + _ROWS_PER_STEP] * keys[i:i + _ROWS_PER_STEP, None]).sum(0)
+    return acc
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum()
