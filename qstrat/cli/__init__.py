@@ -11,22 +11,10 @@
 - :mod:`.demo` (package): ``qstrat demo``: its stages, the tiny model, its real Adam trajectory
 """
 
-#: Public name -> the module defining it, imported on first use (so that importing a
-#: submodule of this package imports nothing else).
-_EXPORTS = {
-    'main': 'qstrat.cli.commands',
-}
+import lazy_loader
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+#: Public names resolved from the submodules below on first use (lazy_loader, PEP 562), so that
+#: importing a submodule of this package imports nothing else.
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
+    'commands': ['main'],
+})

@@ -13,26 +13,10 @@ working (names resolved lazily from :mod:`.loader`).
 - :mod:`.format_names`: the names users and vLLM give each format, and how a message spells one
 """
 
-#: Public name -> the module defining it, imported on first use (so that importing a
-#: submodule of this package imports nothing else).
-_EXPORTS = {
-    'KeepBF16': 'qstrat.config.loader',
-    'PresetConfig': 'qstrat.config.loader',
-    'RefitConfig': 'qstrat.config.loader',
-    'Rule': 'qstrat.config.loader',
-    'load_config': 'qstrat.config.loader',
-}
+import lazy_loader
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+#: Public names resolved from the submodules below on first use (lazy_loader, PEP 562), so that
+#: importing a submodule of this package imports nothing else.
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
+    'loader': ['KeepBF16', 'PresetConfig', 'RefitConfig', 'Rule', 'load_config'],
+})

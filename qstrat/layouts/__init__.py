@@ -14,28 +14,10 @@
   config lives
 """
 
-#: Public name -> the module defining it, imported on first use (so that importing a
-#: submodule of this package imports nothing else).
-_EXPORTS = {
-    'ModelLayout': 'qstrat.layouts.model_layout',
-    'ParsedName': 'qstrat.layouts.model_layout',
-    'QUANTIZABLE_KINDS': 'qstrat.layouts.model_layout',
-    'SPECIAL_KINDS': 'qstrat.layouts.model_layout',
-    'SlabSpec': 'qstrat.layouts.model_layout',
-    'WRAPPER_PREFIXES': 'qstrat.layouts.model_layout',
-    'detect_layout': 'qstrat.layouts.model_layout',
-}
+import lazy_loader
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+#: Public names resolved from the submodules below on first use (lazy_loader, PEP 562), so that
+#: importing a submodule of this package imports nothing else.
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
+    'model_layout': ['ModelLayout', 'ParsedName', 'QUANTIZABLE_KINDS', 'SPECIAL_KINDS', 'SlabSpec', 'WRAPPER_PREFIXES', 'detect_layout'],
+})

@@ -17,35 +17,15 @@ from the subpackages below (``from qstrat.vllm import refit`` works as before).
 - :mod:`.fidelity` (package): does the engine serve, numerically, what a refit sent
 """
 
-#: Public name -> the module defining it, imported on first use (so that importing a
-#: submodule of this package imports nothing else).
-_EXPORTS = {
-    'RefitReport': 'qstrat.vllm.sink.in_process',
-    'check_cpu_expert_reload': 'qstrat.vllm.checks.plan_fit',
-    'check_engine_built': 'qstrat.vllm.checks.live_manifest',
-    'check_engine_compatible': 'qstrat.vllm.checks.plan_fit',
-    'check_engine_format': 'qstrat.vllm.checks.plan_fit',
-    'check_model_built': 'qstrat.vllm.checks.live_manifest',
-    'check_whole_while_flagged': 'qstrat.vllm.sink.engine_flag',
-    'engine_checks': 'qstrat.vllm.checks.sink_checks',
-    'engine_manifest': 'qstrat.vllm.checks.live_manifest',
-    'engine_quantization_config': 'qstrat.vllm.checks.quant_config',
-    'model_manifest': 'qstrat.vllm.checks.live_manifest',
-    'quantization_config_of': 'qstrat.vllm.checks.quant_config',
-    'refit': 'qstrat.vllm.sink.in_process',
-    'sink_checks': 'qstrat.vllm.checks.sink_checks',
-}
+import lazy_loader
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+#: Public names resolved from the submodules below on first use (lazy_loader, PEP 562), so that
+#: importing a submodule of this package imports nothing else.
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
+    'checks.live_manifest': ['check_engine_built', 'check_model_built', 'engine_manifest', 'model_manifest'],
+    'checks.plan_fit': ['check_cpu_expert_reload', 'check_engine_compatible', 'check_engine_format'],
+    'checks.quant_config': ['engine_quantization_config', 'quantization_config_of'],
+    'checks.sink_checks': ['engine_checks', 'sink_checks'],
+    'sink.engine_flag': ['check_whole_while_flagged'],
+    'sink.in_process': ['RefitReport', 'refit'],
+})
