@@ -182,7 +182,9 @@ def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers
     """One trainer rank of a live mesh refit: it holds its half of the experts of the tiny model
     ``seed`` (expert-parallel) and calls MeshRefitSender.refit; rank 0 drives the engines through
     ``conns`` (their RPC pipes). ``fmt``: a preset name or a config mapping (RefitDriver's).
-    ``fault``: ``raise_at`` / ``kill_at`` (the i-th output raises / the process exits 17).
+    ``fault``: ``raise_at`` / ``kill_at`` (the i-th output raises / the process exits 17);
+    ``group_timeout_s``: the group's and the engine RPCs' timeout (default 240 s; how long the
+    survivors wait for a killed rank).
     Puts (rank, "ok", (report.sent, seconds, stream seconds, engine ranks whose update session a
     previous rank 0 left open)) or (rank, "err", text)."""
     try:
@@ -205,7 +207,7 @@ def engine_trainer_main(rank: int, senders: int, port: int, conns: list, workers
             specs.update(tensor_specs(dict(ep.global_tensors(r, other, driver.layout)).items()))
         plan = driver.plan(specs)
         sender = MeshRefitSender(rank, senders, "127.0.0.1", port, [PipeClient(c, 600.0) for c in conns],
-                                 workers, timeout_s=240.0,
+                                 workers, timeout_s=fault.get("group_timeout_s", 240.0),
                                  secret=SECRET, bucket_bytes=1 << 20)
         sender.connect()
         owner = ep.owner

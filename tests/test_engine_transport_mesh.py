@@ -56,8 +56,8 @@ NVFP4_EXPERTS = {"preset": "nvfp4-experts", "keep_bf16": {"first": 0, "last": 0}
 #: (BF16 ``CPUUnquantizedExperts``, AMX block FP8 ``CPUExpertsFp8``) pass the router's GLOBAL ids
 #: to their kernels and never read ``expert_map`` (docs/transport.md), qstrat's emulated experts
 #: map every id through it. BF16: tests/test_engine_transport_mesh.py's refusal test below.
-#: ``kill``: the case also kills trainer rank 0 mid-round (format-independent, and ~4 min of the
-#: engines waiting out the lost group: one case carries it).
+#: ``kill``: the case also kills trainer rank 0 mid-round (format-independent, and the engines
+#: wait out the lost group - that round's 90 s timeout -: one case carries it).
 CASES = [pytest.param("block-fp8", False, False, id="block-fp8"), pytest.param("mxfp8", False, False, id="mxfp8"),
          pytest.param(NVFP4_EXPERTS, False, True, id="nvfp4-experts"),
          pytest.param("mxfp8", True, False, id="mxfp8-expert-parallel")]
@@ -174,7 +174,8 @@ def test_two_expert_parallel_trainers_refit_a_tp2_and_a_tp1_engine_in_one_mesh_r
         if kill:
             # trainer rank 0 (the one driving the engines) killed mid-round: refused everywhere, nothing
             # loaded, and the engines' update sessions it left open do not block the next round
-            dead = run_engine_mesh(engines, [2, 1], fmt, seed=0, faults={0: {"kill_at": 3}})
+            wait = {"group_timeout_s": 90.0}  # how long the survivors wait for the dead rank (not 240 s)
+            dead = run_engine_mesh(engines, [2, 1], fmt, seed=0, faults={0: {"kill_at": 3, **wait}, 1: wait})
             assert dead[0] == ("dead", 17) and dead[1][0] == "err" and "TransportError" in dead[1][1], dead
             # the dead rank 0's update_weights, answered to its gone client
             assert [drain_answers(e, 600.0) for e in engines] == [[("ok", None)]] * 2
