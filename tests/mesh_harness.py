@@ -1,5 +1,5 @@
 """Mesh-round processes for tests/test_transport_mesh.py: S trainer ranks (each holding its half of
-the experts, expert-parallel) and R engine-less receivers (qstrat.transport.MeshReceiver), one
+the experts, expert-parallel) and R engine-less receivers (qstrat.transport.mesh.receiver.MeshReceiver), one
 spawned process per rank on a gloo group over loopback. Faults are injected per rank by name."""
 from __future__ import annotations
 

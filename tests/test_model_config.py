@@ -123,8 +123,8 @@ DOORS = {
     "cli/commands.py": "config.json read from a model directory",
     "vllm/fidelity/probe.py": "a loaded transformers model's config object (the probe's vocabulary)",
     "integrations/": "a trainer's model.config",
-    "demo/": "the demo model's config, built there",
-    "vllm_adapter/": "a vLLM engine's config object (views.parsed_config_of)",
+    "cli/demo/": "the demo model's config, built there",
+    "vllm/adapter/": "a vLLM engine's config object (views.parsed_config_of)",
     "vllm/checks/quant_config.py": "engine_quantization_config(llm): the engine view's hf_config",
     "transport/delta/churn.py": "a benchmark building the demo model's config",
 }

@@ -5,7 +5,7 @@ Per format (:data:`FORMATS`) and step of a trajectory of bf16 state dicts (e.g.
 the previous step's (both from ``RefitDriver.run``), by kind of checkpoint tensor
 (:func:`kind_of`): the fraction of quantized CODES changed (an NVFP4 byte holds two e2m1 codes:
 each nibble counts), of BLOCK SCALES changed, and of per-tensor GLOBAL scales changed (NVFP4's
-``weight_scale_2``); and the bytes of the delta round of the step (``delta_stream.encode_round``
+``weight_scale_2``); and the bytes of the delta round of the step (``qstrat.transport.delta.stream.encode_round``
 against the previous step's stream: the wire manifest's total, header and alignment included)
 against the full round's (the target's stream) and against the same delta encoding of the bf16
 state dicts (``bf16 delta``: what a BF16 delta sync with our encoding would send).

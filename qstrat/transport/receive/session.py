@@ -52,9 +52,9 @@ class ReceiverSession:
             :class:`~qstrat.transport.engine_check.EngineExpectations`, or None (anything).
         loader: a :class:`Loader`.
         secret: the shared secret (Secret, bytes, text), or None to read :data:`ENV_SECRET
-            <qstrat.transport.security.auth.ENV_SECRET>` at each :meth:`join`.
+            <qstrat.transport.security.keys.ENV_SECRET>` at each :meth:`join`.
         address: the one group address to join (``host`` / ``host:port``), or None to read
-            :data:`~qstrat.transport.security.auth.ENV_ADDRESS` at each :meth:`join` (unset: any).
+            :data:`~qstrat.transport.security.address.ENV_ADDRESS` at each :meth:`join` (unset: any).
         rank_in_client: this worker's index among its engine's workers (added to ``rank_offset``).
         staging: atomic mode staging device (None: the group's device; ``cpu``: host staging,
             pinned when CUDA is available).

@@ -19,7 +19,7 @@ class StandaloneReceiver:
     Loaded tensors land in :attr:`tensors` (name -> tensor; a round overwrites the names it sends
     in place, like an engine's reload: memory behaves like an engine's weights plus staging). ``expected``: name -> (dtype name, shape) the wire manifest is
     checked against (None: accept any wire manifest). ``secret``/``address``: as the engine's
-    :data:`~qstrat.transport.security.auth.ENV_SECRET` / :data:`~qstrat.transport.security.auth.ENV_ADDRESS`
+    :data:`~qstrat.transport.security.keys.ENV_SECRET` / :data:`~qstrat.transport.security.address.ENV_ADDRESS`
     (default: read from the environment at each ``init_weight_transfer_engine``).
     """
 
