@@ -28,7 +28,7 @@ import time
 import pytest
 from mesh_harness import SECRET, TP2_SHAPE, drain_answers, run_engine_mesh
 from test_transport_mesh import expected_share
-from transport_harness import TP_LOGPROB_TOLERANCE, Receiver
+from transport_harness import Receiver, tp_greedy_mismatch
 
 from qstrat.transport.security.keys import ENV_SECRET
 from qstrat.transport.mesh.routing import ReceiverLayout
@@ -85,14 +85,14 @@ def _single_output(driver, state):
 
 
 def _same_outputs(got, want, what):
-    """Per engine (the TP=2 one first): tokens equal; logprobs equal on the TP=1 engine and within
-    TP_LOGPROB_TOLERANCE on the TP=2 one, whose weights the caller proved identical by digests
-    (two TP worker processes vary run to run: tests/test_engine_transport_tp.py)."""
-    assert [[t for t, _ in e] for e in got] == [[t for t, _ in e] for e in want], what
+    """Per engine (the TP=2 one first): the TP=1 engine's tokens and logprobs equal; the TP=2
+    one's, whose weights the caller proved identical by digests, within its own run-to-run
+    variation (two TP worker processes vary: tests/test_engine_transport_tp.py), as
+    transport_harness.tp_greedy_mismatch defines it (a near-tie may be taken the other way)."""
     assert got[1] == want[1], what
-    d = max(abs(p - q) for (_, lp), (_, lq) in zip(got[0], want[0]) for p, q in zip(lp, lq))
-    print(f"[mesh] {what.split(' differ')[0].split(' changed')[0]}: TP=2 max |dlogprob| {d:.3g}")
-    assert d <= TP_LOGPROB_TOLERANCE, f"{what}: TP=2 max |dlogprob| {d:.3g}"
+    why = tp_greedy_mismatch(got[0], want[0])
+    print(f"[mesh] {what.split(' differ')[0].split(' changed')[0]}: TP=2 {why or 'agrees'}")
+    assert why is None, f"{what}: TP=2 {why}"
 
 
 def _digest_diff(got, want):

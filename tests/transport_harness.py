@@ -315,6 +315,30 @@ def raw_broadcast(group: Any, sizes: list[int], buffers: list[Any] | None = None
 TP_LOGPROB_TOLERANCE = 0.05
 
 
+def tp_greedy_mismatch(got: list, want: list, tolerance: float = TP_LOGPROB_TOLERANCE) -> str | None:
+    """Why two greedy outputs of TP=2 engines whose weights a test proved identical (per prompt
+    ``(tokens, logprobs)``, as ``Endpoint.greedy`` gives) differ beyond the engines' own run-to-run
+    variation; None when they agree. Every step both decodes reach with the same prefix must have
+    logprobs within ``tolerance``; tokens must be equal up to the first step where the decodes
+    choose differently, and that step is then a near-tie: each chose its own top-1, and the two
+    top-1 logprobs are within ``tolerance`` (the tiny test models' distributions are flat - top-1
+    about 1 % - so a runner-up within the measured 0.016 variation is common and, on the AMX
+    machine, was taken once in a run). After it the decodes continue from different prefixes and
+    are not compared."""
+    if len(got) != len(want):
+        return f"{len(got)} prompts answered, {len(want)} expected"
+    for i, ((tg, lg), (tw, lw)) in enumerate(zip(got, want)):
+        if len(tg) != len(tw):
+            return f"prompt {i}: {len(tg)} tokens, {len(tw)} expected"
+        for k, (a, b, p, q) in enumerate(zip(tg, tw, lg, lw)):
+            if abs(p - q) > tolerance:
+                return f"prompt {i} step {k}: tokens {a} / {b}, |dlogprob| {abs(p - q):.3g} > {tolerance}"
+            if a != b:
+                print(f"[tp] prompt {i}: near-tie at step {k} ({a} / {b}, logprobs {p:.4f} / {q:.4f})")
+                break
+    return None
+
+
 def _serve(role: str, model_dir: str, rpc: Connection, ctl: Connection, threads: int | None = None,
            engine_kwargs: dict | None = None) -> None:
     engine_kwargs = engine_kwargs or {}
