@@ -166,6 +166,10 @@ class ConfigKey(Generic[T]):
             if self.default is _REQUIRED:
                 raise KeyError(self.key)
             return self.default
+        if self.kind is bool and not isinstance(value, bool):  # bool("false") is True
+            raise ConfigError(f"model config: {self.key} must be true or false (a JSON boolean), got {value!r}")
+        if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):  # int(2.5) is 2
+            raise ConfigError(f"model config: {self.key} must be an integer, got {value!r}")
         return self.kind(value)
 
 
@@ -285,7 +289,15 @@ class ModelConfig(ConfigSection):
         if isinstance(config, Mapping):
             return cls(config)
         if callable(getattr(config, "to_dict", None)):
-            return cls(config.to_dict())
+            name = type(config).__name__
+            try:
+                values = config.to_dict()
+            except Exception as exc:  # a foreign object's to_dict: say whose call failed
+                raise ConfigError(f"hf_config: {name}.to_dict() failed: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"hf_config: {name}.to_dict() must return the config as a mapping, got "
+                                  f"{type(values).__name__}")
+            return cls(values)
         raise ConfigError(f"hf_config must be the model's config.json content (a mapping) or a transformers "
                           f"config (model.config), got {type(config).__name__}")
 
