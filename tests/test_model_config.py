@@ -306,3 +306,24 @@ def test_a_transformers_config_object_plans():
     cfg = transformers.LlamaConfig(**{k: v for k, v in _LLAMA.items() if k not in ("architectures", "model_type")})
     driver = RefitDriver("block-fp8", hf_config=cfg)
     assert driver.model_config.hidden_size == 64 and driver.num_layers() == 2
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vision_config": 5}, "vision_config must be a mapping (the vision tower's config), got int 5"),  # TypeError
+    ({"quantization_config": "fp8"}, "quantization_config must be a mapping (a checkpoint's quantization config), "
+                                     "got str 'fp8'"),  # was: accepted by RefitDriver, TypeError when read
+])
+def test_sections_that_are_not_mappings_are_refused_at_the_door(change, message):
+    with pytest.raises(ConfigError) as exc:
+        RefitDriver("block-fp8", hf_config={**_LLAMA, **change})
+    assert str(exc.value) == f"model config: {message}"
+
+
+def test_list_and_string_attributes_and_keys_are_not_coerced():
+    with pytest.raises(ConfigError, match=r"^model config: layer_types must be a list, got 'full'$"):
+        ModelConfig.of({"layer_types": "full"}).layer_types  # tuple("full") was ('f', 'u', 'l', 'l')
+    with pytest.raises(ConfigError, match=r"^model config: topk_method must be a string, got 5$"):
+        ModelConfig.of({"topk_method": 5}).topk_method
+    with pytest.raises(ConfigError, match=r"^model config: keys must be strings \(config.json's\), got 1$"):
+        ModelConfig.of({**_LLAMA, 1: 2})  # was: TypeError from ModelConfig.key's sorted JSON
+    assert ModelConfig.of({"layer_types": ["full_attention"]}).layer_types == ("full_attention",)

@@ -170,6 +170,10 @@ class ConfigKey(Generic[T]):
             raise ConfigError(f"model config: {self.key} must be true or false (a JSON boolean), got {value!r}")
         if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):  # int(2.5) is 2
             raise ConfigError(f"model config: {self.key} must be an integer, got {value!r}")
+        if self.kind is tuple and not isinstance(value, (list, tuple)):  # tuple("full") is ('f', 'u', 'l', 'l')
+            raise ConfigError(f"model config: {self.key} must be a list, got {value!r}")
+        if self.kind is str and not isinstance(value, str):
+            raise ConfigError(f"model config: {self.key} must be a string, got {value!r}")
         return self.kind(value)
 
 
@@ -271,6 +275,10 @@ class ModelConfig(ConfigSection):
     def __init__(self, raw: Mapping[str, Any]) -> None:
         raw = copy.deepcopy(dict(raw))
         text = language_config(raw)
+        for section in (raw, text):  # config.json's keys are strings (a Python dict's may not be)
+            bad = next((k for k in section if not isinstance(k, str)), None)
+            if bad is not None:
+                raise ConfigError(f"model config: keys must be strings (config.json's), got {bad!r}")
         super().__init__(text)
         self.raw: Mapping[str, Any] = MappingProxyType(raw)
         #: whether the language model's config is a ``text_config`` (a multimodal model)
@@ -343,6 +351,9 @@ class ModelConfig(ConfigSection):
     def vision(self) -> VisionConfig | None:
         """The vision tower's config (``vision_config``), or None when the model has none."""
         vision = self.raw.get("vision_config")
+        if vision and not isinstance(vision, Mapping):
+            raise ConfigError(f"model config: vision_config must be a mapping (the vision tower's config), got "
+                              f"{type(vision).__name__} {vision!r}")
         return VisionConfig(vision) if vision else None
 
     @property
@@ -352,8 +363,12 @@ class ModelConfig(ConfigSection):
         cfg = self.raw.get("quantization_config")
         if cfg is None and self.multimodal:
             cfg = self.value("quantization_config")
+        key = "quantization_config"
         if cfg is None:
-            cfg = self.raw.get("compression_config")
+            cfg, key = self.raw.get("compression_config"), "compression_config"
+        if cfg and not isinstance(cfg, Mapping):
+            raise ConfigError(f"model config: {key} must be a mapping (a checkpoint's quantization config), got "
+                              f"{type(cfg).__name__} {cfg!r}")
         return dict(cfg) if cfg else None
 
     def with_quantization(self, quantization_config: Mapping[str, Any] | None) -> ModelConfig:
@@ -380,5 +395,7 @@ class ModelConfig(ConfigSection):
         return ModelConfig(with_language_config(self.raw, {**self.values(), **values}))
 
     def check(self, num_layers_key: str = "num_hidden_layers") -> None:
-        """:func:`check_model_config` on this config. Raises: ConfigError as it does."""
+        """:func:`check_model_config` on this config, and the sections read as mappings
+        (``vision_config``, ``quantization_config``). Raises: ConfigError as they do."""
         check_model_config(self.raw, num_layers_key)
+        _ = self.vision, self.quantization_config
