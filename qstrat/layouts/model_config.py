@@ -142,6 +142,23 @@ def bounded(items: Iterable[T], what: str, limit: int = MAX_TENSORS) -> Iterator
         yield item
 
 
+def string_keys(*sections: Mapping[Any, Any]) -> None:
+    """Raises: ConfigError for a key that is not a string (config.json's are; a Python dict's may
+    not be, and would break :attr:`ModelConfig.key`'s sorted JSON)."""
+    for section in sections:
+        bad = next((k for k in section if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"model config: keys must be strings (config.json's), got {bad!r}")
+
+
+def mapping(value: Any, key: str, what: str) -> bool:
+    """Whether config section ``value`` is set (truthy). Raises: ConfigError naming ``key`` and
+    ``what`` it holds when it is set but not a mapping."""
+    if value and not isinstance(value, Mapping):
+        raise ConfigError(f"model config: {key} must be a mapping ({what}), got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 class ConfigKey(Generic[T]):
     """One config.json key of a :class:`ConfigSection`, read as ``kind`` (``int``, ``bool``,
     ``str``, ``tuple``): the attribute's name is the key. An absent or null key gives ``default``,
@@ -275,10 +292,7 @@ class ModelConfig(ConfigSection):
     def __init__(self, raw: Mapping[str, Any]) -> None:
         raw = copy.deepcopy(dict(raw))
         text = language_config(raw)
-        for section in (raw, text):  # config.json's keys are strings (a Python dict's may not be)
-            bad = next((k for k in section if not isinstance(k, str)), None)
-            if bad is not None:
-                raise ConfigError(f"model config: keys must be strings (config.json's), got {bad!r}")
+        string_keys(raw, text)
         super().__init__(text)
         self.raw: Mapping[str, Any] = MappingProxyType(raw)
         #: whether the language model's config is a ``text_config`` (a multimodal model)
@@ -351,10 +365,7 @@ class ModelConfig(ConfigSection):
     def vision(self) -> VisionConfig | None:
         """The vision tower's config (``vision_config``), or None when the model has none."""
         vision = self.raw.get("vision_config")
-        if vision and not isinstance(vision, Mapping):
-            raise ConfigError(f"model config: vision_config must be a mapping (the vision tower's config), got "
-                              f"{type(vision).__name__} {vision!r}")
-        return VisionConfig(vision) if vision else None
+        return VisionConfig(vision) if mapping(vision, "vision_config", "the vision tower's config") else None
 
     @property
     def quantization_config(self) -> dict[str, Any] | None:
@@ -366,10 +377,7 @@ class ModelConfig(ConfigSection):
         key = "quantization_config"
         if cfg is None:
             cfg, key = self.raw.get("compression_config"), "compression_config"
-        if cfg and not isinstance(cfg, Mapping):
-            raise ConfigError(f"model config: {key} must be a mapping (a checkpoint's quantization config), got "
-                              f"{type(cfg).__name__} {cfg!r}")
-        return dict(cfg) if cfg else None
+        return dict(cfg) if mapping(cfg, key, "a checkpoint's quantization config") else None
 
     def with_quantization(self, quantization_config: Mapping[str, Any] | None) -> ModelConfig:
         """A copy whose every quantization config vLLM reads is ``quantization_config``: the
