@@ -176,7 +176,7 @@ class FormatMath(ABC):
             parts, peak = torch_paths.run_fast(self, w3, ctx, self.part_specs(w3.shape), name if check else None,
                                                source=w)
         else:
-            parts = torch_paths.run_reference(self, w3, ctx, self.part_specs(w3.shape))
+            parts = torch_paths.run_reference(self, w3, ctx, self.part_specs(w3.shape), name)
         if not batched:
             parts = {k: v.squeeze(0) for k, v in parts.items()}
         check_parts(self.name, name, specs, parts)

@@ -89,10 +89,20 @@ def declared_parts(ser: Any, shape: tuple[int, ...]) -> tuple[PartSpec, ...]:
         )
     lead = shape[:-2]
     declared = ser.matrix_parts(*shape[-2:])
+    who = f"serializer {ser.name!r} ({type(ser).__module__}.{type(ser).__qualname__})"
     if not isinstance(declared, (tuple, list)) or not all(isinstance(p, PartSpec) for p in declared):
-        raise PluginError(f"serializer {ser.name!r} ({type(ser).__module__}.{type(ser).__qualname__}): "
-                          f"matrix_parts({shape[-2]}, {shape[-1]}) must return a tuple of PartSpec, got "
+        raise PluginError(f"{who}: matrix_parts({shape[-2]}, {shape[-1]}) must return a tuple of PartSpec, got "
                           f"{declared!r:.120}")
+    for p in declared:  # a dataclass checks nothing: "int8" for torch.int8 failed later as an AttributeError
+        why = ("suffix must be a non-empty str" if not isinstance(p.suffix, str) or not p.suffix else
+               "dtype must be a torch.dtype" if not isinstance(p.dtype, torch.dtype) else
+               "shape must be a tuple of non-negative ints" if not isinstance(p.shape, (tuple, list)) or any(
+                   isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in p.shape) else
+               "rows_per_entry must be a positive int or None" if p.rows_per_entry is not None and (
+                   isinstance(p.rows_per_entry, bool) or not isinstance(p.rows_per_entry, int)
+                   or p.rows_per_entry < 1) else None)
+        if why:
+            raise PluginError(f"{who}: matrix_parts({shape[-2]}, {shape[-1]}) returned {p!r}: its {why}")
     return tuple(PartSpec(p.suffix, lead + p.shape, p.dtype, p.rows_per_entry) for p in declared)
 
 

@@ -40,15 +40,25 @@ def chunk_views(ser: Any, w3: torch.Tensor, ctx: Context | None,
 
 
 def run_reference(ser: Any, w3: torch.Tensor, ctx: Context | None,
-                  specs: tuple[PartSpec, ...]) -> dict[str, torch.Tensor]:
+                  specs: tuple[PartSpec, ...], name: str = "weight") -> dict[str, torch.Tensor]:
     """``ser.reference`` over cache-sized expert and row chunks of ``w3`` [E, N, K] (bounded fp32
-    scratch). Returns the parts per ``specs``.
+    scratch). Returns the parts per ``specs``. ``name``: the tensor, for messages.
 
-    Raises: PluginError when a chunk's ``reference()`` emits other parts than declared."""
+    Raises: PluginError naming the serializer, ``name`` and the chunk when a chunk's
+        ``reference()`` emits other parts than declared or raises (anything but a qstrat error
+        or running out of memory)."""
+    from qstrat.errors import PluginError, QstratError
+
     out, views = chunk_views(ser, w3, ctx, specs)
     for label, x, sub_ctx, dsts in views:
-        got = ser.reference(x.float(), sub_ctx)
-        check_parts(ser.name, f"reference() chunk {label}",
+        try:
+            got = ser.reference(x.float(), sub_ctx)
+        except (QstratError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # a plugin's math: say whose, on which tensor
+            raise PluginError(f"serializer {ser.name!r} ({type(ser).__module__}.{type(ser).__qualname__}): "
+                              f"reference() raised {type(exc).__name__}: {exc} on {name} chunk {label}") from exc
+        check_parts(ser.name, f"reference() chunk {label} of {name}",
                     [PartSpec(k, tuple(d.shape), d.dtype) for k, d in dsts.items()], got)
         for suffix, dst in dsts.items():
             dst.copy_(got[suffix])

@@ -187,14 +187,14 @@ def _case_config_architectures_not_a_list(tmp, src):
     (tmp / "m").mkdir()
     (tmp / "m" / "config.json").write_text('{"architectures": 5, "model_type": "qwen3_moe"}')
     return ["plan", tmp / "m", "--preset", "bf16"], \
-        "error: model config: architectures must be a list of class names (strings), got 5\n"
+        f"error: {tmp / 'm' / 'config.json'}: model config: architectures must be a list of class names (strings), got 5\n"
 
 
 def _case_config_model_type_not_a_string(tmp, src):
     (tmp / "m").mkdir()
     (tmp / "m" / "config.json").write_text('{"architectures": null, "model_type": 3}')
     return ["plan", tmp / "m", "--preset", "bf16"], \
-        "error: model config: model_type must be a string, got 3\n"
+        f"error: {tmp / 'm' / 'config.json'}: model config: model_type must be a string, got 3\n"
 
 
 def _case_quantize_config_only(tmp, src):
@@ -294,6 +294,11 @@ def _case_config_negative_hidden_size(tmp, src):
         "got -4096\n")
 
 
+def _case_config_string_num_experts(tmp, src):  # refused by RefitDriver's own check: the file still named
+    return _config_only(tmp, num_experts="8"), (
+        f"error: {tmp / 'm' / 'config.json'}: model config: num_experts must be an integer in 0..65536, got '8'\n")
+
+
 def _case_config_text_config_not_a_mapping(tmp, src):
     return _config_only(tmp, text_config=5), (
         f"error: {tmp / 'm' / 'config.json'}: model config: text_config must be a mapping (the language model's config), got int 5\n")
@@ -327,7 +332,7 @@ def _case_config_string_boolean(tmp, src):  # "false" is truthy: it tied an unti
 @pytest.mark.parametrize("case", [
     _case_config_zero_heads, _case_config_negative_hidden_size, _case_config_text_config_not_a_mapping,
     _case_config_too_many_layers, _case_config_too_many_tensors, _case_config_tensor_too_large,
-    _case_config_string_boolean,
+    _case_config_string_boolean, _case_config_string_num_experts,
     _case_config_nested_too_deeply, _case_model_config_nested_too_deeply, _case_index_nested_too_deeply,
     _case_config_is_a_directory, _case_config_json_is_a_fifo, _case_binary_config, _case_model_is_a_safetensors_file,
     _case_model_is_the_refit_config,

@@ -59,3 +59,68 @@ def test_layout_document_round_trip_sorts_experts_and_refuses_coercion():
         ReceiverLayout.from_dict({**layout.to_dict(), "experts": "123"})
     with pytest.raises(TransportError, match="tp_rank"):
         ReceiverLayout.from_dict({**layout.to_dict(), "tp_rank": "1"})
+
+
+# ---- bad routing inputs are refused naming what (adversarial run, branch attack) ---------------
+
+from qstrat.transport.mesh.routing import MeshRoutes, mesh_outputs  # noqa: E402
+
+_E = "model.layers.0.mlp.experts.{}.down_proj.weight"
+_OUTS = [(_E.format(e), "bfloat16", (8, 8), e % 2) for e in range(4)] + [("model.norm.weight", "bfloat16", (8,), 0)]
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"experts": 3, "moe_tp": False}, "experts 3 must be a sequence of expert indices"),  # was: TypeError
+    ({"tp_size": 2, "kv_heads": 0}, "kv_heads 0 is not a positive int"),  # was: accepted, read as unknown
+])
+def test_more_malformed_layouts(kwargs, reason):
+    with pytest.raises(TransportError, match=f"^receiver layout: {reason}"):
+        ReceiverLayout(**kwargs)
+
+
+@pytest.mark.parametrize("outputs, senders, layouts, reason", [
+    (_OUTS, 0, [ReceiverLayout()], "senders must be a positive int (the trainer ranks), got 0"),
+    ([], -1, [ReceiverLayout()], "senders must be a positive int (the trainer ranks), got -1"),  # was: accepted
+    (_OUTS, "2", [ReceiverLayout()], "senders must be a positive int (the trainer ranks), got '2'"),  # TypeError
+    (_OUTS, 2, [{"tp_rank": 0}], "engine rank 0's layout is a dict, not a ReceiverLayout"),  # AttributeError
+    ([("a.b.c", "bfloat16", (2,))], 1, [ReceiverLayout()],
+     "an output must be (name, dtype, shape, owner), got ('a.b.c', 'bfloat16', (2,))"),  # ValueError
+    ([("a.b.c", "bfloat16", (-2,), 0)], 1, [ReceiverLayout()], "a.b.c: shape [-2] must be non-negative ints"),
+    ([("a.b.c", "bfloat16", (2,), 0.5)], 1, [ReceiverLayout()], "a.b.c: owner 0.5 is not a sender rank (an int)"),
+    # expert 3 held by neither rank: it reached no engine, silently
+    (_OUTS, 2, [ReceiverLayout(0, 1, (0, 1), False), ReceiverLayout(0, 1, (1, 2), False)],
+     f"{_E.format(3)}: expert 3 is held by no engine rank (the layouts hold experts [0, 1, 2]); "
+     "it would reach no engine"),
+])
+def test_bad_routes_are_refused_naming_what(outputs, senders, layouts, reason):
+    with pytest.raises(TransportError) as exc:
+        MeshRoutes(outputs, senders, layouts, 1 << 20, 256)
+    assert str(exc.value) == f"mesh routes: {reason}"
+
+
+def test_routes_that_cover_every_expert_and_a_pair_outside_the_round():
+    layouts = [ReceiverLayout(0, 1, (0, 1), False), ReceiverLayout(0, 1, (2, 3), False)]
+    routes = MeshRoutes(_OUTS, 2, layouts, 1 << 20, 256)
+    assert [s.name for s in routes.share(1)] == [_E.format(2), _E.format(3), "model.norm.weight"]
+    # an expert held twice (two engines, or redundant experts) is valid
+    assert len(MeshRoutes(_OUTS, 2, [ReceiverLayout(), layouts[1]], 1 << 20, 256).share(0)) == 5
+    with pytest.raises(TransportError, match=r"^mesh routes: no pair \(sender 0, engine rank 5\): the round has "
+                                             r"2 senders and 2 engine ranks$"):
+        routes.pair(0, 5)
+
+
+def test_mesh_outputs_refuses_an_owner_that_is_no_rank():
+    class Out:
+        name, dtype, shape = "x.y.weight", "bfloat16", (2,)
+
+    class Plan:
+        entries = [object()]
+
+        def wire_order(self):
+            return [(0, Out())]
+
+    assert mesh_outputs(Plan(), lambda e: 1) == [("x.y.weight", "bfloat16", (2,), 1)]
+    for owner in (None, 1.7, True):  # int(1.7) routed it to rank 1
+        with pytest.raises(TransportError, match=rf"^mesh outputs: the owner of x.y.weight must be a sender rank "
+                                                 rf"\(an int\), got {owner!r}$"):
+            mesh_outputs(Plan(), lambda e, o=owner: o)

@@ -223,3 +223,107 @@ def test_model_config_reads_as_the_generators_did():
         ModelConfig.of(42)
     with pytest.raises(ConfigError, match="architectures must be a list of class names"):
         ModelConfig.of({"architectures": "Llama"}).architectures
+
+
+# ---- the door refuses bad values for every caller (adversarial run, branch attack) --------------
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+          "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 2, "vocab_size": 256}
+_TENSORS = {f"model.layers.{i}.mlp.down_proj.weight": torch.empty(64, 128, dtype=torch.bfloat16, device="meta")
+            for i in range(2)}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    # read as is, bool("false") tied the head of an untied model (tied_lm_head, the engine manifest)
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false (a JSON boolean), got 'false'"),
+    ("hidden_size", -64, "hidden_size must be an integer in 1..2147483647, got -64"),
+    ("num_experts", "8", "num_experts must be an integer in 0..65536, got '8'"),
+    ("num_hidden_layers", 2.0, "num_hidden_layers must be an integer in 1..4096, got 2.0"),
+])
+def test_refit_driver_checks_the_config_at_the_door(key, value, message):
+    """RefitDriver with real tensors (no config-only generation) checked only the layer count:
+    a string "false" or a negative size passed and was read below the door."""
+    with pytest.raises(ConfigError) as exc:
+        RefitDriver("block-fp8", hf_config={**_LLAMA, key: value})
+    assert str(exc.value) == f"model config: {message}"
+    with pytest.raises(ConfigError) as exc:  # in a multimodal config's text_config too
+        RefitDriver("block-fp8", hf_config={"model_type": "qwen2_5_vl", "text_config": {**_LLAMA, key: value}})
+    assert str(exc.value) == f"model config: {message}"
+
+
+def test_write_checkpoint_checks_its_own_hf_config_before_writing(tmp_path):
+    from qstrat.execute.checkpoint import write_checkpoint
+
+    driver = RefitDriver("block-fp8", hf_config=_LLAMA)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"^model config: tie_word_embeddings must be true or false"):
+        write_checkpoint(driver, _TENSORS, out, hf_config={**_LLAMA, "tie_word_embeddings": "no"})
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_typed_attributes_refuse_what_int_and_bool_would_coerce():
+    """A ConfigKey read below an unchecked door: int(2.5) was 2, bool("false") True."""
+    with pytest.raises(ConfigError, match=r"^model config: tie_word_embeddings must be true or false .*got 'false'$"):
+        ModelConfig.of({"tie_word_embeddings": "false"}).tie_word_embeddings
+    with pytest.raises(ConfigError, match=r"^model config: n_group must be an integer, got 2.5$"):
+        ModelConfig.of({"n_group": 2.5}).n_group
+    assert ModelConfig.of({"tie_word_embeddings": True, "n_group": 8}).n_group == 8
+
+
+def test_a_foreign_to_dict_is_named():
+    class Broken:
+        def to_dict(self):
+            raise RuntimeError("boom")
+
+    class NotAMapping:
+        def to_dict(self):
+            return [("hidden_size", 64)]
+
+    with pytest.raises(ConfigError, match=r"^hf_config: Broken\.to_dict\(\) failed: RuntimeError: boom$"):
+        ModelConfig.of(Broken())
+    with pytest.raises(ConfigError, match=r"^hf_config: NotAMapping\.to_dict\(\) must return the config as a "
+                                          r"mapping, got list$"):
+        RefitDriver("block-fp8", hf_config=NotAMapping())
+
+
+@pytest.mark.parametrize("cfg", [
+    {**_LLAMA, "tie_word_embeddings": True},
+    {**_LLAMA, "vocab_size": 151_937},
+    {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+     "text_config": {**_LLAMA, "model_type": "qwen2"}},
+    None,
+])
+def test_unusual_valid_configs_still_plan(cfg):
+    driver = RefitDriver("block-fp8", hf_config=cfg)
+    plan = driver.plan(_TENSORS)
+    assert [e.name for e in plan.entries] == sorted(_TENSORS)
+    assert driver.num_layers() == (None if cfg is None else 2)
+
+
+def test_a_transformers_config_object_plans():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(**{k: v for k, v in _LLAMA.items() if k not in ("architectures", "model_type")})
+    driver = RefitDriver("block-fp8", hf_config=cfg)
+    assert driver.model_config.hidden_size == 64 and driver.num_layers() == 2
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vision_config": 5}, "vision_config must be a mapping (the vision tower's config), got int 5"),  # TypeError
+    ({"quantization_config": "fp8"}, "quantization_config must be a mapping (a checkpoint's quantization config), "
+                                     "got str 'fp8'"),  # was: accepted by RefitDriver, TypeError when read
+])
+def test_sections_that_are_not_mappings_are_refused_at_the_door(change, message):
+    with pytest.raises(ConfigError) as exc:
+        RefitDriver("block-fp8", hf_config={**_LLAMA, **change})
+    assert str(exc.value) == f"model config: {message}"
+
+
+def test_list_and_string_attributes_and_keys_are_not_coerced():
+    with pytest.raises(ConfigError, match=r"^model config: layer_types must be a list, got 'full'$"):
+        ModelConfig.of({"layer_types": "full"}).layer_types  # tuple("full") was ('f', 'u', 'l', 'l')
+    with pytest.raises(ConfigError, match=r"^model config: topk_method must be a string, got 5$"):
+        ModelConfig.of({"topk_method": 5}).topk_method
+    with pytest.raises(ConfigError, match=r"^model config: keys must be strings \(config.json's\), got 1$"):
+        ModelConfig.of({**_LLAMA, 1: 2})  # was: TypeError from ModelConfig.key's sorted JSON
+    assert ModelConfig.of({"layer_types": ["full_attention"]}).layer_types == ("full_attention",)

@@ -223,8 +223,52 @@ class _RefMissingPart(Good):
 
 @pytest.mark.parametrize("cls", [_RefWrongDtype, _RefWrongShape, _RefMissingPart])
 def test_reference_that_disagrees_with_part_specs_is_a_plugin_error(cls):
-    with pytest.raises(PluginError, match=rf"serializer '{cls.name}'"):
-        cls().quantize(torch.ones(4, 8), name="w")
+    with pytest.raises(PluginError, match=rf"^serializer '{cls.name}' emitted .* for reference\(\) chunk "
+                                          r"\[0:1, 0:4\] of layers\.0\.w, but declared"):  # the tensor named
+        cls().quantize(torch.ones(4, 8), name="layers.0.w")
+
+
+class _RefRaises(Good):
+    name = "ref_raises"
+
+    def reference(self, x, context):
+        raise ValueError("kaboom")
+
+
+def test_a_reference_that_raises_is_a_plugin_error_naming_it_and_the_tensor():
+    """Adversarial run: a plugin's reference() raising came out as the bare ValueError, naming
+    neither the serializer nor the tensor."""
+    with pytest.raises(PluginError) as exc:
+        _RefRaises().quantize(torch.ones(4, 8), name="layers.0.w")
+    assert str(exc.value) == ("serializer 'ref_raises' (test_registry._RefRaises): reference() raised ValueError: "
+                              "kaboom on layers.0.w chunk [0:1, 0:4]")
+    assert isinstance(exc.value.__cause__, ValueError)
+
+
+class _StrDtype(Good):
+    name = "str_dtype"
+
+    def matrix_parts(self, n, k):
+        return (PartSpec("weight", (n, k), "int8", 1),)
+
+
+class _ZeroRows(Good):
+    name = "zero_rows"
+
+    def matrix_parts(self, n, k):
+        return (PartSpec("weight", (n, k), torch.int8, 0),)
+
+
+@pytest.mark.parametrize("cls, why", [
+    (_StrDtype, "PartSpec(suffix='weight', shape=(4, 8), dtype='int8', rows_per_entry=1): its dtype must be a "
+                "torch.dtype"),  # was: AttributeError 'str' object has no attribute 'itemsize' at plan time
+    (_ZeroRows, "PartSpec(suffix='weight', shape=(4, 8), dtype=torch.int8, rows_per_entry=0): its rows_per_entry "
+                "must be a positive int or None"),
+])
+def test_a_malformed_part_spec_is_a_plugin_error_naming_it(cls, why):
+    with pytest.raises(PluginError) as exc:
+        cls().part_specs((4, 8))
+    assert str(exc.value) == f"serializer '{cls.name}' (test_registry.{cls.__name__}): matrix_parts(4, 8) returned {why}"
 
 
 def test_in_process_registry_is_used_for_driver_config_validation():
@@ -438,8 +482,8 @@ class StrConfig(Good):
 @pytest.mark.parametrize("cls,message", [
     (PartNames, r"^serializer 'part_names' \(test_registry\.PartNames\): matrix_parts\(256, 128\) must return a "
                 r"tuple of PartSpec, got \('weight',\)$"),
-    (NoParts, r"^serializer 'no_parts' returned NoneType None for reference\(\) chunk \[0:4, 0:256\]; it must "
-              r"return a dict suffix -> tensor"),
+    (NoParts, r"^serializer 'no_parts' returned NoneType None for reference\(\) chunk \[0:4, 0:256\] of "
+              r"model\.layers\.\d+\.mlp\.experts\.[\w.]+.*; it must return a dict suffix -> tensor"),
     (StrConfig, r"^serializer 'str_config' \(test_registry\.StrConfig\): vllm_quantization_config must return a "
                 r"dict \(the engine's quantization_config\) or None, got str 'fp8'$"),
 ])

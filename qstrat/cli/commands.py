@@ -183,7 +183,12 @@ def _load_model(model: Path, config: Any, grouped: bool = False) -> tuple[Any, d
         parsed = ModelConfig.of(hf)  # the door: parsed once, errors name the file
     except ConfigError as exc:
         raise ConfigError(f"{cfg_path}: {exc}") from exc
-    driver = RefitDriver(config, hf_config=parsed)
+    try:
+        driver = RefitDriver(config, hf_config=parsed)  # checks the config's values (ModelConfig.check)
+    except ConfigError as exc:
+        if str(exc).startswith("model config:"):  # config.json's, not the refit config's: name the file
+            raise ConfigError(f"{cfg_path}: {exc}") from exc
+        raise
     if model.is_dir() and any(model.glob("*.safetensors")):
         if grouped:
             raise ConfigError(f"--grouped plans a config-only directory, but {model} has *.safetensors: "

@@ -104,6 +104,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             raise OutputExistsError(f"{out} exists; pass {{option}} to replace it")
         check_replaceable(out)
     config = ModelConfig.of(hf_config) if hf_config is not None else driver.model_config
+    config.check(getattr(driver.layout, "num_layers_key", "num_hidden_layers"))  # before anything is written
     # Values are checked while quantizing (an error removes the temporary directory), which
     # spares lazily loaded tensors a second read; a stream (plan given) has its devices checked
     # as its tensors arrive.

@@ -184,6 +184,9 @@ class RefitDriver:
         #: below the driver reads (layouts, planner, manifests, checkpoint writer)
         self.model_config = ModelConfig.of(self.hf_config)
         self.layout: ModelLayout = layout_for(self.registry, self.config.layout, self.model_config)
+        # its values checked at the door, as a config-only plan checks them (a string
+        # "false" read as true, a negative size): ConfigError naming the key, before any plan
+        self.model_config.check(getattr(self.layout, "num_layers_key", "num_hidden_layers"))
         self.planner = Planner(self.config, self.layout, self.rules, self.serializer, self.model_config)
         if self.config.quantize_in == "engine":  # BF16 wire, the engine quantizes (qstrat.vllm.online)
             from qstrat.vllm.online import engine_side_planner

@@ -142,6 +142,23 @@ def bounded(items: Iterable[T], what: str, limit: int = MAX_TENSORS) -> Iterator
         yield item
 
 
+def string_keys(*sections: Mapping[Any, Any]) -> None:
+    """Raises: ConfigError for a key that is not a string (config.json's are; a Python dict's may
+    not be, and would break :attr:`ModelConfig.key`'s sorted JSON)."""
+    for section in sections:
+        bad = next((k for k in section if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"model config: keys must be strings (config.json's), got {bad!r}")
+
+
+def mapping(value: Any, key: str, what: str) -> bool:
+    """Whether config section ``value`` is set (truthy). Raises: ConfigError naming ``key`` and
+    ``what`` it holds when it is set but not a mapping."""
+    if value and not isinstance(value, Mapping):
+        raise ConfigError(f"model config: {key} must be a mapping ({what}), got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 class ConfigKey(Generic[T]):
     """One config.json key of a :class:`ConfigSection`, read as ``kind`` (``int``, ``bool``,
     ``str``, ``tuple``): the attribute's name is the key. An absent or null key gives ``default``,
@@ -166,6 +183,14 @@ class ConfigKey(Generic[T]):
             if self.default is _REQUIRED:
                 raise KeyError(self.key)
             return self.default
+        if self.kind is bool and not isinstance(value, bool):  # bool("false") is True
+            raise ConfigError(f"model config: {self.key} must be true or false (a JSON boolean), got {value!r}")
+        if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):  # int(2.5) is 2
+            raise ConfigError(f"model config: {self.key} must be an integer, got {value!r}")
+        if self.kind is tuple and not isinstance(value, (list, tuple)):  # tuple("full") is ('f', 'u', 'l', 'l')
+            raise ConfigError(f"model config: {self.key} must be a list, got {value!r}")
+        if self.kind is str and not isinstance(value, str):
+            raise ConfigError(f"model config: {self.key} must be a string, got {value!r}")
         return self.kind(value)
 
 
@@ -267,6 +292,7 @@ class ModelConfig(ConfigSection):
     def __init__(self, raw: Mapping[str, Any]) -> None:
         raw = copy.deepcopy(dict(raw))
         text = language_config(raw)
+        string_keys(raw, text)
         super().__init__(text)
         self.raw: Mapping[str, Any] = MappingProxyType(raw)
         #: whether the language model's config is a ``text_config`` (a multimodal model)
@@ -285,7 +311,15 @@ class ModelConfig(ConfigSection):
         if isinstance(config, Mapping):
             return cls(config)
         if callable(getattr(config, "to_dict", None)):
-            return cls(config.to_dict())
+            name = type(config).__name__
+            try:
+                values = config.to_dict()
+            except Exception as exc:  # a foreign object's to_dict: say whose call failed
+                raise ConfigError(f"hf_config: {name}.to_dict() failed: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(values, Mapping):
+                raise ConfigError(f"hf_config: {name}.to_dict() must return the config as a mapping, got "
+                                  f"{type(values).__name__}")
+            return cls(values)
         raise ConfigError(f"hf_config must be the model's config.json content (a mapping) or a transformers "
                           f"config (model.config), got {type(config).__name__}")
 
@@ -331,7 +365,7 @@ class ModelConfig(ConfigSection):
     def vision(self) -> VisionConfig | None:
         """The vision tower's config (``vision_config``), or None when the model has none."""
         vision = self.raw.get("vision_config")
-        return VisionConfig(vision) if vision else None
+        return VisionConfig(vision) if mapping(vision, "vision_config", "the vision tower's config") else None
 
     @property
     def quantization_config(self) -> dict[str, Any] | None:
@@ -340,9 +374,10 @@ class ModelConfig(ConfigSection):
         cfg = self.raw.get("quantization_config")
         if cfg is None and self.multimodal:
             cfg = self.value("quantization_config")
+        key = "quantization_config"
         if cfg is None:
-            cfg = self.raw.get("compression_config")
-        return dict(cfg) if cfg else None
+            cfg, key = self.raw.get("compression_config"), "compression_config"
+        return dict(cfg) if mapping(cfg, key, "a checkpoint's quantization config") else None
 
     def with_quantization(self, quantization_config: Mapping[str, Any] | None) -> ModelConfig:
         """A copy whose every quantization config vLLM reads is ``quantization_config``: the
@@ -368,5 +403,7 @@ class ModelConfig(ConfigSection):
         return ModelConfig(with_language_config(self.raw, {**self.values(), **values}))
 
     def check(self, num_layers_key: str = "num_hidden_layers") -> None:
-        """:func:`check_model_config` on this config. Raises: ConfigError as it does."""
+        """:func:`check_model_config` on this config, and the sections read as mappings
+        (``vision_config``, ``quantization_config``). Raises: ConfigError as they do."""
         check_model_config(self.raw, num_layers_key)
+        _ = self.vision, self.quantization_config

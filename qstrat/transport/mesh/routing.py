@@ -64,11 +64,16 @@ class ReceiverLayout:
         for key, value in ints.items():
             if value is not None and (type(value) is not int or value < 0):
                 raise TransportError(f"receiver layout: {key} {value!r} is not a non-negative int")
+        if self.kv_heads == 0:  # read as "unknown" below (falsy): an engine has at least one KV head
+            raise TransportError("receiver layout: kv_heads 0 is not a positive int (None: not known)")
         if not 0 <= self.tp_rank < self.tp_size:
             raise TransportError(f"receiver layout: tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if type(self.moe_tp) is not bool:
             raise TransportError(f"receiver layout: moe_tp {self.moe_tp!r} is not a bool")
         if self.experts is not None:
+            if not isinstance(self.experts, (tuple, list)):
+                raise TransportError(f"receiver layout: experts {self.experts!r} must be a sequence of expert "
+                                     "indices (None: every expert)")
             if any(type(e) is not int or e < 0 for e in self.experts) or len(set(self.experts)) != len(self.experts):
                 raise TransportError(f"receiver layout: experts {self.experts!r} must be distinct non-negative ints")
             if self.moe_tp and self.tp_size > 1:
@@ -167,30 +172,64 @@ def kv_projection(name: str) -> bool:
     return module in KV_HEADS
 
 
+def _output(output: Any) -> Output:
+    """One (name, dtype, shape, owner) output, checked. Raises: TransportError naming what is wrong."""
+    try:
+        name, dtype, shape, owner = output
+        dims = tuple(shape)
+    except (TypeError, ValueError):
+        raise TransportError(f"mesh routes: an output must be (name, dtype, shape, owner), got {output!r}") from None
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        raise TransportError(f"mesh routes: {name}: shape {list(dims)} must be non-negative ints")
+    if isinstance(owner, bool) or not isinstance(owner, int):
+        raise TransportError(f"mesh routes: {name}: owner {owner!r} is not a sender rank (an int)")
+    return str(name), str(dtype), dims, owner
+
+
 def mesh_outputs(plan: Any, owner: Any) -> list[Output]:
     """The whole plan's outputs in wire order, each with its owning sender rank
     (``owner(entry)``, e.g. :meth:`qstrat.execute.sharding.ExpertParallel.owner`)."""
-    return [(o.name, o.dtype, tuple(o.shape), int(owner(e))) for e, o in ((plan.entries[i], o)
-                                                                       for i, o in plan.wire_order())]
+    outputs = []
+    for i, o in plan.wire_order():
+        rank = owner(plan.entries[i])
+        if isinstance(rank, bool) or not isinstance(rank, int):  # int(1.7) would route it to rank 1
+            raise TransportError(f"mesh outputs: the owner of {o.name} must be a sender rank (an int), got {rank!r}")
+        outputs.append((o.name, o.dtype, tuple(o.shape), rank))
+    return outputs
 
 
 class MeshRoutes:
     """The routes of one mesh round: ``senders`` trainer ranks (group ranks ``0..S-1``) and one
     :class:`ReceiverLayout` per engine rank (group ranks ``S..S+R-1``).
 
-    Raises: TransportError for an owner outside ``0..senders-1`` or a name given twice.
+    Raises: TransportError for ``senders`` not a positive int, a layout that is no
+        :class:`ReceiverLayout`, an output that is not (name, dtype, shape of non-negative ints,
+        int owner), an owner outside ``0..senders-1``, a name given twice, or a routed expert
+        that no engine rank holds (it would reach no engine).
     """
 
     def __init__(self, outputs: Iterable[Sequence[Any]], senders: int, layouts: Sequence[ReceiverLayout],
                  bucket_bytes: int, alignment: int) -> None:
-        self.outputs = [(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in outputs]
+        if isinstance(senders, bool) or not isinstance(senders, int) or senders < 1:
+            raise TransportError(f"mesh routes: senders must be a positive int (the trainer ranks), got {senders!r}")
+        self.outputs = [_output(o) for o in outputs]
         self.senders, self.layouts = senders, list(layouts)
+        for r, layout in enumerate(self.layouts):
+            if not isinstance(layout, ReceiverLayout):
+                raise TransportError(f"mesh routes: engine rank {r}'s layout is a {type(layout).__name__}, "
+                                     "not a ReceiverLayout")
         self.bucket_bytes, self.alignment = bucket_bytes, alignment
         names = [o[0] for o in self.outputs]
         bad = [o for o in self.outputs if not 0 <= o[3] < senders]
         if bad or len(set(names)) != len(names):
             why = f"{bad[0][0]} owned by rank {bad[0][3]}" if bad else "a name given twice"
             raise TransportError(f"mesh routes: {why} ({senders} senders)")
+        if self.layouts and all(layout.experts is not None for layout in self.layouts):
+            held = {e for layout in self.layouts for e in layout.experts or ()}
+            orphan = next((n for n, *_ in self.outputs if expert_of(n) is not None and expert_of(n) not in held), None)
+            if orphan is not None:
+                raise TransportError(f"mesh routes: {orphan}: expert {expert_of(orphan)} is held by no engine rank "
+                                     f"(the layouts hold experts {sorted(held)}); it would reach no engine")
         self._pairs: dict[tuple[int, int], list[ShareSlice]] = {}
         self._manifests: dict[tuple[int, int], WireManifest] = {}
 
@@ -207,9 +246,13 @@ class MeshRoutes:
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def pair(self, sender: int, receiver: int) -> list[ShareSlice]:
-        """What ``sender`` sends to engine rank ``receiver`` (0-based among receivers), in wire order."""
+        """What ``sender`` sends to engine rank ``receiver`` (0-based among receivers), in wire order.
+        Raises: TransportError for a sender or receiver outside the round."""
         key = (sender, receiver)
         if key not in self._pairs:
+            if not 0 <= sender < self.senders or not 0 <= receiver < len(self.layouts):
+                raise TransportError(f"mesh routes: no pair (sender {sender}, engine rank {receiver}): the round "
+                                     f"has {self.senders} senders and {len(self.layouts)} engine ranks")
             layout = self.layouts[receiver]
             self._pairs[key] = [s for n, d, shape, o in self.outputs if o == sender
                                 for s in [share_of(n, d, shape, layout)] if s is not None]
