@@ -84,6 +84,22 @@ def _single_output(driver, state):
     return {n: t.clone() for n, t in driver.run(per_expert_view(state))}
 
 
+def _two_engines(model_dir, tp2_kwargs, tp1_kwargs):
+    """A TP=2 and a TP=1 engine (transport_harness Receivers) on ``model_dir``, started and ready,
+    their control calls allowed 600 s; both closed when either fails to start."""
+    engines = [Receiver("engine", model_dir, timeout_s=300, engine_kwargs=kw, start_timeout_s=1200)
+               for kw in (tp2_kwargs, tp1_kwargs)]
+    try:
+        for e in engines:
+            e.wait_ready()
+            e.ctl.timeout_s = 600
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
+    return engines
+
+
 def _same_outputs(got, want, what):
     """Per engine (the TP=2 one first): the TP=1 engine's tokens and logprobs equal; the TP=2
     one's, whose weights the caller proved identical by digests, within its own run-to-run
@@ -117,14 +133,8 @@ def test_two_expert_parallel_trainers_refit_a_tp2_and_a_tp1_engine_in_one_mesh_r
     ckpts = _checkpoints(tmp_path, fmt)
     want_b = _single_output(*ckpts["b"])
     layouts = EP_LAYOUTS if ep else LAYOUTS
-    tp2 = Receiver("engine", tmp_path / "a", timeout_s=300, engine_kwargs={**TP2, "enable_expert_parallel": ep},
-                   start_timeout_s=1200)
-    tp1 = Receiver("engine", tmp_path / "a", timeout_s=300, engine_kwargs=TP1, start_timeout_s=1200)
-    engines = [tp2, tp1]
+    engines = tp2, tp1 = _two_engines(tmp_path / "a", {**TP2, "enable_expert_parallel": ep}, TP1)
     try:
-        for e in engines:
-            e.wait_ready()
-            e.ctl.timeout_s = 600
         fresh_a = [e.ctl.call("greedy") for e in engines]
         digests_a = [e.ctl.call("probe", "qstrat_weight_digests") for e in engines]
         assert len(digests_a[0]) == 2 and len(digests_a[1]) == 1
@@ -216,13 +226,8 @@ def test_a_bf16_mesh_round_is_refused_by_cpu_engines_and_changes_nothing(tmp_pat
     ckpts = _checkpoints(tmp_path, "bf16")
     assert ckpts["a"][0].plan(ckpts["a"][1]).vllm_quantization_config() is None
     kwargs = {"dtype": "float16"}
-    tp2 = Receiver("engine", tmp_path / "a", timeout_s=300, engine_kwargs={**TP2, **kwargs}, start_timeout_s=1200)
-    tp1 = Receiver("engine", tmp_path / "a", timeout_s=300, engine_kwargs={**TP1, **kwargs}, start_timeout_s=1200)
-    engines = [tp2, tp1]
+    engines = tp2, tp1 = _two_engines(tmp_path / "a", {**TP2, **kwargs}, {**TP1, **kwargs})
     try:
-        for e in engines:
-            e.wait_ready()
-            e.ctl.timeout_s = 600
         fresh_a = [e.ctl.call("greedy") for e in engines]
         digests_a = [e.ctl.call("probe", "qstrat_weight_digests") for e in engines]
         res = run_engine_mesh(engines, [2, 1], "bf16", seed=1)
