@@ -19,6 +19,9 @@ SENDERS = 2
 #: TP rank 0 and 1 of a TP=2 engine (experts narrowed by TP), and one expert-parallel rank holding
 #: the odd experts whole (round-robin placement) under TP rank 1 of 2 for attention.
 LAYOUTS = [ReceiverLayout(0, 2), ReceiverLayout(1, 2), ReceiverLayout(1, 2, (1, 3, 5, 7), moe_tp=False)]
+#: The fault tests' engine: both ranks of an expert-parallel TP=2 engine (LAYOUTS[2] and its even
+#: twin), so that every expert reaches a rank (mesh routes refuse an expert no engine rank holds).
+EP_ENGINE = [LAYOUTS[2].to_dict(), ReceiverLayout(0, 2, (0, 2, 4, 6), moe_tp=False).to_dict()]
 COLUMN, ROW = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
 
 
@@ -103,27 +106,27 @@ def _refused_everywhere(res: dict, match: str) -> None:
 
 
 def test_a_sender_raising_mid_round_is_refused_everywhere_nothing_loaded():
-    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[2].to_dict()], {1: {"raise_at": 5}})
+    res = run_mesh(free_port(), "mxfp8", SENDERS, EP_ENGINE, {1: {"raise_at": 5}})
     assert res[1][0] == "err" and "KeyError" in res[1][1] and "trainer-side failure" in res[1][1]
     assert res[2][0] == "err" and "nothing loaded" in res[2][1], res[2]
     assert res[0][0] == "err" and "nothing loaded" in res[0][1]
 
 
 def test_a_sender_killed_mid_round_is_refused_everywhere_nothing_loaded():
-    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[2].to_dict()], {0: {"kill_at": 5}})
+    res = run_mesh(free_port(), "mxfp8", SENDERS, EP_ENGINE, {0: {"kill_at": 5}})
     assert res[0] == ("dead", 17)
-    for r in (1, 2):
+    for r in (1, 2, 3):
         assert res[r][0] == "err" and "TransportError" in res[r][1], res[r]
 
 
 def test_a_flipped_byte_on_one_pair_is_refused_everywhere_nothing_loaded():
-    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[2].to_dict()], {1: {"flip_to": 2}})
+    res = run_mesh(free_port(), "mxfp8", SENDERS, EP_ENGINE, {1: {"flip_to": 2}})
     assert "bucket 0/" in res[2][1] and "from rank 1 failed its checksum" in res[2][1], res[2]
     _refused_everywhere(res, "nothing loaded")
 
 
 def test_a_sender_without_the_secret_is_refused_before_any_data():
-    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[2].to_dict()], {1: {"no_secret": True}})
+    res = run_mesh(free_port(), "mxfp8", SENDERS, EP_ENGINE, {1: {"no_secret": True}})
     _refused_everywhere(res, "refused before any data")
     assert "TransferAuthError" in res[0][1] or "TransferAuthError" in res[1][1], res
 
