@@ -54,8 +54,9 @@ PY
     safetensors packaging "torch==2.13.0"
   touch "$stamp"
 fi
-# qstrat from this checkout (seconds, no downloads)
-"${pip[@]}" install --no-deps --no-build-isolation -e "$root" >/dev/null 2>&1
+# qstrat from this checkout with its own dependencies from pyproject.toml (a cached
+# virtualenv built before a dependency was added gets it; seconds when nothing is missing)
+"${pip[@]}" install --no-build-isolation -e "$root" "torch==2.13.0" >/dev/null 2>&1
 rm -rf "$root/qstrat.egg-info"
 cd "$root"
 QSTRAT_SKYRL_ENV=1 exec nice "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/skyrl312 "$@"

@@ -37,8 +37,10 @@ if [ ! -f "$stamp" ]; then
     "$VLLM" > "$sp/vllm-$VLLM+cpu.dist-info/METADATA"
   touch "$stamp"
 fi
-# The editable install points at ONE checkout: (re)point it at this one (seconds, no downloads).
-"${pip[@]}" install --no-deps --no-build-isolation -e "$root" >/dev/null 2>&1
+# The editable install points at ONE checkout: (re)point it at this one, with qstrat's own
+# dependencies from pyproject.toml (a cached virtualenv built before a dependency was added gets
+# it; seconds when nothing is missing).
+"${pip[@]}" install --no-build-isolation -e "$root" "torch==2.13.0" >/dev/null 2>&1
 rm -rf "$root/qstrat.egg-info"
 cd "$root"
 if [ "${1:-}" = "--venv-only" ]; then  # scripts/nemo_rl_demo.sh: the same environment, no demo
