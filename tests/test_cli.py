@@ -376,6 +376,17 @@ def test_version_prints_qstrats_version():
     assert qstrat.__version__ == version("qstrat")
 
 
+@pytest.mark.parametrize("module", ["qstrat", "qstrat.cli"])
+def test_python_dash_m_runs_the_same_command(module):
+    """``python -m qstrat`` and ``python -m qstrat.cli`` are the ``qstrat`` command (exit code and output)."""
+    import qstrat
+
+    proc = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, f"qstrat {qstrat.__version__}\n"), proc.stderr
+    bad = subprocess.run([sys.executable, "-m", module, "no-such-command"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'no-such-command'" in bad.stderr
+
+
 def test_exists_error_names_the_overwrite_option(bf16_dir, tmp_path):
     (tmp_path / "out").mkdir()
     proc = run("quantize", bf16_dir, "--preset", "bf16", "-o", tmp_path / "out", ok=False)
