@@ -96,6 +96,35 @@ def check_decoded(ser: Any, parts: Mapping[str, torch.Tensor], name: str, peak: 
         "nonfinite='propagate' to encode it anyway")
 
 
+def check_emitted_scales(ser: Any, parts: Mapping[str, torch.Tensor], name: str, weight_numel: int) -> None:
+    """Raise NonFiniteError naming ``name``, the part and its first bad index when a part a
+    format emitted as a SCALE holds NaN/inf: a floating part (fp32/bf16/fp16/fp8) with at most
+    an eighth of the weight's elements (one value per block of 8 or more: every built-in scale,
+    per-tensor global scales included; code parts have one entry per element or per two).
+
+    Finite weights never give a built-in format a non-finite scale (each floors its block maxima,
+    e.g. block FP8's ``max(amax, 1e-4)``); a plugin's ``reference()`` can (``amax / 448`` of an
+    all-zero block is 0 and its codes ``0 * inf``), and the engine would load it without a word.
+    Reads only the scales (at most 1/8 of the elements, e.g. NVFP4's 1/16): cheap next to the
+    quantization.
+
+    Args: ser: the format (for its name in the message); parts: suffix -> tensor as emitted;
+        name: the weight's tensor name; weight_numel: elements of the quantized weight.
+    Raises: NonFiniteError (``nonfinite='propagate'`` skips this check with the others).
+    """
+    for suffix, t in parts.items():
+        if not t.is_floating_point() or t.numel() * 8 > weight_numel:
+            continue
+        values = t if t.dtype.itemsize > 1 else t.float()  # fp8 scales: reduce in float32
+        if all_finite(values):
+            continue
+        index = ", ".join(str(int(i)) for i in (~torch.isfinite(values)).nonzero()[0])
+        raise NonFiniteError(
+            f"{name}: serializer {ser.name!r} emitted a non-finite scale in {suffix!r} at index [{index}] "
+            "for finite weights (a plugin's reference() dividing by a zero block maximum?); nothing was "
+            "sent; set nonfinite='propagate' to encode it anyway")
+
+
 def options_text(options: Any) -> str:
     """`` with {'ue8m0': True}``: the format ``options`` (a SerializerOptions) set away from their
     defaults (not the common ``backend``/``nonfinite``/``chunk_elements``: they do not change the

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from qstrat.errors import NonFiniteError
 from qstrat.serializers import backend, torch_paths
 from qstrat.serializers.chunking import Scratch, cache_chunk_elements
-from qstrat.serializers.finite import check_context, check_decoded, check_finite
+from qstrat.serializers.finite import check_context, check_decoded, check_emitted_scales, check_finite
 from qstrat.serializers.parts import Context, PartSpec, check_parts, check_weight_dtype, declared_parts
 
 __all__ = ["FormatMath", "SerializerOptions"]
@@ -142,7 +142,8 @@ class FormatMath(ABC):
         Raises:
             UnsupportedShapeError (also for a dtype other than bf16/fp16/fp32),
             NonFiniteError (``nonfinite="error"``: NaN/inf in ``w`` or in a given ``context``,
-            or finite values that decode to NaN/inf: :attr:`decode_check_above`),
+            or finite values that decode to NaN/inf: :attr:`decode_check_above`, or a NaN/inf
+            scale emitted for finite weights: :func:`~qstrat.serializers.finite.check_emitted_scales`),
             BackendUnavailableError (a RuntimeError) when the Triton backend is forced where it
             cannot run.
         """
@@ -180,6 +181,8 @@ class FormatMath(ABC):
         if not batched:
             parts = {k: v.squeeze(0) for k, v in parts.items()}
         check_parts(self.name, name, specs, parts)
+        if self.options.nonfinite == "error":
+            check_emitted_scales(self, parts, name, w.numel())
         if peak > self.decode_check_above:
             self.check_decoded(parts, name, peak)
         return parts

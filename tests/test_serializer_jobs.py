@@ -90,3 +90,55 @@ def test_a_plugin_format_written_against_serializer_plans_quantizes_and_is_match
         "quantization_config.quant_method: engine has 'fp8', test_rows writes 'test_rows'")
     assert Int4Rows.resolve_emulation() is None and BlockFP8.matches_engine_config(
         {"quant_method": "fp8", "weight_block_size": [128, 128]})
+
+
+class ZeroBlockPlugin(Serializer):
+    """A plugin that stores each 32-block's quantization multiplier ``448 / amax`` with no floor on
+    the maximum: an all-zero block gives an infinite scale (the attacker's "non-finite scales from a
+    plugin reference")."""
+
+    name = "test_unfloored"
+    summary = "per-32 absmax, no floor (a broken test format)"
+
+    def matrix_parts(self, n, k):
+        from qstrat.serializers.parts import PartSpec
+        return (PartSpec("weight", (n, k), torch.float8_e4m3fn), PartSpec("weight_scale", (n, k // 32), torch.float32))
+
+    def reference(self, x, context):
+        e, n, k = x.shape
+        blocks = x.view(e, n, k // 32, 32)
+        multiplier = 448 / blocks.abs().amax(dim=-1, keepdim=True)
+        codes = (blocks * multiplier).to(torch.float8_e4m3fn).view(e, n, k)
+        return {"weight": codes, "weight_scale": multiplier.squeeze(-1)}
+
+    def dequantize(self, parts):
+        w = parts["weight"].float()
+        return (w.view(*w.shape[:-1], -1, 32) / parts["weight_scale"].unsqueeze(-1)).view(w.shape)
+
+    def vllm_quantization_config(self, ignored):
+        return {"quant_method": "test_unfloored", "ignored_layers": list(ignored)}
+
+
+def test_a_plugin_scale_that_is_nan_for_finite_weights_is_refused_naming_tensor_part_and_index():
+    import pytest
+
+    from qstrat.errors import NonFiniteError
+
+    w = torch.randn(4, 64, dtype=torch.bfloat16)
+    parts = ZeroBlockPlugin().quantize(w, name="layer.q")  # no zero block: accepted, exact
+    assert torch.isfinite(parts["weight_scale"]).all()
+    w[2, 32:] = 0  # one all-zero block: the plugin's multiplier is 448 / 0 there
+    with pytest.raises(NonFiniteError) as err:
+        ZeroBlockPlugin().quantize(w, name="layer.q")
+    assert str(err.value).startswith("layer.q: serializer 'test_unfloored' emitted a non-finite scale in "
+                                      "'weight_scale' at index [2, 1]")
+    # nonfinite='propagate' encodes it anyway, as for non-finite weights
+    out = ZeroBlockPlugin(nonfinite="propagate").quantize(w, name="layer.q")
+    assert torch.isinf(out["weight_scale"][2, 1])
+    # the built-in formats floor their block maxima: an all-zero weight quantizes to finite scales
+    from qstrat.serializers.mxfp8 import MXFP8
+    from qstrat.serializers.nvfp4 import NVFP4
+
+    for fmt in (BlockFP8(), MXFP8(), NVFP4()):
+        zero = fmt.quantize(torch.zeros(128, 128, dtype=torch.bfloat16), name="zeros")
+        assert all(torch.isfinite(t.float()).all() for t in zero.values() if t.is_floating_point()), fmt.name
