@@ -48,6 +48,11 @@ def _worker(rank, init_file, out_dir):
         held = list(ep.global_tensors(rank, local, driver.layout))
         plans = split_plan(driver.plan(gather_specs(held)), ep.owner, WORLD)
         _save(out_dir / f"ep{rank}.safetensors", list(driver.run(iter(held), plan=plans[rank])))
+        # expert parallel with the dense weights FSDP2-sharded (DTensors, Shard(0)): rank 0 emits them,
+        # rank 1 must still join each gather (a stream, then a mapping: read in its order)
+        mixed = [(n, t if ".experts." in n else distribute_tensor(t, mesh, [Shard(0)])) for n, t in held]
+        _save(out_dir / f"epfsdp{rank}.safetensors", list(driver.run(iter(mixed), plan=plans[rank])))
+        _save(out_dir / f"epfsdpmap{rank}.safetensors", list(driver.run(dict(mixed), plan=plans[rank])))
 
         # tensor parallel DTensors: a row-parallel o_proj (Shard(1)), a slab sharded along K
         tp = {"model.layers.1.self_attn.o_proj.weight": [Shard(1)], "model.layers.1.mlp.experts.down_proj": [Shard(2)]}
@@ -105,6 +110,11 @@ def test_sharded_inputs_give_the_single_process_bytes(tiny_model, tiny_hf_config
         assert len(tp) == 2 + 8 * 2 and sum(n.endswith("weight_scale_inv") for n, _ in tp) == 9
         check(tp)
     ep = [_load(tmp_path / f"ep{rank}.safetensors") for rank in range(WORLD)]
+    for rank in range(WORLD):  # FSDP2 dense weights + expert parallel: each rank's bytes as with plain tensors
+        for kind in ("epfsdp", "epfsdpmap"):
+            got = _load(tmp_path / f"{kind}{rank}.safetensors")
+            assert [n for n, _ in got] == [n for n, _ in ep[rank]], (kind, rank)
+            check(got)
     assert sorted(n for pairs in ep for n, _ in pairs) == sorted(order)  # union = single process
     for rank, pairs in enumerate(ep):
         names = [n for n, _ in pairs]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import InputMismatchError, PlanError
-from qstrat.execute.named_tensors import check_new_name, materialize
+from qstrat.execute.named_tensors import check_new_name, is_dtensor, materialize
 from qstrat.plan.data import PlanEntry, RefitPlan
 from qstrat.serializers.base import dtype_name
 from qstrat.execute.stream.index import PlanIndex
@@ -31,6 +31,16 @@ class InputWindow:
         inputs: name -> tensor (or lazy handle), or the iterator.
         index: ``plan``'s :class:`~qstrat.execute.stream.index.PlanIndex` (None: built here); the
             other parts of an execution read it here (:attr:`index`).
+
+    A rank's part of a split plan (:func:`qstrat.execute.sharding.split_plan`: its
+    :attr:`~qstrat.plan.data.RefitPlan.elsewhere` is not empty) reads a mapping as a stream, in the
+    mapping's order, and gathers each DTensor input (FSDP2 / tensor-parallel shards) when it
+    ARRIVES, whether this rank emits it or not: ``DTensor.full_tensor()`` is a collective of the
+    DTensor's mesh, so every rank must join every gather in one order - the order of its inputs,
+    the same on every rank as ``named_parameters()`` of one module gives - not only the rank
+    that emits the tensor (an expert-parallel rank 1 that dropped the replicated FSDP2 weights
+    left rank 0 waiting in its gather). The gathered copy of a tensor another rank emits is
+    dropped at once; one this rank emits waits in :attr:`buffered` until its turn in the wire order.
     """
 
     def __init__(self, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]],
@@ -38,7 +48,10 @@ class InputWindow:
         self.plan = plan
         self.index = index if index is not None else PlanIndex.of(plan)
         self.entries = self.index.entries
-        self.mapping = inputs if isinstance(inputs, Mapping) else None
+        split = bool(plan.elsewhere)
+        self.mapping = inputs if isinstance(inputs, Mapping) and not split else None
+        if isinstance(inputs, Mapping) and split:
+            inputs = inputs.items()
         self.stream = None if self.mapping is not None else iter(inputs)
         self.buffered: dict[str, Any] = {}   # arrived, not yet read
         self.held: dict[str, torch.Tensor] = {}  # materialized, still needed
@@ -81,7 +94,11 @@ class InputWindow:
         name, t = item
         check_new_name(name, self.seen)
         self.seen.add(name)
+        gather = bool(self.plan.elsewhere) and is_dtensor(t)  # a collective: joined on arrival
         if name in self.plan.elsewhere:
+            if gather:
+                with torch.no_grad():
+                    materialize(t, name)
             return name  # emitted by another rank: dropped
         e = self.entries.get(name)
         if e is None:
@@ -90,6 +107,9 @@ class InputWindow:
         problem = input_mismatch(e, t)
         if problem:
             raise InputMismatchError(problem)
+        if gather:
+            with torch.no_grad():
+                t = materialize(t, name)
         self.buffered[name] = t
         return name
 
