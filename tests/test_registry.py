@@ -497,3 +497,15 @@ def test_a_serializer_returning_the_wrong_type_is_a_plugin_error_naming_it(cls, 
     driver = qstrat.RefitDriver({"rules": [{"select": "experts", "serializer": cls.name}]}, hf_config=cfg, registry=reg)
     with pytest.raises(PluginError, match=message):
         list(driver.run({n: torch.zeros(t.shape, dtype=t.dtype) for n, t in tensors.items()}))
+
+
+def test_a_plugin_installed_under_the_entry_point_and_also_passed_in_process_registers_once():
+    """The same module both installed (entry point ``qstrat``) and given in ``plugins=`` (a newcomer's
+    source folder on sys.path beside its installed copy): pluggy raised a bare ValueError ("Plugin
+    already registered under a different name"); it is one plugin, registered once."""
+    from qstrat.plugins import builtin
+
+    reg = Registry(plugins=[builtin])
+    assert reg.serializers["mxfp8"].origin.startswith("builtin (qstrat ")
+    assert sorted(reg.serializers) == sorted(Registry().serializers)
+    assert [p for p in reg.pm.get_plugins() if p is builtin] == [builtin]

@@ -75,7 +75,11 @@ class Registry:
         self._check_strategies()
 
     def _register(self, plugin: object) -> None:
-        """Register an in-process plugin under a readable name (module or class name, not an id)."""
+        """Register an in-process plugin under a readable name (module or class name, not an id).
+        A plugin already registered (the same module installed under the ``qstrat`` entry point
+        and also passed in ``plugins=``) is registered once: its hooks are already active."""
+        if self.pm.is_registered(plugin):
+            return
         base = getattr(plugin, "__name__", None) or type(plugin).__name__
         name, i = base, 1
         while self.pm.get_plugin(name) is not None:
@@ -89,7 +93,7 @@ class Registry:
                               f"__hash__?): {exc}") from exc
         try:
             self.pm.register(plugin, name=name)
-        except pluggy.PluginValidationError as exc:
+        except (pluggy.PluginValidationError, ValueError) as exc:  # ValueError: pluggy's name clashes
             raise PluginError(f"plugin {name}: {exc}") from exc
 
     def _collect(self, hook: str, check: Callable[[Any, str], str]) -> dict[str, Entry[Any]]:
