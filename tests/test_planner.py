@@ -117,8 +117,12 @@ def test_mixed_quantized_formats_are_a_plan_error():
     cfg, tensors = small_moe()
     mixed = {"rules": [{"select": "experts", "serializer": "mxfp8"},
                        {"select": "attention", "serializer": "block_fp8"}]}
-    with pytest.raises(PlanError, match="mixes quantized formats"):
+    with pytest.raises(PlanError, match="mixes quantized formats") as err:
         RefitDriver(mixed, hf_config=cfg).plan(tensors)
+    # the message names the rule behind each format, so the user knows which rule to change
+    message = str(err.value)
+    assert "rules[1] gives block_fp8 (" in message and "rules[0] gives mxfp8 (" in message, message
+    assert message.count("tensors, e.g. model.layers.") == 2 and "give every quantized rule one format" in message
 
 
 def test_slab_halves_off_the_tile_are_refused_for_vllms_fused_moe_rule():

@@ -44,7 +44,8 @@ def engine_config(entries: list[PlanEntry], ignored: list[str], errors: list[str
     if len(configs) > 1:
         formats = sorted({s.name for s in used.values()})
         errors.append(f"the plan mixes quantized formats {formats} that one vLLM quantization_config "
-                      "cannot express")
+                      f"cannot express; {_deciders(entries, formats)}: give every quantized rule one format "
+                      "(or one set of options)")
     return next(iter(configs.values()), None)
 
 
@@ -62,3 +63,14 @@ def quantizes_lookup(format_of: Callable[[PlanEntry], EngineFormat | None]) -> C
         return q
 
     return quantizes
+
+
+def _deciders(entries: list[PlanEntry], formats: list[str]) -> str:
+    """``rules[0] gives block_fp8 (12 tensors, e.g. ...q_proj.weight); default gives mxfp8 (...)``:
+    which config rule chose each of the mixed formats, so the message says what to change."""
+    by: dict[tuple[str, str], list[str]] = {}
+    for e in entries:
+        if e.serializer in formats:
+            by.setdefault((e.rule, e.serializer), []).append(e.name)
+    return "; ".join(f"{rule} gives {fmt} ({len(names)} tensors, e.g. {names[0]})"
+                     for (rule, fmt), names in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])))
