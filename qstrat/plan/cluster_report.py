@@ -1,6 +1,6 @@
 """What ``qstrat plan --trainer-layout ... --engine-layout ...`` and ``qstrat bench --only cluster``
 print of the routing model (:mod:`qstrat.plan.cluster`): one row per model, and the field's
-published refit times beside it (/work/shared/docs/scale.md, docs/transport.md "Refit at
+published refit times beside it (docs/transport.md "Refit at
 cluster scale": sources there).
 """
 from __future__ import annotations
