@@ -15,7 +15,9 @@ Three kinds of sharded input, and how qstrat treats each:
   every MoE layer under local names; :meth:`ExpertParallel.global_tensors` renames them to
   the global per-expert names. All ranks plan the same whole model (:func:`gather_specs`
   collects every rank's names, shapes and dtypes), :func:`split_plan` gives each rank the entries
-  it emits: its experts, and (rank 0) the replicated tensors. The union of the per-rank plans
+  it emits: its experts, and (rank 0) the replicated tensors. Replicated tensors that are
+  DTensors (FSDP2 beside expert parallelism) are gathered on EVERY rank as they arrive, since the
+  gather is a collective (:class:`qstrat.execute.stream.window.InputWindow`). The union of the per-rank plans
   is the single-process plan, each in the same wire order.
 - **Plain tensor-parallel shards** (Megatron-style local tensors without DTensor metadata) are
   not a qstrat input: gather them, or wrap them as DTensors (``DTensor.from_local``).
