@@ -304,7 +304,7 @@ def _unusable(entry: _Entry | None, ser: Serializer, w3: torch.Tensor, context: 
     if (entry.ser is not ser and repr(entry.ser) != repr(ser)) or type(entry.ser) is not type(ser):
         return "another format"
     if entry.prev.shape != w3.shape or entry.prev.dtype != w3.dtype or entry.prev.device != w3.device:
-        return "another shape"
+        return "another shape or dtype"
     return None
 
 
