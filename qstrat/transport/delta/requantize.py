@@ -114,8 +114,8 @@ class Requantizer:
         self.stats[f"whole:{why}"] += 1
         parts = ser.quantize(w, name=name, context=context, values_checked=values_checked)
         if ser.scale_block is not None and w3.dtype in _BITS:
-            self._entries[key] = _fill(ser, w3, parts if w.dim() == 3 else {k: v.unsqueeze(0) for k, v in parts.items()},
-                                       context)
+            parts3 = parts if w.dim() == 3 else {k: v.unsqueeze(0) for k, v in parts.items()}
+            self._entries[key] = _fill(ser, w3, parts3, context)
         return parts
 
     def _step(self, entry: _Entry, w3: torch.Tensor, name: str, context: Mapping[str, torch.Tensor] | None,

@@ -98,8 +98,7 @@ class RefitSender:
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
                  workers_per_client: Sequence[int] | None = None,
-                 secret: Secret | bytes | str | None = None, mode: str = "atomic",
-                 incremental: bool = True) -> None:
+                 secret: Secret | bytes | str | None = None, mode: str = "atomic", incremental: bool = True) -> None:
         if mode not in ("atomic", "bounded", "delta"):
             raise TransportError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded' or 'delta'")
         self.mode = mode
