@@ -67,9 +67,11 @@ class DeltaRounds:
         sent) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
         ``send``."""
         base, self.base = self.base, None
-        if self.requantizer is not None and self._layout != target.digest:
-            self.requantizer.clear()  # another plan: its entries would be quantized whole anyway
-            self._layout = target.digest
+        if self.requantizer is not None:
+            self.requantizer.take_stats()  # this round's counts only (not a failed round's before it)
+            if self._layout != target.digest:
+                self.requantizer.clear()  # another plan: its entries would be quantized whole anyway
+                self._layout = target.digest
         t0 = time.perf_counter()
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
