@@ -185,3 +185,19 @@ def test_changed_elements_and_block_maxima_against_their_oracles():
     got = block_maxima(BlockFP8(), w)
     assert got.shape == (2, 2, 2)
     assert got[1, 1, 1] == w[1, 128:, 128:].abs().max() and got[0, 0, 0] == w[0, :128, :128].abs().max()
+
+
+@pytest.mark.parametrize("cls", ["mxfp8", "nvfp4"])
+def test_nan_under_propagate_keeps_the_full_paths_bytes_and_no_entry(cls):
+    from qstrat.serializers.mxfp8 import MXFP8
+
+    ser = {"mxfp8": MXFP8, "nvfp4": NVFP4}[cls](nonfinite="propagate")
+    rq = Requantizer()
+    w = (torch.randn(40, 64, generator=torch.Generator().manual_seed(6)) * 0.02).bfloat16()
+    nan = w.clone()
+    nan[3, 5] = float("nan")
+    for x in (w, nan, nan, w, edit(w, "few", 1)):
+        same_bytes(rq.quantize(ser, "w", x), ser.quantize(x))
+    stats = rq.take_stats()
+    # w whole (first), nan whole (non-finite), nan whole (no entry kept), w whole, then incremental
+    assert stats["whole:non-finite"] == 1 and stats["whole:first round"] == 3 and stats["incremental"] == 1, stats

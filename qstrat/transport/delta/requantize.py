@@ -23,8 +23,10 @@ A code depends only on its element and its block's scale(s), so what is not re-e
 already right. Whole quantizes (which refill the entry): the first call, another shape, dtype,
 device or format, a format without :attr:`~qstrat.serializers.format_math.FormatMath.scale_block`
 (a plugin's), more than :attr:`Requantizer.max_fraction` of the elements changed, a non-finite
-changed value (the full quantize raises its error), block maxima above the format's
-``decode_check_above``, or a moved global scale. Any exception drops the entry.
+changed value or group amax (the full quantize raises its error, or keeps its NaN/inf
+semantics under ``nonfinite="propagate"``: a weight holding NaN/inf keeps no entry), block
+maxima above the format's ``decode_check_above``, or a moved global scale. Any exception drops
+the entry.
 """
 from __future__ import annotations
 
@@ -115,7 +117,9 @@ class Requantizer:
         parts = ser.quantize(w, name=name, context=context, values_checked=values_checked)
         if ser.scale_block is not None and w3.dtype in _BITS:
             parts3 = parts if w.dim() == 3 else {k: v.unsqueeze(0) for k, v in parts.items()}
-            self._entries[key] = _fill(ser, w3, parts3, context)
+            entry = _fill(ser, w3, parts3, context)
+            if _finite(entry):  # NaN/inf kept (nonfinite="propagate"): whole every time
+                self._entries[key] = entry
         return parts
 
     def _step(self, entry: _Entry, w3: torch.Tensor, name: str, context: Mapping[str, torch.Tensor] | None,
@@ -135,7 +139,7 @@ class Requantizer:
         flat_new, flat_prev = new.view(-1), prev.view(-1)
         raw = flat_new.index_select(0, idx)
         values = raw.float()
-        if not values_checked and ser.options.nonfinite == "error" and not bool(torch.isfinite(values).all()):
+        if not bool(torch.isfinite(values).all()):  # the full path's error, or its NaN/inf semantics
             return "non-finite"
         grid = _Grid(ser, new.shape)
         blk = grid.block_of(idx)
@@ -159,7 +163,7 @@ class Requantizer:
             return "near float32's max"
         group = _group_amax(ser, amax, context)
         if not _same(group, entry.group_amax):
-            return "global scale moved"
+            return "global scale moved" if bool(torch.isfinite(group).all()) else "non-finite"
         ctx = None if group is None else {"amax": group[touched // grid.per_matrix]}
         scale, multiplier = ser.block_scales(new_amax, ctx)
         scales = _bits(entry.parts[ser.scale_part].view(-1))
@@ -306,6 +310,12 @@ def _unusable(entry: _Entry | None, ser: Serializer, w3: torch.Tensor, context: 
     if entry.prev.shape != w3.shape or entry.prev.dtype != w3.dtype or entry.prev.device != w3.device:
         return "another shape or dtype"
     return None
+
+
+def _finite(entry: _Entry) -> bool:
+    """Whether every block maximum and the group amax of ``entry`` are finite."""
+    group = entry.group_amax
+    return bool(torch.isfinite(entry.amax).all()) and (group is None or bool(torch.isfinite(group).all()))
 
 
 def _fill(ser: Serializer, w3: torch.Tensor, parts: dict[str, torch.Tensor],
