@@ -347,6 +347,13 @@ def delta(args, summary: list[dict]) -> None:
                           f"{dec:>6.3f} {f[1]:>6.3f} {d[1]:>7.3f} {f[4]:>5.2f}/{d[4]:<5.2f} {str(exact):>5} "
                           f"{f[2] / 2**20:>8.1f}/{d[2] / 2**20:<8.1f} {f[3] / 2**20:>8.1f}/{d[3] / 2**20:<8.1f}",
                           flush=True)
+                    if info.requantize:  # the delta sender's incremental quantizer, this round
+                        rq = info.requantize
+                        whole = {k[6:]: v for k, v in rq.items() if k.startswith("whole:")}
+                        print(f"{'':9} requantize: {rq.get('incremental', 0)} entries incremental, whole {whole}; "
+                              f"{100 * rq.get('changed', 0) / max(rq.get('elements', 1), 1):.3f} % of the elements "
+                              f"changed, blocks touched {rq.get('blocks_touched', 0)} (rescaled "
+                              f"{rq.get('blocks_rescaled', 0)}), codes re-encoded {rq.get('encoded', 0)}", flush=True)
                     if step:
                         rows.append((f[1], d[1], f[4], d[4], info.full_bytes, info.wire_bytes, f[5:], d[5:]))
                 if rows:

@@ -41,6 +41,8 @@ class BlockFP8(Serializer):
     summary = "FP8 e4m3 with an fp32 scale per 128x128 tile (vLLM fp8 + weight_block_size)"
     Options = BlockFP8Options
     row_tile = BLOCK
+    scale_block = (BLOCK, BLOCK)
+    scale_part = "weight_scale_inv"
 
     def matrix_parts(self, n: int, k: int) -> tuple[PartSpec, ...]:
         """``weight`` fp8 [n, k] and ``weight_scale_inv`` fp32 [ceil(n/128), ceil(k/128)]."""
@@ -55,13 +57,29 @@ class BlockFP8(Serializer):
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
         padded = F.pad(x, (0, kb * BLOCK - k, 0, nb * BLOCK - n))
         tiles = padded.view(e, nb, BLOCK, kb, BLOCK)
-        amax = tiles.abs().amax(dim=(2, 4), keepdim=True).clamp(min=AMAX_FLOOR)
-        s = amax / E4M3_MAX
-        if self.options.ue8m0:
-            s = ceil_pow2(s)
-        q = (tiles * (1.0 / s)).to(torch.float8_e4m3fn)
+        s, inv = self.block_scales(tiles.abs().amax(dim=(2, 4), keepdim=True), context)
+        q = self.codes(tiles, inv)
         q = q.view(e, nb * BLOCK, kb * BLOCK)[:, :n, :k]
         return {"weight": q, "weight_scale_inv": s.view(e, nb, kb)}
+
+    def block_scales(self, amax: torch.Tensor, context: Context | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tile maxima (float32, any shape, before the floor) -> (``weight_scale_inv`` s = max(amax,
+        1e-4) / 448, rounded up to a power of two with ``ue8m0``; the multiplier 1 / s), float32."""
+        s = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
+        if self.options.ue8m0:
+            s = ceil_pow2(s)
+        return s, 1.0 / s
+
+    def codes(self, x: torch.Tensor, multiplier: torch.Tensor, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """e4m3fn codes of ``x * multiplier`` (fp32 product, torch's RNE saturating cast). With
+        ``out`` ([..., k], the leading columns of ``x``'s last dims flattened: a padded scratch),
+        ``x`` is scaled in place and cast into ``out``."""
+        if out is None:
+            return (x * multiplier).to(torch.float8_e4m3fn)
+        x.mul_(multiplier)
+        return out.copy_(x.reshape(*out.shape[:-1], -1)[..., :out.shape[-1]])
 
     def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
                     scratch: Scratch) -> torch.Tensor:
@@ -83,13 +101,10 @@ class BlockFP8(Serializer):
         if n % BLOCK:
             row_max = F.pad(row_max, (0, 0, 0, nb * BLOCK - n))
         amax = row_max.view(e, nb, BLOCK, kb).amax(dim=2)
-        s = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
-        if self.options.ue8m0:
-            s = ceil_pow2(s)
+        s, inv = self.block_scales(amax, context)
         out["weight_scale_inv"].copy_(s)
-        inv = (1.0 / s).repeat_interleave(BLOCK, dim=1)[:, :n]
-        f.view(e, n, kb, BLOCK).mul_(inv.unsqueeze(-1))
-        out["weight"].copy_(f[..., :k])
+        inv = inv.repeat_interleave(BLOCK, dim=1)[:, :n]
+        self.codes(f.view(e, n, kb, BLOCK), inv.unsqueeze(-1), out["weight"])
         return amax
 
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -72,6 +72,15 @@ class FormatMath(ABC):
     #: built-in format decodes finitely (no rounding raises a value 4x), so the check costs
     #: nothing on real weights. A format whose decode may grow a value more lowers it.
     decode_check_above: ClassVar[float] = torch.finfo(torch.float32).max / 4
+    #: Incremental re-quantization (a delta round's sender, :mod:`qstrat.transport.delta.requantize`):
+    #: the (rows, columns) of weight one stored scale covers, the part holding those scales
+    #: (one per block, in block order), and the codes one byte of ``weight`` holds (2: packed
+    #: nibbles). A format that sets ``scale_block`` implements :meth:`block_scales` and
+    #: :meth:`codes`, the same two functions its :meth:`reference` and :meth:`encode_into` call;
+    #: None (the default, e.g. a plugin's format): every round quantizes it whole.
+    scale_block: ClassVar[tuple[int, int] | None] = None
+    scale_part: ClassVar[str] = ""
+    codes_per_byte: ClassVar[int] = 1
 
     def __init__(self, **options: Any) -> None:
         """Raises: pydantic.ValidationError on unknown or invalid options."""
@@ -104,6 +113,32 @@ class FormatMath(ABC):
             ``None`` (the default: no shared state), or tensors shaped [E] (``[]`` for 2-D)
             passed as ``context=`` to :meth:`quantize` of every member.
         """
+        return None
+
+    def block_scales(self, amax: torch.Tensor, context: Context | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's stored scale and its elements' multiplier from the block's amax (formats
+        with :attr:`scale_block`; the one formula every path of the format calls).
+
+        Args:
+            amax: float32 max|x| of each block (any shape), over the block's real elements.
+            context: the group context broadcast to ``amax``'s shape (None: no group step).
+        Returns: (the stored scale in its part's dtype, or an integer tensor holding it; the
+            float32 multiplier an element is scaled by before :meth:`codes`), both amax's shape.
+        """
+        raise NotImplementedError
+
+    def codes(self, x: torch.Tensor, multiplier: torch.Tensor, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """The element codes of float32 values ``x`` scaled by ``multiplier`` (broadcast to
+        ``x``; formats with :attr:`scale_block`: the one formula every path of the format calls).
+        ``x`` may be overwritten. Returns the codes (in ``out`` when given), one per element,
+        unpacked."""
+        raise NotImplementedError
+
+    def context_of_block_maxima(self, amax: torch.Tensor) -> Context | None:
+        """:meth:`group_context` of one weight alone, from its block maxima ``amax`` (float32
+        [E, ...]: no read of the weight; the incremental path). Default None (no group step)."""
         return None
 
     # ---- the contract used by the driver -------------------------------------------------

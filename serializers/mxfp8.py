@@ -44,6 +44,8 @@ class MXFP8(Serializer):
     bench_peers = {"vllm": "qstrat.cli.bench:vllm_peer", "torchao": "qstrat.cli.bench:torchao_peer"}
     summary = "OCP MX FP8 e4m3 with a uint8 E8M0 scale per 1x32 block (RCEIL)"
     Options = MXFP8Options
+    scale_block = (1, BLOCK)
+    scale_part = "weight_scale"
 
     def matrix_parts(self, n: int, k: int) -> tuple[PartSpec, ...]:
         """``weight`` fp8 [n, k] and ``weight_scale`` uint8 [n, k/32]; k % 32 != 0 is an error."""
@@ -60,10 +62,24 @@ class MXFP8(Serializer):
         """x float32 [e, n, K] -> weight [e, n, K] fp8, weight_scale [e, n, K/32] uint8."""
         e, n, k = x.shape
         blocks = x.view(e, n, k // BLOCK, BLOCK)
-        amax = blocks.abs().amax(dim=-1)
-        byte, inv = self._scale(amax)
-        q = (blocks * inv.unsqueeze(-1)).to(torch.float8_e4m3fn).view(e, n, k)
+        byte, inv = self.block_scales(blocks.abs().amax(dim=-1), context)
+        q = self.codes(blocks, inv.unsqueeze(-1)).view(e, n, k)
         return {"weight": q, "weight_scale": byte.to(torch.uint8)}
+
+    def block_scales(self, amax: torch.Tensor, context: Context | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block maxima (float32, any shape) -> (E8M0 byte int32, the exact multiplier 2^(127-byte)
+        float32): :meth:`_scale_finite` when every maximum is finite, else :meth:`_scale` (the
+        same values)."""
+        return self._scale_finite(amax) if all_finite(amax) else self._scale(amax)
+
+    def codes(self, x: torch.Tensor, multiplier: torch.Tensor, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """e4m3fn codes of ``x * multiplier`` (fp32 product, torch's RNE saturating cast); with
+        ``out`` (``x``'s element count), ``x`` is scaled in place and cast into ``out``."""
+        if out is None:
+            return (x * multiplier).to(torch.float8_e4m3fn)
+        return out.copy_(x.mul_(multiplier).view(out.shape))
 
     def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
                     scratch: Scratch) -> torch.Tensor:
@@ -75,9 +91,9 @@ class MXFP8(Serializer):
         f.view(e, n, k).copy_(x)
         a = scratch.get("abs", f.shape)
         amax = block_max(torch.abs(f, out=a))
-        byte, inv = self._scale_finite(amax) if all_finite(amax) else self._scale(amax)
+        byte, inv = self.block_scales(amax, context)
         out["weight_scale"].copy_(byte)
-        out["weight"].copy_(f.mul_(inv.unsqueeze(-1)).view(e, n, k))
+        self.codes(f, inv.unsqueeze(-1), out["weight"])
         return amax
 
     def _scale(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

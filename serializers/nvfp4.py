@@ -239,6 +239,9 @@ class NVFP4(Serializer):
     bench_peers = {"vllm": "qstrat.cli.bench:vllm_peer"}
     summary = "NVFP4 e2m1 with an e4m3 scale per 1x16 block and an fp32 global scale (ModelOpt)"
     Options = NVFP4Options
+    scale_block = (1, BLOCK)
+    scale_part = "weight_scale"
+    codes_per_byte = 2
 
     def matrix_parts(self, n: int, k: int) -> tuple[PartSpec, ...]:
         """``weight`` uint8 [n, k/2], ``weight_scale`` e4m3 [n, k/16], ``weight_scale_2`` and
@@ -302,17 +305,13 @@ class NVFP4(Serializer):
         if context is None or "amax" not in context:
             raise ValueError("nvfp4.reference needs context={'amax': [e]} from group_context")
         e, n, k = x.shape
-        enc = global_encode_scale(context["amax"]).reshape(e, 1, 1, 1)
-        dec = enc.reciprocal()  # weight_scale_2; == vLLM get_reciprocal(global_scale)
+        dec = global_encode_scale(context["amax"]).reciprocal()  # weight_scale_2; == vLLM get_reciprocal(global_scale)
         blocks = x.reshape(e, n, k // BLOCK, BLOCK)
-        # Step 2: block scale = e4m3(enc * (amax_b * fp32(1/6))), saturated at 448.
-        amax_b = blocks.abs().amax(dim=-1, keepdim=True)
-        scale = (enc * (amax_b * RCP_E2M1_MAX)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        s = scale.to(torch.float32)
-        # Step 3: element multiplier 1 / (s * (1/enc)); 0 for zero-scale blocks (vLLM's kernels;
-        # its torch ref uses 1e-8 there, same bytes unless |x| > 2.5e7 in an underflowed block).
-        os = torch.where(s == 0, torch.zeros_like(s), (s * dec).reciprocal())
-        # Step 4: E2M1 RNE of |x * os| by comparisons; sign from x itself (x < 0, so -0.0 -> 0x0
+        # Steps 2-3: block scales and element multipliers (block_scales)
+        scale, os = self.block_scales(blocks.abs().amax(dim=-1, keepdim=True),
+                                      {"amax": context["amax"].reshape(e, 1, 1, 1)})
+        # Step 4: E2M1 RNE of |x * os| by comparisons (the oracle's own ladder; the fast and the
+        # incremental paths call codes(), the bit form, equal on every class); sign from x itself (x < 0, so -0.0 -> 0x0
         # and a negative x in a zero-scale block -> 0x8, both as vLLM's ref).
         codes = e2m1_magnitude((blocks * os).abs()) | ((blocks < 0).to(torch.uint8) << 3)
         return {
@@ -323,6 +322,43 @@ class NVFP4(Serializer):
                 (e,), self.options.input_scale, dtype=torch.float32, device=x.device
             ),
         }
+
+    def block_scales(self, amax: torch.Tensor, context: Context | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 2-3 of the module docstring: block maxima ``amax`` (float32, any shape) and the
+        group's ``context["amax"]`` (broadcast to it) -> (``weight_scale`` e4m3 = e4m3(min(enc *
+        (amax * fp32(1/6)), 448)); the element multiplier os = 1 / (fp32(scale) * (1/enc)), 0 where
+        the scale is 0: vLLM's kernels; its torch ref uses 1e-8 there, same bytes unless
+        |x| > 2.5e7 in an underflowed block), with ``enc`` = :func:`global_encode_scale`."""
+        enc = global_encode_scale(context["amax"])
+        dec = enc.reciprocal()
+        scale = (enc * (amax * RCP_E2M1_MAX)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        s = scale.to(torch.float32)
+        return scale, torch.where(s == 0, torch.zeros_like(s), (s * dec).reciprocal())
+
+    def codes(self, x: torch.Tensor, multiplier: torch.Tensor, out: torch.Tensor | None = None,
+              magnitude: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 4: 4-bit codes (int32, unpacked) of float32 ``x`` under the multipliers ``os``:
+        ``e2m1_rne(|x| * os) | 8 * (x < 0)`` (``|x * os| == |x| * os`` for ``os >= 0``), the
+        magnitude by integer RNE on the fp32 bits (:func:`e2m1_magnitude_from_bits`); where some
+        ``os`` is NaN (a NaN in a block or a NaN/inf global amax; reachable only with
+        ``nonfinite="propagate"``) the comparison ladder (:func:`e2m1_magnitude`, NaN -> 0).
+        ``x`` is consumed (``+ 0.0`` in place, so -0.0 has no sign; then its sign bits), and so
+        is ``magnitude`` (``|x|`` when already computed). Returns ``out`` (int32 of x's shape)."""
+        x.add_(0.0)  # IEEE 754: -0 + +0 = +0; every other value is unchanged
+        a = torch.abs(x) if magnitude is None else magnitude
+        a.mul_(multiplier)
+        if out is None:
+            out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
+        if self.options.nonfinite == "propagate" and bool(torch.isnan(multiplier).any()):
+            return out.copy_(e2m1_magnitude(a) | (x < 0).to(torch.uint8) << 3)
+        e2m1_magnitude_from_bits(a, out=out, tmp=a)
+        return out.bitwise_or_(x.view(torch.int32).bitwise_right_shift_(28).bitwise_and_(8))
+
+    def context_of_block_maxima(self, amax: torch.Tensor) -> Context:
+        """``{"amax": max over each matrix's block maxima}`` (float32 [E] of amax [E, ...]): what
+        :meth:`group_context` reads from the weight itself (max|W|, exact either way)."""
+        return {"amax": amax.reshape(amax.shape[0], -1).amax(dim=1)}
 
     def encode_into(self, x: torch.Tensor, context: Context | None, out: Mapping[str, torch.Tensor],
                     scratch: Scratch) -> torch.Tensor:
@@ -338,29 +374,19 @@ class NVFP4(Serializer):
         if context is None or "amax" not in context:
             raise ValueError("nvfp4.encode_into needs context={'amax': [e]} from group_context")
         e, n, k = x.shape
-        enc = global_encode_scale(context["amax"]).reshape(e, 1, 1, 1)
-        dec = enc.reciprocal()
+        g = context["amax"].reshape(e, 1, 1, 1)
         f = scratch.get("x", (e, n, k // BLOCK, BLOCK))
         f.view(e, n, k).copy_(x)
-        f.add_(0.0)  # IEEE 754: -0 + +0 = +0; every other value is unchanged
         a = scratch.get("abs", f.shape)
         amax_b = block_max(torch.abs(f, out=a)).unsqueeze(-1)
-        scale = (enc * (amax_b * RCP_E2M1_MAX)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-        s = scale.to(torch.float32)
-        os = torch.where(s == 0, torch.zeros_like(s), (s * dec).reciprocal())
-        a.mul_(os)
-        codes = scratch.get("codes", f.shape, torch.int32)
-        if self.options.nonfinite == "propagate" and bool(torch.isnan(os).any()):
-            codes.copy_(e2m1_magnitude(a) | (f < 0).to(torch.uint8) << 3)
-        else:
-            e2m1_magnitude_from_bits(a, out=codes, tmp=a)
-            codes.bitwise_or_(f.view(torch.int32).bitwise_right_shift_(28).bitwise_and_(8))
+        scale, os = self.block_scales(amax_b, {"amax": g})
+        codes = self.codes(f, os, scratch.get("codes", f.shape, torch.int32), magnitude=a)
         pairs = codes.view(e, n, k).view(torch.int64)
         packed = a.view(e, n, k).view(torch.int64)  # a is consumed: reuse its memory
         torch.bitwise_right_shift(pairs, 28, out=packed).bitwise_or_(pairs)
         out["weight"].copy_(packed)  # the low byte: code 2i | code 2i+1 << 4
         out["weight_scale"].copy_(scale.view(e, n, k // BLOCK))
-        out["weight_scale_2"].copy_(dec.view(e))
+        out["weight_scale_2"].copy_(global_encode_scale(g).reciprocal().view(e))
         out["input_scale"].fill_(self.options.input_scale)
         return amax_b
 

@@ -89,6 +89,7 @@ def test_five_adam_steps_of_delta_refits_equal_a_fresh_engine_after_every_step(f
     for d in reports[1:]:
         assert d.kind == "delta" and d.attempts == 1 and d.reason is None, d
         assert d.wire_bytes <= bound * d.full_bytes, d
+        assert d.requantize["incremental"] > 0, d.requantize  # the sender re-encoded only what moved
     for step in range(1, len(states)):
         print(f"[delta {fmt}] fresh step {step} vs step {step - 1}: "
               f"max |dlogprob| = {max_dlogprob(fresh[step], fresh[step - 1]):.3g}")

@@ -329,6 +329,8 @@ def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(
         d = report.delta
         assert d.kind == "delta" and d.reason is None and d.attempts == 1, d
         assert d.wire_bytes == report.bytes < d.full_bytes / 2, d
+        # quantized incrementally (qstrat.transport.delta.requantize), every entry: still exact below
+        assert d.requantize["incremental"] > 0 and not any(k.startswith("whole:") for k in d.requantize), d
         assert held(receivers) == [want(driver, trainer)] * 2
         assert [r.ctl.call("delta_base") for r in receivers] == [sender.base.round_id] * 2
     sender.close()
@@ -458,6 +460,8 @@ def test_a_corrupted_bucket_in_a_delta_round_loads_nothing_and_the_next_round_is
     sender.connect()  # a new group (the wrapped one is dropped)
     d = sender.refit(driver, stepped(trainer_a, 1e-5, 3)).delta
     assert d.kind == "full" and d.reason.startswith("no base") and d.attempts == 1
+    # nothing of the failed round is trusted: every entry was quantized whole again
+    assert "incremental" not in d.requantize and d.requantize["whole:first round"] > 0, d.requantize
     assert held(receivers) == [want(driver, stepped(trainer_a, 1e-5, 3))] * 2
     sender.close()
 

@@ -36,7 +36,7 @@ from qstrat.execute.prepare import PreparedRefit, SinkCheck, ValuesWhen, prepare
 from qstrat.plugins.registry import Registry, get_registry
 from qstrat.config.rules import Decision, RuleSet
 from qstrat.serializers.base import Serializer
-from qstrat.execute.stream import check_passthrough, cut_output, execute
+from qstrat.execute.stream import Quantize, check_passthrough, cut_output, execute
 from qstrat.execute.stream.index import PlanIndex
 
 __all__ = ["Decision", "NamedTensors", "PlanCache", "PreparedRefit", "RefitDriver", "SinkCheck",
@@ -339,7 +339,8 @@ class RefitDriver:
 
     def execute(self, plan: RefitPlan, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                 values_checked: bool = False, expert_batch: int | None = None,
-                consumer_stream: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+                consumer_stream: Any = None, quantize: Quantize | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """Emit the outputs of an already validated ``plan`` in wire order.
 
         Args:
@@ -350,13 +351,15 @@ class RefitDriver:
             expert_batch: most per-expert tensors per serializer call (default: the config's).
             consumer_stream: the CUDA stream that reads the outputs (handoff documented in
                 :mod:`qstrat.execute.stream`).
+            quantize: the serializer call (:class:`~qstrat.execute.stream.quantize.Quantize`, e.g.
+                a delta sender's incremental one; None: ``Serializer.quantize``).
 
         Each input is quantized once, when its first output is due, and its parts are dropped
         after its last output: that bounds live parts to about one decoder layer.
         """
         index = self.plan_cache.keep(plan, "plan index", lambda: PlanIndex.of(plan))
         yield from execute(self, plan, tensors, values_checked, expert_batch or self.config.expert_batch,
-                           consumer_stream, index)
+                           consumer_stream, index, quantize)
 
 
 def hf_config_dict(hf_config: Any) -> dict[str, Any]:

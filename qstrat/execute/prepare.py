@@ -57,7 +57,7 @@ class Driver(Protocol):
 
     def execute(self, plan: RefitPlan, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
                 values_checked: bool = False, expert_batch: int | None = None,
-                consumer_stream: Any = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+                consumer_stream: Any = None, quantize: Any = None) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)
@@ -117,13 +117,14 @@ class PreparedRefit:
         checked as each tensor arrives, by execution, with the same errors)."""
         return not isinstance(self.tensors, Mapping)
 
-    def execute(self, expert_batch: int | None = None, consumer_stream: Any = None
+    def execute(self, expert_batch: int | None = None, consumer_stream: Any = None, quantize: Any = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(checkpoint_name, tensor)`` in the plan's wire order
-        (:meth:`qstrat.RefitDriver.execute`; the arguments as there). A streamed input can be
-        executed once."""
+        (:meth:`qstrat.RefitDriver.execute`; the arguments as there; ``quantize``: the
+        serializer call, :class:`qstrat.execute.stream.quantize.Quantize`). A streamed input can
+        be executed once."""
         return self.driver.execute(self.plan, self.tensors, values_checked=self.values_checked,
-                                   expert_batch=expert_batch, consumer_stream=consumer_stream)
+                                   expert_batch=expert_batch, consumer_stream=consumer_stream, quantize=quantize)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.execute()

@@ -39,15 +39,16 @@ import torch
 from qstrat.plan.data import OutputTensor, RefitPlan
 from qstrat.execute.stream.index import PlanIndex
 from qstrat.execute.stream.window import InputWindow, check_inputs, input_mismatch
-from qstrat.execute.stream.quantize import EntryQuantizer, SerializerSource, check_passthrough
+from qstrat.execute.stream.quantize import EntryQuantizer, Quantize, SerializerSource, check_passthrough
 
-__all__ = ["SerializerSource", "check_inputs", "check_passthrough", "cut_output", "execute", "hand_off",
+__all__ = ["Quantize", "SerializerSource", "check_inputs", "check_passthrough", "cut_output", "execute", "hand_off",
            "input_mismatch"]
 
 
 def execute(driver: SerializerSource, plan: RefitPlan, inputs: Mapping[str, Any] | Iterable[tuple[str, Any]],
             values_checked: bool, expert_batch: int,
-            consumer_stream: Any = None, index: PlanIndex | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+            consumer_stream: Any = None, index: PlanIndex | None = None, quantize: Quantize | None = None
+            ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(checkpoint_name, tensor)`` for every output of ``plan`` in its wire order.
 
     Args:
@@ -62,6 +63,8 @@ def execute(driver: SerializerSource, plan: RefitPlan, inputs: Mapping[str, Any]
         consumer_stream: CUDA stream the consumer reads outputs on (see module docstring).
         index: ``plan``'s :class:`~qstrat.execute.stream.index.PlanIndex` (None: built here; the driver
             passes the one kept with its kept plan).
+        quantize: the serializer call (:class:`~qstrat.execute.stream.quantize.Quantize`; None:
+            ``Serializer.quantize``, every entry whole).
     Yields: tensors on the input's device; per-expert outputs of a slab or batch are views of
         the quantized batch (call ``.contiguous()`` before serializing bytes).
     Raises: PlanError naming the tensor for a streamed input that is not in the plan, arrives
@@ -69,7 +72,7 @@ def execute(driver: SerializerSource, plan: RefitPlan, inputs: Mapping[str, Any]
         a stream these surface when the tensor arrives, after earlier outputs were yielded.
     """
     window = InputWindow(plan, inputs, index)
-    quantizer = EntryQuantizer(driver, plan, window, values_checked, expert_batch)
+    quantizer = EntryQuantizer(driver, plan, window, values_checked, expert_batch, quantize)
     try:
         live: dict[int, tuple[dict[str, torch.Tensor], int]] = {}  # entry -> (its parts, outputs left)
         for i, o in window.index.wire_order:

@@ -22,7 +22,7 @@ from qstrat.execute.stream.batches import ExpertBatcher, unalias
 from qstrat.execute.stream.groups import GroupContexts
 from qstrat.execute.stream.window import InputWindow
 
-__all__ = ["EntryQuantizer", "SerializerSource", "check_passthrough"]
+__all__ = ["EntryQuantizer", "Quantize", "SerializerSource", "check_passthrough", "quantize_whole"]
 
 
 class SerializerSource(Protocol):
@@ -30,6 +30,22 @@ class SerializerSource(Protocol):
     (:meth:`qstrat.RefitDriver.serializer`, cached per format and options)."""
 
     def serializer(self, name: str, options: Mapping[str, Any]) -> Serializer: ...
+
+
+class Quantize(Protocol):
+    """How an entry's serializer call is made: ``(ser, key, w, name=, context=, values_checked=)``
+    -> ``ser.quantize``'s parts (the same bytes), ``key`` naming the entry (its input name, or
+    the names of an expert batch) across executions. Default: :func:`quantize_whole`; a delta
+    round's sender passes :meth:`qstrat.transport.delta.requantize.Requantizer.quantize`."""
+
+    def __call__(self, ser: Serializer, key: Any, w: torch.Tensor, *, name: str, context: Any,
+                 values_checked: bool) -> dict[str, torch.Tensor]: ...
+
+
+def quantize_whole(ser: Serializer, key: Any, w: torch.Tensor, *, name: str, context: Any,
+                   values_checked: bool) -> dict[str, torch.Tensor]:
+    """``ser.quantize`` of ``w`` (``key`` unused): every execution quantizes every entry whole."""
+    return ser.quantize(w, name=name, context=context, values_checked=values_checked)
 
 
 class EntryQuantizer:
@@ -41,11 +57,13 @@ class EntryQuantizer:
         inputs: where input values are read.
         values_checked: NaN/inf already checked for every input.
         expert_batch: most experts per serializer call.
+        quantize: the serializer call (:class:`Quantize`; default :func:`quantize_whole`).
     """
 
     def __init__(self, driver: SerializerSource, plan: RefitPlan, inputs: InputWindow, values_checked: bool,
-                 expert_batch: int) -> None:
+                 expert_batch: int, quantize: Quantize | None = None) -> None:
         self.driver, self.plan, self.inputs, self.values_checked = driver, plan, inputs, values_checked
+        self.call = quantize or quantize_whole
         self.groups = GroupContexts(plan, inputs, values_checked)
         self.batches = ExpertBatcher(plan, inputs, expert_batch)
 
@@ -78,10 +96,10 @@ class EntryQuantizer:
     def _one(self, e: PlanEntry, ser: Serializer, w: torch.Tensor, ctx: Any, checked: bool) -> dict[str, torch.Tensor]:
         k = projection_split(e, ser)
         if not k:
-            return ser.quantize(w, name=e.name, context=ctx, values_checked=checked)
+            return self.call(ser, e.name, w, name=e.name, context=ctx, values_checked=checked)
         # a slab whose projections are tiled on their own (qstrat.plan.outputs.split_by_projection)
-        parts = ser.quantize(w.reshape(projection_shape(tuple(w.shape), k)), name=e.name, context=ctx,
-                             values_checked=checked)
+        parts = self.call(ser, e.name, w.reshape(projection_shape(tuple(w.shape), k)), name=e.name, context=ctx,
+                          values_checked=checked)
         return {n: v.reshape(w.shape[0], k * v.shape[1], *v.shape[2:]) for n, v in parts.items()}
 
     def _batch(self, e: PlanEntry, ser: Serializer, batch: list[int], ws: list[torch.Tensor], ctxs: list[Any],
@@ -90,7 +108,8 @@ class EntryQuantizer:
         ctx = None if ctxs[0] is None else {k: torch.stack([c[k] for c in ctxs]) for k in ctxs[0]}
         name = f"{e.name} (with {len(batch) - 1} more experts)"
         try:
-            parts = ser.quantize(stacked, name=name, context=ctx, values_checked=checked)
+            parts = self.call(ser, tuple(self.plan.entries[j].name for j in batch), stacked, name=name,
+                              context=ctx, values_checked=checked)
         except NonFiniteError:  # name the expert's own tensor, not the stacked batch
             for j, w in zip(batch, ws):
                 ser.check_values(w, self.plan.entries[j].name)

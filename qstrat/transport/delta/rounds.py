@@ -11,6 +11,7 @@ import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, WireManifestMismatchError
 from qstrat.transport.delta import encoding as delta
+from qstrat.transport.delta.requantize import Requantizer
 from qstrat.transport.delta.stream import PatchEncoder
 from qstrat.transport.send.report import DeltaReport, TransferReport
 from qstrat.transport.wire_manifest import WireManifest
@@ -27,15 +28,32 @@ REFUSED_BEFORE_DATA = (WireManifestMismatchError, TransferAuthError)
 
 
 class DeltaRounds:
-    """The sender's delta base and the rounds sent against it."""
+    """The sender's delta base and the rounds sent against it.
 
-    def __init__(self) -> None:
+    Args:
+        incremental: quantize each round from the last one's inputs and parts
+            (:class:`~qstrat.transport.delta.requantize.Requantizer`: the same bytes, only what
+            changed re-encoded; memory ~3 bytes per quantized parameter on the inputs' device);
+            False: every round quantizes the whole model.
+    """
+
+    def __init__(self, incremental: bool = True) -> None:
+        #: The incremental quantizer (None: ``incremental=False``); :meth:`quantize` is what the
+        #: round's execution calls.
+        self.requantizer: Requantizer | None = Requantizer() if incremental else None
+        self._layout: str | None = None
         #: The base shared with the engines: the last round every engine committed, in host
         #: memory (None: the next round is whole).
         self.base: delta.Base | None = None
         #: A stream buffer no one reads (the base before the last), reused for the next round's
         #: stream: written in place, without a new allocation's page faults.
         self.spare: torch.Tensor | None = None
+
+    @property
+    def quantize(self) -> Any:
+        """The serializer call for this sender's rounds (:class:`qstrat.execute.stream.quantize.Quantize`):
+        the requantizer's, or None (whole)."""
+        return self.requantizer.quantize if self.requantizer is not None else None
 
     def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], send: SendRound
               ) -> TransferReport:
@@ -49,6 +67,11 @@ class DeltaRounds:
         sent) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
         ``send``."""
         base, self.base = self.base, None
+        if self.requantizer is not None:
+            self.requantizer.take_stats()  # this round's counts only (not a failed round's before it)
+            if self._layout != target.digest:
+                self.requantizer.clear()  # another plan: its entries would be quantized whole anyway
+                self._layout = target.digest
         t0 = time.perf_counter()
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
@@ -69,9 +92,12 @@ class DeltaRounds:
         except BaseException as exc:
             if enc.source_error is not None and not isinstance(exc, MixedWeightsError):
                 self.base, self.spare = base, enc.stream  # the source failed: aborted, nothing loaded anywhere
+            if self.requantizer is not None:
+                self.requantizer.clear()  # no state of a failed round is trusted: the next one quantizes whole
             raise
         self.base, self.spare = enc.new_base(), base.stream if base is not None else None
         info = DeltaReport(enc.kind, reason, target.total_bytes, enc.wire_bytes, enc.tiles,
-                           spent[0] + enc.source_s, spent[1] + enc.encode_s, self.base.nbytes, attempts)
+                           spent[0] + enc.source_s, spent[1] + enc.encode_s, self.base.nbytes, attempts,
+                           self.requantizer.take_stats() if self.requantizer is not None else {})
         return TransferReport(report.wire_manifest, enc.wire_bytes, report.buckets, report.stream_seconds,
                               time.perf_counter() - t0, info)

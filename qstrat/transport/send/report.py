@@ -2,7 +2,7 @@
 :class:`DeltaReport`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qstrat.transport.wire_manifest import WireManifest
 
@@ -48,7 +48,11 @@ class DeltaReport:
     the stream);
     ``base_bytes``: the host memory the sender's base holds after the round; ``attempts``: 2 when
     a refused delta was followed by the whole round. The report's ``seconds`` then cover the
-    whole ``refit`` call after the checks (quantization, encoding, the round or rounds)."""
+    whole ``refit`` call after the checks (quantization, encoding, the round or rounds).
+    ``requantize``: the incremental quantizer's counts over the round
+    (:attr:`qstrat.transport.delta.requantize.Requantizer.stats`: elements, changed, blocks
+    touched and rescaled, codes re-encoded, and ``whole:<why>`` per entry quantized whole;
+    empty without it)."""
 
     kind: str
     reason: str | None
@@ -59,6 +63,7 @@ class DeltaReport:
     encode_s: float
     base_bytes: int
     attempts: int
+    requantize: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         why = f" ({self.reason})" if self.reason else ""

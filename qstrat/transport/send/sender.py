@@ -84,6 +84,10 @@ class RefitSender:
             delta`; a round goes whole
             when no base is shared or an engine refuses the delta; this sender keeps the last
             round's quantized bytes in host memory; :meth:`refit` only, not :meth:`send`).
+        incremental: ``mode="delta"``: quantize each round incrementally from the last one
+            (:mod:`qstrat.transport.delta.requantize`: the same bytes; this sender then also keeps
+            the last round's inputs, ~3 bytes per quantized parameter on their device); False:
+            every round quantizes the whole model.
     """
 
     #: The clients, the ranks each engine brings and the RPC/group timeout: :attr:`engines`' (read
@@ -94,7 +98,7 @@ class RefitSender:
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
                  workers_per_client: Sequence[int] | None = None,
-                 secret: Secret | bytes | str | None = None, mode: str = "atomic") -> None:
+                 secret: Secret | bytes | str | None = None, mode: str = "atomic", incremental: bool = True) -> None:
         if mode not in ("atomic", "bounded", "delta"):
             raise TransportError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded' or 'delta'")
         self.mode = mode
@@ -110,7 +114,7 @@ class RefitSender:
         #: Rank 0's round protocol (and the round counter).
         self.protocol = SenderProtocol()
         #: ``mode="delta"``: the base shared with the engines, and the rounds against it.
-        self.delta_rounds = DeltaRounds()
+        self.delta_rounds = DeltaRounds(incremental)
         #: The last round's seconds by phase (wall): ``start_s`` (start_weight_update RPCs),
         #: ``handshake_s`` (challenge, round header, accept vote), the bucket loop by activity
         #: (``source_s``: the driver producing tensors; ``pack_s``; ``seal_s``: checksum or NH +
@@ -210,7 +214,8 @@ class RefitSender:
         qc = prepared.plan.vllm_quantization_config()
         online = {ONLINE_KEY: prepared.plan.engine_quantization}  # who quantizes: checked by the engine first
         doc = manifest_doc(prepared)
-        return self.delta_rounds.refit(wm, prepared.execute(), lambda encoder, extra: self._send(
+        return self.delta_rounds.refit(wm, prepared.execute(quantize=self.delta_rounds.quantize),
+                                       lambda encoder, extra: self._send(
             wm, encoder, update_info(wm, self.mode, qc, {**online, **extra}, doc)))
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
