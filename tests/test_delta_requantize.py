@@ -201,3 +201,58 @@ def test_nan_under_propagate_keeps_the_full_paths_bytes_and_no_entry(cls):
     stats = rq.take_stats()
     # w whole (first), nan whole (non-finite), nan whole (no entry kept), w whole, then incremental
     assert stats["whole:non-finite"] == 1 and stats["whole:first round"] == 3 and stats["incremental"] == 1, stats
+
+
+# ---- the attacker's findings (each failed before its fix) ---------------------------------------
+
+def test_a_callers_context_buffer_updated_in_place_is_not_aliased():
+    """The group amax is kept as a copy: a caller reusing its context buffer (only k of q/k grew)
+    made the 'global scale moved' check compare the tensor with itself (wrong NVFP4 bytes)."""
+    ser, rq = NVFP4(), Requantizer()
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(32, 64, generator=g) * 0.02).bfloat16()
+    k = (torch.randn(16, 64, generator=g) * 0.02).bfloat16()
+    ctx = ser.group_context([q, k])
+    rq.quantize(ser, "q", q, context=ctx)
+    k2 = k.clone()
+    k2[0, 0] = 1.0
+    ctx["amax"].copy_(ser.group_context([q, k2])["amax"])
+    same_bytes(rq.quantize(ser, "q", q, context=ctx), ser.quantize(q, context=ctx))
+
+
+@pytest.mark.parametrize("fmt,flat,shape", [("block_fp8", torch.bfloat16, (32, 129)), ("mxfp8", torch.float32, (16, 64))])
+def test_a_view_at_an_unaligned_storage_offset_is_compared_and_exact(fmt, flat, shape):
+    """A contiguous view whose storage offset is not a multiple of 8 bytes (a row of a fused slab,
+    a flat parameter buffer) cannot be read as int64 words: compared element by element (it raised)."""
+    from qstrat.plugins.registry import get_serializer
+
+    ser, rq = get_serializer(fmt), Requantizer()
+    off = shape[1] if flat == torch.bfloat16 else 1
+    buf = torch.randn(off + shape[0] * shape[1], generator=torch.Generator().manual_seed(1)).to(flat)
+    w = buf[off:].view(shape)
+    assert w.storage_offset() * w.element_size() % 8
+    rq.quantize(ser, "w", w)
+    buf[off + 5] += 0.01
+    same_bytes(rq.quantize(ser, "w", w), ser.quantize(w))
+    assert rq.stats["incremental"] == 1
+
+
+def test_an_incremental_round_refuses_a_non_finite_scale_as_a_full_quantize_does():
+    """A plugin-like format without a floor on its block maxima: zeroing one tile gives an infinite
+    scale; the full quantize refuses it (check_emitted_scales), so must the incremental round."""
+    from qstrat.serializers.block_fp8 import BlockFP8
+
+    class NoFloor(BlockFP8):
+        def block_scales(self, amax, context=None):
+            s = amax / 448.0
+            return 1.0 / s, s
+
+    ser, rq = NoFloor(), Requantizer()
+    w = torch.randn(128, 128 * 9, generator=torch.Generator().manual_seed(2)).bfloat16()
+    rq.quantize(ser, "w", w)
+    y = w.clone()
+    y[:128, :128] = 0  # one tile of nine: under max_fraction, so incremental
+    for run in (lambda: ser.quantize(y, name="w"), lambda: rq.quantize(ser, "w", y, name="w")):
+        with pytest.raises(NonFiniteError, match=r"^w: serializer 'block_fp8' emitted a non-finite scale in "
+                                                 r"'weight_scale_inv' at index \[0, 0\]"):
+            run()

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from qstrat.serializers.base import Serializer
+from qstrat.serializers.finite import check_emitted_scales
 
 __all__ = ["Requantizer", "block_maxima", "changed_elements"]
 
@@ -110,9 +111,12 @@ class Requantizer:
             if isinstance(parts, str):
                 why = parts
             else:
+                out = parts if w.dim() == 3 else {k: v.squeeze(0) for k, v in parts.items()}
+                if ser.options.nonfinite == "error":  # as a full quantize does (a plugin's scales)
+                    check_emitted_scales(ser, out, name, w.numel())
                 self._entries[key] = entry
                 self.stats["incremental"] += 1
-                return parts if w.dim() == 3 else {k: v.squeeze(0) for k, v in parts.items()}
+                return out
         self.stats[f"whole:{why}"] += 1
         parts = ser.quantize(w, name=name, context=context, values_checked=values_checked)
         if ser.scale_block is not None and w3.dtype in _BITS:
@@ -219,7 +223,10 @@ def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     words' elements (the scan of :func:`~qstrat.transport.delta.encoding.changed_bytes`, to
     elements rather than bytes)."""
     per = 8 // new.element_size()
-    if new.numel() % (8 * per):
+    # int64 words need 8-byte-aligned storage: a view at another offset (a row slice of a fused
+    # slab, a view into a flat parameter buffer) is compared element by element instead
+    aligned = all(t.storage_offset() * t.element_size() % 8 == 0 for t in (new, old))
+    if new.numel() % (8 * per) or not aligned:
         return torch.nonzero(_bits(new).view(-1) != _bits(old).view(-1)).reshape(-1)
     a, b = new.view(-1).view(torch.int64), old.view(-1).view(torch.int64)
     ne = a != b
@@ -286,7 +293,8 @@ def _group_amax(ser: Serializer, amax: torch.Tensor, context: Mapping[str, torch
         context = ser.context_of_block_maxima(amax)
     if context is None:
         return None
-    return context["amax"].detach().to(torch.float32).reshape(-1)
+    # a copy: a caller's context buffer updated in place must not rewrite the kept amax
+    return context["amax"].detach().to(torch.float32).reshape(-1).clone()
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
