@@ -509,3 +509,22 @@ def test_a_plugin_installed_under_the_entry_point_and_also_passed_in_process_reg
     assert reg.serializers["mxfp8"].origin.startswith("builtin (qstrat ")
     assert sorted(reg.serializers) == sorted(Registry().serializers)
     assert [p for p in reg.pm.get_plugins() if p is builtin] == [builtin]
+
+
+def test_a_plugin_equal_to_everything_is_a_plugin_error_not_skipped():
+    """Registered-once is decided by identity: a plugin whose __eq__ says True to anything (the
+    attacker's) was taken for the built-in and silently skipped; pluggy itself compares plugins
+    with ==, so it cannot register such an object: a PluginError naming it."""
+
+    class EqualsAll:
+        def __eq__(self, other):
+            return True
+
+        __hash__ = object.__hash__
+
+        @hookimpl
+        def qstrat_serializers(self):
+            return [Good]
+
+    with pytest.raises(PluginError, match=r"^plugin EqualsAll: Plugin already registered under a different name"):
+        Registry(plugins=[EqualsAll()])

@@ -78,7 +78,7 @@ class Registry:
         """Register an in-process plugin under a readable name (module or class name, not an id).
         A plugin already registered (the same module installed under the ``qstrat`` entry point
         and also passed in ``plugins=``) is registered once: its hooks are already active."""
-        if self.pm.is_registered(plugin):
+        if any(p is plugin for p in self.pm.get_plugins()):  # identity: pluggy's is_registered uses ==
             return
         base = getattr(plugin, "__name__", None) or type(plugin).__name__
         name, i = base, 1
