@@ -53,6 +53,22 @@ def _worker(rank, init_file, out_dir):
         mixed = [(n, t if ".experts." in n else distribute_tensor(t, mesh, [Shard(0)])) for n, t in held]
         _save(out_dir / f"epfsdp{rank}.safetensors", list(driver.run(iter(mixed), plan=plans[rank])))
         _save(out_dir / f"epfsdpmap{rank}.safetensors", list(driver.run(dict(mixed), plan=plans[rank])))
+        # the attacker's cases, each refused on BOTH ranks with the same reason (not wrong bytes, not a hang):
+        # rank 1 passes two same-shape DTensors in swapped order; one dense DTensor arrives as float32
+        a, b = (next(i for i, (n, _) in enumerate(mixed) if n == f"model.layers.{k}.self_attn.q_proj.weight")
+                for k in (0, 1))
+        swapped = list(mixed)
+        if rank == 1:
+            swapped[a], swapped[b] = swapped[b], swapped[a]
+        retyped = [(n, distribute_tensor(full[n].float(), mesh, [Shard(0)]) if n.endswith("o_proj.weight") else t)
+                   for n, t in mixed]
+        for kind, inputs in (("order", swapped), ("dtype", retyped)):
+            try:
+                list(driver.run(iter(inputs), plan=plans[rank]))
+                outcome = "no error"
+            except Exception as exc:  # noqa: BLE001 - the test compares the two ranks' errors
+                outcome = f"{type(exc).__name__}: {exc}"
+            (out_dir / f"{kind}{rank}.txt").write_text(outcome)
 
         # tensor parallel DTensors: a row-parallel o_proj (Shard(1)), a slab sharded along K
         tp = {"model.layers.1.self_attn.o_proj.weight": [Shard(1)], "model.layers.1.mlp.experts.down_proj": [Shard(2)]}
@@ -109,6 +125,13 @@ def test_sharded_inputs_give_the_single_process_bytes(tiny_model, tiny_hf_config
         # o_proj and each of the 8 experts' down_proj: FP8 weight + weight_scale_inv
         assert len(tp) == 2 + 8 * 2 and sum(n.endswith("weight_scale_inv") for n, _ in tp) == 9
         check(tp)
+    swapped = [(tmp_path / f"order{rank}.txt").read_text() for rank in range(WORLD)]
+    assert swapped[0].startswith("PlanError: model.layers.0.self_attn.q_proj.weight (bfloat16[") and swapped[1].startswith(
+        "PlanError: model.layers.1.self_attn.q_proj.weight (bfloat16["), swapped
+    assert all("gathers model.layers." in o and "same order" in o for o in swapped), swapped
+    dtype = [(tmp_path / f"dtype{rank}.txt").read_text() for rank in range(WORLD)]
+    assert dtype[0] == dtype[1] and dtype[0].startswith("InputMismatchError: model.layers.0.self_attn.o_proj.weight"), dtype
+    assert "float32" in dtype[0], dtype
     ep = [_load(tmp_path / f"ep{rank}.safetensors") for rank in range(WORLD)]
     for rank in range(WORLD):  # FSDP2 dense weights + expert parallel: each rank's bytes as with plain tensors
         for kind in ("epfsdp", "epfsdpmap"):

@@ -95,16 +95,18 @@ class InputWindow:
         check_new_name(name, self.seen)
         self.seen.add(name)
         gather = bool(self.plan.elsewhere) and is_dtensor(t)  # a collective: joined on arrival
+        e = self.entries.get(name)
+        if e is None and name not in self.plan.elsewhere:
+            raise PlanError(f"{name}: not in the plan (plan from the same names, shapes and dtypes "
+                            "the producer yields)")
+        problem = input_mismatch(e, t) if e is not None else None
+        if gather:  # every rank of the mesh agrees on what it gathers, or all raise the same error
+            agree_on_gather(t, name, problem)
         if name in self.plan.elsewhere:
             if gather:
                 with torch.no_grad():
                     materialize(t, name)
             return name  # emitted by another rank: dropped
-        e = self.entries.get(name)
-        if e is None:
-            raise PlanError(f"{name}: not in the plan (plan from the same names, shapes and dtypes "
-                            "the producer yields)")
-        problem = input_mismatch(e, t)
         if problem:
             raise InputMismatchError(problem)
         if gather:
@@ -160,3 +162,36 @@ def check_inputs(plan: RefitPlan, tensors: Mapping[str, Any]) -> None:
     if errors:
         more = f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""
         raise PlanError("the given tensors do not match the given plan:\n  " + "\n  ".join(errors[:20]) + more)
+
+
+def agree_on_gather(t: Any, name: str, problem: str | None) -> None:
+    """Before a split plan's ``DTensor.full_tensor()`` (a collective of ``t``'s device mesh): every
+    rank of each mesh dimension's group says which tensor it is about to gather - name, shape,
+    dtype - and the problem its plan entry found with it (:func:`input_mismatch`; only the rank
+    that emits the tensor has the entry). One ``torch.distributed.all_gather_object`` per mesh
+    dimension, of a few hundred bytes.
+
+    Without it, ranks whose inputs arrive in different orders pair different tensors' shards in
+    the gather (silently wrong bytes when the shapes agree), and a rank that refuses an input
+    leaves the others waiting in the gather until the group's timeout, naming nothing.
+
+    Raises: PlanError on every rank of the mesh when another rank gathers another tensor here
+        (naming both); InputMismatchError on every rank when one rank's entry refuses it.
+    """
+    import torch.distributed as dist
+
+    mine = (name, [int(s) for s in t.shape], dtype_name(t.dtype), problem)
+    mesh = t.device_mesh
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        for rank, other in enumerate(everyone):
+            if tuple(other[:3]) != tuple(mine[:3]):
+                raise PlanError(
+                    f"{name} ({mine[2]}{mine[1]}): rank {rank} of its mesh gathers {other[0]} ({other[2]}{other[1]}) "
+                    "at this point: a split plan gathers each DTensor input as it arrives, so every rank must "
+                    "pass its DTensors in the same order (named_parameters() of one module gives it)")
+        refused = next((other[3] for other in everyone if other[3]), None)
+        if refused:
+            raise InputMismatchError(refused)
