@@ -58,5 +58,8 @@ fi
 # virtualenv built before a dependency was added gets it; seconds when nothing is missing)
 "${pip[@]}" install --no-build-isolation -e "$root" "torch==2.13.0" >/dev/null 2>&1
 rm -rf "$root/qstrat.egg-info"
+# This checkout first on the path: the cached virtualenv is shared, and another checkout's run may
+# re-point its editable install meanwhile (setuptools' editable finder comes after sys.path).
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
 QSTRAT_SKYRL_ENV=1 exec nice "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/skyrl312 "$@"
