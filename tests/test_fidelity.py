@@ -232,7 +232,9 @@ def test_the_per_token_verdict_is_the_median_against_the_float32_rerun(models):
     assert list(logged) == list(FIDELITY_METRICS) and logged["qstrat/fidelity/median_kl"] == 2 * limit
     assert logged["qstrat/fidelity/median_ratio"] == report.median_ratio and logged["qstrat/fidelity/ratio"] == report.ratio
     given = fidelity_metrics(dataclasses.replace(report, median_kl=None, median_floor=None, median_limit=None))
-    assert list(given) == list(FIDELITY_METRICS[:5])
+    assert list(given) == list(FIDELITY_METRICS[:7])
+    assert logged["qstrat/fidelity/ok"] == 0.0 and logged["qstrat/fidelity/seconds"] == report.seconds
+    assert fidelity_metrics(dataclasses.replace(report, median_kl=limit / 2))["qstrat/fidelity/ok"] == 1.0
 
 
 # ---- live engines ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine_harness import assert_same
+from stale_layer import REASON as _REASON, StaleLayer as _StaleLayer, assert_logged as _assert_logged
 
 HOOK_MODULE = "trl.generation.vllm_generation"
 
@@ -68,6 +69,7 @@ def _run(strategy, tmp_path, peft=False, verify_every=0):
             assert h["qstrat/fidelity/bf16_kl"] == f.bf16_kl > 0
             assert h["qstrat/fidelity/limit"] == f.threshold.mean_kl and h["qstrat/fidelity/ratio"] == f.ratio <= 1
             assert h["qstrat/fidelity/median_kl"] == f.median_kl and h["qstrat/fidelity/median_ratio"] == f.median_ratio <= 1
+            assert h["qstrat/fidelity/ok"] == 1.0 and h["qstrat/fidelity/seconds"] == f.seconds > 0
             assert f.floor is sync.reports[0].fidelity.floor  # one Verify: the floor measured on the first sync
         else:
             assert report.fidelity is None and "qstrat/fidelity/mean_kl" not in h
@@ -82,6 +84,79 @@ def _run(strategy, tmp_path, peft=False, verify_every=0):
 def test_grpo_engine_equals_fresh_engine_after_every_step(strategy, tmp_path, one_engine_thread):
     # MXFP8 also runs the fidelity probe on every sync and logs its numbers with TRL's metrics.
     _run(strategy, tmp_path, verify_every=1 if strategy == "mxfp8" else 0)
+
+
+@pytest.mark.engine
+def test_a_refit_leaving_one_layer_from_the_previous_step_logs_a_failed_verdict_and_training_goes_on(
+        tmp_path, monkeypatch, one_engine_thread):
+    """on_fidelity_failure='warn': the step whose sync left layer 1 stale logs ok 0 and its ratio
+    through TRL's own log history, warns with the error's text, and training goes on."""
+    from qstrat.vllm.engine.local import release
+    from qstrat.integrations.trl_demo import train
+    from qstrat.vllm.fidelity.verdict import FidelityWarning
+
+    cls = _vllm_generation().VLLMGeneration
+    stale = _StaleLayer(cls.__dict__["_iter_named_params"])
+    monkeypatch.setattr(cls, "_iter_named_params", stale)
+    with pytest.warns(FidelityWarning, match=_REASON) as warned:
+        trainer, probe = train("block-fp8", 2, tmp_path, verify_every=1, on_fidelity_failure="warn")
+    try:
+        sync = probe.sync
+        history = [h for h in trainer.state.log_history if "loss" in h]
+        assert stale.calls == 4 and len(sync.reports) == 3 and len(history) == 2
+        good, bad, after = (r.fidelity for r in sync.reports)
+        assert good.passed and not bad.passed and not after.passed
+        assert bad.ratio > 1 and bad.threshold == good.threshold  # one Verify: the limit of the first probe
+        _assert_logged(history[0], good)
+        _assert_logged(history[1], bad)
+        assert history[0]["qstrat/fidelity/ok"] == 1.0 and history[1]["qstrat/fidelity/ok"] == 0.0
+        fidelity_warnings = [w for w in warned if issubclass(w.category, FidelityWarning)]
+        assert len(fidelity_warnings) == 2 and f"mean KL {bad.mean_kl:.3g} (limit {bad.threshold.mean_kl:.3g}, " \
+            f"{bad.ratio:.2g}x)" in str(fidelity_warnings[0].message)
+        print(f"[trl] stale layer 1: {bad}")
+    finally:
+        release(trainer.vllm_generation.llm)
+
+
+@pytest.mark.engine
+def test_a_refit_leaving_one_layer_from_the_previous_step_stops_training_by_default(
+        tmp_path, monkeypatch, one_engine_thread):
+    """The default (on_fidelity_failure='raise'): trainer.train() raises FidelityError at the
+    step whose sync left layer 1 stale, after the sync put ok 0 in TRL's metrics store."""
+    from qstrat.errors import FidelityError
+    from qstrat.vllm.engine.local import release
+    from qstrat.integrations.trl_demo import build_trainer
+
+    cls = _vllm_generation().VLLMGeneration
+    monkeypatch.setattr(cls, "_iter_named_params", _StaleLayer(cls.__dict__["_iter_named_params"]))
+    trainer = build_trainer("block-fp8", 2, tmp_path, verify_every=1)
+    try:
+        sync = trainer.vllm_generation.sync_weights
+        with torch._dynamo.config.patch(disable=True), pytest.raises(FidelityError, match=_REASON) as err:
+            trainer.train()
+        history = [h for h in trainer.state.log_history if "loss" in h]
+        assert len(history) == 1 and history[0]["qstrat/fidelity/ok"] == 1.0  # step 1 logged, step 2 stopped
+        good, bad = (r.fidelity for r in sync.reports)
+        assert err.value.report is bad and bad.ratio > 1
+        _assert_logged(history[0], good)
+        logged = trainer._metrics["train"]  # step 2's, appended before the error propagated
+        assert logged["qstrat/fidelity/ok"] == [0.0] and logged["qstrat/fidelity/mean_kl"] == [bad.mean_kl]
+        assert logged["qstrat/fidelity/ratio"] == [bad.ratio] and logged["qstrat/fidelity/limit"] == [bad.threshold.mean_kl]
+    finally:
+        release(trainer.vllm_generation.llm)
+
+
+def test_on_fidelity_failure_is_checked_before_the_trainer_is_built():
+    from qstrat.errors import ConfigError
+    from qstrat.integrations import trl as qtrl
+
+    before = _vllm_generation().VLLMGeneration.__dict__["_init_vllm"]
+    for bad in ("stop", None, True):
+        with pytest.raises(ConfigError, match=r"^on_fidelity_failure: what a failed fidelity verdict does, 'raise' "
+                                              rf"\(stop the run\) or 'warn' \(log qstrat/fidelity/ok 0 and go on\), got {bad!r:s}$"):
+            with qtrl.rollouts("block-fp8", verify_every=1, on_fidelity_failure=bad):
+                pass
+    assert _vllm_generation().VLLMGeneration.__dict__["_init_vllm"] is before
 
 
 @pytest.mark.engine

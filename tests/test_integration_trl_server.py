@@ -181,8 +181,6 @@ def _server_generation(**attrs):
      r"^engine_kwargs: not with TRL VERSION's vllm_mode='server' \(the engine is the server's: pass vLLM arguments to its command\)"),
     ({"checkpoint_dir": "x"}, r"^checkpoint_dir: not with TRL VERSION's vllm_mode='server' \(the server starts on the checkpoint "
                               r"write_server_checkpoint wrote; the trainer writes none\)"),
-    ({"verify_every": 1}, r"^verify_every: not with TRL VERSION's vllm_mode='server' \(the fidelity probe runs an engine in the "
-                          r"trainer's process; the server's is in another"),
 ])
 def test_colocate_only_arguments_are_refused_in_server_mode(kwargs, message):
     """Before: silently ignored (engine_kwargs, checkpoint_dir) or a probe of an engine that is
@@ -259,6 +257,41 @@ def test_grpo_server_mode_equals_fresh_engine_after_every_sync(live, monkeypatch
     assert h["qstrat/sync/seconds"] >= h["qstrat/refit/seconds"] == pytest.approx(sync.reports[0].seconds)
     for key in ("sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
         assert math.isfinite(h[key])
+
+
+@pytest.mark.engine
+def test_server_mode_probes_the_server_every_step_and_a_stale_layer_logs_a_failed_verdict(live, monkeypatch,
+                                                                                          one_engine_thread):
+    """verify_every=1 in server mode: after each sync the trainer probes the SERVER (its prompt
+    logprobs over HTTP, qstrat.vllm.fidelity.served.ServedEngine) against its own model, and TRL
+    logs the numbers with the step. The sync before step 2 leaves layer 1 from the sync before
+    (tests/stale_layer.py): step 2 logs ok 0 and its ratio; on_fidelity_failure='warn' lets the
+    run finish and warns with the reason."""
+    import importlib
+
+    from qstrat.integrations import trl_server_demo as demo
+    from qstrat.vllm.fidelity.verdict import FidelityWarning
+    from stale_layer import REASON, StaleLayer, assert_logged
+
+    url, root = live["url"], live["root"]
+    monkeypatch.setenv("QSTRAT_TRANSFER_SECRET", demo.SECRET)
+    cls = importlib.import_module("trl.generation.vllm_generation").VLLMGeneration
+    stale = StaleLayer(cls.__dict__["_iter_named_params"])
+    monkeypatch.setattr(cls, "_iter_named_params", stale)
+    with pytest.warns(FidelityWarning, match=REASON) as warned:
+        trainer, probe = demo.train("block-fp8", 2, root / "probed", url, verify_every=1, on_fidelity_failure="warn")
+    sync = probe.sync
+    sync.close()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert stale.calls == 4 and len(sync.reports) == 3 and len(history) == 2
+    good, bad, after = sync.fidelity_reports
+    assert good.passed and good.tokens == 4 * 31 and good.top_k == 20 and good.floor is not None
+    assert not bad.passed and bad.ratio > 1 and not after.passed and bad.threshold == good.threshold
+    assert_logged(history[0], good)
+    assert_logged(history[1], bad)
+    assert [w for w in warned if issubclass(w.category, FidelityWarning)][0].message.args[0].startswith(
+        f"the engine does not serve what was sent: {bad}")
+    print(f"[trl server] correct sync: {good}\n[trl server] stale layer 1: {bad}")
 
 
 @pytest.mark.engine

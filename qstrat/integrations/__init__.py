@@ -7,6 +7,7 @@ no framework.
 - :mod:`.verl`: a vLLM worker extension for verl 0.9.1
 - :mod:`.nemo_rl`: a vLLM worker extension for NeMo-RL 0.7.0
 - :mod:`.skyrl`: a vLLM ``WeightSource`` for SkyRL 0.4.0's trainer workers
+- :mod:`.skyrl_fidelity`: a SkyRL callback logging the fidelity probe after each weight sync
 - :mod:`.demo_check`: the check every framework demo runs
 - :mod:`.trl_demo`: ``python -m qstrat.integrations.trl_demo``
 - :mod:`.trl_server_demo`: ``python -m qstrat.integrations.trl_server_demo``

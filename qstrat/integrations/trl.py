@@ -12,6 +12,7 @@ TRL's own parameter iterator::
                                 reward_funcs=reward, train_dataset=dataset,
                                 args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))
     trainer.train()     # logs qstrat/refit/{seconds,bytes,tensors} and qstrat/sync/seconds per sync
+                        # (verify_every=1: qstrat/fidelity/{mean_kl,limit,ratio,ok,...} too)
 
 How it hooks in (no fork of TRL, nothing patched outside the trainer's construction): while
 the trainer is being constructed, :func:`rollouts` wraps TRL's
@@ -101,13 +102,13 @@ class QstratRollouts:
     while it was active (one per ``VLLMGeneration`` built)."""
 
     def __init__(self, strategy: Any, checkpoint_dir: str | Path | None, engine_kwargs: Mapping[str, Any] | None,
-                 version: str, verify_every: int = 0) -> None:
+                 version: str, verify_every: int = 0, on_fidelity_failure: str = "raise") -> None:
         from qstrat.execute.driver import RefitDriver
+        from qstrat.vllm.fidelity.verdict import check_every, check_on_failure
 
         RefitDriver(strategy)  # an invalid strategy fails here, before the trainer is built
-        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
-            raise ConfigError(f"verify_every: a sync count >= 0 (0: never probe), got {verify_every!r}")
-        self.verify_every = verify_every
+        self.verify_every = check_every(verify_every, "verify_every")
+        self.on_fidelity_failure = check_on_failure(on_fidelity_failure, "on_fidelity_failure")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise ConfigError(f"checkpoint_dir: a directory path (str or pathlib.Path) or None, got "
                               f"{type(checkpoint_dir).__name__} {checkpoint_dir!r}")
@@ -127,6 +128,10 @@ class QstratRollouts:
         missing = [name for name in _INSTANCE_HOOKS if not hasattr(gen, name)]
         if missing:
             raise _hook_error(self.version, f"VLLMGeneration has no attribute {missing[0]} when it builds its engine")
+        if self.verify_every and callable(getattr(gen.model, "merge_and_unload", None)):
+            raise ConfigError("verify_every: the fidelity probe runs the trainer's model on the refit's own tensor "
+                              "names; a PEFT model's names differ (base_model.model..., lora_A/B): probe a "
+                              "merged copy with qstrat.vllm.fidelity.probe.probe instead")
         if gen.mode == "server":  # the engine is a vLLM server: qstrat.integrations.trl_server
             from qstrat.integrations import trl_server
 
@@ -140,10 +145,6 @@ class QstratRollouts:
         if gen.enable_sleep_mode:
             raise ConfigError("vllm_enable_sleep_mode: not supported with qstrat.integrations.trl (level-2 sleep "
                               "discards the engine's weights; a qstrat refit into a sleeping engine is untested)")
-        if self.verify_every and callable(getattr(gen.model, "merge_and_unload", None)):
-            raise ConfigError("verify_every: the fidelity probe runs the trainer's model on the refit's own tensor "
-                              "names; a PEFT model's names differ (base_model.model..., lora_A/B): probe a "
-                              "merged copy with qstrat.vllm.fidelity.probe.probe instead")
         hf_config = _hf_config(gen.model)
         driver = RefitDriver(self.strategy, hf_config=hf_config)
         if driver.config.quantize_in == "engine":
@@ -192,7 +193,8 @@ class QstratRollouts:
             raise
         finally:
             module.LLM = real_llm
-        sync = QstratWeightSync(gen, driver, plan, checkpoint, keep, verify_every=self.verify_every)
+        sync = QstratWeightSync(gen, driver, plan, checkpoint, keep, verify_every=self.verify_every,
+                                on_fidelity_failure=self.on_fidelity_failure)
         gen.sync_weights = sync
         self.syncs.append(sync)
 
@@ -218,7 +220,8 @@ class QstratRollouts:
 
 @contextmanager
 def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
-             engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0) -> Iterator[QstratRollouts]:
+             engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0,
+             on_fidelity_failure: str = "raise") -> Iterator[QstratRollouts]:
     """While active, every TRL ``VLLMGeneration`` built starts its engine on a qstrat checkpoint
     in ``strategy`` and syncs through :class:`QstratWeightSync` (colocated); in server mode it
     checks the server and syncs it through
@@ -235,17 +238,17 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
             (``checkpoint_dir/rank<process index>``; an earlier qstrat checkpoint there is
             replaced, anything else refused). Default: a temporary directory, removed with the
             engine's :class:`QstratWeightSync`.
-        engine_kwargs: more ``vllm.LLM`` arguments, overriding TRL's (e.g. ``max_num_batched_tokens``;
-            not ``model``, ``quantization``, ``quantization_config`` or ``hf_overrides``, which the
-            checkpoint decides);
-            on a vLLM CPU engine ``enforce_eager=True`` is the default (qstrat's CPU kernels do
-            not run under ``torch.compile``).
-        verify_every: probe the engine's fidelity (docs/fidelity.md) on the first sync and every
-            ``verify_every``-th after it, logging :data:`FIDELITY_METRICS`; 0 (default): never.
-            Costs a dequantized copy of the quantized weights and two forward passes per probe;
-            not with a PEFT model.
+        engine_kwargs: more ``vllm.LLM`` arguments, overriding TRL's (not ``model``, ``quantization``,
+            ``quantization_config``, ``hf_overrides``: the checkpoint decides); on a vLLM CPU
+            engine ``enforce_eager=True`` is the default (qstrat's CPU kernels run eagerly).
+        verify_every: probe the engine's fidelity on the first sync and every ``verify_every``-th
+            after it (the server too, over HTTP), logging :data:`FIDELITY_METRICS`; 0 (default):
+            never; not with a PEFT model. Cost: docs/integrations.md, "The fidelity probe per step".
+        on_fidelity_failure: what a failed probe does once logged (``qstrat/fidelity/ok`` 0.0):
+            ``"raise"`` (default; stops ``trainer.train()``) or ``"warn"`` (FidelityWarning, go on).
     Raises: ImportError / TRLHookError from :func:`check_trl`; ConfigError for an invalid strategy,
-        a ``verify_every`` that is not an int >= 0 (or set with a PEFT model), a ``checkpoint_dir``
+        a ``verify_every`` that is not an int >= 0 (or set with a PEFT model), an
+        ``on_fidelity_failure`` other than ``"raise"``/``"warn"``, a ``checkpoint_dir``
         that is not a path, an ``engine_kwargs`` that is not a mapping or sets what the checkpoint
         decides (:func:`check_engine_kwargs`: ``model``, ``quantization``, ``quantization_config``,
         ``hf_overrides``), all before the trainer is built; while a trainer is built: ConfigError for ``vllm_mode``
@@ -263,7 +266,7 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
     module = importlib.import_module(_MODULE)
     cls = module.VLLMGeneration
     original = cls.__dict__["_init_vllm"]
-    handle = QstratRollouts(strategy, checkpoint_dir, engine_kwargs, version, verify_every)
+    handle = QstratRollouts(strategy, checkpoint_dir, engine_kwargs, version, verify_every, on_fidelity_failure)
 
     def _init_vllm(gen: Any) -> None:
         handle.start(gen, original, module)
@@ -277,7 +280,7 @@ def rollouts(strategy: Any, *, checkpoint_dir: str | Path | None = None,
 
 def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path | None = None,
                  engine_kwargs: Mapping[str, Any] | None = None, verify_every: int = 0,
-                 **trainer_kwargs: Any) -> Any:
+                 on_fidelity_failure: str = "raise", **trainer_kwargs: Any) -> Any:
     """Build a TRL trainer whose vLLM rollouts (colocated, or a server) run ``strategy``.
 
     ``trainer_cls(**trainer_kwargs)`` is built inside :func:`rollouts` and attached
@@ -292,7 +295,7 @@ def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path
             ``use_vllm=True`` and ``vllm_mode="colocate"`` or ``"server"`` (a server started on a
             qstrat checkpoint with the ``qstrat`` backend: :mod:`qstrat.integrations.trl_server`;
             then ``checkpoint_dir``, ``engine_kwargs`` and ``verify_every`` are refused).
-        strategy, checkpoint_dir, engine_kwargs, verify_every: as in :func:`rollouts`.
+        strategy, checkpoint_dir, engine_kwargs, verify_every, on_fidelity_failure: as in :func:`rollouts`.
         trainer_kwargs: the trainer's own arguments (``model``, ``args``, ``processing_class``, ...).
     Returns: the trainer; its sync is ``trainer.vllm_generation.sync_weights``
         (a :class:`QstratWeightSync`: ``.reports``, ``.checkpoint``, ``.plan``; server mode: a
@@ -304,7 +307,7 @@ def make_trainer(trainer_cls: type, strategy: Any, *, checkpoint_dir: str | Path
         raise TypeError(f"make_trainer: trainer_cls must be a TRL trainer class (e.g. trl.GRPOTrainer), got "
                         f"{type(trainer_cls).__name__} {trainer_cls!r:.60}")
     with rollouts(strategy, checkpoint_dir=checkpoint_dir, engine_kwargs=engine_kwargs,
-                  verify_every=verify_every) as handle:
+                  verify_every=verify_every, on_fidelity_failure=on_fidelity_failure) as handle:
         trainer = trainer_cls(**trainer_kwargs)
     handle.attach(trainer)
     return trainer

