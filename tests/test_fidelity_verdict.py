@@ -87,3 +87,59 @@ def test_served_engine_refuses_an_address_that_is_not_an_http_url(url):
 
     with pytest.raises(ValueError, match=r"^ServedEngine: base_url must be a server's http\(s\) URL, got "):
         ServedEngine(url)
+
+
+# ---- the attacker's findings --------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["rasie", "Raise", None, "stop"])
+def test_a_misspelled_on_failure_is_refused_not_turned_into_a_warning(value):
+    """Anything but exactly "raise" used to warn: a typo let training go on with a wrong engine."""
+    from qstrat.integrations.trl_sync import QstratWeightSync
+    from qstrat.vllm.fidelity.verdict import judged
+
+    with pytest.raises(ConfigError, match=rf"^on_failure: .* got {value!r}$"):
+        judged(_Verdicts(1e-3), None, None, value)
+    with pytest.raises(ConfigError, match=rf"^on_fidelity_failure: .* got {value!r}$"):
+        QstratWeightSync(None, None, None, None, on_fidelity_failure=value)
+
+
+@pytest.mark.parametrize("timeout", [None, 0, -1, "5", True, float("inf")])
+def test_served_engine_refuses_a_timeout_that_is_not_a_positive_number(timeout):
+    """None waited forever on a server that accepted the connection and never answered."""
+    from qstrat.vllm.fidelity.served import ServedEngine
+
+    with pytest.raises(ValueError, match=r"^ServedEngine: timeout must be a positive number of seconds"):
+        ServedEngine("http://127.0.0.1:1", timeout=timeout)
+
+
+class _Answer:
+    def __init__(self, doc, status=200):
+        self.doc, self.status_code, self.text = doc, status, str(doc)
+
+    def json(self):
+        if isinstance(self.doc, Exception):
+            raise self.doc
+        return self.doc
+
+
+def _choice(i, positions):
+    return {"index": i, "prompt_logprobs": [None] + [{"5": {"logprob": -0.5}} for _ in range(positions)]}
+
+
+@pytest.mark.parametrize("doc,message", [
+    ({"choices": [_choice(0, 2)]}, r"returned prompt logprobs for 1 sequences of \[2\] positions; the probe sent "
+                                   r"2 of \[2, 2\]$"),
+    ({"choices": [_choice(0, 2), _choice(1, 1)]}, r"returned prompt logprobs for 2 sequences of \[2, 1\] positions"),
+    ({"choices": [{"index": 0, "prompt_logprobs": None}]}, r"answered /v1/completions without vLLM's prompt_logprobs"),
+    (ValueError("Expecting value"), r"answered /v1/completions without vLLM's prompt_logprobs \(ValueError"),
+])
+def test_a_short_or_foreign_server_answer_is_refused_naming_the_server(monkeypatch, doc, message):
+    """compare() zipped what came back: 1 of 2 sequences scored passed on partial data."""
+    import requests
+
+    from qstrat.vllm.fidelity.served import ServedEngine
+
+    monkeypatch.setattr(requests, "post", lambda *a, **k: _Answer(doc))
+    engine = ServedEngine("http://10.0.0.9:8000", model="m")
+    with pytest.raises(ValueError, match=r"^fidelity: the server at http://10.0.0.9:8000 " + message):
+        engine.prompt_logprobs([[1, 2, 3], [4, 5, 6]], 2)

@@ -18,6 +18,7 @@ import torch
 
 from qstrat.errors import QstratError
 from qstrat.vllm.fidelity.metrics import FIDELITY_METRICS, fidelity_metrics  # noqa: F401 (FIDELITY_METRICS: re-exported)
+from qstrat.vllm.fidelity.verdict import check_on_failure
 from qstrat.vllm.adapter import names
 from qstrat.vllm.adapter.views import EngineView
 
@@ -153,7 +154,7 @@ class QstratWeightSync:
     def __init__(self, generation: Any, driver: Any, plan: Any, checkpoint: Path, keep: Any = None,
                  verify_every: int = 0, on_fidelity_failure: str = "raise") -> None:
         self.verify_every = verify_every
-        self.on_fidelity_failure = on_fidelity_failure
+        self.on_fidelity_failure = check_on_failure(on_fidelity_failure, "on_fidelity_failure")
         self.generation = generation
         self.driver = driver
         self.plan = plan

@@ -30,6 +30,9 @@ class ServedEngine:
     def __init__(self, base_url: str, model: str | None = None, timeout: float = 300.0) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"ServedEngine: base_url must be a server's http(s) URL, got {base_url!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"ServedEngine: timeout must be a positive number of seconds per request (None would "
+                             f"wait forever on a server that never answers), got {timeout!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._model = model
@@ -73,6 +76,17 @@ class ServedEngine:
         if r.status_code != 200:
             raise ValueError(f"fidelity: the vLLM server at {self.base_url} refused prompt_logprobs={k} "
                              f"(HTTP {r.status_code}): {r.text[:300]}")
-        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-        return [[{int(t): float(lp["logprob"]) for t, lp in pos.items()} for pos in c["prompt_logprobs"][1:]]
-                for c in choices]
+        try:
+            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+            rows = [[{int(t): float(lp["logprob"]) for t, lp in pos.items()} for pos in c["prompt_logprobs"][1:]]
+                    for c in choices]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"fidelity: the server at {self.base_url} answered /v1/completions without vLLM's "
+                             f"prompt_logprobs ({type(exc).__name__}: {exc}); is it a vLLM server?") from None
+        # a verdict scored on part of the probe would pass on partial data: every sequence, every position
+        got = [len(row) for row in rows]
+        want = [len(s) - 1 for s in sequences]
+        if got != want:
+            raise ValueError(f"fidelity: the server at {self.base_url} returned prompt logprobs for {len(rows)} "
+                             f"sequences of {got} positions; the probe sent {len(sequences)} of {want}")
+        return rows

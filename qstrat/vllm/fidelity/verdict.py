@@ -55,10 +55,13 @@ def judged(verify: Any, llm: Any, driver: Any, on_failure: str = "raise") -> Any
 
     Returns: the :class:`~qstrat.vllm.fidelity.probe.FidelityReport` (``passed`` False under
         ``"warn"`` when the verdict failed).
-    Raises: FidelityError (``.report`` holds the report) when the verdict failed and
-        ``on_failure == "raise"``; what ``verify`` raises otherwise.
+    Raises: ConfigError naming ``on_failure`` when it is not one of :data:`ON_FAILURE` (checked
+        first: a misspelled "rasie" must not turn a failed verdict into a warning); FidelityError
+        (``.report`` holds the report) when the verdict failed and ``on_failure == "raise"``;
+        what ``verify`` raises otherwise.
     Warns: FidelityWarning with the FidelityError's text under ``"warn"``.
     """
+    check_on_failure(on_failure)
     try:
         return verify(llm, driver)
     except FidelityError as exc:
