@@ -88,7 +88,7 @@ def test_a_failed_probe_still_resets_the_cache_and_logs(tiny_model, monkeypatch)
     from qstrat.errors import FidelityError
 
     probe_report = SimpleNamespace(mean_kl=9.0, max_dlogprob=7.0, bf16_kl=0.5,
-                                   threshold=SimpleNamespace(mean_kl=1e-3), ratio=9e3)
+                                   threshold=SimpleNamespace(mean_kl=1e-3), ratio=9e3, passed=False, seconds=0.25)
 
     class FailingVerify:
         def __init__(self, model):
@@ -108,6 +108,7 @@ def test_a_failed_probe_still_resets_the_cache_and_logs(tiny_model, monkeypatch)
     assert store["qstrat/refit/bytes"] == [float(report.bytes)]
     assert store["qstrat/fidelity/max_dlogprob"] == [7.0] and len(store["qstrat/sync/seconds"]) == 1
     assert store["qstrat/fidelity/limit"] == [1e-3] and store["qstrat/fidelity/ratio"] == [9e3]
+    assert store["qstrat/fidelity/ok"] == [0.0] and store["qstrat/fidelity/seconds"] == [0.25]
 
 
 def test_a_refused_refit_logs_the_sync_and_sends_nothing(tiny_model, monkeypatch):
