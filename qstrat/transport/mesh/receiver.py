@@ -127,10 +127,8 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         whole: hand on each part as :meth:`~qstrat.transport.mesh.routing.ShareSlice.embed` makes it
             (the whole tensor's shape, the part where the rank's loader narrows to it, zeros
             elsewhere: what vLLM's weight loaders take), not the part itself.
-        pairs: a delta round's per-pair state (:class:`~qstrat.transport.mesh.pair_delta.PairBases`:
-            the mode bound into the MAC, the pair headers' base and round ids checked against
-            each pair's base - a stale one votes STALE_BASE -, each pair's patch stream rebuilt
-            and digest-checked - a mismatch votes DELTA); None: an atomic round.
+        pairs: a delta round's pair bases (:class:`~qstrat.transport.mesh.pair_delta.PairBases`: a
+            stale base votes STALE_BASE, a rebuilt digest mismatch DELTA); None: atomic.
     Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes,
         or with ``whole`` the tensor around it), views of the received buffers (copies with
         ``whole``), every bucket verified and every rank agreeing to commit.
