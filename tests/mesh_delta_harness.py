@@ -72,10 +72,11 @@ def _install_faults(faults: dict, step: list[int]) -> None:
 
 
 def delta_rank_main(rank: int, world: int, senders: int, port: int, fmts: list, layouts: list[dict], states_path: str,
-                    faults: dict, modes: tuple[str, ...], queue: Any) -> None:
+                    faults: dict, modes: tuple[str, ...], bucket_bytes: int, queue: Any) -> None:
     """One rank, for each format of ``fmts`` in turn on one group, over every state in
     ``states_path``, a round in each of ``modes`` (:func:`_rounds`). Puts (rank, "ok",
-    [per format: {mode: [per step: ("ok" | "err", value, extra)]}]): a sender's value is ``report.sent``
+    [per format: {mode: [per step: ("ok" | "err", value, extra)]}]; each pair's buckets of
+    ``bucket_bytes``): a sender's value is ``report.sent``
     (err: the error's text), extra (``report.delta`` as a dict or None, the call's wall seconds); a
     receiver's value is name -> digest of what it holds after the step, extra its stats (err:
     the error's text, and the digests it holds). ``faults``: ``no_secret_at`` (a sender without
@@ -94,11 +95,12 @@ def delta_rank_main(rank: int, world: int, senders: int, port: int, fmts: list, 
         _install_faults(faults, step)
         if rank >= senders and faults.get("session"):
             session, loaded = _session(rank, world, senders, port, layouts[rank - senders])
-            out = [_session_rounds(session, loaded, senders, fmt, states, faults, step) for fmt in fmts]
+            out = [_session_rounds(session, loaded, senders, fmt, states, faults, step, bucket_bytes) for fmt in fmts]
             session.shutdown()
         else:
             group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)
-            out = [_rounds(group, rank, senders, port, fmt, layouts, states, faults, step, modes) for fmt in fmts]
+            out = [_rounds(group, rank, senders, port, fmt, layouts, states, faults, step, modes, bucket_bytes)
+                   for fmt in fmts]
             group.close()
         queue.put((rank, "ok", out))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
@@ -106,7 +108,7 @@ def delta_rank_main(rank: int, world: int, senders: int, port: int, fmts: list, 
 
 
 def _rounds(group: Any, rank: int, senders: int, port: int, fmt: Any, layouts: list[dict], states: list, faults: dict,
-            step: list[int], modes: tuple[str, ...]) -> dict[str, list[tuple[str, Any, Any]]]:
+            step: list[int], modes: tuple[str, ...], bucket_bytes: int) -> dict[str, list[tuple[str, Any, Any]]]:
     """One format's rounds on this rank (:func:`delta_rank_main`): per state, a round of each of
     ``modes`` in turn (``atomic``: MeshSender / MeshReceiver; ``delta``: the delta ones), each
     mode on its own sender or receiver object; mode -> per step (status, value, extra)."""
@@ -122,7 +124,7 @@ def _rounds(group: Any, rank: int, senders: int, port: int, fmt: Any, layouts: l
     out: dict[str, list[tuple[str, Any, Any]]] = {m: [] for m in modes}
     if rank < senders:
         cls = {"atomic": MeshSender, "delta": DeltaMeshSender}
-        ends = {m: cls[m](group, senders, SECRET, "127.0.0.1", port, bucket_bytes=1 << 16) for m in modes}
+        ends = {m: cls[m](group, senders, SECRET, "127.0.0.1", port, bucket_bytes=bucket_bytes) for m in modes}
         for i, state in enumerate(states):
             step[0] = i
             held = split_state(driver, state, senders)[0][rank]
@@ -137,7 +139,7 @@ def _rounds(group: Any, rank: int, senders: int, port: int, fmt: Any, layouts: l
                     out[m].append(("err", f"{type(exc).__name__}: {exc}", None))
         return out
     layout = ReceiverLayout.from_dict(layouts[rank - senders])
-    doc = MeshRoutes(outputs, senders, [], 1 << 16, 64).to_dict()
+    doc = MeshRoutes(outputs, senders, [], bucket_bytes, 64).to_dict()
     cls = {"atomic": MeshReceiver, "delta": DeltaMeshReceiver}
     recvs = {m: cls[m](group, senders, layout, secret=SECRET, address="127.0.0.1", port=port) for m in modes}
     for i in range(len(states)):
@@ -179,7 +181,7 @@ def _session(rank: int, world: int, senders: int, port: int, layout: dict) -> tu
 
 
 def _session_rounds(session: Any, loaded: dict, senders: int, fmt: Any, states: list, faults: dict,
-                    step: list[int]) -> dict[str, list[tuple[str, Any, Any]]]:
+                    step: list[int], bucket_bytes: int) -> dict[str, list[tuple[str, Any, Any]]]:
     """One format's delta mesh rounds through ``session`` (start, a mesh ``update`` in mode
     ``delta``, finish: what the vLLM backend runs); per step (status, name -> digest of what the
     loader holds, the session's stats). ``stale_at`` (step, trainer rank): the session drops that
@@ -189,7 +191,7 @@ def _session_rounds(session: Any, loaded: dict, senders: int, fmt: Any, states: 
 
     driver = tiny_driver(fmt)
     _, _, plan = split_state(driver, states[0], senders)
-    doc = MeshRoutes(mesh_outputs(plan, ExpertParallel(senders, 8).owner), senders, [], 1 << 16, 64).to_dict()
+    doc = MeshRoutes(mesh_outputs(plan, ExpertParallel(senders, 8).owner), senders, [], bucket_bytes, 64).to_dict()
     out: list[tuple[str, Any, Any]] = []
     for i in range(len(states)):
         step[0] = i
@@ -214,7 +216,7 @@ def _secret() -> Any:
 
 def run_delta_mesh(port: int, fmts: list, senders: int, layouts: list[dict], states_path: str,
                    faults: dict[int, dict] | None = None, modes: tuple[str, ...] = ("delta",),
-                   timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
+                   bucket_bytes: int = 1 << 16, timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
     """Mesh rounds of each format of ``fmts`` over every state in ``states_path``, one per mode of
     ``modes`` per state, on ``senders + len(layouts)`` processes; rank -> (status, value)
     (:func:`delta_rank_main`'s)."""
@@ -223,7 +225,7 @@ def run_delta_mesh(port: int, fmts: list, senders: int, layouts: list[dict], sta
     world = senders + len(layouts)
     procs = [ctx.Process(target=delta_rank_main, daemon=True,
                          args=(r, world, senders, port, fmts, layouts, states_path, (faults or {}).get(r, {}), modes,
-                               queue))
+                               bucket_bytes, queue))
              for r in range(world)]
     return collect(procs, queue, timeout_s)
 
@@ -240,3 +242,53 @@ def save_trajectory(path: str, lr: float, steps: int) -> list[dict]:
     states = list(adam_trajectory(build_tiny_qwen3_moe(seed=1), lr, steps))
     torch.save(states, path)
     return states
+
+
+# ---- live engines (tests/test_engine_transport_mesh_delta.py) --------------------------------
+def engine_delta_trainer_main(rank: int, senders: int, port: int, conns: list, workers: list[int], fmt: Any,
+                              states_path: str, queue: Any) -> None:
+    """One trainer rank of live delta mesh refits: a ``MeshRefitSender(mode="delta")`` holding its
+    half of the experts of each state in ``states_path`` (the tiny model with TP2_SHAPE), one
+    ``refit`` per state; rank 0 drives the engines through ``conns``. Puts (rank, "ok", [per
+    state: (report.sent, report.delta as a dict)]) or (rank, "err", text)."""
+    try:
+        import torch
+
+        from qstrat.execute.sharding import ExpertParallel
+        from qstrat.transport.mesh.refit import MeshRefitSender
+        from transport_harness import PipeClient
+
+        from mesh_harness import TP2_SHAPE
+        from qstrat import RefitDriver
+        from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
+
+        states = torch.load(states_path)
+        driver = RefitDriver(fmt, hf_config=hf_config(build_tiny_qwen3_moe(seed=0, **TP2_SHAPE)))
+        sender = MeshRefitSender(rank, senders, "127.0.0.1", port, [PipeClient(c, 600.0) for c in conns], workers,
+                                 timeout_s=240.0, secret=SECRET, bucket_bytes=1 << 20, mode="delta")
+        sender.connect()
+        out = []
+        for state in states:
+            held, _, plan = split_state(driver, state, senders)
+            report = sender.refit(driver, held[rank], plan, ExpertParallel(senders, 8).owner)
+            out.append((report.sent, vars(report.delta)))
+        sender.close()
+        queue.put((rank, "ok", out))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+
+
+def run_engine_delta_mesh(engines: list, workers: list[int], fmt: Any, states_path: str, senders: int = 2,
+                          timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
+    """Live delta mesh refits: ``senders`` trainer processes refit ``engines`` (transport_harness
+    Receivers; their RPC pipes go to trainer rank 0) to each state in ``states_path`` in turn;
+    rank -> (status, value)."""
+    from transport_harness import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=engine_delta_trainer_main, daemon=True,
+                         args=(r, senders, port, [e.rpc.conn for e in engines] if r == 0 else [], workers, fmt,
+                               states_path, queue)) for r in range(senders)]
+    return collect(procs, queue, timeout_s)
