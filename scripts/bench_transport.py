@@ -63,6 +63,10 @@ point-to-point (S senders x R receivers, all pairs at once) and of today's broad
 same links, the real mesh round against a ``RefitSender`` broadcast of the same payload (:func:`run_mesh`), and the routing model's projected
 round times at that efficiency (:func:`mesh_section`).
 
+Mesh delta (``--mesh-delta``): delta mesh rounds (every (trainer rank, engine rank) pair patched
+against its own base) against full mesh rounds of the same weights on loopback, over real Adam
+steps per ``--lr`` and format (:func:`mesh_delta`).
+
 Links (``--link``): every measurement above runs over each link in turn: ``loopback`` (the
 default: 127.0.0.1), or a real network link on this machine (root, iproute2; scripts/shaped_link.py):
 a veth pair into a network namespace, the receivers spawned inside it, both directions shaped by
@@ -77,6 +81,7 @@ log(rate) between the two measured links around it (``>X``: delta faster on ever
     .venv/bin/python scripts/bench_transport.py --delta [--lr 1e-6 1e-5] [--steps 4] [--formats block-fp8 mxfp8 nvfp4] [--width 1] [--secret]
     .venv/bin/python scripts/bench_transport.py [--layers 8] [--layer-mib 12] [--receivers 1 2] [--bucket-mib 4 16 64] [--reps 3] [--secret]
     sudo .venv/bin/python scripts/bench_transport.py --delta --lr 1e-6 --link 1gbit 10gbit loopback [--json out.json]
+    .venv/bin/python scripts/bench_transport.py --mesh-delta --lr 1e-6 --bucket-mib 1 [--steps 4] [--formats block-fp8 mxfp8 nvfp4]
     sudo .venv/bin/python scripts/bench_transport.py --mesh-links 500mbit 1gbit [--senders 1 2 4] [--mesh-receivers 2 4] [--pair-mib 8] [--layers 2]
     .venv/bin/python scripts/bench_transport.py --memory --layers 8 --layer-mib 256 --receivers 1 --bucket-mib 64 --modes atomic bounded
 """
@@ -398,6 +403,67 @@ def run_mesh(senders: int, receivers: int, links: list, pair_bytes: int, reps: i
     return {"mesh_s": m["seconds"], "stream_s": m["stream_s"], "broadcast_s": b["refit_s"], "received": m["received"], "payload": m["payload"]}
 
 
+def mesh_delta(args) -> None:
+    """``--mesh-delta``: delta mesh rounds against full mesh rounds on loopback. Two trainer
+    processes (each its half of the tiny Qwen3-MoE's experts) and two engine-less expert-parallel
+    receivers (attention narrowed by TP rank 1 / 0 of 2, the odd / even experts whole), a gloo
+    group over 127.0.0.1 (tests/mesh_delta_harness.py), each pair's buckets of the first
+    ``--bucket-mib``; per ``--lr`` one trajectory of
+    ``--steps`` real Adam steps, and after the start and every step a FULL mesh round
+    (``MeshSender``) and a DELTA mesh round (``DeltaMeshSender``) of the same weights, one after
+    the other, each on its own sender and receiver objects. Printed per format and step: the
+    payload bytes every pair carried in each (summed over the pairs), the delta's as % of the
+    full's, the wall seconds of each round on the slower trainer rank (``send`` call,
+    quantization included), whether both receivers hold the same bytes after both rounds; then
+    the medians over the delta steps (every step but the start) and the load average before and
+    after."""
+    import tempfile
+
+    from mesh_delta_harness import run_delta_mesh, save_trajectory
+
+    from qstrat.transport.mesh.routing import ReceiverLayout
+
+    layouts = [ReceiverLayout(1, 2, (1, 3, 5, 7), moe_tp=False).to_dict(),
+               ReceiverLayout(0, 2, (0, 2, 4, 6), moe_tp=False).to_dict()]
+    print(f"mesh: 2 trainer processes -> 2 expert-parallel receivers, gloo on loopback, tiny Qwen3-MoE, "
+          f"{args.bucket_mib[0]:g} MiB buckets per pair, secret set; wall = the slower trainer rank's send call "
+          f"(quantization included)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for lr in args.lr:
+            path = os.path.join(tmp, f"states-{lr:g}.pt")
+            save_trajectory(path, lr, args.steps)
+            load = os.getloadavg()[0]
+            res = run_delta_mesh(free_port(), list(args.formats), 2, layouts, path, modes=("atomic", "delta"),
+                                 bucket_bytes=int(args.bucket_mib[0] * 2**20))
+            after = os.getloadavg()[0]
+            bad = {r: v for r, (st, v) in res.items() if st != "ok"}
+            if bad:
+                raise RuntimeError(f"mesh delta bench: ranks failed: {bad}")
+            print(f"\n{'format':9} {'lr':>6} {'step':>4} {'full B':>9} {'delta B':>9} {'%':>6} {'attempts':>8} "
+                  f"{'full s':>7} {'delta s':>7} {'exact':>5}")
+            for f, fmt in enumerate(args.formats):
+                rows = []
+                for i in range(args.steps + 1):
+                    got = {m: [res[s][1][f][m][i] for s in range(2)] for m in ("atomic", "delta")}
+                    if any(st != "ok" for m in got for st, _, _ in got[m]):
+                        raise RuntimeError(f"mesh delta bench: {fmt} step {i}: {got}")
+                    full_b = sum(sum(sent.values()) for _, sent, _ in got["atomic"])
+                    delta_b = sum(sum(sent.values()) for _, sent, _ in got["delta"])
+                    full_s = max(extra[1] for _, _, extra in got["atomic"])
+                    delta_s = max(extra[1] for _, _, extra in got["delta"])
+                    attempts = max(extra[0]["attempts"] for _, _, extra in got["delta"])
+                    exact = all(res[2 + r][1][f]["atomic"][i][1] == res[2 + r][1][f]["delta"][i][1] for r in range(2))
+                    print(f"{fmt:9} {lr:6.0e} {i:>4} {full_b:>9} {delta_b:>9} {100 * delta_b / full_b:>6.2f} "
+                          f"{attempts:>8} {full_s:>7.3f} {delta_s:>7.3f} {str(exact):>5}", flush=True)
+                    if i:
+                        rows.append((full_s, delta_s, full_b, delta_b))
+                if rows:
+                    med = [statistics.median(r[k] for r in rows) for k in range(4)]
+                    print(f"{'':9} median of {len(rows)} delta steps: wall s full {med[0]:.3f} / delta {med[1]:.3f} "
+                          f"(x{med[1] / med[0]:.2f}), bytes {100 * med[3] / med[2]:.2f} % of full; load average "
+                          f"{load:.1f} -> {after:.1f}", flush=True)
+
+
 def mesh_section(args) -> None:
     """``--mesh-links RATE...``: every process behind its own shaped link (scripts/mesh_links.py);
     per rate: (i) raw gloo point-to-point, S senders x R receivers all pairs at once, efficiency =
@@ -501,11 +567,17 @@ def main() -> None:
                     help="every process behind its own link shaped to each RATE in turn (root): raw gloo "
                          "point-to-point and today's broadcast refit, efficiency per link, then the routing "
                          "model's projection (see mesh_section)")
+    ap.add_argument("--mesh-delta", action="store_true",
+                    help="delta vs full MESH rounds on loopback: 2 trainer processes into 2 expert-parallel "
+                         "receivers, real Adam steps per --lr and --formats (see mesh_delta)")
     ap.add_argument("--senders", type=int, nargs="+", default=[1, 2, 4], help="--mesh-links: sender counts S")
     ap.add_argument("--mesh-receivers", type=int, nargs="+", default=[2, 4], help="--mesh-links: receiver counts R")
     ap.add_argument("--pair-mib", type=float, default=8, help="--mesh-links: MiB each (sender, receiver) pair moves")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.mesh_delta:
+        mesh_delta(args)
+        return
     if args.mesh_links:
         check_can_shape()
         for rate in args.mesh_links:

@@ -15,13 +15,21 @@ TIMEOUT_S = 90.0
 def model_and_plans(fmt: str, senders: int) -> tuple[Any, dict, list, list, Any]:
     """(driver, whole state (per-expert names), each rank's held tensors (global names), each
     rank's plan, the whole plan) for the tiny Qwen3-MoE, experts split over ``senders`` ranks."""
-    from qstrat import RefitDriver, tensor_specs
+    from qstrat import RefitDriver
     from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
-    from qstrat.execute.sharding import ExpertParallel, split_plan
 
     model = build_tiny_qwen3_moe(seed=1)
     state = model.state_dict()
     driver = RefitDriver(fmt, hf_config=hf_config(model))
+    return (driver, state, *split_state(driver, state, senders))
+
+
+def split_state(driver: Any, state: dict, senders: int) -> tuple[list, list, Any]:
+    """(each rank's held tensors (global names), each rank's plan, the whole plan) of the tiny
+    Qwen3-MoE's ``state`` (grouped expert slabs), experts split over ``senders`` ranks."""
+    from qstrat import tensor_specs
+    from qstrat.execute.sharding import ExpertParallel, split_plan
+
     ep = ExpertParallel(size=senders, num_experts=8)
     held = []
     for r in range(senders):
@@ -31,7 +39,7 @@ def model_and_plans(fmt: str, senders: int) -> tuple[Any, dict, list, list, Any]
     for h in held:
         specs.update(tensor_specs(h.items()))
     plan = driver.plan(specs)
-    return driver, state, held, split_plan(plan, ep.owner, senders), plan
+    return held, split_plan(plan, ep.owner, senders), plan
 
 
 def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts: list[dict],

@@ -147,7 +147,7 @@ class StreamWriter:
             at = starts[slot.bucket].stream_offset + slot.offset
             if at > self._end:
                 self.out[self._end:at].zero_()
-            self.out[at:at + slot.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
+            self.out[at:at + slot.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
             self._end = at + slot.nbytes
             self._slot += 1
         hi = self.cuts[k + 1] if k + 1 < len(self.cuts) else self.out.numel()

@@ -1,7 +1,8 @@
 """A mesh round on a receiver with an engine (:class:`~qstrat.transport.receive.session.ReceiverSession`,
 the vLLM backend's): the engine rank receives its share from every trainer rank
 (:func:`~qstrat.transport.mesh.receiver.receive_mesh_round`), after checking the round against
-what its engine loads, and stages it; the session's ``finish`` loads it (atomic only).
+what its engine loads, and stages it; the session's ``finish`` loads it (atomic, or delta: atomic
+rounds whose pairs travel as patches against each pair's base, :mod:`qstrat.transport.mesh.pair_delta`).
 
 What the engine is handed: each tensor of its share in the WHOLE tensor's shape
 (:meth:`~qstrat.transport.mesh.routing.ShareSlice.embed`: the received slice where this rank's TP
@@ -18,6 +19,7 @@ import torch
 
 from qstrat.errors import TransportError, WireManifestMismatchError
 from qstrat.transport.receive.acceptance import check_expected
+from qstrat.transport.mesh.pair_delta import receive_delta_round
 from qstrat.transport.mesh.receiver import receive_mesh_round
 from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout
 from qstrat.transport.wire_manifest import build_wire_manifest
@@ -46,8 +48,9 @@ class ShareCheck:
         error its layout could not be read with)."""
         if self.refusal is not None:
             raise self.refusal
-        if self.info.get("mode", "atomic") != "atomic":
-            raise WireManifestMismatchError(f"a mesh round is atomic only, not {self.info.get('mode')!r}")
+        if self.info.get("mode", "atomic") not in ("atomic", "delta"):
+            raise WireManifestMismatchError(f"a mesh round is atomic only (or delta: atomic rounds of per-pair "
+                                            f"patches), not {self.info.get('mode')!r}")
         # the whole round against the engine (an expert-parallel rank's share leaves out the other
         # ranks' experts, which its engine manifest lists); the share is the routing's part of it
         wm = build_wire_manifest(((n, d, shape) for n, d, shape, _ in routes.outputs), routes.bucket_bytes,
@@ -61,7 +64,10 @@ def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Te
 
     Args: session: a joined session with ``senders`` (from its init info) and ``layout()``
         (this rank's :class:`~qstrat.transport.mesh.routing.ReceiverLayout`, read from its engine);
-        info: ``update_info`` with :data:`MESH_KEY` and ``mode`` (``atomic``).
+        info: ``update_info`` with :data:`MESH_KEY` and ``mode`` (``atomic``, or ``delta``: each
+        pair patched against the pair base in ``session.mesh_pairs``,
+        :mod:`qstrat.transport.mesh.pair_delta`, and received again whole in the same call when
+        only the delta was refused; ``session.stats`` then has ``attempts``).
     Returns: this rank's share as its loader takes it (whole shapes, see the module docstring),
         in wire order; ``session.stats`` gets the receive side's counts (``bytes`` received,
         ``share_bytes``, ``tensor_bytes``, ``seconds``, ``stream_s``).
@@ -77,5 +83,10 @@ def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Te
         layout, refusal = session.layout(), None
     except TransportError as exc:  # e.g. an engine layout mesh rounds do not cover: refused in the vote
         layout, refusal = ReceiverLayout(), exc
-    return receive_mesh_round(session.group, info[MESH_KEY], int(session.senders), layout, session.auth,
-                              ShareCheck(session, info, refusal), session.stats, whole=True)
+    pairs = session.mesh_pairs if info.get("mode") == "delta" else None
+
+    def receive() -> list[tuple[str, torch.Tensor]]:
+        return receive_mesh_round(session.group, info[MESH_KEY], int(session.senders), layout, session.auth,
+                                  ShareCheck(session, info, refusal), session.stats, whole=True, pairs=pairs)
+
+    return receive() if pairs is None else receive_delta_round(receive, session.stats)

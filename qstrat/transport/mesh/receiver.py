@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport.delta.encoding import DeltaRefused
 from qstrat.transport.mesh import steps as mesh
 from qstrat.transport import protocol as proto
 from qstrat.transport.security.auth import ReceiverAuth, RoundContext, from_words
@@ -75,6 +76,10 @@ class PairIn:
             else:
                 self.received.append(dst)
 
+    def tensors(self) -> Unit:
+        """The pair's tensors (views of the received buckets), after :meth:`run` verified them all."""
+        return unpack(self.wm, self.received)
+
 
 def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[ReceiverLayout],
                 layout: ReceiverLayout, expected: Any) -> tuple[MeshRoutes | None, Exception | None]:
@@ -104,7 +109,7 @@ def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[Rece
 
 def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, layout: ReceiverLayout,
                        auth: ReceiverAuth | None = None, expected: Any = None,
-                       stats: dict[str, float] | None = None, whole: bool = False) -> Unit:
+                       stats: dict[str, float] | None = None, whole: bool = False, pairs: Any = None) -> Unit:
     """Receive one mesh round on engine rank ``group.rank`` (>= ``senders``).
 
     Args:
@@ -122,15 +127,20 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         whole: hand on each part as :meth:`~qstrat.transport.mesh.routing.ShareSlice.embed` makes it
             (the whole tensor's shape, the part where the rank's loader narrows to it, zeros
             elsewhere: what vLLM's weight loaders take), not the part itself.
+        pairs: a delta round's pair bases (:class:`~qstrat.transport.mesh.pair_delta.PairBases`: a
+            stale base votes STALE_BASE, a rebuilt digest mismatch DELTA); None: atomic.
     Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes,
         or with ``whole`` the tensor around it), views of the received buffers (copies with
         ``whole``), every bucket verified and every rank agreeing to commit.
     Raises: WireManifestMismatchError (a share other than this rank's, malformed round, an engine
         that loads something else), TransferAuthError, TransportError - before any data; then
         TransportError (a seal failed, a sender aborted, another rank refused, a peer was lost:
-        the group is then closed), with nothing handed on.
+        the group is then closed), with nothing handed on; DeltaRefused (a TransportError) on every
+        rank when every refusal of a delta round, in either vote, was delta-only (its sender sends
+        the round again, whole).
     """
     t0, g = time.perf_counter(), group
+    mode, words = (mesh.MODE, mesh.PAIR_WORDS) if pairs is None else (pairs.mode, pairs.head_words)
     auth = auth or ReceiverAuth(None, "", 0)
     stats = stats if stats is not None else {}
     layouts, drawn, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, senders, layout,
@@ -139,51 +149,64 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
     mesh.wait(g, g.broadcast(header), "no round header from rank 0")
     counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])
-    heads = [torch.zeros(mesh.PAIR_WORDS, dtype=torch.int64, device=g.device) for _ in range(senders)]
+    heads = [torch.zeros(words, dtype=torch.int64, device=g.device) for _ in range(senders)]
     for w in [g.recv(h, s, 0) for s, h in enumerate(heads)]:
         mesh.wait(g, w, "no pair header (a trainer rank died?)")
     me = g.rank - senders
     if rejection is None and digest != routes.digest:
         rejection = WireManifestMismatchError(f"rank {g.rank}: rank 0 streams other routes than this rank computed")
     if rejection is None:
-        reason = auth.verify(RoundContext(digest, mesh.MODE, counter, ch, auth.address, auth.port, g.world_size),
+        reason = auth.verify(RoundContext(digest, mode, counter, ch, auth.address, auth.port, g.world_size),
                              mac, g.rank, drawn)
         if reason is not None:
             rejection = TransferAuthError(f"rank {g.rank}: mesh round refused: {reason}")
     if rejection is None:
         for s, h in enumerate(heads):
-            if h.tolist() != mesh.pair_header(routes.pair_manifest(s, me), g.device).tolist():
+            if h.tolist()[:mesh.PAIR_WORDS] != mesh.pair_header(routes.pair_manifest(s, me), g.device).tolist():
                 rejection = WireManifestMismatchError(
                     f"rank {g.rank}: trainer rank {s} would send another share than this rank loads "
                     f"(pair wire manifest {routes.pair_manifest(s, me).digest[:12]}...)")
                 break
+    if rejection is None and pairs is not None:
+        rejection = pairs.check([h.tolist() for h in heads], routes, me, g.rank)
     status = (proto.OK if rejection is None else proto.UNAUTHENTICATED if isinstance(rejection, TransferAuthError)
-              else proto.REJECTED)
+              else getattr(rejection, "vote_status", proto.REJECTED))
     votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, auth.secret, mac)
+    if _delta_only(votes):
+        raise DeltaRefused(f"rank {g.rank}: mesh delta refused before any data: {proto.describe(votes.statuses)}"
+                           + (f" ({rejection})" if rejection is not None else ""))
     if rejection is not None:
         raise rejection
     if votes.failed():
         raise TransportError(f"rank {g.rank}: mesh round refused before any data: {proto.describe(votes.statuses)}")
     auth.last_counter = counter
     t1 = time.perf_counter()
-    pairs = [PairIn(g, s, routes.pair_manifest(s, me), mesh.pair_sealer(auth.secret, mac, s, g.rank, g.device))
-             for s in range(senders)]
-    _drain(pairs)
-    failure = next((p.failure for p in pairs if p.failure), None)
-    stats.update(bytes=sum(p.bytes for p in pairs), share_bytes=routes.bytes_per_receiver()[me],
+    pair_in = PairIn if pairs is None else pairs.pair_in
+    ins = [pair_in(g, s, routes.pair_manifest(s, me), mesh.pair_sealer(auth.secret, mac, s, g.rank, g.device))
+           for s in range(senders)]
+    _drain(ins)
+    failure = next((p.failure for p in ins if p.failure), None)
+    stats.update(bytes=sum(p.bytes for p in ins), share_bytes=routes.bytes_per_receiver()[me],
                  stream_s=time.perf_counter() - t1)
     votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT,
                             failure[0] if failure else proto.OK, False, auth.secret, mac)
     stats["seconds"] = time.perf_counter() - t0
     if proto.outcome(votes) == "committed":
-        by = {n: t for p in pairs for n, t in unpack(p.wm, p.received)}
+        by = {n: t for p in ins for n, t in p.tensors()}
         staged = [(s.name, by[s.name]) for s in routes.share(me)]
         stats["tensor_bytes"] = sum(t.nbytes for _, t in staged)
         if whole:
             staged = [(s.name, s.embed(by[s.name])) for s in routes.share(me)]
         return staged
     reason = failure[1] if failure else f"rank {g.rank}: mesh round not committed: {proto.describe(votes.statuses)}"
+    if _delta_only(votes):
+        raise DeltaRefused(f"{reason}; mesh delta refused, nothing loaded: {proto.describe(votes.statuses)}")
     raise TransportError(f"{reason}; nothing loaded")
+
+
+def _delta_only(votes: proto.Votes) -> bool:
+    """Whether the vote failed and every refusal refused only a delta round's encoding."""
+    return votes.failed() and all(s == proto.OK or s in proto.DELTA_ONLY for s in votes.statuses)
 
 
 def _drain(pairs: list[PairIn]) -> None:
@@ -221,7 +244,7 @@ class MeshReceiver:
         """Receive one round and load it (copies into :attr:`tensors`). Raises as
         :func:`receive_mesh_round`; MixedWeightsError when the load itself failed part-way."""
         self.stats = {}
-        staged = receive_mesh_round(self.group, doc, self.senders, self.layout, self.auth, self.expected, self.stats)
+        staged = self._receive(doc)
         done = 0
         try:
             for name, t in staged:
@@ -231,3 +254,7 @@ class MeshReceiver:
             self.mixed = f"{done} of {len(staged)} tensors new after: {exc}"
             raise MixedWeightsError(f"rank {self.group.rank}: load failed part-way: {self.mixed}") from exc
         self.mixed = None
+
+    def _receive(self, doc: dict[str, Any]) -> Unit:
+        """The round's staged tensors (:func:`receive_mesh_round`)."""
+        return receive_mesh_round(self.group, doc, self.senders, self.layout, self.auth, self.expected, self.stats)

@@ -7,8 +7,9 @@ drives the engines' weight-sync calls (``init_weight_transfer_engine``, ``start_
 
 The engines run ``weight_transfer_config={"backend": "qstrat"}``
 (:mod:`qstrat.vllm.engine.transfer_backend`); each of their workers joins the group as one engine rank
-(group ranks ``senders..``) and publishes what it loads. Atomic rounds only: nothing is loaded
-anywhere unless every rank voted to commit; then rank 0 calls ``finish_weight_update``.
+(group ranks ``senders..``) and publishes what it loads. Atomic rounds (``mode="delta"``: atomic
+rounds of per-pair patches, :mod:`qstrat.transport.mesh.pair_delta`): nothing is loaded anywhere
+unless every rank voted to commit; then rank 0 calls ``finish_weight_update``.
 
 A trainer rank 0 that dies mid-round leaves the engines' update sessions open (vLLM then refuses
 every ``start_weight_update``): when the next group forms, its first step
@@ -30,6 +31,7 @@ from qstrat.transport.group import DEFAULT_TIMEOUT_S, open_group
 from qstrat.transport.security.keys import Secret
 from qstrat.transport.mesh.steps import open_sessions
 from qstrat.transport.mesh.engine import MESH_KEY
+from qstrat.transport.mesh.pair_delta import DeltaMeshSender
 from qstrat.transport.mesh.sender import MeshReport, MeshSender
 from qstrat.transport.mesh.routing import MeshRoutes, Output, mesh_outputs
 from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
@@ -50,14 +52,22 @@ class MeshRefitSender:
         backend, timeout_s: ``gloo`` / ``nccl``; rendezvous, collective and RPC timeout (seconds).
         secret: the secret shared with the engines (default: ``QSTRAT_TRANSFER_SECRET``).
         bucket_bytes, alignment: each pair's bucket layout (bytes).
-    Raises: TransportError for a rank outside ``0..senders-1`` or clients on a rank other than 0.
+        mode: ``atomic`` (default) or ``delta``: atomic rounds in which each (trainer rank,
+            engine rank) pair sends the patch against the pair's base
+            (:class:`~qstrat.transport.mesh.pair_delta.DeltaMeshSender`; the round goes again,
+            whole, in the same call when the engines refuse only the delta).
+    Raises: TransportError for a rank outside ``0..senders-1``, clients on a rank other than 0, or
+        another mode.
     """
 
     def __init__(self, rank: int, senders: int, master_address: str, master_port: int,
                  clients: Sequence[Any] = (), workers_per_client: Sequence[int] | None = None,
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  secret: Secret | bytes | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alignment: int = DEFAULT_ALIGNMENT) -> None:
+                 alignment: int = DEFAULT_ALIGNMENT, mode: str = "atomic") -> None:
+        if mode not in ("atomic", "delta"):
+            raise TransportError(f"MeshRefitSender mode {mode!r}: use 'atomic' or 'delta'")
+        self.mode = mode
         if not 0 <= rank < senders or (clients and rank != 0):
             raise TransportError(f"MeshRefitSender: rank {rank} of {senders} senders (only rank 0 drives the "
                                  "engines' clients)")
@@ -94,8 +104,8 @@ class MeshRefitSender:
             return group
 
         group = self.engines.join(self.init_infos(), rendezvous) if self.rank == 0 else rendezvous()
-        self.mesh = MeshSender(group, self.senders, self.secret, self.address, self.port, self.bucket_bytes,
-                               self.alignment)
+        cls = DeltaMeshSender if self.mode == "delta" else MeshSender
+        self.mesh = cls(group, self.senders, self.secret, self.address, self.port, self.bucket_bytes, self.alignment)
 
     def close(self) -> None:
         """Close the group (engines keep their weights)."""
@@ -166,7 +176,7 @@ class MeshRefitSender:
         futures = []
         if self.rank == 0:
             doc = MeshRoutes(outputs, self.senders, [], self.bucket_bytes, self.alignment).to_dict()
-            info = {"wire_manifest": None, MESH_KEY: doc, "mode": "atomic", "protocol": PROTOCOL_VERSION}
+            info = {"wire_manifest": None, MESH_KEY: doc, "mode": self.mode, "protocol": PROTOCOL_VERSION}
             info.update({k: v for k, v in ((FORMAT_KEY, quantization_config), (ONLINE_KEY, engine_quantization))
                          if v is not _UNNAMED})
             self._end_left_open()

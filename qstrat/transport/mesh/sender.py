@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from qstrat.errors import TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport.delta.encoding import DeltaRefused
 from qstrat.transport.mesh import steps as mesh
 from qstrat.transport import protocol as proto
 from qstrat.transport.security.auth import RoundContext, next_counter
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.security.keys import ENV_SECRET, Secret
 from qstrat.transport.send.outgoing import BucketSource, SourceFailure
+from qstrat.transport.send.report import DeltaReport
 from qstrat.transport.mesh.routing import MeshRoutes
 from qstrat.transport.security.seal import Sealer
 from qstrat.transport.send.sender_protocol import raise_outcome
@@ -69,12 +71,16 @@ class PairOut:
             self.wait_oldest()
         while (len(self.works) < IN_FLIGHT and self.k < len(self.wm.buckets)
                and len(self.queue) >= self._needs(self.k)):
-            b = self.wm.buckets[self.k]
-            buffer = torch.empty(b.nbytes if b.tensor is None else 0, dtype=torch.uint8, device=self.group.device)
-            payload, keep, fill = self.source.bucket(self.k, buffer)
-            if fill is not None:
-                fill(0, b.nbytes)
-            self._post(payload, keep, 0, self.sealer.seal(self.k, 0, payload))
+            self._post_next()
+
+    def _post_next(self) -> None:
+        """Pack, seal and post bucket :attr:`k` (its tensors are queued)."""
+        b = self.wm.buckets[self.k]
+        buffer = torch.empty(b.nbytes if b.tensor is None else 0, dtype=torch.uint8, device=self.group.device)
+        payload, keep, fill = self.source.bucket(self.k, buffer)
+        if fill is not None:
+            fill(0, b.nbytes)
+        self._post(payload, keep, 0, self.sealer.seal(self.k, 0, payload))
 
     def held(self) -> int:
         """Bytes of the pair's stream pushed and not yet on the wire for good: from the first
@@ -148,6 +154,9 @@ class MeshReport:
     sent: dict[int, int]
     seconds: float
     stream_seconds: float
+    #: A delta round (:mod:`qstrat.transport.mesh.pair_delta`): this rank's pairs together, as a
+    #: :class:`~qstrat.transport.send.report.DeltaReport` (None: an atomic round).
+    delta: DeltaReport | None = None
 
 
 class MeshSender:
@@ -167,6 +176,10 @@ class MeshSender:
             source's tensors stay alive that long; at least :data:`IN_FLIGHT` buckets per pair
             are always let through).
     """
+
+    #: The mode bound into the round MAC (a delta mesh round's sender binds its own:
+    #: :class:`~qstrat.transport.mesh.pair_delta.DeltaMeshSender`).
+    mode = mesh.MODE
 
     def __init__(self, group: TransferGroup, senders: int, secret: Secret | bytes | str | None = None,
                  address: str = "", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -193,7 +206,8 @@ class MeshSender:
         Returns: a :class:`MeshReport`, only when every rank committed.
         Raises: WireManifestMismatchError / TransferAuthError / TransportError when a rank refused
             before any data (another routes digest, a MAC that does not verify, a pair header
-            another than the engine rank's own share); the source's own error after every pair was
+            another than the engine rank's own share; DeltaRefused when every refusal was a delta
+            round's stale base); the source's own error after every pair was
             told (ABORT) and nothing loaded; TransportError for a failed seal, another rank's
             abort or a lost peer (the group is then closed).
         """
@@ -201,8 +215,7 @@ class MeshSender:
         layouts, _, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, self.senders, None)
         routes = self.routes = MeshRoutes(outputs, self.senders, layouts, self.bucket_bytes, self.alignment)
         mac = self._accept(routes, ch)
-        outs = {r: PairOut(g, self.senders + r, routes.pair_manifest(g.rank, r),
-                           mesh.pair_sealer(self.secret, mac, g.rank, self.senders + r, g.device))
+        outs = {r: self._pair_out(routes, r, mesh.pair_sealer(self.secret, mac, g.rank, self.senders + r, g.device))
                 for r in range(len(layouts))}
         t1 = time.perf_counter()
         failure = self._stream(routes, outs, tensors)
@@ -212,6 +225,14 @@ class MeshSender:
         return MeshReport({self.senders + r: o.sent for r, o in outs.items()}, time.perf_counter() - t0,
                           time.perf_counter() - t1)
 
+    def _pair_out(self, routes: MeshRoutes, r: int, sealer: Sealer) -> PairOut:
+        """The stream to engine rank ``r`` (0-based among the engine ranks) under ``sealer``."""
+        return PairOut(self.group, self.senders + r, routes.pair_manifest(self.group.rank, r), sealer)
+
+    def _pair_head(self, routes: MeshRoutes, r: int) -> torch.Tensor:
+        """Step 3's header of the pair to engine rank ``r``."""
+        return mesh.pair_header(routes.pair_manifest(self.group.rank, r), self.group.device)
+
     def _accept(self, routes: MeshRoutes, ch: tuple[int, ...]) -> bytes:
         """Steps 2-4 after the challenge ``ch``: round header, pair headers, accept vote; the round MAC."""
         g = self.group
@@ -219,7 +240,7 @@ class MeshSender:
         status = proto.OK
         if g.rank == 0:
             self.counter = next_counter(self.counter, ch)
-            mac = RoundContext(routes.digest, mesh.MODE, self.counter, ch, self.address, self.port,
+            mac = RoundContext(routes.digest, self.mode, self.counter, ch, self.address, self.port,
                                g.world_size).mac(self.secret)
             header = proto.round_header(len(routes.outputs), sum(routes.bytes_per_receiver()), self.counter,
                                         routes.digest, mac, g.device)
@@ -227,16 +248,18 @@ class MeshSender:
         counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])
         if digest != routes.digest:
             status = proto.REJECTED
-        elif mac != RoundContext(digest, mesh.MODE, counter, ch, self.address, self.port, g.world_size).mac(self.secret):
+        elif mac != RoundContext(digest, self.mode, counter, ch, self.address, self.port, g.world_size).mac(self.secret):
             status = proto.UNAUTHENTICATED
         self.counter = counter
-        works = [g.send(mesh.pair_header(routes.pair_manifest(g.rank, r), g.device), self.senders + r, 0)
+        works = [g.send(self._pair_head(routes, r), self.senders + r, 0)
                  for r in range(len(routes.layouts))]
         for w in works:
             mesh.wait(g, w, "pair header not delivered (an engine rank died?)")
         votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, self.secret, mac)
         if votes.failed():
             st = votes.statuses
+            if all(s == proto.OK or s in proto.DELTA_ONLY for s in st):  # a delta round: sent again whole
+                raise DeltaRefused(f"mesh delta refused before any data: {proto.describe(st)}")
             cls = (WireManifestMismatchError if proto.REJECTED in st else
                    TransferAuthError if proto.UNAUTHENTICATED in st or proto.FORGED in st else TransportError)
             raise cls(f"mesh round refused before any data: {proto.describe(st)}")

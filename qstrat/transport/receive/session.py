@@ -38,6 +38,7 @@ from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.security.keys import Secret
 from qstrat.transport.receive.landing import Landing, Loader
 from qstrat.transport.mesh.engine import MESH_KEY, receive_mesh
+from qstrat.transport.mesh.pair_delta import PairBases
 from qstrat.transport.receive.receiver_flag import MixFlag
 from qstrat.transport.receive.receiver import receive_round
 
@@ -77,6 +78,9 @@ class ReceiverSession:
         self.landing = Landing(loader)
         #: The delta base and the rebuild of delta rounds from it (:attr:`base`).
         self.delta = DeltaRebuild()
+        #: A mesh group's pair bases (delta mesh rounds, :mod:`qstrat.transport.mesh.pair_delta`).
+        self.mesh_pairs = PairBases()
+        self._mesh_delta = False
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._received = False
         #: The last round's ``peak_bytes`` and seconds by phase (see
@@ -155,6 +159,9 @@ class ReceiverSession:
         doc, protocol = check.info.get("wire_manifest"), check.info.get("protocol")
         self._received = True
         self.stats = {}
+        self._mesh_delta = isinstance(update_info, dict) and MESH_KEY in update_info and check.mode == "delta"
+        if not self._mesh_delta:
+            self.mesh_pairs.drop()  # another round changes the weights outside the pairs' bookkeeping
         if isinstance(update_info, dict) and MESH_KEY in update_info:  # every trainer rank to its share
             self.delta.base = None
             self._staged = receive_mesh(self, update_info)
@@ -204,6 +211,7 @@ class ReceiverSession:
             self.landing.load(staged)
         except BaseException as exc:
             self.delta.base = None
+            self.mesh_pairs.drop()
             self._fail_load(exc, sent)
             if not isinstance(exc, Exception):
                 raise
@@ -213,6 +221,8 @@ class ReceiverSession:
         self.landing.end()
         self.stats["finish_s"] = time.perf_counter() - t0
         self.delta.commit(next_base)
+        if self._mesh_delta:
+            self.mesh_pairs.commit()
         self.flag.loaded(self.expected, sent)
 
     def _fail_load(self, exc: BaseException, sent: set[str]) -> None:
