@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport.mesh import bounded
 from qstrat.transport.mesh import steps as mesh
 from qstrat.transport import protocol as proto
 from qstrat.transport.security.auth import ReceiverAuth, RoundContext, from_words
@@ -84,8 +86,9 @@ def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[Rece
     try:
         if layouts[me] != layout:
             raise WireManifestMismatchError(f"rank {group.rank}: its published layout was rewritten")
-        routes = MeshRoutes(doc["outputs"], int(doc["senders"]), layouts, int(doc["bucket_bytes"]),
-                            int(doc["alignment"]))
+        routes = bounded.routes_from_doc(doc, layouts)
+        if isinstance(routes, bounded.BoundedRoutes) and routes.refusal([me]) is not None:
+            raise routes.refusal([me])
         if routes.senders != senders:
             raise WireManifestMismatchError(f"rank {group.rank}: the round names {routes.senders} senders, "
                                             f"the group has {senders}")
@@ -104,7 +107,8 @@ def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[Rece
 
 def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, layout: ReceiverLayout,
                        auth: ReceiverAuth | None = None, expected: Any = None,
-                       stats: dict[str, float] | None = None, whole: bool = False) -> Unit:
+                       stats: dict[str, float] | None = None, whole: bool = False,
+                       on_unit: Callable[[str, Unit], None] | None = None) -> Unit:
     """Receive one mesh round on engine rank ``group.rank`` (>= ``senders``).
 
     Args:
@@ -122,13 +126,20 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         whole: hand on each part as :meth:`~qstrat.transport.mesh.routing.ShareSlice.embed` makes it
             (the whole tensor's shape, the part where the rank's loader narrows to it, zeros
             elsewhere: what vLLM's weight loaders take), not the part itself.
+        on_unit: a BOUNDED round (``doc["mode"] == "bounded"``, :mod:`qstrat.transport.mesh.bounded`):
+            called ``on_unit(unit, [(name, tensor)])`` with each reload unit as soon as all its
+            pieces, from every sender, verified (required there, refused in an atomic round);
+            ``stats`` then also gets ``staged_peak`` (the most bytes of receive buffers alive at
+            once, counted here), ``staged_bytes`` (the bound) and ``units_loaded``.
     Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes,
         or with ``whole`` the tensor around it), views of the received buffers (copies with
-        ``whole``), every bucket verified and every rank agreeing to commit.
+        ``whole``), every bucket verified and every rank agreeing to commit; ``[]`` in a bounded
+        round (handed to ``on_unit``).
     Raises: WireManifestMismatchError (a share other than this rank's, malformed round, an engine
         that loads something else), TransferAuthError, TransportError - before any data; then
         TransportError (a seal failed, a sender aborted, another rank refused, a peer was lost:
-        the group is then closed), with nothing handed on.
+        the group is then closed), with nothing handed on; a bounded round: MixedWeightsError
+        instead when this rank loaded a unit (:func:`qstrat.transport.mesh.bounded.finish`).
     """
     t0, g = time.perf_counter(), group
     auth = auth or ReceiverAuth(None, "", 0)
@@ -136,6 +147,10 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     layouts, drawn, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, senders, layout,
                                          auth.last_counter)
     routes, rejection = _own_routes(g, doc, senders, layouts, layout, expected)
+    share_mode = isinstance(routes, bounded.BoundedRoutes)
+    if rejection is None and share_mode != (on_unit is not None):
+        rejection = WireManifestMismatchError(f"rank {g.rank}: a {'bounded' if share_mode else 'atomic'} mesh "
+                                              f"round {'needs' if share_mode else 'takes no'} a unit loader here")
     header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
     mesh.wait(g, g.broadcast(header), "no round header from rank 0")
     counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])
@@ -146,7 +161,7 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     if rejection is None and digest != routes.digest:
         rejection = WireManifestMismatchError(f"rank {g.rank}: rank 0 streams other routes than this rank computed")
     if rejection is None:
-        reason = auth.verify(RoundContext(digest, mesh.MODE, counter, ch, auth.address, auth.port, g.world_size),
+        reason = auth.verify(RoundContext(digest, bounded.mac_mode(routes), counter, ch, auth.address, auth.port, g.world_size),
                              mac, g.rank, drawn)
         if reason is not None:
             rejection = TransferAuthError(f"rank {g.rank}: mesh round refused: {reason}")
@@ -166,6 +181,9 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         raise TransportError(f"rank {g.rank}: mesh round refused before any data: {proto.describe(votes.statuses)}")
     auth.last_counter = counter
     t1 = time.perf_counter()
+    if share_mode:
+        _bounded_share(g, routes, me, auth, mac, on_unit, whole, stats, t0, t1)
+        return []
     pairs = [PairIn(g, s, routes.pair_manifest(s, me), mesh.pair_sealer(auth.secret, mac, s, g.rank, g.device))
              for s in range(senders)]
     _drain(pairs)
@@ -186,6 +204,31 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     raise TransportError(f"{reason}; nothing loaded")
 
 
+def _bounded_share(g: TransferGroup, routes: bounded.BoundedRoutes, me: int, auth: ReceiverAuth, mac: bytes,
+                   on_unit: Callable[[str, Unit], None], whole: bool, stats: dict[str, float], t0: float,
+                   t1: float) -> None:
+    """Steps 5 and 6 of a bounded round (:class:`~qstrat.transport.mesh.bounded.BoundedShare`)."""
+    share = bounded.BoundedShare(g, routes, me, [mesh.pair_sealer(auth.secret, mac, s, g.rank, g.device)
+                                                 for s in range(routes.senders)], on_unit, whole)
+    try:
+        share.run()
+    finally:
+        stats.update(bytes=share.bytes, share_bytes=routes.bytes_per_receiver()[me], staged_peak=share.peak,
+                     staged_bytes=share.bound, units_loaded=len(share.handed), stream_s=time.perf_counter() - t1)
+    failure = share.failure
+    own = (proto.MIXED if share.handed else failure[0]) if failure else proto.OK
+    try:
+        votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT, own,
+                                bool(share.handed), auth.secret, mac)
+    except TransportError as exc:  # the group is closed: no rank learns the others' state
+        if not share.handed:
+            raise
+        raise bounded.mixed_error(str(exc), share.handed, share.sched.units, "unknown: the group is closed") from None
+    stats["seconds"] = time.perf_counter() - t0
+    bounded.finish(g, share, votes)
+    stats["tensor_bytes"] = share.tensor_bytes
+
+
 def _drain(pairs: list[PairIn]) -> None:
     """Every pair's buckets at once, one thread per sender. Raises the first pair's
     TransportError (a lost sender: the group is closed, so the others end too)."""
@@ -198,7 +241,8 @@ def _drain(pairs: list[PairIn]) -> None:
 
 class MeshReceiver:
     """An engine rank without an engine (tests, benchmarks): receives mesh rounds into
-    :attr:`tensors` (name -> this rank's part), loading only after the commit vote.
+    :attr:`tensors` (name -> this rank's part), loading only after the commit vote (atomic) or
+    unit by unit (bounded).
 
     Args: group: the open transfer group (this rank >= ``senders``); layout: what this rank loads;
         expected: name -> (dtype name, shape) its loader takes (None: anything in its share);
@@ -216,11 +260,30 @@ class MeshReceiver:
         self.stats: dict[str, float] = {}
         #: Why this rank holds a mix (a load that failed part-way), None: it does not.
         self.mixed: str | None = None
+        #: The reload units the last bounded round loaded, in order.
+        self.units: list[str] = []
 
     def round(self, doc: dict[str, Any]) -> None:
-        """Receive one round and load it (copies into :attr:`tensors`). Raises as
-        :func:`receive_mesh_round`; MixedWeightsError when the load itself failed part-way."""
+        """Receive one round and load it (copies into :attr:`tensors`): after the commit vote, or in
+        a bounded round (``doc["mode"] == "bounded"``) unit by unit as the pieces verify. Raises as
+        :func:`receive_mesh_round`; MixedWeightsError when the load itself failed part-way, or a
+        bounded round failed after this rank loaded a unit (:attr:`mixed` says why)."""
         self.stats = {}
+        if doc.get("mode") == "bounded":
+            self.units = []
+
+            def load(unit: str, tensors: Unit) -> None:
+                self.tensors.update((n, t.clone()) for n, t in tensors)
+                self.units.append(unit)
+
+            try:
+                receive_mesh_round(self.group, doc, self.senders, self.layout, self.auth, self.expected,
+                                   self.stats, on_unit=load)
+            except MixedWeightsError as exc:
+                self.mixed = getattr(exc, "detail", str(exc))
+                raise
+            self.mixed = None
+            return
         staged = receive_mesh_round(self.group, doc, self.senders, self.layout, self.auth, self.expected, self.stats)
         done = 0
         try:

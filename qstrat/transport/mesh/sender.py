@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from qstrat.errors import TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.transport.mesh import bounded
 from qstrat.transport.mesh import steps as mesh
 from qstrat.transport import protocol as proto
 from qstrat.transport.security.auth import RoundContext, next_counter
@@ -65,7 +66,7 @@ class PairOut:
     def pump(self) -> None:
         """Reap the sends that completed; post every complete bucket while fewer than
         :data:`IN_FLIGHT` are on the wire. Raises TransportError when a send failed."""
-        while self.works and all(w.is_completed() for w in self.works[0][:2]):
+        while self.works and self._oldest_done():
             self.wait_oldest()
         while (len(self.works) < IN_FLIGHT and self.k < len(self.wm.buckets)
                and len(self.queue) >= self._needs(self.k)):
@@ -75,6 +76,13 @@ class PairOut:
             if fill is not None:
                 fill(0, b.nbytes)
             self._post(payload, keep, 0, self.sealer.seal(self.k, 0, payload))
+
+    def _oldest_done(self) -> bool:
+        """Whether the oldest bucket on the wire was delivered (known without waiting)."""
+        return all(w.is_completed() for w in self.works[0][:2])
+
+    def close(self) -> None:
+        """After the round (nothing to release here; :class:`BoundedPairOut` ends its waiter)."""
 
     def held(self) -> int:
         """Bytes of the pair's stream pushed and not yet on the wire for good: from the first
@@ -140,6 +148,11 @@ def keep_busy(outs: Iterable[PairOut], limit: int) -> None:
         min(busy, key=lambda out: out.oldest()).wait_oldest()
 
 
+class BoundedPairOut(bounded.WaitedSends, PairOut):
+    """A bounded round's pair: its sends waited for on a thread of its own (:class:`~qstrat.
+    transport.mesh.bounded.WaitedSends`), so the sender waits for any pair (:meth:`MeshSender._keep_busy`)."""
+
+
 @dataclass(frozen=True)
 class MeshReport:
     """One committed mesh round on a trainer rank: payload bytes it sent to each engine rank
@@ -166,17 +179,27 @@ class MeshSender:
             wire, not yet delivered - before the next tensor is pulled from the source (the
             source's tensors stay alive that long; at least :data:`IN_FLIGHT` buckets per pair
             are always let through).
+        mode: ``atomic`` (engine ranks load only after the commit vote) or ``bounded`` (each engine
+            rank loads unit by unit as the pieces arrive, at most ``staged_bytes`` of buffers alive:
+            :mod:`qstrat.transport.mesh.bounded`; a fault after a rank loaded leaves a flagged MIX).
+        staged_bytes: bounded mode: the bytes of receive buffers an engine rank holds at most (None:
+            its largest unit plus two buckets); a bound below an engine rank's largest unit is
+            refused before any data.
+    Raises: TransportError for another mode, or ``staged_bytes`` in atomic mode.
     """
 
     def __init__(self, group: TransferGroup, senders: int, secret: Secret | bytes | str | None = None,
                  address: str = "", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alignment: int = DEFAULT_ALIGNMENT, lookahead_bytes: int = LOOKAHEAD_BYTES) -> None:
+                 alignment: int = DEFAULT_ALIGNMENT, lookahead_bytes: int = LOOKAHEAD_BYTES,
+                 mode: str = "atomic", staged_bytes: int | None = None) -> None:
         if not 0 <= group.rank < senders < group.world_size:
             raise TransportError(f"mesh sender: rank {group.rank} is not one of {senders} senders in a group "
                                  f"of {group.world_size}")
         self.group, self.senders, self.address, self.port = group, senders, address, port
         self.secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self.bucket_bytes, self.alignment, self.lookahead_bytes = bucket_bytes, alignment, lookahead_bytes
+        bounded.routes_for([], senders, [], bucket_bytes, alignment, mode, staged_bytes)  # the mode, checked
+        self.mode, self.staged_bytes = mode, staged_bytes
         self.counter = -1
         #: The last round's routes (bytes per engine rank: ``routes.bytes_per_receiver()``).
         self.routes: MeshRoutes | None = None
@@ -199,27 +222,41 @@ class MeshSender:
         """
         t0, g = time.perf_counter(), self.group
         layouts, _, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, self.senders, None)
-        routes = self.routes = MeshRoutes(outputs, self.senders, layouts, self.bucket_bytes, self.alignment)
+        routes = self.routes = bounded.routes_for(outputs, self.senders, layouts, self.bucket_bytes, self.alignment,
+                                                  self.mode, self.staged_bytes)
         mac = self._accept(routes, ch)
-        outs = {r: PairOut(g, self.senders + r, routes.pair_manifest(g.rank, r),
+        pair = BoundedPairOut if self.mode == "bounded" else PairOut
+        outs = {r: pair(g, self.senders + r, routes.pair_manifest(g.rank, r),
                            mesh.pair_sealer(self.secret, mac, g.rank, self.senders + r, g.device))
                 for r in range(len(layouts))}
         t1 = time.perf_counter()
-        failure = self._stream(routes, outs, tensors)
+        try:
+            failure = self._stream(routes, outs, tensors)
+        finally:
+            for out in outs.values():
+                out.close()
         votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT,
                                 proto.SENDER_ABORT if failure else proto.OK, False, self.secret, mac)
         raise_outcome(votes, failure, lambda: None)
         return MeshReport({self.senders + r: o.sent for r, o in outs.items()}, time.perf_counter() - t0,
                           time.perf_counter() - t1)
 
+    def _keep_busy(self, outs: Iterable[PairOut], limit: int) -> None:
+        """:func:`keep_busy`; bounded mode: :func:`~qstrat.transport.mesh.bounded.keep_busy_any`."""
+        if self.mode == "bounded":
+            bounded.keep_busy_any(outs, limit, self.group)
+        else:
+            keep_busy(outs, limit)
+
     def _accept(self, routes: MeshRoutes, ch: tuple[int, ...]) -> bytes:
         """Steps 2-4 after the challenge ``ch``: round header, pair headers, accept vote; the round MAC."""
-        g = self.group
+        g, mode = self.group, bounded.mac_mode(routes)
         header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
-        status = proto.OK
+        refusal = routes.refusal() if isinstance(routes, bounded.BoundedRoutes) else None
+        status = proto.OK if refusal is None else proto.REJECTED
         if g.rank == 0:
             self.counter = next_counter(self.counter, ch)
-            mac = RoundContext(routes.digest, mesh.MODE, self.counter, ch, self.address, self.port,
+            mac = RoundContext(routes.digest, mode, self.counter, ch, self.address, self.port,
                                g.world_size).mac(self.secret)
             header = proto.round_header(len(routes.outputs), sum(routes.bytes_per_receiver()), self.counter,
                                         routes.digest, mac, g.device)
@@ -227,7 +264,7 @@ class MeshSender:
         counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])
         if digest != routes.digest:
             status = proto.REJECTED
-        elif mac != RoundContext(digest, mesh.MODE, counter, ch, self.address, self.port, g.world_size).mac(self.secret):
+        elif mac != RoundContext(digest, mode, counter, ch, self.address, self.port, g.world_size).mac(self.secret):
             status = proto.UNAUTHENTICATED
         self.counter = counter
         works = [g.send(mesh.pair_header(routes.pair_manifest(g.rank, r), g.device), self.senders + r, 0)
@@ -235,6 +272,8 @@ class MeshSender:
         for w in works:
             mesh.wait(g, w, "pair header not delivered (an engine rank died?)")
         votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, self.secret, mac)
+        if refusal is not None:
+            raise refusal
         if votes.failed():
             st = votes.statuses
             cls = (WireManifestMismatchError if proto.REJECTED in st else
@@ -265,8 +304,8 @@ class MeshSender:
                     part = shares[r].get(name)
                     if part is not None:
                         out.push(name, part.cut(t))
-                keep_busy(outs.values(), self.lookahead_bytes)
-            keep_busy(outs.values(), 0)
+                self._keep_busy(outs.values(), self.lookahead_bytes)
+            self._keep_busy(outs.values(), 0)
             for out in outs.values():
                 out.finish()
             return None
