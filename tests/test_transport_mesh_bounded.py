@@ -89,3 +89,82 @@ def test_a_bound_below_the_largest_unit_is_refused_before_any_data():
         assert f"raise staged_bytes to at least {need_}" in message or r < SENDERS, message
         if held is not None:
             assert held[0] == {} and held[2] == []  # nothing received, nothing loaded
+
+
+@pytest.fixture(scope="module")
+def before_after():
+    """Each engine rank's share of the tiny model, seed 1 (the round before) and seed 2 (the faulty one)."""
+    return shares("mxfp8", 1), shares("mxfp8", 2)
+
+
+def faulty_round(faults: dict[int, dict], before_after) -> tuple[dict, set[int]]:
+    """An atomic round of seed 1, then a bounded round of seed 2 with ``faults``; checks every
+    engine rank: one that loaded units raised MixedWeightsError and holds exactly those units new
+    (the rest of seed 1), one that loaded nothing raised TransportError and holds seed 1 whole.
+    Returns (the results, the engine ranks that hold a mix)."""
+    before, after = before_after
+    res = run_rounds(free_port(), "mxfp8", SENDERS, EP_ENGINE, [{"mode": "atomic"}, {"mode": "bounded", "seed": 2}],
+                     faults)
+    mixed = set()
+    for i, r in enumerate(ENGINE):
+        (first, _, _), (status, message, (got, stats, units)) = res[r][1]
+        assert first == "ok" and status == "err", res[r]
+        want = {n: as_bytes(after[i][n] if reload_unit(n) in units else t) for n, t in before[i].items()}
+        assert got == want, f"rank {r}: loaded units {units}"
+        assert stats["units_loaded"] == len(units)
+        if units:
+            mixed.add(r)
+            assert message.startswith("MixedWeightsError: ") and "this receiver holds a MIX" in message, message
+            assert f"{len(units)} of 7 reload units are new" in message, message
+        else:
+            assert message.startswith("TransportError: ") and "nothing loaded on this rank" in message, message
+    return res, mixed
+
+
+def _senders_name(res: dict, mixed: set[int]) -> None:
+    for r in range(SENDERS):
+        status, message, _ = res[r][1][1]
+        assert status == "err" and message.startswith("MixedWeightsError: "), res[r]
+        assert f"ranks {', '.join(map(str, sorted(mixed)))} hold new weights" in message, message
+
+
+def test_a_flipped_byte_before_one_rank_loaded_anything_mixes_only_the_rank_that_did(before_after):
+    # trainer rank 0's first bucket to engine rank 3 (the embedding, its first unit): rank 3 loads nothing
+    res, mixed = faulty_round({0: {"flip_to": 3}}, before_after)
+    assert mixed == {2}
+    assert "rank 3: bucket 0 from rank 0 failed its checksum (seal mismatch)" in res[3][1][1][1]
+    assert "ranks 2 hold new weights: a MIX across ranks" in res[3][1][1][1]
+    assert "rank 3 a bucket failed its checksum" in res[2][1][1][1]  # rank 2 loaded everything: a mix too
+    _senders_name(res, mixed)
+
+
+def test_a_wrong_pair_key_mid_round_mixes_the_ranks_that_loaded(before_after):
+    # trainer rank 1 seals its buckets to engine rank 2 under another pair's keys: rank 2 loads the
+    # embedding (trainer rank 0's) and stops at rank 1's first piece of layer 0
+    res, mixed = faulty_round({1: {"wrong_key_to": 2}}, before_after)
+    assert mixed == {2, 3}
+    assert res[2][1][1][2][2] == ["model.embed_tokens"]
+    assert "rank 2: bucket 0 from rank 1 failed its checksum (seal mismatch)" in res[2][1][1][1]
+    _senders_name(res, mixed)
+
+
+def test_a_sender_raising_mid_round_mixes_the_ranks_that_loaded(before_after):
+    res, mixed = faulty_round({1: {"raise_at": 5}}, before_after)
+    assert mixed == {2, 3}  # both loaded the embedding (trainer rank 0's) before rank 1's first piece
+    for r in ENGINE:
+        assert "from rank 1: the sender aborted the stream" in res[r][1][1][1], res[r]
+    _senders_name(res, mixed)
+    assert "KeyError" in res[1][1][1][1] or "trainer-side failure" in res[1][1][1][1]
+
+
+def test_a_sender_killed_mid_round_mixes_the_ranks_that_loaded(before_after):
+    res, mixed = faulty_round({0: {"kill_at": 5}}, before_after)
+    assert res[0] == ("dead", 17)
+    for r in ENGINE:
+        message = res[r][1][1][1]
+        assert "truncated" in message or "failed" in message, message
+        if r in mixed:
+            assert "ranks holding new weights: unknown: the group is closed" in message, message
+    status, message, _ = res[1][1][1]
+    assert status == "err" and message.startswith("TransportError: "), res[1]
+    assert "engine ranks that loaded a unit hold a MIX" in message, message

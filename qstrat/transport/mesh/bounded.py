@@ -424,7 +424,7 @@ class BoundedShare:
 
     def _lost(self, what: str, error: str) -> TransportError:
         if not self.handed:
-            return proto.lost(self.group, what, error)
+            return TransportError(f"{proto.lost(self.group, what, error)}; nothing loaded on this rank")
         self.group.close()
         return mixed_error(f"rank {self.group.rank}: {what}: {error} (the transfer group is closed)",
                            self.handed, self.sched.units, "unknown: the group is closed")
@@ -440,6 +440,15 @@ def mixed_error(reason: str, handed: list[str], units: int, holders: str) -> Mix
     exc.detail = (f"{len(handed)} of {units} reload units new ({few}), the rest old, after: {reason}; "
                   f"ranks holding new weights: {holders}")
     return exc
+
+
+def cut_off(exc: TransportError) -> TransportError:
+    """A trainer rank's error for a bounded round whose group was lost mid-round (no commit vote
+    can say which engine ranks loaded): ``exc``'s message, and that the ranks that loaded a unit
+    hold a MIX (each engine rank's own error names it, and its session is flagged)."""
+    return TransportError(f"{exc}; bounded mesh round cut off: engine ranks that loaded a unit hold a MIX "
+                          f"and are flagged (each one's own error says so), the others are unchanged; the "
+                          f"next refit must be whole")
 
 
 def finish(group: TransferGroup, share: BoundedShare, votes: proto.Votes) -> None:

@@ -222,7 +222,7 @@ def _bounded_share(g: TransferGroup, routes: bounded.BoundedRoutes, me: int, aut
                                 bool(share.handed), auth.secret, mac)
     except TransportError as exc:  # the group is closed: no rank learns the others' state
         if not share.handed:
-            raise
+            raise TransportError(f"{exc}; nothing loaded on this rank") from None
         raise bounded.mixed_error(str(exc), share.handed, share.sched.units, "unknown: the group is closed") from None
     stats["seconds"] = time.perf_counter() - t0
     bounded.finish(g, share, votes)

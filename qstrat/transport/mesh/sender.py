@@ -231,12 +231,17 @@ class MeshSender:
                 for r in range(len(layouts))}
         t1 = time.perf_counter()
         try:
-            failure = self._stream(routes, outs, tensors)
-        finally:
-            for out in outs.values():
-                out.close()
-        votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT,
-                                proto.SENDER_ABORT if failure else proto.OK, False, self.secret, mac)
+            try:
+                failure = self._stream(routes, outs, tensors)
+            finally:
+                for out in outs.values():
+                    out.close()
+            votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT,
+                                    proto.SENDER_ABORT if failure else proto.OK, False, self.secret, mac)
+        except TransportError as exc:
+            if self.mode == "bounded" and g.pg is None:  # lost: no vote says who loaded
+                raise bounded.cut_off(exc) from None
+            raise
         raise_outcome(votes, failure, lambda: None)
         return MeshReport({self.senders + r: o.sent for r, o in outs.items()}, time.perf_counter() - t0,
                           time.perf_counter() - t1)
