@@ -56,13 +56,14 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
         if rank >= senders and fault.get("session"):  # the vLLM backend's receiver, with a dict loader
             layout = ReceiverLayout.from_dict(layouts[rank - senders])
             queue.put((rank, "ok", session_round(rank, world, senders, port, outputs, layout, secret,
-                                                 fault["session"])))
+                                                 fault["session"], fault.get("doc_mode"))))
             return
         group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)  # once every rank is ready
         if rank < senders:
             from qstrat.transport.mesh.sender import MeshSender
 
-            sender = MeshSender(group, senders, secret, "127.0.0.1", port, bucket_bytes=1 << 16)
+            sender = MeshSender(group, senders, secret, "127.0.0.1", port, bucket_bytes=1 << 16,
+                                mode=fault.get("mode", "atomic"))
             stream = driver.run(iter(held[rank].items()), plan=plans[rank])
             report = sender.send(outputs, _faulty(stream, fault))
             queue.put((rank, "ok", report.sent))
@@ -172,16 +173,16 @@ def run_rounds(port: int, fmt: str, senders: int, layouts: list[dict], rounds: l
 
 
 def session_round(rank: int, world: int, senders: int, port: int, outputs: list, layout: Any, secret: Any,
-                  mode: str) -> tuple[dict, dict]:
+                  mode: str, doc_mode: str | None = None) -> tuple[dict, dict]:
     """Engine rank ``rank`` through :class:`qstrat.transport.receive.session.ReceiverSession` (what the vLLM
-    backend runs: join with ``senders`` in the signed init info, a mesh ``update`` in ``mode``,
-    ``finish``) into a dict loader; (name -> (dtype, shape, bytes) of what the loader was handed,
-    the session's stats)."""
+    backend runs: join with ``senders`` in the signed init info, a mesh ``update`` in ``mode`` with
+    routes of ``doc_mode`` (default: ``mode``), ``finish``) into a dict loader; (name -> (dtype,
+    shape, bytes) of what the loader was handed, the session's stats)."""
     import torch
 
     from qstrat.transport.security.auth import sign_init
     from qstrat.transport.security.keys import Secret
-    from qstrat.transport.mesh.routing import MeshRoutes
+    from qstrat.transport.mesh.bounded import routes_for
     from qstrat.transport.receive.session import ReceiverSession
 
     loaded: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
@@ -199,7 +200,7 @@ def session_round(rank: int, world: int, senders: int, port: int, outputs: list,
                                                    "rank_offset": rank, "world_size": world, "backend": "gloo",
                                                    "timeout_s": TIMEOUT_S, "senders": senders}))
     session.start()
-    session.update({"mesh": MeshRoutes(outputs, senders, [], 1 << 16, 64).to_dict(), "mode": mode})
+    session.update({"mesh": routes_for(outputs, senders, [], 1 << 16, 64, doc_mode or mode).to_dict(), "mode": mode})
     session.finish()
     session.shutdown()
     return loaded, dict(session.stats)

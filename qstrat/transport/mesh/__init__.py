@@ -6,6 +6,8 @@
 - :mod:`.sender`: :class:`MeshSender`, ``PairOut``: a trainer rank's side
 - :mod:`.receiver`: :func:`receive_mesh_round`, :class:`MeshReceiver`, ``PairIn``: an engine rank's
   side
+- :mod:`.bounded`: :class:`BoundedRoutes`, :class:`BoundedShare`: bounded rounds, each engine rank
+  loading unit by unit under ``staged_bytes``
 - :mod:`.engine`: an engine rank's mesh round on its ``ReceiverSession`` (checked, whole shapes to
   vLLM)
 - :mod:`.refit`: :class:`MeshRefitSender`: the call every trainer rank makes; rank 0 drives the

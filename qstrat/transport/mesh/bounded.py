@@ -15,8 +15,8 @@ Backpressure without deadlock (the argument in docs/transport.md):
   (the wire position of each bucket's last tensor: the moment its sender can post it), never more
   than ``staged_bytes`` of buffers alive (posted or holding pieces of units not yet loaded), and
   waits for them in that order;
-* a trainer rank never blocks on one pair: :func:`keep_busy_any` posts every pair's complete
-  buckets and waits for ANY send to complete.
+* a trainer rank never blocks on one pair: it posts every pair's complete buckets and waits for
+  ANY send to complete (:func:`wait_any`).
 
 Then the bucket with the smallest key not yet delivered, over the whole mesh, is always posted by
 its sender and received by its engine rank, provided ``staged_bytes`` is at least each rank's
@@ -110,6 +110,11 @@ class Schedule:
             alive -= frees[i]
         self.units = len(last)
 
+    def memory(self, sender: int, bucket: int) -> tuple[int, Any]:
+        """The key of the memory pair ``sender``'s bucket ``bucket`` lives in (a chunk: its tensor's)."""
+        b = self.manifests[sender].buckets[bucket]
+        return (sender, bucket) if b.tensor is None else (sender, b.tensor)
+
 
 class BoundedRoutes(MeshRoutes):
     """The routes of a bounded mesh round: :class:`MeshRoutes` with unit-aligned pair wire
@@ -196,7 +201,7 @@ def mac_mode(routes: MeshRoutes) -> str:
 class WaitedSends:
     """A mixin for :class:`~qstrat.transport.mesh.sender.PairOut`: a thread of the pair's own waits
     for its sends in the order posted and counts them done (a gloo point-to-point Work reports
-    completion only once waited for: ``is_completed`` stays False), so that :func:`keep_busy_any`
+    completion only once waited for: ``is_completed`` stays False), so that :func:`wait_any`
     can wait for ANY pair. :meth:`close` ends the thread."""
 
     def __init__(self, *args: Any) -> None:
@@ -255,25 +260,16 @@ class WaitedSends:
 SENT = threading.Condition()
 
 
-def keep_busy_any(outs: Iterable[Any], limit: int, group: TransferGroup) -> None:
-    """A bounded round's :func:`~qstrat.transport.mesh.sender.keep_busy` over :class:`WaitedSends`
-    pairs: post every pair's complete buckets (``pump``, which reaps completed sends) and, while
-    the pairs hold more than ``limit`` bytes, wait until ANY send completed, never for one pair
-    (an engine rank may hold that pair's bucket back until another trainer rank's piece arrived).
-    Raises TransportError when a send failed, or none completed within the group's timeout (the
-    group is then closed)."""
-    outs = list(outs)
-    while True:
-        for out in outs:
-            out.pump()
-        busy = [out for out in outs if out.works]
-        if not busy or sum(out.held() for out in outs) <= limit:
-            return
-        with SENT:
-            SENT.wait_for(lambda: any(o._oldest_done() or o.error is not None for o in busy), group.timeout_s)
-        stuck = next((o for o in busy if o.error is not None or not o._oldest_done()), None)
-        if all(o.error is not None or not o._oldest_done() for o in busy):
-            stuck.wait_oldest()  # raises: failed, or nothing delivered within the timeout
+def wait_any(busy: list[Any], group: TransferGroup) -> None:
+    """A bounded round's wait in :func:`~qstrat.transport.mesh.sender.keep_busy` over
+    :class:`WaitedSends` pairs ``busy`` (each with a send on the wire): until ANY of them was
+    delivered, never for one pair (an engine rank may hold that pair's bucket back until another
+    trainer rank's piece arrived); the caller then reaps and posts again. Raises TransportError
+    when a send failed, or none completed within the group's timeout (the group is then closed)."""
+    with SENT:
+        SENT.wait_for(lambda: any(o._oldest_done() or o.error is not None for o in busy), group.timeout_s)
+    if not any(o._oldest_done() for o in busy):
+        next((o for o in busy if o.error is not None), busy[0]).wait_oldest()  # raises: failed or timed out
 
 
 class BoundedShare:
@@ -368,7 +364,7 @@ class BoundedShare:
             del w_data, w_hdr
             if error is not None:  # holding no Work: gloo closes the connections once every one is gone
                 self.posted.clear()
-                raise self._lost(what, error)
+                raise lost(self.group, what, error, self.handed, self.sched.units)
             if not int(hdr[2]) & proto.ABORT:
                 self._pump(None)  # the pair's next bucket arrives while this one is verified and loaded
             self.bytes += dst.numel()
@@ -415,19 +411,18 @@ class BoundedShare:
         if self.failure is not None:
             self.kept.clear()
         else:
-            for key in [k for k in self.kept if self.sched.free_at[self._key(*k)] <= i]:
+            for key in [k for k in self.kept if self.sched.free_at[self.sched.memory(*k)] <= i]:
                 del self.kept[key]
 
-    def _key(self, s: int, k: int) -> tuple[int, Any]:
-        b = self.sched.manifests[s].buckets[k]
-        return (s, k) if b.tensor is None else (s, b.tensor)
 
-    def _lost(self, what: str, error: str) -> TransportError:
-        if not self.handed:
-            return TransportError(f"{proto.lost(self.group, what, error)}; nothing loaded on this rank")
-        self.group.close()
-        return mixed_error(f"rank {self.group.rank}: {what}: {error} (the transfer group is closed)",
-                           self.handed, self.sched.units, "unknown: the group is closed")
+def lost(group: TransferGroup, what: str, error: str, handed: list[str], units: int) -> TransportError:
+    """An engine rank's error for a peer lost mid-stream (the group is closed: no vote follows):
+    MixedWeightsError when it loaded ``handed`` (of ``units``), else TransportError."""
+    if not handed:
+        return TransportError(f"{proto.lost(group, what, error)}; nothing loaded on this rank")
+    group.close()
+    return mixed_error(f"rank {group.rank}: {what}: {error} (the transfer group is closed)", handed, units,
+                       "unknown: the group is closed")
 
 
 def mixed_error(reason: str, handed: list[str], units: int, holders: str) -> MixedWeightsError:

@@ -1,7 +1,8 @@
 """A mesh round on a receiver with an engine (:class:`~qstrat.transport.receive.session.ReceiverSession`,
 the vLLM backend's): the engine rank receives its share from every trainer rank
 (:func:`~qstrat.transport.mesh.receiver.receive_mesh_round`), after checking the round against
-what its engine loads, and stages it; the session's ``finish`` loads it (atomic only).
+what its engine loads, and stages it; the session's ``finish`` loads it (atomic), or loads it
+unit by unit as it arrives (bounded: :mod:`qstrat.transport.mesh.bounded`).
 
 What the engine is handed: each tensor of its share in the WHOLE tensor's shape
 (:meth:`~qstrat.transport.mesh.routing.ShareSlice.embed`: the received slice where this rank's TP
@@ -18,6 +19,7 @@ import torch
 
 from qstrat.errors import TransportError, WireManifestMismatchError
 from qstrat.transport.receive.acceptance import check_expected
+from qstrat.transport.mesh.bounded import BoundedRoutes
 from qstrat.transport.mesh.receiver import receive_mesh_round
 from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout
 from qstrat.transport.wire_manifest import build_wire_manifest
@@ -27,7 +29,8 @@ MESH_KEY = "mesh"
 
 
 class ShareCheck:
-    """The engine rank's accept-vote check of a mesh round: atomic mode, then the round's outputs in
+    """The engine rank's accept-vote check of a mesh round: its mode (``update_info``'s, the routes'
+    the same: atomic or bounded), then the round's outputs in
     whole shapes (what its loaders are handed; the rank's share is the routing's part of them)
     against the engine (:class:`EngineExpectations`: who
     quantizes, the format, the tensors and whole reload units), then the MIX flag's rule.
@@ -46,8 +49,10 @@ class ShareCheck:
         error its layout could not be read with)."""
         if self.refusal is not None:
             raise self.refusal
-        if self.info.get("mode", "atomic") != "atomic":
-            raise WireManifestMismatchError(f"a mesh round is atomic only, not {self.info.get('mode')!r}")
+        mode = "bounded" if isinstance(routes, BoundedRoutes) else "atomic"
+        if self.info.get("mode", "atomic") != mode:
+            raise WireManifestMismatchError(f"a mesh round's update_info names mode {self.info.get('mode')!r}, its "
+                                            f"routes are {mode}'s (mesh rounds: 'atomic' or 'bounded')")
         # the whole round against the engine (an expert-parallel rank's share leaves out the other
         # ranks' experts, which its engine manifest lists); the share is the routing's part of it
         wm = build_wire_manifest(((n, d, shape) for n, d, shape, _ in routes.outputs), routes.bucket_bytes,
@@ -61,9 +66,10 @@ def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Te
 
     Args: session: a joined session with ``senders`` (from its init info) and ``layout()``
         (this rank's :class:`~qstrat.transport.mesh.routing.ReceiverLayout`, read from its engine);
-        info: ``update_info`` with :data:`MESH_KEY` and ``mode`` (``atomic``).
+        info: ``update_info`` with :data:`MESH_KEY` and ``mode`` (``atomic`` or ``bounded``).
     Returns: this rank's share as its loader takes it (whole shapes, see the module docstring),
-        in wire order; ``session.stats`` gets the receive side's counts (``bytes`` received,
+        in wire order (bounded: ``[]``, each unit loaded through ``session.load_bounded`` as its
+        pieces verified; a MIX flags the session); ``session.stats`` gets the receive side's counts (``bytes`` received,
         ``share_bytes``, ``tensor_bytes``, ``seconds``, ``stream_s``).
     Raises: TransportError when the session joined without ``senders`` (not a mesh group) or
         has no layout; otherwise as :func:`receive_mesh_round` (a layout that raised
@@ -77,5 +83,12 @@ def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Te
         layout, refusal = session.layout(), None
     except TransportError as exc:  # e.g. an engine layout mesh rounds do not cover: refused in the vote
         layout, refusal = ReceiverLayout(), exc
-    return receive_mesh_round(session.group, info[MESH_KEY], int(session.senders), layout, session.auth,
-                              ShareCheck(session, info, refusal), session.stats, whole=True)
+    check = ShareCheck(session, info, refusal)
+    doc = info[MESH_KEY]
+    if not (isinstance(doc, dict) and doc.get("mode") == "bounded"):
+        return receive_mesh_round(session.group, doc, int(session.senders), layout, session.auth, check,
+                                  session.stats, whole=True)
+    session.load_bounded(lambda on_unit: receive_mesh_round(session.group, doc, int(session.senders), layout,
+                                                            session.auth, check, session.stats, True, on_unit),
+                         lambda: check.sent)
+    return []

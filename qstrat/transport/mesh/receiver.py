@@ -126,10 +126,9 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         whole: hand on each part as :meth:`~qstrat.transport.mesh.routing.ShareSlice.embed` makes it
             (the whole tensor's shape, the part where the rank's loader narrows to it, zeros
             elsewhere: what vLLM's weight loaders take), not the part itself.
-        on_unit: a BOUNDED round (``doc["mode"] == "bounded"``, :mod:`qstrat.transport.mesh.bounded`):
-            called ``on_unit(unit, [(name, tensor)])`` with each reload unit as soon as all its
-            pieces, from every sender, verified (required there, refused in an atomic round);
-            ``stats`` then also gets ``staged_peak`` (the most bytes of receive buffers alive at
+        on_unit: a BOUNDED round's (``doc["mode"]``; :mod:`qstrat.transport.mesh.bounded`), required
+            there: ``on_unit(unit, [(name, tensor)])`` for each reload unit once all its pieces
+            verified; ``stats`` then gets ``staged_peak`` (bytes of receive buffers alive at
             once, counted here), ``staged_bytes`` (the bound) and ``units_loaded``.
     Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes,
         or with ``whole`` the tensor around it), views of the received buffers (copies with
@@ -138,8 +137,7 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     Raises: WireManifestMismatchError (a share other than this rank's, malformed round, an engine
         that loads something else), TransferAuthError, TransportError - before any data; then
         TransportError (a seal failed, a sender aborted, another rank refused, a peer was lost:
-        the group is then closed), with nothing handed on; a bounded round: MixedWeightsError
-        instead when this rank loaded a unit (:func:`qstrat.transport.mesh.bounded.finish`).
+        the group is then closed), with nothing handed on (bounded: MixedWeightsError if it was).
     """
     t0, g = time.perf_counter(), group
     auth = auth or ReceiverAuth(None, "", 0)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -133,11 +134,11 @@ class PairOut:
                                  f"to rank {self.dst} (truncated)")
 
 
-def keep_busy(outs: Iterable[PairOut], limit: int) -> None:
+def keep_busy(outs: Iterable[PairOut], limit: int, wait: Callable[[list[PairOut]], None] | None = None) -> None:
     """Post what every pair can; while the pairs hold more than ``limit`` bytes (:meth:`PairOut.held`)
-    wait for the oldest bucket on the wire of any pair and post again. Returns once at most
-    ``limit`` bytes are held, or nothing is on the wire (what is held then waits for more tensors).
-    Raises TransportError when a send failed."""
+    wait for the oldest bucket on the wire of any pair (``wait(busy pairs)`` instead, given) and
+    post again. Returns once at most ``limit`` bytes are held, or nothing is on the wire (what is
+    held then waits for more tensors). Raises TransportError when a send failed."""
     outs = list(outs)
     while True:
         for out in outs:
@@ -145,7 +146,10 @@ def keep_busy(outs: Iterable[PairOut], limit: int) -> None:
         busy = [out for out in outs if out.works]
         if not busy or sum(out.held() for out in outs) <= limit:
             return
-        min(busy, key=lambda out: out.oldest()).wait_oldest()
+        if wait is not None:
+            wait(busy)
+        else:
+            min(busy, key=lambda out: out.oldest()).wait_oldest()
 
 
 class BoundedPairOut(bounded.WaitedSends, PairOut):
@@ -247,11 +251,8 @@ class MeshSender:
                           time.perf_counter() - t1)
 
     def _keep_busy(self, outs: Iterable[PairOut], limit: int) -> None:
-        """:func:`keep_busy`; bounded mode: :func:`~qstrat.transport.mesh.bounded.keep_busy_any`."""
-        if self.mode == "bounded":
-            bounded.keep_busy_any(outs, limit, self.group)
-        else:
-            keep_busy(outs, limit)
+        """:func:`keep_busy`; bounded mode waits for any pair (:func:`~qstrat.transport.mesh.bounded.wait_any`)."""
+        keep_busy(outs, limit, partial(bounded.wait_any, group=self.group) if self.mode == "bounded" else None)
 
     def _accept(self, routes: MeshRoutes, ch: tuple[int, ...]) -> bytes:
         """Steps 2-4 after the challenge ``ch``: round header, pair headers, accept vote; the round MAC."""
