@@ -147,7 +147,7 @@ def rounds_main(rank: int, world: int, senders: int, port: int, fmt: str, layout
                     recv.round(routes_for(outputs, senders, [], 1 << 16, 64, mode, bound).to_dict())
                 except Exception as exc:  # noqa: BLE001 - reported with what the receiver holds
                     result = ("err", f"{type(exc).__name__}: {exc}")
-                got = {n: t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() + repr(
+                got = {n: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + repr(
                     (str(t.dtype), tuple(t.shape))).encode() for n, t in recv.tensors.items()}
                 out.append((*result, (got, dict(recv.stats), list(recv.units))))
             except Exception as exc:  # noqa: BLE001 - a sender's error

@@ -44,7 +44,7 @@ def expected_share(single: dict[str, torch.Tensor], layout: ReceiverLayout) -> d
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() + repr(
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + repr(
         (str(t.dtype), tuple(t.shape))).encode()
 
 

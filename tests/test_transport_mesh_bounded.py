@@ -20,7 +20,7 @@ from qstrat.transport.wire_manifest import reload_unit
 
 LAYOUTS = [ReceiverLayout.from_dict(d) for d in EP_ENGINE]
 ENGINE = [SENDERS, SENDERS + 1]  # the engine ranks' group ranks
-FORMATS = ["block-fp8", "mxfp8", "nvfp4"]
+FORMATS = ["bf16", "block-fp8", "mxfp8", "nvfp4-experts"]
 
 
 def shares(fmt: str, seed: int) -> list[dict[str, torch.Tensor]]:
