@@ -12,13 +12,13 @@ SECRET = b"mesh-test-secret-0123456789abcdef"
 TIMEOUT_S = 90.0
 
 
-def model_and_plans(fmt: str, senders: int) -> tuple[Any, dict, list, list, Any]:
+def model_and_plans(fmt: str, senders: int, seed: int = 1) -> tuple[Any, dict, list, list, Any]:
     """(driver, whole state (per-expert names), each rank's held tensors (global names), each
-    rank's plan, the whole plan) for the tiny Qwen3-MoE, experts split over ``senders`` ranks."""
+    rank's plan, the whole plan) for the tiny Qwen3-MoE ``seed``, experts split over ``senders`` ranks."""
     from qstrat import RefitDriver
     from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
 
-    model = build_tiny_qwen3_moe(seed=1)
+    model = build_tiny_qwen3_moe(seed=seed)
     state = model.state_dict()
     driver = RefitDriver(fmt, hf_config=hf_config(model))
     return (driver, state, *split_state(driver, state, senders))
@@ -49,20 +49,11 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
         import torch
 
         from qstrat.execute.sharding import ExpertParallel
-        from qstrat.transport.group import TransferGroup, open_group
+        from qstrat.transport.group import open_group
         from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout, mesh_outputs
 
         secret = None if fault.get("no_secret") else SECRET
-        if fault.get("flip_to") is not None:  # one byte of the first bucket to that rank, after sealing
-            send = TransferGroup.send
-
-            def flipped(self: Any, tensor: Any, dst: int, tag: int) -> Any:
-                if dst == fault["flip_to"] and tag == 1:
-                    tensor = tensor.clone()
-                    tensor[len(tensor) // 2] ^= 1
-                return send(self, tensor, dst, tag)
-
-            TransferGroup.send = flipped
+        _inject(fault)
         if fault.get("whole_shares"):  # a sender that routes whole tensors, TP ignored (a lying routing)
             import qstrat.transport.mesh.routing as routing
 
@@ -73,13 +64,14 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
         if rank >= senders and fault.get("session"):  # the vLLM backend's receiver, with a dict loader
             layout = ReceiverLayout.from_dict(layouts[rank - senders])
             queue.put((rank, "ok", session_round(rank, world, senders, port, outputs, layout, secret,
-                                                 fault["session"])))
+                                                 fault["session"], fault.get("doc_mode"))))
             return
         group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)  # once every rank is ready
         if rank < senders:
             from qstrat.transport.mesh.sender import MeshSender
 
-            sender = MeshSender(group, senders, secret, "127.0.0.1", port, bucket_bytes=1 << 16)
+            sender = MeshSender(group, senders, secret, "127.0.0.1", port, bucket_bytes=1 << 16,
+                                mode=fault.get("mode", "atomic"))
             stream = driver.run(iter(held[rank].items()), plan=plans[rank])
             report = sender.send(outputs, _faulty(stream, fault))
             queue.put((rank, "ok", report.sent))
@@ -98,17 +90,107 @@ def rank_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts:
         queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
 
 
+def _inject(fault: dict) -> None:
+    """Install a rank's wire faults: ``flip_to`` (one byte of the first bucket to that group rank,
+    after sealing), ``wrong_key_to`` (that pair's buckets sealed under another pair's keys: a
+    sender whose MAC for that engine rank is wrong)."""
+    from qstrat.transport.group import TransferGroup
+    from qstrat.transport.mesh import steps
+
+    if fault.get("flip_to") is not None:
+        send = TransferGroup.send
+
+        def flipped(self: Any, tensor: Any, dst: int, tag: int) -> Any:
+            if dst == fault["flip_to"] and tag == 1:
+                tensor = tensor.clone()
+                tensor[len(tensor) // 2] ^= 1
+            return send(self, tensor, dst, tag)
+
+        TransferGroup.send = flipped
+    if fault.get("wrong_key_to") is not None:
+        real = steps.pair_sealer
+        steps.pair_sealer = lambda secret, mac, s, r, device: real(
+            secret, mac, s, r + 1 if r == fault["wrong_key_to"] else r, device)
+
+
+def rounds_main(rank: int, world: int, senders: int, port: int, fmt: str, layouts: list[dict],
+                rounds: list[dict], fault: dict, queue: Any) -> None:
+    """One rank of several mesh rounds on one group: ``rounds`` gives each round's ``mode``,
+    ``seed`` (the tiny model's), ``staged_bytes`` and ``clear`` (a receiver empties its tensors
+    first); ``fault`` (as :func:`rank_main`'s, plus ``wrong_key_to``) applies to the last round.
+    Puts (rank, "ok", [per round: ("ok" | "err", value, receiver: (name -> bytes, stats, units
+    loaded))])."""
+    try:
+        import torch
+
+        from qstrat.execute.sharding import ExpertParallel
+        from qstrat.transport.group import open_group
+        from qstrat.transport.mesh.bounded import routes_for
+        from qstrat.transport.mesh.receiver import MeshReceiver
+        from qstrat.transport.mesh.routing import ReceiverLayout, mesh_outputs
+        from qstrat.transport.mesh.sender import MeshSender
+
+        group = open_group("127.0.0.1", port, rank, world, "gloo", TIMEOUT_S)
+        recv = (MeshReceiver(group, senders, ReceiverLayout.from_dict(layouts[rank - senders]), secret=SECRET,
+                             address="127.0.0.1", port=port) if rank >= senders else None)
+        out = []
+        for j, rnd in enumerate(rounds):
+            last = j == len(rounds) - 1
+            if last:
+                _inject(fault)
+            mode, bound = rnd.get("mode", "atomic"), rnd.get("staged_bytes")
+            driver, _, held, plans, plan = model_and_plans(fmt, senders, rnd.get("seed", 1))
+            outputs = mesh_outputs(plan, ExpertParallel(senders, 8).owner)
+            try:
+                if recv is None:
+                    sender = MeshSender(group, senders, SECRET, "127.0.0.1", port, bucket_bytes=1 << 16,
+                                        mode=mode, staged_bytes=bound)
+                    stream = driver.run(iter(held[rank].items()), plan=plans[rank])
+                    out.append(("ok", sender.send(outputs, _faulty(stream, fault) if last else stream).sent, None))
+                    continue
+                if rnd.get("clear"):
+                    recv.tensors.clear()
+                result = ("ok", None)
+                try:
+                    recv.round(routes_for(outputs, senders, [], 1 << 16, 64, mode, bound).to_dict())
+                except Exception as exc:  # noqa: BLE001 - reported with what the receiver holds
+                    result = ("err", f"{type(exc).__name__}: {exc}")
+                got = {n: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + repr(
+                    (str(t.dtype), tuple(t.shape))).encode() for n, t in recv.tensors.items()}
+                out.append((*result, (got, dict(recv.stats), list(recv.units))))
+            except Exception as exc:  # noqa: BLE001 - a sender's error
+                out.append(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}", None))
+            if group.pg is None:
+                break
+        group.close()
+        queue.put((rank, "ok", out))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((rank, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"))
+
+
+def run_rounds(port: int, fmt: str, senders: int, layouts: list[dict], rounds: list[dict],
+               faults: dict[int, dict] | None = None, timeout_s: float = 900.0) -> dict[int, tuple[str, Any]]:
+    """Run :func:`rounds_main` over ``senders + len(layouts)`` processes; rank -> (status, value)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    world = senders + len(layouts)
+    procs = [ctx.Process(target=rounds_main, args=(r, world, senders, port, fmt, layouts, rounds,
+                                                   (faults or {}).get(r, {}), queue), daemon=True)
+             for r in range(world)]
+    return collect(procs, queue, timeout_s)
+
+
 def session_round(rank: int, world: int, senders: int, port: int, outputs: list, layout: Any, secret: Any,
-                  mode: str) -> tuple[dict, dict]:
+                  mode: str, doc_mode: str | None = None) -> tuple[dict, dict]:
     """Engine rank ``rank`` through :class:`qstrat.transport.receive.session.ReceiverSession` (what the vLLM
-    backend runs: join with ``senders`` in the signed init info, a mesh ``update`` in ``mode``,
-    ``finish``) into a dict loader; (name -> (dtype, shape, bytes) of what the loader was handed,
-    the session's stats)."""
+    backend runs: join with ``senders`` in the signed init info, a mesh ``update`` in ``mode`` with
+    routes of ``doc_mode`` (default: ``mode``), ``finish``) into a dict loader; (name -> (dtype,
+    shape, bytes) of what the loader was handed, the session's stats)."""
     import torch
 
     from qstrat.transport.security.auth import sign_init
     from qstrat.transport.security.keys import Secret
-    from qstrat.transport.mesh.routing import MeshRoutes
+    from qstrat.transport.mesh.bounded import routes_for
     from qstrat.transport.receive.session import ReceiverSession
 
     loaded: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
@@ -126,7 +208,7 @@ def session_round(rank: int, world: int, senders: int, port: int, outputs: list,
                                                    "rank_offset": rank, "world_size": world, "backend": "gloo",
                                                    "timeout_s": TIMEOUT_S, "senders": senders}))
     session.start()
-    session.update({"mesh": MeshRoutes(outputs, senders, [], 1 << 16, 64).to_dict(), "mode": mode})
+    session.update({"mesh": routes_for(outputs, senders, [], 1 << 16, 64, doc_mode or mode).to_dict(), "mode": mode})
     session.finish()
     session.shutdown()
     return loaded, dict(session.stats)

@@ -44,7 +44,7 @@ def expected_share(single: dict[str, torch.Tensor], layout: ReceiverLayout) -> d
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() + repr(
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + repr(
         (str(t.dtype), tuple(t.shape))).encode()
 
 
@@ -162,12 +162,15 @@ def test_the_mesh_benchmark_moves_one_expert_per_pair(senders, receivers):
     assert routes.full_bytes() == senders * receivers * pair
 
 
-def test_an_engine_session_is_handed_whole_shaped_tensors_holding_exactly_its_slice(single):
+@pytest.mark.parametrize("mode", ["atomic", "bounded"])
+def test_an_engine_session_is_handed_whole_shaped_tensors_holding_exactly_its_slice(single, mode):
     """The vLLM backend's receiver (ReceiverSession's mesh round, qstrat/transport/mesh/engine.py):
     its loader gets every tensor in the whole shape (what vLLM's weight loaders narrow by TP rank),
-    the received slice where TP rank 1 of 2 narrows, zeros elsewhere; bytes counted on receipt."""
+    the received slice where TP rank 1 of 2 narrows, zeros elsewhere; bytes counted on receipt.
+    Bounded (qstrat/transport/mesh/bounded.py): the same, unit by unit as the pieces arrive."""
     layout = LAYOUTS[1]
-    res = run_mesh(free_port(), "mxfp8", SENDERS, [layout.to_dict()], {SENDERS: {"session": "atomic"}})
+    res = run_mesh(free_port(), "mxfp8", SENDERS, [layout.to_dict()],
+                   {SENDERS: {"session": mode}, **{r: {"mode": mode} for r in range(SENDERS)}})
     assert all(s == "ok" for s, _ in res.values()), res
     loaded, stats = res[SENDERS][1]
     part = expected_share(single, layout)
@@ -183,9 +186,10 @@ def test_an_engine_session_is_handed_whole_shaped_tensors_holding_exactly_its_sl
     assert stats["tensor_bytes"] == sum(t.nbytes for t in part.values())
 
 
-def test_an_engine_session_refuses_a_bounded_mesh_round_before_any_data():
-    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[1].to_dict()], {SENDERS: {"session": "bounded"}})
-    assert "a mesh round is atomic only" in res[SENDERS][1], res[SENDERS]
+def test_an_engine_session_refuses_a_mesh_round_whose_mode_is_not_its_routes_before_any_data():
+    res = run_mesh(free_port(), "mxfp8", SENDERS, [LAYOUTS[1].to_dict()],
+                   {SENDERS: {"session": "bounded", "doc_mode": "atomic"}})
+    assert "update_info names mode 'bounded', its routes are atomic's" in res[SENDERS][1], res[SENDERS]
     _refused_everywhere(res, "refused before any data")
 
 

@@ -22,7 +22,7 @@ import hashlib
 import json
 import math
 import pickle
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -204,7 +204,7 @@ class WireManifest:
 
 def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   alignment: int = DEFAULT_ALIGNMENT) -> WireManifest:
+                   alignment: int = DEFAULT_ALIGNMENT, unit_of: Callable[[str], str] | None = None) -> WireManifest:
     """Lay ``tensors`` out in buckets, in the order given (the plan's wire order).
 
     Args:
@@ -213,6 +213,9 @@ def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
         bucket_bytes: bucket bound in bytes; a multiple of ``alignment``.
         alignment: in-bucket offset alignment in bytes; a power of two >= 16 (the largest
             element size, complex128).
+        unit_of: name -> its unit (e.g. :func:`reload_unit`); given, a shared bucket never holds
+            tensors of two units (the open bucket is closed where the unit changes), so a
+            receiver loading unit by unit frees each bucket with its unit. None: buckets fill up.
     Returns: the :class:`WireManifest` (digest included).
     Raises: WireManifestMismatchError for a bad bucket size or alignment, an unknown dtype, a
         duplicate name.
@@ -225,6 +228,7 @@ def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
     slots: list[TensorSlot] = []
     buckets: list[Bucket] = []
     used = 0  # bytes used in the open (last) shared bucket; 0: none open
+    unit = None  # the unit of the open bucket's tensors (with ``unit_of``)
 
     def close() -> None:
         nonlocal used
@@ -238,6 +242,9 @@ def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
     for name, dtype, shape in tensors:
         shape = tuple(int(d) for d in shape)
         nbytes = math.prod(shape) * _element_size(dtype, name)
+        if unit_of is not None and unit_of(name) != unit:
+            close()
+            unit = unit_of(name)
         if nbytes > bucket_bytes:
             close()
             first = len(buckets)

@@ -6,6 +6,8 @@
 - :mod:`.sender`: :class:`MeshSender`, ``PairOut``: a trainer rank's side
 - :mod:`.receiver`: :func:`receive_mesh_round`, :class:`MeshReceiver`, ``PairIn``: an engine rank's
   side
+- :mod:`.bounded`: :class:`BoundedRoutes`, :class:`BoundedShare`: bounded rounds, each engine rank
+  loading unit by unit under ``staged_bytes``
 - :mod:`.pair_delta`: delta mode per (sender, engine rank) pair: :class:`DeltaMeshSender`,
   :class:`DeltaMeshReceiver`, ``PairBases`` (each pair's base, patch stream and digests; the
   round resent whole when only the delta was refused)

@@ -2,7 +2,8 @@
 the vLLM backend's): the engine rank receives its share from every trainer rank
 (:func:`~qstrat.transport.mesh.receiver.receive_mesh_round`), after checking the round against
 what its engine loads, and stages it; the session's ``finish`` loads it (atomic, or delta: atomic
-rounds whose pairs travel as patches against each pair's base, :mod:`qstrat.transport.mesh.pair_delta`).
+rounds whose pairs travel as patches against each pair's base, :mod:`qstrat.transport.mesh.pair_delta`),
+or loads it unit by unit as it arrives (bounded: :mod:`qstrat.transport.mesh.bounded`).
 
 What the engine is handed: each tensor of its share in the WHOLE tensor's shape
 (:meth:`~qstrat.transport.mesh.routing.ShareSlice.embed`: the received slice where this rank's TP
@@ -19,6 +20,7 @@ import torch
 
 from qstrat.errors import TransportError, WireManifestMismatchError
 from qstrat.transport.receive.acceptance import check_expected
+from qstrat.transport.mesh.bounded import BoundedRoutes
 from qstrat.transport.mesh.pair_delta import receive_delta_round
 from qstrat.transport.mesh.receiver import receive_mesh_round
 from qstrat.transport.mesh.routing import MeshRoutes, ReceiverLayout
@@ -29,7 +31,8 @@ MESH_KEY = "mesh"
 
 
 class ShareCheck:
-    """The engine rank's accept-vote check of a mesh round: atomic mode, then the round's outputs in
+    """The engine rank's accept-vote check of a mesh round: its mode (``update_info``'s, the routes'
+    the same: atomic or bounded), then the round's outputs in
     whole shapes (what its loaders are handed; the rank's share is the routing's part of them)
     against the engine (:class:`EngineExpectations`: who
     quantizes, the format, the tensors and whole reload units), then the MIX flag's rule.
@@ -48,9 +51,11 @@ class ShareCheck:
         error its layout could not be read with)."""
         if self.refusal is not None:
             raise self.refusal
-        if self.info.get("mode", "atomic") not in ("atomic", "delta"):
-            raise WireManifestMismatchError(f"a mesh round is atomic only (or delta: atomic rounds of per-pair "
-                                            f"patches), not {self.info.get('mode')!r}")
+        mode = "bounded" if isinstance(routes, BoundedRoutes) else "atomic"
+        given = self.info.get("mode", "atomic")
+        if given != mode and not (mode == "atomic" and given == "delta"):  # delta: atomic routes, patched pairs
+            raise WireManifestMismatchError(f"a mesh round's update_info names mode {given!r}, its "
+                                            f"routes are {mode}'s (mesh rounds: 'atomic', 'bounded' or 'delta')")
         # the whole round against the engine (an expert-parallel rank's share leaves out the other
         # ranks' experts, which its engine manifest lists); the share is the routing's part of it
         wm = build_wire_manifest(((n, d, shape) for n, d, shape, _ in routes.outputs), routes.bucket_bytes,
@@ -64,12 +69,13 @@ def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Te
 
     Args: session: a joined session with ``senders`` (from its init info) and ``layout()``
         (this rank's :class:`~qstrat.transport.mesh.routing.ReceiverLayout`, read from its engine);
-        info: ``update_info`` with :data:`MESH_KEY` and ``mode`` (``atomic``, or ``delta``: each
-        pair patched against the pair base in ``session.mesh_pairs``,
+        info: ``update_info`` with :data:`MESH_KEY` and ``mode`` (``atomic``, ``bounded``, or ``delta``:
+        each pair patched against the pair base in ``session.mesh_pairs``,
         :mod:`qstrat.transport.mesh.pair_delta`, and received again whole in the same call when
         only the delta was refused; ``session.stats`` then has ``attempts``).
     Returns: this rank's share as its loader takes it (whole shapes, see the module docstring),
-        in wire order; ``session.stats`` gets the receive side's counts (``bytes`` received,
+        in wire order (bounded: ``[]``, each unit loaded through ``session.load_bounded`` as its
+        pieces verified; a MIX flags the session); ``session.stats`` gets the receive side's counts (``bytes`` received,
         ``share_bytes``, ``tensor_bytes``, ``seconds``, ``stream_s``).
     Raises: TransportError when the session joined without ``senders`` (not a mesh group) or
         has no layout; otherwise as :func:`receive_mesh_round` (a layout that raised
@@ -83,10 +89,18 @@ def receive_mesh(session: Any, info: dict[str, Any]) -> list[tuple[str, torch.Te
         layout, refusal = session.layout(), None
     except TransportError as exc:  # e.g. an engine layout mesh rounds do not cover: refused in the vote
         layout, refusal = ReceiverLayout(), exc
+    check = ShareCheck(session, info, refusal)
+    doc = info[MESH_KEY]
+    if isinstance(doc, dict) and doc.get("mode") == "bounded":
+        session.load_bounded(lambda on_unit: receive_mesh_round(session.group, doc, int(session.senders), layout,
+                                                                session.auth, check, session.stats, whole=True,
+                                                                on_unit=on_unit),
+                             lambda: check.sent)
+        return []
     pairs = session.mesh_pairs if info.get("mode") == "delta" else None
 
     def receive() -> list[tuple[str, torch.Tensor]]:
-        return receive_mesh_round(session.group, info[MESH_KEY], int(session.senders), layout, session.auth,
-                                  ShareCheck(session, info, refusal), session.stats, whole=True, pairs=pairs)
+        return receive_mesh_round(session.group, doc, int(session.senders), layout, session.auth, check,
+                                  session.stats, whole=True, pairs=pairs)
 
     return receive() if pairs is None else receive_delta_round(receive, session.stats)

@@ -315,14 +315,19 @@ class DeltaMeshSender(MeshSender):
     (:attr:`bases`: engine index -> the pair's :class:`~qstrat.transport.delta.encoding.Base`, in
     host memory), and send the round again whole when the engine ranks refused only the delta."""
 
-    mode = MODE
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.mode != "atomic":
+            raise TransportError(f"a delta mesh round is atomic in its load (a base per pair, loaded after the "
+                                 f"commit vote): mode={self.mode!r} is not combined with delta")
         #: Per engine rank (0-based among engine ranks) the pair's base; empty: every pair whole.
         self.bases: dict[int, delta.Base] = {}
         self._encoders: dict[int, PatchEncoder] = {}
         self._resend: dict[int, PatchEncoder] | None = None
+
+    def _mac_mode(self, routes: MeshRoutes) -> str:
+        """A delta mesh round binds its own mode (:data:`MODE`) into the round MAC."""
+        return MODE
 
     def _pair_head(self, routes: MeshRoutes, r: int) -> torch.Tensor:
         """The atomic pair header and the pair's ids; the pair's encoder is made here (against

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from qstrat.errors import MixedWeightsError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport.delta.encoding import DeltaRefused
+from qstrat.transport.mesh import bounded
 from qstrat.transport.mesh import steps as mesh
 from qstrat.transport import protocol as proto
 from qstrat.transport.security.auth import ReceiverAuth, RoundContext, from_words
@@ -89,8 +91,9 @@ def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[Rece
     try:
         if layouts[me] != layout:
             raise WireManifestMismatchError(f"rank {group.rank}: its published layout was rewritten")
-        routes = MeshRoutes(doc["outputs"], int(doc["senders"]), layouts, int(doc["bucket_bytes"]),
-                            int(doc["alignment"]))
+        routes = bounded.routes_from_doc(doc, layouts)
+        if isinstance(routes, bounded.BoundedRoutes) and routes.refusal([me]) is not None:
+            raise routes.refusal([me])
         if routes.senders != senders:
             raise WireManifestMismatchError(f"rank {group.rank}: the round names {routes.senders} senders, "
                                             f"the group has {senders}")
@@ -109,7 +112,8 @@ def _own_routes(group: TransferGroup, doc: Any, senders: int, layouts: list[Rece
 
 def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, layout: ReceiverLayout,
                        auth: ReceiverAuth | None = None, expected: Any = None,
-                       stats: dict[str, float] | None = None, whole: bool = False, pairs: Any = None) -> Unit:
+                       stats: dict[str, float] | None = None, whole: bool = False, pairs: Any = None,
+                       on_unit: Callable[[str, Unit], None] | None = None) -> Unit:
     """Receive one mesh round on engine rank ``group.rank`` (>= ``senders``).
 
     Args:
@@ -129,15 +133,20 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
             elsewhere: what vLLM's weight loaders take), not the part itself.
         pairs: a delta round's pair bases (:class:`~qstrat.transport.mesh.pair_delta.PairBases`: a
             stale base votes STALE_BASE, a rebuilt digest mismatch DELTA); None: atomic.
+        on_unit: a BOUNDED round's (``doc["mode"]``; :mod:`qstrat.transport.mesh.bounded`), required
+            there: ``on_unit(unit, [(name, tensor)])`` for each reload unit once all its pieces
+            verified; ``stats`` then gets ``staged_peak`` (bytes of receive buffers alive at
+            once, counted here), ``staged_bytes`` (the bound) and ``units_loaded``.
     Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes,
         or with ``whole`` the tensor around it), views of the received buffers (copies with
-        ``whole``), every bucket verified and every rank agreeing to commit.
+        ``whole``), every bucket verified and every rank agreeing to commit; ``[]`` in a bounded
+        round (handed to ``on_unit``).
     Raises: WireManifestMismatchError (a share other than this rank's, malformed round, an engine
         that loads something else), TransferAuthError, TransportError - before any data; then
         TransportError (a seal failed, a sender aborted, another rank refused, a peer was lost:
-        the group is then closed), with nothing handed on; DeltaRefused (a TransportError) on every
-        rank when every refusal of a delta round, in either vote, was delta-only (its sender sends
-        the round again, whole).
+        the group is then closed), with nothing handed on (bounded: MixedWeightsError if it was);
+        DeltaRefused (a TransportError) on every rank when every refusal of a delta round, in either
+        vote, was delta-only (its sender sends the round again, whole).
     """
     t0, g = time.perf_counter(), group
     mode, words = (mesh.MODE, mesh.PAIR_WORDS) if pairs is None else (pairs.mode, pairs.head_words)
@@ -146,6 +155,10 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     layouts, drawn, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, senders, layout,
                                          auth.last_counter)
     routes, rejection = _own_routes(g, doc, senders, layouts, layout, expected)
+    share_mode = isinstance(routes, bounded.BoundedRoutes)
+    if rejection is None and share_mode != (on_unit is not None):
+        rejection = WireManifestMismatchError(f"rank {g.rank}: a {'bounded' if share_mode else 'atomic'} mesh "
+                                              f"round {'needs' if share_mode else 'takes no'} a unit loader here")
     header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
     mesh.wait(g, g.broadcast(header), "no round header from rank 0")
     counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])
@@ -156,7 +169,8 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     if rejection is None and digest != routes.digest:
         rejection = WireManifestMismatchError(f"rank {g.rank}: rank 0 streams other routes than this rank computed")
     if rejection is None:
-        reason = auth.verify(RoundContext(digest, mode, counter, ch, auth.address, auth.port, g.world_size),
+        reason = auth.verify(RoundContext(digest, mode if pairs is not None else bounded.mac_mode(routes), counter,
+                                          ch, auth.address, auth.port, g.world_size),
                              mac, g.rank, drawn)
         if reason is not None:
             rejection = TransferAuthError(f"rank {g.rank}: mesh round refused: {reason}")
@@ -181,6 +195,9 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         raise TransportError(f"rank {g.rank}: mesh round refused before any data: {proto.describe(votes.statuses)}")
     auth.last_counter = counter
     t1 = time.perf_counter()
+    if share_mode:
+        _bounded_share(g, routes, me, auth, mac, on_unit, whole, stats, t0, t1)
+        return []
     pair_in = PairIn if pairs is None else pairs.pair_in
     ins = [pair_in(g, s, routes.pair_manifest(s, me), mesh.pair_sealer(auth.secret, mac, s, g.rank, g.device))
            for s in range(senders)]
@@ -209,6 +226,31 @@ def _delta_only(votes: proto.Votes) -> bool:
     return votes.failed() and all(s == proto.OK or s in proto.DELTA_ONLY for s in votes.statuses)
 
 
+def _bounded_share(g: TransferGroup, routes: bounded.BoundedRoutes, me: int, auth: ReceiverAuth, mac: bytes,
+                   on_unit: Callable[[str, Unit], None], whole: bool, stats: dict[str, float], t0: float,
+                   t1: float) -> None:
+    """Steps 5 and 6 of a bounded round (:class:`~qstrat.transport.mesh.bounded.BoundedShare`)."""
+    share = bounded.BoundedShare(g, routes, me, [mesh.pair_sealer(auth.secret, mac, s, g.rank, g.device)
+                                                 for s in range(routes.senders)], on_unit, whole)
+    try:
+        share.run()
+    finally:
+        stats.update(bytes=share.bytes, share_bytes=routes.bytes_per_receiver()[me], staged_peak=share.peak,
+                     staged_bytes=share.bound, units_loaded=len(share.handed), stream_s=time.perf_counter() - t1)
+    failure = share.failure
+    own = (proto.MIXED if share.handed else failure[0]) if failure else proto.OK
+    try:
+        votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT, own,
+                                bool(share.handed), auth.secret, mac)
+    except TransportError as exc:  # the group is closed: no rank learns the others' state
+        if not share.handed:
+            raise TransportError(f"{exc}; nothing loaded on this rank") from None
+        raise bounded.mixed_error(str(exc), share.handed, share.sched.units, "unknown: the group is closed") from None
+    stats["seconds"] = time.perf_counter() - t0
+    bounded.finish(g, share, votes)
+    stats["tensor_bytes"] = share.tensor_bytes
+
+
 def _drain(pairs: list[PairIn]) -> None:
     """Every pair's buckets at once, one thread per sender. Raises the first pair's
     TransportError (a lost sender: the group is closed, so the others end too)."""
@@ -221,7 +263,8 @@ def _drain(pairs: list[PairIn]) -> None:
 
 class MeshReceiver:
     """An engine rank without an engine (tests, benchmarks): receives mesh rounds into
-    :attr:`tensors` (name -> this rank's part), loading only after the commit vote.
+    :attr:`tensors` (name -> this rank's part), loading only after the commit vote (atomic) or
+    unit by unit (bounded).
 
     Args: group: the open transfer group (this rank >= ``senders``); layout: what this rank loads;
         expected: name -> (dtype name, shape) its loader takes (None: anything in its share);
@@ -239,11 +282,30 @@ class MeshReceiver:
         self.stats: dict[str, float] = {}
         #: Why this rank holds a mix (a load that failed part-way), None: it does not.
         self.mixed: str | None = None
+        #: The reload units the last bounded round loaded, in order.
+        self.units: list[str] = []
 
     def round(self, doc: dict[str, Any]) -> None:
-        """Receive one round and load it (copies into :attr:`tensors`). Raises as
-        :func:`receive_mesh_round`; MixedWeightsError when the load itself failed part-way."""
+        """Receive one round and load it (copies into :attr:`tensors`): after the commit vote, or in
+        a bounded round (``doc["mode"] == "bounded"``) unit by unit as the pieces verify. Raises as
+        :func:`receive_mesh_round`; MixedWeightsError when the load itself failed part-way, or a
+        bounded round failed after this rank loaded a unit (:attr:`mixed` says why)."""
         self.stats = {}
+        if doc.get("mode") == "bounded":
+            self.units = []
+
+            def load(unit: str, tensors: Unit) -> None:
+                self.tensors.update((n, t.clone()) for n, t in tensors)
+                self.units.append(unit)
+
+            try:
+                receive_mesh_round(self.group, doc, self.senders, self.layout, self.auth, self.expected,
+                                   self.stats, on_unit=load)
+            except MixedWeightsError as exc:
+                self.mixed = getattr(exc, "detail", str(exc))
+                raise
+            self.mixed = None
+            return
         staged = self._receive(doc)
         done = 0
         try:

@@ -7,9 +7,12 @@ drives the engines' weight-sync calls (``init_weight_transfer_engine``, ``start_
 
 The engines run ``weight_transfer_config={"backend": "qstrat"}``
 (:mod:`qstrat.vllm.engine.transfer_backend`); each of their workers joins the group as one engine rank
-(group ranks ``senders..``) and publishes what it loads. Atomic rounds (``mode="delta"``: atomic
-rounds of per-pair patches, :mod:`qstrat.transport.mesh.pair_delta`): nothing is loaded anywhere
-unless every rank voted to commit; then rank 0 calls ``finish_weight_update``.
+(group ranks ``senders..``) and publishes what it loads. Atomic rounds (default; ``mode="delta"``:
+atomic rounds of per-pair patches, :mod:`qstrat.transport.mesh.pair_delta`): nothing is loaded
+anywhere unless every rank voted to commit; then rank 0 calls ``finish_weight_update``.
+Bounded rounds (``mode="bounded"``): each engine rank loads unit by unit under ``staged_bytes``;
+a fault after a rank loaded leaves a MIX, flagged on those ranks and raised as
+MixedWeightsError naming them (:attr:`MeshRefitSender.mixed`).
 
 A trainer rank 0 that dies mid-round leaves the engines' update sessions open (vLLM then refuses
 every ``start_weight_update``): when the next group forms, its first step
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import TransportError
+from qstrat.errors import MixedWeightsError, TransportError
 from qstrat.transport.security.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
 from qstrat.transport.send.fanout import EngineClients, call, listed
@@ -33,7 +36,8 @@ from qstrat.transport.mesh.steps import open_sessions
 from qstrat.transport.mesh.engine import MESH_KEY
 from qstrat.transport.mesh.pair_delta import DeltaMeshSender
 from qstrat.transport.mesh.sender import MeshReport, MeshSender
-from qstrat.transport.mesh.routing import MeshRoutes, Output, mesh_outputs
+from qstrat.transport.mesh.bounded import routes_for
+from qstrat.transport.mesh.routing import Output, mesh_outputs
 from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
 
 _UNNAMED = object()
@@ -52,22 +56,22 @@ class MeshRefitSender:
         backend, timeout_s: ``gloo`` / ``nccl``; rendezvous, collective and RPC timeout (seconds).
         secret: the secret shared with the engines (default: ``QSTRAT_TRANSFER_SECRET``).
         bucket_bytes, alignment: each pair's bucket layout (bytes).
-        mode: ``atomic`` (default) or ``delta``: atomic rounds in which each (trainer rank,
-            engine rank) pair sends the patch against the pair's base
+        mode, staged_bytes: ``atomic`` (default), ``bounded`` (each engine rank loads unit by unit
+            as its pieces arrive, at most ``staged_bytes`` of receive buffers alive; a fault after a
+            rank loaded leaves a flagged MIX: :mod:`qstrat.transport.mesh.bounded`), as
+            :class:`~qstrat.transport.mesh.sender.MeshSender`, or ``delta``: atomic rounds in which
+            each (trainer rank, engine rank) pair sends the patch against the pair's base
             (:class:`~qstrat.transport.mesh.pair_delta.DeltaMeshSender`; the round goes again,
-            whole, in the same call when the engines refuse only the delta).
-    Raises: TransportError for a rank outside ``0..senders-1``, clients on a rank other than 0, or
-        another mode.
+            whole, in the same call when the engines refuse only the delta); every rank gives the same.
+    Raises: TransportError for a rank outside ``0..senders-1``, clients on a rank other than 0,
+        another mode, or ``staged_bytes`` outside bounded mode.
     """
 
     def __init__(self, rank: int, senders: int, master_address: str, master_port: int,
                  clients: Sequence[Any] = (), workers_per_client: Sequence[int] | None = None,
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  secret: Secret | bytes | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alignment: int = DEFAULT_ALIGNMENT, mode: str = "atomic") -> None:
-        if mode not in ("atomic", "delta"):
-            raise TransportError(f"MeshRefitSender mode {mode!r}: use 'atomic' or 'delta'")
-        self.mode = mode
+                 alignment: int = DEFAULT_ALIGNMENT, mode: str = "atomic", staged_bytes: int | None = None) -> None:
         if not 0 <= rank < senders or (clients and rank != 0):
             raise TransportError(f"MeshRefitSender: rank {rank} of {senders} senders (only rank 0 drives the "
                                  "engines' clients)")
@@ -78,6 +82,14 @@ class MeshRefitSender:
         self.backend, self.timeout_s = backend, timeout_s
         self.secret = Secret.coerce(secret) if secret is not None else Secret.from_env()
         self.bucket_bytes, self.alignment = bucket_bytes, alignment
+        if mode not in ("atomic", "bounded", "delta"):
+            raise TransportError(f"MeshRefitSender mode {mode!r}: use 'atomic', 'bounded' or 'delta'")
+        #: How the engine ranks load: a delta round's pairs are patches, loaded as an atomic round.
+        self.load_mode = "atomic" if mode == "delta" else mode
+        routes_for([], senders, [], bucket_bytes, alignment, self.load_mode, staged_bytes)  # checked up front
+        self.mode, self.staged_bytes = mode, staged_bytes
+        #: After a round that left a MIX: which engine ranks hold new weights (None: no mix known).
+        self.mixed: str | None = None
         self.mesh: MeshSender | None = None
         #: Engine group ranks whose weight-update session was still open when the group formed
         #: (a previous rank 0 died before ``finish_weight_update``); rank 0 ends them before its
@@ -105,7 +117,8 @@ class MeshRefitSender:
 
         group = self.engines.join(self.init_infos(), rendezvous) if self.rank == 0 else rendezvous()
         cls = DeltaMeshSender if self.mode == "delta" else MeshSender
-        self.mesh = cls(group, self.senders, self.secret, self.address, self.port, self.bucket_bytes, self.alignment)
+        self.mesh = cls(group, self.senders, self.secret, self.address, self.port, self.bucket_bytes,
+                        self.alignment, mode=self.load_mode, staged_bytes=self.staged_bytes)
 
     def close(self) -> None:
         """Close the group (engines keep their weights)."""
@@ -175,7 +188,8 @@ class MeshRefitSender:
             raise TransportError("connect() first (no open transfer group)")
         futures = []
         if self.rank == 0:
-            doc = MeshRoutes(outputs, self.senders, [], self.bucket_bytes, self.alignment).to_dict()
+            doc = routes_for(outputs, self.senders, [], self.bucket_bytes, self.alignment, self.load_mode,
+                             self.staged_bytes).to_dict()
             info = {"wire_manifest": None, MESH_KEY: doc, "mode": self.mode, "protocol": PROTOCOL_VERSION}
             info.update({k: v for k, v in ((FORMAT_KEY, quantization_config), (ONLINE_KEY, engine_quantization))
                          if v is not _UNNAMED})
@@ -185,6 +199,8 @@ class MeshRefitSender:
         try:
             report = self.mesh.send(outputs, tensors)
         except BaseException as exc:
+            if isinstance(exc, MixedWeightsError):
+                self.mixed = getattr(exc, "detail", str(exc))
             errors = self.engines.results(futures)
             if self.rank == 0:  # end the engines' update session (the backend loads nothing: not committed)
                 errors.update({i: f"finish_weight_update: {e}"
@@ -196,4 +212,5 @@ class MeshRefitSender:
             raise TransportError(f"update_weights failed after the mesh round: {listed(errors)}")
         if self.rank == 0:
             self.engines.finish_all()
+        self.mixed = None
         return report

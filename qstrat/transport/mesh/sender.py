@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from qstrat.errors import TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport.delta.encoding import DeltaRefused
+from qstrat.transport.mesh import bounded
 from qstrat.transport.mesh import steps as mesh
 from qstrat.transport import protocol as proto
 from qstrat.transport.security.auth import RoundContext, next_counter
@@ -67,7 +69,7 @@ class PairOut:
     def pump(self) -> None:
         """Reap the sends that completed; post every complete bucket while fewer than
         :data:`IN_FLIGHT` are on the wire. Raises TransportError when a send failed."""
-        while self.works and all(w.is_completed() for w in self.works[0][:2]):
+        while self.works and self._oldest_done():
             self.wait_oldest()
         while (len(self.works) < IN_FLIGHT and self.k < len(self.wm.buckets)
                and len(self.queue) >= self._needs(self.k)):
@@ -81,6 +83,13 @@ class PairOut:
         if fill is not None:
             fill(0, b.nbytes)
         self._post(payload, keep, 0, self.sealer.seal(self.k, 0, payload))
+
+    def _oldest_done(self) -> bool:
+        """Whether the oldest bucket on the wire was delivered (known without waiting)."""
+        return all(w.is_completed() for w in self.works[0][:2])
+
+    def close(self) -> None:
+        """After the round (nothing to release here; :class:`BoundedPairOut` ends its waiter)."""
 
     def held(self) -> int:
         """Bytes of the pair's stream pushed and not yet on the wire for good: from the first
@@ -131,11 +140,11 @@ class PairOut:
                                  f"to rank {self.dst} (truncated)")
 
 
-def keep_busy(outs: Iterable[PairOut], limit: int) -> None:
+def keep_busy(outs: Iterable[PairOut], limit: int, wait: Callable[[list[PairOut]], None] | None = None) -> None:
     """Post what every pair can; while the pairs hold more than ``limit`` bytes (:meth:`PairOut.held`)
-    wait for the oldest bucket on the wire of any pair and post again. Returns once at most
-    ``limit`` bytes are held, or nothing is on the wire (what is held then waits for more tensors).
-    Raises TransportError when a send failed."""
+    wait for the oldest bucket on the wire of any pair (``wait(busy pairs)`` instead, given) and
+    post again. Returns once at most ``limit`` bytes are held, or nothing is on the wire (what is
+    held then waits for more tensors). Raises TransportError when a send failed."""
     outs = list(outs)
     while True:
         for out in outs:
@@ -143,7 +152,15 @@ def keep_busy(outs: Iterable[PairOut], limit: int) -> None:
         busy = [out for out in outs if out.works]
         if not busy or sum(out.held() for out in outs) <= limit:
             return
-        min(busy, key=lambda out: out.oldest()).wait_oldest()
+        if wait is not None:
+            wait(busy)
+        else:
+            min(busy, key=lambda out: out.oldest()).wait_oldest()
+
+
+class BoundedPairOut(bounded.WaitedSends, PairOut):
+    """A bounded round's pair: its sends waited for on a thread of its own (:class:`~qstrat.
+    transport.mesh.bounded.WaitedSends`), so the sender waits for any pair (:meth:`MeshSender._keep_busy`)."""
 
 
 @dataclass(frozen=True)
@@ -175,21 +192,27 @@ class MeshSender:
             wire, not yet delivered - before the next tensor is pulled from the source (the
             source's tensors stay alive that long; at least :data:`IN_FLIGHT` buckets per pair
             are always let through).
+        mode: ``atomic`` (engine ranks load only after the commit vote) or ``bounded`` (each engine
+            rank loads unit by unit as the pieces arrive, at most ``staged_bytes`` of buffers alive:
+            :mod:`qstrat.transport.mesh.bounded`; a fault after a rank loaded leaves a flagged MIX).
+        staged_bytes: bounded mode: the bytes of receive buffers an engine rank holds at most (None:
+            its largest unit plus two buckets); a bound below an engine rank's largest unit is
+            refused before any data.
+    Raises: TransportError for another mode, or ``staged_bytes`` in atomic mode.
     """
-
-    #: The mode bound into the round MAC (a delta mesh round's sender binds its own:
-    #: :class:`~qstrat.transport.mesh.pair_delta.DeltaMeshSender`).
-    mode = mesh.MODE
 
     def __init__(self, group: TransferGroup, senders: int, secret: Secret | bytes | str | None = None,
                  address: str = "", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alignment: int = DEFAULT_ALIGNMENT, lookahead_bytes: int = LOOKAHEAD_BYTES) -> None:
+                 alignment: int = DEFAULT_ALIGNMENT, lookahead_bytes: int = LOOKAHEAD_BYTES,
+                 mode: str = "atomic", staged_bytes: int | None = None) -> None:
         if not 0 <= group.rank < senders < group.world_size:
             raise TransportError(f"mesh sender: rank {group.rank} is not one of {senders} senders in a group "
                                  f"of {group.world_size}")
         self.group, self.senders, self.address, self.port = group, senders, address, port
         self.secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self.bucket_bytes, self.alignment, self.lookahead_bytes = bucket_bytes, alignment, lookahead_bytes
+        bounded.routes_for([], senders, [], bucket_bytes, alignment, mode, staged_bytes)  # the mode, checked
+        self.mode, self.staged_bytes = mode, staged_bytes
         self.counter = -1
         #: The last round's routes (bytes per engine rank: ``routes.bytes_per_receiver()``).
         self.routes: MeshRoutes | None = None
@@ -213,34 +236,55 @@ class MeshSender:
         """
         t0, g = time.perf_counter(), self.group
         layouts, _, ch = mesh.collective(g, "layout exchange failed", mesh.opening, g, self.senders, None)
-        routes = self.routes = MeshRoutes(outputs, self.senders, layouts, self.bucket_bytes, self.alignment)
+        routes = self.routes = bounded.routes_for(outputs, self.senders, layouts, self.bucket_bytes, self.alignment,
+                                                  self.mode, self.staged_bytes)
         mac = self._accept(routes, ch)
         outs = {r: self._pair_out(routes, r, mesh.pair_sealer(self.secret, mac, g.rank, self.senders + r, g.device))
                 for r in range(len(layouts))}
         t1 = time.perf_counter()
-        failure = self._stream(routes, outs, tensors)
-        votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT,
-                                proto.SENDER_ABORT if failure else proto.OK, False, self.secret, mac)
+        try:
+            try:
+                failure = self._stream(routes, outs, tensors)
+            finally:
+                for out in outs.values():
+                    out.close()
+            votes = mesh.collective(g, "commit vote failed (a peer died?)", proto.vote, g, proto.COMMIT,
+                                    proto.SENDER_ABORT if failure else proto.OK, False, self.secret, mac)
+        except TransportError as exc:
+            if self.mode == "bounded" and g.pg is None:  # lost: no vote says who loaded
+                raise bounded.cut_off(exc) from None
+            raise
         raise_outcome(votes, failure, lambda: None)
         return MeshReport({self.senders + r: o.sent for r, o in outs.items()}, time.perf_counter() - t0,
                           time.perf_counter() - t1)
 
     def _pair_out(self, routes: MeshRoutes, r: int, sealer: Sealer) -> PairOut:
-        """The stream to engine rank ``r`` (0-based among the engine ranks) under ``sealer``."""
-        return PairOut(self.group, self.senders + r, routes.pair_manifest(self.group.rank, r), sealer)
+        """The stream to engine rank ``r`` (0-based among the engine ranks) under ``sealer``
+        (bounded mode: a :class:`BoundedPairOut`)."""
+        pair = BoundedPairOut if self.mode == "bounded" else PairOut
+        return pair(self.group, self.senders + r, routes.pair_manifest(self.group.rank, r), sealer)
 
     def _pair_head(self, routes: MeshRoutes, r: int) -> torch.Tensor:
         """Step 3's header of the pair to engine rank ``r``."""
         return mesh.pair_header(routes.pair_manifest(self.group.rank, r), self.group.device)
 
+    def _mac_mode(self, routes: MeshRoutes) -> str:
+        """The mode string the round MAC binds (a delta mesh sender binds its own)."""
+        return bounded.mac_mode(routes)
+
+    def _keep_busy(self, outs: Iterable[PairOut], limit: int) -> None:
+        """:func:`keep_busy`; bounded mode waits for any pair (:func:`~qstrat.transport.mesh.bounded.wait_any`)."""
+        keep_busy(outs, limit, partial(bounded.wait_any, group=self.group) if self.mode == "bounded" else None)
+
     def _accept(self, routes: MeshRoutes, ch: tuple[int, ...]) -> bytes:
         """Steps 2-4 after the challenge ``ch``: round header, pair headers, accept vote; the round MAC."""
-        g = self.group
+        g, mode = self.group, self._mac_mode(routes)
         header = torch.zeros(proto.ROUND_WORDS, dtype=torch.int64, device=g.device)
-        status = proto.OK
+        refusal = routes.refusal() if isinstance(routes, bounded.BoundedRoutes) else None
+        status = proto.OK if refusal is None else proto.REJECTED
         if g.rank == 0:
             self.counter = next_counter(self.counter, ch)
-            mac = RoundContext(routes.digest, self.mode, self.counter, ch, self.address, self.port,
+            mac = RoundContext(routes.digest, mode, self.counter, ch, self.address, self.port,
                                g.world_size).mac(self.secret)
             header = proto.round_header(len(routes.outputs), sum(routes.bytes_per_receiver()), self.counter,
                                         routes.digest, mac, g.device)
@@ -248,7 +292,7 @@ class MeshSender:
         counter, mac, digest = mesh.header_fields([int(v) for v in header.cpu()])
         if digest != routes.digest:
             status = proto.REJECTED
-        elif mac != RoundContext(digest, self.mode, counter, ch, self.address, self.port, g.world_size).mac(self.secret):
+        elif mac != RoundContext(digest, mode, counter, ch, self.address, self.port, g.world_size).mac(self.secret):
             status = proto.UNAUTHENTICATED
         self.counter = counter
         works = [g.send(self._pair_head(routes, r), self.senders + r, 0)
@@ -256,6 +300,8 @@ class MeshSender:
         for w in works:
             mesh.wait(g, w, "pair header not delivered (an engine rank died?)")
         votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, self.secret, mac)
+        if refusal is not None:
+            raise refusal
         if votes.failed():
             st = votes.statuses
             if all(s == proto.OK or s in proto.DELTA_ONLY for s in st):  # a delta round: sent again whole
@@ -288,8 +334,8 @@ class MeshSender:
                     part = shares[r].get(name)
                     if part is not None:
                         out.push(name, part.cut(t))
-                keep_busy(outs.values(), self.lookahead_bytes)
-            keep_busy(outs.values(), 0)
+                self._keep_busy(outs.values(), self.lookahead_bytes)
+            self._keep_busy(outs.values(), 0)
             for out in outs.values():
                 out.finish()
             return None

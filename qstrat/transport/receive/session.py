@@ -142,7 +142,9 @@ class ReceiverSession:
         round's).
 
         A MESH round (``"mesh"``: the routes document, :mod:`qstrat.transport.mesh.engine`) is
-        received from every trainer rank and staged for :meth:`finish` (atomic only).
+        received from every trainer rank and staged for :meth:`finish` (atomic), or loaded unit by
+        unit as its pieces arrive (bounded, :mod:`qstrat.transport.mesh.bounded`; a MIX flags
+        this receiver as in single-sender bounded mode).
 
         Raises: as :func:`~qstrat.transport.receive.receiver.receive_round`; TransportError for a second
             round in one session or an unknown mode (:class:`~qstrat.transport.receive.acceptance.RoundCheck`).
@@ -179,19 +181,28 @@ class ReceiverSession:
             self._staged = receive_round(self.group, doc, check, self.auth, staging=self.staging,
                                          stats=self.stats, protocol_version=protocol)
             return
+        self.load_bounded(lambda on_unit: receive_round(self.group, doc, check, self.auth, "bounded", on_unit,
+                                                        stats=self.stats, protocol_version=protocol),
+                          lambda: check.sent)
+        self._staged = []
+
+    def load_bounded(self, receive: Callable[[Callable[[str, list], None]], Any], sent: Callable[[], set[str]]
+                     ) -> None:
+        """A bounded round: ``receive(on_unit)`` loads each unit through the landing as it arrives;
+        the reload is finalized whatever happens. A MixedWeightsError flags this receiver (its
+        ``detail``; ``sent()``: the round's tensor names) and is raised; a round that loaded
+        completely clears the flag if it was whole. Raises: what ``receive`` raises."""
         try:
-            receive_round(self.group, doc, check, self.auth, "bounded", lambda unit, tensors: self.landing.load(tensors),
-                          stats=self.stats, protocol_version=protocol)
+            receive(lambda unit, tensors: self.landing.load(tensors))
         except MixedWeightsError as exc:
-            self.flag.set(getattr(exc, "detail", str(exc)), check.sent)
+            self.flag.set(getattr(exc, "detail", str(exc)), sent())
             self.landing.end()
             raise
         except BaseException:
             self.landing.end()
             raise
         self.landing.end()
-        self.flag.loaded(self.expected, check.sent)
-        self._staged = []
+        self.flag.loaded(self.expected, sent())
 
     def finish(self) -> None:
         """Atomic mode: load the staged round (begin, load, end); bounded mode: nothing left.

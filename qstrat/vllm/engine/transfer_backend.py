@@ -19,7 +19,7 @@ receiver logic is :class:`qstrat.transport.receive.session.ReceiverSession`, thi
 * MESH rounds (``update_info["mesh"]``, ``senders`` in the init info; from
   :class:`qstrat.transport.mesh.refit.MeshRefitSender`): publish this worker's layout
   (:func:`receiver_layout`), receive, verify and stage exactly its share from every trainer rank
-  (:mod:`qstrat.transport.mesh.engine`; atomic only).
+  (:mod:`qstrat.transport.mesh.engine`; bounded: loaded unit by unit, :mod:`qstrat.transport.mesh.bounded`).
 * ``finish_weight_update()``: atomic: VALIDATE-THEN-COMMIT: only now run vLLM's layerwise reload
   (``initialize_layerwise_reload``, ``model.load_weights`` with the staged tensors,
   ``finalize_layerwise_reload``), as vLLM's NCCL backend does inside its receive.
