@@ -121,26 +121,22 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
         senders: the trainer ranks of the group (``0..senders-1``), known from the join.
         layout: what THIS rank loads, read from its engine (:class:`ReceiverLayout`).
         auth: secret, group address and last accepted counter (advanced on accept).
-        expected: name -> (dtype name, shape) this rank's engine loads (its narrowed shapes),
-            or a callable given the round's :class:`MeshRoutes` and this rank's index among the
-            engine ranks that raises TransportError to
-            refuse it in the accept vote (an engine's own check); None: not checked.
-        stats: gets ``bytes`` (payload bytes received, counted here), ``share_bytes`` (this
-            rank's share, computed from the routes), ``tensor_bytes`` (the received tensors'
-            bytes, padding excluded; after a commit), ``seconds`` and ``stream_s``.
-        whole: hand on each part as :meth:`~qstrat.transport.mesh.routing.ShareSlice.embed` makes it
-            (the whole tensor's shape, the part where the rank's loader narrows to it, zeros
-            elsewhere: what vLLM's weight loaders take), not the part itself.
+        expected: name -> (dtype name, shape) this rank's engine loads (its narrowed shapes), or
+            ``expected(routes, engine index)`` raising TransportError to refuse it in the accept
+            vote (an engine's own check); None: not checked.
+        stats: gets ``bytes`` (received, counted here), ``share_bytes`` (from the routes),
+            ``tensor_bytes`` (padding excluded; after a commit), ``seconds``, ``stream_s``.
+        whole: hand on each part embedded in its whole tensor (:meth:`~qstrat.transport.mesh.routing.
+            ShareSlice.embed`: zeros outside the rank's slice, what vLLM's weight loaders take).
         pairs: a delta round's pair bases (:class:`~qstrat.transport.mesh.pair_delta.PairBases`: a
             stale base votes STALE_BASE, a rebuilt digest mismatch DELTA); None: atomic.
         on_unit: a BOUNDED round's (``doc["mode"]``; :mod:`qstrat.transport.mesh.bounded`), required
             there: ``on_unit(unit, [(name, tensor)])`` for each reload unit once all its pieces
             verified; ``stats`` then gets ``staged_peak`` (bytes of receive buffers alive at
             once, counted here), ``staged_bytes`` (the bound) and ``units_loaded``.
-    Returns: ``(name, tensor)`` of this rank's share in wire order (the part each loader takes,
-        or with ``whole`` the tensor around it), views of the received buffers (copies with
-        ``whole``), every bucket verified and every rank agreeing to commit; ``[]`` in a bounded
-        round (handed to ``on_unit``).
+    Returns: ``(name, tensor)`` of this rank's share in wire order (views of the received buffers;
+        copies with ``whole``), every bucket verified and every rank agreeing to commit; ``[]`` in
+        a bounded round (handed to ``on_unit``).
     Raises: WireManifestMismatchError (a share other than this rank's, malformed round, an engine
         that loads something else), TransferAuthError, TransportError - before any data; then
         TransportError (a seal failed, a sender aborted, another rank refused, a peer was lost:

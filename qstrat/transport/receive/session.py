@@ -22,6 +22,7 @@ with whatever it holds). :func:`qstrat.vllm.refit` applies the same rule to an i
 from __future__ import annotations
 
 import time
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,6 @@ from qstrat.transport.receive.acceptance import Expected, RoundCheck
 from qstrat.transport.security.address import ENV_ADDRESS, check_address
 from qstrat.transport.security.auth import ReceiverAuth, check_init
 from qstrat.transport.delta.rebuild import DeltaRebuild
-from qstrat.transport.delta.receive import PatchDecoder
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.security.keys import Secret
 from qstrat.transport.receive.landing import Landing, Loader
@@ -169,10 +169,8 @@ class ReceiverSession:
             self._staged = receive_mesh(self, update_info)
             return
         if check.mode == "delta":
-            def decoder(mac: bytes) -> PatchDecoder:
-                return self.delta.decoder(check.info["delta"], check.target, self.auth.secret if self.auth else None,
-                                          mac)
-
+            decoder = partial(self.delta.decoder, check.info["delta"], check.target,
+                              self.auth.secret if self.auth else None)  # (mac) -> delta.receive.PatchDecoder
             self._staged = receive_round(self.group, doc, check, self.auth, "delta", staging=self.staging,
                                          stats=self.stats, protocol_version=protocol, patches=decoder)
             return
@@ -196,12 +194,9 @@ class ReceiverSession:
             receive(lambda unit, tensors: self.landing.load(tensors))
         except MixedWeightsError as exc:
             self.flag.set(getattr(exc, "detail", str(exc)), sent())
-            self.landing.end()
             raise
-        except BaseException:
+        finally:
             self.landing.end()
-            raise
-        self.landing.end()
         self.flag.loaded(self.expected, sent())
 
     def finish(self) -> None:
