@@ -12,7 +12,8 @@ in every expert, layer 1's experts zeroed; each probed with ``check=False`` and 
 limits printed (mean KL; the per-token median KL, ``qstrat.vllm.fidelity.limits.median_limit``).
 
 Run: ``nice .venv/bin/python scripts/fidelity_sizes.py --size tiny [--configs block-fp8:trainer,...]
-[--refits 10] [--seeds 10]``. One in-process engine at a time, one torch thread; the seeds' weights
+[--refits 10] [--seeds 10] [--states DIR]``; one row per process with a shared ``--states`` directory
+keeps the finished rows of a run that a crash (the OOM killer) stops. One in-process engine at a time, one torch thread; the seeds' weights
 wait on disk (a temporary directory), one set in memory at a time. Prints one JSON line per probe
 and a summary. Memory at 455 M: 3.5-4.4 GB resident (the probe's float32 copy of the model its
 largest part).
@@ -71,7 +72,25 @@ def from_previous(previous, layer):
     return t
 
 
-def run_config(size, preset, mode, refits, seeds, root):
+def seed_states(size, seeds, directory):
+    """Write seeds 1..``seeds``' weights of ``size`` to ``directory`` where missing; return ``state(seed)``, which
+    loads one (name -> tensor). On disk and loaded per step: a resident copy per seed ran out of memory at
+    455 M. A file is written under a temporary name and renamed, so a run stopped mid-write leaves none half
+    written, and a later run (``--states``) reuses the complete ones (the same seed gives the same weights)."""
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for s in range(1, seeds + 1):
+        path = directory / f"{size}-{s}.safetensors"
+        if not path.exists():
+            save_file(build_tiny_qwen3_moe(seed=s, **SIZES[size]).state_dict(), path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+    return lambda s: load_file(directory / f"{size}-{s}.safetensors")
+
+
+def run_config(size, preset, mode, refits, seeds, root, states=None):
     from qstrat import vllm as qvllm
     from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.execute.driver import RefitDriver
@@ -79,15 +98,8 @@ def run_config(size, preset, mode, refits, seeds, root):
     from qstrat.errors import FidelityError
     from qstrat.vllm.fidelity.probe import Verify, engine_prompt_logprobs, probe
 
-    from safetensors.torch import load_file, save_file
-
     shape = SIZES[size]
-    (root / "states").mkdir(parents=True, exist_ok=True)
-    for s in range(1, seeds + 1):  # on disk, loaded per step: a resident copy per seed ran out of memory at 455 M
-        save_file(build_tiny_qwen3_moe(seed=s, **shape).state_dict(), root / "states" / f"{size}-{s}.safetensors")
-
-    def state(s):
-        return load_file(root / "states" / f"{size}-{s}.safetensors")
+    state = seed_states(size, seeds, states or root / "states")
 
     model = build_tiny_qwen3_moe(seed=0, **shape)
     driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 0, "last": 0}, "quantize_in": mode},
@@ -140,6 +152,9 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(DEFAULT), help="format:mode,... (mode: trainer or engine)")
     ap.add_argument("--refits", type=int, default=10)
     ap.add_argument("--seeds", type=int, default=10, help="distinct weight sets the refits cycle through")
+    ap.add_argument("--states", type=Path, default=None,
+                    help="directory keeping the seeds' weights between runs (written where missing), so one "
+                         "row per process (--configs one:mode) reuses them; default: a temporary directory")
     args = ap.parse_args()
     import torch._dynamo
 
@@ -148,7 +163,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="qstrat-fidelity-sizes-") as tmp, torch._dynamo.config.patch(disable=True):
         for config in args.configs.split(","):
             preset, mode = config.split(":")
-            rows, alarms = run_config(args.size, CONFIGS[preset], mode, args.refits, args.seeds, Path(tmp))
+            rows, alarms = run_config(args.size, CONFIGS[preset], mode, args.refits, args.seeds, Path(tmp),
+                                      args.states)
             summary.append((config, rows, alarms))
     print(f"\nsize {args.size} | config | false alarms | floor | limit | correct mean KL max (ratio) | "
           "probe s (median) | caught: ratio to the limit", file=sys.stderr)
