@@ -310,7 +310,7 @@ def test_correct_refits_pass_within_limits_derived_from_the_measured_floor(quant
         assert f.threshold == derived_limit(f.floor) and f.threshold.mean_kl == FLOOR_FACTOR * f.floor.mean_kl
         assert f"limits = {FLOOR_FACTOR:g} x floor {f.floor.mean_kl:.3g}" in str(f)
         assert f.median_limit == MEDIAN_FACTOR * f.median_floor and 0 < f.median_kl <= f.median_limit
-        assert f.tokens == 4 * 31 and f.top_k == 20 and f.bf16_kl > 0
+        assert f.tokens == 16 * 7 and f.top_k == 20 and f.bf16_kl > 0
         assert f"; fidelity {key}: mean KL" in repr(report)
 
 

@@ -29,7 +29,7 @@ __all__ = ["FLOOR_FACTOR", "DLOGPROB_FACTOR", "MEDIAN_FACTOR", "Floor", "Thresho
 #: mean-KL limit / floor. A correct engine and transformers each deviate from exact arithmetic by
 #: about one BF16 forward's rounding (the floor); independent deviations add (KL is quadratic in a
 #: small logit difference: 2x), and correct engines measured 0.2-3.7x the floor on one mean over
-#: 124 positions (docs/fidelity.md): 2 x 4 = 8.
+#: the probe's positions (docs/fidelity.md): 2 x 4 = 8.
 FLOOR_FACTOR = 8.0
 #: max-|dlogprob| limit / the floor's max |dlogprob|: a maximum over positions is heavier-tailed
 #: than a mean (one routing flip sets it), so twice the mean KL's factor. The mean KL decides.

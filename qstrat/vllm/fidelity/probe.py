@@ -94,10 +94,17 @@ def text_vocab_size(model: Any) -> int | None:
     return None
 
 
-def probe_sequences(vocab_size: int, count: int = 4, length: int = 32, seed: int = 0,
+def probe_sequences(vocab_size: int, count: int = 16, length: int = 8, seed: int = 0,
                     low: int = 0) -> list[list[int]]:
     """``count`` fixed token sequences of ``length`` ids, uniform in ``[low, vocab_size)`` from a
     seeded ``torch.Generator`` (the same ids on every machine and call).
+
+    Many short sequences by default (16 x 8: 112 scored positions), not a few long ones: a
+    rounding difference that flips one token's routing early in a sequence shifts every later
+    position of that sequence through attention, and which sequences get such a cascade differs
+    between two correct roundings. The per-token verdict's median over positions stays the
+    typical token's only while fewer than half the positions cascade: with 16 sequences one
+    cascade reaches at most 7 of 112 positions (with 4 x 32, up to 31 of 124; docs/fidelity.md).
 
     ``vocab_size``: the model's real vocabulary (``config.vocab_size``, not an engine's padded
     one); ``low``: first id to draw (e.g. past reserved ids). Uniform random ids route tokens
@@ -480,7 +487,7 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
         plan: the WHOLE model's plan (default ``driver.plan(model.state_dict())``; for a partial
             refit too: the engine must serve every layer of ``model``).
         sequences: token ids, equal lengths (default :func:`probe_sequences` of the model's
-            ``config.vocab_size``: 4 x 32).
+            ``config.vocab_size``: 16 x 8).
         top_k: engine logprobs per position (capped by the engine's ``max_logprobs``; with derived
             limits, a cap below 20 is refused: :func:`check_served_top_k`).
         thresholds: explicit limits per format (:func:`threshold_for`); default None: the limits
