@@ -503,10 +503,8 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
             (:mod:`qstrat.vllm.fidelity.limits`).
         check: raise FidelityError above the limits (else only report); with derived limits also
             the per-token verdict (:func:`per_token_verdict`: one more trainer forward, float32).
-        floors: a record, format key -> the latest :class:`Floor` measured (:class:`Verify` keeps
-            one). The floor is measured on every probe, on its own weights: the float32 rerun it
-            needs runs for the per-token verdict anyway, and a model's floor changes with its
-            weights (docs/fidelity.md, "Per model size").
+        floors: a record, format key -> the latest :class:`Floor` (:class:`Verify` keeps one); the
+            floor is measured on every probe's own weights (its rerun runs for the median anyway).
     Returns: a :class:`FidelityReport`.
     Raises: FidelityError (``.report`` holds the report) when ``check`` and a number exceeds its
         limit; TypeError / ValueError naming an argument that cannot work
