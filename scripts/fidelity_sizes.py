@@ -6,7 +6,7 @@ with 16 layers), per format and quantization mode: one engine started on seed 0'
 (trainer mode: qstrat's checkpoint; engine mode: the BF16 checkpoint, the engine quantizes), ONE trainer model and ONE
 ``Verify(model)`` with default arguments, as a trainer holds them; ``--refits`` correct refits, the
 model's weights cycling through seeds 1..``--seeds`` (each step changes every weight), each probed
-(the floor measured on the first probe only). Then three corrupted refits, the previous step being
+(each probe measures its floor on its own weights). Then three corrupted refits, the previous step being
 the last correct one: one decoder layer (layer 1) left from the previous step, gate and up swapped
 in every expert, layer 1's experts zeroed; each probed with ``check=False`` and its ratios to the
 limits printed (mean KL; the per-token median KL, ``qstrat.vllm.fidelity.limits.median_limit``).
@@ -166,7 +166,7 @@ def main() -> int:
             rows, alarms = run_config(args.size, CONFIGS[preset], mode, args.refits, args.seeds, Path(tmp),
                                       args.states)
             summary.append((config, rows, alarms))
-    print(f"\nsize {args.size} | config | false alarms | floor | limit | correct mean KL max (ratio) | "
+    print(f"\nsize {args.size} | config | false alarms | floor (per probe, range) | correct mean KL max (ratio) | "
           "probe s (median) | caught: ratio to the limit", file=sys.stderr)
     for config, rows, alarms in summary:
         ok = [r for r in rows if r["case"].startswith("correct")]
@@ -174,7 +174,8 @@ def main() -> int:
         probe_s = sorted(r["probe_s"] for r in ok)[len(ok) // 2]
         worst = max(ok, key=lambda r: r["ratio"])
         worst_median = max(r["median_ratio"] for r in ok)
-        print(f"{args.size} | {config} | {alarms}/{len(ok)} | {ok[0]['floor']:.3g} | {ok[0]['limit']:.3g} | "
+        floors = [r["floor"] for r in ok]
+        print(f"{args.size} | {config} | {alarms}/{len(ok)} | {min(floors):.3g} .. {max(floors):.3g} | "
               f"{worst['mean_kl']:.3g} ({worst['ratio']:.2f}x; median {worst_median:.2f}x) | {probe_s:.2f} | "
               + "; ".join(f"{r['case']}: {r['mean_kl']:.3g} ({r['ratio']:.1f}x, median {r['median_ratio']:.1f}x"
                           f"{'' if not r['passed'] else ', MISSED'})" for r in bad), file=sys.stderr)
