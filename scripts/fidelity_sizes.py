@@ -6,13 +6,14 @@ with 16 layers), per format and quantization mode: one engine started on seed 0'
 (trainer mode: qstrat's checkpoint; engine mode: the BF16 checkpoint, the engine quantizes), ONE trainer model and ONE
 ``Verify(model)`` with default arguments, as a trainer holds them; ``--refits`` correct refits, the
 model's weights cycling through seeds 1..``--seeds`` (each step changes every weight), each probed
-(the floor measured on the first probe only). Then three corrupted refits, the previous step being
+(each probe measures its floor on its own weights). Then three corrupted refits, the previous step being
 the last correct one: one decoder layer (layer 1) left from the previous step, gate and up swapped
 in every expert, layer 1's experts zeroed; each probed with ``check=False`` and its ratios to the
 limits printed (mean KL; the per-token median KL, ``qstrat.vllm.fidelity.limits.median_limit``).
 
 Run: ``nice .venv/bin/python scripts/fidelity_sizes.py --size tiny [--configs block-fp8:trainer,...]
-[--refits 10] [--seeds 10]``. One in-process engine at a time, one torch thread; the seeds' weights
+[--refits 10] [--seeds 10] [--states DIR]``; one row per process with a shared ``--states`` directory
+keeps the finished rows of a run that a crash (the OOM killer) stops. One in-process engine at a time, one torch thread; the seeds' weights
 wait on disk (a temporary directory), one set in memory at a time. Prints one JSON line per probe
 and a summary. Memory at 455 M: 3.5-4.4 GB resident (the probe's float32 copy of the model its
 largest part).
@@ -71,7 +72,25 @@ def from_previous(previous, layer):
     return t
 
 
-def run_config(size, preset, mode, refits, seeds, root):
+def seed_states(size, seeds, directory):
+    """Write seeds 1..``seeds``' weights of ``size`` to ``directory`` where missing; return ``state(seed)``, which
+    loads one (name -> tensor). On disk and loaded per step: a resident copy per seed ran out of memory at
+    455 M. A file is written under a temporary name and renamed, so a run stopped mid-write leaves none half
+    written, and a later run (``--states``) reuses the complete ones (the same seed gives the same weights)."""
+    from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for s in range(1, seeds + 1):
+        path = directory / f"{size}-{s}.safetensors"
+        if not path.exists():
+            save_file(build_tiny_qwen3_moe(seed=s, **SIZES[size]).state_dict(), path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+    return lambda s: load_file(directory / f"{size}-{s}.safetensors")
+
+
+def run_config(size, preset, mode, refits, seeds, root, states=None):
     from qstrat import vllm as qvllm
     from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.execute.driver import RefitDriver
@@ -79,15 +98,8 @@ def run_config(size, preset, mode, refits, seeds, root):
     from qstrat.errors import FidelityError
     from qstrat.vllm.fidelity.probe import Verify, engine_prompt_logprobs, probe
 
-    from safetensors.torch import load_file, save_file
-
     shape = SIZES[size]
-    (root / "states").mkdir(parents=True, exist_ok=True)
-    for s in range(1, seeds + 1):  # on disk, loaded per step: a resident copy per seed ran out of memory at 455 M
-        save_file(build_tiny_qwen3_moe(seed=s, **shape).state_dict(), root / "states" / f"{size}-{s}.safetensors")
-
-    def state(s):
-        return load_file(root / "states" / f"{size}-{s}.safetensors")
+    state = seed_states(size, seeds, states or root / "states")
 
     model = build_tiny_qwen3_moe(seed=0, **shape)
     driver = RefitDriver({"preset": preset, "keep_bf16": {"first": 0, "last": 0}, "quantize_in": mode},
@@ -140,6 +152,9 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(DEFAULT), help="format:mode,... (mode: trainer or engine)")
     ap.add_argument("--refits", type=int, default=10)
     ap.add_argument("--seeds", type=int, default=10, help="distinct weight sets the refits cycle through")
+    ap.add_argument("--states", type=Path, default=None,
+                    help="directory keeping the seeds' weights between runs (written where missing), so one "
+                         "row per process (--configs one:mode) reuses them; default: a temporary directory")
     args = ap.parse_args()
     import torch._dynamo
 
@@ -148,9 +163,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="qstrat-fidelity-sizes-") as tmp, torch._dynamo.config.patch(disable=True):
         for config in args.configs.split(","):
             preset, mode = config.split(":")
-            rows, alarms = run_config(args.size, CONFIGS[preset], mode, args.refits, args.seeds, Path(tmp))
+            rows, alarms = run_config(args.size, CONFIGS[preset], mode, args.refits, args.seeds, Path(tmp),
+                                      args.states)
             summary.append((config, rows, alarms))
-    print(f"\nsize {args.size} | config | false alarms | floor | limit | correct mean KL max (ratio) | "
+    print(f"\nsize {args.size} | config | false alarms | floor (per probe, range) | correct mean KL max (ratio) | "
           "probe s (median) | caught: ratio to the limit", file=sys.stderr)
     for config, rows, alarms in summary:
         ok = [r for r in rows if r["case"].startswith("correct")]
@@ -158,7 +174,8 @@ def main() -> int:
         probe_s = sorted(r["probe_s"] for r in ok)[len(ok) // 2]
         worst = max(ok, key=lambda r: r["ratio"])
         worst_median = max(r["median_ratio"] for r in ok)
-        print(f"{args.size} | {config} | {alarms}/{len(ok)} | {ok[0]['floor']:.3g} | {ok[0]['limit']:.3g} | "
+        floors = [r["floor"] for r in ok]
+        print(f"{args.size} | {config} | {alarms}/{len(ok)} | {min(floors):.3g} .. {max(floors):.3g} | "
               f"{worst['mean_kl']:.3g} ({worst['ratio']:.2f}x; median {worst_median:.2f}x) | {probe_s:.2f} | "
               + "; ".join(f"{r['case']}: {r['mean_kl']:.3g} ({r['ratio']:.1f}x, median {r['median_ratio']:.1f}x"
                           f"{'' if not r['passed'] else ', MISSED'})" for r in bad), file=sys.stderr)

@@ -123,10 +123,14 @@ class MXFP8(Serializer):
         return byte, inv.view(torch.float32)
 
     def dequantize(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """weight * 2^(weight_scale - 127) per 32-block; float32 of weight's shape."""
+        """weight * 2^(weight_scale - 127) per 32-block; float32 of weight's shape. The scale is
+        broadcast over its block, multiplied in place into the one float32 copy of the weight (no
+        expanded copy of the scale: the probe's expected weights decode every MXFP8 weight)."""
         q, byte = parts["weight"], parts["weight_scale"]
         s = exp2_int(byte.to(torch.int32) - E8M0_BIAS)
-        return q.float() * s.repeat_interleave(BLOCK, dim=-1)
+        out = q.float()
+        out.view(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK).mul_(s.unsqueeze(-1))
+        return out
 
     def vllm_quantization_config(self, ignored: Sequence[str]) -> dict[str, Any]:
         """MXFP8 config in NVIDIA ModelOpt form (``quant_method: modelopt``, ``quant_algo: MXFP8``),

@@ -164,3 +164,17 @@ def test_fast_scale_for_finite_maxima_equals_the_general_one(rounding):
         got_byte, got_inv = ser._scale_finite(amax)
         assert torch.equal(got_byte, want_byte.to(torch.int32)), min_byte
         assert torch.equal(got_inv.view(torch.int32), want_inv.view(torch.int32)), min_byte
+
+
+def test_dequantize_equals_the_expanded_scale_product_for_every_code_and_scale_byte():
+    """The broadcast, in-place decode gives the bits of ``weight.float() * scale expanded per 32``
+    (the formula before it) for all 256 FP8 codes under scale bytes 0 (2^-127), 1, 127, 200, 254 and
+    255 (NaN), on a 2-D weight and on experts [E, N, K]."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    weight = codes.repeat(6).view(6, 256)                         # [6, 256]: every code in each row
+    scale = torch.tensor([0, 1, 127, 200, 254, 255], dtype=torch.uint8)[:, None].expand(6, 8).contiguous()
+    for q, byte in ((weight, scale), (weight.view(2, 3, 256), scale.view(2, 3, 8))):
+        want = q.float() * exp2_int(byte.to(torch.int32) - 127).repeat_interleave(32, dim=-1)
+        got = mx().dequantize({"weight": q, "weight_scale": byte})
+        assert got.shape == q.shape and got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from qstrat.errors import FidelityError
-from qstrat.vllm.fidelity.limits import (FLOOR_FACTOR, MEDIAN_FACTOR, Floor, Threshold, arithmetic_floor, derived_limit, median_floor, median_limit)
+from qstrat.vllm.fidelity.limits import (FLOOR_FACTOR, MEDIAN_FACTOR, Floor, Threshold, arithmetic_floor, derived_limit, median_floor, median_limit, trimmed_mean)
 from qstrat.vllm.online import served_plan
 from qstrat.plan import PASSTHROUGH, RefitPlan
 from qstrat.serializers.base import Serializer
@@ -94,10 +94,17 @@ def text_vocab_size(model: Any) -> int | None:
     return None
 
 
-def probe_sequences(vocab_size: int, count: int = 4, length: int = 32, seed: int = 0,
+def probe_sequences(vocab_size: int, count: int = 16, length: int = 8, seed: int = 0,
                     low: int = 0) -> list[list[int]]:
     """``count`` fixed token sequences of ``length`` ids, uniform in ``[low, vocab_size)`` from a
     seeded ``torch.Generator`` (the same ids on every machine and call).
+
+    Many short sequences by default (16 x 8: 112 scored positions), not a few long ones: a
+    rounding difference that flips one token's routing early in a sequence shifts every later
+    position of that sequence through attention, and which sequences get such a cascade differs
+    between two correct roundings. The per-token verdict's median over positions stays the
+    typical token's only while fewer than half the positions cascade: with 16 sequences one
+    cascade reaches at most 7 of 112 positions (with 4 x 32, up to 31 of 124; docs/fidelity.md).
 
     ``vocab_size``: the model's real vocabulary (``config.vocab_size``, not an engine's padded
     one); ``low``: first id to draw (e.g. past reserved ids). Uniform random ids route tokens
@@ -388,7 +395,9 @@ def compare(expected: torch.Tensor, engine: Sequence[Sequence[Mapping[int, float
     Returns: ``max_dlogprob`` (max |engine - expected| logprob of the actual next token, nats),
         ``mean_kl`` / ``max_kl`` (KL(expected || engine) per position, top-k partition, nats),
         ``worst`` ((sequence, position) of the max |dlogprob|), ``tokens`` (positions scored),
-        ``median_kl`` (the lower median of the per-position KLs, ``torch.median``).
+        ``median_kl`` (the lower median of the per-position KLs, ``torch.median``), ``trimmed_kl``
+        (their mean without the largest :data:`~qstrat.vllm.fidelity.limits.OUTLIER_SHARE`: the
+        mean-KL verdict's statistic, :func:`~qstrat.vllm.fidelity.limits.trimmed_mean`).
     """
     dmax, worst, kls = 0.0, (0, 0), []
     exp_cpu = expected.cpu()
@@ -399,8 +408,10 @@ def compare(expected: torch.Tensor, engine: Sequence[Sequence[Mapping[int, float
             if d > dmax or math.isnan(d):
                 dmax, worst = d, (i, j + 1)
             kls.append(_partition_kl(exp_cpu[i, j], row))
+    per_position = torch.tensor(kls, dtype=torch.float64)
     return {"max_dlogprob": dmax, "mean_kl": sum(kls) / len(kls), "max_kl": max(kls),
-            "worst": worst, "tokens": len(kls), "median_kl": float(torch.tensor(kls).median())}
+            "worst": worst, "tokens": len(kls), "median_kl": float(per_position.median()),
+            "trimmed_kl": trimmed_mean(per_position)}
 
 
 @dataclass(frozen=True)
@@ -411,8 +422,12 @@ class FidelityReport:
         format: the plan's quantized format(s) (:func:`format_key`; ``bf16`` for none).
         tokens: positions scored (sequences x (length - 1)); top_k: engine logprobs per position.
         max_dlogprob, mean_kl, max_kl: engine vs the expectation from the same quantized
-            weights (see :func:`compare`); ``worst``: (sequence, position) of max_dlogprob.
-        bf16_kl: mean KL(trainer BF16 || engine): the quantization's own rollout mismatch.
+            weights (see :func:`compare`); ``mean_kl`` is the mean over positions without the
+            largest :data:`~qstrat.vllm.fidelity.limits.OUTLIER_SHARE` (``trimmed_kl``: routing
+            flips a correct engine may show; ``max_kl`` shows them); ``worst``: (sequence,
+            position) of max_dlogprob.
+        bf16_kl: mean KL(trainer BF16 || engine) over every position: the quantization's own
+            rollout mismatch.
         threshold: the limits applied; passed: both numbers within them.
         seconds: wall time of the probe; expected_bytes: memory of the dequantized weight copies.
         floor: the arithmetic floor the limits were derived from
@@ -484,7 +499,7 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
         plan: the WHOLE model's plan (default ``driver.plan(model.state_dict())``; for a partial
             refit too: the engine must serve every layer of ``model``).
         sequences: token ids, equal lengths (default :func:`probe_sequences` of the model's
-            ``config.vocab_size``: 4 x 32).
+            ``config.vocab_size``: 16 x 8).
         top_k: engine logprobs per position (capped by the engine's ``max_logprobs``; with derived
             limits, a cap below 20 is refused: :func:`check_served_top_k`).
         thresholds: explicit limits per format (:func:`threshold_for`); default None: the limits
@@ -492,9 +507,8 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
             (:mod:`qstrat.vllm.fidelity.limits`).
         check: raise FidelityError above the limits (else only report); with derived limits also
             the per-token verdict (:func:`per_token_verdict`: one more trainer forward, float32).
-        floors: a cache, format key -> :class:`Floor`: a floor found there is used, one measured
-            is stored (:class:`Verify` keeps one, so the floor is measured on its first probe
-            only). None: measured on every call.
+        floors: a record, format key -> the latest :class:`Floor` (:class:`Verify` keeps one); the
+            floor is measured on every probe's own weights (its rerun runs for the median anyway).
     Returns: a :class:`FidelityReport`.
     Raises: FidelityError (``.report`` holds the report) when ``check`` and a number exceeds its
         limit; TypeError / ValueError naming an argument that cannot work
@@ -526,7 +540,7 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     floor, medians = None, (None, None, None)
     if thresholds is None:
         rerun = rerun_logprobs(model, plan, driver, sequences, weights)
-        floor = (floors or {}).get(fmt) or measure_floor(model, plan, driver, sequences, weights, expected, k, rerun)
+        floor = measure_floor(model, plan, driver, sequences, weights, expected, k, rerun)  # this probe's weights
         if floors is not None:
             floors[fmt] = floor
         limit = derived_limit(floor)
@@ -539,7 +553,7 @@ def probe(llm: Any, model: torch.nn.Module, driver: Any, plan: RefitPlan | None 
     limit_from = "given" if floor is None else (
         f"= {FLOOR_FACTOR:g} x floor {floor.mean_kl:.3g} (KL of this model's expectation, {model_dtype(model)} "
         f"vs {floor.other} activations, measured in {floor.seconds:.2f} s)")
-    report = FidelityReport(fmt, got["tokens"], k, got["max_dlogprob"], got["mean_kl"], got["max_kl"],
+    report = FidelityReport(fmt, got["tokens"], k, got["max_dlogprob"], got["trimmed_kl"], got["max_kl"],
                             got["worst"], ref["mean_kl"], limit, time.perf_counter() - start, nbytes, floor, limit_from,
                             *medians)
     if check and not report.passed:
@@ -616,8 +630,8 @@ class Verify:
     after a successful reload; the report lands on ``RefitReport.fidelity``. Arguments as
     :func:`probe`'s, every one checked when Verify is built (:func:`check_probe_args`) and the
     plan's formats against explicit ``thresholds`` before the reload (:meth:`check_plan`). With
-    derived limits, the arithmetic floor is measured on the first probe of each format and kept
-    (``floors``) for the later ones."""
+    derived limits, the arithmetic floor is measured on every probe's weights; ``floors`` records
+    the latest per format."""
 
     model: torch.nn.Module
     sequences: Sequence[Sequence[int]] | None = None
