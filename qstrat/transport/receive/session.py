@@ -22,7 +22,6 @@ with whatever it holds). :func:`qstrat.vllm.refit` applies the same rule to an i
 from __future__ import annotations
 
 import time
-from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -169,10 +168,10 @@ class ReceiverSession:
             self._staged = receive_mesh(self, update_info)
             return
         if check.mode == "delta":
-            decoder = partial(self.delta.decoder, check.info["delta"], check.target,
-                              self.auth.secret if self.auth else None)  # (mac) -> delta.receive.PatchDecoder
             self._staged = receive_round(self.group, doc, check, self.auth, "delta", staging=self.staging,
-                                         stats=self.stats, protocol_version=protocol, patches=decoder)
+                                         stats=self.stats, protocol_version=protocol,  # check.target: set in the vote
+                                         patches=lambda mac: self.delta.decoder(check.info["delta"], check.target,
+                                                                                self.auth.secret if self.auth else None, mac))
             return
         self.delta.base = None  # another mode changes the weights outside the delta's bookkeeping
         if check.mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
