@@ -142,4 +142,4 @@ def test_a_short_or_foreign_server_answer_is_refused_naming_the_server(monkeypat
     monkeypatch.setattr(requests, "post", lambda *a, **k: _Answer(doc))
     engine = ServedEngine("http://10.0.0.9:8000", model="m")
     with pytest.raises(ValueError, match=r"^fidelity: the server at http://10.0.0.9:8000 " + message):
-        engine.prompt_logprobs([[1, 2, 3], [4, 5, 6]], 2)
+        engine.read_prompt_logprobs([[1, 2, 3], [4, 5, 6]], 2)

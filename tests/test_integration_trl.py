@@ -70,7 +70,9 @@ def _run(strategy, tmp_path, peft=False, verify_every=0):
             assert h["qstrat/fidelity/limit"] == f.threshold.mean_kl and h["qstrat/fidelity/ratio"] == f.ratio <= 1
             assert h["qstrat/fidelity/median_kl"] == f.median_kl and h["qstrat/fidelity/median_ratio"] == f.median_ratio <= 1
             assert h["qstrat/fidelity/ok"] == 1.0 and h["qstrat/fidelity/seconds"] == f.seconds > 0
-            assert f.floor is sync.reports[0].fidelity.floor  # one Verify: the floor measured on the first sync
+            # every probe measures its own floor, on its own weights, and derives its limits from it
+            from qstrat.vllm.fidelity.limits import derived_limit
+            assert f.threshold == derived_limit(f.floor) and f.floor.other == "float32"
         else:
             assert report.fidelity is None and "qstrat/fidelity/mean_kl" not in h
         # TRL's importance-sampling statistics are still computed (quantized engine vs BF16 trainer).
@@ -93,6 +95,7 @@ def test_a_refit_leaving_one_layer_from_the_previous_step_logs_a_failed_verdict_
     through TRL's own log history, warns with the error's text, and training goes on."""
     from qstrat.vllm.engine.local import release
     from qstrat.integrations.trl_demo import train
+    from qstrat.vllm.fidelity.limits import derived_limit
     from qstrat.vllm.fidelity.verdict import FidelityWarning
 
     cls = _vllm_generation().VLLMGeneration
@@ -106,7 +109,8 @@ def test_a_refit_leaving_one_layer_from_the_previous_step_logs_a_failed_verdict_
         assert stale.calls == 4 and len(sync.reports) == 3 and len(history) == 2
         good, bad, after = (r.fidelity for r in sync.reports)
         assert good.passed and not bad.passed and not after.passed
-        assert bad.ratio > 1 and bad.threshold == good.threshold  # one Verify: the limit of the first probe
+        # every probe's limits come from its own floor (measured on that probe's weights)
+        assert bad.ratio > 1 and bad.threshold == derived_limit(bad.floor) and good.threshold == derived_limit(good.floor)
         _assert_logged(history[0], good)
         _assert_logged(history[1], bad)
         assert history[0]["qstrat/fidelity/ok"] == 1.0 and history[1]["qstrat/fidelity/ok"] == 0.0

@@ -285,8 +285,11 @@ def test_server_mode_probes_the_server_every_step_and_a_stale_layer_logs_a_faile
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert stale.calls == 4 and len(sync.reports) == 3 and len(history) == 2
     good, bad, after = sync.fidelity_reports
-    assert good.passed and good.tokens == 4 * 31 and good.top_k == 20 and good.floor is not None
-    assert not bad.passed and bad.ratio > 1 and not after.passed and bad.threshold == good.threshold
+    from qstrat.vllm.fidelity.limits import derived_limit
+
+    # 16 sequences of 8 tokens (7 scored positions each); every probe's limits from its own floor
+    assert good.passed and good.tokens == 16 * 7 and good.top_k == 20 and good.floor is not None
+    assert not bad.passed and bad.ratio > 1 and not after.passed and bad.threshold == derived_limit(bad.floor)
     assert_logged(history[0], good)
     assert_logged(history[1], bad)
     assert [w for w in warned if issubclass(w.category, FidelityWarning)][0].message.args[0].startswith(

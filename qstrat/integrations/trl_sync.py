@@ -144,9 +144,8 @@ class QstratWeightSync:
             and merging, the copy, the refit, the cache reset) under ``"train"`` or ``"eval"``;
             a probed sync also :data:`FIDELITY_METRICS`.
         verify_every: run the fidelity probe (:class:`qstrat.vllm.fidelity.probe.Verify` on the trainer's
-            model) on the first sync and every ``verify_every``-th after it; 0: never. One
-            Verify serves every sync, so the arithmetic floor behind its limits is measured on
-            the first probe only.
+            model) on the first sync and every ``verify_every``-th after it; 0: never. Each
+            probe measures the arithmetic floor behind its limits on its own weights.
         on_fidelity_failure: what a failed probe does once logged (``qstrat/fidelity/ok`` 0.0):
             ``"raise"`` (stops ``trainer.train()``) or ``"warn"`` (:mod:`qstrat.vllm.fidelity.verdict`).
     """

@@ -116,7 +116,7 @@ def test_every_skyrl_step_logs_the_probe_and_a_stale_layer_logs_a_failed_verdict
     assert [p["qstrat/fidelity/ok"] for p in committed] == [1.0, 0.0, 1.0]  # the next whole sync repairs it
     assert [{k: p[k] for k in fidelity_metrics(r)} for p, r in zip(committed, callback.probe.reports)] == \
         [fidelity_metrics(r) for r in callback.probe.reports]
-    assert good.passed and again.passed and bad.ratio > 1 and good.tokens == 4 * 31 and good.top_k == 20
+    assert good.passed and again.passed and bad.ratio > 1 and good.tokens == 16 * 7 and good.top_k == 20
 
 
 def test_a_stale_layer_stops_a_skyrl_run_by_default_after_committing_its_metrics(served):

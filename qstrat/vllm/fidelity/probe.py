@@ -340,8 +340,9 @@ def engine_prompt_logprobs(llm: Any, sequences: Sequence[Sequence[int]],
     from qstrat.vllm.fidelity.served import ServedEngine
 
     k = served_top_k(llm, top_k)
-    if isinstance(llm, ServedEngine):
-        return k, llm.prompt_logprobs(sequences, k)
+    if isinstance(llm, ServedEngine):  # qstrat's HTTP client, not a vLLM object
+        server: ServedEngine = llm
+        return k, server.read_prompt_logprobs(sequences, k)
     SamplingParams = resolve("sampling_params")
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
     outs = EngineView(llm).generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
@@ -355,7 +356,8 @@ def served_top_k(llm: Any, top_k: int) -> int:
     from qstrat.vllm.adapter.views import EngineView
     from qstrat.vllm.fidelity.served import ServedEngine
 
-    limit = llm.max_logprobs if isinstance(llm, ServedEngine) else EngineView(llm).max_logprobs
+    server = llm if isinstance(llm, ServedEngine) else None  # qstrat's HTTP client, not a vLLM object
+    limit = server.logprobs_cap if server is not None else EngineView(llm).max_logprobs
     return top_k if limit is None or limit == -1 else min(top_k, limit)
 
 

@@ -52,7 +52,7 @@ class ServedEngine:
         return self._model
 
     @property
-    def max_logprobs(self) -> int | None:
+    def logprobs_cap(self) -> int | None:
         """The server's ``model_config.max_logprobs`` (-1: the vocabulary), None when it does not
         report one (no ``/server_info``: not in dev mode)."""
         import requests
@@ -64,7 +64,7 @@ class ServedEngine:
         value = (info.get("model_config") or {}).get("max_logprobs") if isinstance(info, dict) else None
         return int(value) if isinstance(value, int) else None
 
-    def prompt_logprobs(self, sequences: Sequence[Sequence[int]], k: int) -> list[list[dict[int, float]]]:
+    def read_prompt_logprobs(self, sequences: Sequence[Sequence[int]], k: int) -> list[list[dict[int, float]]]:
         """Per sequence, per position 1..L-1, ``{token id: logprob}`` of the top ``k`` tokens and
         the actual next token (``/v1/completions``, ``prompt_logprobs=k``, one greedy token).
         vLLM's server writes ``-inf`` as -9999.0 (its ``clamp_prompt_logprobs``); kept as sent."""
