@@ -36,16 +36,16 @@ def main(a_dir: str, spool: str) -> None:
     driver = RefitDriver("block-fp8", hf_config=hf_config(model_b))
     out = {}
     llm = start_engine(a_dir, kv_cache_dtype="fp8")
-    out["plain_before"] = [g.tokens for g in greedy(llm)]
+    out["plain_before"] = [[list(g.tokens), list(g.logprobs)] for g in greedy(llm)]
     out["plain_refit"] = _refit(llm, driver, model_b.state_dict(), spool)
-    out["plain_after"] = [g.tokens for g in greedy(llm)]
+    out["plain_after"] = [[list(g.tokens), list(g.logprobs)] for g in greedy(llm)]
     release(llm)
     del llm
     llm = start_engine(a_dir, kv_cache_dtype="fp8", worker_extension_cls=READER)
     out["scales_before"] = engine_kv_scales(llm)
     out["reader_refit"] = _refit(llm, driver, model_b.state_dict(), spool)
     out["scales_after"] = engine_kv_scales(llm)
-    out["reader_after"] = [g.tokens for g in greedy(llm)]
+    out["reader_after"] = [[list(g.tokens), list(g.logprobs)] for g in greedy(llm)]
     print("RESULT " + json.dumps(out), flush=True)
     release(llm)
 

@@ -81,7 +81,11 @@ def test_a_multiprocess_fp8_kv_engine_without_the_reader_is_refused_before_anyth
         "cannot send a function to (a worker process); its worker_extension_cls (none) has no qstrat_kv_scales. "
         "Start the engine with worker_extension_cls='qstrat.vllm.sink.kv_scales.KVScaleReader' (or an extension "
         "subclassing it), or in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0); nothing was sent")
-    assert run["plain_after"] == run["plain_before"]  # still serving A
+    # still serving A: the same engine asked twice, equal up to its own run-to-run variation (a
+    # near-tie may be taken the other way under load: transport_harness.tp_greedy_mismatch's rule)
+    from transport_harness import tp_greedy_mismatch
+
+    assert tp_greedy_mismatch(run["plain_after"], run["plain_before"]) is None
 
 
 def test_a_multiprocess_fp8_kv_engine_with_the_reader_refits_keeping_its_scales(run, ckpts):
@@ -94,7 +98,9 @@ def test_a_multiprocess_fp8_kv_engine_with_the_reader_refits_keeping_its_scales(
             for i, ks in SCALES.items()}
     assert run["scales_before"] == run["scales_after"] == want
     llm = start_engine(ckpts / "b", kv_cache_dtype="fp8")  # in-process, after the scenario exited
-    fresh = [list(g.tokens) for g in greedy(llm)]  # JSON gave the scenario's lists
+    fresh = [[list(g.tokens), list(g.logprobs)] for g in greedy(llm)]  # JSON gave the scenario's lists
     release(llm)
-    assert run["reader_after"] == fresh
-    assert run["reader_after"] != run["plain_before"], "A and B must differ"
+    from transport_harness import tp_greedy_mismatch
+
+    assert tp_greedy_mismatch(run["reader_after"], fresh) is None
+    assert [t for t, _ in run["reader_after"]] != [t for t, _ in run["plain_before"]], "A and B must differ"
