@@ -75,8 +75,8 @@ class StepProbe:
     """The fidelity probe of a training loop: every ``every``-th sync (the first included), probe
     the engine against ``model`` and return :data:`~qstrat.vllm.fidelity.metrics.FIDELITY_METRICS`.
 
-    One :class:`~qstrat.vllm.fidelity.probe.Verify` serves every call, so the floor behind the
-    limits is measured on the first probe only (docs/fidelity.md, "Limits").
+    One :class:`~qstrat.vllm.fidelity.probe.Verify` serves every call; each probe measures the
+    floor behind its limits on its own weights (docs/fidelity.md, "Limits").
 
     Args:
         model: the trainer's transformers model holding the weights just sent (not modified).
