@@ -71,7 +71,12 @@ if [ "${QSTRAT_FROM_SOURCE:-0}" = 1 ] || [ "$here" != "$root/qstrat" ]; then
   farm="$(mktemp -d)"
   trap 'rm -rf "$farm"' EXIT
   mkdir "$farm/qstrat"
-  for f in "$root"/qstrat/*; do ln -s "$f" "$farm/qstrat/"; done
+  # qstrat/serializers and qstrat/strategies are links to directories: linked once, below (ln -s
+  # onto an existing link to a directory would write a link INTO the source tree)
+  for f in "$root"/qstrat/*; do
+    case "$(basename "$f")" in serializers|strategies) continue ;; esac
+    ln -s "$f" "$farm/qstrat/"
+  done
   ln -s "$root/serializers" "$farm/qstrat/serializers"
   ln -s "$root/strategies" "$farm/qstrat/strategies"
   export PYTHONPATH="$farm${PYTHONPATH:+:$PYTHONPATH}"

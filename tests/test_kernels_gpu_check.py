@@ -133,3 +133,7 @@ def test_gpu_check_sh_runs_qstrat_from_the_source_tree(tmp_path):
     assert farm.name == "qstrat" and farm.parent != ROOT  # imported through the farm ...
     assert not farm.parent.exists()  # ... which is removed on exit
     assert report["formats"] == ["mxfp8"] and {v["mismatched_bytes"] for v in report["vectors"]} == {0}
+    # and nothing written into the source tree (it once left serializers/serializers and
+    # strategies/strategies links there: ln -s onto the farm's link to a directory)
+    assert not (ROOT / "serializers" / "serializers").is_symlink()
+    assert not (ROOT / "strategies" / "strategies").is_symlink()
