@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qstrat.errors import TransportError
+from qstrat.errors import TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport.security.auth import CHALLENGE_WORDS, PROTOCOL_VERSION, challenge, from_words, int64_words
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.security.keys import Secret, equal, vote_tag
@@ -113,6 +113,20 @@ class Votes:
     def holders(self) -> list[int]:
         """Ranks holding new weights."""
         return [r for r, h in enumerate(self.holding) if h]
+
+    def delta_refused(self) -> bool:
+        """Whether the vote failed and every refusal refused only a delta round's encoding
+        (:data:`DELTA_ONLY`): the sender sends the same round again, whole."""
+        return self.failed() and all(s == OK or s in DELTA_ONLY for s in self.statuses)
+
+    def refusal(self, what: str) -> TransportError:
+        """The error of an accept vote that failed, ``what`` naming the round: a
+        WireManifestMismatchError when a rank rejected the round, TransferAuthError when one
+        could not authenticate it (or a slot was forged), TransportError otherwise."""
+        st = self.statuses
+        cls = (WireManifestMismatchError if REJECTED in st else
+               TransferAuthError if UNAUTHENTICATED in st or FORGED in st else TransportError)
+        return cls(f"{what} refused before any data: {describe(st)}")
 
 
 def vote(group: TransferGroup, step: int, status: int, holds_new: bool, secret: Secret | None,

@@ -182,7 +182,7 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
     status = (proto.OK if rejection is None else proto.UNAUTHENTICATED if isinstance(rejection, TransferAuthError)
               else getattr(rejection, "vote_status", proto.REJECTED))
     votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, auth.secret, mac)
-    if _delta_only(votes):
+    if votes.delta_refused():
         raise DeltaRefused(f"rank {g.rank}: mesh delta refused before any data: {proto.describe(votes.statuses)}"
                            + (f" ({rejection})" if rejection is not None else ""))
     if rejection is not None:
@@ -212,14 +212,9 @@ def receive_mesh_round(group: TransferGroup, doc: dict[str, Any], senders: int, 
             staged = [(s.name, s.embed(by[s.name])) for s in routes.share(me)]
         return staged
     reason = failure[1] if failure else f"rank {g.rank}: mesh round not committed: {proto.describe(votes.statuses)}"
-    if _delta_only(votes):
+    if votes.delta_refused():
         raise DeltaRefused(f"{reason}; mesh delta refused, nothing loaded: {proto.describe(votes.statuses)}")
     raise TransportError(f"{reason}; nothing loaded")
-
-
-def _delta_only(votes: proto.Votes) -> bool:
-    """Whether the vote failed and every refusal refused only a delta round's encoding."""
-    return votes.failed() and all(s == proto.OK or s in proto.DELTA_ONLY for s in votes.statuses)
 
 
 def _bounded_share(g: TransferGroup, routes: bounded.BoundedRoutes, me: int, auth: ReceiverAuth, mac: bytes,

@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from qstrat.errors import TransferAuthError, TransportError, WireManifestMismatchError
+from qstrat.errors import TransportError
 from qstrat.transport.delta.encoding import DeltaRefused
 from qstrat.transport.mesh import bounded
 from qstrat.transport.mesh import steps as mesh
@@ -302,13 +302,10 @@ class MeshSender:
         votes = mesh.collective(g, "accept vote failed", proto.vote, g, proto.ACCEPT, status, False, self.secret, mac)
         if refusal is not None:
             raise refusal
+        if votes.delta_refused():  # a delta round: sent again whole
+            raise DeltaRefused(f"mesh delta refused before any data: {proto.describe(votes.statuses)}")
         if votes.failed():
-            st = votes.statuses
-            if all(s == proto.OK or s in proto.DELTA_ONLY for s in st):  # a delta round: sent again whole
-                raise DeltaRefused(f"mesh delta refused before any data: {proto.describe(st)}")
-            cls = (WireManifestMismatchError if proto.REJECTED in st else
-                   TransferAuthError if proto.UNAUTHENTICATED in st or proto.FORGED in st else TransportError)
-            raise cls(f"mesh round refused before any data: {proto.describe(st)}")
+            raise votes.refusal("mesh round")
         return mac
 
     def _stream(self, routes: MeshRoutes, outs: dict[int, PairOut],

@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from qstrat.errors import (InputMismatchError, MixedWeightsError, NonFiniteError, TransferAuthError, TransportError,
-                           WireManifestMismatchError)
+from qstrat.errors import InputMismatchError, MixedWeightsError, NonFiniteError, TransportError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport import protocol as proto
 from qstrat.transport.security.auth import RoundContext, next_counter
@@ -83,13 +82,10 @@ class SenderProtocol:
                 votes = proto.vote(group, proto.ACCEPT, proto.OK, False, secret, mac)
         except RuntimeError as exc:
             raise proto.lost(group, "round header / accept vote failed (an engine died?)", exc) from None
+        if votes.delta_refused():
+            raise delta.DeltaRefused(f"delta refused before any data: {proto.describe(votes.statuses)}")
         if votes.failed():
-            st = votes.statuses
-            if all(s == proto.OK or s in proto.DELTA_ONLY for s in st):
-                raise delta.DeltaRefused(f"delta refused before any data: {proto.describe(st)}")
-            cls = (WireManifestMismatchError if proto.REJECTED in st else
-                   TransferAuthError if proto.UNAUTHENTICATED in st or proto.FORGED in st else TransportError)
-            raise cls(f"round refused before any data: {proto.describe(st)}")
+            raise votes.refusal("round")
         return mac
 
 
@@ -117,7 +113,7 @@ def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Call
                      f"ranks {holders} hold new weights after: {described}") from (failure.error if failure else None)
     if own:
         raise failure.error
-    if failure is None and all(s == proto.OK or s in proto.DELTA_ONLY for s in votes.statuses):
+    if failure is None and votes.delta_refused():
         raise delta.DeltaRefused(f"delta refused, nothing loaded: {described}")
     if failure is not None:
         raise TransportError(f"sender aborted the stream: {failure}; nothing loaded")
