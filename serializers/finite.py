@@ -108,11 +108,23 @@ def check_emitted_scales(ser: Any, parts: Mapping[str, torch.Tensor], name: str,
     Reads only the scales (at most 1/8 of the elements, e.g. NVFP4's 1/16): cheap next to the
     quantization.
 
-    Args: ser: the format (for its name in the message); parts: suffix -> tensor as emitted;
+    A part the format declares raw E8M0 bytes (:attr:`~qstrat.serializers.format_math.FormatMath.
+    e8m0_parts`, uint8) is refused where it holds 0xFF, E8M0's NaN (OCP MX v1.0).
+
+    Args: ser: the format (for its name and ``e8m0_parts``); parts: suffix -> tensor as emitted;
         name: the weight's tensor name; weight_numel: elements of the quantized weight.
     Raises: NonFiniteError (``nonfinite='propagate'`` skips this check with the others).
     """
+    e8m0 = getattr(ser, "e8m0_parts", ())
     for suffix, t in parts.items():
+        if suffix in e8m0 and t.dtype == torch.uint8:  # raw E8M0 bytes: 0xFF is NaN
+            bad = t == 0xFF
+            if bool(bad.any()):
+                index = ", ".join(str(int(i)) for i in bad.nonzero()[0])
+                raise NonFiniteError(
+                    f"{name}: serializer {ser.name!r} emitted the E8M0 NaN byte 0xFF in {suffix!r} at index "
+                    f"[{index}] for finite weights; nothing was sent; set nonfinite='propagate' to encode it anyway")
+            continue
         if not t.is_floating_point() or t.numel() * 8 > weight_numel:
             continue
         values = t if t.dtype.itemsize > 1 else t.float()  # fp8 scales: reduce in float32

@@ -81,6 +81,9 @@ class FormatMath(ABC):
     scale_block: ClassVar[tuple[int, int] | None] = None
     scale_part: ClassVar[str] = ""
     codes_per_byte: ClassVar[int] = 1
+    #: Parts stored as raw E8M0 bytes (uint8), where byte 0xFF is NaN (OCP Microscaling Formats
+    #: v1.0, E8M0): :func:`qstrat.serializers.finite.check_emitted_scales` refuses it there.
+    e8m0_parts: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         """Raises: pydantic.ValidationError on unknown or invalid options."""

@@ -46,6 +46,7 @@ class MXFP8(Serializer):
     Options = MXFP8Options
     scale_block = (1, BLOCK)
     scale_part = "weight_scale"
+    e8m0_parts = ("weight_scale",)
 
     def matrix_parts(self, n: int, k: int) -> tuple[PartSpec, ...]:
         """``weight`` fp8 [n, k] and ``weight_scale`` uint8 [n, k/32]; k % 32 != 0 is an error."""

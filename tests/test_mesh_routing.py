@@ -124,3 +124,19 @@ def test_mesh_outputs_refuses_an_owner_that_is_no_rank():
         with pytest.raises(TransportError, match=rf"^mesh outputs: the owner of x.y.weight must be a sender rank "
                                                  rf"\(an int\), got {owner!r}$"):
             mesh_outputs(Plan(), lambda e, o=owner: o)
+
+
+def test_a_bounded_rounds_staged_bytes_takes_numpy_ints_and_refuses_what_is_not_a_positive_integer():
+    """``staged_bytes`` computed with numpy (an ``np.int64``) is a valid bound (it was refused);
+    the routes document holds a plain int."""
+    import numpy as np
+
+    from qstrat.transport.mesh.bounded import BoundedRoutes
+
+    routes = BoundedRoutes(_OUTS, 2, [ReceiverLayout()], 1 << 20, 256, staged_bytes=np.int64(1 << 20))
+    assert routes.staged_bytes == 1 << 20 and type(routes.staged_bytes) is int
+    assert routes.to_dict()["staged_bytes"] == 1 << 20
+    for bad in (0, -5, True, 1.5, "4096", np.float64(4096)):
+        with pytest.raises(TransportError) as exc:
+            BoundedRoutes(_OUTS, 2, [ReceiverLayout()], 1 << 20, 256, staged_bytes=bad)
+        assert str(exc.value) == f"mesh bounded round: staged_bytes must be a positive int (bytes) or None, got {bad!r}"

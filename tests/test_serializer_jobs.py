@@ -144,3 +144,26 @@ def test_a_plugin_scale_that_is_nan_for_finite_weights_is_refused_naming_tensor_
     for fmt in (BlockFP8(), MXFP8(), NVFP4()):
         zero = fmt.quantize(torch.zeros(128, 128, dtype=torch.bfloat16), name="zeros")
         assert all(torch.isfinite(t.float()).all() for t in zero.values() if t.is_floating_point()), fmt.name
+
+
+def test_an_e8m0_nan_byte_a_plugin_emits_for_finite_weights_is_refused_and_the_built_in_never_emits_it():
+    """E8M0 byte 0xFF is NaN (OCP MX v1.0): a raw-E8M0 part (``e8m0_parts``) holding it for finite
+    weights is refused like a float NaN scale; MXFP8's own bytes stop at 254 for finite weights."""
+    import pytest
+
+    from qstrat.errors import NonFiniteError
+    from qstrat.serializers.mxfp8 import MXFP8
+
+    class NaNByte(MXFP8):
+        def block_scales(self, amax, context=None):
+            byte, mult = super().block_scales(amax, context)
+            return torch.where(amax == 0, torch.full_like(byte, 255), byte), mult
+
+    w = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert int(MXFP8().quantize(w * 1e30)["weight_scale"].max()) <= 254
+    assert torch.equal(NaNByte().quantize(w)["weight_scale"], MXFP8().quantize(w)["weight_scale"])
+    w[1, :32] = 0
+    with pytest.raises(NonFiniteError, match=r"^layer\.k: serializer 'mxfp8' emitted the E8M0 NaN byte 0xFF in "
+                                             r"'weight_scale' at index \[1, 0\]"):
+        NaNByte().quantize(w, name="layer.k")
+    assert int(NaNByte(nonfinite="propagate").quantize(w)["weight_scale"][1, 0]) == 255

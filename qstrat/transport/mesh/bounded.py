@@ -34,6 +34,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -123,15 +124,16 @@ class BoundedRoutes(MeshRoutes):
     and one unit"). Both travel in the routes document and its digest (the round MAC binds them).
 
     Raises: TransportError as :class:`MeshRoutes`, and for a ``staged_bytes`` that is not a
-        positive int.
+        positive integer (a Python or numpy int; bool is refused).
     """
 
     def __init__(self, outputs: Iterable[Sequence[Any]], senders: int, layouts: Sequence[ReceiverLayout],
                  bucket_bytes: int, alignment: int, staged_bytes: int | None = None) -> None:
-        if staged_bytes is not None and (isinstance(staged_bytes, bool) or not isinstance(staged_bytes, int)
+        if staged_bytes is not None and (isinstance(staged_bytes, bool) or not isinstance(staged_bytes, Integral)
                                          or staged_bytes <= 0):
             raise TransportError(f"mesh bounded round: {OPTION} must be a positive int (bytes) or None, "
                                  f"got {staged_bytes!r}")
+        staged_bytes = None if staged_bytes is None else int(staged_bytes)  # numpy's ints too (JSON document)
         super().__init__(outputs, senders, layouts, bucket_bytes, alignment)
         self.staged_bytes = staged_bytes
         self._schedules: dict[int, Schedule] = {}
