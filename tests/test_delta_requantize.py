@@ -256,3 +256,23 @@ def test_an_incremental_round_refuses_a_non_finite_scale_as_a_full_quantize_does
         with pytest.raises(NonFiniteError, match=r"^w: serializer 'block_fp8' emitted a non-finite scale in "
                                                  r"'weight_scale_inv' at index \[0, 0\]"):
             run()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, float("nan"), True, "0.1", None])
+def test_a_max_fraction_outside_zero_to_one_is_refused_naming_it(bad):
+    with pytest.raises(ValueError) as exc:
+        Requantizer(max_fraction=bad)
+    assert str(exc.value) == ("Requantizer: max_fraction must be a number in [0, 1] (a fraction of each entry's "
+                              f"elements), got {bad!r}")
+
+
+def test_max_fraction_zero_quantizes_whole_whenever_anything_changed():
+    from qstrat.plugins.registry import get_serializer
+
+    ser, rq = get_serializer("mxfp8"), Requantizer(max_fraction=0)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    rq.quantize(ser, "w", w)
+    same_bytes(rq.quantize(ser, "w", w), ser.quantize(w))  # nothing changed: incremental
+    w[3, 7] += 0.5
+    same_bytes(rq.quantize(ser, "w", w), ser.quantize(w))
+    assert rq.stats["incremental"] == 1 and rq.stats["whole:dense change"] == 1

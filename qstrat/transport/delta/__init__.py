@@ -4,6 +4,8 @@
 - :mod:`.rounds`: the sender's delta base: a delta or a whole round
 - :mod:`.stream`: the sender's half: a delta round's buckets encoded and posted as they are
   quantized
+- :mod:`.ahead`: the sender's source run ahead on a second thread, so quantizing and encoding
+  overlap
 - :mod:`.requantize`: the sender's incremental quantizer: each round re-encodes only what the
   step changed, bit for bit a full quantize
 - :mod:`.rebuild`: the receiver's delta base and the decoder that rebuilds a round from it

@@ -167,19 +167,38 @@ def stream_of(target: WireManifest, tensors: Iterable[tuple[str, torch.Tensor]])
     return fill_stream(target, tensors)
 
 
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as an integer of its width (bitwise comparison: -0.0 != 0.0, NaN == NaN)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Sorted flat indices (int64) of the elements whose bits differ between ``new`` and ``old``
+    (contiguous, same shape and dtype; uint8 streams: byte positions). Compared as int64 words;
+    the word flags are scanned eight at a time (viewed as int64), then only the hot groups'
+    words, then only the changed words' elements, each step a ``nonzero`` of a short tensor (no
+    boolean-mask indexing: 1.3-1.7x faster on a 16 MiB stream at 0.05-5 % of its bytes changed,
+    docs/transport.md)."""
+    per = 8 // new.element_size()
+    # int64 words need 8-byte-aligned storage: a view at another offset (a row slice of a fused
+    # slab, a view into a flat parameter buffer) is compared element by element instead
+    aligned = all(t.storage_offset() * t.element_size() % 8 == 0 for t in (new, old))
+    if new.numel() % (8 * per) or not aligned:
+        return torch.nonzero(bits_view(new).view(-1) != bits_view(old).view(-1)).reshape(-1)
+    a, b = new.view(-1).view(torch.int64), old.view(-1).view(torch.int64)
+    ne = a != b
+    hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)
+    row, col = torch.nonzero(ne.view(-1, 8).index_select(0, hot)).unbind(1)
+    words = hot.index_select(0, row) * 8 + col
+    diff = (a.index_select(0, words) ^ b.index_select(0, words)).view(bits_view(new).dtype).view(-1, per) != 0
+    row, col = torch.nonzero(diff).unbind(1)
+    return words.index_select(0, row) * per + col
+
+
 def changed_bytes(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """Sorted positions (int64) of the bytes where ``new`` and ``base`` differ (1-D uint8 of the
-    same length, a multiple of 8): compared as int64 words; the word mask is scanned 8 flags at
-    a time (viewed as int64), then only the differing words are split into bytes."""
-    a, b = new.view(torch.int64), base.view(torch.int64)
-    ne = a != b
-    if ne.numel() % 8:
-        words = torch.nonzero(ne).reshape(-1)
-    else:  # a nonzero over an eighth of the flags: the scan is what costs (2x faster at 64 MiB)
-        hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)
-        words = ((hot * 8).unsqueeze(1) + torch.arange(8))[ne.view(-1, 8)[hot]]
-    hit = (a[words] ^ b[words]).view(torch.uint8).view(-1, 8) != 0
-    return ((words * 8).unsqueeze(1) + torch.arange(8))[hit]
+    same length): :func:`changed_elements` of two byte streams."""
+    return changed_elements(new, base)
 
 
 def tile_costs(counts: torch.Tensor) -> torch.Tensor:
@@ -422,6 +441,6 @@ def patch_sizes(new: torch.Tensor, base: torch.Tensor) -> dict[str, int]:
             "tiled": int(costs.min(1).values.sum()) + _HEAD + 5 * counts.numel()}
 
 
-__all__ = ["Base", "Changes", "DIGEST_BYTES", "DeltaError", "DeltaRefused", "KINDS", "TILE", "check_base", "check_info", "cuts",
+__all__ = ["Base", "Changes", "DIGEST_BYTES", "DeltaError", "DeltaRefused", "KINDS", "TILE", "bits_view", "changed_bytes", "changed_elements", "check_base", "check_info", "cuts",
            "decode_patch", "digest_sealer", "encode_patch", "fill_stream", "patch_limit", "patch_sizes",
            "region_digest", "stream_of"]

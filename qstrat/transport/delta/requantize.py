@@ -33,12 +33,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any
 
 import torch
 
 from qstrat.serializers.base import Serializer
 from qstrat.serializers.finite import check_emitted_scales
+from qstrat.transport.delta.encoding import bits_view, changed_elements
 
 __all__ = ["Requantizer", "block_maxima", "changed_elements"]
 
@@ -65,7 +67,9 @@ class Requantizer:
 
     Args:
         max_fraction: above this fraction of changed elements an entry is quantized whole (the
-            gathers cost more than the full pass there).
+            gathers cost more than the full pass there); 0: whole whenever anything changed.
+
+    Raises: ValueError for a ``max_fraction`` outside [0, 1] (or not a number).
 
     Memory: per incrementally quantized parameter its previous input (2 bytes for bf16), its
     quantized parts (about a byte) and a float32 amax per block (block FP8 negligible, MXFP8
@@ -73,7 +77,10 @@ class Requantizer:
     """
 
     def __init__(self, max_fraction: float = 0.125) -> None:
-        self.max_fraction = max_fraction
+        if isinstance(max_fraction, bool) or not isinstance(max_fraction, Real) or not 0 <= max_fraction <= 1:
+            raise ValueError(f"Requantizer: max_fraction must be a number in [0, 1] (a fraction of each entry's "
+                             f"elements), got {max_fraction!r}")
+        self.max_fraction = float(max_fraction)
         self._entries: dict[Any, _Entry] = {}
         #: Counts since :meth:`take_stats`: ``elements``, ``changed``, ``blocks_touched``,
         #: ``blocks_rescaled``, ``encoded`` (codes re-encoded), ``incremental`` (calls), and
@@ -170,8 +177,8 @@ class Requantizer:
             return "global scale moved" if bool(torch.isfinite(group).all()) else "non-finite"
         ctx = None if group is None else {"amax": group[touched // grid.per_matrix]}
         scale, multiplier = ser.block_scales(new_amax, ctx)
-        scales = _bits(entry.parts[ser.scale_part].view(-1))
-        scale = _bits(scale.to(entry.parts[ser.scale_part].dtype))
+        scales = bits_view(entry.parts[ser.scale_part].view(-1))
+        scale = bits_view(scale.to(entry.parts[ser.scale_part].dtype))
         rescaled = scale != scales.index_select(0, touched)
         n_rescaled = int(rescaled.sum())
         if n_rescaled:
@@ -209,33 +216,6 @@ class Requantizer:
 
 #: Input dtypes the comparison reads as integers of the same width.
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as an integer of its width (bitwise comparison: -0.0 != 0.0, NaN == NaN)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Sorted flat indices (int64) of the elements whose bits differ between ``new`` and ``old``
-    (contiguous, same shape and dtype). Compared as int64 words; the word flags are scanned
-    eight at a time (viewed as int64), then only the hot groups' words, then only the changed
-    words' elements (the scan of :func:`~qstrat.transport.delta.encoding.changed_bytes`, to
-    elements rather than bytes)."""
-    per = 8 // new.element_size()
-    # int64 words need 8-byte-aligned storage: a view at another offset (a row slice of a fused
-    # slab, a view into a flat parameter buffer) is compared element by element instead
-    aligned = all(t.storage_offset() * t.element_size() % 8 == 0 for t in (new, old))
-    if new.numel() % (8 * per) or not aligned:
-        return torch.nonzero(_bits(new).view(-1) != _bits(old).view(-1)).reshape(-1)
-    a, b = new.view(-1).view(torch.int64), old.view(-1).view(torch.int64)
-    ne = a != b
-    hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)
-    row, col = torch.nonzero(ne.view(-1, 8).index_select(0, hot)).unbind(1)
-    words = hot.index_select(0, row) * 8 + col
-    diff = (a.index_select(0, words) ^ b.index_select(0, words)).view(_bits(new).dtype).view(-1, per) != 0
-    row, col = torch.nonzero(diff).unbind(1)
-    return words.index_select(0, row) * per + col
 
 
 class _Grid:

@@ -77,7 +77,8 @@ class DeltaRounds:
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
         spare, self.spare = self.spare, None
         size = delta.padded_size(target.total_bytes)
-        enc = PatchEncoder(target, tensors, base, spare if spare is not None and spare.numel() == size else None)
+        enc = PatchEncoder(target, tensors, base, spare if spare is not None and spare.numel() == size else None,
+                           look_ahead=True)
         attempts, spent = 1, (0.0, 0.0)
         try:
             try:
@@ -87,9 +88,11 @@ class DeltaRounds:
                 enc = enc.whole()
                 report = send(enc, {"delta": enc.info})
         except REFUSED_BEFORE_DATA:
+            enc.close()
             self.base, self.spare = base, enc.stream  # every engine still holds it
             raise
         except BaseException as exc:
+            enc.close()  # a bucket pulled ahead finishes before the requantizer is cleared
             if enc.source_error is not None and not isinstance(exc, MixedWeightsError):
                 self.base, self.spare = base, enc.stream  # the source failed: aborted, nothing loaded anywhere
             if self.requantizer is not None:

@@ -22,6 +22,7 @@ import torch
 
 from qstrat.errors import TransportError
 from qstrat.transport.delta import encoding as delta
+from qstrat.transport.delta.ahead import LookAhead
 from qstrat.transport import protocol
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.security.keys import Secret
@@ -44,10 +45,13 @@ class PatchEncoder:
         base: the base both sides hold (None: every tile raw; one of another layout is not used).
         stream: the buffer of the round's stream (1-D uint8 CPU, :func:`~qstrat.transport.delta.encoding.
             padded_size` bytes; None: a new one).
+        look_ahead: pull the tensors of the buckets after k on a second thread while bucket k is encoded
+            (:class:`~qstrat.transport.delta.ahead.LookAhead`; ``tensors`` must not wait on the
+            caller: a mesh pair's queue, filled as the round goes, cannot); :meth:`close` ends it.
     """
 
     def __init__(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]] | None,
-                 base: delta.Base | None, stream: torch.Tensor | None = None) -> None:
+                 base: delta.Base | None, stream: torch.Tensor | None = None, look_ahead: bool = False) -> None:
         self.target = target
         self.base = base if base is not None and base.target == target.digest else None
         #: ``update_info["delta"]``: the base's round id (None: a whole round) and this round's.
@@ -56,9 +60,12 @@ class PatchEncoder:
         self.stream = stream if stream is not None else torch.empty(delta.padded_size(target.total_bytes),
                                                                     dtype=torch.uint8)
         self.writer = delta.StreamWriter(target, tensors, self.stream) if tensors is not None else None
+        self._ahead = (LookAhead(self._write, len(target.buckets) - 1)
+                       if look_ahead and self.writer is not None and target.buckets else None)
         self.cuts = delta.cuts(target)
         self.tiles: dict[str, int] = {}
-        #: Payload bytes encoded; seconds in the source (quantizing) and encoding (compare, patch, digest).
+        #: Payload bytes encoded; seconds in the source (quantizing, on whichever thread) and
+        #: encoding (compare, patch, digest).
         self.wire_bytes, self.source_s, self.encode_s = 0, 0.0, 0.0
         #: Buckets encoded so far; what the source raised (the round was then aborted).
         self.done, self.source_error = 0, None
@@ -72,11 +79,10 @@ class PatchEncoder:
         """Bucket ``k``'s payload (1-D uint8 CPU: digest, then patch), buckets in order.
         Raises: what the source raises; TransportError for a tensor off its slot or a source
         that yields more tensors than the target holds."""
-        t0 = time.perf_counter()
-        if self.writer is not None:
-            self.writer.upto(k)
-            if k == len(self.target.buckets) - 1:
-                self.writer.finish()
+        if self._ahead is not None:
+            self.source_s += self._ahead.take(k)
+        elif self.writer is not None:
+            self.source_s += self._timed_write(k)
         t1 = time.perf_counter()
         lo, hi = self.cuts[k], self.cuts[k + 1]
         region = self.stream[lo:hi]
@@ -88,9 +94,25 @@ class PatchEncoder:
         out = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8), patch])
         self.wire_bytes += out.numel()
         self.done = k + 1
-        self.source_s += t1 - t0
         self.encode_s += time.perf_counter() - t1
         return out
+
+    def _write(self, k: int) -> None:
+        """Bucket ``k``'s tensors into the stream (after the last bucket: check the source is spent)."""
+        self.writer.upto(k)
+        if k == len(self.target.buckets) - 1:
+            self.writer.finish()
+
+    def _timed_write(self, k: int) -> float:
+        t0 = time.perf_counter()
+        self._write(k)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Wait for a bucket pulled ahead and stop the look-ahead thread (a round that failed
+        part-way: its source must not run on beside the sender's cleanup). Idempotent."""
+        if self._ahead is not None:
+            self._ahead.close()
 
     @property
     def kind(self) -> str:
@@ -110,11 +132,12 @@ class PatchEncoder:
         """The same round for a whole resend (every tile raw): from this round's stream once
         complete, else from its source when no bucket was encoded yet (refused before any data).
         Raises: TransportError when the round stopped part-way (its source is spent)."""
+        self.close()
         if self.complete:
             return PatchEncoder(self.target, None, None, self.stream)
         if self.done or self.writer is None:
             raise TransportError(f"delta stream: a round stopped at bucket {self.done} cannot be sent again whole")
-        return PatchEncoder(self.target, self.writer.tensors, None, self.stream)
+        return PatchEncoder(self.target, self.writer.tensors, None, self.stream, self._ahead is not None)
 
 
 def encode_round(target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], base: delta.Base | None,

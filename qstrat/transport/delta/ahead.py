@@ -1,0 +1,97 @@
+"""The source run ahead on a second thread: a delta round's sender quantizes the buckets after
+bucket k while it compares, patches and digests bucket k.
+
+A delta round's sender does two things per bucket: the SOURCE (the driver quantizes the
+bucket's entries - incrementally, :mod:`qstrat.transport.delta.requantize` - and writes their
+bytes into the round's stream) and the ENCODE (compare the bucket's tiles with the base, code
+the patch, digest the rebuilt bytes). Both are memory-bound torch passes that release the GIL,
+and they touch disjoint stream bytes (bucket k+1's tensors begin at or after ``cuts[k + 1]``,
+:func:`qstrat.transport.delta.encoding.cuts`), and the stream is allocated before the round, so
+the source can run ahead of the encoder by any number of buckets without more memory. With
+:class:`LookAhead` the sender's time is about max(source, encode) over the round instead of
+their sum; one bucket of look-ahead is not enough, since the source is lumpy (a bucket that
+begins an expert slab quantizes the whole slab; docs/transport.md, "Delta over a real link":
+measured there).
+
+The thread runs with the caller's autograd mode and, where CUDA is initialised, the caller's
+current device and stream (both are per thread in torch), so the source behaves as it would
+on the caller's thread, in the same stream order.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["LookAhead"]
+
+
+class LookAhead:
+    """Runs ``step(0), step(1), ..., step(last)`` in order on one background thread, started by
+    the first :meth:`take`, while the caller takes them in the same order.
+
+    Args:
+        step: the work of index ``k`` (its return value is discarded; what it raises is raised
+            by :meth:`take` of that ``k``, and no later step runs).
+        last: the last index.
+    """
+
+    def __init__(self, step: Callable[[int], Any], last: int) -> None:
+        self._step, self._last = step, last
+        self._cond = threading.Condition()
+        self._done, self._stop = -1, False  # the last index finished; stop before the next
+        self._error: BaseException | None = None
+        self._seconds = [0.0] * (last + 1)
+        self._thread: threading.Thread | None = None
+        self._grad = torch.is_grad_enabled()
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._cuda = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else None
+
+    def take(self, k: int) -> float:
+        """Wait until ``step(k)`` finished (indices taken in order). Returns the seconds it ran.
+        Raises: what ``step(k)`` raised."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="qstrat-delta-source", daemon=True)
+            self._thread.start()
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= k or self._error is not None)
+            if self._done >= k:
+                return self._seconds[k]
+            raise self._error
+
+    def close(self) -> None:
+        """Stop before the next step, and wait for the one running (a round that failed part-way:
+        its source must not run on beside the sender's cleanup). Idempotent."""
+        with self._cond:
+            self._stop = True
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        """Every step in order, under the caller's autograd mode, CUDA device and stream."""
+        with torch.set_grad_enabled(self._grad):
+            if self._cuda is None:
+                return self._steps()
+            device, stream = self._cuda
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                return self._steps()
+
+    def _steps(self) -> None:
+        for k in range(self._last + 1):
+            with self._cond:
+                if self._stop:
+                    return
+            t0 = time.perf_counter()
+            try:
+                self._step(k)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's take(k)
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._seconds[k], self._done = time.perf_counter() - t0, k
+                self._cond.notify_all()
