@@ -115,26 +115,39 @@ def check_emitted_scales(ser: Any, parts: Mapping[str, torch.Tensor], name: str,
         name: the weight's tensor name; weight_numel: elements of the quantized weight.
     Raises: NonFiniteError (``nonfinite='propagate'`` skips this check with the others).
     """
-    e8m0 = getattr(ser, "e8m0_parts", ())
     for suffix, t in parts.items():
-        if suffix in e8m0 and t.dtype == torch.uint8:  # raw E8M0 bytes: 0xFF is NaN
-            bad = t == 0xFF
-            if bool(bad.any()):
-                index = ", ".join(str(int(i)) for i in bad.nonzero()[0])
-                raise NonFiniteError(
-                    f"{name}: serializer {ser.name!r} emitted the E8M0 NaN byte 0xFF in {suffix!r} at index "
-                    f"[{index}] for finite weights; nothing was sent; set nonfinite='propagate' to encode it anyway")
+        if not is_scale_part(ser, suffix, t, weight_numel) or scale_values_ok(ser, suffix, t):
             continue
-        if not t.is_floating_point() or t.numel() * 8 > weight_numel:
-            continue
-        values = t if t.dtype.itemsize > 1 else t.float()  # fp8 scales: reduce in float32
-        if all_finite(values):
-            continue
-        index = ", ".join(str(int(i)) for i in (~torch.isfinite(values)).nonzero()[0])
+        if t.dtype == torch.uint8:  # a raw-E8M0 part
+            index = ", ".join(str(int(i)) for i in (t == 0xFF).nonzero()[0])
+            raise NonFiniteError(
+                f"{name}: serializer {ser.name!r} emitted the E8M0 NaN byte 0xFF in {suffix!r} at index "
+                f"[{index}] for finite weights; nothing was sent; set nonfinite='propagate' to encode it anyway")
+        index = ", ".join(str(int(i)) for i in (~torch.isfinite(t.float())).nonzero()[0])
         raise NonFiniteError(
             f"{name}: serializer {ser.name!r} emitted a non-finite scale in {suffix!r} at index [{index}] "
             "for finite weights (a plugin's reference() dividing by a zero block maximum?); nothing was "
             "sent; set nonfinite='propagate' to encode it anyway")
+
+
+def is_scale_part(ser: Any, suffix: str, t: torch.Tensor, weight_numel: int) -> bool:
+    """Whether :func:`check_emitted_scales` reads part ``suffix`` (``t``, as emitted) as scales:
+    a raw-E8M0 part of ``ser.e8m0_parts`` (uint8), or a floating part of at most an eighth of
+    the weight's ``weight_numel`` elements."""
+    if suffix in getattr(ser, "e8m0_parts", ()) and t.dtype == torch.uint8:
+        return True
+    return t.is_floating_point() and t.numel() * 8 <= weight_numel
+
+
+def scale_values_ok(ser: Any, suffix: str, t: torch.Tensor) -> bool:
+    """Whether scale values ``t`` of part ``suffix`` (all of the part, or a subset: a delta
+    round's re-encoded blocks) hold no NaN/inf: no 0xFF in a raw-E8M0 part (uint8, E8M0's NaN,
+    OCP MX v1.0), no NaN/inf in a floating part (fp8 read in float32). Raises nothing."""
+    if suffix in getattr(ser, "e8m0_parts", ()) and t.dtype == torch.uint8:
+        return not bool((t == 0xFF).any())
+    if not t.is_floating_point():
+        return True
+    return all_finite(t if t.dtype.itemsize > 1 else t.float())  # fp8 scales: reduce in float32
 
 
 def options_text(options: Any) -> str:

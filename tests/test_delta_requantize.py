@@ -276,3 +276,30 @@ def test_max_fraction_zero_quantizes_whole_whenever_anything_changed():
     w[3, 7] += 0.5
     same_bytes(rq.quantize(ser, "w", w), ser.quantize(w))
     assert rq.stats["incremental"] == 1 and rq.stats["whole:dense change"] == 1
+
+
+def test_an_incremental_round_refuses_an_e8m0_nan_byte_as_a_full_quantize_does():
+    """Only the re-encoded blocks' scales are read for NaN/inf in an incremental round; a plugin's
+    E8M0 NaN byte (0xFF) there is refused with the full quantize's message, and the next round
+    quantizes whole."""
+    from qstrat.errors import NonFiniteError
+    from qstrat.serializers.mxfp8 import MXFP8
+
+    class NaNByte(MXFP8):
+        def block_scales(self, amax, context=None):
+            byte, mult = super().block_scales(amax, context)
+            return torch.where(amax == 0, torch.full_like(byte, 255), byte), mult
+
+    ser, rq = NaNByte(), Requantizer()
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    rq.quantize(ser, "w", w)
+    y = w.clone()
+    y[5, 32:64] = 0
+    for run in (lambda: ser.quantize(y, name="w"), lambda: rq.quantize(ser, "w", y, name="w")):
+        with pytest.raises(NonFiniteError, match=r"^w: serializer 'mxfp8' emitted the E8M0 NaN byte 0xFF in "
+                                                 r"'weight_scale' at index \[5, 1\]"):
+            run()
+    assert rq.stats["incremental"] == 0
+    y[5, 32:64] = 1.0
+    same_bytes(rq.quantize(ser, "w", y), MXFP8().quantize(y))
+    assert rq.stats["whole:first round"] == 2  # the entry was dropped: quantized whole again

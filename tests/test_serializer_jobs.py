@@ -23,7 +23,7 @@ JOBS = {
                  "quantize", "check_values", "check_decoded", "resolve_kernel", "has_fast_path", "check_backend",
                  "row_tile", "kernel", "Options", "decode_check_above",
                  # the incremental re-quantization's split of the math (qstrat.transport.delta.requantize)
-                 "scale_block", "scale_part", "codes_per_byte", "block_scales", "codes", "context_of_block_maxima"},
+                 "scale_block", "scale_part", "codes_per_byte", "e8m0_parts", "block_scales", "codes", "context_of_block_maxima"},
     EngineFormat: {"vllm_quantization_config", "engine_config_mismatch", "engine_fusion_problem",
                    "matches_engine_config", "quantizes"},
     EmulationHooks: {"emulation", "bench_peers", "resolve_emulation", "resolve_bench_peers"},

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from qstrat.serializers.base import Serializer
-from qstrat.serializers.finite import check_emitted_scales
+from qstrat.serializers.finite import check_emitted_scales, scale_values_ok
 from qstrat.transport.delta.encoding import bits_view, changed_elements
 
 __all__ = ["Requantizer", "block_maxima", "changed_elements"]
@@ -82,6 +82,7 @@ class Requantizer:
                              f"elements), got {max_fraction!r}")
         self.max_fraction = float(max_fraction)
         self._entries: dict[Any, _Entry] = {}
+        self._suspect = False  # the call's re-encoded scales hold a NaN/inf (a plugin's format)
         #: Counts since :meth:`take_stats`: ``elements``, ``changed``, ``blocks_touched``,
         #: ``blocks_rescaled``, ``encoded`` (codes re-encoded), ``incremental`` (calls), and
         #: ``whole:<why>`` per whole quantize.
@@ -109,7 +110,7 @@ class Requantizer:
         re-encoding only what changed since this ``key``'s last call. The returned parts are the
         entry's own tensors: read them before the next call with ``key`` (which updates them in
         place). Raises: as :meth:`Serializer.quantize` (the entry is then dropped)."""
-        entry = self._entries.pop(key, None)
+        entry, self._suspect = self._entries.pop(key, None), False
         w3 = w.detach() if w.dim() == 3 else w.detach().unsqueeze(0)
         self.stats["elements"] += w3.numel()
         why = _unusable(entry, ser, w3, context)
@@ -119,7 +120,7 @@ class Requantizer:
                 why = parts
             else:
                 out = parts if w.dim() == 3 else {k: v.squeeze(0) for k, v in parts.items()}
-                if ser.options.nonfinite == "error":  # as a full quantize does (a plugin's scales)
+                if self._suspect:  # a re-encoded scale is NaN/inf: refused as a full quantize refuses it
                     check_emitted_scales(ser, out, name, w.numel())
                 self._entries[key] = entry
                 self.stats["incremental"] += 1
@@ -178,7 +179,11 @@ class Requantizer:
         ctx = None if group is None else {"amax": group[touched // grid.per_matrix]}
         scale, multiplier = ser.block_scales(new_amax, ctx)
         scales = bits_view(entry.parts[ser.scale_part].view(-1))
-        scale = bits_view(scale.to(entry.parts[ser.scale_part].dtype))
+        scale = scale.to(entry.parts[ser.scale_part].dtype)
+        # only these scales are new (the others passed a check when emitted): a plugin's NaN/inf
+        # scale is refused by quantize() with the full quantize's message
+        self._suspect = ser.options.nonfinite == "error" and not scale_values_ok(ser, ser.scale_part, scale)
+        scale = bits_view(scale)
         rescaled = scale != scales.index_select(0, touched)
         n_rescaled = int(rescaled.sum())
         if n_rescaled:
