@@ -77,10 +77,7 @@ class Requantizer:
     """
 
     def __init__(self, max_fraction: float = 0.125) -> None:
-        if isinstance(max_fraction, bool) or not isinstance(max_fraction, Real) or not 0 <= max_fraction <= 1:
-            raise ValueError(f"Requantizer: max_fraction must be a number in [0, 1] (a fraction of each entry's "
-                             f"elements), got {max_fraction!r}")
-        self.max_fraction = float(max_fraction)
+        self.max_fraction = _fraction(max_fraction)
         self._entries: dict[Any, _Entry] = {}
         self._suspect = False  # the call's re-encoded scales hold a NaN/inf (a plugin's format)
         #: Counts since :meth:`take_stats`: ``elements``, ``changed``, ``blocks_touched``,
@@ -217,6 +214,14 @@ class Requantizer:
         self.stats["blocks_rescaled"] += n_rescaled
         self.stats["encoded"] += elements.numel()
         return entry.parts
+
+
+def _fraction(value: Any) -> float:
+    """``Requantizer(max_fraction=value)`` checked: a number in [0, 1]. Raises: ValueError."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= value <= 1:
+        raise ValueError(f"Requantizer: max_fraction must be a number in [0, 1] (a fraction of each entry's "
+                         f"elements), got {value!r}")
+    return float(value)
 
 
 #: Input dtypes the comparison reads as integers of the same width.
