@@ -484,7 +484,7 @@ def test_restarted_receivers_get_a_whole_round(tiny):
 
 
 def test_a_delta_sender_refuses_send_and_an_unknown_mode_is_named():
-    with pytest.raises(TransportError, match=r"mode 'sparse': use 'atomic', 'bounded' or 'delta'"):
+    with pytest.raises(TransportError, match=r"mode 'sparse': use 'atomic', 'bounded', 'delta' or 'bounded-delta'"):
         RefitSender([], "127.0.0.1", 1, mode="sparse")
     s = RefitSender([], "127.0.0.1", 1, mode="delta")
     with pytest.raises(TransportError, match=r"a delta-mode sender sends through refit\(\)"):

@@ -169,17 +169,24 @@ class _EngineEndpoint:
 
 def _record_loads(worker: Any) -> None:
     """Wrap the worker model's ``load_weights`` to keep name -> SHA-256 of each tensor handed
-    to it (the last commit only)."""
-    model = worker.weight_transfer_engine.model
-    real = model.load_weights
+    to it (the last round only: forgotten when a round's reload begins, so a bounded round's
+    unit-by-unit calls add up)."""
+    backend = worker.weight_transfer_engine
+    model = backend.model
+    real, begin = model.load_weights, backend.begin_load
     worker._qstrat_loaded = {}
+
+    def begin_load():
+        worker._qstrat_loaded = {}
+        return begin()
 
     def load_weights(weights):
         weights = list(weights)
-        worker._qstrat_loaded = {n: sha256(t) for n, t in weights}
+        worker._qstrat_loaded.update({n: sha256(t) for n, t in weights})
         return real(weights)
 
     model.load_weights = load_weights
+    backend.begin_load = begin_load
 
 
 class _StandaloneEndpoint:
@@ -223,17 +230,24 @@ class _StandaloneEndpoint:
         self.receiver.session.base.stream[at] ^= 1
 
     def count_loads(self):
-        """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`)."""
-        real, self.n_loads = self.receiver.load, 0
+        """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`) and
+        keep each call's tensor names (:meth:`load_calls`)."""
+        real, self.n_loads, self.calls = self.receiver.load, 0, []
 
         def load(tensors):
             self.n_loads += 1
+            self.calls.append([n for n, _ in tensors])
             return real(tensors)
 
         self.receiver.load = load
 
     def loads(self):
         return self.n_loads
+
+    def load_calls(self):
+        """The tensor names of each ``load`` call since the last query (:meth:`count_loads` first)."""
+        calls, self.calls = self.calls, []
+        return calls
 
     def inject(self, spec):
         """Wrap this receiver's open group in a FaultyGroup (:func:`receiver_faults`)."""

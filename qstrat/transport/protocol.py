@@ -66,6 +66,12 @@ REASONS = {REJECTED: "rejected the wire manifest", CHECKSUM: "a bucket failed it
            DELTA: "did not reconstruct the delta round to the trainer's digests"}
 #: Statuses that refuse only a delta round's encoding: the sender then sends the round whole.
 DELTA_ONLY = (STALE_BASE, DELTA)
+#: The round modes (``update_info["mode"]``, bound into the round MAC): ``delta`` is an atomic
+#: round whose buckets travel as patches (:mod:`qstrat.transport.delta.encoding`),
+#: ``bounded-delta`` a bounded one.
+MODES = ("atomic", "bounded", "delta", "bounded-delta")
+#: The modes whose buckets travel as patches, and those that load unit by unit as buckets verify.
+DELTA_MODES, BOUNDED_MODES = ("delta", "bounded-delta"), ("bounded", "bounded-delta")
 
 
 def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, mac: bytes,

@@ -133,12 +133,13 @@ class ReceiverSession:
         self.delta.take_next()
 
     def update(self, update_info: dict[str, Any]) -> None:
-        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta",
-        "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base", "round"}``,
-        :mod:`qstrat.transport.delta.encoding`; the engine checks the wire manifest as a full round's,
-        each bucket arrives as a patch rebuilt from :attr:`base` and checked against the
-        trainer's digest before the commit vote, and :meth:`finish` loads them as an atomic
-        round's).
+        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta" |
+        "bounded-delta", "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base",
+        "round"}``, :mod:`qstrat.transport.delta.encoding`; the engine checks the wire manifest as a
+        full round's, each bucket arrives as a patch rebuilt from :attr:`base` and checked against
+        the trainer's digest before the commit vote, and :meth:`finish` loads them as an atomic
+        round's; ``bounded-delta``: the same patches, each reload unit loaded as soon as its last
+        bucket's digest verified, :meth:`load_bounded_delta`).
 
         A MESH round (``"mesh"``: the routes document, :mod:`qstrat.transport.mesh.engine`) is
         received from every trainer rank and staged for :meth:`finish` (atomic), or loaded unit by
@@ -167,11 +168,17 @@ class ReceiverSession:
             self.delta.base = None
             self._staged = receive_mesh(self, update_info)
             return
+        def patches(mac: bytes) -> Any:  # check.target: set in the accept vote
+            return self.delta.decoder(check.info["delta"], check.target, self.auth.secret if self.auth else None, mac)
+
         if check.mode == "delta":
             self._staged = receive_round(self.group, doc, check, self.auth, "delta", staging=self.staging,
-                                         stats=self.stats, protocol_version=protocol,  # check.target: set in the vote
-                                         patches=lambda mac: self.delta.decoder(check.info["delta"], check.target,
-                                                                                self.auth.secret if self.auth else None, mac))
+                                         stats=self.stats, protocol_version=protocol, patches=patches)
+            return
+        if check.mode == "bounded-delta":
+            self.load_bounded_delta(lambda on_unit: receive_round(
+                self.group, doc, check, self.auth, "bounded-delta", on_unit, stats=self.stats,
+                protocol_version=protocol, patches=patches), lambda: check.sent)
             return
         self.delta.base = None  # another mode changes the weights outside the delta's bookkeeping
         if check.mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
@@ -197,6 +204,20 @@ class ReceiverSession:
         finally:
             self.landing.end()
         self.flag.loaded(self.expected, sent())
+
+    def load_bounded_delta(self, receive: Callable[[Callable[[str, list], None]], Any],
+                           sent: Callable[[], set[str]]) -> None:
+        """A bounded delta round: loaded unit by unit as :meth:`load_bounded` (each unit a view of
+        the rebuilt stream, handed once its last bucket's digest verified); the round's stream
+        becomes the base only once the round committed everywhere, and a MIX drops the base (the
+        weights moved outside it: the next round is whole). Raises: what ``receive`` raises."""
+        try:
+            self.load_bounded(receive, sent)
+        except MixedWeightsError:
+            self.delta.base = None
+            raise
+        self.delta.commit(self.delta.take_next())
+        self._staged = []
 
     def finish(self) -> None:
         """Atomic mode: load the staged round (begin, load, end); bounded mode: nothing left.
