@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from qstrat.errors import MixedWeightsError
-from qstrat.transport import RefitSender
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.security.keys import ENV_SECRET
 from qstrat.transport.wire_manifest import reload_unit
 
-from transport_harness import free_port, sha256, standalone_receivers
+from transport_harness import adam_trajectory, connected_sender, counting_receivers, sha256, standalone_receivers
+from transport_harness import held_digests as held, run_digests as want, sign_step as stepped
 
 SECRET = "a shared secret for the bounded delta tests"
 BUCKET = 64 << 10
@@ -151,32 +151,8 @@ def test_a_unit_is_handed_right_after_the_digest_of_the_bucket_holding_its_last_
 # ---- rounds over the transport ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def receivers(tiny):
-    with standalone_receivers(tiny[3], env={ENV_SECRET: SECRET}) as rs:
-        for r in rs:
-            r.ctl.call("count_loads")
+    with counting_receivers(tiny[3], SECRET) as rs:
         yield rs
-
-
-def sender_for(receivers, mode="bounded-delta"):
-    s = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
-                    bucket_bytes=BUCKET, secret=SECRET, mode=mode)
-    s.connect()
-    return s
-
-
-def stepped(trainer, lr, seed):
-    """A sign-like Adam update of size ``lr`` on every floating tensor."""
-    g = torch.Generator().manual_seed(seed)
-    return {n: (t.float() + lr * torch.randn(t.shape, generator=g).sign()).to(t.dtype)
-            if t.is_floating_point() else t for n, t in trainer.items()}
-
-
-def want(driver, trainer):
-    return {name: sha256(t) for name, t in driver.run(trainer)}
-
-
-def held(receivers):
-    return [r.ctl.call("digests") for r in receivers]
 
 
 def calls(receivers):
@@ -192,25 +168,9 @@ def units_of(wire_manifest):
     return out
 
 
-def test_bounded_delta_rounds_load_unit_by_unit_exact_every_step_in_fewer_bytes(receivers, tiny):
-    driver, trainer, _, _ = tiny
-    sender = sender_for(receivers)
-    first = sender.refit(driver, trainer)
-    assert first.delta.kind == "full" and first.delta.reason.startswith("no base")
-    order = [[u] for u in units_of(first.wire_manifest)]
-    assert calls(receivers) == [order] * 2  # one load per reload unit, in wire order
-    assert held(receivers) == [want(driver, trainer)] * 2
-    for step in range(3):
-        trainer = stepped(trainer, 1e-5, step)
-        report = sender.refit(driver, trainer)
-        d = report.delta
-        assert d.kind == "delta" and d.reason is None and d.attempts == 1, d
-        assert d.wire_bytes == report.bytes < d.full_bytes / 2, d
-        assert held(receivers) == [want(driver, trainer)] * 2, f"step {step}"
-        assert calls(receivers) == [order] * 2
-        assert [r.ctl.call("delta_base") for r in receivers] == [sender.base.round_id] * 2
-        assert [r.ctl.call("mixed") for r in receivers] == [None, None]
-    sender.close()
+def sender_for(receivers):
+    """A connected bounded-delta sender to ``receivers``."""
+    return connected_sender(receivers, "bounded-delta", SECRET, BUCKET, TIMEOUT_S)
 
 
 def test_a_corrupted_bucket_k_mixes_the_units_before_k_and_the_round_is_sent_again_whole(receivers, tiny):
@@ -250,30 +210,6 @@ def test_a_corrupted_bucket_k_mixes_the_units_before_k_and_the_round_is_sent_aga
     sender.close()
 
 
-def test_a_stale_base_is_refused_before_any_data_and_the_round_sent_whole(receivers, tiny):
-    """Trainer 1 holds base r1; trainer 2 refits (whole) -> the receivers hold r2. Trainer 1's
-    next bounded delta is refused in the accept vote, before any unit is loaded, and sent again
-    whole: each unit loaded once."""
-    driver, trainer_a, trainer_b, _ = tiny
-    one = sender_for(receivers)
-    one.refit(driver, trainer_a)
-    one.close()
-    two = sender_for(receivers)
-    assert two.refit(driver, trainer_b).delta.reason.startswith("no base")
-    two.close()
-    calls(receivers)
-    one.connect()
-    trainer = stepped(trainer_a, 1e-5, 13)
-    report = one.refit(driver, trainer)
-    d = report.delta
-    assert d.kind == "full" and d.attempts == 2, d
-    assert "the engines refused the delta: delta refused before any data" in d.reason, d.reason
-    assert "rank 1 does not hold the delta round's base" in d.reason and "rank 2 does not hold" in d.reason
-    assert calls(receivers) == [[[u] for u in units_of(report.wire_manifest)]] * 2  # the whole round only
-    assert held(receivers) == [want(driver, trainer)] * 2
-    one.close()
-
-
 def test_a_corrupted_bucket_on_the_wire_after_units_loaded_is_a_mix_and_the_next_round_is_whole(receivers, tiny):
     """A bucket failing its seal (not the delta: the wire) after units were loaded: a MIX the
     sender raises (MixedWeightsError, no resend), both bases dropped, rank 1 flagged; the next
@@ -304,11 +240,10 @@ FORMATS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8",
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_bounded_delta_is_exact_every_adam_step_per_format(fmt, tiny):
     """Per format (block FP8, MXFP8, NVFP4): a whole round, then four real Adam steps (lr 1e-6,
-    qstrat.cli.demo.trajectory.adam_trajectory) as bounded delta rounds: each a delta, each loaded
+    tests/transport_harness.adam_trajectory) as bounded delta rounds: each a delta, each loaded
     unit by unit, the receiver's tensors equal ``RefitDriver.run``'s after every step."""
     from qstrat.cli.demo.tiny_model import build_tiny_qwen3_moe, hf_config
     from qstrat.execute.driver import RefitDriver
-    from qstrat.cli.demo.trajectory import adam_trajectory
 
     model = build_tiny_qwen3_moe(seed=1)
     driver = RefitDriver(FORMATS[fmt], hf_config=hf_config(model))

@@ -126,6 +126,10 @@ class _EngineEndpoint:
     def digests(self):
         return self.llm.collective_rpc(lambda worker: dict(worker._qstrat_loaded))[0]
 
+    def load_calls(self):
+        """How many ``load_weights`` calls the last round made (one per unit in bounded modes)."""
+        return self.llm.collective_rpc(lambda worker: worker._qstrat_calls)[0]
+
     def probe(self, method):
         """``collective_rpc(method)`` by name, one result per worker (engines started with
         ``worker_extension_cls="qstrat.vllm.engine.transfer_backend.TransferProbe"``)."""
@@ -170,19 +174,20 @@ class _EngineEndpoint:
 def _record_loads(worker: Any) -> None:
     """Wrap the worker model's ``load_weights`` to keep name -> SHA-256 of each tensor handed
     to it (the last round only: forgotten when a round's reload begins, so a bounded round's
-    unit-by-unit calls add up)."""
+    unit-by-unit calls add up) and how many calls that round made."""
     backend = worker.weight_transfer_engine
     model = backend.model
     real, begin = model.load_weights, backend.begin_load
-    worker._qstrat_loaded = {}
+    worker._qstrat_loaded, worker._qstrat_calls = {}, 0
 
     def begin_load():
-        worker._qstrat_loaded = {}
+        worker._qstrat_loaded, worker._qstrat_calls = {}, 0
         return begin()
 
     def load_weights(weights):
         weights = list(weights)
         worker._qstrat_loaded.update({n: sha256(t) for n, t in weights})
+        worker._qstrat_calls += 1
         return real(weights)
 
     model.load_weights = load_weights
@@ -464,6 +469,47 @@ def standalone_receivers(model_dir: Any, n: int = 2, env: dict[str, str] | None 
     finally:
         for r in rs:
             r.close()
+
+
+@contextlib.contextmanager
+def counting_receivers(model_dir: Any, secret: str, n: int = 2) -> Iterator[list[Receiver]]:
+    """:func:`standalone_receivers` keyed with ``secret``, each counting its loads (``count_loads``)."""
+    from qstrat.transport.security.keys import ENV_SECRET
+
+    with standalone_receivers(model_dir, n, env={ENV_SECRET: secret}) as rs:
+        for r in rs:
+            r.ctl.call("count_loads")
+        yield rs
+
+
+def connected_sender(receivers: list[Receiver], mode: str, secret: str, bucket_bytes: int, timeout_s: float,
+                     clients: list | None = None) -> Any:
+    """A connected ``RefitSender`` in ``mode`` to ``receivers`` (or through ``clients``)."""
+    from qstrat.transport import RefitSender
+
+    s = RefitSender(clients or [r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=timeout_s,
+                    bucket_bytes=bucket_bytes, secret=secret, mode=mode)
+    s.connect()
+    return s
+
+
+def sign_step(trainer: dict, lr: float, seed: int) -> dict:
+    """A sign-like Adam update of size ``lr`` on every floating tensor (issue 34's model)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {n: (t.float() + lr * torch.randn(t.shape, generator=g).sign()).to(t.dtype)
+            if t.is_floating_point() else t for n, t in trainer.items()}
+
+
+def run_digests(driver: Any, trainer: dict) -> dict[str, str]:
+    """SHA-256 of every tensor ``driver.run(trainer)`` outputs: what a refit must leave."""
+    return {name: sha256(t) for name, t in driver.run(trainer)}
+
+
+def held_digests(receivers: list[Receiver]) -> list[dict[str, str]]:
+    """Per standalone receiver, SHA-256 of every tensor it holds."""
+    return [r.ctl.call("digests") for r in receivers]
 
 
 def first_bucket_of(wire_manifest: Any, unit: str) -> int:

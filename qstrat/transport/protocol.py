@@ -25,11 +25,11 @@
    payload (sealed and headed as above; :mod:`qstrat.transport.delta.stream`); an ABORT prelude
    carries no payload and sends every rank to step 4.
 4. COMMIT VOTE (like step 2): each rank's verdict and whether it already holds new weights
-   (bounded mode: a unit was loaded; delta mode: :data:`DELTA` when a rebuilt tensor's
-   digest differs from the trainer's). The round's OUTCOME (:func:`outcome`) follows from it, the
-   same on every rank: COMMITTED (every status 0), REFUSED (a nonzero status, nobody holds
-   anything new), or MIXED (a nonzero status while some rank holds new weights: each such rank
-   flags itself; the sender raises MixedWeightsError naming them).
+   (bounded: a unit was loaded; delta: :data:`DELTA` when a rebuilt tensor's digest differs
+   from the trainer's, held after a unit in bounded delta). The round's OUTCOME (:func:`outcome`)
+   follows from it, the same on every rank: COMMITTED (every status 0), REFUSED (a nonzero
+   status, nobody holds anything new), or MIXED (a nonzero status while some rank holds new
+   weights: each such rank flags itself; the sender raises MixedWeightsError naming them).
 
 Every rank finishes the same sequence of collectives even when it has already failed, so a
 refused round leaves the group usable; a lost peer or a timeout raises (the group is then closed).

@@ -1,6 +1,6 @@
-"""A delta-mode (``delta``, ``bounded-delta``) sender's state across rounds: the base it shares with the engines, and per
-round the choice of a delta or a whole round (:mod:`qstrat.transport.delta.stream` encodes each
-bucket as the round streams)."""
+"""A delta-mode (``delta``, ``bounded-delta``) sender's state across rounds: the base it shares
+with the engines, and per round the choice of a delta or a whole round
+(:mod:`qstrat.transport.delta.stream` encodes each bucket as the round streams)."""
 from __future__ import annotations
 
 import time
@@ -63,8 +63,8 @@ class DeltaRounds:
         the round's stream when the refusal came at the commit vote, from ``tensors`` when it
         came before any data). ``bounded`` (a ``bounded-delta`` round): a MIX left by a refused
         delta alone (DeltaMixed: every unit loaded was verified) is also repaired by sending the
-        round again whole, from its stream. A round that raises leaves no base, unless no engine changed: its
-        source failed (the stream was aborted) or the engines refused it before any data
+        round again whole, from its stream. A round that raises leaves no base, unless no engine
+        changed: its source failed (the stream was aborted) or the engines refused it before any data
         (:data:`REFUSED_BEFORE_DATA`). Returns ``send``'s report (its ``bytes``: the payloads
         sent) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
         ``send``."""

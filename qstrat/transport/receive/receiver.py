@@ -63,8 +63,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
         auth: the receiver's secret, group address and last accepted counter (None: no secret,
             address as joined is not bound); ``auth.last_counter`` advances when the round is accepted.
         mode: one of :data:`MODES` (bound into the round MAC: a sender must use the same).
-        on_unit: ``bounded`` and ``bounded-delta`` (required there): called ``on_unit(unit,
-            tensors)`` in wire order as units verify.
+        on_unit: bounded modes (required there): called ``on_unit(unit, tensors)`` as units verify.
         staging: where the round is staged (None: received in place on the group's device); a
             device given explicitly (host staging: ``cpu``, pinned when CUDA is available) is
             filled by copying each verified bucket from two group-device receive buffers.
@@ -80,10 +79,7 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             :class:`~qstrat.transport.delta.receive.PatchDecoder` given the round MAC; each
             bucket arrives as a patch it rebuilds and checks against the trainer's digest
             BEFORE the commit vote (a DeltaError is this rank's refusal, its ``vote_status``, so
-            no rank keeps the round); ``stats`` then has ``rebuild_s``. ``bounded-delta``: a
-            unit is handed only after its last bucket's digest verified; a DeltaError after one
-            was handed is voted as its status with this rank's holding bit set: a MIX whose
-            handed units are all the trainer's bytes (the sender then sends the round whole).
+            no rank keeps the round; bounded-delta: a MIX once a unit was handed); ``stats``: ``rebuild_s``.
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
         sealed and verified, every rank agreeing to commit; bounded, bounded-delta: ``[]``
         (handed to on_unit); delta: the rebuilt tensors (views of the decoder's stream).

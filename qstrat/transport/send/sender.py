@@ -79,16 +79,12 @@ class RefitSender:
         mode: ``atomic`` (default: engines stage the whole round and load it only when every
             rank verified every bucket), ``bounded`` (engines load each reload unit as soon as
             its buckets verified: memory ~ two buckets + one layer; a fault mid-round leaves a
-            MIX, reported as MixedWeightsError, after which engines accept only whole refits) or
-            ``delta`` (atomic rounds that send, per bucket, only the bytes that changed since the
-            last round every engine committed, as the bucket is quantized: :mod:`qstrat.transport.
-            delta`; a round goes whole
-            when no base is shared or an engine refuses the delta; this sender keeps the last
-            round's quantized bytes in host memory; :meth:`refit` only, not :meth:`send`), or
-            ``bounded-delta`` (delta rounds loaded as bounded ones: each reload unit as soon as
-            the digests of the buckets holding it verified; a digest mismatch after a unit was
-            loaded leaves a MIX every engine's loaded units of which are the trainer's, and the
-            round is sent again whole at once; a lost peer mid-round: a MIX, MixedWeightsError).
+            MIX, MixedWeightsError, after which engines accept only whole refits), ``delta``
+            (atomic rounds sending per bucket only the bytes changed since the last round every
+            engine committed, :mod:`qstrat.transport.delta`: whole when no base is shared or an
+            engine refuses the delta; the last round's bytes kept in host memory; :meth:`refit`
+            only) or ``bounded-delta`` (delta rounds loaded as in ``bounded``; a MIX left by a
+            digest mismatch alone is repaired at once by sending the round again whole).
         incremental: delta modes: quantize each round incrementally from the last one
             (:mod:`qstrat.transport.delta.requantize`: the same bytes; this sender then also keeps
             the last round's inputs, ~3 bytes per quantized parameter on their device); False:

@@ -113,7 +113,8 @@ def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Call
         cls = delta.DeltaMixed if failure is None and votes.delta_refused() else MixedWeightsError
         raise _mixed(f"round not committed: {why}{described}; the engines hold a MIX: ranks {holders} hold new "
                      f"weights, the others not (each flagged rank now accepts only a whole refit)",
-                     f"ranks {holders} hold new weights after: {described}", cls) from (failure.error if failure else None)
+                     f"ranks {holders} hold new weights after: {described}", cls
+                     ) from (failure.error if failure else None)
     if own:
         raise failure.error
     if failure is None and votes.delta_refused():
