@@ -21,8 +21,10 @@ from qstrat.errors import TransportError
 from qstrat.transport import RefitSender
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.security.keys import ENV_SECRET
+from qstrat.transport.wire_manifest import reload_unit
 
-from transport_harness import EditingClient, free_port, sha256, standalone_receivers
+from transport_harness import EditingClient, connected_sender, counting_receivers, sha256, standalone_receivers
+from transport_harness import held_digests as held, run_digests as want, sign_step as stepped
 
 SECRET = "a shared secret for the delta tests"
 BUCKET = 64 << 10
@@ -283,44 +285,39 @@ def test_a_rebuild_into_the_spare_copies_only_the_last_patchs_bytes_and_a_stale_
 # ---- rounds over the transport ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def receivers(tiny):
-    with standalone_receivers(tiny[3], env={ENV_SECRET: SECRET}) as rs:
-        for r in rs:
-            r.ctl.call("count_loads")
+    with counting_receivers(tiny[3], SECRET) as rs:
         yield rs
 
 
 def sender_for(receivers, mode="delta", clients=None):
-    s = RefitSender(clients or [r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
-                    bucket_bytes=BUCKET, secret=SECRET, mode=mode)
-    s.connect()
-    return s
-
-
-def stepped(trainer, lr, seed):
-    """A sign-like Adam update of size ``lr`` on every floating tensor (the issue's model)."""
-    g = torch.Generator().manual_seed(seed)
-    return {n: (t.float() + lr * torch.randn(t.shape, generator=g).sign()).to(t.dtype)
-            if t.is_floating_point() else t for n, t in trainer.items()}
-
-
-def want(driver, trainer):
-    return {name: sha256(t) for name, t in driver.run(trainer)}
-
-
-def held(receivers):
-    return [r.ctl.call("digests") for r in receivers]
+    return connected_sender(receivers, mode, SECRET, BUCKET, TIMEOUT_S, clients)
 
 
 def loads(receivers):
     return [r.ctl.call("loads") for r in receivers]
 
 
-def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(receivers, tiny):
+def load_calls(receivers, wire_manifest, mode):
+    """Per receiver, each load call's reload units since the last query, and what a committed
+    round of ``mode`` makes: one call per unit in wire order (bounded delta), else one call."""
+    got = [[sorted({reload_unit(n) for n in names}) for names in r.ctl.call("load_calls")] for r in receivers]
+    units = list(dict.fromkeys(reload_unit(s.name) for s in wire_manifest.slots))
+    return got, [[[u] for u in units] if mode == "bounded-delta" else [sorted(units)]] * len(receivers)
+
+
+@pytest.mark.parametrize("mode", ["delta", "bounded-delta"])
+def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(receivers, tiny, mode):
+    """Delta and bounded delta: a whole round, then deltas of under half its bytes, exact every
+    step, each loaded once (atomic: one load; bounded delta: one load per unit, in wire order)."""
     driver, _, trainer, _ = tiny
-    sender = sender_for(receivers)
+    sender = sender_for(receivers, mode)
+    for r in receivers:
+        r.ctl.call("load_calls")
     first = sender.refit(driver, trainer)
     assert first.delta.kind == "full" and first.delta.reason.startswith("no base")
     assert held(receivers) == [want(driver, trainer)] * 2
+    got, made = load_calls(receivers, first.wire_manifest, mode)
+    assert got == made
     base_ids = {r.ctl.call("delta_base") for r in receivers}
     assert base_ids == {sender.base.round_id}
     for step in range(2):
@@ -333,18 +330,23 @@ def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(
         assert d.requantize["incremental"] > 0 and not any(k.startswith("whole:") for k in d.requantize), d
         assert held(receivers) == [want(driver, trainer)] * 2
         assert [r.ctl.call("delta_base") for r in receivers] == [sender.base.round_id] * 2
+        got, made = load_calls(receivers, report.wire_manifest, mode)
+        assert got == made
+        assert [r.ctl.call("mixed") for r in receivers] == [None, None]
     sender.close()
 
 
-def test_a_base_from_another_trainer_turns_the_round_whole_with_the_reason(receivers, tiny):
+@pytest.mark.parametrize("mode", ["delta", "bounded-delta"])
+def test_a_base_from_another_trainer_turns_the_round_whole_with_the_reason(receivers, tiny, mode):
     """Trainer 1 holds base r1; a restarted trainer 2 refits (whole: no base) -> the engines hold
     r2. Trainer 1's next delta (against r1) is refused in the accept vote, before any data, and
-    sent again whole; the engines hold exactly its round."""
+    sent again whole; the engines hold exactly its round, and loaded only it (bounded delta: one
+    load per reload unit, nothing before the whole round)."""
     driver, trainer_a, trainer_b, _ = tiny
-    one = sender_for(receivers)
+    one = sender_for(receivers, mode)
     one.refit(driver, trainer_a)
     one.close()
-    two = sender_for(receivers)
+    two = sender_for(receivers, mode)
     assert two.refit(driver, trainer_b).delta.reason.startswith("no base")
     two.close()
     before = loads(receivers)
@@ -355,7 +357,8 @@ def test_a_base_from_another_trainer_turns_the_round_whole_with_the_reason(recei
     assert "the engines refused the delta: delta refused before any data" in d.reason, d.reason
     assert "rank 1 does not hold the delta round's base" in d.reason and "rank 2 does not hold" in d.reason
     assert held(receivers) == [want(driver, stepped(trainer_a, 1e-5, 1))] * 2
-    assert [a - b for a, b in zip(loads(receivers), before)] == [1, 1]  # the whole round only
+    per_round = len({reload_unit(s.name) for s in report.wire_manifest.slots}) if mode == "bounded-delta" else 1
+    assert [a - b for a, b in zip(loads(receivers), before)] == [per_round] * 2  # the whole round only
     one.close()
 
 
@@ -484,7 +487,7 @@ def test_restarted_receivers_get_a_whole_round(tiny):
 
 
 def test_a_delta_sender_refuses_send_and_an_unknown_mode_is_named():
-    with pytest.raises(TransportError, match=r"mode 'sparse': use 'atomic', 'bounded' or 'delta'"):
+    with pytest.raises(TransportError, match=r"mode 'sparse': use 'atomic', 'bounded', 'delta' or 'bounded-delta'"):
         RefitSender([], "127.0.0.1", 1, mode="sparse")
     s = RefitSender([], "127.0.0.1", 1, mode="delta")
     with pytest.raises(TransportError, match=r"a delta-mode sender sends through refit\(\)"):

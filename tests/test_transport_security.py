@@ -327,7 +327,7 @@ def _set(key, value):
     (_slot0("dtype", None), "malformed wire manifest: slot 0: name and dtype must be strings"),
     (_slot0("nbytes", float("inf")), "malformed wire manifest: OverflowError"),
     (_drop("wire_manifest"), "malformed wire manifest"),
-    (_set("mode", "sideways"), "with a round mode in ('atomic', 'bounded', 'delta'), got mode 'sideways'"),
+    (_set("mode", "sideways"), "with a round mode in ('atomic', 'bounded', 'delta', 'bounded-delta'), got mode 'sideways'"),
     (lambda info: {**info, "wire_manifest": {**info["wire_manifest"], "alignment": 0}},
      "malformed wire manifest: alignment 0"),
 ], ids=["dtype-none", "nbytes-inf", "no-wire-manifest", "bad-mode", "alignment-0"])

@@ -126,6 +126,10 @@ class _EngineEndpoint:
     def digests(self):
         return self.llm.collective_rpc(lambda worker: dict(worker._qstrat_loaded))[0]
 
+    def load_calls(self):
+        """How many ``load_weights`` calls the last round made (one per unit in bounded modes)."""
+        return self.llm.collective_rpc(lambda worker: worker._qstrat_calls)[0]
+
     def probe(self, method):
         """``collective_rpc(method)`` by name, one result per worker (engines started with
         ``worker_extension_cls="qstrat.vllm.engine.transfer_backend.TransferProbe"``)."""
@@ -169,17 +173,25 @@ class _EngineEndpoint:
 
 def _record_loads(worker: Any) -> None:
     """Wrap the worker model's ``load_weights`` to keep name -> SHA-256 of each tensor handed
-    to it (the last commit only)."""
-    model = worker.weight_transfer_engine.model
-    real = model.load_weights
-    worker._qstrat_loaded = {}
+    to it (the last round only: forgotten when a round's reload begins, so a bounded round's
+    unit-by-unit calls add up) and how many calls that round made."""
+    backend = worker.weight_transfer_engine
+    model = backend.model
+    real, begin = model.load_weights, backend.begin_load
+    worker._qstrat_loaded, worker._qstrat_calls = {}, 0
+
+    def begin_load():
+        worker._qstrat_loaded, worker._qstrat_calls = {}, 0
+        return begin()
 
     def load_weights(weights):
         weights = list(weights)
-        worker._qstrat_loaded = {n: sha256(t) for n, t in weights}
+        worker._qstrat_loaded.update({n: sha256(t) for n, t in weights})
+        worker._qstrat_calls += 1
         return real(weights)
 
     model.load_weights = load_weights
+    backend.begin_load = begin_load
 
 
 class _StandaloneEndpoint:
@@ -223,17 +235,24 @@ class _StandaloneEndpoint:
         self.receiver.session.base.stream[at] ^= 1
 
     def count_loads(self):
-        """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`)."""
-        real, self.n_loads = self.receiver.load, 0
+        """Wrap this receiver's loader to count ``load`` calls from now on (:meth:`loads`) and
+        keep each call's tensor names (:meth:`load_calls`)."""
+        real, self.n_loads, self.calls = self.receiver.load, 0, []
 
         def load(tensors):
             self.n_loads += 1
+            self.calls.append([n for n, _ in tensors])
             return real(tensors)
 
         self.receiver.load = load
 
     def loads(self):
         return self.n_loads
+
+    def load_calls(self):
+        """The tensor names of each ``load`` call since the last query (:meth:`count_loads` first)."""
+        calls, self.calls = self.calls, []
+        return calls
 
     def inject(self, spec):
         """Wrap this receiver's open group in a FaultyGroup (:func:`receiver_faults`)."""
@@ -450,6 +469,47 @@ def standalone_receivers(model_dir: Any, n: int = 2, env: dict[str, str] | None 
     finally:
         for r in rs:
             r.close()
+
+
+@contextlib.contextmanager
+def counting_receivers(model_dir: Any, secret: str, n: int = 2) -> Iterator[list[Receiver]]:
+    """:func:`standalone_receivers` keyed with ``secret``, each counting its loads (``count_loads``)."""
+    from qstrat.transport.security.keys import ENV_SECRET
+
+    with standalone_receivers(model_dir, n, env={ENV_SECRET: secret}) as rs:
+        for r in rs:
+            r.ctl.call("count_loads")
+        yield rs
+
+
+def connected_sender(receivers: list[Receiver], mode: str, secret: str, bucket_bytes: int, timeout_s: float,
+                     clients: list | None = None) -> Any:
+    """A connected ``RefitSender`` in ``mode`` to ``receivers`` (or through ``clients``)."""
+    from qstrat.transport import RefitSender
+
+    s = RefitSender(clients or [r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=timeout_s,
+                    bucket_bytes=bucket_bytes, secret=secret, mode=mode)
+    s.connect()
+    return s
+
+
+def sign_step(trainer: dict, lr: float, seed: int) -> dict:
+    """A sign-like Adam update of size ``lr`` on every floating tensor (issue 34's model)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {n: (t.float() + lr * torch.randn(t.shape, generator=g).sign()).to(t.dtype)
+            if t.is_floating_point() else t for n, t in trainer.items()}
+
+
+def run_digests(driver: Any, trainer: dict) -> dict[str, str]:
+    """SHA-256 of every tensor ``driver.run(trainer)`` outputs: what a refit must leave."""
+    return {name: sha256(t) for name, t in driver.run(trainer)}
+
+
+def held_digests(receivers: list[Receiver]) -> list[dict[str, str]]:
+    """Per standalone receiver, SHA-256 of every tensor it holds."""
+    return [r.ctl.call("digests") for r in receivers]
 
 
 def first_bucket_of(wire_manifest: Any, unit: str) -> int:

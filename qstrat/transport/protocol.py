@@ -25,11 +25,11 @@
    payload (sealed and headed as above; :mod:`qstrat.transport.delta.stream`); an ABORT prelude
    carries no payload and sends every rank to step 4.
 4. COMMIT VOTE (like step 2): each rank's verdict and whether it already holds new weights
-   (bounded mode: a unit was loaded; delta mode: :data:`DELTA` when a rebuilt tensor's
-   digest differs from the trainer's). The round's OUTCOME (:func:`outcome`) follows from it, the
-   same on every rank: COMMITTED (every status 0), REFUSED (a nonzero status, nobody holds
-   anything new), or MIXED (a nonzero status while some rank holds new weights: each such rank
-   flags itself; the sender raises MixedWeightsError naming them).
+   (bounded: a unit was loaded; delta: :data:`DELTA` when a rebuilt tensor's digest differs
+   from the trainer's, held after a unit in bounded delta). The round's OUTCOME (:func:`outcome`)
+   follows from it, the same on every rank: COMMITTED (every status 0), REFUSED (a nonzero
+   status, nobody holds anything new), or MIXED (a nonzero status while some rank holds new
+   weights: each such rank flags itself; the sender raises MixedWeightsError naming them).
 
 Every rank finishes the same sequence of collectives even when it has already failed, so a
 refused round leaves the group usable; a lost peer or a timeout raises (the group is then closed).
@@ -66,6 +66,12 @@ REASONS = {REJECTED: "rejected the wire manifest", CHECKSUM: "a bucket failed it
            DELTA: "did not reconstruct the delta round to the trainer's digests"}
 #: Statuses that refuse only a delta round's encoding: the sender then sends the round whole.
 DELTA_ONLY = (STALE_BASE, DELTA)
+#: The round modes (``update_info["mode"]``, bound into the round MAC): ``delta`` is an atomic
+#: round whose buckets travel as patches (:mod:`qstrat.transport.delta.encoding`),
+#: ``bounded-delta`` a bounded one.
+MODES = ("atomic", "bounded", "delta", "bounded-delta")
+#: The modes whose buckets travel as patches, and those that load unit by unit as buckets verify.
+DELTA_MODES, BOUNDED_MODES = ("delta", "bounded-delta"), ("bounded", "bounded-delta")
 
 
 def round_header(n_buckets: int, total_bytes: int, counter: int, digest: str, mac: bytes,

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import TransportError, WireManifestMismatchError
+from qstrat.errors import MixedWeightsError, TransportError, WireManifestMismatchError
 from qstrat.transport.security.keys import Secret, checksum_seed
 from qstrat.transport.security.seal import Sealer
 from qstrat.transport.wire_manifest import WireManifest
@@ -67,6 +67,13 @@ class DeltaError(TransportError):
 class DeltaRefused(TransportError):
     """Raised on the sender when every refusing rank refused only the delta (a stale base or a
     digest mismatch): :class:`~qstrat.transport.send.sender.RefitSender` then sends the round whole."""
+
+
+class DeltaMixed(MixedWeightsError):
+    """Raised on the sender after a BOUNDED delta round left a MIX in which every refusing rank
+    refused only the delta (a digest mismatch after units were loaded): every unit loaded was
+    verified against the trainer's digests, so :class:`~qstrat.transport.send.sender.RefitSender`
+    sends the same round again whole (``detail``: the ranks holding new weights)."""
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """A receiver's half of a delta round's stream (transport protocol 3): per bucket its prelude,
 its patch (sealed as any bucket), then the rebuild of the bytes the patch covers and the check
 of their digest (:class:`PatchDecoder`), while the sender encodes the next bucket
-(:mod:`qstrat.transport.delta.stream` is the sender's half)."""
+(:mod:`qstrat.transport.delta.stream` is the sender's half); in a bounded delta round, then the
+reload units the verified bucket completes, handed to the loader
+(:class:`~qstrat.transport.receive.handoff.StreamUnits`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from qstrat.transport.delta import encoding as delta
 from qstrat.transport import protocol
 from qstrat.transport.security.auth import from_words
 from qstrat.transport.buckets import unpack
+from qstrat.transport.receive.handoff import StreamUnits, cut_off
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.security.keys import Secret, equal
 from qstrat.transport.security.seal import Sealer, pieces
@@ -81,7 +84,7 @@ class PatchDecoder:
             if not equal(got, bytes(payload[:delta.DIGEST_BYTES].cpu().numpy())):
                 raise delta.DeltaError(
                     f"bucket {k} ({delta.region_names(self.target, lo, hi)}): the rebuilt bytes' digest differs "
-                    f"from the trainer's (base and trainer out of step?); nothing loaded", protocol.DELTA)
+                    f"from the trainer's (base and trainer out of step?)", protocol.DELTA)
         except delta.DeltaError:
             self.on_error()
             raise
@@ -97,15 +100,18 @@ class PatchDecoder:
 
 
 def receive_patches(group: TransferGroup, target: WireManifest, seal: Sealer, decoder: PatchDecoder,
-                    stats: dict[str, float]) -> tuple[Unit, tuple[int, str] | None]:
+                    stats: dict[str, float], units: StreamUnits | None = None) -> tuple[Unit, tuple[int, str] | None]:
     """Step 3 of a delta round on a receiver: every bucket's prelude, payload and header; the
     next prelude is posted before this bucket is rebuilt. Keeps receiving after a failure so the
-    collectives stay aligned. Returns (the staged tensors, or [] after a failure; the first
-    failure ``(status, message)`` or None); ``stats`` gets ``wait_s``, ``seal_s`` and
-    ``rebuild_s``. Raises: TransportError (the group closed) when the sender is lost, or
-    announces a payload larger than any patch of its bucket (nothing is allocated for it)."""
+    collectives stay aligned. ``units`` (a bounded delta round): once bucket k's digest
+    verified, the units it completes are handed (:meth:`StreamUnits.hand`); none after a failure.
+    Returns (the staged tensors, or [] after a failure; the first failure ``(status, message)``
+    or None); ``stats`` gets ``wait_s``, ``seal_s``, ``rebuild_s`` and ``load_s``. Raises:
+    TransportError (the group closed) when the sender is lost, or announces a payload larger
+    than any patch of its bucket (nothing is allocated for it); MixedWeightsError (the group
+    closed) for either after ``units`` handed one."""
     n, rank = len(target.buckets), group.rank
-    prof = Phases("wait_s", "seal_s", "rebuild_s")
+    prof = Phases("wait_s", "seal_s", "rebuild_s", "load_s")
     failure: tuple[int, str] | None = None
 
     def prelude() -> tuple[torch.Tensor, Any]:
@@ -151,10 +157,15 @@ def receive_patches(group: TransferGroup, target: WireManifest, seal: Sealer, de
                 prof.call("rebuild_s", decoder.apply, k, payload)
             except delta.DeltaError as exc:
                 failure = (exc.vote_status, f"rank {rank}: {exc}")
+                continue
+            if units is not None:
+                failure = prof.call("load_s", units.hand, k, decoder.stream, rank)
     except RuntimeError as exc:  # c10d: the sender (or a peer) died or timed out
         error = f"stream truncated at delta bucket {k}/{n} (sender lost?): {exc}"
     nxt = work = works = w = w_hdr = None  # no Work may outlive this function when the group closes
     stats.update(prof)
+    if error is not None and units is not None and units.handed:
+        raise cut_off(group, "delta stream", error, units.handed, units.units) from None
     if error is not None:
         raise protocol.lost(group, "delta stream", error) from None
     return (decoder.staged() if failure is None else []), failure

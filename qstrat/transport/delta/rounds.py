@@ -1,6 +1,6 @@
-"""A ``mode="delta"`` sender's state across rounds: the base it shares with the engines, and per
-round the choice of a delta or a whole round (:mod:`qstrat.transport.delta.stream` encodes each
-bucket as the round streams)."""
+"""A delta-mode (``delta``, ``bounded-delta``) sender's state across rounds: the base it shares
+with the engines, and per round the choice of a delta or a whole round
+(:mod:`qstrat.transport.delta.stream` encodes each bucket as the round streams)."""
 from __future__ import annotations
 
 import time
@@ -55,14 +55,16 @@ class DeltaRounds:
         the requantizer's, or None (whole)."""
         return self.requantizer.quantize if self.requantizer is not None else None
 
-    def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], send: SendRound
-              ) -> TransferReport:
+    def refit(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], send: SendRound,
+              bounded: bool = False) -> TransferReport:
         """One round of ``tensors`` (``target``'s, in its wire order) through ``send``: each
         bucket patched against :attr:`base` as it streams, or whole when there is none (or it
         has another layout), or when the engines refuse the delta (then sent again, whole: from
         the round's stream when the refusal came at the commit vote, from ``tensors`` when it
-        came before any data). A round that raises leaves no base, unless no engine changed: its
-        source failed (the stream was aborted) or the engines refused it before any data
+        came before any data). ``bounded`` (a ``bounded-delta`` round): a MIX left by a refused
+        delta alone (DeltaMixed: every unit loaded was verified) is also repaired by sending the
+        round again whole, from its stream. A round that raises leaves no base, unless no engine
+        changed: its source failed (the stream was aborted) or the engines refused it before any data
         (:data:`REFUSED_BEFORE_DATA`). Returns ``send``'s report (its ``bytes``: the payloads
         sent) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
         ``send``."""
@@ -83,8 +85,11 @@ class DeltaRounds:
         try:
             try:
                 report = send(enc, {"delta": enc.info})
-            except delta.DeltaRefused as exc:
-                reason, attempts, spent = f"the engines refused the delta: {exc}", 2, (enc.source_s, enc.encode_s)
+            except (delta.DeltaRefused, delta.DeltaMixed) as exc:
+                if isinstance(exc, delta.DeltaMixed) and not (bounded and enc.complete):
+                    raise
+                what = "refused the delta" if isinstance(exc, delta.DeltaRefused) else "hold a MIX after the delta"
+                reason, attempts, spent = f"the engines {what}: {exc}", 2, (enc.source_s, enc.encode_s)
                 enc = enc.whole()
                 report = send(enc, {"delta": enc.info})
         except REFUSED_BEFORE_DATA:

@@ -9,7 +9,7 @@ from qstrat.errors import TransportError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.engine_check import EngineExpectations
 from qstrat.transport.receive.receiver_flag import MixFlag
-from qstrat.transport.receive.receiver import MODES
+from qstrat.transport.receive.receiver import DELTA_MODES, MODES
 from qstrat.transport.wire_manifest import WireManifest, check_against
 
 #: What a receiver accepts: name -> (dtype, shape), or an engine's manifest (EngineExpectations).
@@ -40,7 +40,7 @@ class RoundCheck:
         update_info: the round's ``update_info`` as received (any value).
         expected: returns what the receiver accepts (:data:`Expected`, or None: anything).
         flag: the receiver's MIX flag (a flagged receiver accepts only a whole round).
-        base: returns the receiver's delta base (``delta`` rounds are checked against it).
+        base: returns the receiver's delta base (``delta`` and ``bounded-delta`` rounds are checked against it).
     """
 
     def __init__(self, update_info: Any, expected: Callable[[], Expected | None], flag: MixFlag,
@@ -61,10 +61,10 @@ class RoundCheck:
         if not isinstance(self.update_info, dict) or self.mode not in MODES:
             raise TransportError(f"qstrat transfer: update_info must be a dict with a round mode in "
                                  f"{MODES}, got mode {self.mode!r}")
-        if self.mode == "delta":  # the engine checks the round's (target) wire manifest, the base after
+        if self.mode in DELTA_MODES:  # the engine checks the round's (target) wire manifest, the base after
             delta.check_info(self.info.get("delta"))
             self.target = wm
         self.sent.update(s.name for s in wm.slots)
         check_expected(wm, self.info, self.expected(), self.flag, self.sent)
-        if self.mode == "delta":
+        if self.mode in DELTA_MODES:
             delta.check_base(self.info["delta"], wm, self.base())

@@ -17,6 +17,10 @@ Modes (docs/transport.md, "Which mode"):
   every bucket holding them has arrived and its seal verified; a bucket buffer is released
   once every unit in it was handed. Peak memory: about two buckets plus one unit. A failure after
   the first unit was handed leaves the receiver holding a MIX (:class:`MixedWeightsError`).
+* ``delta``: an atomic round whose buckets travel as patches (``patches``,
+  :mod:`qstrat.transport.delta.receive`); ``bounded-delta``: the same patches, each reload unit
+  handed to ``on_unit`` as a view of the rebuilt stream once its last bucket's digest verified
+  (:class:`~qstrat.transport.receive.handoff.StreamUnits`), with bounded mode's MIX rule.
 """
 from __future__ import annotations
 
@@ -28,19 +32,18 @@ import torch
 
 from qstrat.errors import MixedWeightsError, QstratError, TransferAuthError, TransportError, WireManifestMismatchError
 from qstrat.transport import protocol
+from qstrat.transport.protocol import BOUNDED_MODES, DELTA_MODES, MODES
 from qstrat.transport.security.auth import PROTOCOL_VERSION, ReceiverAuth, RoundContext, from_words
 from qstrat.transport.buckets import receive_buffers, slot_tensor, unpack
 from qstrat.transport.delta.receive import PatchDecoder, receive_patches
 from qstrat.transport.group import TransferGroup
+from qstrat.transport.receive.handoff import StreamUnits, cut_off, few
 from qstrat.transport.security.seal import Sealer, pieces
 from qstrat.transport.timing import Phases
 from qstrat.transport.wire_manifest import WireManifest, reload_unit
 
 Check = Callable[[WireManifest], None]
 Unit = list[tuple[str, torch.Tensor]]
-#: The round modes (``update_info["mode"]``): ``delta`` is an atomic round whose buckets travel
-#: as patches (:mod:`qstrat.transport.delta.encoding`).
-MODES = ("atomic", "bounded", "delta")
 
 
 def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check: Check | None = None,
@@ -59,8 +62,8 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             before any data is received).
         auth: the receiver's secret, group address and last accepted counter (None: no secret,
             address as joined is not bound); ``auth.last_counter`` advances when the round is accepted.
-        mode: ``atomic`` or ``bounded`` (bound into the round MAC: a sender must use the same).
-        on_unit: bounded mode: called ``on_unit(unit, tensors)`` in wire order as units verify.
+        mode: one of :data:`MODES` (bound into the round MAC: a sender must use the same).
+        on_unit: bounded modes (required there): called ``on_unit(unit, tensors)`` as units verify.
         staging: where the round is staged (None: received in place on the group's device); a
             device given explicitly (host staging: ``cpu``, pinned when CUDA is available) is
             filled by copying each verified bucket from two group-device receive buffers.
@@ -72,23 +75,25 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
             units), ``commit_s`` (commit vote), and ``cpu_s``: this process's CPU seconds over
             the round (all threads, gloo's included).
         protocol_version: the transport protocol version the sender's ``update_info`` names.
-        patches: ``delta`` mode (required there): returns the round's
+        patches: ``delta`` and ``bounded-delta`` (required there): returns the round's
             :class:`~qstrat.transport.delta.receive.PatchDecoder` given the round MAC; each
             bucket arrives as a patch it rebuilds and checks against the trainer's digest
             BEFORE the commit vote (a DeltaError is this rank's refusal, its ``vote_status``, so
-            no rank keeps the round); ``stats`` then has ``rebuild_s``.
+            no rank keeps the round; bounded-delta: a MIX once a unit was handed); ``stats``: ``rebuild_s``.
     Returns: atomic: ``(name, tensor)`` in wire order, views of the staged buffers, every bucket
-        sealed and verified, every rank agreeing to commit; bounded: ``[]`` (handed to on_unit);
-        delta: the rebuilt tensors (views of the decoder's stream).
+        sealed and verified, every rank agreeing to commit; bounded, bounded-delta: ``[]``
+        (handed to on_unit); delta: the rebuilt tensors (views of the decoder's stream).
     Raises: WireManifestMismatchError (malformed, digest mismatch, engine check failed);
         TransferAuthError (no/wrong MAC, a challenge vector without this receiver's words, replay);
         TransportError (another protocol version) - all at step 2, before any data; TransportError
         for a failed seal, a sender abort, another rank's refusal, or a lost peer/timeout (the
         group is then closed) when this receiver loaded nothing; MixedWeightsError when the
-        round is not committed everywhere and this receiver (bounded mode) loaded a unit.
+        round is not committed everywhere and this receiver (bounded modes) loaded a unit.
     """
-    if mode not in MODES or (mode == "bounded") != (on_unit is not None) or (mode == "delta") != (patches is not None):
-        raise TransportError(f"round mode {mode!r}: use 'atomic', 'bounded' with on_unit, or 'delta' with patches")
+    if mode not in MODES or (mode in BOUNDED_MODES) != (on_unit is not None) or (
+            mode in DELTA_MODES) != (patches is not None):
+        raise TransportError(f"round mode {mode!r}: use 'atomic', 'bounded' with on_unit, 'delta' with patches, "
+                             f"or 'bounded-delta' with both")
     auth = auth or ReceiverAuth(None, "", 0)
     t_start, cpu = time.perf_counter(), time.process_time()
     rejection, wire_manifest = _check_update(group, wire_manifest_doc, check, protocol_version)
@@ -130,12 +135,15 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     seal = Sealer(auth.secret, mac, group.device)
     staged: Unit = []
     if patches is not None:
-        received, handed, units = [], [], 0
-        staged, failure = receive_patches(group, wire_manifest, seal, patches(mac), stats)
+        decoder = patches(mac)
+        hand = StreamUnits(wire_manifest, decoder.cuts, on_unit) if on_unit is not None else None
+        staged, failure = receive_patches(group, wire_manifest, seal, decoder, stats, hand)
+        received, handed, units = [], hand.handed if hand else [], hand.units if hand else 0
     else:
         received, failure, handed, units = _receive_buckets(group, wire_manifest, seal, on_unit, staging, stats)
     t0 = time.perf_counter()
-    own = (protocol.MIXED if handed else failure[0]) if failure else protocol.OK
+    # a MIX votes MIXED, unless only the delta failed (every handed unit verified): its own status
+    own = (protocol.MIXED if handed and failure[0] != protocol.DELTA else failure[0]) if failure else protocol.OK
     votes = _vote(group, protocol.COMMIT, own, bool(handed), auth.secret, mac, "commit vote")
     stats["commit_s"], stats["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu
     if protocol.outcome(votes) == "committed":
@@ -145,9 +153,9 @@ def receive_round(group: TransferGroup, wire_manifest_doc: dict[str, Any], check
     if handed:
         exc = MixedWeightsError(
             f"{reason}; loading had begun: {len(handed)} of {units} reload units are new "
-            f"({_few(handed)}), the rest old - this receiver holds a MIX (ranks holding new weights: "
+            f"({few(handed)}), the rest old - this receiver holds a MIX (ranks holding new weights: "
             f"{holders}); the next refit must be whole")
-        exc.detail = (f"{len(handed)} of {units} reload units new ({_few(handed)}), the rest old, "
+        exc.detail = (f"{len(handed)} of {units} reload units new ({few(handed)}), the rest old, "
                       f"after: {reason}; ranks holding new weights: {holders}")
         raise exc
     across = f" (ranks {holders} hold new weights: a MIX across ranks)" if votes.holders() else ""
@@ -266,11 +274,7 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
             pending = hdr = w_hdr = w_data = work = None
             what = f"stream truncated at bucket {k}/{n} (sender lost?)"
             if handed:
-                group.close()
-                raise MixedWeightsError(
-                    f"rank {group.rank}: {what}: {error} (the transfer group is closed); loading had "
-                    f"begun: {len(handed)} of {len(unit_slots)} reload units are new ({_few(handed)}), the "
-                    f"rest old - this receiver holds a MIX; the next refit must be whole") from None
+                raise cut_off(group, what, error, handed, len(unit_slots)) from None
             raise protocol.lost(group, what, error) from None
         w_data = w_hdr = work = None
         if failure is not None:
@@ -300,10 +304,6 @@ def _receive_buckets(group: TransferGroup, wire_manifest: WireManifest, seal: Se
             del kept[j]
             live.pop(alloc_key(j), None)
     return done()
-
-
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f", ... +{len(names) - 3}" if len(names) > 3 else "")
 
 
 def _names(wire_manifest: WireManifest, k: int) -> list[str]:

@@ -39,6 +39,7 @@ from qstrat.transport.receive.landing import Landing, Loader
 from qstrat.transport.mesh.engine import MESH_KEY, receive_mesh
 from qstrat.transport.mesh.pair_delta import PairBases
 from qstrat.transport.receive.receiver_flag import MixFlag
+from qstrat.transport.protocol import DELTA_MODES
 from qstrat.transport.receive.receiver import receive_round
 
 __all__ = ["Expected", "Loader", "ReceiverSession"]
@@ -133,12 +134,13 @@ class ReceiverSession:
         self.delta.take_next()
 
     def update(self, update_info: dict[str, Any]) -> None:
-        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta",
-        "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base", "round"}``,
-        :mod:`qstrat.transport.delta.encoding`; the engine checks the wire manifest as a full round's,
-        each bucket arrives as a patch rebuilt from :attr:`base` and checked against the
-        trainer's digest before the commit vote, and :meth:`finish` loads them as an atomic
-        round's).
+        """Receive one round: ``{"wire_manifest": ..., "mode": "atomic" | "bounded" | "delta" |
+        "bounded-delta", "protocol": PROTOCOL_VERSION}`` (``delta``: also ``"delta": {"base",
+        "round"}``, :mod:`qstrat.transport.delta.encoding`; the engine checks the wire manifest as a
+        full round's, each bucket arrives as a patch rebuilt from :attr:`base` and checked against
+        the trainer's digest before the commit vote, and :meth:`finish` loads them as an atomic
+        round's; ``bounded-delta``: the same patches, each reload unit loaded as soon as its last
+        bucket's digest verified, :func:`receive_delta`).
 
         A MESH round (``"mesh"``: the routes document, :mod:`qstrat.transport.mesh.engine`) is
         received from every trainer rank and staged for :meth:`finish` (atomic), or loaded unit by
@@ -167,11 +169,8 @@ class ReceiverSession:
             self.delta.base = None
             self._staged = receive_mesh(self, update_info)
             return
-        if check.mode == "delta":
-            self._staged = receive_round(self.group, doc, check, self.auth, "delta", staging=self.staging,
-                                         stats=self.stats, protocol_version=protocol,  # check.target: set in the vote
-                                         patches=lambda mac: self.delta.decoder(check.info["delta"], check.target,
-                                                                                self.auth.secret if self.auth else None, mac))
+        if check.mode in DELTA_MODES:
+            self._staged = receive_delta(self, check, doc, protocol)
             return
         self.delta.base = None  # another mode changes the weights outside the delta's bookkeeping
         if check.mode != "bounded":  # atomic, or a bad mode: refused by check() in the accept vote
@@ -240,3 +239,31 @@ class ReceiverSession:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def receive_delta(session: ReceiverSession, check: RoundCheck, doc: Any, protocol: Any
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """A ``delta`` or ``bounded-delta`` round on ``session`` (``check``: its accept-vote check;
+    ``doc``, ``protocol``: its wire manifest document and protocol version). ``delta``: returns
+    the rebuilt tensors, staged for :meth:`ReceiverSession.finish` (which loads them and makes
+    their stream the base). ``bounded-delta``: loaded unit by unit as
+    :meth:`ReceiverSession.load_bounded` (each unit a view of the rebuilt stream, handed once the
+    digest of the bucket holding its last byte verified), returns ``[]``; the round's stream
+    becomes the base only once the round committed everywhere, and a MIX drops the base (the
+    weights moved outside it: the next round is whole). Raises: as :meth:`ReceiverSession.update`."""
+    def patches(mac: bytes) -> Any:  # check.target: set in the accept vote
+        auth = session.auth
+        return session.delta.decoder(check.info["delta"], check.target, auth.secret if auth else None, mac)
+
+    if check.mode == "delta":
+        return receive_round(session.group, doc, check, session.auth, "delta", staging=session.staging,
+                             stats=session.stats, protocol_version=protocol, patches=patches)
+    try:
+        session.load_bounded(lambda on_unit: receive_round(
+            session.group, doc, check, session.auth, "bounded-delta", on_unit, stats=session.stats,
+            protocol_version=protocol, patches=patches), lambda: check.sent)
+    except MixedWeightsError:
+        session.delta.base = None
+        raise
+    session.delta.commit(session.delta.take_next())
+    return []

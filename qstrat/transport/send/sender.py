@@ -44,6 +44,7 @@ from qstrat.transport.security.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.delta.rounds import DeltaRounds
 from qstrat.transport.delta.stream import PatchEncoder
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
+from qstrat.transport.protocol import BOUNDED_MODES, DELTA_MODES, MODES
 from qstrat.transport.send.fanout import EngineClients, OfEngines, listed
 from qstrat.transport.group import DEFAULT_TIMEOUT_S, TransferGroup, open_group
 from qstrat.transport.security.keys import ENV_SECRET, Secret
@@ -78,13 +79,13 @@ class RefitSender:
         mode: ``atomic`` (default: engines stage the whole round and load it only when every
             rank verified every bucket), ``bounded`` (engines load each reload unit as soon as
             its buckets verified: memory ~ two buckets + one layer; a fault mid-round leaves a
-            MIX, reported as MixedWeightsError, after which engines accept only whole refits) or
-            ``delta`` (atomic rounds that send, per bucket, only the bytes that changed since the
-            last round every engine committed, as the bucket is quantized: :mod:`qstrat.transport.
-            delta`; a round goes whole
-            when no base is shared or an engine refuses the delta; this sender keeps the last
-            round's quantized bytes in host memory; :meth:`refit` only, not :meth:`send`).
-        incremental: ``mode="delta"``: quantize each round incrementally from the last one
+            MIX, MixedWeightsError, after which engines accept only whole refits), ``delta``
+            (atomic rounds sending per bucket only the bytes changed since the last round every
+            engine committed, :mod:`qstrat.transport.delta`: whole when no base is shared or an
+            engine refuses the delta; the last round's bytes kept in host memory; :meth:`refit`
+            only) or ``bounded-delta`` (delta rounds loaded as in ``bounded``; a MIX left by a
+            digest mismatch alone is repaired at once by sending the round again whole).
+        incremental: delta modes: quantize each round incrementally from the last one
             (:mod:`qstrat.transport.delta.requantize`: the same bytes; this sender then also keeps
             the last round's inputs, ~3 bytes per quantized parameter on their device); False:
             every round quantizes the whole model.
@@ -99,8 +100,8 @@ class RefitSender:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
                  workers_per_client: Sequence[int] | None = None,
                  secret: Secret | bytes | str | None = None, mode: str = "atomic", incremental: bool = True) -> None:
-        if mode not in ("atomic", "bounded", "delta"):
-            raise TransportError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded' or 'delta'")
+        if mode not in MODES:
+            raise TransportError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded', 'delta' or 'bounded-delta'")
         self.mode = mode
         self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self._warned = False
@@ -113,7 +114,7 @@ class RefitSender:
         self.group: TransferGroup | None = None
         #: Rank 0's round protocol (and the round counter).
         self.protocol = SenderProtocol()
-        #: ``mode="delta"``: the base shared with the engines, and the rounds against it.
+        #: Delta modes: the base shared with the engines, and the rounds against it.
         self.delta_rounds = DeltaRounds(incremental)
         #: The last round's seconds by phase (wall): ``start_s`` (start_weight_update RPCs),
         #: ``handshake_s`` (challenge, round header, accept vote), the bucket loop by activity
@@ -126,7 +127,7 @@ class RefitSender:
 
     @property
     def base(self) -> delta.Base | None:
-        """``mode="delta"``: the base shared with the engines (None: the next round is whole)."""
+        """Delta modes: the base shared with the engines (None: the next round is whole)."""
         return self.delta_rounds.base
 
     # ---- setup ----------------------------------------------------------------------------
@@ -171,8 +172,9 @@ class RefitSender:
         stream reads it (its device and values as it is quantized): on a mismatch
         (:class:`~qstrat.errors.InputMismatchError`) the round is aborted with nothing loaded
         anywhere, the kept plan is dropped and the inputs are planned and sent again, once, with
-        every check up front; the report's ``replanned`` gives the reason. In ``bounded`` mode
-        (engines load as buckets arrive) every check runs up front, as for in-process sinks.
+        every check up front; the report's ``replanned`` gives the reason. In ``bounded`` and
+        ``bounded-delta`` mode (engines load as buckets arrive) every check runs up front, as for
+        in-process sinks.
 
         Raises: before anything is sent (:meth:`RefitDriver.prepare`: plan, every layer, model
             tensors, the wire manifest, backends, values): PlanError (also for a refit without
@@ -187,7 +189,7 @@ class RefitSender:
         if plan is None and not isinstance(named_tensors, dict):
             named_tensors = as_tensor_dict(named_tensors)  # kept for a second attempt
         checks = sender_checks(driver, self.bucket_bytes, self.alignment)
-        prepared = driver.prepare(named_tensors, plan, checks, all_or_none=self.mode != "bounded")
+        prepared = driver.prepare(named_tensors, plan, checks, all_or_none=self.mode not in BOUNDED_MODES)
         if not prepared.checked_in_stream:
             return self._round(prepared)
         base = self.delta_rounds.base
@@ -207,16 +209,16 @@ class RefitSender:
                                              f"loaded; planned again and sent)")
 
     def _round(self, prepared: PreparedRefit) -> TransferReport:
-        """Send one prepared round (through the delta base in ``delta`` mode)."""
+        """Send one prepared round (through the delta base in the delta modes)."""
         wm = prepared.results[WIRE_MANIFEST]
-        if self.mode != "delta":
+        if self.mode not in DELTA_MODES:
             return self._send(wm, prepared.execute(), round_info(prepared, self.mode))
         qc = prepared.plan.vllm_quantization_config()
         online = {ONLINE_KEY: prepared.plan.engine_quantization}  # who quantizes: checked by the engine first
         doc = manifest_doc(prepared)
         return self.delta_rounds.refit(wm, prepared.execute(quantize=self.delta_rounds.quantize),
                                        lambda encoder, extra: self._send(
-            wm, encoder, update_info(wm, self.mode, qc, {**online, **extra}, doc)))
+            wm, encoder, update_info(wm, self.mode, qc, {**online, **extra}, doc)), self.mode in BOUNDED_MODES)
 
     def send(self, wire_manifest: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]],
              quantization_config: Any = _UNNAMED) -> TransferReport:
@@ -236,7 +238,7 @@ class RefitSender:
             told (ABORT) and the group was closed (unless the round left a mix: then
             MixedWeightsError, caused by it).
         """
-        if self.mode == "delta":
+        if self.mode in DELTA_MODES:
             raise TransportError("RefitSender.send: a delta-mode sender sends through refit() (it encodes "
                                  "the round against its base)")
         return self._send(wire_manifest, tensors, update_info(wire_manifest, self.mode, quantization_config, {}))
@@ -263,8 +265,8 @@ class RefitSender:
             if isinstance(exc, MixedWeightsError):
                 self.mixed = getattr(exc, "detail", str(exc))
             errors = listed(self.engines.results(futures)) or "no error reported"
-            kind = next(k for k in (delta.DeltaRefused, WireManifestMismatchError, TransferAuthError,
-                                    MixedWeightsError, TransportError) if isinstance(exc, k))
+            kind = next(k for k in (delta.DeltaRefused, delta.DeltaMixed, WireManifestMismatchError,
+                                    TransferAuthError, MixedWeightsError, TransportError) if isinstance(exc, k))
             raise kind(f"{exc}; engines: {errors}") from (exc.__cause__ or exc)  # the source's error, if any
         except BaseException as exc:  # e.g. the source's own error, after the ABORT: itself
             exc.add_note(f"qstrat transport, the engines' update_weights: "

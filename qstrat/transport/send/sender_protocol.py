@@ -15,6 +15,7 @@ import torch
 from qstrat.errors import InputMismatchError, MixedWeightsError, NonFiniteError, TransportError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport import protocol as proto
+from qstrat.transport.protocol import BOUNDED_MODES, DELTA_MODES
 from qstrat.transport.security.auth import RoundContext, next_counter
 from qstrat.transport.delta.stream import PatchEncoder, send_patches
 from qstrat.transport.group import TransferGroup
@@ -38,11 +39,11 @@ class SenderProtocol:
             master: tuple[str, int]) -> None:
         """Steps 0-4 on this rank, then the outcome; returns only when every rank committed.
 
-        ``tensors``: yielded in ``wire_manifest``'s wire order (``delta`` mode: the round's
+        ``tensors``: yielded in ``wire_manifest``'s wire order (delta modes: the round's
         :class:`~qstrat.transport.delta.stream.PatchEncoder`); ``prof``: gets ``handshake_s``,
         ``commit_s`` and :func:`~qstrat.transport.send.outgoing.send_buckets`' phases; ``close``: called
         when the source itself failed (its device state is suspect) before the error is raised;
-        ``secret`` (None: unauthenticated), ``mode`` (``atomic``, ``bounded``, ``delta``) and
+        ``secret`` (None: unauthenticated), ``mode`` (``atomic``, ``bounded``, ``delta``, ``bounded-delta``) and
         ``master`` (the group's address and port) are bound into the round's MAC.
 
         Raises: as :meth:`RefitSender.send <qstrat.transport.send.sender.RefitSender.send>` (before its
@@ -52,10 +53,10 @@ class SenderProtocol:
         mac = self._accept(group, wire_manifest, prof, secret, mode, master)
         try:
             sealer = Sealer(secret, mac, group.device)
-            failure = (send_patches(group, wire_manifest, tensors, sealer, prof) if mode == "delta" else
+            failure = (send_patches(group, wire_manifest, tensors, sealer, prof) if mode in DELTA_MODES else
                        send_buckets(group, wire_manifest, iter(tensors), sealer, prof))
         except TransportError as exc:
-            if mode == "bounded":
+            if mode in BOUNDED_MODES:
                 raise _mixed(f"{exc}; bounded mode: engines may hold a MIX of two rounds, the next refit "
                              f"must be whole", f"a bounded round was cut off ({exc})") from None
             raise
@@ -95,8 +96,9 @@ def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Call
     (an input's metadata, before it was read) or a NonFiniteError (a value): no device work
     failed, and the sender may send again on the same group)
     when it failed and nothing is mixed, DeltaRefused when only the delta was refused,
-    MixedWeightsError (with ``detail``) when some rank holds new weights, TransportError
-    otherwise."""
+    MixedWeightsError (with ``detail``) when some rank holds new weights - a DeltaMixed when
+    only the delta was refused (a bounded delta round: every loaded unit verified) -,
+    TransportError otherwise."""
     outcome = proto.outcome(votes)
     if outcome == "committed":
         return
@@ -108,9 +110,11 @@ def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Call
     if outcome == "mixed":
         holders = ", ".join(map(str, votes.holders()))
         why = f"the sender aborted the stream ({failure}); " if failure else ""
+        cls = delta.DeltaMixed if failure is None and votes.delta_refused() else MixedWeightsError
         raise _mixed(f"round not committed: {why}{described}; the engines hold a MIX: ranks {holders} hold new "
                      f"weights, the others not (each flagged rank now accepts only a whole refit)",
-                     f"ranks {holders} hold new weights after: {described}") from (failure.error if failure else None)
+                     f"ranks {holders} hold new weights after: {described}", cls
+                     ) from (failure.error if failure else None)
     if own:
         raise failure.error
     if failure is None and votes.delta_refused():
@@ -120,8 +124,8 @@ def raise_outcome(votes: proto.Votes, failure: SourceFailure | None, close: Call
     raise TransportError(f"round not committed: {described}; nothing loaded")
 
 
-def _mixed(message: str, detail: str) -> MixedWeightsError:
-    """A MixedWeightsError whose ``detail`` names the ranks or engines holding new weights."""
-    exc = MixedWeightsError(message)
+def _mixed(message: str, detail: str, cls: type[MixedWeightsError] = MixedWeightsError) -> MixedWeightsError:
+    """A MixedWeightsError (``cls``) whose ``detail`` names the ranks or engines holding new weights."""
+    exc = cls(message)
     exc.detail = detail
     return exc
