@@ -359,3 +359,29 @@ def test_an_index_that_is_a_device_is_refused_before_reading(tmp_path):
     with pytest.raises(QstratError, match=r"model\.safetensors\.index\.json: is a device, not a safetensors index; "
                                           r"nothing was read$"):
         lazy_checkpoint(tmp_path)
+
+
+def test_without_an_hf_config_the_source_dirs_config_json_is_the_model_config(tiny_model, tiny_hf_config, tmp_path):
+    """A checkpoint written from a model directory without hf_config gets that directory's model
+    config (architectures, model_type, sizes) with the plan's quantization_config: it was written
+    with only the quantization_config, which vLLM and transformers refuse to load."""
+    from transformers import AutoConfig
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(tiny_hf_config))
+    write_checkpoint(RefitDriver("mxfp8"), tiny_model.state_dict(), tmp_path / "out", source_dir=src)
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert got["model_type"] == tiny_hf_config["model_type"] and got["architectures"]
+    write_checkpoint(RefitDriver("mxfp8"), tiny_model.state_dict(), tmp_path / "given", hf_config=tiny_hf_config)
+    assert got == json.loads((tmp_path / "given" / "config.json").read_text())  # as if hf_config were given
+    AutoConfig.from_pretrained(tmp_path / "out")  # loadable as a model config
+
+
+def test_without_any_model_config_the_checkpoint_is_written_with_a_warning_naming_the_fix(tiny_model, tmp_path):
+    with pytest.warns(UserWarning) as got:
+        write_checkpoint(RefitDriver("mxfp8"), tiny_model.state_dict(), tmp_path / "out")
+    message = str(got[0].message)
+    assert message.startswith("write_checkpoint: no model config (hf_config, the driver's hf_config or "
+                              "source_dir's config.json): ") and "pass hf_config=model.config" in message
+    assert set(json.loads((tmp_path / "out" / "config.json").read_text())) == {"quantization_config"}

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
             safetensors files 0666 minus the umask (0644), so that an engine running under
             another uid can read them.
         hf_config: config.json content to write (a mapping, transformers config or ModelConfig,
-            parsed here; default: the driver's); its ``quantization_config`` is the plan's (none
+            parsed here; default: the driver's, else ``source_dir``'s config.json; with none, a
+            UserWarning: the output then holds only the quantization config); its ``quantization_config`` is the plan's (none
             for BF16), a null ``architectures`` filled in (:func:`output_hf_config`).
         shard_bytes: maximum bytes per safetensors shard (a single larger tensor gets a shard
             of its own). One shard is written as ``model.safetensors``, several as
@@ -103,7 +105,7 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         if not overwrite:
             raise OutputExistsError(f"{out} exists; pass {{option}} to replace it")
         check_replaceable(out)
-    config = ModelConfig.of(hf_config) if hf_config is not None else driver.model_config
+    config = _model_config(driver, hf_config, source_dir, out)
     config.check(getattr(driver.layout, "num_layers_key", "num_hidden_layers"))  # before anything is written
     # Values are checked while quantizing (an error removes the temporary directory), which
     # spares lazily loaded tensors a second read; a stream (plan given) has its devices checked
@@ -141,6 +143,23 @@ def write_checkpoint(driver: RefitDriver, named_tensors: NamedTensors, out_dir: 
         _remove_created(created)
         raise
     return plan
+
+
+def _model_config(driver: RefitDriver, hf_config: Any, source_dir: str | Path | None, out: Path) -> ModelConfig:
+    """The model config a checkpoint's config.json is made from: ``hf_config``, else the driver's,
+    else ``source_dir``'s config.json (the model directory the tensors came from). Without any
+    model config (no ``model_type``) it warns: the config.json then holds only the
+    quantization config, which neither vLLM nor transformers loads as it is."""
+    config = ModelConfig.of(hf_config) if hf_config is not None else driver.model_config
+    source = Path(source_dir) / "config.json" if source_dir is not None else None
+    if hf_config is None and not config.top_model_type and source is not None and source.is_file():
+        config = ModelConfig.of(json.loads(source.read_text()))
+    if not config.top_model_type:
+        warnings.warn(f"write_checkpoint: no model config (hf_config, the driver's hf_config or source_dir's "
+                      f"config.json): {out}/config.json will hold only the quantization_config, and vLLM or "
+                      "transformers cannot load the checkpoint as it is; pass hf_config=model.config (or the "
+                      "model's config.json as a dict)", UserWarning, stacklevel=3)
+    return config
 
 
 def check_output_location(out: Path) -> None:
