@@ -22,6 +22,7 @@ def test_preset_name_as_source():
 @pytest.mark.parametrize("data,pattern", [
     ({"rulez": []}, r"rulez: Extra inputs are not permitted"),
     ({"rules": [{"serializer": "mxfp9"}]}, r"rules\[0\]\.serializer: unknown serializer 'mxfp9'; did you mean 'mxfp8'\? valid: bf16, block_fp8"),
+    ({"rules": [{"serializer": "NVFP4"}]}, r"rules\[0\]\.serializer: unknown serializer 'NVFP4'; did you mean 'nvfp4'\? valid: bf16"),
     ({"rules": [{"select": "expertz", "serializer": "mxfp8"}]}, r"rules\[0\]\.select: unknown selector 'expertz'; did you mean 'experts'\? valid: .*experts"),
     ({"rules": [{"serializer": "mxfp8", "options": {"scale_rounding": "up"}}]}, r"rules\[0\]\.options\.scale_rounding: Input should be 'rceil' or 'floor'"),
     ({"rules": [{"serializer": "block_fp8", "options": {"ue8m00": True}}]}, r"options\.ue8m00: Extra inputs"),

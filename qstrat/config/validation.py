@@ -43,7 +43,8 @@ def format_validation_error(exc: ValidationError, prefix: str = "", model: Any =
 def close_matches(name: str, choices: Any) -> str:
     """``"did you mean 'block-fp8'? "`` for a near miss among ``choices`` (difflib), or for a name
     the field gives one of them (:data:`qstrat.config.format_names.FORMAT_ALIASES`: ``fp8`` -> ``"did
-    you mean 'block_fp8' (block FP8 with DeepSeek-style 128x128 scales, ...)? "``), else ``""``."""
+    you mean 'block_fp8' (block FP8 with DeepSeek-style 128x128 scales, ...)? "``), or for the
+    same name in another case (``NVFP4`` -> ``nvfp4``), else ``""``."""
     import difflib
 
     from qstrat.config.format_names import alias_of
@@ -51,7 +52,11 @@ def close_matches(name: str, choices: Any) -> str:
     alias = alias_of(name, choices)
     if alias is not None:
         return f"did you mean {alias[0]!r} ({alias[1]})? "
-    found = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.6)
+    choices = list(choices)
+    folded = {str(c).lower(): c for c in choices}  # case: 'NVFP4' is a near miss of 'nvfp4'
+    if isinstance(name, str) and name.lower() in folded:
+        return f"did you mean {folded[name.lower()]!r}? "
+    found = difflib.get_close_matches(name, choices, n=2, cutoff=0.6)
     return f"did you mean {' or '.join(repr(f) for f in found)}? " if found else ""
 
 

@@ -112,7 +112,7 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
             device = torch.device("cpu")
         else:
             if not torch.cuda.is_available():
-                raise TransportError("transport backend 'nccl' needs a CUDA device")
+                raise TransportError("transport backend 'nccl' needs a CUDA device; on CPU use backend='gloo'")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)

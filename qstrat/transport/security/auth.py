@@ -133,7 +133,8 @@ def check_init(secret: Secret | None, init_info: Mapping[str, Any]) -> str | Non
         ok = False
     if not ok:
         return (f"{INIT_REFUSED} (this engine holds a transfer secret; the caller holds none or another "
-                "key); the live group is kept")
+                "key: give the trainer the engine's secret, QSTRAT_TRANSFER_SECRET or RefitSender(secret=...)); "
+                "the live group is kept")
     return None
 
 
