@@ -15,7 +15,11 @@ measured there).
 
 The thread runs with the caller's autograd mode and, where CUDA is initialised, the caller's
 current device and stream (both are per thread in torch), so the source behaves as it would
-on the caller's thread, in the same stream order.
+on the caller's thread, in the same stream order. It runs outside inference mode whatever the
+caller's (torch's default on a new thread): what it writes in place - the round's stream, the
+requantizer's entries - must then be normal tensors, which is why
+:class:`~qstrat.transport.delta.stream.PatchEncoder` allocates the stream outside inference
+mode; a caller under ``torch.inference_mode()`` gets the same bytes.
 """
 from __future__ import annotations
 
