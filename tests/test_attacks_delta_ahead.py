@@ -69,3 +69,51 @@ def test_rounds_under_inference_mode_are_exact_also_when_the_caller_switches_bet
             report = refit(sender, driver, checks, states[i])
         assert report.delta.kind == ("full" if i == 0 else "delta"), (i, mode, report.delta)
         assert torch.equal(sender.base.stream, fresh_stream(driver, checks, states[i])), (i, mode)
+
+
+def _bounded_take(ahead, k):
+    """``ahead.take(k)`` on a helper thread, waited for at most 5 s: (returned, raised) - a hang
+    fails the test instead of stalling the suite."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = ahead.take(k)
+        except BaseException as exc:  # noqa: BLE001 - what take raised is the result
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), f"LookAhead.take({k}) hung"
+    return out
+
+
+def test_a_take_after_close_or_past_the_last_step_raises_instead_of_hanging():
+    """``take(k)`` waited for step k with no end once ``close()`` had stopped the thread before
+    it (or for a k past the last step): a caller that asked for a bucket after a failed round's
+    cleanup hung forever. It must raise, naming the step."""
+    from qstrat.transport.delta.ahead import LookAhead
+
+    started = threading.Event()
+
+    def step(k):
+        if k == 1:
+            started.set()
+            threading.Event().wait(0.1)
+
+    ahead = LookAhead(step, 5)
+    ahead.take(0)
+    assert started.wait(5)
+    ahead.close()
+    assert _bounded_take(ahead, 1)["value"] >= 0.0  # the step running at close finished
+    got = _bounded_take(ahead, 3)
+    assert isinstance(got.get("error"), RuntimeError) and str(got["error"]) == \
+        "LookAhead.take(3): closed before step 3 ran", got
+    never = LookAhead(lambda k: None, 2)
+    never.close()  # closed before the first take: no step runs
+    got = _bounded_take(never, 0)
+    assert isinstance(got.get("error"), RuntimeError) and "closed before step 0 ran" in str(got["error"]), got
+    got = _bounded_take(LookAhead(lambda k: None, 2), 7)
+    assert isinstance(got.get("error"), IndexError) and str(got["error"]) == \
+        "LookAhead.take(7): steps are 0..2", got
