@@ -117,3 +117,26 @@ def test_a_take_after_close_or_past_the_last_step_raises_instead_of_hanging():
     got = _bounded_take(LookAhead(lambda k: None, 2), 7)
     assert isinstance(got.get("error"), IndexError) and str(got["error"]) == \
         "LookAhead.take(7): steps are 0..2", got
+
+
+@pytest.mark.parametrize("mode", ["delta", "bounded-delta"])
+def test_a_trainer_under_inference_mode_refits_over_the_transport_exactly(tiny, mode):
+    """Over the transport (two StandaloneReceivers, tests/transport_harness.py): a trainer that
+    calls ``RefitSender.refit`` under ``torch.inference_mode()`` got the source's RuntimeError
+    (the stream written outside inference mode by the look-ahead thread) and the round was
+    aborted. A whole round, then a delta round, each exact on both receivers."""
+    from transport_harness import connected_sender, counting_receivers
+    from transport_harness import held_digests as held, run_digests as want, sign_step as stepped
+
+    driver, _, trainer, ckpt = tiny
+    with counting_receivers(ckpt, "a secret for the attack tests") as receivers:
+        sender = connected_sender(receivers, mode, "a secret for the attack tests", BUCKET, 20)
+        try:
+            for step, kind in ((0, "full"), (1, "delta")):
+                state = stepped(trainer, 1e-5, step)
+                with torch.inference_mode():
+                    report = sender.refit(driver, state)
+                assert report.delta.kind == kind and report.delta.attempts == 1, report.delta
+                assert held(receivers) == [want(driver, state)] * 2
+        finally:
+            sender.close()
