@@ -140,3 +140,74 @@ def test_a_trainer_under_inference_mode_refits_over_the_transport_exactly(tiny, 
                 assert held(receivers) == [want(driver, state)] * 2
         finally:
             sender.close()
+
+
+def _source_threads_end() -> bool:
+    """Whether every look-ahead thread ended (waited for up to 2 s: one may be returning from its last step)."""
+    for _ in range(200):
+        if not any(t.name == "qstrat-delta-source" for t in threading.enumerate()):
+            return True
+        threading.Event().wait(0.01)
+    return False
+
+
+FORMATS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8", "nvfp4": {"rules": [{"select": "linear", "serializer": "nvfp4"}]}}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rounds_refused_failed_and_resent_whole_under_every_grad_mode_stay_exact_and_leave_no_thread(fmt):
+    """Many rounds of one sender through everything a round can meet (in process; each ``send``
+    stands for an outcome of the real protocol): refused at the accept vote (whole from the
+    source), refused at the commit vote (whole from the stream), a peer lost at bucket 2 (the
+    source still running ahead: closed before the requantizer is cleared), a refusal before
+    any data (the base kept), under plain, ``no_grad`` and ``inference_mode`` callers. Every
+    round that returns holds the fresh full quantization's stream as its base, and no
+    look-ahead thread outlives its round. (On 5b07e21 the inference-mode rounds raised.)"""
+    from qstrat.errors import TransportError, WireManifestMismatchError
+    from transport_harness import sign_step
+
+    def at_accept(enc, extra):
+        if enc.base is not None:
+            raise delta.DeltaRefused("stale base (the accept vote)")
+        return take_all(enc, extra)
+
+    def at_commit(enc, extra):
+        report = take_all(enc, extra)
+        if enc.base is not None:
+            raise delta.DeltaRefused("digest mismatch (the commit vote)")
+        return report
+
+    def lost_at_2(enc, extra):
+        enc.start(None, bytes(32))
+        enc.payload(0)
+        enc.payload(1)
+        raise TransportError("a receiver died at bucket 2")
+
+    def before_data(enc, extra):
+        raise WireManifestMismatchError("refused before any data")
+
+    plain, no_grad, inference = contextlib.nullcontext, torch.no_grad, torch.inference_mode
+    schedule = [(take_all, plain, "full", 1), (take_all, inference, "delta", 1), (at_accept, no_grad, "full", 2),
+                (at_commit, inference, "full", 2), (lost_at_2, plain, TransportError, None),
+                (take_all, inference, "full", 1), (before_data, no_grad, WireManifestMismatchError, None),
+                (take_all, plain, "delta", 1)]
+    model = build_tiny_qwen3_moe(seed=1)
+    driver = RefitDriver(FORMATS[fmt], hf_config=hf_config(model))
+    checks = sender_checks(driver, BUCKET, 256)
+    sender, state = DeltaRounds(), model.state_dict()
+    for i, (send, mode, kind, attempts) in enumerate(schedule):
+        state = sign_step(state, 1e-6, i)
+        kept = sender.base
+        with mode():
+            if isinstance(kind, type):
+                with pytest.raises(kind):
+                    refit(sender, driver, checks, state, send)
+                assert (sender.base is kept) if kind is WireManifestMismatchError else sender.base is None, i
+            else:
+                report = refit(sender, driver, checks, state, send)
+        assert _source_threads_end(), f"round {i}: a look-ahead thread still runs"
+        if isinstance(kind, type):
+            continue
+        assert (report.delta.kind, report.delta.attempts) == (kind, attempts), (i, report.delta)
+        assert torch.equal(sender.base.stream, fresh_stream(driver, checks, state)), i
+    assert report.delta.requantize.get("incremental", 0) > 0, report.delta.requantize
