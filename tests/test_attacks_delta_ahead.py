@@ -211,3 +211,30 @@ def test_rounds_refused_failed_and_resent_whole_under_every_grad_mode_stay_exact
         assert (report.delta.kind, report.delta.attempts) == (kind, attempts), (i, report.delta)
         assert torch.equal(sender.base.stream, fresh_stream(driver, checks, state)), i
     assert report.delta.requantize.get("incremental", 0) > 0, report.delta.requantize
+
+
+@pytest.mark.parametrize("fmt", ["block_fp8", "mxfp8", "nvfp4"])
+def test_a_full_quantize_under_inference_mode_spread_over_worker_threads_gives_the_same_bytes(fmt):
+    """Found while attacking the look-ahead (the same per-thread inference mode, in the
+    serializers): the fast path spreads a weight's chunks over worker threads
+    (serializers/torch_paths.run_fast), which ran outside the caller's inference mode, so under
+    ``torch.inference_mode()`` with more than one torch thread every multi-chunk quantize -
+    any mode's refit, not only delta - raised ``Inplace update to inference tensor outside
+    InferenceMode``. The bytes must be the plain call's, and a plain call after it still work."""
+    from qstrat.plugins.registry import get_serializer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # two workers, whatever this machine has
+    try:
+        ser = get_serializer(fmt, chunk_elements=256 * 256)
+        w = torch.randn(512, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
+        want = ser.quantize(w)
+        with torch.inference_mode():
+            got = ser.quantize(w)
+        after = ser.quantize(w)
+    finally:
+        torch.set_num_threads(threads)
+    assert want.keys() == got.keys() == after.keys()
+    for k in want:
+        flat = [t.reshape(-1).view(torch.uint8) for t in (want[k], got[k], after[k])]
+        assert torch.equal(flat[0], flat[1]) and torch.equal(flat[0], flat[2]), k
