@@ -119,12 +119,15 @@ def test_a_take_after_close_or_past_the_last_step_raises_instead_of_hanging():
         "LookAhead.take(7): steps are 0..2", got
 
 
-@pytest.mark.parametrize("mode", ["delta", "bounded-delta"])
+@pytest.mark.parametrize("mode", ["atomic", "delta", "bounded-delta"])
 def test_a_trainer_under_inference_mode_refits_over_the_transport_exactly(tiny, mode):
     """Over the transport (two StandaloneReceivers, tests/transport_harness.py): a trainer that
     calls ``RefitSender.refit`` under ``torch.inference_mode()`` got the source's RuntimeError
-    (the stream written outside inference mode by the look-ahead thread) and the round was
-    aborted. A whole round, then a delta round, each exact on both receivers."""
+    in the delta modes (the stream written outside inference mode by the look-ahead thread) and
+    the round was aborted. A whole round, then a delta round (atomic: two whole rounds, the
+    reference: it passed on 5b07e21, the tiny model's weights being one chunk each - the
+    serializers' chunk workers failed only on larger ones: the last test of this module), each exact
+    on both receivers."""
     from transport_harness import connected_sender, counting_receivers
     from transport_harness import held_digests as held, run_digests as want, sign_step as stepped
 
@@ -136,7 +139,8 @@ def test_a_trainer_under_inference_mode_refits_over_the_transport_exactly(tiny, 
                 state = stepped(trainer, 1e-5, step)
                 with torch.inference_mode():
                     report = sender.refit(driver, state)
-                assert report.delta.kind == kind and report.delta.attempts == 1, report.delta
+                if mode != "atomic":
+                    assert report.delta.kind == kind and report.delta.attempts == 1, report.delta
                 assert held(receivers) == [want(driver, state)] * 2
         finally:
             sender.close()
