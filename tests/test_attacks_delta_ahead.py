@@ -155,7 +155,8 @@ def _source_threads_end() -> bool:
     return False
 
 
-FORMATS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8", "nvfp4": {"rules": [{"select": "linear", "serializer": "nvfp4"}]}}
+FORMATS = {"block-fp8": "block-fp8", "mxfp8": "mxfp8",
+           "nvfp4": {"rules": [{"select": "linear", "serializer": "nvfp4"}]}}
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
