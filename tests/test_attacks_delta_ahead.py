@@ -46,10 +46,10 @@ def fresh_stream(driver, checks, state):
     return delta.stream_of(wm, prepared.execute())
 
 
-def refit(sender, driver, checks, state, send=take_all):
+def refit(sender, driver, checks, state, send=take_all, bounded=False):
     prepared = driver.prepare(state, None, checks)
     wm = prepared.results[WIRE_MANIFEST]
-    return sender.refit(wm, prepared.execute(quantize=sender.quantize), send)
+    return sender.refit(wm, prepared.execute(quantize=sender.quantize), send, bounded)
 
 
 @pytest.mark.parametrize("modes", [("inference",) * 3, ("plain", "inference", "plain", "inference"),
@@ -243,3 +243,40 @@ def test_a_full_quantize_under_inference_mode_spread_over_worker_threads_gives_t
     for k in want:
         flat = [t.reshape(-1).view(torch.uint8) for t in (want[k], got[k], after[k])]
         assert torch.equal(flat[0], flat[1]) and torch.equal(flat[0], flat[2]), k
+
+
+@pytest.mark.parametrize("second", ["lost", "refused before data"])
+def test_a_whole_resend_that_fails_after_a_bounded_delta_mix_is_reported_as_the_mix(trajectory, second):
+    """A bounded delta round left a MIX (DeltaMixed: every unit loaded was verified) and the whole
+    resend that repairs it failed too - a receiver lost before any unit of it loaded, or a refusal
+    before any data. The engines still hold the first attempt's MIX, yet the caller got a plain
+    TransportError / WireManifestMismatchError ("nothing loaded"), and after the refusal the
+    sender even kept its old base as if no engine had changed. The error must be a
+    MixedWeightsError naming the MIX (RefitSender's contract: "MixedWeightsError when some rank
+    holds new weights and the round was not committed everywhere"), and the next round whole."""
+    from qstrat.errors import MixedWeightsError, TransportError, WireManifestMismatchError
+
+    driver, checks, states = trajectory
+    sender = DeltaRounds()
+    refit(sender, driver, checks, states[0])
+    attempts = []
+
+    def send(enc, extra):
+        attempts.append(enc.base is not None)
+        if len(attempts) == 1:  # the delta: every bucket sent, then a MIX at the commit vote
+            take_all(enc, extra)
+            exc = delta.DeltaMixed("round not committed: rank 1 did not reconstruct the delta round; the "
+                                   "engines hold a MIX: ranks 1 hold new weights")
+            exc.detail = "ranks 1 hold new weights"
+            raise exc
+        if second == "lost":
+            raise TransportError("broadcast of delta bucket 0/9 failed (a receiver died?)")
+        raise WireManifestMismatchError("round refused before any data")
+
+    with pytest.raises(MixedWeightsError) as err:
+        refit(sender, driver, checks, states[1], lambda enc, extra: send(enc, extra), bounded=True)
+    assert attempts == [True, False]
+    assert "MIX" in str(err.value) and "ranks 1 hold new weights" in str(err.value), str(err.value)
+    assert sender.base is None
+    report = refit(sender, driver, checks, states[2])
+    assert report.delta.kind == "full" and report.delta.reason.startswith("no base"), report.delta
