@@ -68,7 +68,8 @@ def run_reference(ser: Any, w3: torch.Tensor, ctx: Context | None,
 def run_fast(ser: Any, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartSpec, ...],
              check: str | None, source: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
     """``ser.encode_into`` over cache-sized chunks of ``w3`` [E, N, K], one scratch per worker
-    thread (:func:`qstrat.serializers.chunking.chunk_pool`).
+    thread (:func:`qstrat.serializers.chunking.chunk_pool`), each worker under the caller's
+    inference mode (a per-thread torch setting).
 
     Args: check: the tensor's name when non-finite values must raise (found from the block
         maxima), else None; source: the weight as given (``w3`` is it as [E, N, K]), for the
@@ -82,11 +83,15 @@ def run_fast(ser: Any, w3: torch.Tensor, ctx: Context | None, specs: tuple[PartS
         peak = max([encode_chunk(ser, v, scratch, check) for v in views])
     else:
         local = threading.local()
+        # inference mode is per thread: a caller under torch.inference_mode() allocated ``out``
+        # as inference tensors, which a worker outside it may not write in place
+        inference = torch.is_inference_mode_enabled()
 
         def task(view: ChunkView) -> float:
-            if not hasattr(local, "scratch"):
-                local.scratch = Scratch(w3.device)
-            return encode_chunk(ser, view, local.scratch, check)
+            with torch.inference_mode(inference):
+                if not hasattr(local, "scratch"):
+                    local.scratch = Scratch(w3.device)
+                return encode_chunk(ser, view, local.scratch, check)
 
         peak = max(list(chunk_pool(workers).map(task, views)))
     if peak == math.inf:

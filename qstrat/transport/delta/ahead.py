@@ -15,7 +15,11 @@ measured there).
 
 The thread runs with the caller's autograd mode and, where CUDA is initialised, the caller's
 current device and stream (both are per thread in torch), so the source behaves as it would
-on the caller's thread, in the same stream order.
+on the caller's thread, in the same stream order. It runs outside inference mode whatever the
+caller's (torch's default on a new thread): what it writes in place - the round's stream, the
+requantizer's entries - must then be normal tensors, which is why
+:class:`~qstrat.transport.delta.stream.PatchEncoder` allocates the stream outside inference
+mode; a caller under ``torch.inference_mode()`` gets the same bytes.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class LookAhead:
         self._step, self._last = step, last
         self._cond = threading.Condition()
         self._done, self._stop = -1, False  # the last index finished; stop before the next
+        self._over = False  # the thread ran its last step, failed or stopped: waiting would never end
         self._error: BaseException | None = None
         self._seconds = [0.0] * (last + 1)
         self._thread: threading.Thread | None = None
@@ -52,15 +57,20 @@ class LookAhead:
 
     def take(self, k: int) -> float:
         """Wait until ``step(k)`` finished (indices taken in order). Returns the seconds it ran.
-        Raises: what ``step(k)`` raised."""
+        Raises: what ``step(k)`` raised; IndexError for a ``k`` outside ``0..last``; RuntimeError
+        when :meth:`close` stopped the thread before ``step(k)`` (it will never run)."""
+        if not 0 <= k <= self._last:
+            raise IndexError(f"LookAhead.take({k}): steps are 0..{self._last}")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="qstrat-delta-source", daemon=True)
             self._thread.start()
         with self._cond:
-            self._cond.wait_for(lambda: self._done >= k or self._error is not None)
+            self._cond.wait_for(lambda: self._done >= k or self._error is not None or self._over)
             if self._done >= k:
                 return self._seconds[k]
-            raise self._error
+            if self._error is not None:
+                raise self._error
+            raise RuntimeError(f"LookAhead.take({k}): closed before step {k} ran")
 
     def close(self) -> None:
         """Stop before the next step, and wait for the one running (a round that failed part-way:
@@ -71,13 +81,19 @@ class LookAhead:
             self._thread.join()
 
     def _run(self) -> None:
-        """Every step in order, under the caller's autograd mode, CUDA device and stream."""
-        with torch.set_grad_enabled(self._grad):
-            if self._cuda is None:
-                return self._steps()
-            device, stream = self._cuda
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                return self._steps()
+        """Every step in order, under the caller's autograd mode, CUDA device and stream; then
+        wake every :meth:`take` (one waiting for a step that will not run raises)."""
+        try:
+            with torch.set_grad_enabled(self._grad):
+                if self._cuda is None:
+                    return self._steps()
+                device, stream = self._cuda
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    return self._steps()
+        finally:
+            with self._cond:
+                self._over = True
+                self._cond.notify_all()
 
     def _steps(self) -> None:
         for k in range(self._last + 1):

@@ -67,7 +67,8 @@ class DeltaRounds:
         changed: its source failed (the stream was aborted) or the engines refused it before any data
         (:data:`REFUSED_BEFORE_DATA`). Returns ``send``'s report (its ``bytes``: the payloads
         sent) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
-        ``send``."""
+        ``send``; a MixedWeightsError (:func:`still_mixed`) when the whole resend repairing a
+        MIX failed in another way (the engines still hold that MIX)."""
         base, self.base = self.base, None
         if self.requantizer is not None:
             self.requantizer.take_stats()  # this round's counts only (not a failed round's before it)
@@ -91,7 +92,12 @@ class DeltaRounds:
                 what = "refused the delta" if isinstance(exc, delta.DeltaRefused) else "hold a MIX after the delta"
                 reason, attempts, spent = f"the engines {what}: {exc}", 2, (enc.source_s, enc.encode_s)
                 enc = enc.whole()
-                report = send(enc, {"delta": enc.info})
+                try:
+                    report = send(enc, {"delta": enc.info})
+                except Exception as again:  # the engines still hold a MIX left by the delta: say so
+                    if isinstance(exc, delta.DeltaMixed) and not isinstance(again, MixedWeightsError):
+                        raise still_mixed(exc, again) from again
+                    raise
         except REFUSED_BEFORE_DATA:
             enc.close()
             self.base, self.spare = base, enc.stream  # every engine still holds it
@@ -109,3 +115,14 @@ class DeltaRounds:
                            self.requantizer.take_stats() if self.requantizer is not None else {})
         return TransferReport(report.wire_manifest, enc.wire_bytes, report.buckets, report.stream_seconds,
                               time.perf_counter() - t0, info)
+
+
+def still_mixed(first: delta.DeltaMixed, again: Exception) -> MixedWeightsError:
+    """The error of a bounded delta round whose delta left a MIX (``first``) and whose whole
+    resend, sent to repair it, failed with ``again`` (not itself a MixedWeightsError): the
+    engines still hold that MIX, so a MixedWeightsError naming both (``detail``: the first
+    attempt's)."""
+    mixed = MixedWeightsError(f"{first}; the whole round sent again to repair that MIX failed: "
+                              f"{type(again).__name__}: {again}")
+    mixed.detail = getattr(first, "detail", str(first))
+    return mixed

@@ -57,8 +57,10 @@ class PatchEncoder:
         #: ``update_info["delta"]``: the base's round id (None: a whole round) and this round's.
         self.info: dict[str, Any] = {"base": self.base.round_id if self.base else None,
                                      "round": secrets.token_hex(16)}
-        self.stream = stream if stream is not None else torch.empty(delta.padded_size(target.total_bytes),
-                                                                    dtype=torch.uint8)
+        if stream is None:  # a normal tensor even under the caller's inference mode: the look-ahead
+            with torch.inference_mode(False):  # thread (outside it) writes it, later rounds reuse it
+                stream = torch.empty(delta.padded_size(target.total_bytes), dtype=torch.uint8)
+        self.stream = stream
         self.writer = delta.StreamWriter(target, tensors, self.stream) if tensors is not None else None
         self._ahead = (LookAhead(self._write, len(target.buckets) - 1)
                        if look_ahead and self.writer is not None and target.buckets else None)
