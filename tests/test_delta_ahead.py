@@ -153,3 +153,43 @@ def test_the_sender_bench_runs_both_ways_over_adam_steps_with_the_same_stream_ev
     for r in rows:
         assert r[6] == "True", r  # same bytes
         assert all(float(x) > 0 for x in r[1:6]), r
+
+
+def test_the_switch_interval_is_lowered_while_a_source_thread_runs_and_put_back_after():
+    """The GIL hand-over between the encoder and the source: sys.getswitchinterval() is at most
+    SWITCH_INTERVAL_S while a source thread runs, and the caller's value is back once every one
+    ended (a finished run, a failed step, a close before the end, two at once)."""
+    import sys
+
+    from qstrat.transport.delta.ahead import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        seen, gate = [], threading.Event()
+
+        def step(k):
+            seen.append(sys.getswitchinterval())
+            if k == 1:
+                gate.wait(5)
+
+        one, two = LookAhead(step, 2), LookAhead(lambda k: seen.append(sys.getswitchinterval()), 0)
+        one.take(0)
+        two.take(0)
+        two.close()  # the other one still runs: the interval stays low
+        assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+        gate.set()
+        one.take(2)
+        one.close()
+        assert seen == [SWITCH_INTERVAL_S] * 4 and sys.getswitchinterval() == 0.004
+
+        def failing(k):
+            raise ValueError("source failed")
+
+        bad = LookAhead(failing, 3)
+        with pytest.raises(ValueError):
+            bad.take(0)
+        bad.close()
+        assert sys.getswitchinterval() == 0.004
+    finally:
+        sys.setswitchinterval(before)

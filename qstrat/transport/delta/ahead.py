@@ -13,6 +13,12 @@ their sum; one bucket of look-ahead is not enough, since the source is lumpy (a 
 begins an expert slab quantizes the whole slab; docs/transport.md, "Delta over a real link":
 measured there).
 
+While a source thread runs, the interpreter's switch interval (``sys.setswitchinterval``,
+5 ms by default) is at most :data:`SWITCH_INTERVAL_S`: the encoder and the source hand the GIL
+to each other between torch calls, and at 5 ms each hand-over could stall the other thread for
+that long (measured: the sender's round 3-19 % shorter at 0.5 ms; docs/transport.md). The
+interval in force before is put back when the last running source thread ends.
+
 The thread runs with the caller's autograd mode and, where CUDA is initialised, the caller's
 current device and stream (both are per thread in torch), so the source behaves as it would
 on the caller's thread, in the same stream order. It runs outside inference mode whatever the
@@ -23,6 +29,7 @@ mode; a caller under ``torch.inference_mode()`` gets the same bytes.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +37,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["LookAhead"]
+__all__ = ["LookAhead", "SWITCH_INTERVAL_S"]
+
+#: The switch interval (seconds) while a source thread runs (module docstring).
+SWITCH_INTERVAL_S = 0.0005
+
+_interval_lock = threading.Lock()
+_interval_users = 0
+_interval_saved = 0.0
+
+
+def _switch_fast(on: bool) -> None:
+    """Lower the interpreter's switch interval for the first running source thread (``on``)
+    and put it back after the last one (module docstring)."""
+    global _interval_users, _interval_saved
+    with _interval_lock:
+        if on:
+            if _interval_users == 0:
+                _interval_saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(_interval_saved, SWITCH_INTERVAL_S))
+            _interval_users += 1
+        else:
+            _interval_users -= 1
+            if _interval_users == 0:
+                sys.setswitchinterval(_interval_saved)
 
 
 class LookAhead:
@@ -63,7 +93,12 @@ class LookAhead:
             raise IndexError(f"LookAhead.take({k}): steps are 0..{self._last}")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="qstrat-delta-source", daemon=True)
-            self._thread.start()
+            _switch_fast(True)  # undone by the thread when it ends
+            try:
+                self._thread.start()
+            except BaseException:
+                _switch_fast(False)
+                raise
         with self._cond:
             self._cond.wait_for(lambda: self._done >= k or self._error is not None or self._over)
             if self._done >= k:
@@ -91,6 +126,7 @@ class LookAhead:
                 with torch.cuda.device(device), torch.cuda.stream(stream):
                     return self._steps()
         finally:
+            _switch_fast(False)
             with self._cond:
                 self._over = True
                 self._cond.notify_all()
