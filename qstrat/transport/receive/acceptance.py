@@ -9,7 +9,7 @@ from qstrat.errors import TransportError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.engine_check import EngineExpectations
 from qstrat.transport.receive.receiver_flag import MixFlag
-from qstrat.transport.receive.receiver import DELTA_MODES, MODES
+from qstrat.transport.protocol import DELTA_MODES, MODES
 from qstrat.transport.wire_manifest import WireManifest, check_against
 
 #: What a receiver accepts: name -> (dtype, shape), or an engine's manifest (EngineExpectations).

@@ -17,6 +17,7 @@ import torch
 
 from qstrat.errors import MixedWeightsError
 from qstrat.transport import protocol
+from qstrat.transport.buckets import slot_tensor
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.wire_manifest import WireManifest, reload_unit
 
@@ -51,13 +52,13 @@ class StreamUnits:
 
     def __init__(self, target: WireManifest, cuts: list[int], on_unit: Callable[[str, Unit], None]) -> None:
         self.on_unit = on_unit
-        starts = [b.stream_offset for b in target.buckets]
+        self._buckets = target.buckets
         slots: dict[str, list] = {}
         end: dict[str, int] = {}
         for s in target.slots:
             u = reload_unit(s.name)
-            slots.setdefault(u, []).append((s, starts[s.bucket] + s.offset))
-            end[u] = max(end.get(u, 0), starts[s.bucket] + s.offset + s.nbytes)
+            slots.setdefault(u, []).append(s)
+            end[u] = max(end.get(u, 0), target.buckets[s.bucket].stream_offset + s.offset + s.nbytes)
         #: Per bucket, the units whose last byte lies below its patch's end (wire order).
         self.completes: dict[int, list[str]] = {}
         for u in slots:  # dict order: wire order of each unit's first tensor
@@ -74,8 +75,9 @@ class StreamUnits:
         ``stream`` (1-D uint8, the rebuilt stream). Returns None, or the failure
         ``(status ERROR, message)`` when a load raised (the units handed before it stay)."""
         for u in self.completes.get(k, []):
-            tensors = [(s.name, stream[at:at + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape))
-                       for s, at in self._slots[u]]
+            # each tensor as a staged bucket's view would give it (its bucket's slice of the stream)
+            tensors = [(s.name, slot_tensor(s, stream[b.stream_offset:b.stream_offset + b.nbytes]))
+                       for s in self._slots[u] for b in (self._buckets[s.bucket],)]
             self.handed.append(u)
             try:
                 self.on_unit(u, tensors)
