@@ -25,8 +25,9 @@ device or format, a format without :attr:`~qstrat.serializers.format_math.Format
 (a plugin's), more than :attr:`Requantizer.max_fraction` of the elements changed, a non-finite
 changed value or group amax (the full quantize raises its error, or keeps its NaN/inf
 semantics under ``nonfinite="propagate"``: a weight holding NaN/inf keeps no entry), block
-maxima above the format's ``decode_check_above``, or a moved global scale. Any exception drops
-the entry.
+maxima above the format's ``decode_check_above``, a moved global scale, or a re-encoded block
+scale that is NaN/inf or E8M0's 0xFF under ``nonfinite="error"`` (a plugin's format: the full
+quantize then refuses it with its own message). Any exception drops the entry.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from qstrat.serializers.base import Serializer
-from qstrat.serializers.finite import check_emitted_scales, scale_values_ok
+from qstrat.serializers.finite import scale_values_ok
 from qstrat.transport.delta.encoding import bits_view, changed_elements
 
 __all__ = ["Requantizer", "block_maxima", "changed_elements"]
@@ -79,7 +80,6 @@ class Requantizer:
     def __init__(self, max_fraction: float = 0.125) -> None:
         self.max_fraction = _fraction(max_fraction)
         self._entries: dict[Any, _Entry] = {}
-        self._suspect = False  # the call's re-encoded scales hold a NaN/inf (a plugin's format)
         #: Counts since :meth:`take_stats`: ``elements``, ``changed``, ``blocks_touched``,
         #: ``blocks_rescaled``, ``encoded`` (codes re-encoded), ``incremental`` (calls), and
         #: ``whole:<why>`` per whole quantize.
@@ -107,7 +107,7 @@ class Requantizer:
         re-encoding only what changed since this ``key``'s last call. The returned parts are the
         entry's own tensors: read them before the next call with ``key`` (which updates them in
         place). Raises: as :meth:`Serializer.quantize` (the entry is then dropped)."""
-        entry, self._suspect = self._entries.pop(key, None), False
+        entry = self._entries.pop(key, None)
         w3 = w.detach() if w.dim() == 3 else w.detach().unsqueeze(0)
         self.stats["elements"] += w3.numel()
         why = _unusable(entry, ser, w3, context)
@@ -117,8 +117,6 @@ class Requantizer:
                 why = parts
             else:
                 out = parts if w.dim() == 3 else {k: v.squeeze(0) for k, v in parts.items()}
-                if self._suspect:  # a re-encoded scale is NaN/inf: refused as a full quantize refuses it
-                    check_emitted_scales(ser, out, name, w.numel())
                 self._entries[key] = entry
                 self.stats["incremental"] += 1
                 return out
@@ -178,8 +176,9 @@ class Requantizer:
         scales = bits_view(entry.parts[ser.scale_part].view(-1))
         scale = scale.to(entry.parts[ser.scale_part].dtype)
         # only these scales are new (the others passed a check when emitted): a plugin's NaN/inf
-        # scale is refused by quantize() with the full quantize's message
-        self._suspect = ser.options.nonfinite == "error" and not scale_values_ok(ser, ser.scale_part, scale)
+        # scale goes the whole way, whose quantize refuses it with its own message
+        if ser.options.nonfinite == "error" and not scale_values_ok(ser, ser.scale_part, scale):
+            return "non-finite scale"
         scale = bits_view(scale)
         rescaled = scale != scales.index_select(0, touched)
         n_rescaled = int(rescaled.sum())
