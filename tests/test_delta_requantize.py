@@ -14,6 +14,7 @@ from properties import CASES, PROPS, weights
 from qstrat.errors import NonFiniteError
 from qstrat.serializers.bf16 import BF16
 from qstrat.serializers.nvfp4 import NVFP4
+from qstrat.transport.delta.encoding import bits_view, changed_values
 from qstrat.transport.delta.requantize import Requantizer, block_maxima, changed_elements
 
 QUANTIZED = [c for c in CASES if c[1] is not BF16]
@@ -179,6 +180,10 @@ def test_changed_elements_and_block_maxima_against_their_oracles():
         want = torch.nonzero(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
                              != b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)).reshape(-1)
         assert torch.equal(changed_elements(b, a), want)
+        idx, new_bits, old_bits = changed_values(b, a)  # the values, read from the compared words
+        assert torch.equal(idx, want)
+        assert torch.equal(new_bits, bits_view(b)[want]) and torch.equal(old_bits, bits_view(a)[want])
+        assert new_bits.dtype == bits_view(b).dtype
     from qstrat.serializers.block_fp8 import BlockFP8
 
     w = torch.randn(2, 200, 130, generator=g)

@@ -41,7 +41,7 @@ import torch
 
 from qstrat.serializers.base import Serializer
 from qstrat.serializers.finite import scale_values_ok
-from qstrat.transport.delta.encoding import bits_view, changed_elements
+from qstrat.transport.delta.encoding import bits_view, changed_elements, changed_values
 
 __all__ = ["Requantizer", "block_maxima", "changed_elements"]
 
@@ -135,7 +135,7 @@ class Requantizer:
         (``entry`` is then stale: the caller drops it)."""
         ser, prev, amax = entry.ser, entry.prev, entry.amax
         new = w3 if w3.is_contiguous() else w3.contiguous()
-        idx = changed_elements(new, prev)
+        idx, new_bits, old_bits = changed_values(new, prev)
         m = idx.numel()
         self.stats["changed"] += m
         if m > self.max_fraction * new.numel():
@@ -143,9 +143,8 @@ class Requantizer:
         if m == 0:
             group = _group_amax(ser, amax, context)
             return entry.parts if _same(group, entry.group_amax) else "global scale moved"
-        flat_new, flat_prev = new.view(-1), prev.view(-1)
-        raw = flat_new.index_select(0, idx)
-        values = raw.float()
+        flat_new = new.view(-1)
+        values = new_bits.view(new.dtype).float()
         if not bool(torch.isfinite(values).all()):  # the full path's error, or its NaN/inf semantics
             return "non-finite"
         grid = _Grid(ser, new.shape)
@@ -160,12 +159,12 @@ class Requantizer:
         mag = values.abs()
         new_amax = torch.zeros_like(old_amax).scatter_reduce_(0, where, mag, "amax")
         torch.maximum(new_amax, old_amax, out=new_amax)
-        old_mag = flat_prev.index_select(0, idx).float().abs_()
+        old_mag = old_bits.view(new.dtype).float().abs_()
         lost = (old_mag == old_amax.index_select(0, where)) & (mag < old_mag)
         if bool(lost.any()):
             again = torch.unique(where[lost])
             new_amax[again] = grid.maxima(new, touched[again])
-        amax.view(-1)[touched] = new_amax
+        amax.view(-1).index_copy_(0, touched, new_amax)
         if bool(new_amax.max() > ser.decode_check_above):
             return "near float32's max"
         group = _group_amax(ser, amax, context)
@@ -197,18 +196,21 @@ class Requantizer:
             first = torch.bitwise_and(idx, -2)
             lead = torch.ones_like(first, dtype=torch.bool)
             lead[1:] = first[1:] != first[:-1]
-            first, pair_where = first[lead], where[lead]
+            leads = torch.nonzero(lead).reshape(-1)  # no boolean-mask indexing (slower)
+            first, pair_where = first.index_select(0, leads), where.index_select(0, leads)
             elements = torch.stack([first, first + 1], 1).reshape(-1)
             mult = multiplier.index_select(0, pair_where).repeat_interleave(2)
             x = flat_new.index_select(0, elements).float()
         else:
             elements, mult, x = idx, multiplier.index_select(0, where), values
         codes = ser.codes(x, mult)
+        # scatter_, not index assignment (3x faster here); an index repeated by a ragged edge
+        # block is the same element with the same code
         if ser.codes_per_byte == 2:
-            weight[elements[0::2] // 2] = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8)
+            weight.scatter_(0, elements[0::2] >> 1, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8))
         else:
-            weight.view(torch.uint8)[elements] = codes.view(torch.uint8)
-        flat_prev[idx] = raw
+            weight.view(torch.uint8).scatter_(0, elements, codes.view(torch.uint8))
+        bits_view(prev.view(-1)).scatter_(0, idx, new_bits)
         self.stats["blocks_touched"] += touched.numel()
         self.stats["blocks_rescaled"] += n_rescaled
         self.stats["encoded"] += elements.numel()
@@ -239,12 +241,11 @@ class _Grid:
     def block_of(self, idx: torch.Tensor) -> torch.Tensor:
         """Flat block index ([E, NB, KB] order) of each flat element index."""
         if self.br == 1 and self.k % self.bc == 0:  # 1 x bc blocks tile each row: flat order
-            shift = self.bc.bit_length() - 1
-            return idx >> shift if 1 << shift == self.bc else idx // self.bc
-        rows = idx // self.k
+            return _div(idx, self.bc)
+        rows = _div(idx, self.k)
         col = idx - rows * self.k
-        e = rows // self.n
-        return e * self.per_matrix + ((rows - e * self.n) // self.br) * self.kb + col // self.bc
+        e = _div(rows, self.n)
+        return e * self.per_matrix + _div(rows - e * self.n, self.br) * self.kb + _div(col, self.bc)
 
     def elements(self, blocks: torch.Tensor) -> torch.Tensor:
         """Flat element indices of every element of ``blocks`` ([len, br * bc] flattened; a
@@ -262,6 +263,13 @@ class _Grid:
         flat = w.view(-1)
         return torch.cat([flat[self.elements(blocks[i:i + step])].float().abs().view(-1, self.br * self.bc).amax(1)
                           for i in range(0, blocks.numel(), step)])
+
+
+def _div(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t // d`` for non-negative int64 ``t``: a shift when ``d`` is a power of two (int64
+    division is the slow step of :meth:`_Grid.block_of`; block sizes and most sizes are)."""
+    shift = d.bit_length() - 1
+    return t >> shift if 1 << shift == d else t // d
 
 
 def block_maxima(ser: Serializer, w3: torch.Tensor) -> torch.Tensor:
