@@ -308,3 +308,54 @@ def test_an_incremental_round_refuses_an_e8m0_nan_byte_as_a_full_quantize_does()
     y[5, 32:64] = 1.0
     same_bytes(rq.quantize(ser, "w", y), MXFP8().quantize(y))
     assert rq.stats["whole:first round"] == 2  # the entry was dropped: quantized whole again
+
+
+# ---- the compare split over two threads (one torch intra-op thread, inputs of 8 MiB or more) ----
+
+def _brute(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(bits_view(new).reshape(-1) != bits_view(old).reshape(-1)).reshape(-1)
+
+
+@pytest.mark.parametrize("words", [16, 24, 1 << 10])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_the_split_compare_equals_the_oracle_on_both_halves_and_their_seam(monkeypatch, words, dtype):
+    from qstrat.transport.delta import encoding
+
+    monkeypatch.setattr(encoding, "SPLIT_WORDS", 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    n = words * 8 // torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(words)
+    old = torch.randint(0, 255, (n * torch.tensor([], dtype=dtype).element_size(),), generator=g,
+                        dtype=torch.uint8).view(dtype)
+    for at in ([0], [n - 1], [n // 2 - 1, n // 2], list(range(n))[::7], []):  # ends, the seam, many, none
+        new = old.clone()
+        bits_view(new)[at] = bits_view(new)[at] ^ 1
+        idx, nb, ob = changed_values(new, old)
+        want = _brute(new, old)
+        assert torch.equal(idx, want) and torch.equal(nb, bits_view(new)[want]) and torch.equal(ob, bits_view(old)[want])
+
+
+def test_the_split_compare_runs_under_inference_mode_and_raises_the_helpers_error(monkeypatch):
+    """The helper thread runs outside the caller's inference mode (torch's default on a new
+    thread): it only reads the two tensors, so a caller under inference_mode gets the same
+    result; what the helper raises is raised on the caller's thread."""
+    from qstrat.transport.delta import encoding
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    n = encoding.SPLIT_WORDS * 4 + 64  # bf16: just over the threshold
+    with torch.inference_mode():
+        old = torch.randn(n).bfloat16()
+        new = old.clone()
+        new[::1001] += 1
+        idx, nb, ob = changed_values(new, old)
+    assert torch.equal(idx, _brute(new, old)) and idx.numel() == len(range(0, n, 1001))
+    real = encoding._changed_words
+
+    def fail_later_half(a, *args):
+        if a.storage_offset():  # the helper's half
+            raise MemoryError("helper out of memory")
+        return real(a, *args)
+
+    monkeypatch.setattr(encoding, "_changed_words", fail_later_half)
+    with pytest.raises(MemoryError, match="helper out of memory"):
+        changed_values(new, old)

@@ -32,6 +32,7 @@ exactly as a full round's staged tensors.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -207,12 +208,54 @@ def changed_values(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, 
         idx = torch.nonzero(nb != ob).reshape(-1)
         return idx, nb.index_select(0, idx), ob.index_select(0, idx)
     a, b = nb.view(torch.int64), ob.view(torch.int64)
+    if a.numel() >= SPLIT_WORDS and a.device.type == "cpu" and torch.get_num_threads() == 1:
+        return _split(a, b, nb.dtype, per)
+    return _changed_words(a, b, nb.dtype, per)
+
+
+#: int64 words per side from which :func:`changed_values` compares the second half on a helper
+#: thread while the caller compares the first (CPU tensors, one torch intra-op thread: the
+#: transport's setting on a shared host, where torch's own parallel ops are off). The compare
+#: reads both tensors once and is bound by one core's memory bandwidth; a requantizer's input
+#: of 8 MiB or more is worth a thread (docs/transport.md, "The compare on two threads").
+SPLIT_WORDS = 1 << 20
+
+
+def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_changed_words` of ``a``/``b`` in two halves at once: the later half on a new
+    thread (it only reads them; what it raises is raised here), the first on this one."""
+    half = a.numel() // 16 * 8  # whole groups of 8 words on either side
+    later: list[Any] = []
+
+    def run() -> None:
+        try:
+            later.append(_changed_words(a[half:], b[half:], dtype, per))
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+            later.append(exc)
+
+    helper = threading.Thread(target=run, name="qstrat-compare", daemon=True)
+    helper.start()
+    try:
+        first = _changed_words(a[:half], b[:half], dtype, per)
+    finally:
+        helper.join()
+    if isinstance(later[0], BaseException):
+        raise later[0]
+    idx, new, old = later[0]
+    return (torch.cat([first[0], idx + half * per]), torch.cat([first[1], new]), torch.cat([first[2], old]))
+
+
+def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`changed_values` of two int64 word views (a multiple of 8 words) whose elements
+    are ``per`` per word, of ``dtype``."""
     ne = a != b
     hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)
     row, col = torch.nonzero(ne.view(-1, 8).index_select(0, hot)).unbind(1)
     words = (hot.index_select(0, row) << 3) | col
-    wa = a.gather(0, words).view(nb.dtype)
-    wb = b.gather(0, words).view(nb.dtype)
+    wa = a.gather(0, words).view(dtype)
+    wb = b.gather(0, words).view(dtype)
     row, col = torch.nonzero((wa != wb).view(-1, per)).unbind(1)
     at = row * per + col  # the changed elements among the changed words' elements
     return words.index_select(0, row) * per + col, wa.index_select(0, at), wb.index_select(0, at)
