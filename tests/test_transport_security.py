@@ -50,7 +50,8 @@ def oracle(payload: bytes, seed: int) -> tuple[int, int, int]:
     return signed[0], signed[1], n
 
 
-@pytest.mark.parametrize("n", [0, 5, 8 * cs.ROW_WORDS, 2 * 8 * cs.ROW_WORDS + 13])
+@pytest.mark.parametrize("n", [0, 5, 8 * cs.ROW_WORDS, 2 * 8 * cs.ROW_WORDS + 13,
+                               (cs._CACHE_ROWS + 1) * 8 * cs.ROW_WORDS + 3])  # two row blocks
 def test_checksum_equals_the_formula(n):
     g = torch.Generator().manual_seed(n)
     x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)

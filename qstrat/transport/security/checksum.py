@@ -10,13 +10,16 @@ the order of summation, so every device and every reduction order gives the same
   ``r1, r2`` (one odd int64 per row), drawn from a CPU ``torch.Generator`` seeded with the
   seed, so the keys are the same wherever the payload lives (they are moved to its device);
 * ``h1 = sum_r r1[r] * sum_j c1[j] * W[r, j]`` and ``h2 = sum_j c2[j] * sum_r r2[r] * W[r, j]``
-  (a keyed bilinear form read along rows, and one read along columns), and the checksum is
-  ``(h1, h2, n)``.
+  (two keyed bilinear forms), and the checksum is ``(h1, h2, n)``.
 
-Why this form: it is two matrix-vector products over a zero-copy int64 view of the payload, the
+Why this form: it is matrix-vector products over a zero-copy int64 view of the payload, the
 fastest exact reduction torch has on CPU (``torch.mv`` on int64; figures against ``zlib.crc32``
 in docs/transport.md and ``scripts/bench_transport.py``), and a multiply + sum on CUDA (where integer ``mv`` is not
-implemented: same formula, same value, memory-bound). Detection: every word has an odd weight in
+implemented: same formula, same value, memory-bound). Both forms are computed along rows
+(``h2 = sum_r r2[r] * sum_j c2[j] * W[r, j]``: the same value, sums modulo 2**64 commute), a
+block of :data:`_CACHE_ROWS` rows at a time, so each block is read from memory once and its
+second product reads it from cache (one pass over the payload instead of two: ~25 % less time
+for 64 MiB here, docs/transport.md). Detection: every word has an odd weight in
 both forms, so any change confined to one word changes both; for random keys a change whose
 lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``
 (multilinear hashing modulo 2**64: high-bit-only changes are the weak case). It replaces CRC-32
@@ -37,6 +40,8 @@ ROW_WORDS = 4096
 _ROW_BYTES = 8 * ROW_WORDS
 #: Rows reduced per step on a device without integer ``mv`` (bounds the temporary to 32 MiB).
 _ROWS_PER_STEP = 128
+#: Rows per block on CPU (512 KiB: the second product of a block reads it from cache).
+_CACHE_ROWS = 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,7 +89,7 @@ class Checksum:
         self.n, self.done, self.device = n, 0, device
         self.c1, self.r1, self.c2, self.r2 = (k.to(device) for k in _keys(seed, _rows_for(n)))
         self.h1 = torch.zeros((), dtype=torch.int64, device=device)
-        self.col = torch.zeros(ROW_WORDS, dtype=torch.int64, device=device)
+        self.h2 = torch.zeros((), dtype=torch.int64, device=device)
 
     def update(self, piece: torch.Tensor) -> None:
         """Add the next ``piece`` of the payload (1-D contiguous uint8 on the device)."""
@@ -109,14 +114,15 @@ class Checksum:
 
     def _rows(self, words: torch.Tensor, row0: int) -> None:
         rows = words.shape[0]
-        self.h1 = self.h1 + _dot(_row_sums(words, self.c1), self.r1[row0:row0 + rows])
-        self.col = self.col + _col_sums(words, self.r2[row0:row0 + rows])
+        s1, s2 = _row_sums(words, self.c1, self.c2)
+        self.h1 = self.h1 + _dot(s1, self.r1[row0:row0 + rows])
+        self.h2 = self.h2 + _dot(s2, self.r2[row0:row0 + rows])
 
     def value(self) -> tuple[int, int, int]:
         """``(h1, h2, n)`` (module docstring). Raises ValueError before all ``n`` bytes were fed."""
         if self.done != self.n:
             raise ValueError(f"checksum: {self.done} of {self.n} bytes fed")
-        a, b = torch.stack([self.h1, _dot(self.col, self.c2)]).tolist()
+        a, b = torch.stack([self.h1, self.h2]).tolist()
         return int(a), int(b), self.n
 
 
@@ -124,22 +130,22 @@ def _integer_mv(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _row_sums(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``words @ keys`` modulo 2**64 (int64[rows])."""
+def _row_sums(words: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words @ k1, words @ k2)`` modulo 2**64 (int64[rows] each), reading ``words`` once."""
+    rows = words.shape[0]
+    s1 = torch.empty(rows, dtype=torch.int64, device=words.device)
+    s2 = torch.empty(rows, dtype=torch.int64, device=words.device)
     if _integer_mv(words.device):
-        return torch.mv(words, keys)
-    out = [(words[i:i + _ROWS_PER_STEP] * keys).sum(1) for i in range(0, words.shape[0], _ROWS_PER_STEP)]
-    return torch.cat(out)
-
-
-def _col_sums(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``keys @ words`` modulo 2**64 (int64[ROW_WORDS])."""
-    if _integer_mv(words.device):
-        return torch.mv(words.t(), keys)
-    acc = torch.zeros(words.shape[1], dtype=torch.int64, device=words.device)
-    for i in range(0, words.shape[0], _ROWS_PER_STEP):
-        acc += (words[i:i + _ROWS_PER_STEP] * keys[i:i + _ROWS_PER_STEP, None]).sum(0)
-    return acc
+        for i in range(0, rows, _CACHE_ROWS):
+            block = words[i:i + _CACHE_ROWS]
+            torch.mv(block, k1, out=s1[i:i + _CACHE_ROWS])
+            torch.mv(block, k2, out=s2[i:i + _CACHE_ROWS])
+        return s1, s2
+    for i in range(0, rows, _ROWS_PER_STEP):
+        block = words[i:i + _ROWS_PER_STEP]
+        s1[i:i + _ROWS_PER_STEP] = (block * k1).sum(1)
+        s2[i:i + _ROWS_PER_STEP] = (block * k2).sum(1)
+    return s1, s2
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
