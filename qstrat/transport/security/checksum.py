@@ -17,7 +17,7 @@ fastest exact reduction torch has on CPU (``torch.mv`` on int64; figures against
 in docs/transport.md and ``scripts/bench_transport.py``), and a multiply + sum on CUDA (where integer ``mv`` is not
 implemented: same formula, same value, memory-bound). Both forms are computed along rows
 (``h2 = sum_r r2[r] * sum_j c2[j] * W[r, j]``: the same value, sums modulo 2**64 commute), a
-block of :data:`_CACHE_ROWS` rows at a time, so each block is read from memory once and its
+block of :data:`_CACHE_ROWS` rows (1 MiB) at a time, so each block is read from memory once and its
 second product reads it from cache (one pass over the payload instead of two: ~25 % less time
 for 64 MiB here, docs/transport.md). Detection: every word has an odd weight in
 both forms, so any change confined to one word changes both; for random keys a change whose
@@ -40,8 +40,8 @@ ROW_WORDS = 4096
 _ROW_BYTES = 8 * ROW_WORDS
 #: Rows reduced per step on a device without integer ``mv`` (bounds the temporary to 32 MiB).
 _ROWS_PER_STEP = 128
-#: Rows per block on CPU (512 KiB: the second product of a block reads it from cache).
-_CACHE_ROWS = 16
+#: Rows per block on CPU (1 MiB: the second product of a block reads it from this core's cache).
+_CACHE_ROWS = 32
 
 
 @functools.lru_cache(maxsize=64)
