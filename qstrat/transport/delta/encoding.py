@@ -213,37 +213,47 @@ def changed_values(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, 
     return _changed_words(a, b, nb.dtype, per)
 
 
-#: int64 words per side from which :func:`changed_values` compares the second half on a helper
-#: thread while the caller compares the first (CPU tensors, one torch intra-op thread: the
-#: transport's setting on a shared host, where torch's own parallel ops are off). The compare
-#: reads both tensors once and is bound by one core's memory bandwidth; a requantizer's input
-#: of 8 MiB or more is worth a thread (docs/transport.md, "The compare on two threads").
+#: int64 words per side from which :func:`changed_values` compares on two threads at once, the
+#: caller's and a helper (CPU tensors, one torch intra-op thread: the transport's setting on a
+#: shared host, where torch's own parallel ops are off). The compare reads both tensors once and
+#: is bound by one core's memory bandwidth; a requantizer's input of 8 MiB or more is worth a
+#: thread (docs/transport.md, "The compare on two threads").
 SPLIT_WORDS = 1 << 20
 
 
 def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_changed_words` of ``a``/``b`` in two halves at once: the later half on a new
-    thread (it only reads them; what it raises is raised here), the first on this one."""
-    half = a.numel() // 16 * 8  # whole groups of 8 words on either side
-    later: list[Any] = []
+    """:func:`_changed_words` of ``a``/``b`` in pieces of ``SPLIT_WORDS // 4`` words, which this
+    thread and a new helper thread take in turn until none is left (under load one of the two
+    gets less of a core: neither waits long for the other). The helper only reads the two
+    tensors; what it raises is raised here, after it stopped."""
+    size = max(8, SPLIT_WORDS // 4 // 8 * 8)  # whole groups of 8 words
+    starts = range(0, a.numel(), size)
+    done: list[Any] = [None] * len(starts)
+    order = iter(range(len(starts)))  # next() on a range iterator is atomic under the GIL
+    failed: list[BaseException] = []
 
-    def run() -> None:
-        try:
-            later.append(_changed_words(a[half:], b[half:], dtype, per))
-        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
-            later.append(exc)
+    def work() -> None:
+        for i in order:
+            if failed:
+                return
+            lo = starts[i]
+            try:
+                done[i] = _changed_words(a[lo:lo + size], b[lo:lo + size], dtype, per)
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
+                failed.append(exc)
+                return
 
-    helper = threading.Thread(target=run, name="qstrat-compare", daemon=True)
+    helper = threading.Thread(target=work, name="qstrat-compare", daemon=True)
     helper.start()
     try:
-        first = _changed_words(a[:half], b[:half], dtype, per)
+        work()
     finally:
         helper.join()
-    if isinstance(later[0], BaseException):
-        raise later[0]
-    idx, new, old = later[0]
-    return (torch.cat([first[0], idx + half * per]), torch.cat([first[1], new]), torch.cat([first[2], old]))
+    if failed:
+        raise failed[0]
+    return (torch.cat([idx + lo * per for (idx, _, _), lo in zip(done, starts)]),
+            torch.cat([d[1] for d in done]), torch.cat([d[2] for d in done]))
 
 
 def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
