@@ -336,6 +336,13 @@ def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(
     sender.close()
 
 
+def whole_payload(target) -> int:
+    """The payload bytes of ``target``'s round sent whole: per bucket its digest, patch header,
+    tile table and raw tiles."""
+    tiles = [(hi - lo) // delta.TILE for lo, hi in zip(delta.cuts(target), delta.cuts(target)[1:])]
+    return sum(delta.DIGEST_BYTES + 32 + 5 * t + t * delta.TILE for t in tiles)
+
+
 @pytest.mark.parametrize("mode", ["delta", "bounded-delta"])
 def test_a_base_from_another_trainer_turns_the_round_whole_with_the_reason(receivers, tiny, mode):
     """Trainer 1 holds base r1; a restarted trainer 2 refits (whole: no base) -> the engines hold
@@ -355,6 +362,7 @@ def test_a_base_from_another_trainer_turns_the_round_whole_with_the_reason(recei
     d = report.delta
     assert d.kind == "full" and d.attempts == 2, d
     assert "the engines refused the delta: delta refused before any data" in d.reason, d.reason
+    assert d.wire_bytes == report.bytes == whole_payload(report.wire_manifest)  # the delta sent nothing
     assert "rank 1 does not hold the delta round's base" in d.reason and "rank 2 does not hold" in d.reason
     assert held(receivers) == [want(driver, stepped(trainer_a, 1e-5, 1))] * 2
     per_round = len({reload_unit(s.name) for s in report.wire_manifest.slots}) if mode == "bounded-delta" else 1
@@ -392,10 +400,13 @@ def test_a_corrupted_base_is_refused_before_loading_and_the_round_sent_whole(rec
     receivers[1].ctl.call("corrupt_base")
     before = loads(receivers)
     trainer = stepped(trainer_a, 1e-5, 2)
-    d = sender.refit(driver, trainer).delta
+    report = sender.refit(driver, trainer)
+    d = report.delta
     assert d.kind == "full" and d.attempts == 2, d
     assert "delta refused, nothing loaded: rank 2 did not reconstruct the delta round to the trainer's digests" \
         in d.reason, d.reason
+    # both attempts went on the wire: the refused delta's payloads, then the whole round's
+    assert d.wire_bytes == report.bytes > whole_payload(report.wire_manifest), d
     assert [a - b for a, b in zip(loads(receivers), before)] == [1, 1]
     assert held(receivers) == [want(driver, trainer)] * 2
     sender.close()

@@ -66,7 +66,7 @@ class DeltaRounds:
         round again whole, from its stream. A round that raises leaves no base, unless no engine
         changed: its source failed (the stream was aborted) or the engines refused it before any data
         (:data:`REFUSED_BEFORE_DATA`). Returns ``send``'s report (its ``bytes``: the payloads
-        sent) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
+        sent, over both attempts when there were two) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
         ``send``; a MixedWeightsError (:func:`still_mixed`) when the whole resend repairing a
         MIX failed in another way (the engines still hold that MIX)."""
         base, self.base = self.base, None
@@ -82,7 +82,7 @@ class DeltaRounds:
         size = delta.padded_size(target.total_bytes)
         enc = PatchEncoder(target, tensors, base, spare if spare is not None and spare.numel() == size else None,
                            look_ahead=True)
-        attempts, spent = 1, (0.0, 0.0)
+        attempts, spent = 1, (0.0, 0.0, 0)
         try:
             try:
                 report = send(enc, {"delta": enc.info})
@@ -90,7 +90,8 @@ class DeltaRounds:
                 if isinstance(exc, delta.DeltaMixed) and not (bounded and enc.complete):
                     raise
                 what = "refused the delta" if isinstance(exc, delta.DeltaRefused) else "hold a MIX after the delta"
-                reason, attempts, spent = f"the engines {what}: {exc}", 2, (enc.source_s, enc.encode_s)
+                reason, attempts = f"the engines {what}: {exc}", 2
+                spent = (enc.source_s, enc.encode_s, enc.wire_bytes)  # the delta's payloads sent before the refusal
                 enc = enc.whole()
                 try:
                     report = send(enc, {"delta": enc.info})
@@ -110,10 +111,10 @@ class DeltaRounds:
                 self.requantizer.clear()  # no state of a failed round is trusted: the next one quantizes whole
             raise
         self.base, self.spare = enc.new_base(), base.stream if base is not None else None
-        info = DeltaReport(enc.kind, reason, target.total_bytes, enc.wire_bytes, enc.tiles,
+        info = DeltaReport(enc.kind, reason, target.total_bytes, spent[2] + enc.wire_bytes, enc.tiles,
                            spent[0] + enc.source_s, spent[1] + enc.encode_s, self.base.nbytes, attempts,
                            self.requantizer.take_stats() if self.requantizer is not None else {})
-        return TransferReport(report.wire_manifest, enc.wire_bytes, report.buckets, report.stream_seconds,
+        return TransferReport(report.wire_manifest, info.wire_bytes, report.buckets, report.stream_seconds,
                               time.perf_counter() - t0, info)
 
 

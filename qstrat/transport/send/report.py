@@ -40,8 +40,10 @@ class DeltaReport:
     (every tile raw); ``reason``: why it went full (None: it did not, or every tile was simply
     smaller raw), e.g. ``no base ...`` or ``the engines refused the delta: ...`` (a stale base or
     a digest mismatch: the round was then sent again, whole); ``full_bytes``: the full round's
-    payload (the target wire manifest's); ``wire_bytes``: the payload sent (the delta wire
-    manifest's: header, tile table and patch); ``tiles``: tiles per encoding (``rle``,
+    payload (the target wire manifest's); ``wire_bytes``: the payload bytes sent (digests,
+    patch headers, tile tables and patches; with ``attempts == 2`` both rounds' payloads: a
+    delta refused in the commit vote went on the wire before the whole round, one refused in
+    the accept vote did not); ``tiles``: tiles per encoding (``rle``,
     ``bitmap``, ``raw``; :mod:`qstrat.transport.delta.encoding`); ``encode_s``: wall seconds comparing
     the round's stream with the base, digesting it and making the patch of the round sent;
     ``source_s``: the rest of the wall seconds until the round was encoded (quantizing into
