@@ -226,7 +226,8 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
     """:func:`_changed_words` of ``a``/``b`` in pieces of ``SPLIT_WORDS // 4`` words, which this
     thread and a new helper thread take in turn until none is left (under load one of the two
     gets less of a core: neither waits long for the other). The helper only reads the two
-    tensors; what it raises is raised here, after it stopped."""
+    tensors; what it raises is raised here, after it stopped. A helper that cannot start
+    (RuntimeError from ``Thread.start``): the whole compare on this thread."""
     size = max(8, SPLIT_WORDS // 4 // 8 * 8)  # whole groups of 8 words
     starts = range(0, a.numel(), size)
     done: list[Any] = [None] * len(starts)
@@ -245,7 +246,10 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
                 return
 
     helper = threading.Thread(target=work, name="qstrat-compare", daemon=True)
-    helper.start()
+    try:
+        helper.start()
+    except RuntimeError:  # no thread to be had (a process at its thread limit): the helper is only a speed-up
+        return _changed_words(a, b, dtype, per)
     try:
         work()
     finally:
