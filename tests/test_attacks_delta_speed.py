@@ -127,3 +127,100 @@ def test_a_helper_thread_that_cannot_start_does_not_refuse_the_compare(split, mo
     for g_, w_ in zip(got, brute(new, old)):
         assert torch.equal(g_, w_)
     assert got[0].tolist() == [3, 5000, 16383]
+
+
+# ---- a refused-then-whole round's bytes: every payload the (fake, in-process) wire carried ----
+
+def _round_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randint(0, 256, (3 * T + 11,), dtype=torch.uint8, generator=g),
+            "b": torch.randint(0, 256, (T // 2,), dtype=torch.uint8, generator=g)}
+
+
+def _stepped(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {n: t.clone() for n, t in state.items()}
+    out["a"][:: 997] ^= 1
+    return out
+
+
+@pytest.mark.parametrize(("refusal", "bounded"), [("commit", False), ("commit", True), ("accept", False),
+                                                  ("mix", True), (None, False)])
+def test_delta_rounds_report_every_payload_the_wire_carried(refusal, bounded):
+    """DeltaRounds over a fake ``send`` that sends (encodes) every bucket, except when it refuses
+    in the accept vote (before any payload): the report's bytes and wire_bytes are the sum of the
+    payloads that send saw, over both attempts."""
+    from qstrat.transport.delta.rounds import DeltaRounds
+    from qstrat.transport.send.report import TransferReport
+
+    target = build_wire_manifest([("a", "uint8", (3 * T + 11,)), ("b", "uint8", (T // 2,))], 2 * T, 16)
+    seen: list[int] = []
+    calls = [0]
+
+    def send(enc: PatchEncoder, info: dict) -> TransferReport:
+        calls[0] += 1
+        first = calls[0] == 2  # the second round's first attempt (the first round has no base: whole)
+        if first and refusal == "accept":
+            raise delta.DeltaRefused("rank 1 does not hold the delta round's base")
+        enc.start(None, bytes(32))
+        sizes = [enc.payload(k).numel() for k in range(len(target.buckets))]
+        seen.extend(sizes)
+        if first and refusal == "commit":
+            raise delta.DeltaRefused("rank 1 did not reconstruct the delta round to the trainer's digests")
+        if first and refusal == "mix":
+            raise delta.DeltaMixed("ranks [1] hold new weights")
+        return TransferReport(target, sum(sizes), len(sizes), 0.0, 0.0)
+
+    rounds = DeltaRounds(incremental=False)
+    state = _round_state(3)
+    rounds.refit(target, iter(state.items()), send, bounded)
+    seen.clear()
+    report = rounds.refit(target, iter(_stepped(state).items()), send, bounded)
+    d = report.delta
+    assert d.attempts == (1 if refusal is None else 2)
+    assert report.bytes == d.wire_bytes == sum(seen)
+    assert torch.equal(rounds.base.stream, delta.stream_of(target, _stepped(state).items()))
+
+
+def test_a_delta_mesh_round_refused_at_the_commit_vote_reports_both_attempts_wire_bytes(monkeypatch):
+    """DeltaMeshSender.send over a fake MeshSender.send (each pair's encoder made as
+    ``_pair_head`` makes it, every bucket encoded as the wire would carry it): a delta refused at
+    the commit vote went on the wire before the whole resend, so the DeltaReport's wire_bytes
+    (``attempts == 2``: both rounds' payloads, report.py) is the sum of every payload sent."""
+    from qstrat.transport.mesh import pair_delta
+    from qstrat.transport.mesh.sender import MeshReport, MeshSender
+
+    target = build_wire_manifest([("a", "uint8", (3 * T + 11,)), ("b", "uint8", (T // 2,))], 2 * T, 16)
+    states = {r: _round_state(10 + r) for r in (0, 1)}
+    seen: list[int] = []
+    refuse = [False]
+
+    def fake_send(self, outputs, tensors) -> MeshReport:
+        sent = {}
+        for r in (0, 1):
+            enc = self._resend.get(r) if self._resend is not None else None
+            if enc is None:
+                base = None if self._resend is not None else self.bases.get(r)
+                enc = PatchEncoder(target, iter(states[r].items()), base)
+            self._encoders[r] = enc
+            enc.start(None, bytes(32))
+            sizes = [enc.payload(k).numel() for k in range(len(target.buckets))]
+            seen.extend(sizes)
+            sent[self.senders + r] = sum(sizes)
+        if refuse[0]:
+            refuse[0] = False
+            raise delta.DeltaRefused("rank 2: delta bucket 0: the rebuilt digest differs, nothing loaded")
+        return MeshReport(sent, 0.0, 0.0)
+
+    monkeypatch.setattr(MeshSender, "send", fake_send)
+    sender = object.__new__(pair_delta.DeltaMeshSender)
+    sender.senders, sender.bases, sender._encoders, sender._resend = 2, {}, {}, None
+    assert sender.send([], iter(())).delta.attempts == 1  # the first round: whole (no bases)
+    states = {r: _stepped(s) for r, s in states.items()}
+    seen.clear()
+    refuse[0] = True
+    report = sender.send([], iter(()))
+    d = report.delta
+    assert d.attempts == 2 and d.kind == "full"
+    delta_bytes = sum(seen[:2 * len(target.buckets)])
+    assert 0 < delta_bytes < d.full_bytes
+    assert d.wire_bytes == sum(seen)

@@ -354,18 +354,20 @@ class DeltaMeshSender(MeshSender):
         Returns: the ``MeshReport`` of the round committed (``sent``: the patches' bytes per engine
         rank) with ``delta``: this rank's pairs together (a
         :class:`~qstrat.transport.send.report.DeltaReport`: kind, why whole, wire and full bytes,
-        tiles, ``attempts``); ``seconds`` cover both attempts. Raises: as ``MeshSender.send``.
+        tiles, ``attempts``); ``seconds`` and the DeltaReport's ``wire_bytes`` cover both attempts
+        (``sent``: the round committed). Raises: as ``MeshSender.send``.
         """
         t0, outputs = time.perf_counter(), list(outputs)
         self._encoders, self._resend = {}, None
-        attempts, reason, spent = 1, None, (0.0, 0.0)
+        attempts, reason, spent = 1, None, (0.0, 0.0, 0)
         try:
             try:
                 report = super().send(outputs, tensors)
             except delta.DeltaRefused as exc:
                 first = self._encoders
                 reason, attempts = f"the engine ranks refused the delta: {exc}", 2
-                spent = (sum(e.source_s for e in first.values()), sum(e.encode_s for e in first.values()))
+                spent = (sum(e.source_s for e in first.values()), sum(e.encode_s for e in first.values()),
+                         sum(e.wire_bytes for e in first.values()))  # the delta's payloads sent before the refusal
                 self._resend = {r: e.whole() for r, e in first.items()}
                 rest = iter(()) if all(e.complete for e in first.values()) else tensors
                 self._encoders = {}
@@ -386,7 +388,8 @@ class DeltaMeshSender(MeshSender):
             for kind, count in e.tiles.items():
                 tiles[kind] = tiles.get(kind, 0) + count
         info = DeltaReport("full" if set(tiles) <= {"raw"} else "delta", reason,
-                           sum(e.target.total_bytes for e in encs.values()), sum(e.wire_bytes for e in encs.values()),
+                           sum(e.target.total_bytes for e in encs.values()),
+                           spent[2] + sum(e.wire_bytes for e in encs.values()),
                            tiles, spent[0] + sum(e.source_s for e in encs.values()),
                            spent[1] + sum(e.encode_s for e in encs.values()),
                            sum(b.nbytes for b in self.bases.values()), attempts)
