@@ -224,3 +224,80 @@ def test_a_delta_mesh_round_refused_at_the_commit_vote_reports_both_attempts_wir
     delta_bytes = sum(seen[:2 * len(target.buckets)])
     assert 0 < delta_bytes < d.full_bytes
     assert d.wire_bytes == sum(seen)
+
+
+# ---- the requantizer on the split compare: every step a full quantize's bytes ----
+
+def _requantize_cases():
+    from qstrat.serializers.block_fp8 import BlockFP8
+    from qstrat.serializers.mxfp8 import MXFP8
+    from qstrat.serializers.nvfp4 import NVFP4
+
+    return [(BlockFP8, {}, (1, 130, 96)), (BlockFP8, {}, (2, 129, 544)), (BlockFP8, {"ue8m0": True}, (3, 7, 200)),
+            (MXFP8, {}, (1, 33, 96)), (MXFP8, {"scale_rounding": "floor"}, (2, 70, 160)), (MXFP8, {}, (1, 5, 1568)),
+            (NVFP4, {}, (1, 33, 96)), (NVFP4, {}, (2, 70, 160)), (NVFP4, {}, (3, 17, 48))]
+
+
+@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_requantizer_on_the_split_compare_gives_a_full_quantizes_bytes_every_step(split, case, dtype):
+    """Non-power-of-two and ragged N/K, 3-D expert slabs, each edit kind (raised and lowered
+    block maxima: rescaled blocks), a transposed (non-contiguous) 2-D input and one tensor
+    edited in place under two keys."""
+    from test_delta_requantize import EDITS, edit, same_bytes
+
+    from qstrat.transport.delta.requantize import Requantizer
+
+    cls, options, shape = _requantize_cases()[case]
+    ser = cls(**options)
+    g = torch.Generator().manual_seed(case)
+    w = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-3, 4, (*shape[:2], 1), generator=g).float()))
+    w = w.to(dtype)
+    rq = Requantizer(max_fraction=0.5)
+    alias = w[0].clone()  # quantized under keys "x" and "y", edited in place between rounds
+    for step, kind in enumerate(["few", *EDITS, "few", "lower_max"]):
+        w = edit(w, kind, step) if step else w
+        same_bytes({k: v.clone() for k, v in rq.quantize(ser, "w", w).items()}, ser.quantize(w))
+        alias.copy_(edit(alias, kind, 100 + step))
+        for key in ("x", "y"):
+            same_bytes({k: v.clone() for k, v in rq.quantize(ser, key, alias).items()}, ser.quantize(alias))
+    assert rq.stats["incremental"] > 0 and rq.stats["blocks_rescaled"] > 0, dict(rq.stats)
+    if shape[1] % 16 == 0 or cls.__name__ == "BlockFP8":  # a transposed view (its K is the slab's N)
+        rows = w[0].clone()
+        rq2 = Requantizer()
+        for step in range(3):
+            rows = edit(rows, "few", step) if step else rows
+            t = rows.t()
+            same_bytes({k: v.clone() for k, v in rq2.quantize(ser, "t", t).items()}, ser.quantize(t))
+
+
+# ---- the checksum's row blocks: the formula's value at and around block ends, fed in pieces ----
+
+@pytest.mark.parametrize("integer_mv", [True, False])
+@pytest.mark.parametrize(("rows", "tail"), [(31, 0), (32, 0), (33, 5), (0, 1), (0, 0), (1, 0)])
+def test_checksum_row_blocks_fed_in_pieces_equal_the_formula(monkeypatch, integer_mv, rows, tail):
+    from test_transport_security import oracle
+
+    from qstrat.transport.security import checksum as cs
+
+    monkeypatch.setattr(cs, "_integer_mv", lambda device: integer_mv)
+    n = rows * cs._ROW_BYTES + tail
+    x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    for seed in (0, 2**63 - 1):
+        want = oracle(bytes(x.tolist()), seed)
+        assert cs.checksum(x, seed) == want
+        buf = torch.empty(n + 3, dtype=torch.uint8)
+        buf[3:] = x
+        assert cs.checksum(buf[3:], seed) == want  # an unaligned view
+        for cut in ([1], [31, 1], [32], [17, 5, 9]):
+            state, at = cs.Checksum(seed, n, x.device), 0
+            for c in cut:
+                m = min(c * cs._ROW_BYTES, n - at)
+                if m <= 0 or at + m >= n:
+                    break
+                piece = torch.empty(m + 1, dtype=torch.uint8)[1:]  # an unaligned piece
+                piece.copy_(x[at:at + m])
+                state.update(piece)
+                at += m
+            state.update(x[at:])
+            assert state.value() == want, cut
