@@ -120,6 +120,22 @@ def test_a_plugin_format_with_its_own_rule_is_the_engines_format():
         engine_format({"quant_method": "toy", "bits": 2}, reg)
 
 
+def test_get_serializer_finds_a_plugin_format_in_the_registry_it_is_given_only():
+    """A format registered in a registry of its own (not installed): get_serializer(registry=)
+    builds it with its options checked, and this process's registry still does not know it."""
+    from qstrat.errors import ConfigError
+    from qstrat.plugins.registry import get_serializer
+
+    reg = Registry(plugins=[_plugin(_Toy)])
+    ser = get_serializer(_Toy.name, registry=reg)
+    assert type(ser) is _Toy and ser.name == _Toy.name
+    assert type(get_serializer("mxfp8", registry=reg, scale_rounding="floor")).__name__ == "MXFP8"
+    with pytest.raises(ConfigError, match=rf"unknown serializer '{_Toy.name}'"):
+        get_serializer(_Toy.name)
+    with pytest.raises(ConfigError, match=r"serializer 'mxfp8' options.*scale_rounding"):
+        get_serializer("mxfp8", registry=reg, scale_rounding="sideways")
+
+
 def test_two_formats_serving_one_config_are_refused_not_guessed():
     class Twin(_Toy):
         name = "toy_twin"

@@ -242,14 +242,18 @@ def get_registry() -> Registry:
     return _REGISTRY
 
 
-def get_serializer(name: str, **options: Any) -> Serializer:
+def get_serializer(name: str, *, registry: Registry | None = None, **options: Any) -> Serializer:
     """A serializer by registry name, e.g. ``get_serializer("mxfp8", scale_rounding="floor")``.
+
+    ``registry``: where ``name`` is looked up (None: this process's, :func:`get_registry`; a
+    ``Registry(plugins=[...])``: a plugin's format without installing it, as
+    ``RefitDriver(..., registry=)`` takes it).
 
     Raises: ConfigError (unknown name or invalid options, naming the option).
     """
     from pydantic import ValidationError
 
     try:
-        return get_registry().serializer(name, **options)
+        return (registry if registry is not None else get_registry()).serializer(name, **options)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, prefix=f"serializer {name!r} options")) from exc
