@@ -57,6 +57,12 @@ class TransportError(QstratError):
     engine, unless it is a :class:`MixedWeightsError`."""
 
 
+class TransportConfigError(TransportError, ConfigError):
+    """A sender was built with an invalid argument (a mode, a rank), before any connection: both
+    a :class:`TransportError` (what the transport raised for it before) and a
+    :class:`ConfigError`; the message names the argument and the valid values."""
+
+
 class WireManifestMismatchError(TransportError):
     """A wire manifest (:mod:`qstrat.transport.wire_manifest`: where each tensor lies in a transfer
     round; not the engine manifest) is malformed or does not match what the receiving engine accepts;

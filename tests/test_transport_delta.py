@@ -498,8 +498,16 @@ def test_restarted_receivers_get_a_whole_round(tiny):
 
 
 def test_a_delta_sender_refuses_send_and_an_unknown_mode_is_named():
-    with pytest.raises(TransportError, match=r"mode 'sparse': use 'atomic', 'bounded', 'delta' or 'bounded-delta'"):
+    from qstrat.errors import ConfigError, TransportConfigError
+    from qstrat.transport.mesh.refit import MeshRefitSender
+
+    with pytest.raises(TransportError, match=r"mode 'sparse': use 'atomic', 'bounded', 'delta' or 'bounded-delta'") as bad:
         RefitSender([], "127.0.0.1", 1, mode="sparse")
+    assert isinstance(bad.value, TransportConfigError) and isinstance(bad.value, ConfigError)  # a bad argument
+    with pytest.raises(ConfigError, match=r"MeshRefitSender mode 'bounded-delta': use 'atomic', 'bounded' or 'delta'"):
+        MeshRefitSender(0, 1, "127.0.0.1", 1, mode="bounded-delta")
+    with pytest.raises(TransportConfigError, match=r"MeshRefitSender: rank 2 of 2 senders"):
+        MeshRefitSender(2, 2, "127.0.0.1", 1)
     s = RefitSender([], "127.0.0.1", 1, mode="delta")
     with pytest.raises(TransportError, match=r"a delta-mode sender sends through refit\(\)"):
         s.send(None, iter(()))

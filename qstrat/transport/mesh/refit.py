@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import MixedWeightsError, TransportError
+from qstrat.errors import MixedWeightsError, TransportConfigError, TransportError
 from qstrat.transport.security.auth import PROTOCOL_VERSION, sign_init
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
 from qstrat.transport.send.fanout import EngineClients, call, listed
@@ -73,7 +73,7 @@ class MeshRefitSender:
                  secret: Secret | bytes | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  alignment: int = DEFAULT_ALIGNMENT, mode: str = "atomic", staged_bytes: int | None = None) -> None:
         if not 0 <= rank < senders or (clients and rank != 0):
-            raise TransportError(f"MeshRefitSender: rank {rank} of {senders} senders (only rank 0 drives the "
+            raise TransportConfigError(f"MeshRefitSender: rank {rank} of {senders} senders (only rank 0 drives the "
                                  "engines' clients)")
         self.rank, self.senders, self.address, self.port = rank, senders, master_address, master_port
         workers = list(workers_per_client or [1] * len(clients))
@@ -83,7 +83,7 @@ class MeshRefitSender:
         self.secret = Secret.coerce(secret) if secret is not None else Secret.from_env()
         self.bucket_bytes, self.alignment = bucket_bytes, alignment
         if mode not in ("atomic", "bounded", "delta"):
-            raise TransportError(f"MeshRefitSender mode {mode!r}: use 'atomic', 'bounded' or 'delta'")
+            raise TransportConfigError(f"MeshRefitSender mode {mode!r}: use 'atomic', 'bounded' or 'delta'")
         #: How the engine ranks load: a delta round's pairs are patches, loaded as an atomic round.
         self.load_mode = "atomic" if mode == "delta" else mode
         routes_for([], senders, [], bucket_bytes, alignment, self.load_mode, staged_bytes)  # checked up front

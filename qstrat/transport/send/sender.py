@@ -34,8 +34,8 @@ import torch
 
 from qstrat.execute.driver import RefitDriver
 from qstrat.vllm.checks.engine_manifest import model_tensors_check
-from qstrat.errors import (InputMismatchError, MixedWeightsError, PlanError, TransferAuthError, TransportError,
-                           WireManifestMismatchError)
+from qstrat.errors import (InputMismatchError, MixedWeightsError, PlanError, TransferAuthError, TransportConfigError,
+                           TransportError, WireManifestMismatchError)
 from qstrat.execute.named_tensors import NamedTensors, as_tensor_dict
 from qstrat.plan import RefitPlan
 from qstrat.execute.prepare import PreparedRefit, SinkCheck
@@ -101,7 +101,7 @@ class RefitSender:
                  workers_per_client: Sequence[int] | None = None,
                  secret: Secret | bytes | str | None = None, mode: str = "atomic", incremental: bool = True) -> None:
         if mode not in MODES:
-            raise TransportError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded', 'delta' or 'bounded-delta'")
+            raise TransportConfigError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded', 'delta' or 'bounded-delta'")
         self.mode = mode
         self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self._warned = False
