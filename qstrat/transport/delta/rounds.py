@@ -66,9 +66,10 @@ class DeltaRounds:
         round again whole, from its stream. A round that raises leaves no base, unless no engine
         changed: its source failed (the stream was aborted) or the engines refused it before any data
         (:data:`REFUSED_BEFORE_DATA`). Returns ``send``'s report (its ``bytes``: the payloads
-        sent, over both attempts when there were two) with a :class:`DeltaReport`, and the seconds since ``tensors`` began. Raises: as
-        ``send``; a MixedWeightsError (:func:`still_mixed`) when the whole resend repairing a
-        MIX failed in another way (the engines still hold that MIX)."""
+        sent, over both attempts when there were two) with a :class:`DeltaReport`, and the
+        seconds since ``tensors`` began. Raises: as ``send``; a MixedWeightsError
+        (:func:`still_mixed`) when the whole resend repairing a MIX failed in another way (the
+        engines still hold that MIX)."""
         base, self.base = self.base, None
         if self.requantizer is not None:
             self.requantizer.take_stats()  # this round's counts only (not a failed round's before it)

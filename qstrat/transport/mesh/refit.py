@@ -73,8 +73,8 @@ class MeshRefitSender:
                  secret: Secret | bytes | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  alignment: int = DEFAULT_ALIGNMENT, mode: str = "atomic", staged_bytes: int | None = None) -> None:
         if not 0 <= rank < senders or (clients and rank != 0):
-            raise TransportConfigError(f"MeshRefitSender: rank {rank} of {senders} senders (only rank 0 drives the "
-                                 "engines' clients)")
+            raise TransportConfigError(f"MeshRefitSender: rank {rank} of {senders} senders (only rank 0 drives "
+                                       "the engines' clients)")
         self.rank, self.senders, self.address, self.port = rank, senders, master_address, master_port
         workers = list(workers_per_client or [1] * len(clients))
         self.world_size = senders + sum(workers)

@@ -132,20 +132,17 @@ def _integer_mv(device: torch.device) -> bool:
 
 def _row_sums(words: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(words @ k1, words @ k2)`` modulo 2**64 (int64[rows] each), reading ``words`` once."""
-    rows = words.shape[0]
-    s1 = torch.empty(rows, dtype=torch.int64, device=words.device)
-    s2 = torch.empty(rows, dtype=torch.int64, device=words.device)
-    if _integer_mv(words.device):
-        for i in range(0, rows, _CACHE_ROWS):
-            block = words[i:i + _CACHE_ROWS]
-            torch.mv(block, k1, out=s1[i:i + _CACHE_ROWS])
-            torch.mv(block, k2, out=s2[i:i + _CACHE_ROWS])
-        return s1, s2
-    for i in range(0, rows, _ROWS_PER_STEP):
-        block = words[i:i + _ROWS_PER_STEP]
-        s1[i:i + _ROWS_PER_STEP] = (block * k1).sum(1)
-        s2[i:i + _ROWS_PER_STEP] = (block * k2).sum(1)
-    return s1, s2
+    rows, mv = words.shape[0], _integer_mv(words.device)
+    step = _CACHE_ROWS if mv else _ROWS_PER_STEP
+    sums = torch.empty(2, rows, dtype=torch.int64, device=words.device)
+    for i in range(0, rows, step):
+        block = words[i:i + step]
+        for keys, out in zip((k1, k2), sums[:, i:i + step]):
+            if mv:
+                torch.mv(block, keys, out=out)
+            else:
+                out.copy_((block * keys).sum(1))
+    return sums[0], sums[1]
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
