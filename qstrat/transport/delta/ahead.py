@@ -91,14 +91,7 @@ class LookAhead:
         when :meth:`close` stopped the thread before ``step(k)`` (it will never run)."""
         if not 0 <= k <= self._last:
             raise IndexError(f"LookAhead.take({k}): steps are 0..{self._last}")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="qstrat-delta-source", daemon=True)
-            _switch_fast(True)  # undone by the thread when it ends
-            try:
-                self._thread.start()
-            except BaseException:
-                _switch_fast(False)
-                raise
+        self.start()
         with self._cond:
             self._cond.wait_for(lambda: self._done >= k or self._error is not None or self._over)
             if self._done >= k:
@@ -106,6 +99,30 @@ class LookAhead:
             if self._error is not None:
                 raise self._error
             raise RuntimeError(f"LookAhead.take({k}): closed before step {k} ran")
+
+    @property
+    def started(self) -> bool:
+        """Whether the thread was started (by :meth:`start` or a :meth:`take`)."""
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Start the thread now, if it is not running yet (:meth:`take` starts it otherwise); a
+        step it raises in is raised by that step's :meth:`take`. Raises: RuntimeError when no
+        thread can be started. Does nothing after :meth:`close`."""
+        if self._thread is not None:
+            return
+        if self._stop:  # closed before it ran: a take() of any step raises at once
+            with self._cond:
+                self._over = True
+            return
+        thread = threading.Thread(target=self._run, name="qstrat-delta-source", daemon=True)
+        _switch_fast(True)  # undone by the thread when it ends
+        try:
+            thread.start()
+        except BaseException:
+            _switch_fast(False)
+            raise
+        self._thread = thread
 
     def close(self) -> None:
         """Stop before the next step, and wait for the one running (a round that failed part-way:

@@ -86,6 +86,7 @@ class DeltaRounds:
         attempts, spent = 1, (0.0, 0.0, 0)
         try:
             try:
+                enc.begin()  # the source quantizes while the engines answer the accept vote
                 report = send(enc, {"delta": enc.info})
             except (delta.DeltaRefused, delta.DeltaMixed) as exc:
                 if isinstance(exc, delta.DeltaMixed) and not (bounded and enc.complete):
@@ -94,6 +95,7 @@ class DeltaRounds:
                 reason, attempts = f"the engines {what}: {exc}", 2
                 spent = (enc.source_s, enc.encode_s, enc.wire_bytes)  # the delta's payloads sent before the refusal
                 enc = enc.whole()
+                enc.begin()
                 try:
                     report = send(enc, {"delta": enc.info})
                 except Exception as again:  # the engines still hold a MIX left by the delta: say so

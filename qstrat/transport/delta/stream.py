@@ -73,6 +73,14 @@ class PatchEncoder:
         self.done, self.source_error = 0, None
         self._sealer: Sealer | None = None
 
+    def begin(self) -> None:
+        """Start the look-ahead's source now (a round's sender calls this before the engines'
+        accept vote, so the first buckets are quantized while they answer; without a look-ahead:
+        nothing). A refusal before any data then finds the source running: :meth:`whole` waits
+        for it to write the whole stream and :meth:`close` stops it."""
+        if self._ahead is not None:
+            self._ahead.start()
+
     def start(self, secret: Secret | None, mac: bytes) -> None:
         """Key the digests for the round whose MAC is ``mac`` (before the first :meth:`payload`)."""
         self._sealer = delta.digest_sealer(secret, mac, self.info)
@@ -133,7 +141,15 @@ class PatchEncoder:
     def whole(self) -> PatchEncoder:
         """The same round for a whole resend (every tile raw): from this round's stream once
         complete, else from its source when no bucket was encoded yet (refused before any data).
-        Raises: TransportError when the round stopped part-way (its source is spent)."""
+        Raises: TransportError when the round stopped part-way (its source is spent); what the
+            source raised, when it ran ahead (:meth:`begin`) and failed (:attr:`source_error`)."""
+        if not self.done and self._ahead is not None and self._ahead.started:
+            try:  # the source ran ahead of the refusal: let it write the rest of the stream
+                self._ahead.take(len(self.target.buckets) - 1)
+            except BaseException as exc:
+                self.source_error = exc
+                raise
+            return PatchEncoder(self.target, None, None, self.stream)
         self.close()
         if self.complete:
             return PatchEncoder(self.target, None, None, self.stream)
