@@ -435,6 +435,27 @@ def test_a_base_corrupted_under_a_later_bucket_is_caught_by_that_buckets_digest_
     sender.close()
 
 
+def test_a_senders_base_changed_in_its_memory_is_caught_and_the_round_sent_whole(receivers, tiny):
+    """The sender's digests come from the row sums it kept for its base plus the changed words
+    (qstrat.transport.delta.digest): a byte of its base flipped in memory after the round makes
+    a digest no receiver's bytes give, so the delta is refused in the commit vote, nothing is
+    loaded, the round goes again whole and both engines end exact."""
+    driver, trainer_a, _, _ = tiny
+    sender = sender_for(receivers)
+    sender.refit(driver, trainer_a)
+    sender.delta_rounds.base.stream[123] ^= 0x04
+    before = loads(receivers)
+    trainer = stepped(trainer_a, 1e-5, 4)
+    d = sender.refit(driver, trainer).delta
+    assert d.kind == "full" and d.attempts == 2, d
+    assert "did not reconstruct the delta round to the trainer's digests" in d.reason, d.reason
+    assert [a - b for a, b in zip(loads(receivers), before)] == [1, 1]
+    assert held(receivers) == [want(driver, trainer)] * 2
+    d = sender.refit(driver, stepped(trainer, 1e-5, 5)).delta  # the whole round's sums describe its stream
+    assert d.kind == "delta" and d.attempts == 1, d
+    sender.close()
+
+
 def test_a_trainer_speaking_the_old_delta_wire_format_is_refused_before_any_data(receivers, tiny):
     """Protocol 3 changed a delta round's wire format (one patch per bucket instead of two blobs
     after the whole round): an update_info naming protocol 2 (an older trainer) is refused in the

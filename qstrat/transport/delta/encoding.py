@@ -51,7 +51,8 @@ KINDS = ("rle", "bitmap", "raw")
 RLE, BITMAP, RAW = range(3)
 PATCH_MAGIC = 0x5153_4454_4150  # "QSDTAP"
 _HEAD = 32
-_DIGEST_DOMAIN = b"qstrat delta digest v3"
+_DIGEST_DOMAIN = b"qstrat delta digest v4"
+_DIGEST_COLUMNS = b"qstrat delta digest columns v4"
 
 
 class DeltaError(TransportError):
@@ -91,6 +92,9 @@ class Base:
     #: round ``parent`` differs from this one only there. None: unknown (a whole round).
     parent: str | None = None
     changes: list[Changes] | None = None
+    #: A sender's base: the column seed and per bucket the row sums its digests were made from
+    #: (:class:`qstrat.transport.delta.digest.RegionDigests`); None: not kept.
+    row_sums: tuple[int, list[Any]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -446,11 +450,14 @@ def patch_limit(tiles: int) -> int:
     return DIGEST_BYTES + _HEAD + 5 * tiles + 3 * tiles * TILE
 
 
-def digest_sealer(secret: Secret | None, mac: bytes, info: dict[str, Any]) -> Sealer:
+def digest_sealer(secret: Secret | None, mac: bytes, info: dict[str, Any], layout: str) -> Sealer:
     """The sealer of a delta round's per-bucket digests: the keyed device checksum
-    (:mod:`qstrat.transport.security.checksum`, its keys drawn from ``secret`` and a key made of SHA-256
-    of a domain string, the round MAC and the round's two ids - ``info``: ``{"base", "round"}`` -
-    so a digest binds the round, its base and the new base's id), sealed as a bucket.
+    (:mod:`qstrat.transport.security.checksum`), sealed as a bucket. Its row keys are drawn from
+    ``secret`` and a key made of SHA-256 of a domain string, the round MAC and the round's two
+    ids (``info``: ``{"base", "round"}``), so a digest binds the round, its base and the new
+    base's id; its column keys from ``secret`` and the layout (``layout``: the wire manifest's
+    digest), the same every round of that layout, so the sender can bring its row sums up to
+    date from the changed words alone (:mod:`qstrat.transport.delta.digest`).
 
     The checksum, not the bucket MAC, with or without a secret: the digest checks that the
     receiver's REBUILT bytes are the trainer's (a base out of step, a fault in memory: accidents),
@@ -460,6 +467,7 @@ def digest_sealer(secret: Secret | None, mac: bytes, info: dict[str, Any]) -> Se
     key = hashlib.sha256(_DIGEST_DOMAIN + mac + ids).digest()
     sealer = Sealer(None, key, torch.device("cpu"))
     sealer.seed = checksum_seed(secret, key)
+    sealer.column_seed = checksum_seed(secret, hashlib.sha256(_DIGEST_COLUMNS + layout.encode()).digest())
     return sealer
 
 

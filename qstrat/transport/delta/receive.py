@@ -54,7 +54,7 @@ class PatchDecoder:
         reuse = spare is not None and spare.numel() == size
         self.stream = spare if reuse else torch.empty(size, dtype=torch.uint8)
         self.cuts = delta.cuts(target)
-        self.sealer = delta.digest_sealer(secret, mac, info)
+        self.sealer = delta.digest_sealer(secret, mac, info, target.digest)
         b = self.base
         #: Per bucket the bytes taking ``spare`` to the base (None: copy the base's regions).
         self.catch_up = (b.changes if reuse and b is not None and spare_round is not None and b.parent == spare_round

@@ -23,6 +23,7 @@ import torch
 from qstrat.errors import TransportError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.delta.ahead import LookAhead
+from qstrat.transport.delta.digest import RegionDigests
 from qstrat.transport import protocol
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.security.keys import Secret
@@ -71,7 +72,7 @@ class PatchEncoder:
         self.wire_bytes, self.source_s, self.encode_s = 0, 0.0, 0.0
         #: Buckets encoded so far; what the source raised (the round was then aborted).
         self.done, self.source_error = 0, None
-        self._sealer: Sealer | None = None
+        self._digests: RegionDigests | None = None
 
     def begin(self) -> None:
         """Start the look-ahead's source now (a round's sender calls this before the engines'
@@ -83,7 +84,8 @@ class PatchEncoder:
 
     def start(self, secret: Secret | None, mac: bytes) -> None:
         """Key the digests for the round whose MAC is ``mac`` (before the first :meth:`payload`)."""
-        self._sealer = delta.digest_sealer(secret, mac, self.info)
+        sealer = delta.digest_sealer(secret, mac, self.info, self.target.digest)
+        self._digests = RegionDigests(sealer, self.base.row_sums if self.base is not None else None)
 
     def payload(self, k: int) -> torch.Tensor:
         """Bucket ``k``'s payload (1-D uint8 CPU: digest, then patch), buckets in order.
@@ -97,8 +99,9 @@ class PatchEncoder:
         lo, hi = self.cuts[k], self.cuts[k + 1]
         region = self.stream[lo:hi]
         old = self.base.stream[lo:hi] if self.base is not None else None
-        patch, tiles = delta.encode_patch(region, old)
-        digest = delta.region_digest(self._sealer, k, region)
+        changed = delta.changed_bytes(region, old) if old is not None else None
+        patch, tiles = delta.encode_patch(region, old, changed)
+        digest = self._digests.digest(k, region, old, changed)
         for kind, n in tiles.items():
             self.tiles[kind] = self.tiles.get(kind, 0) + n
         out = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8), patch])
@@ -136,7 +139,8 @@ class PatchEncoder:
 
     def new_base(self) -> delta.Base:
         """The base once every engine committed this round: its id, layout and stream."""
-        return delta.Base(self.info["round"], self.target.digest, self.stream)
+        kept = self._digests.kept() if self._digests is not None and self.complete else None
+        return delta.Base(self.info["round"], self.target.digest, self.stream, row_sums=kept)
 
     def whole(self) -> PatchEncoder:
         """The same round for a whole resend (every tile raw): from this round's stream once

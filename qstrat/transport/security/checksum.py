@@ -24,7 +24,14 @@ both forms, so any change confined to one word changes both; for random keys a c
 lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``
 (multilinear hashing modulo 2**64: high-bit-only changes are the weak case). It replaces CRC-32
 (which needed ``payload.cpu()`` on a GPU) for accident detection in rounds WITHOUT a secret.
-It is not a MAC: adding 2**63 to two words changes each form by ``key * 2**63`` twice, i.e. by
+Column and row keys from two seeds (:class:`Checksum`'s ``column_seed``: a delta round's digest,
+:func:`qstrat.transport.delta.encoding.digest_sealer`): ``c1, c2`` from one seed, ``r1, r2`` from
+the other, the same formula. Then ``h = sum_r r[r] * s[r]`` with the row sums
+``s[r] = sum_j c[j] * W[r, j]`` (:func:`row_sums`), which a sender that keeps them for the bytes
+it sent last can bring up to date from the words that changed alone
+(:func:`patch_row_sums`: ``s[r] += c[j] * (new - old)``, modulo 2**64 as every sum here) and
+combine with a new round's row keys (:func:`from_row_sums`): the value :func:`checksum` gives
+over the new bytes, without reading them. It is not a MAC: adding 2**63 to two words changes each form by ``key * 2**63`` twice, i.e. by
 ``2**64 = 0``, whatever the keys, so an adversary forges it without knowing them. Rounds with a
 secret seal each bucket with the bucket MAC instead (NH + HMAC-SHA256,
 :mod:`qstrat.transport.security.nh`, :mod:`qstrat.transport.security.seal`).
@@ -57,6 +64,72 @@ def _keys(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return c1, draw(rows), c2, draw(rows)
 
 
+@functools.lru_cache(maxsize=8)
+def _column_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU column keys ``(c1, c2)`` (ROW_WORDS odd int64 each) of a column seed."""
+    g = torch.Generator().manual_seed(seed & (2**63 - 1))
+    return tuple(torch.randint(-(2**63), 2**63 - 1, (ROW_WORDS,), dtype=torch.int64, generator=g) | 1
+                 for _ in range(2))
+
+
+@functools.lru_cache(maxsize=64)
+def _row_keys(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU row keys ``(r1, r2)`` (``rows`` odd int64 each) of a row seed, when the column keys
+    have a seed of their own."""
+    g = torch.Generator().manual_seed((seed & (2**63 - 1)) ^ 0x5157_5357)  # not c1's draws for an equal seed
+    return tuple(torch.randint(-(2**63), 2**63 - 1, (rows,), dtype=torch.int64, generator=g) | 1
+                 for _ in range(2))
+
+
+def _split_keys(seed: int, column_seed: int | None, rows: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(c1, r1, c2, r2)``: all from ``seed`` (``column_seed`` None), else columns from
+    ``column_seed`` and rows from ``seed``."""
+    if column_seed is None:
+        return _keys(seed, rows)
+    (c1, c2), (r1, r2) = _column_keys(column_seed), _row_keys(seed, rows)
+    return c1, r1, c2, r2
+
+
+def row_sums(payload: torch.Tensor, column_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row sums ``(s1, s2)`` of ``payload`` under the column keys of ``column_seed``
+    (module docstring): int64 [rows] each, ``s[r] = sum_j c[j] * W[r, j]`` modulo 2**64.
+
+    Args: payload: 1-D contiguous uint8 CPU tensor of whole rows (a multiple of
+        ``8 * ROW_WORDS`` bytes; a delta stream's regions are whole tiles of that size), its
+        storage offset a multiple of 8 bytes.
+    Raises: ValueError for another tensor.
+    """
+    if (payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous()
+            or payload.numel() % _ROW_BYTES or payload.storage_offset() % 8):
+        raise ValueError(f"row_sums: needs a 1-D contiguous uint8 tensor of whole {_ROW_BYTES}-byte rows at an "
+                         f"8-byte offset, got {payload.dtype} {list(payload.shape)}")
+    c1, c2 = (k.to(payload.device) for k in _column_keys(column_seed))
+    s1, s2 = _row_sums(payload.view(torch.int64).view(-1, ROW_WORDS), c1, c2)
+    return s1, s2
+
+
+def patch_row_sums(sums: tuple[torch.Tensor, torch.Tensor], words: torch.Tensor, change: torch.Tensor,
+                   column_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """New row sums after the int64 words at flat indices ``words`` (int64 [m], distinct) changed
+    by ``change`` (int64 [m]: new word minus old word, modulo 2**64): ``s[r] + c[j] * change``
+    for word ``r * ROW_WORDS + j``. ``sums`` is not changed. Exact: the same values as
+    :func:`row_sums` of the new bytes (sums and products modulo 2**64 commute)."""
+    c1, c2 = _column_keys(column_seed)
+    rows, cols = words // ROW_WORDS, words % ROW_WORDS
+    return tuple(s.index_add(0, rows, c.to(s.device).index_select(0, cols) * change) for s, c in zip(sums, (c1, c2)))
+
+
+def from_row_sums(sums: tuple[torch.Tensor, torch.Tensor], seed: int, n: int) -> tuple[int, int, int]:
+    """The checksum ``(h1, h2, n)`` of ``n`` bytes (whole rows) whose row sums under the column
+    keys of some ``column_seed`` are ``sums``, with the row keys of ``seed``: what
+    :class:`Checksum` ``(seed, n, device, column_seed)`` gives over those bytes."""
+    s1, s2 = sums
+    r1, r2 = (k.to(s1.device) for k in _row_keys(seed, _rows_for(n)))
+    a, b = torch.stack([_dot(s1, r1), _dot(s2, r2)]).tolist()
+    return int(a), int(b), n
+
+
 def _rows_for(n: int) -> int:
     return max(1, -(-n // _ROW_BYTES))
 
@@ -79,15 +152,16 @@ def checksum(payload: torch.Tensor, seed: int = 0) -> tuple[int, int, int]:
 class Checksum:
     """The checksum of ``n`` bytes fed in consecutive pieces (:meth:`update`), e.g. as they arrive:
     the same value as :func:`checksum` over the whole. Every piece but the last must be a multiple
-    of ``8 * ROW_WORDS`` bytes (whole rows).
+    of ``8 * ROW_WORDS`` bytes (whole rows). ``column_seed``: the column keys from that seed and
+    the row keys from ``seed`` (module docstring; None: all keys from ``seed``).
 
     Raises: ValueError (from :meth:`update`) for a piece that is not 1-D contiguous uint8, a
         piece after a partial row, or more than ``n`` bytes in all.
     """
 
-    def __init__(self, seed: int, n: int, device: torch.device) -> None:
+    def __init__(self, seed: int, n: int, device: torch.device, column_seed: int | None = None) -> None:
         self.n, self.done, self.device = n, 0, device
-        self.c1, self.r1, self.c2, self.r2 = (k.to(device) for k in _keys(seed, _rows_for(n)))
+        self.c1, self.r1, self.c2, self.r2 = (k.to(device) for k in _split_keys(seed, column_seed, _rows_for(n)))
         self.h1 = torch.zeros((), dtype=torch.int64, device=device)
         self.h2 = torch.zeros((), dtype=torch.int64, device=device)
 

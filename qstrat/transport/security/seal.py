@@ -40,6 +40,9 @@ class Sealer:
             raise ValueError(f"host bucket MAC: payloads must be in host memory, not on {device}")
         self.secret, self.mac, self.host_mac = secret, mac, host_mac
         self.seed, self.key_device = checksum_seed(secret, mac), device
+        #: The checksum's column keys' own seed (None: from :attr:`seed` as its row keys; a delta
+        #: round's digests: :func:`qstrat.transport.delta.encoding.digest_sealer`).
+        self.column_seed: int | None = None
         self.key = nh.key_from_bytes(nh_key(secret, mac), device) if secret is not None and not host_mac else None
 
     def begin(self, index: int, nbytes: int) -> SealState:
@@ -86,7 +89,7 @@ class SealState:
             self.state: Checksum | nh.NH | Poly1305 = Poly1305(poly1305_key(sealer.secret, sealer.mac, index))
             self.fed = 0
         elif sealer.key is None:
-            self.state = Checksum(sealer.seed, nbytes, sealer.key_device)
+            self.state = Checksum(sealer.seed, nbytes, sealer.key_device, sealer.column_seed)
         else:
             self.state = nh.NH(sealer.key, nbytes)
 
