@@ -56,6 +56,33 @@ def test_split_compare_of_every_width_size_and_offset_equals_the_brute_force(spl
     assert got[0].numel() == int((bits_view(new).reshape(-1) != bits_view(old).reshape(-1)).sum())
 
 
+@pytest.mark.parametrize(("dtype", "offset"), PLACES, ids=[f"{d}-{o}" for d, o in PLACES])
+@pytest.mark.parametrize("nbytes", [0, 8, 136, 64 * 8 * 9])
+@pytest.mark.parametrize("split_it", [True, False], ids=["split", "one-thread"])
+def test_a_compare_that_updates_old_gives_the_same_result_and_leaves_old_equal_to_new(
+        monkeypatch, split_it, dtype, nbytes, offset):
+    """``changed_values(update=True)`` (a requantizer's kept input): the same indices and bits
+    as without it, and afterwards ``old`` holds ``new``'s bits exactly (every path: the split
+    compare's pieces, one thread, the element-wise path of an unaligned view)."""
+    if split_it:
+        monkeypatch.setattr(delta, "SPLIT_WORDS", 16)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    g = torch.Generator().manual_seed(nbytes + offset + 1)
+    raw = torch.randint(0, 256, (nbytes + offset,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw &= 1
+    old = raw[offset:].view(dtype)
+    new, before = old.clone(), raw[:offset].clone()
+    if new.numel():
+        bits_view(new)[torch.randint(0, new.numel(), (max(1, new.numel() // 7),), generator=g)] ^= 1
+    want = brute(new, old)
+    got = changed_values(new, old, update=True)
+    for g_, w_ in zip(got, want):
+        assert g_.dtype == w_.dtype and torch.equal(g_, w_)
+    assert torch.equal(bits_view(old), bits_view(new))
+    assert torch.equal(raw[:offset], before)  # the bytes before the view: untouched
+
+
 def test_split_compare_sees_negative_zero_and_nan_payloads_and_parameters(split):
     old = torch.zeros(4096)
     old[100] = float("nan")

@@ -191,9 +191,13 @@ def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return changed_values(new, old)[0]
 
 
-def changed_values(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def changed_values(new: torch.Tensor, old: torch.Tensor, update: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The elements whose bits differ between ``new`` and ``old`` (contiguous, same shape and
-    dtype), with their bits on each side.
+    dtype), with their bits on each side. ``update``: also write ``new``'s changed words into
+    ``old`` (``old`` then equals ``new``), each piece while it is still in this core's cache
+    from the compare (a requantizer's kept input; a separate scatter afterwards misses the cache
+    once per changed element).
 
     Returns: (sorted flat indices, int64 [m]; ``new``'s and ``old``'s elements there, each [m]
     in :func:`bits_view`'s integer dtype of the elements' width). Compared as int64 words; the
@@ -210,11 +214,14 @@ def changed_values(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, 
     aligned = all(t.storage_offset() * t.element_size() % 8 == 0 for t in (new, old))
     if new.numel() % (8 * per) or not aligned:
         idx = torch.nonzero(nb != ob).reshape(-1)
-        return idx, nb.index_select(0, idx), ob.index_select(0, idx)
+        got = idx, nb.index_select(0, idx), ob.index_select(0, idx)
+        if update:
+            ob.scatter_(0, idx, got[1])
+        return got
     a, b = nb.view(torch.int64), ob.view(torch.int64)
     if a.numel() >= SPLIT_WORDS and a.device.type == "cpu" and torch.get_num_threads() == 1:
-        return _split(a, b, nb.dtype, per)
-    return _changed_words(a, b, nb.dtype, per)
+        return _split(a, b, nb.dtype, per, update)
+    return _changed_words(a, b, nb.dtype, per, update)
 
 
 #: int64 words per side from which :func:`changed_values` compares on two threads at once, the
@@ -225,7 +232,7 @@ def changed_values(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, 
 SPLIT_WORDS = 1 << 20
 
 
-def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
+def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int, update: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_changed_words` of ``a``/``b`` in pieces of ``SPLIT_WORDS // 4`` words, which this
     thread and a new helper thread take in turn until none is left (under load one of the two
@@ -244,7 +251,7 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
                 return
             lo = starts[i]
             try:
-                done[i] = _changed_words(a[lo:lo + size], b[lo:lo + size], dtype, per)
+                done[i] = _changed_words(a[lo:lo + size], b[lo:lo + size], dtype, per, update)
             except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread below
                 failed.append(exc)
                 return
@@ -253,7 +260,7 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
     try:
         helper.start()
     except RuntimeError:  # no thread to be had (a process at its thread limit): the helper is only a speed-up
-        return _changed_words(a, b, dtype, per)
+        return _changed_words(a, b, dtype, per, update)
     try:
         work()
     finally:
@@ -264,16 +271,18 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
             torch.cat([d[1] for d in done]), torch.cat([d[2] for d in done]))
 
 
-def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
+def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int, update: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`changed_values` of two int64 word views (a multiple of 8 words) whose elements
-    are ``per`` per word, of ``dtype``."""
+    are ``per`` per word, of ``dtype`` (``update``: ``b``'s changed words set to ``a``'s)."""
     ne = a != b
     hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)
     row, col = torch.nonzero(ne.view(-1, 8).index_select(0, hot)).unbind(1)
     words = (hot.index_select(0, row) << 3) | col
-    wa = a.gather(0, words).view(dtype)
-    wb = b.gather(0, words).view(dtype)
+    ga = a.gather(0, words)
+    wa, wb = ga.view(dtype), b.gather(0, words).view(dtype)
+    if update:
+        b.scatter_(0, words, ga)
     row, col = torch.nonzero((wa != wb).view(-1, per)).unbind(1)
     at = row * per + col  # the changed elements among the changed words' elements
     return words.index_select(0, row) * per + col, wa.index_select(0, at), wb.index_select(0, at)

@@ -135,7 +135,7 @@ class Requantizer:
         (``entry`` is then stale: the caller drops it)."""
         ser, prev, amax = entry.ser, entry.prev, entry.amax
         new = w3 if w3.is_contiguous() else w3.contiguous()
-        idx, new_bits, old_bits = changed_values(new, prev)
+        idx, new_bits, old_bits = changed_values(new, prev, update=True)  # prev is new from here on
         m = idx.numel()
         self.stats["changed"] += m
         if m > self.max_fraction * new.numel():
@@ -210,7 +210,6 @@ class Requantizer:
             weight.scatter_(0, elements[0::2] >> 1, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8))
         else:
             weight.view(torch.uint8).scatter_(0, elements, codes.view(torch.uint8))
-        bits_view(prev.view(-1)).scatter_(0, idx, new_bits)
         self.stats["blocks_touched"] += touched.numel()
         self.stats["blocks_rescaled"] += n_rescaled
         self.stats["encoded"] += elements.numel()
