@@ -6,6 +6,8 @@
   quantized
 - :mod:`.ahead`: the sender's source run ahead on a second thread, so quantizing and encoding
   overlap
+- :mod:`.digest`: the sender's per-bucket digests from the row sums kept for its base and the
+  changed words, without reading each region again
 - :mod:`.requantize`: the sender's incremental quantizer: each round re-encodes only what the
   step changed, bit for bit a full quantize
 - :mod:`.rebuild`: the receiver's delta base and the decoder that rebuilds a round from it

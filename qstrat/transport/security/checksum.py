@@ -1,40 +1,31 @@
 """The per-bucket checksum, computed with tensor ops where the bytes are (no host copy).
 
-Formula (all arithmetic in int64, i.e. modulo 2**64, two's complement; exact and independent of
-the order of summation, so every device and every reduction order gives the same value):
+Formula (int64 arithmetic, modulo 2**64: exact, the same value in any order and on any device):
 
 * the payload's ``n`` bytes, zero-padded to a multiple of ``8 * ROW_WORDS``, viewed as int64
-  words ``W[r, j]`` (little-endian, rows of ``ROW_WORDS`` words); the zero padding of the tail
-  row is made by copying the < 32 KiB tail on the payload's device;
-* two KEYS per checksum seed: column keys ``c1, c2`` (``ROW_WORDS`` odd int64 each) and row keys
-  ``r1, r2`` (one odd int64 per row), drawn from a CPU ``torch.Generator`` seeded with the
-  seed, so the keys are the same wherever the payload lives (they are moved to its device);
+  words ``W[r, j]`` (little-endian, rows of ``ROW_WORDS`` words; the < 32 KiB tail copied);
+* column keys ``c1, c2`` (``ROW_WORDS`` odd int64 each) and row keys ``r1, r2`` (one odd int64
+  per row) from a CPU ``torch.Generator`` seeded with the seed (the same keys on every device);
 * ``h1 = sum_r r1[r] * sum_j c1[j] * W[r, j]`` and ``h2 = sum_j c2[j] * sum_r r2[r] * W[r, j]``
   (two keyed bilinear forms), and the checksum is ``(h1, h2, n)``.
 
-Why this form: it is matrix-vector products over a zero-copy int64 view of the payload, the
-fastest exact reduction torch has on CPU (``torch.mv`` on int64; figures against ``zlib.crc32``
-in docs/transport.md and ``scripts/bench_transport.py``), and a multiply + sum on CUDA (where integer ``mv`` is not
-implemented: same formula, same value, memory-bound). Both forms are computed along rows
-(``h2 = sum_r r2[r] * sum_j c2[j] * W[r, j]``: the same value, sums modulo 2**64 commute), a
-block of :data:`_CACHE_ROWS` rows (1 MiB) at a time, so each block is read from memory once and its
-second product reads it from cache (one pass over the payload instead of two: ~25 % less time
-for 64 MiB here, docs/transport.md). Detection: every word has an odd weight in
-both forms, so any change confined to one word changes both; for random keys a change whose
-lowest differing bit is ``t`` goes unnoticed by one form with probability about ``2**-(64 - t)``
-(multilinear hashing modulo 2**64: high-bit-only changes are the weak case). It replaces CRC-32
-(which needed ``payload.cpu()`` on a GPU) for accident detection in rounds WITHOUT a secret.
-Column and row keys from two seeds (:class:`Checksum`'s ``column_seed``: a delta round's digest,
-:func:`qstrat.transport.delta.encoding.digest_sealer`): ``c1, c2`` from one seed, ``r1, r2`` from
-the other, the same formula. Then ``h = sum_r r[r] * s[r]`` with the row sums
-``s[r] = sum_j c[j] * W[r, j]`` (:func:`row_sums`), which a sender that keeps them for the bytes
-it sent last can bring up to date from the words that changed alone
-(:func:`patch_row_sums`: ``s[r] += c[j] * (new - old)``, modulo 2**64 as every sum here) and
-combine with a new round's row keys (:func:`from_row_sums`): the value :func:`checksum` gives
-over the new bytes, without reading them. It is not a MAC: adding 2**63 to two words changes each form by ``key * 2**63`` twice, i.e. by
-``2**64 = 0``, whatever the keys, so an adversary forges it without knowing them. Rounds with a
-secret seal each bucket with the bucket MAC instead (NH + HMAC-SHA256,
-:mod:`qstrat.transport.security.nh`, :mod:`qstrat.transport.security.seal`).
+Why this form: matrix-vector products over a zero-copy int64 view, the fastest exact reduction
+torch has on CPU (``torch.mv`` on int64), a multiply + sum on CUDA (no integer ``mv`` there: the
+same value); both forms along rows (sums modulo 2**64 commute), a block of :data:`_CACHE_ROWS`
+rows (1 MiB) at a time, each block read from memory once (figures: docs/transport.md).
+Detection: every word has an odd weight in both forms, so a change confined to one word changes
+both; a change whose lowest differing bit is ``t`` goes unnoticed by one form with probability
+about ``2**-(64 - t)`` for random keys (high-bit-only changes are the weak case). Accident
+detection in rounds WITHOUT a secret; not a MAC: adding 2**63 to two words changes each form by
+``2**64 = 0`` whatever the keys. Rounds with a secret seal buckets with the bucket MAC
+(:mod:`qstrat.transport.security.nh`, :mod:`qstrat.transport.security.seal`).
+
+Keys from two seeds (``column_seed``: a delta round's digest,
+:func:`qstrat.transport.delta.encoding.digest_sealer`): ``c1, c2`` from one, ``r1, r2`` from the
+other. With row sums ``s[r] = sum_j c[j] * W[r, j]`` (:func:`row_sums`), ``h = sum_r r[r] * s[r]``
+(:func:`from_row_sums`); sums kept for the bytes sent last are brought up to date from the
+changed words alone, ``s[r] += c[j] * (new - old)`` (:func:`patch_row_sums`): the same value
+as a read of the new bytes.
 """
 from __future__ import annotations
 
