@@ -328,6 +328,9 @@ def delta(args, summary: list[dict]) -> None:
     print(f"torch {torch.__version__}, gloo, tiny Qwen3-MoE x{w} wide, Adam on float32 master weights, "
           f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB; "
           f"wall = the refit call (quantization included)")
+    print("per step: full B / delta B = bytes on the wire; kind: delta, or full (step 0: the first round, whole); "
+          "enc s = the sender's compare + patch + digest, dec s = a receiver's rebuild + digest (summed over "
+          "buckets); f/d = full round / delta round; exact = both receivers hold a fresh quantization's bytes")
     print(f"{'format':9} {'lr':>6} {'step':>4} {'full B':>8} {'delta B':>8} {'%':>6} {'kind':>5} {'enc s':>6} "
           f"{'dec s':>6} {'full s':>6} {'delta s':>7} {'cpu s f/d':>11} {'exact':>5} {'send peak MiB f/d':>17} "
           f"{'recv peak MiB f/d':>17}")
@@ -628,8 +631,10 @@ def target_verdict(row: dict) -> str:
 def print_summary(summary: list[dict]) -> None:
     """The delta runs' medians, one row per link, format, width and lr; then per format, width and
     lr over the links, the break-even link rate (:func:`break_even`)."""
-    print(f"\n{'link':>9} {'Gbit/s':>6} {'format':9} {'width':>5} {'lr':>6} {'full MiB':>8} {'delta %':>7} "
-          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'load':>9} {'issue 45':>8}")
+    print(f"\nmedians; f/d = full round / delta round; target: delta/full wall <= {LOOPBACK_TARGET} on loopback, "
+          f"<= {LINK_TARGET} behind a link of <= {LINK_TARGET_GBPS:g} Gbit/s, at lr 1e-6 (issue 45's acceptance)")
+    print(f"{'link':>9} {'Gbit/s':>6} {'format':9} {'width':>5} {'lr':>6} {'full MiB':>8} {'delta %':>7} "
+          f"{'full s':>6} {'delta s':>7} {'delta/full':>10} {'cpu s f/d':>11} {'load':>9} {'target':>8}")
     for r in summary:
         print(f"{r['link']:>9} {r['link_gbps']:>6.2f} {r['format']:9} {r['width']:>5} {r['lr']:>6.0e} "
               f"{r['full_bytes'] / 2**20:>8.2f} {100 * r['delta_bytes'] / r['full_bytes']:>7.2f} "
