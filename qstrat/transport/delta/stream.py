@@ -149,11 +149,13 @@ class PatchEncoder:
             source raised, when it ran ahead (:meth:`begin`) and failed (:attr:`source_error`)."""
         if not self.done and self._ahead is not None and self._ahead.started:
             try:  # the source ran ahead of the refusal: let it write the rest of the stream
-                self._ahead.take(len(self.target.buckets) - 1)
+                seconds = sum(self._ahead.take(k) for k in range(len(self.target.buckets)))
             except BaseException as exc:
                 self.source_error = exc
                 raise
-            return PatchEncoder(self.target, None, None, self.stream)
+            again = PatchEncoder(self.target, None, None, self.stream)
+            again.source_s = seconds  # the source's seconds belong to the round it wrote
+            return again
         self.close()
         if self.complete:
             return PatchEncoder(self.target, None, None, self.stream)
