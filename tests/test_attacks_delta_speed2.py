@@ -340,3 +340,28 @@ def test_update_of_disjoint_views_of_one_buffer_is_exact(monkeypatch):
     got = changed_values(new, old, update=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(old, target) and torch.equal(new, target)
+
+
+def test_a_source_thread_that_cannot_start_runs_the_round_on_the_callers_thread(monkeypatch):
+    """No thread to be had (a process at its thread limit) when the round begins: the look-ahead
+    is only a speed-up, so the round goes on with the source on the caller's thread, the same
+    stream; the base is not dropped for it (the next round is a delta)."""
+    first, second = _tensors(15), _stepped(_tensors(15), 16)
+    wm = _manifest(first)
+    engine, rounds = Engine(), DeltaRounds(incremental=False)
+    rounds.refit(wm, iter(first), engine.send)
+    start = threading.Thread.start
+
+    def no_source_thread(self):
+        if self.name == "qstrat-delta-source":
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_source_thread)
+    interval = sys.getswitchinterval()
+    d = rounds.refit(wm, iter(second), engine.send).delta
+    assert d.kind == "delta" and d.attempts == 1, d
+    assert sys.getswitchinterval() == interval
+    assert torch.equal(engine.base.stream[:wm.total_bytes], delta.stream_of(wm, second)[:wm.total_bytes])
+    d = rounds.refit(wm, iter(_stepped(second, 17)), engine.send).delta
+    assert d.kind == "delta" and d.attempts == 1, d

@@ -78,9 +78,14 @@ class PatchEncoder:
         """Start the look-ahead's source now (a round's sender calls this before the engines'
         accept vote, so the first buckets are quantized while they answer; without a look-ahead:
         nothing). A refusal before any data then finds the source running: :meth:`whole` waits
-        for it to write the whole stream and :meth:`close` stops it."""
+        for it to write the whole stream and :meth:`close` stops it. No thread to be had (a
+        process at its thread limit): the source runs on the caller's thread in :meth:`payload`
+        instead (the look-ahead is only a speed-up; the round, and its base, go on)."""
         if self._ahead is not None:
-            self._ahead.start()
+            try:
+                self._ahead.start()
+            except RuntimeError:
+                self._ahead = None
 
     def start(self, secret: Secret | None, mac: bytes) -> None:
         """Key the digests for the round whose MAC is ``mac`` (before the first :meth:`payload`)."""
