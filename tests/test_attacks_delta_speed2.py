@@ -365,3 +365,44 @@ def test_a_source_thread_that_cannot_start_runs_the_round_on_the_callers_thread(
     assert torch.equal(engine.base.stream[:wm.total_bytes], delta.stream_of(wm, second)[:wm.total_bytes])
     d = rounds.refit(wm, iter(_stepped(second, 17)), engine.send).delta
     assert d.kind == "delta" and d.attempts == 1, d
+
+
+def test_a_caller_under_inference_mode_without_a_source_thread_keeps_the_requantizer_usable(monkeypatch):
+    """The source falls back to the caller's thread (no thread to be had) while the caller is
+    under ``torch.inference_mode()``: the requantizer's entries must still be normal tensors,
+    since the next round's source thread (outside inference mode, torch's default on a new
+    thread) updates them in place. Every round: a full quantize's bytes, as deltas."""
+    from qstrat.plugins.registry import get_serializer
+
+    ser, rounds = get_serializer("mxfp8"), DeltaRounds(incremental=True)
+    g = torch.Generator().manual_seed(18)
+    w = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+
+    def source(weight):
+        for name, part in rounds.quantize(ser, "w", weight).items():
+            yield name, part.view(torch.uint8).reshape(-1)
+
+    want = lambda weight: [(n, p.view(torch.uint8).reshape(-1)) for n, p in ser.quantize(weight).items()]
+    wm = build_wire_manifest([(n, "uint8", tuple(t.shape)) for n, t in want(w)], 64 * 1024)
+    engine = Engine()
+    start = threading.Thread.start
+
+    def no_source_thread(self):
+        if self.name == "qstrat-delta-source":
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    steps = []
+    for step in range(3):
+        w = w.clone()
+        w[step, :40] += 0.25
+        steps.append(w)
+        if step == 0:
+            monkeypatch.setattr(threading.Thread, "start", no_source_thread)
+        elif step == 1:
+            monkeypatch.setattr(threading.Thread, "start", start)
+        with torch.inference_mode():
+            rounds.refit(wm, source(w), engine.send)
+        assert torch.equal(engine.base.stream[:wm.total_bytes], delta.stream_of(wm, want(w))[:wm.total_bytes]), step
+    d = rounds.refit(wm, source(steps[-1]), engine.send).delta
+    assert d.kind == "delta" and d.requantize.get("incremental") == 1, d

@@ -122,8 +122,12 @@ class PatchEncoder:
             self.writer.finish()
 
     def _timed_write(self, k: int) -> float:
+        """:meth:`_write` on the caller's thread, outside inference mode as on the look-ahead's:
+        what the source writes in place (a requantizer's entries) stays a normal tensor that a
+        later round's source thread may update (:mod:`qstrat.transport.delta.ahead`)."""
         t0 = time.perf_counter()
-        self._write(k)
+        with torch.inference_mode(False):
+            self._write(k)
         return time.perf_counter() - t0
 
     def close(self) -> None:
