@@ -102,17 +102,23 @@ def test_row_sums_of_another_layout_are_not_used():
 
 
 def test_kept_sums_that_no_longer_describe_the_base_give_a_digest_no_receiver_computes():
-    """The sender's base changed in memory after its row sums were kept: its digest is not the
-    new bytes' (a receiver holding the true bytes refuses the round: it is sent again whole)."""
-    base = random_bytes(2 * delta.TILE, 7)
+    """The sender's base changed in memory after its row sums were kept, the new round holding
+    the true byte there: its digest is not what a receiver holding the true base rebuilds from
+    the patch (refused: sent again whole). The case this does not catch (the new round carries
+    the changed byte) is in tests/test_attacks_delta_speed2.py."""
+    true = random_bytes(2 * delta.TILE, 7)
     first = RegionDigests(sealer_for(), None)
-    first.digest(0, base, None, None)
+    first.digest(0, true, None, None)
+    base = true.clone()
     base[77] ^= 0x10  # a fault in the sender's memory
-    new = base.clone()
+    new = true.clone()
     new[1000] += 3
     sealer = sealer_for(round_id="r2", base="r1")
-    got = RegionDigests(sealer, first.kept()).digest(0, new, base, delta.changed_bytes(new, base))
-    assert got != delta.region_digest(sealer, 0, new)
+    changed = delta.changed_bytes(new, base)
+    got = RegionDigests(sealer, first.kept()).digest(0, new, base, changed)
+    rebuilt = delta.decode_patch(delta.encode_patch(new, base, changed)[0], true.clone(), new.numel())
+    assert torch.equal(rebuilt, new)  # the patch carried byte 77: the receiver's bytes are right
+    assert got != delta.region_digest(sealer, 0, rebuilt)
 
 
 def test_buckets_are_digested_in_order():

@@ -15,9 +15,10 @@ bit, at a cost that follows the changes instead of the bucket (docs/transport.md
 digests from the changed words").
 
 Receivers still read every rebuilt byte (:class:`~qstrat.transport.delta.receive.PatchDecoder`):
-that read is the check. A sender whose kept sums did not match its base's bytes (its base
-changed in memory since it was sent) computes a digest no receiver's bytes give: the round is
-refused and sent again whole, never loaded wrong.
+that read is the check. A base byte changed in the sender's memory since it was sent is caught
+when the new round's byte there differs from it (refused, sent again whole); one changed TO the
+new round's byte is not: the compare skips it, the receiver keeps its old byte and the kept sums
+match its read (docs/transport.md, "The sender's digests from the changed words").
 """
 from __future__ import annotations
 

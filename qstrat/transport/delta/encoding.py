@@ -206,7 +206,15 @@ def changed_values(new: torch.Tensor, old: torch.Tensor, update: bool = False
     boolean-mask indexing: 1.3-1.7x faster on a 16 MiB stream at 0.05-5 % of its bytes changed,
     docs/transport.md). The values come from the changed words already read, so a caller needs
     no second gather from the two tensors (random reads, one cache miss per element).
+
+    Raises: ValueError with ``update`` for ``new`` and ``old`` sharing some but not all of
+    their bytes (writing ``old`` would change ``new``, and the split compare's pieces would read
+    bytes the other thread already wrote); the same tensor twice is fine (nothing changes).
     """
+    if update and _partly_shared(new, old):
+        raise ValueError(f"changed_values(update=True): new and old share memory ({new.dtype} "
+                         f"{list(new.shape)} at {new.data_ptr():#x}, old at {old.data_ptr():#x}): old "
+                         f"cannot end equal to new; pass a copy")
     nb, ob = bits_view(new).view(-1), bits_view(old).view(-1)
     per = 8 // new.element_size()
     # int64 words need 8-byte-aligned storage: a view at another offset (a row slice of a fused
@@ -222,6 +230,15 @@ def changed_values(new: torch.Tensor, old: torch.Tensor, update: bool = False
     if a.numel() >= SPLIT_WORDS and a.device.type == "cpu" and torch.get_num_threads() == 1:
         return _split(a, b, nb.dtype, per, update)
     return _changed_words(a, b, nb.dtype, per, update)
+
+
+def _partly_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether contiguous ``a`` and ``b`` overlap in memory without being the same bytes."""
+    na, nb = a.numel() * a.element_size(), b.numel() * b.element_size()
+    if not na or not nb or a.device != b.device:
+        return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + nb and pb < pa + na and (pa, na) != (pb, nb)
 
 
 #: int64 words per side from which :func:`changed_values` compares on two threads at once, the

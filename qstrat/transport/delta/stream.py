@@ -78,9 +78,14 @@ class PatchEncoder:
         """Start the look-ahead's source now (a round's sender calls this before the engines'
         accept vote, so the first buckets are quantized while they answer; without a look-ahead:
         nothing). A refusal before any data then finds the source running: :meth:`whole` waits
-        for it to write the whole stream and :meth:`close` stops it."""
+        for it to write the whole stream and :meth:`close` stops it. No thread to be had (a
+        process at its thread limit): the source runs on the caller's thread in :meth:`payload`
+        instead (the look-ahead is only a speed-up; the round, and its base, go on)."""
         if self._ahead is not None:
-            self._ahead.start()
+            try:
+                self._ahead.start()
+            except RuntimeError:
+                self._ahead = None
 
     def start(self, secret: Secret | None, mac: bytes) -> None:
         """Key the digests for the round whose MAC is ``mac`` (before the first :meth:`payload`)."""
@@ -117,8 +122,12 @@ class PatchEncoder:
             self.writer.finish()
 
     def _timed_write(self, k: int) -> float:
+        """:meth:`_write` on the caller's thread, outside inference mode as on the look-ahead's:
+        what the source writes in place (a requantizer's entries) stays a normal tensor that a
+        later round's source thread may update (:mod:`qstrat.transport.delta.ahead`)."""
         t0 = time.perf_counter()
-        self._write(k)
+        with torch.inference_mode(False):
+            self._write(k)
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -149,11 +158,13 @@ class PatchEncoder:
             source raised, when it ran ahead (:meth:`begin`) and failed (:attr:`source_error`)."""
         if not self.done and self._ahead is not None and self._ahead.started:
             try:  # the source ran ahead of the refusal: let it write the rest of the stream
-                self._ahead.take(len(self.target.buckets) - 1)
+                seconds = sum(self._ahead.take(k) for k in range(len(self.target.buckets)))
             except BaseException as exc:
                 self.source_error = exc
                 raise
-            return PatchEncoder(self.target, None, None, self.stream)
+            again = PatchEncoder(self.target, None, None, self.stream)
+            again.source_s = seconds  # the source's seconds belong to the round it wrote
+            return again
         self.close()
         if self.complete:
             return PatchEncoder(self.target, None, None, self.stream)
