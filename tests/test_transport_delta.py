@@ -437,9 +437,11 @@ def test_a_base_corrupted_under_a_later_bucket_is_caught_by_that_buckets_digest_
 
 def test_a_senders_base_changed_in_its_memory_is_caught_and_the_round_sent_whole(receivers, tiny):
     """The sender's digests come from the row sums it kept for its base plus the changed words
-    (qstrat.transport.delta.digest): a byte of its base flipped in memory after the round makes
-    a digest no receiver's bytes give, so the delta is refused in the commit vote, nothing is
-    loaded, the round goes again whole and both engines end exact."""
+    (qstrat.transport.delta.digest): a byte of its base flipped in memory after the round, where
+    the next round's byte is not that flipped value, makes a digest no receiver's bytes give, so
+    the delta is refused in the commit vote, nothing is loaded, the round goes again whole and
+    both engines end exact (the flipped-to-the-next-value case, which is not caught:
+    tests/test_attacks_delta_speed2.py)."""
     driver, trainer_a, _, _ = tiny
     sender = sender_for(receivers)
     sender.refit(driver, trainer_a)
