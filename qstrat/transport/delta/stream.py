@@ -13,6 +13,7 @@ the commit vote.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -63,7 +64,7 @@ class PatchEncoder:
                 stream = torch.empty(delta.padded_size(target.total_bytes), dtype=torch.uint8)
         self.stream = stream
         self.writer = delta.StreamWriter(target, tensors, self.stream) if tensors is not None else None
-        self._ahead = (LookAhead(self._write, len(target.buckets) - 1)
+        self._ahead = (LookAhead(self._step, len(target.buckets) - 1)
                        if look_ahead and self.writer is not None and target.buckets else None)
         self.cuts = delta.cuts(target)
         self.tiles: dict[str, int] = {}
@@ -73,6 +74,10 @@ class PatchEncoder:
         #: Buckets encoded so far; what the source raised (the round was then aborted).
         self.done, self.source_error = 0, None
         self._digests: RegionDigests | None = None
+        # buckets encoded but not yet taken, the next to encode, and who encodes it (the look-ahead
+        # right after writing it, while its bytes are in cache, or the caller of payload())
+        self._encoded: dict[int, torch.Tensor] = {}
+        self._next, self._encoding = 0, threading.Lock()
 
     def begin(self) -> None:
         """Start the look-ahead's source now (a round's sender calls this before the engines'
@@ -97,9 +102,31 @@ class PatchEncoder:
         Raises: what the source raises; TransportError for a tensor off its slot or a source
         that yields more tensors than the target holds."""
         if self._ahead is not None:
-            self.source_s += self._ahead.take(k)
+            self._ahead.take(k)
         elif self.writer is not None:
             self.source_s += self._timed_write(k)
+        self._encode_upto(k)
+        self.done = k + 1
+        return self._encoded.pop(k)
+
+    def _step(self, k: int) -> None:
+        """The look-ahead's step: bucket ``k`` into the stream, then, once the digests are keyed
+        (:meth:`start`), encoded at once on this thread while its bytes are in this core's cache."""
+        t0 = time.perf_counter()
+        self._write(k)
+        self.source_s += time.perf_counter() - t0
+        if self._digests is not None:
+            self._encode_upto(k)
+
+    def _encode_upto(self, k: int) -> None:
+        """Encode every bucket up to ``k`` not encoded yet, in order (digests are in bucket order)."""
+        with self._encoding:
+            while self._next <= k:
+                self._encoded[self._next] = self._encode(self._next)
+                self._next += 1
+
+    def _encode(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s payload from its region of the stream (written) and the base's."""
         t1 = time.perf_counter()
         lo, hi = self.cuts[k], self.cuts[k + 1]
         region = self.stream[lo:hi]
@@ -111,7 +138,6 @@ class PatchEncoder:
             self.tiles[kind] = self.tiles.get(kind, 0) + n
         out = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8), patch])
         self.wire_bytes += out.numel()
-        self.done = k + 1
         self.encode_s += time.perf_counter() - t1
         return out
 
@@ -158,12 +184,12 @@ class PatchEncoder:
             source raised, when it ran ahead (:meth:`begin`) and failed (:attr:`source_error`)."""
         if not self.done and self._ahead is not None and self._ahead.started:
             try:  # the source ran ahead of the refusal: let it write the rest of the stream
-                seconds = sum(self._ahead.take(k) for k in range(len(self.target.buckets)))
+                self._ahead.take(len(self.target.buckets) - 1)
             except BaseException as exc:
                 self.source_error = exc
                 raise
             again = PatchEncoder(self.target, None, None, self.stream)
-            again.source_s = seconds  # the source's seconds belong to the round it wrote
+            again.source_s = self.source_s  # the source's seconds belong to the round it wrote
             return again
         self.close()
         if self.complete:
