@@ -1,5 +1,5 @@
-"""The source run ahead on a second thread: a delta round's sender quantizes the buckets after
-bucket k while it compares, patches and digests bucket k.
+"""The source run ahead on a second thread: a delta round's sender quantizes (and, once the
+round's digests are keyed, encodes) the buckets after bucket k while bucket k is posted.
 
 A delta round's sender does two things per bucket: the SOURCE (the driver quantizes the
 bucket's entries - incrementally, :mod:`qstrat.transport.delta.requantize` - and writes their
@@ -11,7 +11,8 @@ the source can run ahead of the encoder by any number of buckets without more me
 :class:`LookAhead` the sender's time is about max(source, encode) over the round instead of
 their sum; one bucket of look-ahead is not enough, since the source is lumpy (a bucket that
 begins an expert slab quantizes the whole slab; docs/transport.md, "Delta over a real link":
-measured there).
+measured there). :class:`~qstrat.transport.delta.stream.PatchEncoder` also encodes each bucket
+here right after writing it, from the core's cache (less CPU: docs/transport.md, sixth pass).
 
 While a source thread runs, the interpreter's switch interval (``sys.setswitchinterval``,
 5 ms by default) is at most :data:`SWITCH_INTERVAL_S`: the encoder and the source hand the GIL

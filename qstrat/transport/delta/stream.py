@@ -47,9 +47,11 @@ class PatchEncoder:
         base: the base both sides hold (None: every tile raw; one of another layout is not used).
         stream: the buffer of the round's stream (1-D uint8 CPU, :func:`~qstrat.transport.delta.encoding.
             padded_size` bytes; None: a new one).
-        look_ahead: pull the tensors of the buckets after k on a second thread while bucket k is encoded
-            (:class:`~qstrat.transport.delta.ahead.LookAhead`; ``tensors`` must not wait on the
-            caller: a mesh pair's queue, filled as the round goes, cannot); :meth:`close` ends it.
+        look_ahead: pull the tensors of the buckets after k on a second thread, each bucket
+            encoded there right after it is written once :meth:`start` keyed the digests, while
+            bucket k is posted (:class:`~qstrat.transport.delta.ahead.LookAhead`; ``tensors``
+            must not wait on the caller: a mesh pair's queue, filled as the round goes, cannot);
+            :meth:`close` ends it.
     """
 
     def __init__(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]] | None,
