@@ -64,7 +64,7 @@ class RegionDigests:
         s = self.sealer
         if not region.numel():
             self.rows.append(None)
-            return bucket_seal(None, s.mac, k, 0, (0, 0, 0))
+            return s.seal(k, 0, None)  # the seal of the index alone, as a receiver's
         kept = self._base[k] if self._base is not None and k < len(self._base) else None
         if kept is None or old is None or changed is None or kept[0].numel() * 8 * ROW_WORDS != region.numel():
             sums = row_sums(region, s.column_seed)

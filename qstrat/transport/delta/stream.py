@@ -114,9 +114,7 @@ class PatchEncoder:
     def _step(self, k: int) -> None:
         """The look-ahead's step: bucket ``k`` into the stream, then, once the digests are keyed
         (:meth:`start`), encoded at once on this thread while its bytes are in this core's cache."""
-        t0 = time.perf_counter()
-        self._write(k)
-        self.source_s += time.perf_counter() - t0
+        self.source_s += self._timed_write(k)
         if self._digests is not None:
             self._encode_upto(k)
 
@@ -150,9 +148,10 @@ class PatchEncoder:
             self.writer.finish()
 
     def _timed_write(self, k: int) -> float:
-        """:meth:`_write` on the caller's thread, outside inference mode as on the look-ahead's:
-        what the source writes in place (a requantizer's entries) stays a normal tensor that a
-        later round's source thread may update (:mod:`qstrat.transport.delta.ahead`)."""
+        """:meth:`_write`, timed (seconds), outside inference mode on either thread (the
+        look-ahead's is outside it anyway): what the source writes in place (a requantizer's
+        entries) stays a normal tensor that a later round's source thread may update
+        (:mod:`qstrat.transport.delta.ahead`)."""
         t0 = time.perf_counter()
         with torch.inference_mode(False):
             self._write(k)
