@@ -42,6 +42,7 @@ import torch
 from qstrat.serializers.base import Serializer
 from qstrat.serializers.finite import scale_values_ok
 from qstrat.transport.delta.encoding import bits_view, changed_elements, changed_values
+from qstrat.transport.delta.written import WriteLog, version_of
 
 __all__ = ["Requantizer", "block_maxima", "changed_elements"]
 
@@ -80,6 +81,9 @@ class Requantizer:
     def __init__(self, max_fraction: float = 0.125) -> None:
         self.max_fraction = _fraction(max_fraction)
         self._entries: dict[Any, _Entry] = {}
+        #: The bytes of the entries' parts written by each incremental call
+        #: (:mod:`qstrat.transport.delta.written`: a delta round's stream copies and compares only those).
+        self.written = WriteLog()
         #: Counts since :meth:`take_stats`: ``elements``, ``changed``, ``blocks_touched``,
         #: ``blocks_rescaled``, ``encoded`` (codes re-encoded), ``incremental`` (calls), and
         #: ``whole:<why>`` per whole quantize.
@@ -88,6 +92,7 @@ class Requantizer:
     def clear(self) -> None:
         """Forget every entry (the next call of each quantizes whole)."""
         self._entries.clear()
+        self.written.clear()
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +117,11 @@ class Requantizer:
         self.stats["elements"] += w3.numel()
         why = _unusable(entry, ser, w3, context)
         if why is None:
-            parts = self._step(entry, w3, name, context, values_checked)
+            try:
+                parts = self._step(entry, w3, name, context, values_checked)
+            except BaseException:
+                self.written.drop(list(entry.parts.values()))
+                raise
             if isinstance(parts, str):
                 why = parts
             else:
@@ -121,12 +130,15 @@ class Requantizer:
                 self.stats["incremental"] += 1
                 return out
         self.stats[f"whole:{why}"] += 1
+        if entry is not None:
+            self.written.drop(list(entry.parts.values()))
         parts = ser.quantize(w, name=name, context=context, values_checked=values_checked)
         if ser.scale_block is not None and w3.dtype in _BITS:
             parts3 = parts if w.dim() == 3 else {k: v.unsqueeze(0) for k, v in parts.items()}
             entry = _fill(ser, w3, parts3, context)
             if _finite(entry):  # NaN/inf kept (nonfinite="propagate"): whole every time
                 self._entries[key] = entry
+                self.written.add(list(entry.parts.values()))
         return parts
 
     def _step(self, entry: _Entry, w3: torch.Tensor, name: str, context: Mapping[str, torch.Tensor] | None,
@@ -182,7 +194,11 @@ class Requantizer:
         rescaled = scale != scales.index_select(0, touched)
         n_rescaled = int(rescaled.sum())
         if n_rescaled:
+            before = version_of(scales)
             scales[touched] = scale
+            size = scales.element_size()  # the bytes of every touched scale (the others were written equal)
+            self.written.record(entry.parts[ser.scale_part], before, (
+                touched.unsqueeze(1) * size + torch.arange(size)).reshape(-1) if size > 1 else touched)
         weight = entry.parts["weight"].view(-1)
         if n_rescaled:  # every element of those blocks, and the other blocks' changed ones
             keep = ~rescaled[where]
@@ -206,10 +222,16 @@ class Requantizer:
         codes = ser.codes(x, mult)
         # scatter_, not index assignment (3x faster here); an index repeated by a ragged edge
         # block is the same element with the same code
+        before = version_of(weight)
         if ser.codes_per_byte == 2:
-            weight.scatter_(0, elements[0::2] >> 1, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8))
+            at = elements[0::2] >> 1
+            weight.scatter_(0, at, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8))
         else:
+            at = elements
             weight.view(torch.uint8).scatter_(0, elements, codes.view(torch.uint8))
+        # the log wants sorted unique bytes: the changed elements alone are (and so their
+        # bytes); with rescaled blocks' elements added, or ragged edges, they are sorted here
+        self.written.record(entry.parts["weight"], before, at if not n_rescaled else torch.unique(at))
         self.stats["blocks_touched"] += touched.numel()
         self.stats["blocks_rescaled"] += n_rescaled
         self.stats["encoded"] += elements.numel()

@@ -48,6 +48,9 @@ class DeltaRounds:
         #: A stream buffer no one reads (the base before the last), reused for the next round's
         #: stream: written in place, without a new allocation's page faults.
         self.spare: torch.Tensor | None = None
+        #: The round id of the stream :attr:`spare` holds (None: unknown, e.g. a round stopped
+        #: part-way): the next round catches it up to the base from the base's changes.
+        self.spare_round: str | None = None
 
     @property
     def quantize(self) -> Any:
@@ -80,9 +83,11 @@ class DeltaRounds:
         reason = ("no base (this sender's first round, or its last one failed)" if base is None else
                   "the base has another layout (wire manifest)" if base.target != target.digest else None)
         spare, self.spare = self.spare, None
+        spare_round, self.spare_round = self.spare_round, None
         size = delta.padded_size(target.total_bytes)
+        log = self.requantizer.written if self.requantizer is not None else None
         enc = PatchEncoder(target, tensors, base, spare if spare is not None and spare.numel() == size else None,
-                           look_ahead=True)
+                           look_ahead=True, log=log, stream_round=spare_round)
         attempts, spent = 1, (0.0, 0.0, 0)
         try:
             try:
@@ -114,6 +119,7 @@ class DeltaRounds:
                 self.requantizer.clear()  # no state of a failed round is trusted: the next one quantizes whole
             raise
         self.base, self.spare = enc.new_base(), base.stream if base is not None else None
+        self.spare_round = base.round_id if base is not None else None
         info = DeltaReport(enc.kind, reason, target.total_bytes, spent[2] + enc.wire_bytes, enc.tiles,
                            spent[0] + enc.source_s, spent[1] + enc.encode_s, self.base.nbytes, attempts,
                            self.requantizer.take_stats() if self.requantizer is not None else {})

@@ -25,6 +25,7 @@ from qstrat.errors import TransportError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.delta.ahead import LookAhead
 from qstrat.transport.delta.digest import RegionDigests
+from qstrat.transport.delta.written import WriteLog
 from qstrat.transport import protocol
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.security.keys import Secret
@@ -52,10 +53,18 @@ class PatchEncoder:
             bucket k is posted (:class:`~qstrat.transport.delta.ahead.LookAhead`; ``tensors``
             must not wait on the caller: a mesh pair's queue, filled as the round goes, cannot);
             :meth:`close` ends it.
+        log: the write log of the parts ``tensors`` are views of (the sender's requantizer's,
+            :mod:`qstrat.transport.delta.written`; None: none). With it and a base that kept its
+            marks, ``stream`` is first made equal to the base - by copying only the bytes the
+            base's round changed when ``stream`` holds that round's parent (``stream_round``),
+            else the base's bytes whole - and then only the bytes the log says were written
+            since the base are copied and compared.
+        stream_round: the round id of the stream ``stream`` holds (None: unknown).
     """
 
     def __init__(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]] | None,
-                 base: delta.Base | None, stream: torch.Tensor | None = None, look_ahead: bool = False) -> None:
+                 base: delta.Base | None, stream: torch.Tensor | None = None, look_ahead: bool = False,
+                 log: WriteLog | None = None, stream_round: str | None = None) -> None:
         self.target = target
         self.base = base if base is not None and base.target == target.digest else None
         #: ``update_info["delta"]``: the base's round id (None: a whole round) and this round's.
@@ -65,7 +74,14 @@ class PatchEncoder:
             with torch.inference_mode(False):  # thread (outside it) writes it, later rounds reuse it
                 stream = torch.empty(delta.padded_size(target.total_bytes), dtype=torch.uint8)
         self.stream = stream
-        self.writer = delta.StreamWriter(target, tensors, self.stream) if tensors is not None else None
+        # the base's marks serve only a stream holding the base's bytes: made so before the
+        # first write (_catch_up), on the source's thread
+        marks = (self.base.marks if self.base is not None and log is not None and tensors is not None
+                 and self.stream is not self.base.stream else None)
+        self._catch_up = None if marks is None else (
+            self.base.changes if stream_round is not None and stream_round == self.base.parent else "whole")
+        self.writer = (delta.StreamWriter(target, tensors, self.stream, log, marks)
+                       if tensors is not None else None)
         self._ahead = (LookAhead(self._step, len(target.buckets) - 1)
                        if look_ahead and self.writer is not None and target.buckets else None)
         self.cuts = delta.cuts(target)
@@ -80,6 +96,9 @@ class PatchEncoder:
         # right after writing it, while its bytes are in cache, or the caller of payload())
         self._encoded: dict[int, torch.Tensor] = {}
         self._next, self._encoding = 0, threading.Lock()
+        #: Per bucket encoded against the base, the bytes its patch changed (the new base's
+        #: :attr:`~qstrat.transport.delta.encoding.Base.changes`).
+        self._changes: list[delta.Changes] = []
 
     def begin(self) -> None:
         """Start the look-ahead's source now (a round's sender calls this before the engines'
@@ -131,7 +150,12 @@ class PatchEncoder:
         lo, hi = self.cuts[k], self.cuts[k + 1]
         region = self.stream[lo:hi]
         old = self.base.stream[lo:hi] if self.base is not None else None
-        changed = delta.changed_bytes(region, old) if old is not None else None
+        changed = None
+        if old is not None:
+            pieces = self.writer.pieces if self.writer is not None else None
+            changed = pieces.changed(lo, hi, region, old) if pieces is not None else delta.changed_bytes(region, old)
+            self._changes.append(delta.Changes(changed.to(torch.int32) if hi - lo < 2**31 else changed,
+                                               changed.new_empty(0)))
         patch, tiles = delta.encode_patch(region, old, changed)
         digest = self._digests.digest(k, region, old, changed)
         for kind, n in tiles.items():
@@ -142,7 +166,16 @@ class PatchEncoder:
         return out
 
     def _write(self, k: int) -> None:
-        """Bucket ``k``'s tensors into the stream (after the last bucket: check the source is spent)."""
+        """Bucket ``k``'s tensors into the stream (after the last bucket: check the source is spent);
+        before the first, the stream made equal to the base where the writer needs it."""
+        if k == 0 and self._catch_up is not None:
+            changes, self._catch_up = self._catch_up, None
+            if isinstance(changes, list) and len(changes) == len(self.cuts) - 1:
+                for j, c in enumerate(changes):
+                    lo, hi = self.cuts[j], self.cuts[j + 1]
+                    c.catch_up(self.stream[lo:hi], self.base.stream[lo:hi])
+            else:
+                self.stream.copy_(self.base.stream)
         self.writer.upto(k)
         if k == len(self.target.buckets) - 1:
             self.writer.finish()
@@ -176,7 +209,25 @@ class PatchEncoder:
     def new_base(self) -> delta.Base:
         """The base once every engine committed this round: its id, layout and stream."""
         kept = self._digests.kept() if self._digests is not None and self.complete else None
-        return delta.Base(self.info["round"], self.target.digest, self.stream, row_sums=kept)
+        marks = self.writer.marks if self.writer is not None and self.complete else None
+        changes = self._changes if self.base is not None and len(self._changes) == len(self.target.buckets) else None
+        return delta.Base(self.info["round"], self.target.digest, self.stream,
+                          self.base.round_id if changes is not None else None, changes, kept, marks)
+
+    def _reread(self) -> None:
+        """Before this round's complete stream is sent again whole: every slot written from the
+        write log's record (only the bytes it said changed were copied; the rest are the base's
+        bytes, caught up) read again from its part, so that what goes whole is what the parts
+        hold even if the stream's memory changed since it was sent as a patch."""
+        log, marks = (self.writer.log, self.writer.marks) if self.writer is not None else (None, None)
+        if self.writer is None or self.writer.pieces is None or not marks:
+            return
+        starts = self.target.buckets
+        for slot, mark in zip(self.target.slots, marks):
+            src = log.bytes_at(mark) if mark is not None else None
+            if src is not None:
+                at = starts[slot.bucket].stream_offset + slot.offset
+                self.stream[at:at + slot.nbytes].copy_(src)
 
     def whole(self) -> PatchEncoder:
         """The same round for a whole resend (every tile raw): from this round's stream once
@@ -189,11 +240,13 @@ class PatchEncoder:
             except BaseException as exc:
                 self.source_error = exc
                 raise
+            self._reread()
             again = PatchEncoder(self.target, None, None, self.stream)
             again.source_s = self.source_s  # the source's seconds belong to the round it wrote
             return again
         self.close()
         if self.complete:
+            self._reread()
             return PatchEncoder(self.target, None, None, self.stream)
         if self.done or self.writer is None:
             raise TransportError(f"delta stream: a round stopped at bucket {self.done} cannot be sent again whole")
