@@ -43,7 +43,7 @@ from qstrat.errors import MixedWeightsError, TransportError, WireManifestMismatc
 from qstrat.transport.security.keys import Secret, checksum_seed
 from qstrat.transport.security.seal import Sealer
 from qstrat.transport.wire_manifest import WireManifest
-from qstrat.transport.delta.written import Mark, Pieces, WriteLog
+from qstrat.transport.delta.written import Mark, Pieces, WriteLog, copy_written
 
 #: Bytes per tile (a multiple of 8; under 65536 so that an rle token fits uint16).
 TILE = 32768
@@ -164,6 +164,8 @@ class StreamWriter:
         self.marks: list[Mark | None] | None = [] if log is not None else None
         #: What was written, for the compare (None: not recorded: compare the whole stream).
         self.pieces: Pieces | None = Pieces() if self._base_marks is not None else None
+        #: Slots of logged parts pending their copy (:meth:`_flush`), per part id.
+        self._runs: dict[int, list[tuple[Mark, Mark, int, torch.Tensor]]] = {}
 
     def upto(self, k: int) -> None:
         """Write every tensor of buckets ``0..k`` and zero the gaps, so that the stream's bytes
@@ -183,30 +185,56 @@ class StreamWriter:
             self._copy(t.detach(), at, slot.nbytes)
             self._end = at + slot.nbytes
             self._slot += 1
+        self._flush()
         hi = self.cuts[k + 1] if k + 1 < len(self.cuts) else self.out.numel()
         if self._end < hi:
             self.out[self._end:hi].zero_()
             self._end = hi
 
     def _copy(self, t: torch.Tensor, at: int, n: int) -> None:
-        """Slot ``self._slot``'s tensor ``t`` into ``out[at:at + n]``: whole, or only the bytes
-        its part's write log says changed since the base's mark (``out`` holds the base's bytes)."""
+        """Slot ``self._slot``'s tensor ``t`` into ``out[at:at + n]``: whole, or - a view of a
+        logged part in the same window as in the base's round, ``out`` holding the base's bytes -
+        joined to the run of such slots of that part, copied by :meth:`_flush`."""
         mark = self.log.mark(t) if self.log is not None else None
         old = self._base_marks[self._slot] if self._base_marks is not None else None
-        written = self.log.since(t, old) if mark is not None and old is not None else None
-        if written is None:
-            self.out[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-            if self.pieces is not None:
-                self.pieces.add_span(at, at + n)
-        elif written.numel():  # out holds the base's bytes: compare there, write what differs
-            new = t.reshape(-1).view(torch.uint8).gather(0, written)  # a logged part's view: contiguous
-            at_written = written + at
-            differ = new != self.out.gather(0, at_written)
-            changed = at_written[differ]
-            self.out.scatter_(0, changed, new[differ])  # gather/scatter_: 4x index_copy_'s speed here
-            self.pieces.add_changed(changed)
         if self.marks is not None:
             self.marks.append(mark)
+        if mark is not None and old is not None and (mark.uid, mark.offset, mark.nbytes) == (
+                old.uid, old.offset, old.nbytes):
+            self._runs.setdefault(mark.uid, []).append((mark, old, at, t))
+            return
+        self._flush()
+        self._whole(t, at, n)
+
+    def _whole(self, t: torch.Tensor, at: int, n: int) -> None:
+        self.out[at:at + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        if self.pieces is not None:
+            self.pieces.add_span(at, at + n)
+
+    def _flush(self) -> None:
+        """Copy the pending slots of logged parts, per part in one call
+        (:func:`~qstrat.transport.delta.written.copy_written`: only the bytes written since the
+        base, compared with it), or each whole when the log cannot vouch for them. Pending
+        slots lie between the last piece and the next (a slot copied whole flushes first): their
+        changed positions, merged, and the slots copied whole go to :attr:`pieces` in stream order."""
+        runs, self._runs = self._runs, {}
+        found, whole = [], []
+        for run in runs.values():
+            changed = copy_written(self.log, [(m, b, a) for m, b, a, _ in run], self.out)
+            if changed is None:
+                whole += [(a, t) for _, _, a, t in run]
+            elif changed.numel():
+                found.append(changed)
+        merged = (torch.sort(torch.cat(found)).values if len(found) > 1 else found[0]) if found else None
+        i = 0
+        for a, t in sorted(whole, key=lambda w: w[0]):  # pieces stay in stream order
+            j = int(torch.searchsorted(merged, a)) if merged is not None else 0
+            if j > i:
+                self.pieces.add_changed(merged[i:j])
+                i = j
+            self._whole(t, a, t.numel() * t.element_size())
+        if merged is not None and i < merged.numel():
+            self.pieces.add_changed(merged[i:])
 
     def finish(self) -> None:
         """After the last bucket: raise TransportError if the source yields more tensors."""

@@ -222,13 +222,17 @@ class Requantizer:
         codes = ser.codes(x, mult)
         # scatter_, not index assignment (3x faster here); an index repeated by a ragged edge
         # block is the same element with the same code
-        before = version_of(weight)
         if ser.codes_per_byte == 2:
-            at = elements[0::2] >> 1
-            weight.scatter_(0, at, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8))
+            at, new_bytes, weight_bytes = elements[0::2] >> 1, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8), weight
         else:
-            at = elements
-            weight.view(torch.uint8).scatter_(0, elements, codes.view(torch.uint8))
+            at, new_bytes, weight_bytes = elements, codes.view(torch.uint8), weight.view(torch.uint8)
+        # only the bytes whose code changed are written and logged: most re-encoded codes come
+        # out as they were (a step moves few values across a code boundary), and the stream
+        # copies and compares each logged byte (qstrat.transport.delta.written)
+        differ = new_bytes != weight_bytes.gather(0, at)
+        at, new_bytes = at[differ], new_bytes[differ]
+        before = version_of(weight)
+        weight_bytes.scatter_(0, at, new_bytes)
         # the log wants sorted unique bytes: the changed elements alone are (and so their
         # bytes); with rescaled blocks' elements added, or ragged edges, they are sorted here
         self.written.record(entry.parts["weight"], before, at if not n_rescaled else torch.unique(at))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Mark", "Pieces", "WriteLog", "version_of"]
+__all__ = ["Mark", "Pieces", "WriteLog", "copy_written", "version_of"]
 
 #: Spans copied whole at most this many bytes apart are compared as one (the gap's zeros with them).
 MERGE_GAP = 1 << 16
@@ -136,16 +136,40 @@ class WriteLog:
             return None
         return Mark(track.uid, t.storage_offset() * t.element_size(), t.numel() * t.element_size(), version)
 
+    def _track(self, uid: int) -> _Track | None:
+        return next((t for t in self._tracks.values() if t.uid == uid), None)
+
+    def storage(self, uid: int) -> torch.Tensor | None:
+        """The whole storage of the part logged under ``uid`` as 1-D uint8 (None: not logged)."""
+        track = self._track(uid)
+        if track is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8, device=track.part.device).set_(track.part.untyped_storage())
+
     def bytes_at(self, mark: Mark) -> torch.Tensor | None:
         """The bytes ``mark`` was taken of (1-D uint8 view of the logged part's storage window),
         while the part is logged under the mark's id and unchanged since (its version the
         mark's); None otherwise. A whole resend re-reads each logged slot from here rather than
         trusting the stream's copy of the bytes the log said had not changed."""
-        track = next((t for t in self._tracks.values() if t.uid == mark.uid), None)
+        track = self._track(mark.uid)
         if track is None or version_of(track.part) != mark.version:
             return None
-        storage = torch.empty(0, dtype=torch.uint8, device=track.part.device).set_(track.part.untyped_storage())
-        return storage[mark.offset:mark.offset + mark.nbytes]
+        return self.storage(mark.uid)[mark.offset:mark.offset + mark.nbytes]
+
+    def written(self, uid: int, since: int, now: int) -> torch.Tensor | None:
+        """The storage byte positions (sorted unique int64) of the part logged under ``uid``
+        written while its version counter went from ``since`` to ``now`` (its value now). None:
+        not known (not logged, or its records do not chain gap-free from ``since`` to ``now``:
+        an unrecorded write, records dropped)."""
+        track = self._track(uid)
+        if track is None or version_of(track.part) != now:
+            return None
+        if now == since:
+            return torch.empty(0, dtype=torch.int64)
+        used = [r for r in track.records if r[0] >= since]
+        if not used or used[0][0] != since or used[-1][1] != now or any(a[1] != b[0] for a, b in zip(used, used[1:])):
+            return None
+        return used[0][2] if len(used) == 1 else torch.unique(torch.cat([r[2] for r in used]))
 
     def since(self, t: torch.Tensor, mark: Mark) -> torch.Tensor | None:
         """The byte positions of ``t`` (sorted unique int64, in ``t``'s own bytes) that may differ
@@ -155,17 +179,50 @@ class WriteLog:
         now = self.mark(t)
         if now is None or (now.uid, now.offset, now.nbytes) != (mark.uid, mark.offset, mark.nbytes):
             return None
-        track = self._tracks[_key(t)]
-        if now.version == mark.version:
-            return torch.empty(0, dtype=torch.int64)
-        used = [r for r in track.records if r[0] >= mark.version]
-        # the records must chain from the mark's version to now, gap-free
-        if not used or used[0][0] != mark.version or used[-1][1] != now.version or any(
-                a[1] != b[0] for a, b in zip(used, used[1:])):
+        pos = self.written(now.uid, mark.version, now.version)
+        if pos is None:
             return None
-        pos = used[0][2] if len(used) == 1 else torch.unique(torch.cat([r[2] for r in used]))
         lo, hi = torch.searchsorted(pos, torch.tensor([mark.offset, mark.offset + mark.nbytes])).tolist()
         return pos[lo:hi] - mark.offset
+
+
+def copy_written(log: WriteLog, run: list[tuple[Mark, Mark, int]], out: torch.Tensor) -> torch.Tensor | None:
+    """Copy into ``out`` (1-D uint8, holding the base's bytes) the bytes of a run of slots of one
+    logged part that changed since the base: ``run`` is ``(mark now, the base's mark, stream
+    offset)`` per slot, one part (one id), the same windows as the base's. The part's written
+    positions since the base's version, each mapped to its slot's place in the stream, are
+    compared with ``out`` there and the ones that differ written: one gather, compare and
+    scatter for the run, whatever its number of slots. Returns the sorted stream positions
+    that changed, or None when the log cannot vouch for the run (nothing written: copy it whole).
+    """
+    first, old = run[0][0], run[0][1]
+    if any(m.version != first.version or b.version != old.version for m, b, _ in run):
+        return None
+    pos = log.written(first.uid, old.version, first.version)
+    storage = log.storage(first.uid) if pos is not None else None
+    if storage is None:
+        return None
+    if len(run) == 1:
+        lo, hi = torch.searchsorted(pos, torch.tensor([first.offset, first.offset + first.nbytes])).tolist()
+        pos, at = pos[lo:hi], pos[lo:hi] + (run[0][2] - first.offset)
+    else:
+        run = sorted(run, key=lambda r: r[0].offset)
+        starts = torch.tensor([m.offset for m, _, _ in run])
+        ends = torch.tensor([m.offset + m.nbytes for m, _, _ in run])
+        shift = torch.tensor([a - m.offset for m, _, a in run])
+        w = torch.searchsorted(starts, pos, right=True) - 1
+        keep = (w >= 0) & (pos < ends[w.clamp(min=0)])
+        if not bool(keep.all()):
+            pos, w = pos[keep], w[keep]
+        at = pos + shift[w]
+        if not bool((at[1:] > at[:-1]).all()):  # slots laid out in another order than the part
+            at, order = torch.sort(at)
+            pos = pos[order]
+    new = storage.gather(0, pos)
+    differ = new != out.gather(0, at)
+    changed = at[differ]
+    out.scatter_(0, changed, new[differ])  # gather/scatter_: 4x index_copy_'s speed here
+    return changed
 
 
 class Pieces:
