@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from qstrat.errors import MixedWeightsError, TransportError, WireManifestMismatchError
@@ -363,15 +364,23 @@ def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: in
     are ``per`` per word, of ``dtype`` (``update``: ``b``'s changed words set to ``a``'s)."""
     ne = a != b
     hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)
-    row, col = torch.nonzero(ne.view(-1, 8).index_select(0, hot)).unbind(1)
-    words = (hot.index_select(0, row) << 3) | col
+    flat = _flat_nonzero(ne.view(-1, 8).index_select(0, hot).view(-1))  # hot group's word k: 8 * row + col
+    words = (hot.index_select(0, flat >> 3) << 3) | (flat & 7)
     ga = a.gather(0, words)
     wa, wb = ga.view(dtype), b.gather(0, words).view(dtype)
     if update:  # a dense change (an eighth of the words or more): one sequential copy costs less
         b.copy_(a) if 8 * words.numel() >= a.numel() else b.scatter_(0, words, ga)
-    row, col = torch.nonzero((wa != wb).view(-1, per)).unbind(1)
-    at = row * per + col  # the changed elements among the changed words' elements
-    return words.index_select(0, row) * per + col, wa.index_select(0, at), wb.index_select(0, at)
+    at = _flat_nonzero(wa != wb)  # the changed elements among the changed words' elements
+    return words.index_select(0, at // per) * per + at % per, wa.index_select(0, at), wb.index_select(0, at)
+
+
+def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Sorted flat indices (int64) of the true elements of a 1-D contiguous bool tensor: NumPy's
+    ``flatnonzero`` on CPU (3x ``torch.nonzero`` on a short 1-D mask here, docs/transport.md),
+    ``torch.nonzero`` elsewhere."""
+    if mask.device.type != "cpu":
+        return torch.nonzero(mask).reshape(-1)
+    return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
 
 
 def changed_bytes(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
