@@ -361,7 +361,8 @@ def delta(args, summary: list[dict]) -> None:
                         print(f"{'':9} requantize: {rq.get('incremental', 0)} entries incremental, whole {whole}; "
                               f"{100 * rq.get('changed', 0) / max(rq.get('elements', 1), 1):.3f} % of the elements "
                               f"changed, blocks touched {rq.get('blocks_touched', 0)} (rescaled "
-                              f"{rq.get('blocks_rescaled', 0)}), codes re-encoded {rq.get('encoded', 0)}", flush=True)
+                              f"{rq.get('blocks_rescaled', 0)}), codes re-encoded {rq.get('encoded', 0)}; stream "
+                              f"copied whole {info.copied_whole / 2**20:.2f} MiB (the rest from the write log)", flush=True)
                     if step:
                         rows.append((f[1], d[1], f[4], d[4], info.full_bytes, info.wire_bytes, f[5:], d[5:]))
                 if rows:

@@ -152,6 +152,7 @@ def test_the_stream_from_the_log_equals_a_whole_stream_every_step_and_copies_lit
         whole = delta.stream_of(target, driver.run(state))
         assert torch.equal(rounds.base.stream, whole), (fmt, step)
         assert torch.equal(receiver.base.stream, whole), (fmt, step)
+        assert report.delta.copied_whole == (seen[-1] if seen[-1] is not None else target.total_bytes)
         if step >= 1:
             assert report.delta.kind == "delta", report.delta
     logged = sum(s.nbytes for s, m in zip(target.slots, rounds.base.marks) if m is not None)

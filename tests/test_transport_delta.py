@@ -328,6 +328,10 @@ def test_first_round_is_whole_then_deltas_give_the_exact_tensors_in_fewer_bytes(
         assert d.wire_bytes == report.bytes < d.full_bytes / 2, d
         # quantized incrementally (qstrat.transport.delta.requantize), every entry: still exact below
         assert d.requantize["incremental"] > 0 and not any(k.startswith("whole:") for k in d.requantize), d
+        # the requantized tensors came from its write log: only the passthrough ones copied whole
+        passthrough = sum(s.nbytes for s in report.wire_manifest.slots if s.dtype in ("bfloat16", "float32")
+                          and not s.name.endswith("scale_inv"))
+        assert 0 < d.copied_whole <= passthrough < d.full_bytes, (d.copied_whole, passthrough)
         assert held(receivers) == [want(driver, trainer)] * 2
         assert [r.ctl.call("delta_base") for r in receivers] == [sender.base.round_id] * 2
         got, made = load_calls(receivers, report.wire_manifest, mode)

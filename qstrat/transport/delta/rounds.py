@@ -122,7 +122,7 @@ class DeltaRounds:
         self.spare_round = base.round_id if base is not None else None
         info = DeltaReport(enc.kind, reason, target.total_bytes, spent[2] + enc.wire_bytes, enc.tiles,
                            spent[0] + enc.source_s, spent[1] + enc.encode_s, self.base.nbytes, attempts,
-                           self.requantizer.take_stats() if self.requantizer is not None else {})
+                           self.requantizer.take_stats() if self.requantizer is not None else {}, enc.copied_whole)
         return TransferReport(report.wire_manifest, info.wire_bytes, report.buckets, report.stream_seconds,
                               time.perf_counter() - t0, info)
 

@@ -197,6 +197,13 @@ class PatchEncoder:
             self._ahead.close()
 
     @property
+    def copied_whole(self) -> int:
+        """Bytes of the stream's tensors copied whole (and compared whole with the base); the
+        others came from the write log (:class:`~qstrat.transport.delta.written.Pieces`)."""
+        pieces = self.writer.pieces if self.writer is not None else None
+        return pieces.span_bytes if pieces is not None else self.target.total_bytes
+
+    @property
     def kind(self) -> str:
         """``full`` when every tile went raw, else ``delta``."""
         return "full" if set(self.tiles) <= {"raw"} else "delta"

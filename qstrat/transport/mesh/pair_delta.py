@@ -392,7 +392,8 @@ class DeltaMeshSender(MeshSender):
                            spent[2] + sum(e.wire_bytes for e in encs.values()),
                            tiles, spent[0] + sum(e.source_s for e in encs.values()),
                            spent[1] + sum(e.encode_s for e in encs.values()),
-                           sum(b.nbytes for b in self.bases.values()), attempts)
+                           sum(b.nbytes for b in self.bases.values()), attempts,
+                           copied_whole=sum(e.copied_whole for e in encs.values()))
         return replace(report, seconds=time.perf_counter() - t0, delta=info)
 
 

@@ -54,7 +54,11 @@ class DeltaReport:
     ``requantize``: the incremental quantizer's counts over the round
     (:attr:`qstrat.transport.delta.requantize.Requantizer.stats`: elements, changed, blocks
     touched and rescaled, codes re-encoded, and ``whole:<why>`` per entry quantized whole;
-    empty without it)."""
+    empty without it); ``copied_whole``: the bytes of the round's stream copied into it whole and
+    compared with the base whole - the round's tensors that the requantizer's write log could not
+    vouch for (passthrough tensors, a part changed outside the requantizer, a round without a
+    base); the rest were copied and compared only where the log named written bytes
+    (:mod:`qstrat.transport.delta.written`)."""
 
     kind: str
     reason: str | None
@@ -66,6 +70,7 @@ class DeltaReport:
     base_bytes: int
     attempts: int
     requantize: dict[str, int] = field(default_factory=dict)
+    copied_whole: int = 0
 
     def __str__(self) -> str:
         why = f" ({self.reason})" if self.reason else ""
