@@ -5,7 +5,7 @@ the source run ahead on a second thread (qstrat.transport.delta.ahead, what ``Re
 Each round is :class:`qstrat.transport.delta.rounds.DeltaRounds` ``refit`` with a ``send`` that
 takes every bucket's payload in order (incremental quantize, stream writes, compare with the
 base, patch, digest): the sender's share of a delta round, the part issue 45's 1 Gbit/s target
-is bounded by (docs/transport.md, "The source run ahead"). Medians over steps 2..N (step 0 is
+is bounded by (docs/performance.md, "Delta rounds: the measurement history", fourth pass). Medians over steps 2..N (step 0 is
 whole, step 1 warms the requantizer), both variants in the same process, one after the other.
 
     .venv/bin/python scripts/bench_delta_sender.py [--width 4] [--steps 7] [--lr 1e-6]

@@ -125,7 +125,7 @@ def test_pieces_give_the_changed_positions_of_each_region_in_order():
     p.add_changed(torch.tensor([40000, 40001]))
     p.add_span(60000, 1 << 16)
     want = torch.nonzero(new != old).reshape(-1)
-    got = torch.cat([p.changed(lo, hi, new[lo:hi], old[lo:hi]) + lo
+    got = torch.cat([p.changed(lo, hi, new[lo:hi], old[lo:hi], delta.changed_bytes) + lo
                      for lo, hi in ((0, 32768), (32768, 40001), (40001, 1 << 16))])
     assert torch.equal(got, want)
 

@@ -10,6 +10,8 @@
   changed words, without reading each region again
 - :mod:`.requantize`: the sender's incremental quantizer: each round re-encodes only what the
   step changed, bit for bit a full quantize
+- :mod:`.written`: the quantizer's record of the bytes it wrote, so the stream copies and
+  compares only those
 - :mod:`.rebuild`: the receiver's delta base and the decoder that rebuilds a round from it
 - :mod:`.receive`: the receiver's half: buckets received, rebuilt and verified one at a time
 - :mod:`.churn`: how a quantized checkpoint changes per RL step (``qstrat bench --only delta``)

@@ -10,14 +10,14 @@ and they touch disjoint stream bytes (bucket k+1's tensors begin at or after ``c
 the source can run ahead of the encoder by any number of buckets without more memory. With
 :class:`LookAhead` the sender's time is about max(source, encode) over the round instead of
 their sum; one bucket of look-ahead is not enough, since the source is lumpy (a bucket that
-begins an expert slab quantizes the whole slab; docs/transport.md, "Delta over a real link":
+begins an expert slab quantizes the whole slab; docs/performance.md, "Delta rounds: the measurement history":
 measured there). :class:`~qstrat.transport.delta.stream.PatchEncoder` also encodes each bucket
-here right after writing it, from the core's cache (less CPU: docs/transport.md, sixth pass).
+here right after writing it, from the core's cache (less CPU: docs/performance.md, "Delta rounds: the measurement history", sixth pass).
 
 While a source thread runs, the interpreter's switch interval (``sys.setswitchinterval``,
 5 ms by default) is at most :data:`SWITCH_INTERVAL_S`: the encoder and the source hand the GIL
 to each other between torch calls, and at 5 ms each hand-over could stall the other thread for
-that long (measured: the sender's round 3-19 % shorter at 0.5 ms; docs/transport.md). The
+that long (measured: the sender's round 3-19 % shorter at 0.5 ms; docs/performance.md, fifth pass). The
 interval in force before is put back when the last running source thread ends.
 
 The thread runs with the caller's autograd mode and, where CUDA is initialised, the caller's

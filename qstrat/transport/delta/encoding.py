@@ -44,7 +44,7 @@ from qstrat.errors import MixedWeightsError, TransportError, WireManifestMismatc
 from qstrat.transport.security.keys import Secret, checksum_seed
 from qstrat.transport.security.seal import Sealer
 from qstrat.transport.wire_manifest import WireManifest
-from qstrat.transport.delta.written import Mark, Pieces, WriteLog, copy_written
+from qstrat.transport.delta.written import Mark, Pieces, WriteLog, copy_written, hold_base
 
 #: Bytes per tile (a multiple of 8; under 65536 so that an rle token fits uint16).
 TILE = 32768
@@ -148,19 +148,25 @@ class StreamWriter:
 
     With a write log (``log``, the sender's requantizer's :class:`~qstrat.transport.delta.written.WriteLog`)
     it also keeps a :class:`~qstrat.transport.delta.written.Mark` per slot (:attr:`marks`, for
-    the base this round becomes), and with ``base_marks`` (the base's, while ``out`` holds the
-    base's bytes) it copies of each slot only the bytes the log says were written since the
+    the base this round becomes), and with a ``base`` that kept its marks it first makes ``out``
+    equal to the base (:func:`~qstrat.transport.delta.written.hold_base`: only the base's
+    changes when ``out`` holds the round the base was patched from, ``out_round``, else the
+    base whole), then copies of each slot only the bytes the log says were written since the
     base's mark (comparing them with the base's there), recording in :attr:`pieces` what it
     found changed and the spans it copied whole, for the encoder's compare with the base.
     """
 
     def __init__(self, target: WireManifest, tensors: Iterator[tuple[str, torch.Tensor]], out: torch.Tensor,
-                 log: WriteLog | None = None, base_marks: list[Mark | None] | None = None) -> None:
+                 log: WriteLog | None = None, base: Base | None = None, out_round: str | None = None) -> None:
         self.target, self.tensors, self.out = target, tensors, out
         self.cuts = cuts(target)
         self._slot, self._end = 0, 0  # the next slot to write; bytes final so far
         self.log = log
-        self._base_marks = base_marks if base_marks is not None and len(base_marks) == len(target.slots) else None
+        marks = base.marks if base is not None and log is not None and base.stream is not out else None
+        self._base_marks = marks if marks is not None and len(marks) == len(target.slots) else None
+        # made equal to the base before the first write (on the source's thread)
+        self._hold = (base, base.changes if out_round is not None and out_round == base.parent else None) \
+            if self._base_marks is not None else None
         #: Per slot written, its mark (None: not a logged part's view); None without a log.
         self.marks: list[Mark | None] | None = [] if log is not None else None
         #: What was written, for the compare (None: not recorded: compare the whole stream).
@@ -173,6 +179,9 @@ class StreamWriter:
         up to ``cuts[k + 1]`` are final (for the last bucket: the padded end).
         Raises: TransportError when a tensor does not follow its slot; what the source raises."""
         slots, starts = self.target.slots, self.target.buckets
+        if self._hold is not None:
+            (base, changes), self._hold = self._hold, None
+            hold_base(self.out, base.stream, changes, self.cuts)
         while self._slot < len(slots) and slots[self._slot].bucket <= k:
             slot = slots[self._slot]
             name, t = next(self.tensors, (None, None))
@@ -237,6 +246,11 @@ class StreamWriter:
         if merged is not None and i < merged.numel():
             self.pieces.add_changed(merged[i:])
 
+    @property
+    def copied_whole(self) -> int:
+        """Bytes of the tensors copied whole so far (all of them without the base's marks)."""
+        return self.pieces.span_bytes if self.pieces is not None else self.target.total_bytes
+
     def finish(self) -> None:
         """After the last bucket: raise TransportError if the source yields more tensors."""
         if next(self.tensors, None) is not None:
@@ -272,10 +286,12 @@ def changed_values(new: torch.Tensor, old: torch.Tensor, update: bool = False
     Returns: (sorted flat indices, int64 [m]; ``new``'s and ``old``'s elements there, each [m]
     in :func:`bits_view`'s integer dtype of the elements' width). Compared as int64 words; the
     word flags are scanned eight at a time (viewed as int64), then only the hot groups' words,
-    then only the changed words' elements, each step a ``nonzero`` of a short tensor (no
-    boolean-mask indexing: 1.3-1.7x faster on a 16 MiB stream at 0.05-5 % of its bytes changed,
-    docs/transport.md). The values come from the changed words already read, so a caller needs
-    no second gather from the two tensors (random reads, one cache miss per element).
+    then only the changed words' elements, each step a scan of a short tensor (``nonzero``, then
+    NumPy's ``flatnonzero``: :func:`_flat_nonzero`; no boolean-mask indexing: 1.3-1.7x faster on
+    a 16 MiB stream at 0.05-5 % of its bytes changed, docs/performance.md, "Delta rounds: the
+    measurement history", fourth pass). The values come from the changed words already read, so
+    a caller needs no second gather from the two tensors (random reads, one cache miss per
+    element).
 
     Raises: ValueError with ``update`` for ``new`` and ``old`` sharing some but not all of
     their bytes (writing ``old`` would change ``new``, and the split compare's pieces would read
@@ -315,7 +331,7 @@ def _partly_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
 #: caller's and a helper (CPU tensors, one torch intra-op thread: the transport's setting on a
 #: shared host, where torch's own parallel ops are off). The compare reads both tensors once and
 #: is bound by one core's memory bandwidth; a requantizer's input of 8 MiB or more is worth a
-#: thread (docs/transport.md, "The compare on two threads").
+#: thread (docs/performance.md, "Delta rounds: the measurement history", fifth pass).
 SPLIT_WORDS = 1 << 20
 
 
@@ -376,7 +392,8 @@ def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: in
 
 def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
     """Sorted flat indices (int64) of the true elements of a 1-D contiguous bool tensor: NumPy's
-    ``flatnonzero`` on CPU (3x ``torch.nonzero`` on a short 1-D mask here, docs/transport.md),
+    ``flatnonzero`` on CPU (3x ``torch.nonzero``'s 2-D scan of the same mask here: docs/performance.md,
+    "Delta rounds: the measurement history", seventh pass),
     ``torch.nonzero`` elsewhere."""
     if mask.device.type != "cpu":
         return torch.nonzero(mask).reshape(-1)

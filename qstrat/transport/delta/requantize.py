@@ -120,7 +120,7 @@ class Requantizer:
             try:
                 parts = self._step(entry, w3, name, context, values_checked)
             except BaseException:
-                self.written.drop(list(entry.parts.values()))
+                self.written.drop(entry.parts.values())
                 raise
             if isinstance(parts, str):
                 why = parts
@@ -130,8 +130,7 @@ class Requantizer:
                 self.stats["incremental"] += 1
                 return out
         self.stats[f"whole:{why}"] += 1
-        if entry is not None:
-            self.written.drop(list(entry.parts.values()))
+        self.written.drop(entry.parts.values() if entry is not None else ())
         parts = ser.quantize(w, name=name, context=context, values_checked=values_checked)
         if ser.scale_block is not None and w3.dtype in _BITS:
             parts3 = parts if w.dim() == 3 else {k: v.unsqueeze(0) for k, v in parts.items()}
@@ -194,12 +193,7 @@ class Requantizer:
         rescaled = scale != scales.index_select(0, touched)
         n_rescaled = int(rescaled.sum())
         if n_rescaled:
-            before = version_of(scales)
-            scales[touched] = scale
-            size = scales.element_size()  # the bytes of every touched scale (the others were written equal)
-            self.written.record(entry.parts[ser.scale_part], before, (
-                touched.unsqueeze(1) * size + torch.arange(size)).reshape(-1) if size > 1 else touched)
-        weight = entry.parts["weight"].view(-1)
+            _write_scales(self.written, entry.parts[ser.scale_part], scales, touched, scale)
         if n_rescaled:  # every element of those blocks, and the other blocks' changed ones
             keep = ~rescaled[where]
             elements = torch.cat([idx[keep], grid.elements(touched[rescaled])])
@@ -219,27 +213,42 @@ class Requantizer:
             x = flat_new.index_select(0, elements).float()
         else:
             elements, mult, x = idx, multiplier.index_select(0, where), values
-        codes = ser.codes(x, mult)
-        # scatter_, not index assignment (3x faster here); an index repeated by a ragged edge
-        # block is the same element with the same code
-        if ser.codes_per_byte == 2:
-            at, new_bytes, weight_bytes = elements[0::2] >> 1, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8), weight
-        else:
-            at, new_bytes, weight_bytes = elements, codes.view(torch.uint8), weight.view(torch.uint8)
-        # only the bytes whose code changed are written and logged: most re-encoded codes come
-        # out as they were (a step moves few values across a code boundary), and the stream
-        # copies and compares each logged byte (qstrat.transport.delta.written)
-        differ = new_bytes != weight_bytes.gather(0, at)
-        at, new_bytes = at[differ], new_bytes[differ]
-        before = version_of(weight)
-        weight_bytes.scatter_(0, at, new_bytes)
-        # the log wants sorted unique bytes: the changed elements alone are (and so their
-        # bytes); with rescaled blocks' elements added, or ragged edges, they are sorted here
-        self.written.record(entry.parts["weight"], before, at if not n_rescaled else torch.unique(at))
+        _write_codes(self.written, ser, entry.parts["weight"], elements, ser.codes(x, mult), sort=bool(n_rescaled))
         self.stats["blocks_touched"] += touched.numel()
         self.stats["blocks_rescaled"] += n_rescaled
         self.stats["encoded"] += elements.numel()
         return entry.parts
+
+
+def _write_scales(log: WriteLog, part: torch.Tensor, scales: torch.Tensor, touched: torch.Tensor,
+                  scale: torch.Tensor) -> None:
+    """Write the touched blocks' scales (``scale``, bits) into ``scales`` (a flat bits view of
+    ``part``) and log every touched scale's bytes (the unchanged ones are written equal)."""
+    before = version_of(scales)
+    scales[touched] = scale
+    size = scales.element_size()
+    log.record(part, before, (touched.unsqueeze(1) * size + torch.arange(size)).reshape(-1) if size > 1 else touched)
+
+
+def _write_codes(log: WriteLog, ser: Serializer, weight: torch.Tensor, elements: torch.Tensor, codes: torch.Tensor,
+                 sort: bool) -> None:
+    """Write the codes of flat ``elements`` into the ``weight`` part (NVFP4: two per byte, each
+    pair of elements one byte's) and log the bytes written: only those whose code changed - most
+    re-encoded codes come out as they were (a step moves few values across a code boundary),
+    and the stream copies and compares each logged byte (:mod:`qstrat.transport.delta.written`).
+    ``sort``: ``elements`` may be unsorted or repeat (rescaled blocks' elements added, ragged
+    edges); the log wants sorted unique bytes. ``scatter_``, not index assignment (3x faster
+    here); an index repeated by a ragged edge block is the same element with the same code."""
+    flat = weight.view(-1)
+    if ser.codes_per_byte == 2:
+        at, new, dst = elements[0::2] >> 1, (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8), flat
+    else:
+        at, new, dst = elements, codes.view(torch.uint8), flat.view(torch.uint8)
+    differ = new != dst.gather(0, at)
+    at, new = at[differ], new[differ]
+    before = version_of(dst)
+    dst.scatter_(0, at, new)
+    log.record(weight, before, torch.unique(at) if sort else at)
 
 
 def _fraction(value: Any) -> float:

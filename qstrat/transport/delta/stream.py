@@ -25,7 +25,7 @@ from qstrat.errors import TransportError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.delta.ahead import LookAhead
 from qstrat.transport.delta.digest import RegionDigests
-from qstrat.transport.delta.written import WriteLog
+from qstrat.transport.delta.written import WriteLog, reread_logged
 from qstrat.transport import protocol
 from qstrat.transport.group import TransferGroup
 from qstrat.transport.security.keys import Secret
@@ -74,13 +74,7 @@ class PatchEncoder:
             with torch.inference_mode(False):  # thread (outside it) writes it, later rounds reuse it
                 stream = torch.empty(delta.padded_size(target.total_bytes), dtype=torch.uint8)
         self.stream = stream
-        # the base's marks serve only a stream holding the base's bytes: made so before the
-        # first write (_catch_up), on the source's thread
-        marks = (self.base.marks if self.base is not None and log is not None and tensors is not None
-                 and self.stream is not self.base.stream else None)
-        self._catch_up = None if marks is None else (
-            self.base.changes if stream_round is not None and stream_round == self.base.parent else "whole")
-        self.writer = (delta.StreamWriter(target, tensors, self.stream, log, marks)
+        self.writer = (delta.StreamWriter(target, tensors, self.stream, log, self.base, stream_round)
                        if tensors is not None else None)
         self._ahead = (LookAhead(self._step, len(target.buckets) - 1)
                        if look_ahead and self.writer is not None and target.buckets else None)
@@ -153,7 +147,7 @@ class PatchEncoder:
         changed = None
         if old is not None:
             pieces = self.writer.pieces if self.writer is not None else None
-            changed = pieces.changed(lo, hi, region, old) if pieces is not None else delta.changed_bytes(region, old)
+            changed = pieces.changed(lo, hi, region, old, delta.changed_bytes) if pieces is not None else delta.changed_bytes(region, old)
             self._changes.append(delta.Changes(changed.to(torch.int32) if hi - lo < 2**31 else changed,
                                                changed.new_empty(0)))
         patch, tiles = delta.encode_patch(region, old, changed)
@@ -166,16 +160,7 @@ class PatchEncoder:
         return out
 
     def _write(self, k: int) -> None:
-        """Bucket ``k``'s tensors into the stream (after the last bucket: check the source is spent);
-        before the first, the stream made equal to the base where the writer needs it."""
-        if k == 0 and self._catch_up is not None:
-            changes, self._catch_up = self._catch_up, None
-            if isinstance(changes, list) and len(changes) == len(self.cuts) - 1:
-                for j, c in enumerate(changes):
-                    lo, hi = self.cuts[j], self.cuts[j + 1]
-                    c.catch_up(self.stream[lo:hi], self.base.stream[lo:hi])
-            else:
-                self.stream.copy_(self.base.stream)
+        """Bucket ``k``'s tensors into the stream (after the last bucket: check the source is spent)."""
         self.writer.upto(k)
         if k == len(self.target.buckets) - 1:
             self.writer.finish()
@@ -200,8 +185,7 @@ class PatchEncoder:
     def copied_whole(self) -> int:
         """Bytes of the stream's tensors copied whole (and compared whole with the base); the
         others came from the write log (:class:`~qstrat.transport.delta.written.Pieces`)."""
-        pieces = self.writer.pieces if self.writer is not None else None
-        return pieces.span_bytes if pieces is not None else self.target.total_bytes
+        return self.writer.copied_whole if self.writer is not None else self.target.total_bytes
 
     @property
     def kind(self) -> str:
@@ -222,19 +206,10 @@ class PatchEncoder:
                           self.base.round_id if changes is not None else None, changes, kept, marks)
 
     def _reread(self) -> None:
-        """Before this round's complete stream is sent again whole: every slot written from the
-        write log's record (only the bytes it said changed were copied; the rest are the base's
-        bytes, caught up) read again from its part, so that what goes whole is what the parts
-        hold even if the stream's memory changed since it was sent as a patch."""
-        log, marks = (self.writer.log, self.writer.marks) if self.writer is not None else (None, None)
-        if self.writer is None or self.writer.pieces is None or not marks:
-            return
-        starts = self.target.buckets
-        for slot, mark in zip(self.target.slots, marks):
-            src = log.bytes_at(mark) if mark is not None else None
-            if src is not None:
-                at = starts[slot.bucket].stream_offset + slot.offset
-                self.stream[at:at + slot.nbytes].copy_(src)
+        """Before this round's complete stream is sent again whole: the slots written from the
+        write log read again from their parts (:func:`~qstrat.transport.delta.written.reread_logged`)."""
+        if self.writer is not None and self.writer.pieces is not None and self.writer.marks:
+            reread_logged(self.stream, self.target, self.writer.log, self.writer.marks)
 
     def whole(self) -> PatchEncoder:
         """The same round for a whole resend (every tile raw): from this round's stream once

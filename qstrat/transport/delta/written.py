@@ -24,18 +24,21 @@ part's version now with no gap (a write the requantizer did not record - a calle
 returned part in place, a record dropped - breaks the chain), the log id is the mark's (a part
 made again, whole, gets a new id), and the window is the mark's; else None, and the slot is
 copied and compared whole, as before. So an unrecorded write costs speed, never bytes.
-Measured (docs/transport.md, "The stream written from the requantizer's record"): the sender's
-compare of the stream with the base (64 MiB at width 4) and the copy of the requantized
-tensors into it went from 23 + ~10 ms to under 2 ms a round.
+Measured (docs/transport.md, "The stream written from the requantizer's record"): on the 4x
+wider tiny model (64 MiB of block FP8) the sender's compare of the stream with its base
+(0.023-0.034 s a round) and its copy of the requantized tensors (about 0.01 s) became 0.008 s.
 """
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Mark", "Pieces", "WriteLog", "copy_written", "version_of"]
+from qstrat.transport.wire_manifest import WireManifest
+
+__all__ = ["Mark", "Pieces", "WriteLog", "copy_written", "hold_base", "reread_logged", "version_of"]
 
 #: Spans copied whole at most this many bytes apart are compared as one (the gap's zeros with them).
 MERGE_GAP = 1 << 16
@@ -99,7 +102,7 @@ class WriteLog:
             if key and p.device.type == "cpu" and version_of(p) is not None:
                 self._tracks[key] = _Track(next(self._uids), p, [])
 
-    def drop(self, parts: list[torch.Tensor]) -> None:
+    def drop(self, parts: Iterable[torch.Tensor]) -> None:
         """Stop logging ``parts`` (an entry dropped or made again)."""
         for p in parts:
             track = self._tracks.get(_key(p))
@@ -225,6 +228,32 @@ def copy_written(log: WriteLog, run: list[tuple[Mark, Mark, int]], out: torch.Te
     return changed
 
 
+def hold_base(stream: torch.Tensor, base: torch.Tensor, changes: list | None, cuts: list[int]) -> None:
+    """Make ``stream`` (1-D uint8, the spare) equal ``base`` (the base's stream) before a round
+    writes only logged bytes into it: when ``changes`` (the base's per-bucket
+    :class:`~qstrat.transport.delta.encoding.Changes`, one per region of ``cuts``) is given, the
+    spare holds the round the base was patched from and only those bytes are copied; else the
+    base is copied whole."""
+    if changes is not None and len(changes) == len(cuts) - 1:
+        for j, c in enumerate(changes):
+            c.catch_up(stream[cuts[j]:cuts[j + 1]], base[cuts[j]:cuts[j + 1]])
+    else:
+        stream.copy_(base)
+
+
+def reread_logged(stream: torch.Tensor, target: WireManifest, log: WriteLog, marks: list[Mark | None]) -> None:
+    """Before a round's complete stream is sent again whole: every slot with a mark read again
+    from its part (:meth:`WriteLog.bytes_at`; a part changed since is left as written). Only the
+    bytes the log named were copied into those slots, the rest being the base's caught up; this
+    makes what goes whole what the parts hold even if the stream's memory changed since it was
+    sent as a patch."""
+    for slot, mark in zip(target.slots, marks):
+        src = log.bytes_at(mark) if mark is not None else None
+        if src is not None:
+            at = target.buckets[slot.bucket].stream_offset + slot.offset
+            stream[at:at + slot.nbytes].copy_(src)
+
+
 class Pieces:
     """What a round's writer wrote into the stream, in stream order: spans copied whole (to be
     compared with the base) and the positions it already found changed (bytes of logged parts
@@ -260,12 +289,12 @@ class Pieces:
             self.changed_positions += p.numel()
             self._pieces.append((int(p[0]), int(p[-1]) + 1, p))
 
-    def changed(self, lo: int, hi: int, region: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    def changed(self, lo: int, hi: int, region: torch.Tensor, old: torch.Tensor,
+                changed_bytes: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Sorted positions (int64, relative to ``lo``) in ``[lo, hi)`` where ``region`` (the
-        stream's bytes there) differs from ``old`` (the base's): the spans compared, the
-        positions taken as found. Regions are asked for in stream order."""
-        from qstrat.transport.delta.encoding import changed_bytes
-
+        stream's bytes there) differs from ``old`` (the base's): the spans compared with
+        ``changed_bytes`` (:func:`~qstrat.transport.delta.encoding.changed_bytes`), the positions
+        taken as found. Regions are asked for in stream order."""
         out: list[torch.Tensor] = []
         i = self._first
         while i < len(self._pieces) and self._pieces[i][0] < hi:

@@ -12,7 +12,7 @@ Formula (int64 arithmetic, modulo 2**64: exact, the same value in any order and 
 Why this form: matrix-vector products over a zero-copy int64 view, the fastest exact reduction
 torch has on CPU (``torch.mv`` on int64), a multiply + sum on CUDA (no integer ``mv`` there: the
 same value); both forms along rows (sums modulo 2**64 commute), a block of :data:`_CACHE_ROWS`
-rows (1 MiB) at a time, each block read from memory once (figures: docs/transport.md).
+rows (1 MiB) at a time, each block read from memory once (figures: docs/performance.md, "Delta rounds: the measurement history", fifth pass).
 Detection: every word has an odd weight in both forms, so a change confined to one word changes
 both; a change whose lowest differing bit is ``t`` goes unnoticed by one form with probability
 about ``2**-(64 - t)`` for random keys (high-bit-only changes are the weak case). Accident
