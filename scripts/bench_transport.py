@@ -51,8 +51,11 @@ whether both receivers hold exactly ``RefitDriver.run``'s bytes, and the memory 
 needed (``peak MiB``: the process's peak RSS during the round, VmHWM reset at its start, minus
 its RSS at the start: memory the round needed beyond what the process already held; 0 when it
 needed none (Linux updates VmHWM lazily, so such a round can read a fraction of a MiB below its
-start: printed as 0). Then per format and lr, the medians over the delta steps (every step but
-the start round): wall seconds full / delta and their ratio, CPU seconds full / delta, and the
+start: printed as 0). After each delta round, the incremental quantizer's line: entries
+quantized incrementally and whole (with why), the % of input elements changed, blocks touched
+and rescaled, codes re-encoded, and the stream bytes copied whole (``DeltaReport.copied_whole``:
+the passthrough tensors when the write log served the rest; every tensor in a whole round).
+Then per format and lr, the medians over the delta steps (every step but the start round): wall seconds full / delta and their ratio, CPU seconds full / delta, and the
 machine's load average (``os.getloadavg``) before and after; then the phase profile (as above) of
 the median full and the median delta round (a delta round's ``source`` phase is quantizing and
 encoding each bucket, interleaved with its ``wait`` on the wire, as a full round's).
@@ -362,7 +365,9 @@ def delta(args, summary: list[dict]) -> None:
                               f"{100 * rq.get('changed', 0) / max(rq.get('elements', 1), 1):.3f} % of the elements "
                               f"changed, blocks touched {rq.get('blocks_touched', 0)} (rescaled "
                               f"{rq.get('blocks_rescaled', 0)}), codes re-encoded {rq.get('encoded', 0)}; stream "
-                              f"copied whole {info.copied_whole / 2**20:.2f} MiB (the rest from the write log)", flush=True)
+                              f"copied whole {info.copied_whole / 2**20:.2f} MiB"
+                              + (" (the rest from the write log)" if info.copied_whole < info.full_bytes else
+                                 " (every tensor: no base's marks to follow)"), flush=True)
                     if step:
                         rows.append((f[1], d[1], f[4], d[4], info.full_bytes, info.wire_bytes, f[5:], d[5:]))
                 if rows:
@@ -379,8 +384,8 @@ def delta(args, summary: list[dict]) -> None:
                                     "width": w, "full_bytes": med[4], "delta_bytes": med[5], "full_s": med[0],
                                     "delta_s": med[1], "full_cpu_s": med[2], "delta_cpu_s": med[3],
                                     "load": (load, after)})
-                print(f"{'':9} base held: sender {delta_s.base.nbytes / 2**20:.2f} MiB (host memory), "
-                      f"receiver the same; peak RSS (VmHWM) sender {_own_memory()[1] / 2**20:.0f} MiB, receivers "
+                print(f"{'':9} base held: sender {delta_s.base.nbytes / 2**20:.2f} MiB (host memory; and a spare "
+                      f"buffer of that size between rounds), receiver the same; peak RSS (VmHWM) sender {_own_memory()[1] / 2**20:.0f} MiB, receivers "
                       f"full {full_r[0].ctl.call('memory')[1] / 2**20:.0f} / delta "
                       f"{delta_r[0].ctl.call('memory')[1] / 2**20:.0f} MiB", flush=True)
             finally:

@@ -40,7 +40,7 @@ def program_ids(WIDE: tl.constexpr, E64: tl.constexpr):
     Every kernel adds the expert's offset (``e * stride_e``, ``e * N * K``: one scalar per
     program) to its base pointer before the per-element offsets, which follow ``tile``'s type:
     a slab of more than 2^31 elements whose experts are each below it (DeepSeek-V3's 256 x 4096 x
-    7168) keeps the 32-bit per-element arithmetic (docs/performance.md, "64-bit offsets")."""
+    7168) keeps the 32-bit per-element arithmetic (docs/performance.md, the kernel figures "by offset width")."""
     if WIDE:
         return tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     elif E64:

@@ -184,6 +184,6 @@ def needs_int64(*tensors: torch.Tensor) -> bool:
     summed over the dims after the first), reaches 2^31. The expert's own offset is 64-bit where
     :func:`slab_needs_int64` and joins the base pointer once per program, so a
     slab past 2^31 elements whose experts are each below it stays on 32-bit offsets, exact and a
-    third of the address instructions (docs/performance.md, "64-bit offsets").
+    third of the address instructions (docs/performance.md, the kernel figures "by offset width").
     """
     return any(_reach(t, 1) >= 2**31 for t in tensors)

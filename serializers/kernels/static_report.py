@@ -10,7 +10,7 @@ pointers get divisibility hints), then compiled by Triton's own pipeline for ``s
 reads the cubin: ``REG``/``STACK``/``SHARED`` from ``-res-usage``, the instruction list from
 ``-sass``. Compiling needs real triton (not ``TRITON_INTERPRET=1``: see :func:`report`).
 
-Formulas (docs/performance.md, "Static kernel report"; /work/shared/docs/gpu-without-gpu.md):
+Formulas (docs/performance.md, "GPU kernels, statically"; /work/shared/docs/gpu-without-gpu.md):
 
 - instructions per element ``I = sass * 32 * num_warps * programs / elements``, where ``sass`` is
   the count of SASS instructions a program executes: every instruction once (no NOP, not the
@@ -51,7 +51,7 @@ GPUS: dict[str, tuple[int, int, float, float]] = {
 ARCHS = (90, 100)
 #: Slabs of the report: the issue's [4, 512, 1024], a realistic MoE projection, and a DeepSeek-V3
 #: expert slab (256 x 4096 x 7168 = 7.5e9 elements, past 2^31: the launch with a 64-bit expert
-#: offset and 32-bit per-element offsets, ``E64``; docs/performance.md "64-bit offsets").
+#: offset and 32-bit per-element offsets, ``E64``; docs/performance.md, the kernel figures "by offset width").
 SLABS: tuple[tuple[int, int, int], ...] = ((4, 512, 1024), (8, 1536, 2048), (256, 4096, 7168))
 #: A slab whose ONE expert passes 2^31 elements: the fully 64-bit launch (``WIDE``). No model
 #: qstrat knows has such a matrix (DeepSeek-V3's largest, the embedding, is 129280 x 7168 = 9.3e8),

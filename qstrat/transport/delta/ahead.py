@@ -12,7 +12,8 @@ the source can run ahead of the encoder by any number of buckets without more me
 their sum; one bucket of look-ahead is not enough, since the source is lumpy (a bucket that
 begins an expert slab quantizes the whole slab; docs/performance.md, "Delta rounds: the measurement history":
 measured there). :class:`~qstrat.transport.delta.stream.PatchEncoder` also encodes each bucket
-here right after writing it, from the core's cache (less CPU: docs/performance.md, "Delta rounds: the measurement history", sixth pass).
+here right after writing it, from the core's cache (less CPU: docs/performance.md, "Delta rounds:
+the measurement history", sixth pass).
 
 While a source thread runs, the interpreter's switch interval (``sys.setswitchinterval``,
 5 ms by default) is at most :data:`SWITCH_INTERVAL_S`: the encoder and the source hand the GIL

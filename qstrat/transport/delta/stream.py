@@ -147,7 +147,8 @@ class PatchEncoder:
         changed = None
         if old is not None:
             pieces = self.writer.pieces if self.writer is not None else None
-            changed = pieces.changed(lo, hi, region, old, delta.changed_bytes) if pieces is not None else delta.changed_bytes(region, old)
+            changed = (pieces.changed(lo, hi, region, old, delta.changed_bytes) if pieces is not None
+                       else delta.changed_bytes(region, old))
             self._changes.append(delta.Changes(changed.to(torch.int32) if hi - lo < 2**31 else changed,
                                                changed.new_empty(0)))
         patch, tiles = delta.encode_patch(region, old, changed)

@@ -1,7 +1,7 @@
 """Bounded rounds on a receiver: the reload units handed to the loader as their bytes verify, and
 the MIX that a round cut off after the first hand leaves.
 
-A BOUNDED DELTA round (``mode="bounded-delta"``, docs/transport.md "Bounded delta rounds") hands
+A BOUNDED DELTA round (``mode="bounded-delta"``, docs/transport.md "Delta in bounded mode") hands
 units from the rebuilt stream (:class:`StreamUnits`): once bucket ``k``'s rebuilt bytes match the
 trainer's digest, every unit whose last byte lies below ``cuts[k + 1]``
 (:func:`qstrat.transport.delta.encoding.cuts`) - a tile straddling two buckets completes with the
