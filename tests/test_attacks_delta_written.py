@@ -210,3 +210,42 @@ def test_a_write_into_a_part_through_data_is_not_seen_by_the_log_accepted_limita
     assert attempts == [True, False] and report.delta.attempts == 2
     diff = torch.nonzero(rx.base.stream != want).reshape(-1).tolist()
     assert diff == [5] and int(rx.base.stream[5]) == int(want[5]) ^ 0x01  # the part's byte went whole
+
+
+# ---- the two-thread compare under inference mode ------------------------------------------------------
+def test_the_requantizer_under_inference_mode_with_an_input_of_split_size():
+    """A Requantizer called under ``torch.inference_mode`` (its kept input then an inference
+    tensor) with an input of SPLIT_WORDS int64 words or more on one torch thread: changed_values
+    (update=True) compares in pieces on a helper thread, outside the caller's (thread-local)
+    inference mode, whose in-place update of the kept input raised RuntimeError ("Inplace update
+    to inference tensor outside InferenceMode"), so every second call failed. The helper now runs
+    under the caller's mode: the same bytes as a full quantize, and the kept input updated."""
+    from qstrat.transport.delta.encoding import SPLIT_WORDS
+    from qstrat.transport.delta.requantize import Requantizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        ser, rq = MXFP8(), Requantizer()
+        w = torch.randn(2048, 2048, generator=g).to(torch.bfloat16)
+        assert w.numel() * 2 // 8 >= SPLIT_WORDS
+        with torch.inference_mode():
+            rq.quantize(ser, "w", w, name="w")
+            w2 = w.clone()
+            w2.view(-1)[torch.randint(0, w.numel(), (2000,), generator=g)] *= 1.01
+            got = rq.quantize(ser, "w", w2, name="w")
+        assert rq.take_stats().get("incremental") == 1
+        want = ser.quantize(w2, name="w")
+        for k in want:
+            assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+        # and changed_values itself, old updated in place to new
+        with torch.inference_mode():
+            a = torch.randint(0, 100, (8 * SPLIT_WORDS,), dtype=torch.uint8, generator=g)
+            b = a.clone()
+            b[[0, 12345, 8 * SPLIT_WORDS - 1]] += 1
+            idx, new_v, old_v = changed_values(a, b, update=True)
+            assert idx.tolist() == [0, 12345, 8 * SPLIT_WORDS - 1]
+            assert torch.equal(new_v.view(torch.uint8), a[idx]) and torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
