@@ -340,9 +340,12 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int, updat
     """:func:`_changed_words` of ``a``/``b`` in pieces of ``SPLIT_WORDS // 4`` words, which this
     thread and a new helper thread take in turn until none is left (under load one of the two
     gets less of a core: neither waits long for the other). The helper only reads the two
-    tensors; what it raises is raised here, after it stopped. A helper that cannot start
-    (RuntimeError from ``Thread.start``): the whole compare on this thread."""
+    tensors (and with ``update`` writes its pieces of ``b``), under the caller's inference mode
+    (thread-local: an inference tensor ``b`` is written in place only inside it); what it
+    raises is raised here, after it stopped. A helper that cannot start (RuntimeError from
+    ``Thread.start``): the whole compare on this thread."""
     size = max(8, SPLIT_WORDS // 4 // 8 * 8)  # whole groups of 8 words
+    inference = torch.is_inference_mode_enabled()
     starts = range(0, a.numel(), size)
     done: list[Any] = [None] * len(starts)
     order = iter(range(len(starts)))  # next() on a range iterator is atomic under the GIL
@@ -359,7 +362,11 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int, updat
                 failed.append(exc)
                 return
 
-    helper = threading.Thread(target=work, name="qstrat-compare", daemon=True)
+    def helper_work() -> None:
+        with torch.inference_mode(inference):
+            work()
+
+    helper = threading.Thread(target=helper_work, name="qstrat-compare", daemon=True)
     try:
         helper.start()
     except RuntimeError:  # no thread to be had (a process at its thread limit): the helper is only a speed-up

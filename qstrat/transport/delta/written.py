@@ -212,6 +212,8 @@ def copy_written(log: WriteLog, run: list[tuple[Mark, Mark, int]], out: torch.Te
         run = sorted(run, key=lambda r: r[0].offset)
         starts = torch.tensor([m.offset for m, _, _ in run])
         ends = torch.tensor([m.offset + m.nbytes for m, _, _ in run])
+        if bool((ends[:-1] > starts[1:]).any()):  # slots sharing bytes of the part (the same view
+            return None  # yielded twice): a position maps to one slot here, so copy each whole
         shift = torch.tensor([a - m.offset for m, _, a in run])
         w = torch.searchsorted(starts, pos, right=True) - 1
         keep = (w >= 0) & (pos < ends[w.clamp(min=0)])
@@ -298,9 +300,15 @@ class Pieces:
         out: list[torch.Tensor] = []
         i = self._first
         while i < len(self._pieces) and self._pieces[i][0] < hi:
+            # the count first: a piece that was not the last one then is final (add_span extends
+            # only the last piece, on the writer's thread, maybe while this runs on another)
+            last = i + 1 == len(self._pieces)
             a, b, p = self._pieces[i]
             if b <= lo:
-                self._first = i + 1
+                # never past the last piece: a span added within MERGE_GAP after it extends it,
+                # and a later region must compare that extension
+                if not last:
+                    self._first = i + 1
             elif p is None:
                 s, e = max(a, lo) - lo, min(b, hi) - lo
                 out.append(changed_bytes(region[s:e], old[s:e]) + s)
