@@ -63,12 +63,12 @@ def test_pieces_compare_a_span_merged_into_a_piece_that_an_earlier_region_passed
     new[70000] ^= 1
     p = Pieces()
     p.add_span(1000, 2000)
-    assert p.changed(0, delta.TILE, new[:delta.TILE], old[:delta.TILE]).numel() == 0
+    assert p.changed(0, delta.TILE, new[:delta.TILE], old[:delta.TILE], delta.changed_bytes).numel() == 0
     t = delta.TILE
-    assert p.changed(t, t, new[t:t], old[t:t]).numel() == 0  # an empty region past the piece
+    assert p.changed(t, t, new[t:t], old[t:t], delta.changed_bytes).numel() == 0  # an empty region past the piece
     assert 60000 - 2000 <= MERGE_GAP
     p.add_span(60000, 80000)  # merged into the first piece
-    got = p.changed(t, 3 * t, new[t:], old[t:]) + t
+    got = p.changed(t, 3 * t, new[t:], old[t:], delta.changed_bytes) + t
     assert got.tolist() == [70000]
 
 
