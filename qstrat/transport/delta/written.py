@@ -87,6 +87,7 @@ class WriteLog:
 
     def __init__(self) -> None:
         self._tracks: dict[int, _Track] = {}
+        self._keys: dict[int, int] = {}  # log id -> storage key
 
     def __len__(self) -> int:
         return len(self._tracks)
@@ -100,7 +101,10 @@ class WriteLog:
             return
         for key, p in zip(keys, parts):
             if key and p.device.type == "cpu" and version_of(p) is not None:
+                if key in self._tracks:
+                    self._keys.pop(self._tracks[key].uid, None)
                 self._tracks[key] = _Track(next(self._uids), p, [])
+                self._keys[self._tracks[key].uid] = key
 
     def drop(self, parts: Iterable[torch.Tensor]) -> None:
         """Stop logging ``parts`` (an entry dropped or made again)."""
@@ -108,10 +112,12 @@ class WriteLog:
             track = self._tracks.get(_key(p))
             if track is not None and track.part is p:
                 del self._tracks[_key(p)]
+                self._keys.pop(track.uid, None)
 
     def clear(self) -> None:
         """Stop logging every part."""
         self._tracks.clear()
+        self._keys.clear()
 
     def record(self, part: torch.Tensor, before: int | None, positions: torch.Tensor) -> None:
         """``part`` (logged) was written in place at ``positions`` (sorted unique int64 byte
@@ -140,7 +146,8 @@ class WriteLog:
         return Mark(track.uid, t.storage_offset() * t.element_size(), t.numel() * t.element_size(), version)
 
     def _track(self, uid: int) -> _Track | None:
-        return next((t for t in self._tracks.values() if t.uid == uid), None)
+        track = self._tracks.get(self._keys.get(uid, 0))
+        return track if track is not None and track.uid == uid else None
 
     def storage(self, uid: int) -> torch.Tensor | None:
         """The whole storage of the part logged under ``uid`` as 1-D uint8 (None: not logged)."""
@@ -202,6 +209,8 @@ def copy_written(log: WriteLog, run: list[tuple[Mark, Mark, int]], out: torch.Te
     if any(m.version != first.version or b.version != old.version for m, b, _ in run):
         return None
     pos = log.written(first.uid, old.version, first.version)
+    if pos is not None and not pos.numel():  # nothing written since: every byte is the base's
+        return pos
     storage = log.storage(first.uid) if pos is not None else None
     if storage is None:
         return None
