@@ -190,10 +190,13 @@ class WriteLog:
         if now is None or (now.uid, now.offset, now.nbytes) != (mark.uid, mark.offset, mark.nbytes):
             return None
         pos = self.written(now.uid, mark.version, now.version)
-        if pos is None:
-            return None
-        lo, hi = torch.searchsorted(pos, torch.tensor([mark.offset, mark.offset + mark.nbytes])).tolist()
-        return pos[lo:hi] - mark.offset
+        return None if pos is None else _window(pos, mark) - mark.offset
+
+
+def _window(pos: torch.Tensor, mark: Mark) -> torch.Tensor:
+    """The storage positions of ``pos`` (sorted int64) inside ``mark``'s byte window."""
+    lo, hi = torch.searchsorted(pos, torch.tensor([mark.offset, mark.offset + mark.nbytes])).tolist()
+    return pos[lo:hi]
 
 
 def copy_written(log: WriteLog, run: list[tuple[Mark, Mark, int]], out: torch.Tensor) -> torch.Tensor | None:
@@ -215,8 +218,8 @@ def copy_written(log: WriteLog, run: list[tuple[Mark, Mark, int]], out: torch.Te
     if storage is None:
         return None
     if len(run) == 1:
-        lo, hi = torch.searchsorted(pos, torch.tensor([first.offset, first.offset + first.nbytes])).tolist()
-        pos, at = pos[lo:hi], pos[lo:hi] + (run[0][2] - first.offset)
+        pos = _window(pos, first)
+        at = pos + (run[0][2] - first.offset)
     else:
         run = sorted(run, key=lambda r: r[0].offset)
         starts = torch.tensor([m.offset for m, _, _ in run])
