@@ -45,6 +45,7 @@ from qstrat.transport.security.keys import Secret, checksum_seed
 from qstrat.transport.security.seal import Sealer
 from qstrat.transport.wire_manifest import WireManifest
 from qstrat.transport.delta.written import Mark, Pieces, WriteLog, copy_written, hold_base
+from qstrat.transport.delta import scan
 
 #: Bytes per tile (a multiple of 8; under 65536 so that an rle token fits uint16).
 TILE = 32768
@@ -384,7 +385,11 @@ def _split(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int, updat
 def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int, update: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`changed_values` of two int64 word views (a multiple of 8 words) whose elements
-    are ``per`` per word, of ``dtype`` (``update``: ``b``'s changed words set to ``a``'s)."""
+    are ``per`` per word, of ``dtype`` (``update``: ``b``'s changed words set to ``a``'s). On CPU
+    the one-pass kernel :func:`qstrat.transport.delta.scan.changed_words` answers where numba
+    imported; the torch ops below elsewhere (the same values)."""
+    if scan.ENABLED and a.device.type == "cpu":
+        return scan.changed_words(a, b, dtype, per, update)
     ne = a != b
     hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)
     flat = _flat_nonzero(ne.view(-1, 8).index_select(0, hot).view(-1))  # hot group's word k: 8 * row + col
