@@ -300,14 +300,18 @@ def test_requantizer_on_the_split_compare_gives_a_full_quantizes_bytes_every_ste
 
 # ---- the checksum's row blocks: the formula's value at and around block ends, fed in pieces ----
 
-@pytest.mark.parametrize("integer_mv", [True, False])
+@pytest.mark.parametrize("path", ["kernel", "mv", "multiply"])
 @pytest.mark.parametrize(("rows", "tail"), [(31, 0), (32, 0), (33, 5), (0, 1), (0, 0), (1, 0)])
-def test_checksum_row_blocks_fed_in_pieces_equal_the_formula(monkeypatch, integer_mv, rows, tail):
+def test_checksum_row_blocks_fed_in_pieces_equal_the_formula(monkeypatch, path, rows, tail):
+    """Each way the row sums are made - the numba loop (CPU), ``torch.mv`` blocks, a multiply
+    and sum (CUDA's) - gives the formula's value."""
     from test_transport_security import oracle
 
     from qstrat.transport.security import checksum as cs
 
-    monkeypatch.setattr(cs, "_integer_mv", lambda device: integer_mv)
+    assert cs.ROW_KERNEL, "numba did not import: the CPU row sums run on torch.mv"
+    monkeypatch.setattr(cs, "ROW_KERNEL", path == "kernel")
+    monkeypatch.setattr(cs, "_integer_mv", lambda device: path == "mv")
     n = rows * cs._ROW_BYTES + tail
     x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     for seed in (0, 2**63 - 1):

@@ -15,27 +15,16 @@ element width and cached on disk (numba's cache: the package's ``__pycache__`` o
 cache folder).
 
 :data:`ENABLED` is False where numba does not import (the torch path then answers alone); tests
-set it to compare the two paths on the same inputs.
+set it to compare the two paths on the same inputs. Compiled by :func:`qstrat.transport.jit.cpu_kernel`.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
-logger = logging.getLogger(__name__)
-
-try:
-    import numba
-except ImportError:  # the torch path answers: the same values, slower
-    numba = None
-
-#: Whether :func:`changed_words` is used (numba imported); tests switch it off to check the
-#: torch path on the same inputs.
-ENABLED = numba is not None
+from qstrat.transport.jit import cpu_kernel
 
 
-def _scan(a, b, al, bl, per, start, update, idx, new, old):  # pragma: no cover - compiled by numba
+def _scan_loop(a, b, al, bl, per, start, update, idx, new, old):  # pragma: no cover - compiled by numba
     """From word ``start`` on: for each word ``i`` where ``a[i] != b[i]``, every element
     ``e`` of it (``i * per <= e < (i + 1) * per``) with ``al[e] != bl[e]`` is written to
     ``idx``/``new``/``old`` in order, and with ``update`` ``b[i] = a[i]``. Stops before a
@@ -59,12 +48,11 @@ def _scan(a, b, al, bl, per, start, update, idx, new, old):  # pragma: no cover 
     return n, k
 
 
-if numba is not None:
-    try:
-        _scan = numba.njit(nogil=True, cache=True, boundscheck=False)(_scan)
-    except RuntimeError as exc:  # no folder to cache the compiled code in: compile per process
-        logger.debug("qstrat delta scan: numba cannot cache (%s); compiling without a cache", exc)
-        _scan = numba.njit(nogil=True, boundscheck=False)(_scan)
+_scan = cpu_kernel(_scan_loop)
+
+#: Whether :func:`changed_words` is used (numba imported); tests switch it off to check the
+#: torch path on the same inputs.
+ENABLED = _scan is not None
 
 #: First output size, in elements, as a fraction of the input's (grown by doubling when a
 #: denser change fills it; a requantizer's round at lr 1e-6 changes 0.2-3 % of its elements).
