@@ -294,10 +294,16 @@ def changed_values(new: torch.Tensor, old: torch.Tensor, update: bool = False
     a caller needs no second gather from the two tensors (random reads, one cache miss per
     element).
 
-    Raises: ValueError with ``update`` for ``new`` and ``old`` sharing some but not all of
-    their bytes (writing ``old`` would change ``new``, and the split compare's pieces would read
-    bytes the other thread already wrote); the same tensor twice is fine (nothing changes).
+    Raises: ValueError for ``new`` and ``old`` of different element counts (the compare
+    kernel reads and writes ``old`` at each of ``new``'s words without bounds checks; a split
+    compare would see only ``old``'s first words); with ``update`` for ``new`` and ``old``
+    sharing some but not all of their bytes (writing ``old`` would change ``new``, and the split
+    compare's pieces would read bytes the other thread already wrote); the same tensor twice is
+    fine (nothing changes).
     """
+    if new.numel() != old.numel():
+        raise ValueError(f"changed_values: new has {new.numel()} elements, old {old.numel()} ({new.dtype} "
+                         f"{list(new.shape)}, {old.dtype} {list(old.shape)}): they must have the same shape")
     if update and _partly_shared(new, old):
         raise ValueError(f"changed_values(update=True): new and old share memory ({new.dtype} "
                          f"{list(new.shape)} at {new.data_ptr():#x}, old at {old.data_ptr():#x}): old "
@@ -387,8 +393,9 @@ def _changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: in
     """:func:`changed_values` of two int64 word views (a multiple of 8 words) whose elements
     are ``per`` per word, of ``dtype`` (``update``: ``b``'s changed words set to ``a``'s). On CPU
     the one-pass kernel :func:`qstrat.transport.delta.scan.changed_words` answers where numba
-    imported; the torch ops below elsewhere (the same values)."""
-    if scan.ENABLED and a.device.type == "cpu":
+    imported and both views are contiguous; the torch ops below elsewhere (the same values; an
+    ``expand``-ed ``b``, every element one word, is refused by their in-place write)."""
+    if scan.ENABLED and a.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
         return scan.changed_words(a, b, dtype, per, update)
     ne = a != b
     hot = torch.nonzero(ne.view(torch.int64)).reshape(-1)

@@ -68,25 +68,33 @@ def changed_words(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, per: int
             words), not partly overlapping (the caller checks).
         dtype: the integer dtype of the elements (:func:`~qstrat.transport.delta.encoding.bits_view`:
             uint8, int16, int32 or int64), ``per`` of them in each word (8, 4, 2, 1).
-        update: write each changed word of ``a`` into ``b`` (``b`` then equals ``a``).
+        update: write each changed word of ``a`` into ``b`` (``b`` then equals ``a``; ``b``'s
+            version counter bumped, as torch's in-place writes do, for autograd's checks).
 
     Returns: (sorted flat element indices, int64 [m]; ``a``'s and ``b``'s elements there, each
     [m] of ``dtype``; the values ``b`` held before ``update`` wrote it). The outputs are views of
     buffers sized for the change found (grown by doubling from :data:`FIRST_FRACTION` of the
-    elements).
+    elements), on the CPU whatever torch's default device.
+
+    Raises: ValueError for ``a`` and ``b`` of different lengths (the loop has no bounds checks).
     """
+    if a.numel() != b.numel():
+        raise ValueError(f"changed_words: a has {a.numel()} words, b {b.numel()} (the new and old sides' int64 "
+                         f"views must have the same length)")
     n = a.numel() * per
     a_np, b_np = a.detach().numpy(), b.detach().numpy()
     al, bl = a.detach().view(dtype).numpy(), b.detach().view(dtype).numpy()
     cap, start, got = max(1024, int(n * FIRST_FRACTION)), 0, []
     while True:
-        idx = torch.empty(cap, dtype=torch.int64)
-        new, old = torch.empty(cap, dtype=dtype), torch.empty(cap, dtype=dtype)
+        idx = torch.empty(cap, dtype=torch.int64, device="cpu")
+        new, old = torch.empty(cap, dtype=dtype, device="cpu"), torch.empty(cap, dtype=dtype, device="cpu")
         start, k = _scan(a_np, b_np, al, bl, per, start, update, idx.numpy(), new.numpy(), old.numpy())
         got.append((idx[:k], new[:k], old[:k]))
         if start >= a.numel():
             break
         cap = min(2 * cap, n)
+    if update:  # written through NumPy, unseen by torch: a graph that saved b must refuse backward
+        torch.autograd.graph.increment_version(b)
     if len(got) == 1:
         return got[0]
     return tuple(torch.cat(parts) for parts in zip(*got))

@@ -224,7 +224,7 @@ ROW_KERNEL = _row_sums_kernel is not None
 def _row_sums(words: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(words @ k1, words @ k2)`` modulo 2**64 (int64[rows] each), reading ``words`` once."""
     if ROW_KERNEL and words.device.type == "cpu" and words.is_contiguous():
-        sums = torch.empty(2, words.shape[0], dtype=torch.int64)
+        sums = torch.empty(2, words.shape[0], dtype=torch.int64, device=words.device)  # not the default device
         u64 = [t.detach().numpy().view(np.uint64) for t in (words, k1, k2, sums[0], sums[1])]
         _row_sums_kernel(*u64)
         return sums[0], sums[1]
