@@ -12,6 +12,7 @@ The engine side is a vLLM weight-transfer backend, :mod:`qstrat.vllm.engine.tran
   and its outcome
 - :mod:`.engine_check`: a round against an engine's manifest (the in-process sink's checks)
 - :mod:`.timing`: wall seconds by phase, for sender and receivers
+- :mod:`.jit`: numba where it imports: the transport's CPU kernels compiled to one loop each
 - :mod:`.rpc_errors`: what an engine's weight-sync call failed with, as the trainer sees it
 - :mod:`.send` (package): the trainer side: :class:`RefitSender` and its pieces
 - :mod:`.receive` (package): a receiver: one round, a session across rounds, the standalone receiver

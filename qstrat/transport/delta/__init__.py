@@ -10,6 +10,8 @@
   changed words, without reading each region again
 - :mod:`.requantize`: the sender's incremental quantizer: each round re-encodes only what the
   step changed, bit for bit a full quantize
+- :mod:`.scan`: the compare's CPU kernel: changed words found and their elements written out in
+  one pass (numba)
 - :mod:`.written`: the quantizer's record of the bytes it wrote, so the stream copies and
   compares only those
 - :mod:`.rebuild`: the receiver's delta base and the decoder that rebuilds a round from it
