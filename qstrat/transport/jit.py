@@ -3,9 +3,9 @@ only in several passes, each over the whole input or a temporary) compiled to on
 
 :func:`cpu_kernel` compiles a Python loop with numba in nopython mode, releasing the GIL (two
 threads may run it at once), without bounds checks, cached on disk (numba's cache: the package's
-``__pycache__``, else the user's cache folder; without either, compiled once per process). ``QSTRAT_NUMBA=0`` keeps numba out
-of the process. Importing numba here also makes llvmlite's ``ffi.lib`` safe for vLLM's kernel
-rebind (:func:`_vars_of_llvmlite_lib_is_a_dict`). Each
+``__pycache__``, else the user's cache folder; without either, compiled once per process).
+``QSTRAT_NUMBA=0`` keeps numba out of the process. Importing numba here also makes llvmlite's
+``ffi.lib`` safe for vLLM's kernel rebind (:func:`_vars_of_llvmlite_lib_is_a_dict`). Each
 kernel's module keeps the torch path beside it: the same values, used where numba does not import
 or the tensors are not on the CPU, and tested against the kernel.
 """
