@@ -45,7 +45,7 @@ from qstrat.transport.security.keys import Secret, checksum_seed
 from qstrat.transport.security.seal import Sealer
 from qstrat.transport.wire_manifest import WireManifest
 from qstrat.transport.delta.written import Mark, Pieces, WriteLog, copy_written, hold_base
-from qstrat.transport.delta import scan
+from qstrat.transport.delta import patch_kernel, scan
 
 #: Bytes per tile (a multiple of 8; under 65536 so that an rle token fits uint16).
 TILE = 32768
@@ -442,6 +442,8 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None, changed: torch.Te
     """
     n = new.numel()
     tiles = n // TILE
+    if base is not None and patch_kernel.ENABLED and new.device.type == "cpu" and base.device.type == "cpu":
+        return _encode_patch_kernel(new, base, changed_bytes(new, base) if changed is None else changed)
     if base is None:
         kinds = torch.full((tiles,), RAW, dtype=torch.uint8)
         counts = torch.zeros(tiles, dtype=torch.int64)
@@ -469,6 +471,30 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None, changed: torch.Te
     parts.append(grid[torch.nonzero(kinds == RAW).reshape(-1)].reshape(-1))
     used = torch.bincount(kinds.to(torch.int64), minlength=3).tolist()
     return torch.cat(parts), {k: c for k, c in zip(KINDS, used) if c}
+
+
+def _encode_patch_kernel(new: torch.Tensor, base: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    """:func:`encode_patch` against a base with the CPU kernels (:mod:`~qstrat.transport.delta.patch_kernel`):
+    the same bytes. Raises: ValueError for ``pos`` not strictly increasing inside the region."""
+    n = new.numel()
+    tiles = n // TILE
+    pos = pos if pos.dtype == torch.int64 and pos.is_contiguous() else pos.to(torch.int64).contiguous()
+    counts = patch_kernel.tile_counts(pos, n, TILE)
+    if counts is None:
+        raise ValueError(f"encode_patch: the changed positions must be strictly increasing inside the "
+                         f"{n} bytes of the region")
+    kinds = np.argmin(np.stack([3 * counts, TILE // 8 + counts, np.full_like(counts, TILE)], 1), 1).astype(np.uint8)
+    used = np.bincount(kinds, minlength=3)
+    k_rle, k_bm = int(counts[kinds == RLE].sum()), int(counts[kinds == BITMAP].sum())
+    at = _HEAD + 5 * tiles
+    size = at + 3 * k_rle + int(used[BITMAP]) * (TILE // 8) + k_bm + int(used[RAW]) * TILE
+    out = torch.empty(size, dtype=torch.uint8, device="cpu")
+    o = out.numpy()
+    o[:_HEAD] = np.array([PATCH_MAGIC, n, tiles, TILE], dtype=np.int64).view(np.uint8)
+    o[_HEAD:_HEAD + tiles] = kinds
+    o[_HEAD + tiles:at] = counts.astype(np.int32).view(np.uint8)
+    patch_kernel.encode_tiles(new, base, pos, kinds, counts, TILE, o, at)
+    return out, {k: int(c) for k, c in zip(KINDS, used.tolist()) if c}
 
 
 def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: torch.Tensor | None = None,
@@ -520,9 +546,17 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
     elif n_raw < tiles and not holds_base:
         out.copy_(base)
     grid = out.view(tiles, TILE)
-    raw_tiles = torch.nonzero(kinds == RAW).reshape(-1)
-    grid[raw_tiles] = raw.view(n_raw, TILE)
-    moved = raw_tiles.new_empty(0)
+    if patch_kernel.ENABLED and out.device.type == "cpu" and (k_rle or k_bm):
+        status, moved = patch_kernel.apply_tiles(kinds, counts, tokens, rle_values, bitmaps, bm_values, TILE, out)
+        if status == 1:
+            raise bad("has run lengths past the end of their tile")
+        if status == 2:
+            raise bad(f"has bitmaps marking {moved} bytes, its counts say {k_bm}")
+        k_rle = k_bm = 0  # applied
+    else:
+        moved = kinds.new_empty(0)
+    if n_raw:
+        grid[torch.nonzero(kinds == RAW).reshape(-1)] = raw.view(n_raw, TILE)
     if k_rle:
         rle_tiles = torch.nonzero(kinds == RLE).reshape(-1)
         tile_of = torch.repeat_interleave(rle_tiles, counts[rle_tiles])
