@@ -12,6 +12,8 @@
   step changed, bit for bit a full quantize
 - :mod:`.scan`: the compare's CPU kernel: changed words found and their elements written out in
   one pass (numba)
+- :mod:`.patch_kernel`: the patch's CPU kernels: a bucket's patch coded and applied in one pass
+  over its changes (numba)
 - :mod:`.written`: the quantizer's record of the bytes it wrote, so the stream copies and
   compares only those
 - :mod:`.rebuild`: the receiver's delta base and the decoder that rebuilds a round from it
