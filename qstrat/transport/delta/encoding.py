@@ -437,23 +437,36 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None, changed: torch.Te
     """The patch taking ``base`` to ``new`` (module docstring).
 
     Args: new, base: 1-D uint8 CPU tensors of the same whole-tile length; ``base`` None: every
-        tile raw. changed: :func:`changed_bytes` of the two when already known (None: computed).
+        tile raw. changed: :func:`changed_bytes` of the two when already known (None: computed;
+        1-D int64 or int32).
     Returns: (the patch, 1-D uint8; tiles per encoding name).
+    Raises: ValueError for ``new``, ``base`` or ``changed`` not of those shapes and dtypes (the
+        CPU kernels index them without bounds checks: a region of a partial tile, or a shorter
+        base, would be read and counted past its end), or (kernels) ``changed`` not strictly
+        increasing inside the region.
     """
     n = new.numel()
     tiles = n // TILE
+    if new.dtype != torch.uint8 or new.dim() != 1 or n % TILE or base is not None and (
+            base.dtype != torch.uint8 or base.shape != new.shape):
+        raise ValueError(f"encode_patch: new and base must be 1-D uint8 of the same whole number of {TILE}-byte "
+                         f"tiles, not {new.dtype} {list(new.shape)} and "
+                         f"{'None' if base is None else f'{base.dtype} {list(base.shape)}'}")
+    if changed is not None and (changed.dim() != 1 or changed.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"encode_patch: changed must be 1-D int64 or int32 positions, not {changed.dtype} "
+                         f"{list(changed.shape)}")
     if base is not None and patch_kernel.ENABLED and new.device.type == "cpu" and base.device.type == "cpu":
         return _encode_patch_kernel(new, base, changed_bytes(new, base) if changed is None else changed)
     if base is None:
-        kinds = torch.full((tiles,), RAW, dtype=torch.uint8)
-        counts = torch.zeros(tiles, dtype=torch.int64)
+        kinds = torch.full((tiles,), RAW, dtype=torch.uint8, device=new.device)
+        counts = torch.zeros(tiles, dtype=torch.int64, device=new.device)
         pos = None
     else:
         pos = changed_bytes(new, base) if changed is None else changed
         counts = torch.bincount(pos // TILE, minlength=tiles)
         kinds = tile_costs(counts).argmin(1).to(torch.uint8)  # first minimum: rle, bitmap, raw
-    parts = [torch.tensor([PATCH_MAGIC, n, tiles, TILE], dtype=torch.int64).view(torch.uint8), kinds,
-             counts.to(torch.int32).view(torch.uint8)]
+    head = torch.tensor([PATCH_MAGIC, n, tiles, TILE], dtype=torch.int64, device=new.device)
+    parts = [head.view(torch.uint8), kinds, counts.to(torch.int32).view(torch.uint8)]
     grid = new.view(tiles, TILE)
     if pos is not None:
         tile_of = pos // TILE
@@ -466,7 +479,7 @@ def encode_patch(new: torch.Tensor, base: torch.Tensor | None, changed: torch.Te
         gaps = torch.where(gaps > 32767, gaps - 65536, gaps).to(torch.int16)  # uint16 bit pattern
         bm_tiles = torch.nonzero(kinds == BITMAP).reshape(-1)
         bits = (grid[bm_tiles] != base.view(tiles, TILE)[bm_tiles]).view(-1, 8).to(torch.uint8)
-        packed = (bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+        packed = (bits << torch.arange(8, dtype=torch.uint8, device=new.device)).sum(1, dtype=torch.uint8)
         parts += [gaps.view(torch.uint8), new[rle], packed, new[pos[kind_of == BITMAP]]]
     parts.append(grid[torch.nonzero(kinds == RAW).reshape(-1)].reshape(-1))
     used = torch.bincount(kinds.to(torch.int64), minlength=3).tolist()
@@ -508,14 +521,19 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
     this patch may have changed are appended to it (:class:`Changes`).
 
     Raises: DeltaError (status DELTA) for a patch that does not fit a stream of ``n`` bytes
-        (header, kinds, counts, length, positions), or one with rle or bitmap tiles when there
-        is no base of ``n`` bytes.
+        (header, kinds, counts, length, positions, bitmap bits set past the bitmap tiles' counts,
+        zero counts included), or one with rle or bitmap tiles when there is no base of ``n``
+        bytes; ValueError for an ``out`` that is not 1-D uint8 [n] (the CPU kernel writes it
+        without bounds checks), before anything is written.
     """
     from qstrat.transport.protocol import DELTA
 
     def bad(why: str) -> DeltaError:
         return DeltaError(f"the delta patch {why}", DELTA)
 
+    if out is not None and (out.dtype != torch.uint8 or out.shape != (n,)):
+        raise ValueError(f"decode_patch: out must be 1-D uint8 of the region's {n} bytes, not {out.dtype} "
+                         f"{list(out.shape)}")
     if patch.numel() < _HEAD:
         raise bad(f"has {patch.numel()} bytes, shorter than its header")
     magic, size, tiles, tile = (int(v) for v in patch[:_HEAD].clone().view(torch.int64))
@@ -542,17 +560,17 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
         at += s
     tokens, rle_values, bitmaps, bm_values, raw = cut
     if out is None:
-        out = base.clone() if n_raw < tiles else torch.empty(n, dtype=torch.uint8)
+        out = base.clone() if n_raw < tiles else torch.empty(n, dtype=torch.uint8, device="cpu")
     elif n_raw < tiles and not holds_base:
         out.copy_(base)
     grid = out.view(tiles, TILE)
-    if patch_kernel.ENABLED and out.device.type == "cpu" and (k_rle or k_bm):
+    if patch_kernel.ENABLED and out.device.type == "cpu" and (k_rle or n_bm):
         status, moved = patch_kernel.apply_tiles(kinds, counts, tokens, rle_values, bitmaps, bm_values, TILE, out)
         if status == 1:
             raise bad("has run lengths past the end of their tile")
         if status == 2:
             raise bad(f"has bitmaps marking {moved} bytes, its counts say {k_bm}")
-        k_rle = k_bm = 0  # applied
+        k_rle = n_bm = 0  # applied
     else:
         moved = kinds.new_empty(0)
     if n_raw:
@@ -570,9 +588,10 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
             raise bad("has run lengths past the end of their tile")
         moved = tile_of * TILE + offset
         out[moved] = rle_values
-    if k_bm:
+    if n_bm:  # checked even when the counts say 0: a bit set there marks a byte the patch does not hold
         bm_tiles = torch.nonzero(kinds == BITMAP).reshape(-1)
-        bits = ((bitmaps.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(n_bm, TILE).bool()
+        shifts = torch.arange(8, dtype=torch.uint8, device=bitmaps.device)
+        bits = ((bitmaps.view(-1, 1) >> shifts) & 1).view(n_bm, TILE).bool()
         pos = torch.nonzero(bits)
         if pos.shape[0] != k_bm:
             raise bad(f"has bitmaps marking {pos.shape[0]} bytes, its counts say {k_bm}")
