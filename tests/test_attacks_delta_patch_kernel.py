@@ -223,3 +223,29 @@ def test_the_torch_path_codes_and_applies_under_a_meta_default_device():
         assert patch.device.type == out.device.type == full.device.type == rebuilt.device.type == "cpu"
         assert torch.equal(patch, want) and torch.equal(out, new)
         assert torch.equal(full, whole) and torch.equal(rebuilt, new)
+
+
+@pytest.mark.parametrize("raw_tile", [False, True])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_an_inference_out_written_outside_inference_mode_is_refused_as_torch_refuses_it(kernel, raw_tile):
+    """The kernel writes through NumPy, which torch's inference-tensor check does not see: such
+    an ``out`` goes the torch path, so it is refused with torch's own error on both paths (not
+    written by the kernel and accepted, rle only, or refused only at the raw tiles)."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randint(0, 256, (2 * TILE,), dtype=torch.uint8, generator=g)
+    new = base.clone()
+    new[[3, 40]] += 1
+    if raw_tile:
+        new[TILE:] += 1
+    patch, _ = encode_patch(new, base)
+    with torch.inference_mode():
+        out = base.clone()
+    patch_kernel.ENABLED = kernel
+    try:
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+            decode_patch(patch, base, new.numel(), out, holds_base=True)
+        with torch.inference_mode():  # inside inference mode the same tensor is written, exactly
+            out.copy_(base)
+            assert torch.equal(decode_patch(patch, base, new.numel(), out, holds_base=True), new)
+    finally:
+        patch_kernel.ENABLED = True

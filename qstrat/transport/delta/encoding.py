@@ -564,7 +564,10 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
     elif n_raw < tiles and not holds_base:
         out.copy_(base)
     grid = out.view(tiles, TILE)
-    if patch_kernel.ENABLED and out.device.type == "cpu" and (k_rle or n_bm):
+    # an inference tensor written outside inference mode: the torch path, which refuses it as torch does
+    # (the kernel writes through NumPy, unseen by that check)
+    writable = not out.is_inference() or torch.is_inference_mode_enabled()
+    if patch_kernel.ENABLED and out.device.type == "cpu" and writable and (k_rle or n_bm):
         status, moved = patch_kernel.apply_tiles(kinds, counts, tokens, rle_values, bitmaps, bm_values, TILE, out)
         if status == 1:
             raise bad("has run lengths past the end of their tile")
