@@ -19,8 +19,11 @@ import textwrap
 import pytest
 import torch
 
+from cpu_kernels import kernels
 from qstrat.transport.delta import patch_kernel
 from qstrat.transport.delta.encoding import _HEAD, TILE, DeltaError, decode_patch, encode_patch
+
+pytestmark = kernels
 
 
 def run_both(snippet: str) -> list[str]:

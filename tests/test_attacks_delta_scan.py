@@ -10,9 +10,12 @@ import textwrap
 import pytest
 import torch
 
+from cpu_kernels import kernels
 from qstrat.transport.delta import encoding as delta, scan
 from qstrat.transport.delta.encoding import bits_view, changed_values
 from qstrat.transport.security import checksum as cs
+
+pytestmark = kernels
 
 
 def brute(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

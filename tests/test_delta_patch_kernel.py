@@ -8,8 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from cpu_kernels import kernels
 from qstrat.transport.delta import encoding as delta, patch_kernel
 from qstrat.transport.delta.encoding import TILE, DeltaError, decode_patch, encode_patch
+
+pytestmark = kernels
 
 DENSITIES = [0.0, 1e-5, 1e-3, 0.02, 0.1, 0.3, 1.0]
 

@@ -10,8 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from cpu_kernels import kernels
 from qstrat.transport.delta import encoding as delta, scan
 from qstrat.transport.delta.encoding import bits_view, changed_values
+
+pytestmark = kernels
 
 DTYPES = [torch.bool, torch.float8_e4m3fn, torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.int64]
 

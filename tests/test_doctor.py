@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from cpu_kernels import kernels
 from qstrat.cli import doctor
 from qstrat.cli.commands import main
 from qstrat.vllm.adapter import names, resolver
@@ -143,3 +144,22 @@ def test_doctor_prints_the_environment_before_it_imports_vllm(monkeypatch, capsy
     assert f"   torch              {torch.__version__}\n" in before
     assert "vllm:" not in before
     assert capsys.readouterr().out.splitlines()[-1] == "no problems found"
+
+
+@kernels
+def test_doctor_says_whether_the_delta_kernels_run_and_why_not():
+    """numba is a dependency: here the kernels run, with numba's version; QSTRAT_NUMBA=0 (in a
+    fresh process: the switch is read at import) says the switch turned them off. Neither is a
+    problem (the torch paths give the same bytes)."""
+    import subprocess
+    import sys
+
+    import numba
+
+    fact = doctor.delta_kernel_fact()
+    assert fact == doctor.Fact("weight transfer", "delta kernels", f"on (numba {numba.__version__}: the compare, "
+                               "the patch, the checksum's row sums)")
+    code = "from qstrat.cli import doctor; print(doctor.delta_kernel_fact().value)"
+    off = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "QSTRAT_NUMBA": "0"},
+                         capture_output=True, text=True, timeout=300)
+    assert off.stdout.strip() == "off: QSTRAT_NUMBA=0 (the torch paths answer: the same bytes, slower)", off.stderr

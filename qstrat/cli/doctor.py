@@ -150,13 +150,31 @@ def kernel_facts() -> list[Fact]:
     return facts
 
 
+def delta_kernel_fact() -> Fact:
+    """Whether the delta transport's CPU kernels (the compare, the patch's code and apply, the
+    checksum's row sums; :mod:`qstrat.transport.jit`) run here: numba's version, or why the
+    torch paths answer (``QSTRAT_NUMBA=0``, numba not importable). Never a problem: the torch
+    paths give the same bytes, slower."""
+    from qstrat.transport import jit
+
+    if jit.AVAILABLE:
+        value = f"on (numba {jit.numba.__version__}: the compare, the patch, the checksum's row sums)"
+    elif os.environ.get(jit.ENV_SWITCH, "1").strip() == "0":
+        value = f"off: {jit.ENV_SWITCH}=0 (the torch paths answer: the same bytes, slower)"
+    else:
+        value = "off: numba does not import (the torch paths answer: the same bytes, slower)"
+    return Fact("weight transfer", "delta kernels", value)
+
+
 def transfer_facts() -> list[Fact]:
-    """The weight-transfer backends an engine here has: vLLM's own plus qstrat's ``qstrat``
-    (registered as vLLM's plugin loader would)."""
+    """The weight-transfer backends an engine here has (vLLM's own plus qstrat's ``qstrat``,
+    registered as vLLM's plugin loader would), and whether the delta kernels run
+    (:func:`delta_kernel_fact`)."""
     from qstrat.vllm.adapter.platform_facts import vllm_installed
 
+    kernels = delta_kernel_fact()
     if not vllm_installed():
-        return [Fact("weight transfer", "backends", "none: vLLM is not installed", True)]
+        return [Fact("weight transfer", "backends", "none: vLLM is not installed", True), kernels]
 
     def backends() -> tuple[str, bool]:
         from qstrat.vllm.engine import transfer_backend
@@ -166,7 +184,7 @@ def transfer_facts() -> list[Fact]:
         found = sorted(resolve("weight_transfer_engine_registry"))
         return ", ".join(found), transfer_backend.BACKEND not in found
 
-    return [_probe("weight transfer", "backends", backends)]
+    return [_probe("weight transfer", "backends", backends), kernels]
 
 
 def quantization_facts() -> list[Fact]:

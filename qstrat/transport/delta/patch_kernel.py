@@ -1,12 +1,14 @@
 """The patch's CPU kernels: a bucket's patch coded and applied in one pass over its changes.
 
 :func:`~qstrat.transport.delta.encoding.encode_patch` and
-:func:`~qstrat.transport.delta.encoding.decode_patch` in torch ops cost about 0.5 and 0.7 ms
-per 4 MiB bucket at lr 1e-6 (0.2 % of the bytes changed), nearly all of it the fixed cost of
-some thirty small tensor ops (counts, kinds, gaps, bit unpacking, gathers, scatters). A round
+:func:`~qstrat.transport.delta.encoding.decode_patch` in torch ops cost about 0.55 ms to code
+and 0.29 ms to apply a 4 MiB bucket at lr 1e-6 (0.2 % of the bytes changed; applied into a
+buffer that holds the base, as a receiver does), nearly all of it the fixed cost of some
+thirty small tensor ops (counts, kinds, gaps, bit unpacking, gathers, scatters). A round
 pays it once per bucket on the sender and once per bucket on every receiver. These loops do
 the same work, byte for byte the same patch and the same rebuilt bytes, in one pass over the
-changed positions (and each bitmap tile's bytes): :func:`encode_tiles` after the tile table is
+changed positions (and each bitmap tile's bytes): 0.08 and 0.12-0.14 ms (docs/performance.md,
+"Delta rounds: the measurement history", ninth pass): :func:`encode_tiles` after the tile table is
 chosen, :func:`apply_tiles` after the patch's header and sizes are checked. The torch path stays
 the oracle and the path for processes without numba (:data:`ENABLED`), and tests compare them.
 

@@ -1,0 +1,15 @@
+"""The marker of the tests of the delta transport's CPU kernels (qstrat.transport.jit): they
+check the kernels themselves against their torch paths, so under ``QSTRAT_NUMBA=0`` (numba
+switched off on purpose: docs/transport.md, "The compare's CPU kernel") they are skipped, naming
+why. numba merely missing is NOT a skip: it is a dependency, and their first test fails saying
+the kernels did not load. The torch paths are under test in the rest of the suite either way."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+#: ``pytestmark = kernels`` in a module of kernel tests.
+kernels = pytest.mark.skipif(os.environ.get("QSTRAT_NUMBA", "1").strip() == "0",
+                             reason="QSTRAT_NUMBA=0 switched numba off: the CPU kernels are not under test "
+                                    "(their torch paths are)")
