@@ -49,32 +49,34 @@ def run_both(snippet: str) -> list[str]:
     return got.stdout.splitlines()
 
 
-def test_a_region_of_a_partial_tile_is_refused_before_the_kernel_counts_past_its_end():
-    """n = TILE + 100: the kernel's per-tile counts hold n // TILE = 1 entry and a change at
-    TILE + 50 was counted into entry 1 (a write past the array) and a 37-byte patch of one rle
-    tile came back; the torch path raised a view error."""
-    lines = run_both("""
-        base = torch.randint(0, 256, (TILE + 100,), dtype=torch.uint8, generator=g)
+#: Regions the unchecked loops mis-indexed: (how ``base`` is made, the changed element, its
+#: dtype and length as refused). A region of TILE + 100 bytes: the per-tile counts hold
+#: n // TILE = 1 entry and a change at TILE + 50 was counted into entry 1 (a write past the
+#: array), a 37-byte patch came back; 100 bytes: no tile at all; int16 (1.5 tiles of elements):
+#: counted past the one-entry table and coded truncated to bytes. The torch path raised view
+#: errors for each.
+BAD_REGIONS = {
+    "partial tile": ("torch.randint(0, 256, (TILE + 100,), dtype=torch.uint8, generator=g)", "TILE + 50",
+                     "torch.uint8 [32868]"),
+    "shorter than a tile": ("torch.randint(0, 256, (100,), dtype=torch.uint8, generator=g)", "5",
+                            "torch.uint8 [100]"),
+    "int16": ("torch.randint(0, 256, (3 * TILE,), dtype=torch.uint8, generator=g).view(torch.int16)", "TILE + 10",
+              "torch.int16 [49152]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REGIONS))
+def test_a_region_not_of_whole_uint8_tiles_is_refused_before_the_kernel_counts(case):
+    make, at, seen = BAD_REGIONS[case]
+    lines = run_both(f"""
+        base = {make}
         new = base.clone()
-        new[TILE + 50] += 1
+        new[{at}] += 1
         def case():
             return encode_patch(new, base)[1]
     """)
     want = ("ValueError: encode_patch: new and base must be 1-D uint8 of the same whole number of 32768-byte "
-            "tiles, not torch.uint8 [32868] and torch.uint8 [32868]")
-    assert lines == [want, want]
-
-
-def test_a_region_shorter_than_a_tile_is_refused():
-    lines = run_both("""
-        base = torch.randint(0, 256, (100,), dtype=torch.uint8, generator=g)
-        new = base.clone()
-        new[5:90] += 1
-        def case():
-            return encode_patch(new, base)[1]
-    """)
-    want = ("ValueError: encode_patch: new and base must be 1-D uint8 of the same whole number of 32768-byte "
-            "tiles, not torch.uint8 [100] and torch.uint8 [100]")
+            f"tiles, not {seen} and {seen}")
     assert lines == [want, want]
 
 
@@ -92,21 +94,6 @@ def test_a_base_of_another_length_with_known_changes_is_refused(base_tiles):
     """)
     want = ("ValueError: encode_patch: new and base must be 1-D uint8 of the same whole number of 32768-byte "
             f"tiles, not torch.uint8 [65536] and torch.uint8 [{base_tiles * TILE}]")
-    assert lines == [want, want]
-
-
-def test_int16_streams_are_refused():
-    """A tile's worth of int16 (1.5 tiles of elements): the kernel counted past its one-entry
-    table and coded the elements truncated to bytes; the torch path raised a view error."""
-    lines = run_both("""
-        base = torch.randint(0, 256, (3 * TILE,), dtype=torch.uint8, generator=g).view(torch.int16)
-        new = base.clone()
-        new[TILE + 10] += 1
-        def case():
-            return encode_patch(new, base)[1]
-    """)
-    want = ("ValueError: encode_patch: new and base must be 1-D uint8 of the same whole number of 32768-byte "
-            "tiles, not torch.int16 [49152] and torch.int16 [49152]")
     assert lines == [want, want]
 
 
