@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="reduced sizes (seconds; what CI runs)")
     bench.add_argument("--only", default=",".join(SECTIONS),
                        help=f"comma-separated sections (default: all of {','.join(SECTIONS)})")
-    bench.add_argument("--reps", type=int, help="timed repetitions per implementation (median kept)")
+    bench.add_argument("--reps", type=int, help="timed repetitions per implementation (median kept; default 7, 2 with --quick)")
     bench.add_argument("--max-experts", type=int,
                        help="cap the expert count of the grouped slabs and the driver's layer")
     bench.add_argument("--json", type=Path, help="also write the measurements to this JSON file")
