@@ -5,11 +5,11 @@ why. numba merely missing is NOT a skip: it is a dependency, and their first tes
 the kernels did not load. The torch paths are under test in the rest of the suite either way."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from qstrat.transport import jit
+
 #: ``pytestmark = kernels`` in a module of kernel tests.
-kernels = pytest.mark.skipif(os.environ.get("QSTRAT_NUMBA", "1").strip() == "0",
+kernels = pytest.mark.skipif(jit.SWITCHED_OFF,
                              reason="QSTRAT_NUMBA=0 switched numba off: the CPU kernels are not under test "
                                     "(their torch paths are)")

@@ -159,7 +159,7 @@ def delta_kernel_fact() -> Fact:
 
     if jit.AVAILABLE:
         value = f"on (numba {jit.numba.__version__}: the compare, the patch, the checksum's row sums)"
-    elif os.environ.get(jit.ENV_SWITCH, "1").strip() == "0":
+    elif jit.SWITCHED_OFF:
         value = f"off: {jit.ENV_SWITCH}=0 (the torch paths answer: the same bytes, slower)"
     else:
         value = "off: numba does not import (the torch paths answer: the same bytes, slower)"

@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 #: answers (the same values, slower).
 ENV_SWITCH = "QSTRAT_NUMBA"
 
-if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+#: Whether ``QSTRAT_NUMBA=0`` switched numba off in this process (read once, at import).
+SWITCHED_OFF = os.environ.get(ENV_SWITCH, "1").strip() == "0"
+
+if SWITCHED_OFF:
     numba = None
 else:
     try:

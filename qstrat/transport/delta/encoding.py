@@ -496,18 +496,26 @@ def _encode_patch_kernel(new: torch.Tensor, base: torch.Tensor, pos: torch.Tenso
     if counts is None:
         raise ValueError(f"encode_patch: the changed positions must be strictly increasing inside the "
                          f"{n} bytes of the region")
-    kinds = np.argmin(np.stack([3 * counts, TILE // 8 + counts, np.full_like(counts, TILE)], 1), 1).astype(np.uint8)
-    used = np.bincount(kinds, minlength=3)
-    k_rle, k_bm = int(counts[kinds == RLE].sum()), int(counts[kinds == BITMAP].sum())
+    kinds = tile_costs(torch.from_numpy(counts)).argmin(1).to(torch.uint8).numpy()  # first minimum, as above
     at = _HEAD + 5 * tiles
-    size = at + 3 * k_rle + int(used[BITMAP]) * (TILE // 8) + k_bm + int(used[RAW]) * TILE
-    out = torch.empty(size, dtype=torch.uint8, device="cpu")
+    starts = np.cumsum([at, *_section_sizes(kinds, counts)]).tolist()
+    out = torch.empty(starts[-1], dtype=torch.uint8, device="cpu")
     o = out.numpy()
     o[:_HEAD] = np.array([PATCH_MAGIC, n, tiles, TILE], dtype=np.int64).view(np.uint8)
     o[_HEAD:_HEAD + tiles] = kinds
     o[_HEAD + tiles:at] = counts.astype(np.int32).view(np.uint8)
-    patch_kernel.encode_tiles(new, base, pos, kinds, counts, TILE, o, at)
-    return out, {k: int(c) for k, c in zip(KINDS, used.tolist()) if c}
+    patch_kernel.encode_tiles(new, base, pos, kinds, counts, TILE, o, starts[:-1])
+    used = np.bincount(kinds, minlength=3).tolist()
+    return out, {k: c for k, c in zip(KINDS, used) if c}
+
+
+def _section_sizes(kinds: Any, counts: Any) -> list[int]:
+    """Bytes of a patch's body sections (module docstring: rle tokens, rle values, bitmaps,
+    bitmap values, raw tiles) for its tile table: ``kinds`` and ``counts`` per tile (torch
+    tensors or NumPy arrays)."""
+    k_rle, k_bm = int(counts[kinds == RLE].sum()), int(counts[kinds == BITMAP].sum())
+    n_bm, n_raw = int((kinds == BITMAP).sum()), int((kinds == RAW).sum())
+    return [2 * k_rle, k_rle, n_bm * TILE // 8, k_bm, n_raw * TILE]
 
 
 def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: torch.Tensor | None = None,
@@ -547,9 +555,8 @@ def decode_patch(patch: torch.Tensor, base: torch.Tensor | None, n: int, out: to
     counts = patch[_HEAD + tiles:at].clone().view(torch.int32).to(torch.int64)
     if tiles and (int(kinds.max()) > RAW or int(counts.min()) < 0 or int(counts.max()) > TILE):
         raise bad("has a tile kind or change count out of range")
-    k_rle, k_bm = int(counts[kinds == RLE].sum()), int(counts[kinds == BITMAP].sum())
-    n_bm, n_raw = int((kinds == BITMAP).sum()), int((kinds == RAW).sum())
-    sizes = [2 * k_rle, k_rle, n_bm * TILE // 8, k_bm, n_raw * TILE]
+    sizes = _section_sizes(kinds, counts)
+    k_rle, k_bm, n_bm, n_raw = sizes[1], sizes[3], sizes[2] // (TILE // 8), sizes[4] // TILE
     if patch.numel() != at + sum(sizes):
         raise bad(f"has {patch.numel()} bytes, its tile table says {at + sum(sizes)}")
     if n_raw < tiles and (base is None or base.numel() != n):

@@ -7,7 +7,7 @@ buffer that holds the base, as a receiver does), nearly all of it the fixed cost
 thirty small tensor ops (counts, kinds, gaps, bit unpacking, gathers, scatters). A round
 pays it once per bucket on the sender and once per bucket on every receiver. These loops do
 the same work, byte for byte the same patch and the same rebuilt bytes, in one pass over the
-changed positions (and each bitmap tile's bytes): 0.08 and 0.12-0.14 ms (docs/performance.md,
+changed positions (and each bitmap tile's bytes): 0.10-0.11 and 0.12-0.14 ms (docs/performance.md,
 "Delta rounds: the measurement history", ninth pass): :func:`encode_tiles` after the tile table is
 chosen, :func:`apply_tiles` after the patch's header and sizes are checked. The torch path stays
 the oracle and the path for processes without numba (:data:`ENABLED`), and tests compare them.
@@ -135,22 +135,18 @@ def tile_counts(pos: torch.Tensor, n: int, tile: int) -> np.ndarray | None:
 
 
 def encode_tiles(new: torch.Tensor, base: torch.Tensor, pos: torch.Tensor, kinds: np.ndarray, counts: np.ndarray,
-                 tile: int, out: np.ndarray, at: int) -> None:
+                 tile: int, out: np.ndarray, starts: list[int]) -> None:
     """Write the patch's bodies - rle tokens and values, bitmaps and their values, raw tiles,
-    each section in tile order - into ``out`` (uint8) from offset ``at``.
+    each section in tile order - into ``out`` (uint8), each section from its offset in ``starts``.
 
     Args: new, base: the region's bytes now and in the base (1-D uint8 CPU, whole tiles);
         pos: the sorted positions where they differ (int64, all of them, checked by
         :func:`tile_counts`); kinds: uint8 per tile (rle 0, bitmap 1, raw 2); counts: int64
-        per tile (:func:`tile_counts`); out: room for every section's bytes after ``at``.
+        per tile (:func:`tile_counts`); out: room for every section; starts: the five sections'
+        offsets in ``out`` (from the sizes :func:`~qstrat.transport.delta.encoding.decode_patch`
+        checks, ``encoding._section_sizes``).
     """
-    rle, bitmap = kinds == 0, kinds == 1
-    k_rle, k_bm = int(counts[rle].sum()), int(counts[bitmap].sum())
-    at_rle = at + 2 * k_rle
-    at_bitmaps = at_rle + k_rle
-    at_bm_values = at_bitmaps + int(bitmap.sum()) * (tile // 8)
-    _encode(new.numpy(), base.numpy() if base is not None else new.numpy(), pos.numpy(), kinds, counts, tile,
-            out, at, at_rle, at_bitmaps, at_bm_values, at_bm_values + k_bm)
+    _encode(new.numpy(), base.numpy(), pos.numpy(), kinds, counts, tile, out, *starts)
 
 
 def apply_tiles(kinds: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor, rle_values: torch.Tensor,
