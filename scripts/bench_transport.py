@@ -41,7 +41,9 @@ Delta (``--delta``): the tiny model's float32 master weights take ``--steps`` re
 ``--lr``; per format, two receivers (each its own sender, so the full one's rounds do not reset
 the delta one's base; ``--width``: hidden and intermediate sizes and heads times this): after
 the start round and every step, a FULL round (``mode="atomic"``) and a DELTA round
-(``mode="delta"``) of the same weights, one after the other. Printed per step: wire bytes of
+(``mode="delta"``) of the same weights, one after the other; both with ``--bucket-mib``'s first
+size, the delta round's raised to the delta modes' floor (``RefitSender(delta_min_bucket_bytes=)``,
+16 MiB; ``--delta-min-mib 0``: as given; the header names both). Printed per step: wire bytes of
 each (the delta's as % of the full's), the delta sender's encode seconds (``enc s``: compare,
 digest, patch, summed over the buckets), the receiver's decode seconds (``dec s``: rebuild and
 digest, summed over the buckets, each while the sender encodes the next), each ``refit`` call's wall seconds (quantization
@@ -113,7 +115,8 @@ from qstrat.transport import RefitSender, build_wire_manifest  # noqa: E402
 from qstrat.transport.buckets import bucket_contents, pack  # noqa: E402
 from qstrat.transport.security.keys import Secret  # noqa: E402
 from qstrat.transport.security.seal import Sealer  # noqa: E402
-from qstrat.transport.wire_manifest import reload_unit  # noqa: E402
+from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, delta_bucket_bytes  # noqa: E402
+from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, reload_unit  # noqa: E402
 
 SECRET = "benchmark secret, not a real one"
 
@@ -173,6 +176,12 @@ def start(args, mode="atomic", receivers=None):
                          secret=SECRET if args.secret else None)
     sender.connect()
     return sender, receivers
+
+
+def _delta_mib(args) -> float:
+    """The bucket bound (MiB) the delta rounds of ``--delta`` are laid out with."""
+    floor = DELTA_MIN_BUCKET_BYTES if args.delta_min_mib is None else int(args.delta_min_mib * 2**20)
+    return delta_bucket_bytes(int(args.bucket_mib[0] * 2**20), floor, DEFAULT_ALIGNMENT) / 2**20
 
 
 def _phases(d: dict, keys: tuple[str, ...]) -> str:
@@ -329,8 +338,8 @@ def delta(args, summary: list[dict]) -> None:
                                  moe_intermediate_size=128 * w, num_attention_heads=4 * w,
                                  num_key_value_heads=2 * w)
     print(f"torch {torch.__version__}, gloo, tiny Qwen3-MoE x{w} wide, Adam on float32 master weights, "
-          f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB; "
-          f"wall = the refit call (quantization included)")
+          f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB (delta rounds: "
+          f"{_delta_mib(args):g} MiB, the delta modes' floor raising it); wall = the refit call (quantization included)")
     print("per step: full B / delta B = bytes on the wire; kind: delta, or full (step 0: the first round, whole); "
           "enc s = the sender's compare + patch + digest, dec s = a receiver's rebuild + digest (summed over "
           "buckets); f/d = full round / delta round; exact = both receivers hold a fresh quantization's bytes")
@@ -343,6 +352,8 @@ def delta(args, summary: list[dict]) -> None:
             (full_s, full_r), (delta_s, delta_r) = (start(args, mode, 1) for mode in ("atomic", "delta"))
             for s in (full_s, delta_s):
                 s.bucket_bytes = int(args.bucket_mib[0] * 2**20)
+            if args.delta_min_mib is not None:
+                delta_s.delta_min_bucket_bytes = int(args.delta_min_mib * 2**20)
             load, rows = os.getloadavg()[0], []
             try:
                 link_bps = link_rate(args, full_s, full_r)
@@ -547,6 +558,9 @@ def main() -> None:
     ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bucket-mib", type=float, nargs="+", default=[4, 16, 64],
                     help="bucket sizes, MiB (throughput: each in turn; --memory and --delta: the first)")
+    ap.add_argument("--delta-min-mib", type=float, default=None,
+                    help="--delta: the delta sender's delta_min_bucket_bytes in MiB (default: RefitSender's, "
+                         f"{DELTA_MIN_BUCKET_BYTES / 2**20:g}; 0: delta rounds laid out with --bucket-mib as given)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--secret", action="store_true", help="authenticated rounds (both sides hold a secret)")
     ap.add_argument("--memory", action="store_true", help="receiver peak RSS per mode (see the docstring)")

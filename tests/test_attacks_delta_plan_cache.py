@@ -137,7 +137,7 @@ def test_a_tensor_of_another_dtype_is_refused_in_every_mode_before_anything_load
     with standalone_receivers(ckpt, env={ENV_SECRET: secret}) as rs:
         before = [r.ctl.call("digests") for r in rs]
         s = RefitSender([r.rpc for r in rs], "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=64 << 10,
-                        secret=secret, mode=mode)
+                        secret=secret, mode=mode, delta_min_bucket_bytes=0)  # delta rounds of many buckets
         s.connect()
         try:
             with pytest.raises(TransportError, match=r"'model.norm.weight'.*where the wire manifest has"):

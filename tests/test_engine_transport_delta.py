@@ -87,6 +87,8 @@ def delta_refits_against_fresh_engines(fmt, mode, tmp_path):
         reports, refit = [], []
         for step, state in enumerate(states):
             report = sender.refit(driver, state)
+            # the delta modes' default floor (16 MiB) raised the 1 MiB bucket bound; the engine followed it
+            assert report.wire_manifest.bucket_bytes == 16 << 20, report.wire_manifest.bucket_bytes
             reports.append(report.delta)
             print(f"[{mode} {fmt}] step {step}: {report}")
             want = {name: sha256(t) for name, t in driver.run(state)}

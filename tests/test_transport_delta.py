@@ -23,7 +23,7 @@ from qstrat.transport.delta import encoding as delta
 from qstrat.transport.security.keys import ENV_SECRET
 from qstrat.transport.wire_manifest import reload_unit
 
-from transport_harness import EditingClient, connected_sender, counting_receivers, sha256, standalone_receivers
+from transport_harness import EditingClient, connected_sender, counting_receivers, free_port, sha256, standalone_receivers
 from transport_harness import held_digests as held, run_digests as want, sign_step as stepped
 
 SECRET = "a shared secret for the delta tests"
@@ -538,6 +538,82 @@ def test_a_delta_sender_refuses_send_and_an_unknown_mode_is_named():
     s = RefitSender([], "127.0.0.1", 1, mode="delta")
     with pytest.raises(TransportError, match=r"a delta-mode sender sends through refit\(\)"):
         s.send(None, iter(()))
+
+
+def test_the_delta_bucket_floor_applies_to_the_delta_modes_only_rounds_to_the_alignment_and_bad_values_are_named():
+    """``delta_min_bucket_bytes`` (default 16 MiB) raises a delta-mode sender's bucket bound, not
+    another mode's; 0 keeps ``bucket_bytes``; a floor off the alignment is rounded up to it; a
+    ``bucket_bytes`` the wire manifest refuses is left for its check to name; a floor that is not
+    an int >= 0 is refused at construction, naming the key and the value."""
+    from qstrat.errors import TransportConfigError
+    from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, delta_bucket_bytes
+    from qstrat.transport.mesh.refit import MeshRefitSender
+
+    assert DELTA_MIN_BUCKET_BYTES == 16 << 20
+    for mode, want in (("atomic", 1 << 20), ("bounded", 1 << 20), ("delta", 16 << 20), ("bounded-delta", 16 << 20)):
+        assert RefitSender([], "127.0.0.1", 1, bucket_bytes=1 << 20, mode=mode).layout_bucket_bytes == want, mode
+        assert RefitSender([], "127.0.0.1", 1, bucket_bytes=1 << 20, mode=mode,
+                           delta_min_bucket_bytes=0).layout_bucket_bytes == 1 << 20, mode
+    for mode, want in (("atomic", 1 << 20), ("bounded", 1 << 20), ("delta", 16 << 20)):
+        assert MeshRefitSender(0, 1, "127.0.0.1", 1, bucket_bytes=1 << 20, mode=mode).layout_bucket_bytes == want
+    assert MeshRefitSender(0, 1, "127.0.0.1", 1, bucket_bytes=1 << 20, mode="delta",
+                           delta_min_bucket_bytes=0).layout_bucket_bytes == 1 << 20
+    assert RefitSender([], "127.0.0.1", 1, bucket_bytes=64 << 20, mode="delta").layout_bucket_bytes == 64 << 20
+    assert delta_bucket_bytes(512, 1000, 256) == 1024  # the floor rounded up to the alignment
+    assert delta_bucket_bytes(64 << 10, 1000, 64) == 64 << 10  # above the floor: as given
+    assert delta_bucket_bytes(1000, 16 << 20, 64) == 1000  # not a multiple of the alignment: left to its check
+    assert delta_bucket_bytes(-64, 16 << 20, 64) == -64
+    for bad in (-1, 1.5, True, "16", None):
+        with pytest.raises(TransportConfigError, match=rf"^RefitSender delta_min_bucket_bytes={bad!r}: give an int >= 0"):
+            RefitSender([], "127.0.0.1", 1, mode="delta", delta_min_bucket_bytes=bad)
+        with pytest.raises(TransportConfigError, match=rf"^MeshRefitSender delta_min_bucket_bytes={bad!r}: give an int"):
+            MeshRefitSender(0, 1, "127.0.0.1", 1, mode="delta", delta_min_bucket_bytes=bad)
+
+
+def test_a_bucket_bytes_the_wire_manifest_refuses_is_named_in_delta_mode_too(tiny):
+    """The floor does not hide a bad ``bucket_bytes``: 1000 bytes (not a multiple of the 64-byte
+    alignment) is refused before anything is sent, naming it, as in atomic mode."""
+    from qstrat.errors import WireManifestMismatchError
+
+    driver, trainer, _, _ = tiny
+    for mode in ("atomic", "delta"):
+        s = RefitSender([], "127.0.0.1", 1, bucket_bytes=1000, mode=mode)
+        with pytest.raises(WireManifestMismatchError, match=r"bucket_bytes 1000: must be a positive multiple of the "
+                                                            r"alignment \(64\)"):
+            s.refit(driver, trainer)
+
+
+def test_by_default_delta_rounds_are_laid_out_with_16_mib_buckets_and_stay_exact(receivers, tiny):
+    """A delta sender given the tests' 64 KiB ``bucket_bytes`` and the default floor lays its
+    rounds out with buckets of up to 16 MiB - the tiny model's ~5 MB in one bucket - and the
+    receivers follow that layout from ``update_info``: the first round whole, the next a delta of
+    under a fifth of its bytes, both exact. An atomic sender with the same arguments keeps 64 KiB
+    buckets (many per round)."""
+    driver, _, trainer, _ = tiny
+    sender = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
+                         bucket_bytes=BUCKET, secret=SECRET, mode="delta")
+    sender.connect()
+    try:
+        first = sender.refit(driver, trainer)
+        wm = first.wire_manifest
+        assert wm.total_bytes < 16 << 20 and wm.bucket_bytes == 16 << 20 and len(wm.buckets) == 1, wm.bucket_bytes
+        assert first.delta.kind == "full" and held(receivers) == [want(driver, trainer)] * 2
+        trainer = stepped(trainer, 1e-5, 5)
+        second = sender.refit(driver, trainer)
+        assert second.wire_manifest.digest == wm.digest and second.buckets == 1
+        assert second.delta.kind == "delta" and second.delta.wire_bytes < second.delta.full_bytes / 5, second.delta
+        assert held(receivers) == [want(driver, trainer)] * 2
+    finally:
+        sender.close()
+    atomic = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=TIMEOUT_S,
+                         bucket_bytes=BUCKET, secret=SECRET)
+    atomic.connect()
+    try:
+        report = atomic.refit(driver, trainer)
+        assert report.wire_manifest.bucket_bytes == BUCKET and len(report.wire_manifest.buckets) > 1
+        assert held(receivers) == [want(driver, trainer)] * 2
+    finally:
+        atomic.close()
 
 
 def _nan_in_last_layer(trainer):

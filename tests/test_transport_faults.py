@@ -50,7 +50,8 @@ def receivers(tiny):
 
 def sender_for(receivers, mode="atomic", port=None, clients=None, **kw):
     s = RefitSender(clients or [r.rpc for r in receivers], "127.0.0.1", port or free_port(), timeout_s=TIMEOUT_S,
-                    bucket_bytes=BUCKET, secret=kw.pop("secret", SECRET), mode=mode, **kw)
+                    bucket_bytes=BUCKET, secret=kw.pop("secret", SECRET), mode=mode,
+                    delta_min_bucket_bytes=kw.pop("delta_min_bucket_bytes", 0), **kw)  # delta: many buckets
     s.connect()
     return s
 

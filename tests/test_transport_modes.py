@@ -40,7 +40,7 @@ def receivers(tiny):
 
 def sender_for(receivers, mode, **kw):
     s = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=BUCKET,
-                    mode=mode, **kw)
+                    mode=mode, delta_min_bucket_bytes=kw.pop("delta_min_bucket_bytes", 0), **kw)  # delta: many buckets
     s.connect()
     return s
 

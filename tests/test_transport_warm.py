@@ -46,7 +46,7 @@ def started(receivers, tiny, mode="atomic"):
     driver, trainer_a = tiny[0], tiny[1]
     driver.plan_cache.clear()
     s = RefitSender([r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=20, bucket_bytes=BUCKET,
-                    secret=SECRET, mode=mode)
+                    secret=SECRET, mode=mode, delta_min_bucket_bytes=0)  # delta rounds of many buckets
     s.connect()
     try:
         s.refit(driver, trainer_a)

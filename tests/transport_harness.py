@@ -483,12 +483,15 @@ def counting_receivers(model_dir: Any, secret: str, n: int = 2) -> Iterator[list
 
 
 def connected_sender(receivers: list[Receiver], mode: str, secret: str, bucket_bytes: int, timeout_s: float,
-                     clients: list | None = None) -> Any:
-    """A connected ``RefitSender`` in ``mode`` to ``receivers`` (or through ``clients``)."""
+                     clients: list | None = None, delta_min_bucket_bytes: int = 0) -> Any:
+    """A connected ``RefitSender`` in ``mode`` to ``receivers`` (or through ``clients``).
+    ``delta_min_bucket_bytes``: 0 (default) lays delta rounds out with the tests' small
+    ``bucket_bytes`` as given, many buckets per round (the product's default floor is tested
+    on its own: tests/test_transport_delta.py)."""
     from qstrat.transport import RefitSender
 
     s = RefitSender(clients or [r.rpc for r in receivers], "127.0.0.1", free_port(), timeout_s=timeout_s,
-                    bucket_bytes=bucket_bytes, secret=secret, mode=mode)
+                    bucket_bytes=bucket_bytes, secret=secret, mode=mode, delta_min_bucket_bytes=delta_min_bucket_bytes)
     s.connect()
     return s
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from qstrat.errors import MixedWeightsError, TransferAuthError, WireManifestMismatchError
+from qstrat.errors import MixedWeightsError, TransferAuthError, TransportConfigError, WireManifestMismatchError
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.delta.requantize import Requantizer
 from qstrat.transport.delta.stream import PatchEncoder
@@ -18,6 +18,38 @@ from qstrat.transport.wire_manifest import WireManifest
 
 #: Sends one round: (its encoder, the ``update_info`` additions) -> the round's report.
 SendRound = Callable[[PatchEncoder, dict[str, Any]], TransferReport]
+
+
+#: The smallest bucket bound a delta-mode sender lays its rounds out with (bytes; the
+#: ``delta_min_bucket_bytes`` default of :class:`~qstrat.transport.send.sender.RefitSender` and
+#: :class:`~qstrat.transport.mesh.refit.MeshRefitSender`). Each bucket of a delta round carries
+#: fixed costs on every rank - its prelude, seal and header; on the sender the write log's copy,
+#: the compare, the patch and the keyed digest; on each receiver the decode and the digest check -
+#: which at the 0.2-0.8 % of bytes an RL step changes outweigh the bucket's own work: on the
+#: benchmark's 64 MiB model behind a 1 Gbit/s link, 4 MiB buckets made a delta round 0.125-0.141 s
+#: and 0.18-0.19 CPU s, 16 MiB buckets 0.098-0.123 s and 0.13-0.15 CPU s, 32 MiB no faster
+#: (docs/transport.md, "Delta: the bucket floor").
+DELTA_MIN_BUCKET_BYTES = 16 << 20
+
+
+def delta_bucket_bytes(bucket_bytes: int, minimum: int, alignment: int) -> int:
+    """The bucket bound of a delta-mode round's wire manifest (bytes): ``bucket_bytes``, raised
+    to ``minimum`` (:data:`DELTA_MIN_BUCKET_BYTES` by default; 0: as given) rounded up to a
+    multiple of ``alignment``. A ``bucket_bytes`` the wire manifest refuses (not a positive
+    multiple of ``alignment``) is returned as given, for its check to name it. Both sides follow
+    the result: the engines read the layout from the round's ``update_info``."""
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0 or alignment <= 0 or bucket_bytes % alignment:
+        return bucket_bytes
+    return max(bucket_bytes, -(-minimum // alignment) * alignment)
+
+
+def check_min_bucket(value: object, owner: str) -> int:
+    """``delta_min_bucket_bytes`` as given to ``owner`` (a class name, for the message), checked:
+    an int >= 0. Raises: TransportConfigError naming the key and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TransportConfigError(f"{owner} delta_min_bucket_bytes={value!r}: give an int >= 0 (bytes; 0 lays "
+                                   f"delta rounds out with bucket_bytes as given)")
+    return value
 
 
 #: What an engine raises when it refuses a round before any data (another wire manifest or plan

@@ -34,6 +34,7 @@ from qstrat.transport.group import DEFAULT_TIMEOUT_S, open_group
 from qstrat.transport.security.keys import Secret
 from qstrat.transport.mesh.steps import open_sessions
 from qstrat.transport.mesh.engine import MESH_KEY
+from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, check_min_bucket, delta_bucket_bytes
 from qstrat.transport.mesh.pair_delta import DeltaMeshSender
 from qstrat.transport.mesh.sender import MeshReport, MeshSender
 from qstrat.transport.mesh.bounded import routes_for
@@ -55,7 +56,8 @@ class MeshRefitSender:
             the same (the group's size is ``senders + sum(workers_per_client)``).
         backend, timeout_s: ``gloo`` / ``nccl``; rendezvous, collective and RPC timeout (seconds).
         secret: the secret shared with the engines (default: ``QSTRAT_TRANSFER_SECRET``).
-        bucket_bytes, alignment: each pair's bucket layout (bytes).
+        bucket_bytes, alignment: each pair's bucket layout (bytes); in delta mode raised to
+            ``delta_min_bucket_bytes``.
         mode, staged_bytes: ``atomic`` (default), ``bounded`` (each engine rank loads unit by unit
             as its pieces arrive, at most ``staged_bytes`` of receive buffers alive; a fault after a
             rank loaded leaves a flagged MIX: :mod:`qstrat.transport.mesh.bounded`), as
@@ -63,15 +65,21 @@ class MeshRefitSender:
             each (trainer rank, engine rank) pair sends the patch against the pair's base
             (:class:`~qstrat.transport.mesh.pair_delta.DeltaMeshSender`; the round goes again,
             whole, in the same call when the engines refuse only the delta); every rank gives the same.
+        delta_min_bucket_bytes: delta mode: the smallest bucket bound of each pair's layout
+            (bytes; default :data:`~qstrat.transport.delta.rounds.DELTA_MIN_BUCKET_BYTES`; 0:
+            ``bucket_bytes`` as given), as :class:`~qstrat.transport.send.sender.RefitSender`'s;
+            every rank gives the same. Other modes: unused.
     Raises: TransportError for a rank outside ``0..senders-1``, clients on a rank other than 0,
-        another mode, or ``staged_bytes`` outside bounded mode.
+        another mode, ``staged_bytes`` outside bounded mode, or a ``delta_min_bucket_bytes``
+        that is not an int >= 0.
     """
 
     def __init__(self, rank: int, senders: int, master_address: str, master_port: int,
                  clients: Sequence[Any] = (), workers_per_client: Sequence[int] | None = None,
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  secret: Secret | bytes | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alignment: int = DEFAULT_ALIGNMENT, mode: str = "atomic", staged_bytes: int | None = None) -> None:
+                 alignment: int = DEFAULT_ALIGNMENT, mode: str = "atomic", staged_bytes: int | None = None,
+                 delta_min_bucket_bytes: int = DELTA_MIN_BUCKET_BYTES) -> None:
         if not 0 <= rank < senders or (clients and rank != 0):
             raise TransportConfigError(f"MeshRefitSender: rank {rank} of {senders} senders (only rank 0 drives "
                                        "the engines' clients)")
@@ -88,6 +96,7 @@ class MeshRefitSender:
         self.load_mode = "atomic" if mode == "delta" else mode
         routes_for([], senders, [], bucket_bytes, alignment, self.load_mode, staged_bytes)  # checked up front
         self.mode, self.staged_bytes = mode, staged_bytes
+        self.delta_min_bucket_bytes = check_min_bucket(delta_min_bucket_bytes, "MeshRefitSender")
         #: After a round that left a MIX: which engine ranks hold new weights (None: no mix known).
         self.mixed: str | None = None
         self.mesh: MeshSender | None = None
@@ -96,6 +105,14 @@ class MeshRefitSender:
         #: first round.
         self.left_open: list[int] = []
         self._to_end: list[int] = []
+
+    @property
+    def layout_bucket_bytes(self) -> int:
+        """The bucket bound of each pair's layout (bytes): :attr:`bucket_bytes`, in delta mode
+        raised to :attr:`delta_min_bucket_bytes` (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`)."""
+        if self.mode == "delta":
+            return delta_bucket_bytes(self.bucket_bytes, self.delta_min_bucket_bytes, self.alignment)
+        return self.bucket_bytes
 
     def init_infos(self) -> list[dict[str, Any]]:
         """Each engine's ``init_weight_transfer_engine`` payload (signed with the secret)."""
@@ -117,7 +134,7 @@ class MeshRefitSender:
 
         group = self.engines.join(self.init_infos(), rendezvous) if self.rank == 0 else rendezvous()
         cls = DeltaMeshSender if self.mode == "delta" else MeshSender
-        self.mesh = cls(group, self.senders, self.secret, self.address, self.port, self.bucket_bytes,
+        self.mesh = cls(group, self.senders, self.secret, self.address, self.port, self.layout_bucket_bytes,
                         self.alignment, mode=self.load_mode, staged_bytes=self.staged_bytes)
 
     def close(self) -> None:
@@ -188,7 +205,7 @@ class MeshRefitSender:
             raise TransportError("connect() first (no open transfer group)")
         futures = []
         if self.rank == 0:
-            doc = routes_for(outputs, self.senders, [], self.bucket_bytes, self.alignment, self.load_mode,
+            doc = routes_for(outputs, self.senders, [], self.layout_bucket_bytes, self.alignment, self.load_mode,
                              self.staged_bytes).to_dict()
             info = {"wire_manifest": None, MESH_KEY: doc, "mode": self.mode, "protocol": PROTOCOL_VERSION}
             info.update({k: v for k, v in ((FORMAT_KEY, quantization_config), (ONLINE_KEY, engine_quantization))

@@ -41,7 +41,7 @@ from qstrat.plan import RefitPlan
 from qstrat.execute.prepare import PreparedRefit, SinkCheck
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.security.auth import PROTOCOL_VERSION, sign_init
-from qstrat.transport.delta.rounds import DeltaRounds
+from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, DeltaRounds, check_min_bucket, delta_bucket_bytes
 from qstrat.transport.delta.stream import PatchEncoder
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
 from qstrat.transport.protocol import BOUNDED_MODES, DELTA_MODES, MODES
@@ -70,7 +70,8 @@ class RefitSender:
         master_address, master_port: where this process hosts the group's TCPStore.
         backend: ``gloo`` (CPU) or ``nccl`` (GPU).
         timeout_s: rendezvous, per-collective and per-RPC timeout (seconds).
-        bucket_bytes, alignment: bucket bound and in-bucket alignment (bytes).
+        bucket_bytes, alignment: bucket bound and in-bucket alignment (bytes); in the delta
+            modes raised to ``delta_min_bucket_bytes``.
         workers_per_client: ranks each engine brings (its TP x PP x DP worker count).
         secret: the secret shared with the engines (bytes or text, >= 16 bytes; default: the
             environment variable ``QSTRAT_TRANSFER_SECRET``; None there too: unauthenticated
@@ -89,6 +90,13 @@ class RefitSender:
             (:mod:`qstrat.transport.delta.requantize`: the same bytes; this sender then also keeps
             the last round's inputs, ~3 bytes per quantized parameter on their device); False:
             every round quantizes the whole model.
+        delta_min_bucket_bytes: delta modes: the smallest bucket bound their rounds are laid out
+            with (bytes; default :data:`~qstrat.transport.delta.rounds.DELTA_MIN_BUCKET_BYTES`,
+            16 MiB: below it a delta bucket's fixed costs outweigh its work; 0: ``bucket_bytes``
+            as given). The engines follow the layout the round names. Other modes: unused.
+
+    Raises: TransportConfigError for another ``mode`` or a ``delta_min_bucket_bytes`` that is
+        not an int >= 0.
     """
 
     #: The clients, the ranks each engine brings and the RPC/group timeout: :attr:`engines`' (read
@@ -99,10 +107,12 @@ class RefitSender:
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
                  workers_per_client: Sequence[int] | None = None,
-                 secret: Secret | bytes | str | None = None, mode: str = "atomic", incremental: bool = True) -> None:
+                 secret: Secret | bytes | str | None = None, mode: str = "atomic", incremental: bool = True,
+                 delta_min_bucket_bytes: int = DELTA_MIN_BUCKET_BYTES) -> None:
         if mode not in MODES:
             raise TransportConfigError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded', 'delta' or 'bounded-delta'")
         self.mode = mode
+        self.delta_min_bucket_bytes = check_min_bucket(delta_min_bucket_bytes, "RefitSender")
         self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self._warned = False
         #: After a round that left a MIX: which ranks/engines hold new weights (None: no mix known).
@@ -124,6 +134,15 @@ class RefitSender:
         #: (finish_weight_update: the engines' load), and ``cpu_s``: this process's CPU seconds
         #: over the round (all threads). See docs/performance.md.
         self.profile: dict[str, float] = {}
+
+    @property
+    def layout_bucket_bytes(self) -> int:
+        """The bucket bound this sender's rounds are laid out with (bytes): :attr:`bucket_bytes`,
+        in the delta modes raised to :attr:`delta_min_bucket_bytes`
+        (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`)."""
+        if self.mode in DELTA_MODES:
+            return delta_bucket_bytes(self.bucket_bytes, self.delta_min_bucket_bytes, self.alignment)
+        return self.bucket_bytes
 
     @property
     def base(self) -> delta.Base | None:
@@ -188,7 +207,7 @@ class RefitSender:
         """
         if plan is None and not isinstance(named_tensors, dict):
             named_tensors = as_tensor_dict(named_tensors)  # kept for a second attempt
-        checks = sender_checks(driver, self.bucket_bytes, self.alignment)
+        checks = sender_checks(driver, self.layout_bucket_bytes, self.alignment)
         prepared = driver.prepare(named_tensors, plan, checks, all_or_none=self.mode not in BOUNDED_MODES)
         if not prepared.checked_in_stream:
             return self._round(prepared)
