@@ -178,10 +178,13 @@ def start(args, mode="atomic", receivers=None):
     return sender, receivers
 
 
-def _delta_mib(args) -> float:
-    """The bucket bound (MiB) the delta rounds of ``--delta`` are laid out with."""
+def _delta_layout(args) -> str:
+    """What bucket bound the delta rounds of ``--delta`` are laid out with (for the header)."""
     floor = DELTA_MIN_BUCKET_BYTES if args.delta_min_mib is None else int(args.delta_min_mib * 2**20)
-    return delta_bucket_bytes(int(args.bucket_mib[0] * 2**20), floor, DEFAULT_ALIGNMENT) / 2**20
+    mib = delta_bucket_bytes(int(args.bucket_mib[0] * 2**20), floor, DEFAULT_ALIGNMENT) / 2**20
+    if mib == args.bucket_mib[0]:
+        return f"delta rounds the same ({floor / 2**20:g} MiB floor not above it)"
+    return f"delta rounds {mib:g} MiB (raised to the delta modes' {floor / 2**20:g} MiB floor)"
 
 
 def _phases(d: dict, keys: tuple[str, ...]) -> str:
@@ -338,8 +341,8 @@ def delta(args, summary: list[dict]) -> None:
                                  moe_intermediate_size=128 * w, num_attention_heads=4 * w,
                                  num_key_value_heads=2 * w)
     print(f"torch {torch.__version__}, gloo, tiny Qwen3-MoE x{w} wide, Adam on float32 master weights, "
-          f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB (delta rounds: "
-          f"{_delta_mib(args):g} MiB, the delta modes' floor raising it); wall = the refit call (quantization included)")
+          f"{'authenticated' if args.secret else 'no secret'}, bucket {args.bucket_mib[0]:g} MiB, "
+          f"{_delta_layout(args)}; wall = the refit call (quantization included)")
     print("per step: full B / delta B = bytes on the wire; kind: delta, or full (step 0: the first round, whole); "
           "enc s = the sender's compare + patch + digest, dec s = a receiver's rebuild + digest (summed over "
           "buckets); f/d = full round / delta round; exact = both receivers hold a fresh quantization's bytes")
@@ -557,10 +560,12 @@ def main() -> None:
     ap.add_argument("--layer-mib", type=float, default=12)
     ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bucket-mib", type=float, nargs="+", default=[4, 16, 64],
-                    help="bucket sizes, MiB (throughput: each in turn; --memory and --delta: the first)")
+                    help="bucket sizes, MiB (default 4 16 64; throughput: each in turn; --memory, --delta and "
+                         "--mesh-delta: the first)")
     ap.add_argument("--delta-min-mib", type=float, default=None,
                     help="--delta: the delta sender's delta_min_bucket_bytes in MiB (default: RefitSender's, "
-                         f"{DELTA_MIN_BUCKET_BYTES / 2**20:g}; 0: delta rounds laid out with --bucket-mib as given)")
+                         f"{DELTA_MIN_BUCKET_BYTES / 2**20:g}; 0: delta rounds laid out with --bucket-mib as given). "
+                         "Not used by --mesh-delta, which lays both of its rounds out with --bucket-mib as given")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--secret", action="store_true", help="authenticated rounds (both sides hold a secret)")
     ap.add_argument("--memory", action="store_true", help="receiver peak RSS per mode (see the docstring)")
@@ -597,6 +602,8 @@ def main() -> None:
     ap.add_argument("--mesh-receivers", type=int, nargs="+", default=[2, 4], help="--mesh-links: receiver counts R")
     ap.add_argument("--pair-mib", type=float, default=8, help="--mesh-links: MiB each (sender, receiver) pair moves")
     args = ap.parse_args()
+    if args.delta_min_mib is not None and args.delta_min_mib < 0:
+        ap.error(f"--delta-min-mib {args.delta_min_mib:g}: give a size >= 0 (MiB; 0: the delta rounds' buckets as --bucket-mib)")
     torch.set_num_threads(args.threads)
     if args.mesh_delta:
         mesh_delta(args)

@@ -563,11 +563,21 @@ def test_the_delta_bucket_floor_applies_to_the_delta_modes_only_rounds_to_the_al
     assert delta_bucket_bytes(64 << 10, 1000, 64) == 64 << 10  # above the floor: as given
     assert delta_bucket_bytes(1000, 16 << 20, 64) == 1000  # not a multiple of the alignment: left to its check
     assert delta_bucket_bytes(-64, 16 << 20, 64) == -64
+    import numpy as np
+
+    s = RefitSender([], "127.0.0.1", 1, bucket_bytes=1 << 20, mode="delta", delta_min_bucket_bytes=np.int64(4 << 20))
+    assert s.layout_bucket_bytes == 4 << 20 and type(s.delta_min_bucket_bytes) is int  # a NumPy integer is one
+    mesh = MeshRefitSender(0, 1, "127.0.0.1", 1, bucket_bytes=1 << 20, mode="delta")
     for bad in (-1, 1.5, True, "16", None):
         with pytest.raises(TransportConfigError, match=rf"^RefitSender delta_min_bucket_bytes={bad!r}: give an int >= 0"):
             RefitSender([], "127.0.0.1", 1, mode="delta", delta_min_bucket_bytes=bad)
         with pytest.raises(TransportConfigError, match=rf"^MeshRefitSender delta_min_bucket_bytes={bad!r}: give an int"):
             MeshRefitSender(0, 1, "127.0.0.1", 1, mode="delta", delta_min_bucket_bytes=bad)
+        with pytest.raises(TransportConfigError, match=rf"^RefitSender delta_min_bucket_bytes={bad!r}: give an int"):
+            s.delta_min_bucket_bytes = bad  # set between rounds: checked the same
+        with pytest.raises(TransportConfigError, match=rf"^MeshRefitSender delta_min_bucket_bytes={bad!r}: give an int"):
+            mesh.delta_min_bucket_bytes = bad
+    assert s.layout_bucket_bytes == 4 << 20 and mesh.layout_bucket_bytes == 16 << 20  # unchanged by the refusals
 
 
 def test_a_bucket_bytes_the_wire_manifest_refuses_is_named_in_delta_mode_too(tiny):

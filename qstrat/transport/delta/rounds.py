@@ -3,6 +3,7 @@ with the engines, and per round the choice of a delta or a whole round
 (:mod:`qstrat.transport.delta.stream` encodes each bucket as the round streams)."""
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,11 +46,27 @@ def delta_bucket_bytes(bucket_bytes: int, minimum: int, alignment: int) -> int:
 
 def check_min_bucket(value: object, owner: str) -> int:
     """``delta_min_bucket_bytes`` as given to ``owner`` (a class name, for the message), checked:
-    an int >= 0. Raises: TransportConfigError naming the key and the value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    an integer >= 0 (a NumPy integer too; returned as an int). Raises: TransportConfigError
+    naming the key and the value (for a bool, a float, a string, a negative number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise TransportConfigError(f"{owner} delta_min_bucket_bytes={value!r}: give an int >= 0 (bytes; 0 lays "
                                    f"delta rounds out with bucket_bytes as given)")
-    return value
+    return int(value)
+
+
+class MinBucketBytes:
+    """A sender's ``delta_min_bucket_bytes`` attribute, checked (:func:`check_min_bucket`, naming
+    the owning class) whenever it is set - in ``__init__`` and by a caller changing it between
+    rounds alike."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.owner, self.slot = owner.__name__, "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: object) -> None:
+        setattr(obj, self.slot, check_min_bucket(value, self.owner))
 
 
 #: What an engine raises when it refuses a round before any data (another wire manifest or plan

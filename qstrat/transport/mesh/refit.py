@@ -34,7 +34,7 @@ from qstrat.transport.group import DEFAULT_TIMEOUT_S, open_group
 from qstrat.transport.security.keys import Secret
 from qstrat.transport.mesh.steps import open_sessions
 from qstrat.transport.mesh.engine import MESH_KEY
-from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, check_min_bucket, delta_bucket_bytes
+from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, MinBucketBytes, delta_bucket_bytes
 from qstrat.transport.mesh.pair_delta import DeltaMeshSender
 from qstrat.transport.mesh.sender import MeshReport, MeshSender
 from qstrat.transport.mesh.bounded import routes_for
@@ -68,11 +68,14 @@ class MeshRefitSender:
         delta_min_bucket_bytes: delta mode: the smallest bucket bound of each pair's layout
             (bytes; default :data:`~qstrat.transport.delta.rounds.DELTA_MIN_BUCKET_BYTES`; 0:
             ``bucket_bytes`` as given), as :class:`~qstrat.transport.send.sender.RefitSender`'s;
-            every rank gives the same. Other modes: unused.
+            every rank gives the same. Other modes: unused (still checked, whenever set).
     Raises: TransportError for a rank outside ``0..senders-1``, clients on a rank other than 0,
         another mode, ``staged_bytes`` outside bounded mode, or a ``delta_min_bucket_bytes``
         that is not an int >= 0.
     """
+
+    #: Delta mode's smallest bucket bound of each pair (bytes): checked whenever set (an int >= 0).
+    delta_min_bucket_bytes = MinBucketBytes()
 
     def __init__(self, rank: int, senders: int, master_address: str, master_port: int,
                  clients: Sequence[Any] = (), workers_per_client: Sequence[int] | None = None,
@@ -96,7 +99,7 @@ class MeshRefitSender:
         self.load_mode = "atomic" if mode == "delta" else mode
         routes_for([], senders, [], bucket_bytes, alignment, self.load_mode, staged_bytes)  # checked up front
         self.mode, self.staged_bytes = mode, staged_bytes
-        self.delta_min_bucket_bytes = check_min_bucket(delta_min_bucket_bytes, "MeshRefitSender")
+        self.delta_min_bucket_bytes = delta_min_bucket_bytes
         #: After a round that left a MIX: which engine ranks hold new weights (None: no mix known).
         self.mixed: str | None = None
         self.mesh: MeshSender | None = None
@@ -109,7 +112,9 @@ class MeshRefitSender:
     @property
     def layout_bucket_bytes(self) -> int:
         """The bucket bound of each pair's layout (bytes): :attr:`bucket_bytes`, in delta mode
-        raised to :attr:`delta_min_bucket_bytes` (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`)."""
+        raised to :attr:`delta_min_bucket_bytes` rounded up to the alignment
+        (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`; a ``bucket_bytes`` that is not
+        a positive multiple of the alignment is returned as given, for its check to name it)."""
         if self.mode == "delta":
             return delta_bucket_bytes(self.bucket_bytes, self.delta_min_bucket_bytes, self.alignment)
         return self.bucket_bytes

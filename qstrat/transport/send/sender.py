@@ -41,7 +41,7 @@ from qstrat.plan import RefitPlan
 from qstrat.execute.prepare import PreparedRefit, SinkCheck
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.security.auth import PROTOCOL_VERSION, sign_init
-from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, DeltaRounds, check_min_bucket, delta_bucket_bytes
+from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, DeltaRounds, MinBucketBytes, delta_bucket_bytes
 from qstrat.transport.delta.stream import PatchEncoder
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
 from qstrat.transport.protocol import BOUNDED_MODES, DELTA_MODES, MODES
@@ -93,7 +93,8 @@ class RefitSender:
         delta_min_bucket_bytes: delta modes: the smallest bucket bound their rounds are laid out
             with (bytes; default :data:`~qstrat.transport.delta.rounds.DELTA_MIN_BUCKET_BYTES`,
             16 MiB: below it a delta bucket's fixed costs outweigh its work; 0: ``bucket_bytes``
-            as given). The engines follow the layout the round names. Other modes: unused.
+            as given). The engines follow the layout the round names. Other modes: unused (still
+            checked, here and whenever the attribute is set).
 
     Raises: TransportConfigError for another ``mode`` or a ``delta_min_bucket_bytes`` that is
         not an int >= 0.
@@ -102,6 +103,8 @@ class RefitSender:
     #: The clients, the ranks each engine brings and the RPC/group timeout: :attr:`engines`' (read
     #: and assigned there, e.g. ``sender.clients = [...]`` after an engine restart).
     clients, workers, timeout_s = OfEngines(), OfEngines(), OfEngines()
+    #: The delta modes' smallest bucket bound (bytes): checked whenever set (an int >= 0).
+    delta_min_bucket_bytes = MinBucketBytes()
 
     def __init__(self, clients: Sequence[Any], master_address: str, master_port: int,
                  backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -112,7 +115,7 @@ class RefitSender:
         if mode not in MODES:
             raise TransportConfigError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded', 'delta' or 'bounded-delta'")
         self.mode = mode
-        self.delta_min_bucket_bytes = check_min_bucket(delta_min_bucket_bytes, "RefitSender")
+        self.delta_min_bucket_bytes = delta_min_bucket_bytes
         self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self._warned = False
         #: After a round that left a MIX: which ranks/engines hold new weights (None: no mix known).
@@ -138,8 +141,10 @@ class RefitSender:
     @property
     def layout_bucket_bytes(self) -> int:
         """The bucket bound this sender's rounds are laid out with (bytes): :attr:`bucket_bytes`,
-        in the delta modes raised to :attr:`delta_min_bucket_bytes`
-        (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`)."""
+        in the delta modes raised to :attr:`delta_min_bucket_bytes` rounded up to the alignment
+        (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`; a ``bucket_bytes`` that is not
+        a positive multiple of the alignment is returned as given, for :meth:`refit`'s wire
+        manifest check to name it)."""
         if self.mode in DELTA_MODES:
             return delta_bucket_bytes(self.bucket_bytes, self.delta_min_bucket_bytes, self.alignment)
         return self.bucket_bytes
