@@ -208,9 +208,12 @@ class MeshRefitSender:
         """
         if self.mesh is None or self.mesh.group.pg is None:
             raise TransportError("connect() first (no open transfer group)")
+        # the layout of this round, the same in the routes the engines get and the pairs this rank
+        # sends: bucket_bytes / delta_min_bucket_bytes / alignment may have been assigned since connect()
+        self.mesh.bucket_bytes, self.mesh.alignment = self.layout_bucket_bytes, self.alignment
         futures = []
         if self.rank == 0:
-            doc = routes_for(outputs, self.senders, [], self.layout_bucket_bytes, self.alignment, self.load_mode,
+            doc = routes_for(outputs, self.senders, [], self.mesh.bucket_bytes, self.mesh.alignment, self.load_mode,
                              self.staged_bytes).to_dict()
             info = {"wire_manifest": None, MESH_KEY: doc, "mode": self.mode, "protocol": PROTOCOL_VERSION}
             info.update({k: v for k, v in ((FORMAT_KEY, quantization_config), (ONLINE_KEY, engine_quantization))
