@@ -549,6 +549,8 @@ def test_the_delta_bucket_floor_applies_to_the_delta_modes_only_rounds_to_the_al
     from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, delta_bucket_bytes
     from qstrat.transport.mesh.refit import MeshRefitSender
 
+    import numpy as np
+
     assert DELTA_MIN_BUCKET_BYTES == 16 << 20
     for mode, want in (("atomic", 1 << 20), ("bounded", 1 << 20), ("delta", 16 << 20), ("bounded-delta", 16 << 20)):
         assert RefitSender([], "127.0.0.1", 1, bucket_bytes=1 << 20, mode=mode).layout_bucket_bytes == want, mode
@@ -563,8 +565,7 @@ def test_the_delta_bucket_floor_applies_to_the_delta_modes_only_rounds_to_the_al
     assert delta_bucket_bytes(64 << 10, 1000, 64) == 64 << 10  # above the floor: as given
     assert delta_bucket_bytes(1000, 16 << 20, 64) == 1000  # not a multiple of the alignment: left to its check
     assert delta_bucket_bytes(-64, 16 << 20, 64) == -64
-    import numpy as np
-
+    assert delta_bucket_bytes(np.int64(1 << 20), 16 << 20, 64) == 16 << 20  # a NumPy bucket_bytes is raised too
     s = RefitSender([], "127.0.0.1", 1, bucket_bytes=1 << 20, mode="delta", delta_min_bucket_bytes=np.int64(4 << 20))
     assert s.layout_bucket_bytes == 4 << 20 and type(s.delta_min_bucket_bytes) is int  # a NumPy integer is one
     mesh = MeshRefitSender(0, 1, "127.0.0.1", 1, bucket_bytes=1 << 20, mode="delta")

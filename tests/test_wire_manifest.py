@@ -41,11 +41,28 @@ def test_expected_from_checkpoint_reads_the_headers_a_refit_must_match(tiny_mode
     ({"alignment": 96}, "alignment 96: must be a power of two >= 16"),
     ({"bucket_bytes": 0}, "bucket_bytes 0: must be a positive multiple of the alignment (64)"),
     ({"bucket_bytes": 100, "alignment": 32}, "bucket_bytes 100: must be a positive multiple of the alignment (32)"),
+    # a float once passed every check and made a document whose digest the receiver refused as
+    # "corrupted or edited in transit"; a bool is not a size either
+    ({"bucket_bytes": 16e6}, "bucket_bytes 16000000.0 / alignment 64: give integers (bytes; not float / int)"),
+    ({"bucket_bytes": True}, "bucket_bytes True / alignment 64: give integers (bytes; not bool / int)"),
+    ({"alignment": 64.0}, "bucket_bytes 67108864 / alignment 64.0: give integers (bytes; not int / float)"),
 ])
 def test_bad_bucket_size_or_alignment_is_refused(kwargs, message):
     with pytest.raises(WireManifestMismatchError) as info:
         build_wire_manifest([("a.weight", "bfloat16", (4, 4))], **kwargs)
     assert str(info.value) == message
+
+
+def test_numpy_integer_sizes_lay_out_as_plain_ints():
+    """NumPy integers are valid sizes: the document holds plain ints (JSON), the same digest."""
+    import json
+
+    import numpy as np
+
+    tensors = [("a.weight", "bfloat16", (64, 64))]
+    got = build_wire_manifest(tensors, np.int64(1 << 20), np.int32(64))
+    assert got.to_dict() == build_wire_manifest(tensors, 1 << 20, 64).to_dict()
+    assert type(got.bucket_bytes) is int and json.dumps(got.to_dict())
 
 
 def test_another_version_or_a_malformed_document_is_refused():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import pickle
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -202,6 +203,11 @@ class WireManifest:
                                             f"{chunked_tensor_of.get(b.index)!r}")
 
 
+def _is_int(v: object) -> bool:
+    """Whether ``v`` is an integer (a NumPy integer too), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                    alignment: int = DEFAULT_ALIGNMENT, unit_of: Callable[[str], str] | None = None) -> WireManifest:
@@ -220,6 +226,10 @@ def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
     Raises: WireManifestMismatchError for a bad bucket size or alignment, an unknown dtype, a
         duplicate name.
     """
+    if not _is_int(alignment) or not _is_int(bucket_bytes):
+        raise WireManifestMismatchError(f"bucket_bytes {bucket_bytes!r} / alignment {alignment!r}: give integers "
+                                        f"(bytes; not {type(bucket_bytes).__name__} / {type(alignment).__name__})")
+    bucket_bytes, alignment = int(bucket_bytes), int(alignment)  # NumPy integers: plain ints in the document
     if alignment < 16 or alignment & (alignment - 1):
         raise WireManifestMismatchError(f"alignment {alignment}: must be a power of two >= 16")
     if bucket_bytes <= 0 or bucket_bytes % alignment:

@@ -39,9 +39,10 @@ def delta_bucket_bytes(bucket_bytes: int, minimum: int, alignment: int) -> int:
     multiple of ``alignment``. A ``bucket_bytes`` the wire manifest refuses (not a positive
     multiple of ``alignment``) is returned as given, for its check to name it. Both sides follow
     the result: the engines read the layout from the round's ``update_info``."""
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0 or alignment <= 0 or bucket_bytes % alignment:
+    if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral)
+            or not isinstance(alignment, numbers.Integral) or bucket_bytes <= 0 or alignment <= 0 or bucket_bytes % alignment):
         return bucket_bytes
-    return max(bucket_bytes, -(-minimum // alignment) * alignment)
+    return max(int(bucket_bytes), -(-minimum // int(alignment)) * int(alignment))
 
 
 def check_min_bucket(value: object, owner: str) -> int:
