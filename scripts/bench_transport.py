@@ -603,7 +603,8 @@ def main() -> None:
     ap.add_argument("--pair-mib", type=float, default=8, help="--mesh-links: MiB each (sender, receiver) pair moves")
     args = ap.parse_args()
     if args.delta_min_mib is not None and args.delta_min_mib < 0:
-        ap.error(f"--delta-min-mib {args.delta_min_mib:g}: give a size >= 0 (MiB; 0: the delta rounds' buckets as --bucket-mib)")
+        ap.error(f"--delta-min-mib {args.delta_min_mib:g}: give a size >= 0 (MiB; 0: the delta rounds' buckets "
+                 f"as --bucket-mib)")
     torch.set_num_threads(args.threads)
     if args.mesh_delta:
         mesh_delta(args)

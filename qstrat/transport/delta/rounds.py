@@ -14,6 +14,7 @@ from qstrat.errors import MixedWeightsError, TransferAuthError, TransportConfigE
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.delta.requantize import Requantizer
 from qstrat.transport.delta.stream import PatchEncoder
+from qstrat.transport.protocol import DELTA_MODES
 from qstrat.transport.send.report import DeltaReport, TransferReport
 from qstrat.transport.wire_manifest import WireManifest
 
@@ -39,8 +40,8 @@ def delta_bucket_bytes(bucket_bytes: int, minimum: int, alignment: int) -> int:
     multiple of ``alignment``. A ``bucket_bytes`` the wire manifest refuses (not a positive
     multiple of ``alignment``) is returned as given, for its check to name it. Both sides follow
     the result: the engines read the layout from the round's ``update_info``."""
-    if (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral)
-            or not isinstance(alignment, numbers.Integral) or bucket_bytes <= 0 or alignment <= 0 or bucket_bytes % alignment):
+    ints = not isinstance(bucket_bytes, bool) and all(isinstance(v, numbers.Integral) for v in (bucket_bytes, alignment))
+    if not ints or bucket_bytes <= 0 or alignment <= 0 or bucket_bytes % alignment:
         return bucket_bytes
     return max(int(bucket_bytes), -(-minimum // int(alignment)) * int(alignment))
 
@@ -57,17 +58,40 @@ def check_min_bucket(value: object, owner: str) -> int:
 
 class MinBucketBytes:
     """A sender's ``delta_min_bucket_bytes`` attribute, checked (:func:`check_min_bucket`, naming
-    the owning class) whenever it is set - in ``__init__`` and by a caller changing it between
+    the sender's class) whenever it is set - in ``__init__`` and by a caller changing it between
     rounds alike."""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.owner, self.slot = owner.__name__, "_" + name
+        self.slot = "_" + name
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         return self if obj is None else getattr(obj, self.slot)
 
     def __set__(self, obj: Any, value: object) -> None:
-        setattr(obj, self.slot, check_min_bucket(value, self.owner))
+        setattr(obj, self.slot, check_min_bucket(value, type(obj).__name__))
+
+
+class BucketFloor:
+    """The delta modes' bucket floor of a sender (:class:`~qstrat.transport.send.sender.RefitSender`,
+    :class:`~qstrat.transport.mesh.refit.MeshRefitSender`): :attr:`delta_min_bucket_bytes` and the
+    :attr:`layout_bucket_bytes` its rounds use. The sender sets ``mode``, ``bucket_bytes``,
+    ``alignment`` and ``delta_min_bucket_bytes``."""
+
+    #: The smallest bucket bound of a delta-mode round (bytes): checked whenever set (an int >= 0).
+    delta_min_bucket_bytes = MinBucketBytes()
+    mode: str
+    bucket_bytes: int
+    alignment: int
+
+    @property
+    def layout_bucket_bytes(self) -> int:
+        """The bucket bound this sender's rounds are laid out with (bytes): ``bucket_bytes``, in
+        a delta mode raised to :attr:`delta_min_bucket_bytes` rounded up to the alignment
+        (:func:`delta_bucket_bytes`; a ``bucket_bytes`` that is not a positive multiple of the
+        alignment is returned as given, for the wire manifest's check to name it)."""
+        if self.mode in DELTA_MODES:
+            return delta_bucket_bytes(self.bucket_bytes, self.delta_min_bucket_bytes, self.alignment)
+        return self.bucket_bytes
 
 
 #: What an engine raises when it refuses a round before any data (another wire manifest or plan

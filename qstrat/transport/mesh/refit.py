@@ -34,7 +34,7 @@ from qstrat.transport.group import DEFAULT_TIMEOUT_S, open_group
 from qstrat.transport.security.keys import Secret
 from qstrat.transport.mesh.steps import open_sessions
 from qstrat.transport.mesh.engine import MESH_KEY
-from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, MinBucketBytes, delta_bucket_bytes
+from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, BucketFloor
 from qstrat.transport.mesh.pair_delta import DeltaMeshSender
 from qstrat.transport.mesh.sender import MeshReport, MeshSender
 from qstrat.transport.mesh.bounded import routes_for
@@ -44,7 +44,7 @@ from qstrat.transport.wire_manifest import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYT
 _UNNAMED = object()
 
 
-class MeshRefitSender:
+class MeshRefitSender(BucketFloor):
     """Trainer rank ``rank`` of ``senders`` in a mesh refit.
 
     Args:
@@ -73,9 +73,6 @@ class MeshRefitSender:
         another mode, ``staged_bytes`` outside bounded mode, or a ``delta_min_bucket_bytes``
         that is not an int >= 0.
     """
-
-    #: Delta mode's smallest bucket bound of each pair (bytes): checked whenever set (an int >= 0).
-    delta_min_bucket_bytes = MinBucketBytes()
 
     def __init__(self, rank: int, senders: int, master_address: str, master_port: int,
                  clients: Sequence[Any] = (), workers_per_client: Sequence[int] | None = None,
@@ -108,16 +105,6 @@ class MeshRefitSender:
         #: first round.
         self.left_open: list[int] = []
         self._to_end: list[int] = []
-
-    @property
-    def layout_bucket_bytes(self) -> int:
-        """The bucket bound of each pair's layout (bytes): :attr:`bucket_bytes`, in delta mode
-        raised to :attr:`delta_min_bucket_bytes` rounded up to the alignment
-        (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`; a ``bucket_bytes`` that is not
-        a positive multiple of the alignment is returned as given, for its check to name it)."""
-        if self.mode == "delta":
-            return delta_bucket_bytes(self.bucket_bytes, self.delta_min_bucket_bytes, self.alignment)
-        return self.bucket_bytes
 
     def init_infos(self) -> list[dict[str, Any]]:
         """Each engine's ``init_weight_transfer_engine`` payload (signed with the secret)."""

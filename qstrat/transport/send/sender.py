@@ -41,7 +41,7 @@ from qstrat.plan import RefitPlan
 from qstrat.execute.prepare import PreparedRefit, SinkCheck
 from qstrat.transport.delta import encoding as delta
 from qstrat.transport.security.auth import PROTOCOL_VERSION, sign_init
-from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, DeltaRounds, MinBucketBytes, delta_bucket_bytes
+from qstrat.transport.delta.rounds import DELTA_MIN_BUCKET_BYTES, BucketFloor, DeltaRounds
 from qstrat.transport.delta.stream import PatchEncoder
 from qstrat.transport.engine_check import FORMAT_KEY, ONLINE_KEY
 from qstrat.transport.protocol import BOUNDED_MODES, DELTA_MODES, MODES
@@ -62,7 +62,7 @@ _UNNAMED = object()
 WIRE_MANIFEST = "wire manifest"
 
 
-class RefitSender:
+class RefitSender(BucketFloor):
     """Rank 0 of the transfer group; fans each weight-sync call out to every engine.
 
     Args:
@@ -70,8 +70,7 @@ class RefitSender:
         master_address, master_port: where this process hosts the group's TCPStore.
         backend: ``gloo`` (CPU) or ``nccl`` (GPU).
         timeout_s: rendezvous, per-collective and per-RPC timeout (seconds).
-        bucket_bytes, alignment: bucket bound and in-bucket alignment (bytes); in the delta
-            modes raised to ``delta_min_bucket_bytes``.
+        bucket_bytes, alignment: bucket bound and in-bucket alignment (bytes).
         workers_per_client: ranks each engine brings (its TP x PP x DP worker count).
         secret: the secret shared with the engines (bytes or text, >= 16 bytes; default: the
             environment variable ``QSTRAT_TRANSFER_SECRET``; None there too: unauthenticated
@@ -90,32 +89,22 @@ class RefitSender:
             (:mod:`qstrat.transport.delta.requantize`: the same bytes; this sender then also keeps
             the last round's inputs, ~3 bytes per quantized parameter on their device); False:
             every round quantizes the whole model.
-        delta_min_bucket_bytes: delta modes: the smallest bucket bound their rounds are laid out
-            with (bytes; default :data:`~qstrat.transport.delta.rounds.DELTA_MIN_BUCKET_BYTES`,
-            16 MiB: below it a delta bucket's fixed costs outweigh its work; 0: ``bucket_bytes``
-            as given). The engines follow the layout the round names. Other modes: unused (still
-            checked, here and whenever the attribute is set).
-
-    Raises: TransportConfigError for another ``mode`` or a ``delta_min_bucket_bytes`` that is
-        not an int >= 0.
+        delta_min_bucket_bytes: delta modes: ``bucket_bytes`` raised to it (default 16 MiB; 0: as
+            given; not an int >= 0: TransportConfigError; :class:`~qstrat.transport.delta.rounds.BucketFloor`).
     """
 
     #: The clients, the ranks each engine brings and the RPC/group timeout: :attr:`engines`' (read
     #: and assigned there, e.g. ``sender.clients = [...]`` after an engine restart).
     clients, workers, timeout_s = OfEngines(), OfEngines(), OfEngines()
-    #: The delta modes' smallest bucket bound (bytes): checked whenever set (an int >= 0).
-    delta_min_bucket_bytes = MinBucketBytes()
 
-    def __init__(self, clients: Sequence[Any], master_address: str, master_port: int,
-                 backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
-                 workers_per_client: Sequence[int] | None = None,
+    def __init__(self, clients: Sequence[Any], master_address: str, master_port: int, backend: str = "gloo",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 alignment: int = DEFAULT_ALIGNMENT, workers_per_client: Sequence[int] | None = None,
                  secret: Secret | bytes | str | None = None, mode: str = "atomic", incremental: bool = True,
                  delta_min_bucket_bytes: int = DELTA_MIN_BUCKET_BYTES) -> None:
         if mode not in MODES:
             raise TransportConfigError(f"RefitSender mode {mode!r}: use 'atomic', 'bounded', 'delta' or 'bounded-delta'")
-        self.mode = mode
-        self.delta_min_bucket_bytes = delta_min_bucket_bytes
+        self.mode, self.delta_min_bucket_bytes = mode, delta_min_bucket_bytes  # the floor checked: BucketFloor
         self._secret = Secret.coerce(secret if secret is not None else (os.environ.get(ENV_SECRET) or None))
         self._warned = False
         #: After a round that left a MIX: which ranks/engines hold new weights (None: no mix known).
@@ -137,17 +126,6 @@ class RefitSender:
         #: (finish_weight_update: the engines' load), and ``cpu_s``: this process's CPU seconds
         #: over the round (all threads). See docs/performance.md.
         self.profile: dict[str, float] = {}
-
-    @property
-    def layout_bucket_bytes(self) -> int:
-        """The bucket bound this sender's rounds are laid out with (bytes): :attr:`bucket_bytes`,
-        in the delta modes raised to :attr:`delta_min_bucket_bytes` rounded up to the alignment
-        (:func:`~qstrat.transport.delta.rounds.delta_bucket_bytes`; a ``bucket_bytes`` that is not
-        a positive multiple of the alignment is returned as given, for :meth:`refit`'s wire
-        manifest check to name it)."""
-        if self.mode in DELTA_MODES:
-            return delta_bucket_bytes(self.bucket_bytes, self.delta_min_bucket_bytes, self.alignment)
-        return self.bucket_bytes
 
     @property
     def base(self) -> delta.Base | None:
