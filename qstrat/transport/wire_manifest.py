@@ -203,8 +203,10 @@ class WireManifest:
                                             f"{chunked_tensor_of.get(b.index)!r}")
 
 
-def _is_int(v: object) -> bool:
-    """Whether ``v`` is an integer (a NumPy integer too), not a bool."""
+def is_integer(v: object) -> bool:
+    """Whether ``v`` is an integer size (a Python or NumPy integer), not a bool: what
+    :func:`build_wire_manifest` and the delta bucket floor (:mod:`qstrat.transport.delta.rounds`)
+    take as a byte count."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
@@ -226,7 +228,7 @@ def build_wire_manifest(tensors: Iterable[tuple[str, str, tuple[int, ...]]],
     Raises: WireManifestMismatchError for a bad bucket size or alignment, an unknown dtype, a
         duplicate name.
     """
-    if not _is_int(alignment) or not _is_int(bucket_bytes):
+    if not is_integer(alignment) or not is_integer(bucket_bytes):
         raise WireManifestMismatchError(f"bucket_bytes {bucket_bytes!r} / alignment {alignment!r}: give integers "
                                         f"(bytes; not {type(bucket_bytes).__name__} / {type(alignment).__name__})")
     bucket_bytes, alignment = int(bucket_bytes), int(alignment)  # NumPy integers: plain ints in the document

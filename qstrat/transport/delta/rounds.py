@@ -3,7 +3,6 @@ with the engines, and per round the choice of a delta or a whole round
 (:mod:`qstrat.transport.delta.stream` encodes each bucket as the round streams)."""
 from __future__ import annotations
 
-import numbers
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +15,7 @@ from qstrat.transport.delta.requantize import Requantizer
 from qstrat.transport.delta.stream import PatchEncoder
 from qstrat.transport.protocol import DELTA_MODES
 from qstrat.transport.send.report import DeltaReport, TransferReport
-from qstrat.transport.wire_manifest import WireManifest
+from qstrat.transport.wire_manifest import WireManifest, is_integer
 
 #: Sends one round: (its encoder, the ``update_info`` additions) -> the round's report.
 SendRound = Callable[[PatchEncoder, dict[str, Any]], TransferReport]
@@ -40,8 +39,7 @@ def delta_bucket_bytes(bucket_bytes: int, minimum: int, alignment: int) -> int:
     multiple of ``alignment``. A ``bucket_bytes`` the wire manifest refuses (not a positive
     multiple of ``alignment``) is returned as given, for its check to name it. Both sides follow
     the result: the engines read the layout from the round's ``update_info``."""
-    ints = not isinstance(bucket_bytes, bool) and all(isinstance(v, numbers.Integral) for v in (bucket_bytes, alignment))
-    if not ints or bucket_bytes <= 0 or alignment <= 0 or bucket_bytes % alignment:
+    if not (is_integer(bucket_bytes) and is_integer(alignment)) or bucket_bytes <= 0 or alignment <= 0 or bucket_bytes % alignment:
         return bucket_bytes
     return max(int(bucket_bytes), -(-minimum // int(alignment)) * int(alignment))
 
@@ -50,7 +48,7 @@ def check_min_bucket(value: object, owner: str) -> int:
     """``delta_min_bucket_bytes`` as given to ``owner`` (a class name, for the message), checked:
     an integer >= 0 (a NumPy integer too; returned as an int). Raises: TransportConfigError
     naming the key and the value (for a bool, a float, a string, a negative number)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    if not is_integer(value) or value < 0:
         raise TransportConfigError(f"{owner} delta_min_bucket_bytes={value!r}: give an int >= 0 (bytes; 0 lays "
                                    f"delta rounds out with bucket_bytes as given)")
     return int(value)
